@@ -1,0 +1,117 @@
+"""Command line: ``napari-gpu-relion <job> [RELION-style options]``.
+
+Every job's options come from its Params dataclass (flag and help in the field metadata), so the CLI, the
+napari widgets and note.txt agree. Progress is printed from the same events the viewer receives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import time
+import types
+import typing
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+from .errors import InputError
+from .jobs.common import flag_of
+from .jobs.events import Finished, FscUpdated, IterationFinished, Message, Progress, Started
+
+JOBS = {
+    "simulate": ("napari_gpu_relion.jobs.simulate", "simulate particles, micrographs and maps with ground truth"),
+    "reconstruct": ("napari_gpu_relion.jobs.reconstruct", "reconstruct a map from particles with known angles"),
+    "postprocess": ("napari_gpu_relion.jobs.postprocess", "FSC, masking correction and sharpening of half maps"),
+    "mask_create": ("napari_gpu_relion.jobs.mask_create", "make a soft mask from a map"),
+    "demo": ("napari_gpu_relion.jobs.demo", "run the whole pipeline that exists on the sample data"),
+}
+
+
+def _base_type(tp):
+    """The non-None member of an Optional type annotation (as a class)."""
+    if isinstance(tp, str):
+        tp = eval(tp, {"Path": Path, "None": type(None)})  # noqa: S307 - our own annotations only
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def add_params_arguments(parser: argparse.ArgumentParser, params_cls) -> None:
+    for f in fields(params_cls):
+        tp = _base_type(f.type)
+        flag = flag_of(f)
+        hlp = f.metadata.get("help", "")
+        required = f.default is MISSING
+        if tp is bool:
+            parser.add_argument(flag, dest=f.name, action="store_true", help=hlp)
+        else:
+            conv = {Path: Path, int: int, float: float, str: str}.get(tp, str)
+            default = None if required else f.default
+            extra = "" if required or default is None else f" (default: {default})"
+            parser.add_argument(flag, dest=f.name, type=conv, default=default, required=required,
+                                help=hlp + extra, metavar=tp.__name__.upper() if hasattr(tp, "__name__") else "X")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="napari-gpu-relion",
+                                description="RELION-style cryo-EM processing on the GPU (CPU fallback).")
+    p.add_argument("--verbose", action="store_true", help="more log output")
+    sub = p.add_subparsers(dest="job", metavar="<job>")
+    for name, (mod, desc) in JOBS.items():
+        sp = sub.add_parser(name, help=desc, description=desc)
+        sp.set_defaults(_module=mod)
+        add_params_arguments(sp, importlib.import_module(mod).Params)
+    return p
+
+
+def run_job(module, params, out=sys.stdout) -> Finished | None:
+    """Iterate a job, printing progress bars and messages; returns the Finished event."""
+    t0 = time.time()
+    last = None
+    for ev in module.run(params):
+        if isinstance(ev, Started):
+            print(f"[{ev.job}] {ev.message} on {ev.backend}", file=out)
+        elif isinstance(ev, Progress):
+            width = 30
+            k = int(width * ev.done / max(ev.total, 1))
+            end = "\n" if ev.done >= ev.total else ""
+            print(f"\r  {ev.stage:<18} [{'#' * k}{'.' * (width - k)}] {ev.done}/{ev.total}", end=end, file=out)
+        elif isinstance(ev, Message):
+            print(("WARNING: " if ev.level == "warning" else "  ") + ev.text, file=out)
+        elif isinstance(ev, FscUpdated):
+            print(f"  FSC 0.143 resolution: {ev.resolution_A:.2f} Å", file=out)
+        elif isinstance(ev, IterationFinished):
+            print(f"  iteration {ev.iteration}: {ev.summary}", file=out)
+        elif isinstance(ev, Finished):
+            print(f"[done in {time.time() - t0:.1f} s] {ev.summary}", file=out)
+            last = ev
+        out.flush()
+    return last
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    if not args.job:
+        parser.print_help()
+        return 0
+    module = importlib.import_module(args._module)
+    kw = {f.name: getattr(args, f.name) for f in fields(module.Params)}
+    try:
+        params = module.Params(**kw)
+        run_job(module, params)
+    except InputError as exc:
+        print(f"napari-gpu-relion {args.job}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted; files already written are complete", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

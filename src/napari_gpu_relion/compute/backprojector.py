@@ -1,0 +1,210 @@
+"""Batched back-projection into a padded Fourier grid and MAP reconstruction (relion_algorithm.md 4.1-4.4).
+
+Accumulators (data: complex, weight: real) live on the same padded half grid as the projector's reference
+(FFT layout, P = pf N). Insertion is a trilinear splat of many weighted slices at once (scatter-add:
+``bincount`` on the CPU, atomic ``scatter_add`` on the GPU).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .backend import get_array_module
+from .fourier import half_grid_indices, irfft_centered, round_half_away
+from .masks import soft_mask_outside
+from .projector import _corner_indices, interpolate, pixel_list, rotated_frequencies, sinc2_gridding
+
+
+def _scatter_add(target_flat, idx, vals):
+    xp = get_array_module(target_flat)
+    if xp is np:
+        target_flat += np.bincount(idx, weights=vals, minlength=target_flat.size)
+    else:
+        import cupyx  # noqa: PLC0415
+
+        cupyx.scatter_add(target_flat, idx, vals.astype(target_flat.dtype))
+
+
+class BackProjector:
+    """Padded Fourier accumulators for one reconstruction (one class, one half).
+
+    size: box N (pixels); pad: padding factor; r_max: largest |k| inserted (Fourier pixels of N);
+    ndim: 3 for a 3D map from 2D images, 2 for a 2D class average."""
+
+    def __init__(self, size: int, pad: int = 2, r_max: float | None = None, ndim: int = 3, xp=np,
+                 dtype=np.float64):
+        self.size, self.pad, self.ndim, self.xp = int(size), int(pad), ndim, xp
+        self.r_max = size / 2 if r_max is None else float(r_max)
+        P = self.pad * self.size
+        shape = (P,) * (ndim - 1) + (P // 2 + 1,)
+        self.data_re = xp.zeros(shape, dtype=dtype)
+        self.data_im = xp.zeros(shape, dtype=dtype)
+        self.weight = xp.zeros(shape, dtype=dtype)
+
+    @property
+    def padded_size(self) -> int:
+        return self.pad * self.size
+
+    @property
+    def data(self):
+        return self.data_re + 1j * self.data_im
+
+    def insert_pixels(self, A, kx, ky, values, weights, chunk_points: int = 1 << 23):
+        """Insert, for R orientations, the values (R, Npix) complex and weights (R, Npix) real given at image
+        pixels (kx, ky) (Fourier pixels of the N box). A: (R, 3, 3) (or 2x2 for 2D)."""
+        xp = self.xp
+        A = xp.asarray(A, dtype=np.float64)
+        if self.ndim == 2:
+            A = A[:, :2, :2]
+        values = xp.asarray(values)
+        weights = xp.asarray(weights, dtype=np.float64)
+        R, npix = values.shape
+        step = max(1, chunk_points // max(npix, 1))
+        rmp2 = float(round_half_away(np.float64(self.pad * self.r_max))) ** 2
+        P = self.padded_size
+        for r0 in range(0, R, step):
+            q = rotated_frequencies(A[r0:r0 + step], kx, ky, self.pad)
+            v = values[r0:r0 + step]
+            w = weights[r0:r0 + step]
+            neg = q[..., 0] < 0
+            q = xp.where(neg[..., None], -q, q)
+            v = xp.where(neg, xp.conj(v), v)
+            inside = ((q * q).sum(-1) <= rmp2) & (w != 0)
+            q, v, w = q[inside], v[inside], w[inside]
+            idx_all, vr, vi, ww = [], [], [], []
+            for idx, cw, valid in _corner_indices(q, P):
+                cw = xp.where(valid, cw, 0.0)
+                idx_all.append(idx)
+                vr.append(cw * v.real)
+                vi.append(cw * v.imag)
+                ww.append(cw * w)
+            idx = xp.concatenate(idx_all)
+            _scatter_add(self.data_re.reshape(-1), idx, xp.concatenate(vr))
+            _scatter_add(self.data_im.reshape(-1), idx, xp.concatenate(vi))
+            _scatter_add(self.weight.reshape(-1), idx, xp.concatenate(ww))
+
+    def insert_images(self, A, F, W, r_max: float | None = None):
+        """Insert half-grid slices F (R, s, s//2+1) complex with weights W (same shape, real or broadcastable).
+
+        Only pixels with |k| <= r_max (default this projector's r_max) are used; the redundant kx=0, ky<0
+        half column is skipped (it would count twice)."""
+        xp = self.xp
+        s = F.shape[-2]
+        rm = self.r_max if r_max is None else min(self.r_max, float(r_max))
+        rm = min(rm, s / 2)
+        ky, kx, flat = pixel_list(s, rm, xp, unique=True)
+        R = F.shape[0]
+        Fv = F.reshape(R, -1)[:, flat]
+        Wv = xp.broadcast_to(xp.asarray(W), F.shape).reshape(R, -1)[:, flat]
+        self.insert_pixels(A, kx, ky, Fv, Wv)
+
+    def add(self, other: BackProjector) -> None:
+        self.data_re += other.data_re
+        self.data_im += other.data_im
+        self.weight += other.weight
+
+    # ---- before reconstruction -------------------------------------------------------------------------
+    def enforce_hermitian(self) -> None:
+        """Sum the Hermitian pairs on the kx=0 plane (line in 2D): D = data(k) + conj(data(-k)), weights summed
+        (RELION 4.2 step 1; sums, not averages). The DC element is left alone."""
+        xp = self.xp
+        P = self.padded_size
+        m = (-xp.arange(P)) % P
+        if self.ndim == 3:
+            re0, im0, w0 = self.data_re[:, :, 0], self.data_im[:, :, 0], self.weight[:, :, 0]
+            mre, mim, mw = re0[m][:, m], im0[m][:, m], w0[m][:, m]
+        else:
+            re0, im0, w0 = self.data_re[:, 0], self.data_im[:, 0], self.weight[:, 0]
+            mre, mim, mw = re0[m], im0[m], w0[m]
+        new_re, new_im, new_w = re0 + mre, im0 - mim, w0 + mw
+        dc = (0, 0) if self.ndim == 3 else (0,)
+        new_re[dc], new_im[dc], new_w[dc] = re0[dc], im0[dc], w0[dc]
+        if self.ndim == 3:
+            self.data_re[:, :, 0], self.data_im[:, :, 0], self.weight[:, :, 0] = new_re, new_im, new_w
+        else:
+            self.data_re[:, 0], self.data_im[:, 0], self.weight[:, 0] = new_re, new_im, new_w
+
+    def _grid_points(self):
+        """Padded-grid coordinates (x, y[, z]) of all half-grid voxels within pf r_max, and their flat index."""
+        xp = self.xp
+        P = self.padded_size
+        ks = half_grid_indices(P, self.ndim, xp)
+        grids = xp.broadcast_arrays(*ks)
+        r2 = sum(g.astype(np.float64) ** 2 for g in grids)
+        flat = xp.nonzero((r2 <= (self.pad * self.r_max) ** 2).reshape(-1))[0]
+        coords = [g.reshape(-1)[flat].astype(np.float64) for g in grids[::-1]]  # x, y[, z]
+        return xp.stack(coords, axis=-1), flat
+
+    def symmetrise(self, matrices) -> None:
+        """Point-group symmetrisation: data'(k) = sum over operators R of data(R k), same for weights,
+        trilinear interpolation with Hermitian mates (RELION 4.2 step 3; a sum, not an average).
+        ``matrices``: (n, 3, 3) with the identity among them."""
+        xp = self.xp
+        mats = np.asarray(matrices, dtype=np.float64)
+        ops = [M for M in mats if not np.allclose(M, np.eye(M.shape[0]))]
+        if not ops:
+            return
+        q, flat = self._grid_points()
+        data = self.data
+        rmp = self.pad * self.r_max
+        acc_d = data.reshape(-1)[flat].copy()
+        acc_w = self.weight.reshape(-1)[flat].copy()
+        for M in ops:
+            Mx = xp.asarray(M[: self.ndim, : self.ndim])
+            qr = q @ Mx.T  # R k for each point
+            acc_d += interpolate(data, qr, rmp)
+            acc_w += interpolate(self.weight, qr, rmp)
+        self.data_re.reshape(-1)[flat] = acc_d.real
+        self.data_im.reshape(-1)[flat] = acc_d.imag
+        self.weight.reshape(-1)[flat] = acc_w
+
+    # ---- reconstruction -----------------------------------------------------------------------------
+    def padded_shells(self):
+        """Shell index ROUND(|q|/pf) and |q|^2 of each padded half-grid voxel."""
+        xp = self.xp
+        ks = half_grid_indices(self.padded_size, self.ndim, xp)
+        q2 = sum(k.astype(np.float64) ** 2 for k in ks)
+        return round_half_away(xp.sqrt(q2) / self.pad).astype(np.int64), q2
+
+    def reconstruct(self, tau2=None, tau2_fudge: float = 1.0, minres_map: int = 5,
+                    soft_edge: bool = True):
+        """Real-space map (N,)*ndim float32 from the accumulators (RELION BackProjector::reconstruct, default
+        skip_gridding path). ``tau2`` (shells 0..N/2) adds the MAP prior 1/(pf^ndim T tau2) for shells
+        >= ``minres_map``; ``tau2=None`` gives the unregularised reconstruction. A floor of the shell-mean
+        weight / 1000 avoids division by tiny weights. Then inverse FFT, crop, /(pf^3 N) (3D) or /pf^2 (2D),
+        soft edge at N/2 (3 px) and the sinc^2 gridding correction."""
+        xp = self.xp
+        N, pf, ndim = self.size, self.pad, self.ndim
+        shells, q2 = self.padded_shells()
+        lim2 = float(round_half_away(np.float64(pf * self.r_max))) ** 2
+        inside = q2 < lim2
+        W = self.weight.copy()
+        if tau2 is not None:
+            t2 = xp.asarray(tau2, dtype=np.float64)
+            sh = xp.clip(shells, 0, t2.shape[0] - 1)
+            t = t2[sh]
+            ovs = pf**ndim
+            prior_ok = inside & (shells >= minres_map) & (shells < t2.shape[0])
+            add = xp.where(prior_ok & (t > 0), 1.0 / xp.maximum(ovs * tau2_fudge * t, 1e-300), 0.0)
+            add = xp.where(prior_ok & (t <= 0) & (W > 0), 1.0 / xp.maximum(0.001 * W, 1e-300), add)
+            W = W + add
+        # floor: shell mean of W / 1000, shells r' = FLOOR(|q|/pf)
+        rfloor = xp.floor(xp.sqrt(q2) / pf).astype(np.int64)
+        nsh = int(pf * self.r_max / pf) + 2
+        rf = xp.where(inside, rfloor, nsh)
+        sums = xp.bincount(rf.reshape(-1), weights=xp.where(inside, W, 0).reshape(-1), minlength=nsh + 1)
+        cnts = xp.bincount(rf.reshape(-1), minlength=nsh + 1)
+        wbar = sums / xp.maximum(cnts, 1) / 1000.0
+        denom = xp.maximum(W, wbar[xp.minimum(rf, nsh)])
+        data = self.data
+        Vhat = xp.where(inside & (denom > 0), data / xp.where(denom > 0, denom, 1.0), 0)
+        P = self.padded_size
+        vol_pad = irfft_centered(Vhat, P, ndim) * (1.0 if ndim == 2 else 1.0)
+        scale = 1.0 / (pf**3 * N) if ndim == 3 else 1.0 / pf**2
+        lo = P // 2 - N // 2
+        sl = tuple(slice(lo, lo + N) for _ in range(ndim))
+        vol = vol_pad[sl] * scale
+        if soft_edge:
+            vol = soft_mask_outside(vol[None], N / 2, 3.0, ndim)[0]
+        vol = vol / sinc2_gridding(N, pf, ndim, xp)
+        return vol.astype(np.float32)

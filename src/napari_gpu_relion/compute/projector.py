@@ -1,0 +1,183 @@
+"""Padded Fourier references and batched central-slice extraction (relion_algorithm.md 5.1, 5.2).
+
+The padded reference is stored as the half-complex FT of the (pf N)^ndim zero-padded map in FFT layout
+(z, y wrap around; x = 0..pf N/2), scaled so that a slice equals the FT of the *projection* in the images'
+1/N^2 normalisation. A slice at orientation A samples V(pf A^T k) for image frequencies k = (kx, ky);
+points with a negative x component are read from their Hermitian mate (negated, conjugated).
+Everything is vectorised over (orientations x pixels); work is chunked to bound memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .backend import get_array_module
+from .fourier import half_grid_indices, real_radius_grid, rfft_centered
+
+
+def sinc2_gridding(size: int, pad: int, ndim: int = 3, xp=np):
+    """sinc^2(|x| / (pf N)) on the real-space box (the trilinear kernel's transform), for gridding
+    pre-/post-correction."""
+    r = real_radius_grid(size, ndim, xp) / (pad * size)
+    s = xp.sinc(r)  # numpy/cupy sinc(u) = sin(pi u)/(pi u)
+    return s * s
+
+
+@dataclass
+class FourierReference:
+    """A map ready for slicing: padded half-grid FT and its geometry (sizes in pixels)."""
+
+    data: object  # complex array (P, P, P//2+1) for 3D or (P, P//2+1) for 2D, P = pad * size
+    size: int  # original box N
+    pad: int  # padding factor pf
+    r_max: float  # largest |k| (Fourier pixels of the N box) kept
+
+    @property
+    def ndim(self) -> int:
+        return self.data.ndim
+
+    @property
+    def padded_size(self) -> int:
+        return self.data.shape[0]
+
+
+def prepare_reference(vol, pad: int = 2, r_max: float | None = None, gridding: bool = True) -> FourierReference:
+    """Real-space map (N,)*ndim (3D map or 2D image) -> padded Fourier reference.
+
+    Steps (RELION computeFourierTransformMap): divide by sinc^2 (gridding pre-correction), zero-pad centred
+    to pf N, forward FFT / (pf N)^ndim with centred phases, keep |q| <= pf r_max, multiply by pf^3 N (3D:
+    slices then equal projection FTs in image normalisation) or pf^2 (2D references)."""
+    xp = get_array_module(vol)
+    ndim = vol.ndim
+    N = vol.shape[-1]
+    if any(n != N for n in vol.shape):
+        raise ValueError(f"reference must be a square/cubic box, got shape {vol.shape}")
+    P = pad * N
+    v = vol.astype(np.float64)
+    if gridding:
+        v = v / sinc2_gridding(N, pad, ndim, xp)
+    padded = xp.zeros((P,) * ndim, dtype=np.float64)
+    lo = P // 2 - N // 2
+    sl = tuple(slice(lo, lo + N) for _ in range(ndim))
+    padded[sl] = v
+    F = rfft_centered(padded, ndim)
+    rmax = N / 2 if r_max is None else float(r_max)
+    ks = half_grid_indices(P, ndim, xp)
+    q2 = sum(k.astype(np.float64) ** 2 for k in ks)
+    F = xp.where(q2 <= (pad * rmax) ** 2, F, 0)
+    F = F * (pad**3 * N if ndim == 3 else pad**2)
+    return FourierReference(F.astype(np.complex64), N, pad, rmax)
+
+
+def _corner_indices(q, P: int):
+    """Trilinear (or bilinear) corners of points q (..., d) with q_x >= 0 on a half grid of edge P.
+
+    Returns a list of (flat_index, weight, valid) per corner. Axis order of q: (x, y[, z]); the array is
+    indexed [z, y, x]."""
+    xp = get_array_module(q)
+    d = q.shape[-1]
+    nx = P // 2 + 1
+    f0 = xp.floor(q)
+    frac = q - f0
+    i0 = f0.astype(np.int64)
+    corners = []
+    for bits in range(1 << d):
+        w = None
+        idx = None
+        valid = None
+        for a in range(d):
+            b = (bits >> a) & 1
+            ia = i0[..., a] + b
+            wa = frac[..., a] if b else 1.0 - frac[..., a]
+            if a == 0:
+                ok = ia < nx
+                ia = xp.minimum(ia, nx - 1)
+                idx = ia
+                stride = nx
+                valid = ok
+            else:
+                ia = ia % P
+                idx = idx + ia * stride
+                stride *= P
+            w = wa if w is None else w * wa
+        corners.append((idx, w, valid))
+    return corners
+
+
+def rotated_frequencies(A, kx, ky, pad: int):
+    """q = pad * A^T (kx, ky, 0) for each orientation: (R, Npix, d) with d = A's size (2 or 3)."""
+    xp = get_array_module(A)
+    kx = xp.asarray(kx, dtype=A.dtype)
+    ky = xp.asarray(ky, dtype=A.dtype)
+    return pad * (kx[None, :, None] * A[:, None, 0, :] + ky[None, :, None] * A[:, None, 1, :])
+
+
+def interpolate(grid, q, r_max_padded: float):
+    """Trilinear/bilinear interpolation of a half-grid array (complex or real) at points q (..., d) in padded
+    Fourier pixels; negative-x points are read from their Hermitian mate (conjugated for complex grids);
+    points beyond ``r_max_padded`` give 0."""
+    xp = get_array_module(grid)
+    P = grid.shape[0]
+    neg = q[..., 0] < 0
+    q = xp.where(neg[..., None], -q, q)
+    inside = (q * q).sum(-1) <= r_max_padded**2
+    flat = grid.reshape(-1)
+    out = None
+    for idx, w, valid in _corner_indices(q, P):
+        v = xp.take(flat, idx) * xp.where(valid, w, 0).astype(flat.real.dtype)
+        out = v if out is None else out + v
+    if xp.iscomplexobj(grid):
+        out = xp.where(neg, xp.conj(out), out)
+    return xp.where(inside, out, 0)
+
+
+def pixel_list(size: int, r_max: float, xp=np, unique: bool = False):
+    """Half-grid pixels of an s-box with |k| <= r_max: (ky, kx, flat index into (s, s//2+1)).
+    ``unique`` drops the Hermitian-redundant kx=0, ky<0 half column."""
+    ky, kx = half_grid_indices(size, 2, xp)
+    KY, KX = xp.broadcast_arrays(ky, kx)
+    keep = KX**2 + KY**2 <= r_max**2
+    if unique:
+        keep &= ~((KX == 0) & (KY < 0))
+    flat = xp.nonzero(keep.reshape(-1))[0]
+    return KY.reshape(-1)[flat], KX.reshape(-1)[flat], flat
+
+
+def project(ref: FourierReference, A, size: int | None = None, r_max: float | None = None,
+            chunk_points: int = 1 << 24):
+    """Central slices (3D reference) or in-plane rotations (2D reference) for R orientations.
+
+    A: (R, 3, 3) Euler matrices (RELION convention) for a 3D reference, (R, 2, 2) or (R, 3, 3) for 2D
+    (the upper-left 2x2 block is used). Returns (R, s, s//2+1) complex64 half-grid FTs in image
+    normalisation, s = ``size`` (default N), zero beyond ``r_max`` (default the reference's r_max)."""
+    xp = get_array_module(ref.data)
+    s = ref.size if size is None else int(size)
+    rm = min(ref.r_max, s / 2) if r_max is None else min(float(r_max), ref.r_max)
+    A = xp.asarray(A, dtype=np.float64)
+    if ref.ndim == 2:
+        A = A[:, :2, :2]
+    ky, kx, flat = pixel_list(s, rm, xp)
+    vals = project_pixels(ref, A, kx, ky, chunk_points=chunk_points)
+    out = xp.zeros((A.shape[0], s * (s // 2 + 1)), dtype=np.complex64)
+    out[:, flat] = vals
+    return out.reshape(A.shape[0], s, s // 2 + 1)
+
+
+def project_pixels(ref: FourierReference, A, kx, ky, chunk_points: int = 1 << 24):
+    """Reference values at image pixels (kx, ky) for each orientation: (R, Npix) complex64 (the GEMM-ready
+    layout of the E-step)."""
+    xp = get_array_module(ref.data)
+    A = xp.asarray(A, dtype=np.float64)
+    if ref.ndim == 2:
+        A = A[:, :2, :2]
+    R = A.shape[0]
+    npix = int(np.size(kx))
+    out = xp.empty((R, npix), dtype=np.complex64)
+    step = max(1, chunk_points // max(npix, 1))
+    rmp = ref.pad * ref.r_max
+    for r0 in range(0, R, step):
+        q = rotated_frequencies(A[r0:r0 + step], kx, ky, ref.pad)
+        out[r0:r0 + step] = interpolate(ref.data, q, rmp)
+    return out

@@ -1,0 +1,85 @@
+"""Events: the contract between a running job and every front end (napari widgets, the CLI, tests).
+
+A job is ``run(params) -> Iterator[Event]``. Events carry host (NumPy) data only, never device arrays, so a
+GUI thread can use them directly. The front end may stop iterating at any event (cancel); a job writes every
+file atomically, so what it already wrote stays valid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Event:
+    """Base class of all job events."""
+
+
+@dataclass(frozen=True)
+class Started(Event):
+    job: str  # e.g. "reconstruct"
+    output_dir: Path | None
+    backend: str  # e.g. "GPU 0 (NVIDIA H200, 139.8 GiB)"
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Progress(Event):
+    done: int
+    total: int
+    stage: str = ""
+
+
+@dataclass(frozen=True)
+class Message(Event):
+    """A line for the log (warnings included)."""
+
+    text: str
+    level: str = "info"  # "info" | "warning"
+
+
+@dataclass(frozen=True)
+class MapUpdated(Event):
+    """A 3D map (or half map) produced or updated: display it in place under ``name``."""
+
+    name: str  # e.g. "half1", "class001", "postprocess"
+    volume: np.ndarray
+    pixel_size: float
+    path: Path | None = None
+
+
+@dataclass(frozen=True)
+class FscUpdated(Event):
+    """An FSC curve: shells 0..N/2 with their resolutions (1/Å) and named curves."""
+
+    resolution_inv_A: np.ndarray
+    curves: dict[str, np.ndarray]
+    resolution_A: float
+    threshold: float = 0.143
+
+
+@dataclass(frozen=True)
+class MicrographPicked(Event):
+    name: str
+    index: int
+    coords: np.ndarray  # (n, 2) x, y pixels
+    scores: np.ndarray  # (n,)
+
+
+@dataclass(frozen=True)
+class IterationFinished(Event):
+    iteration: int
+    references: dict[str, np.ndarray] = field(default_factory=dict)
+    class_distribution: np.ndarray | None = None
+    resolution_A: float | None = None
+    fsc: np.ndarray | None = None
+    summary: str = ""
+
+
+@dataclass(frozen=True)
+class Finished(Event):
+    outputs: dict[str, Path]
+    summary: str = ""

@@ -1,0 +1,174 @@
+"""Post-processing of two half maps (relion_postprocess; relion_pick_extract_post.md 3.2).
+
+Masked and unmasked FSC, phase-randomisation correction of the masked FSC, resolution at 0.143, FSC
+weighting, automatic (Guinier fit) or given B-factor sharpening, optional low-pass; writes postprocess.mrc
+(unmasked), postprocess_masked.mrc and postprocess.star in RELION's layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ..compute import fsc as F
+from ..errors import InputError
+from ..io.atomic import ensure_not_input
+from ..io.mrc import read_mrc, write_mrc
+from ..io.star import write_star_blocks
+from .common import param, require_file, write_note
+from .events import Finished, FscUpdated, MapUpdated, Message, Progress, Started
+
+JOB_NAME = "postprocess"
+
+
+@dataclass(frozen=True)
+class Params:
+    i: Path = param(flag="--i", help="First unfiltered half map (e.g. run_half1_class001_unfil.mrc)")
+    o: Path = param(flag="--o", help="Output folder (postprocess.mrc, postprocess_masked.mrc, postprocess.star)")
+    i2: Path | None = param(None, "--i2", "Second half map (default: --i with 'half1' replaced by 'half2')")
+    mask: Path | None = param(None, "--mask", "Solvent mask (values in [0, 1])")
+    angpix: float = param(-1.0, "--angpix", "Pixel size (Å); -1 = from the map header")
+    auto_bfac: bool = param(False, "--auto_bfac", "Estimate the B-factor from a Guinier fit")
+    autob_lowres: float = param(10.0, "--autob_lowres", "Lowest resolution in the Guinier fit (Å)")
+    autob_highres: float = param(0.0, "--autob_highres", "Highest resolution in the Guinier fit (Å); 0 = all")
+    adhoc_bfac: float = param(0.0, "--adhoc_bfac", "B-factor to apply when not fitting (Å², negative sharpens)")
+    low_pass: float = param(0.0, "--low_pass", "Low-pass (Å); 0 = off; negative = the FSC 0.143 resolution")
+    skip_fsc_weighting: bool = param(False, "--skip_fsc_weighting", "Do not weight by sqrt(2FSC/(1+FSC))")
+    randomize_at_fsc: float = param(0.8, "--randomize_at_fsc", "Randomise phases beyond where FSC drops below")
+    force_mask: bool = param(False, "--force_mask", "Use the masked FSC even if the unmasked one is better")
+    random_seed: int = param(0, "--random_seed", "Seed of the phase randomisation")
+
+    def half2(self) -> Path:
+        if self.i2 is not None:
+            return Path(self.i2)
+        name = Path(self.i).name
+        if "half1" not in name:
+            raise InputError("--i2 not given and the name of --i has no 'half1' to replace", path=str(self.i))
+        return Path(self.i).with_name(name.replace("half1", "half2"))
+
+    def __post_init__(self):
+        require_file(self.i, "--i half map", (".mrc", ".map"))
+        require_file(self.half2(), "--i2 half map", (".mrc", ".map"))
+        if self.mask is not None:
+            require_file(self.mask, "--mask", (".mrc", ".map"))
+        if self.o is None:
+            raise InputError("--o output folder is required")
+        for name in ("postprocess.mrc", "postprocess_masked.mrc"):
+            ensure_not_input(Path(self.o) / name, self.i, self.half2(), self.mask)
+
+
+def _load_inputs(p: Params):
+    h1 = read_mrc(p.i)
+    h2 = read_mrc(p.half2())
+    v1, v2 = np.asarray(h1.data, np.float64), np.asarray(h2.data, np.float64)
+    if v1.shape != v2.shape or v1.ndim != 3:
+        raise InputError(f"half maps differ in size or are not 3D: {v1.shape} ({p.i}) vs {v2.shape} ({p.half2()})")
+    if v1.shape[0] % 2 or len(set(v1.shape)) != 1:
+        raise InputError(f"half maps must be cubic with an even box, got {v1.shape}", path=str(p.i))
+    if p.angpix > 0:
+        apix = p.angpix
+    else:
+        a1, a2 = h1.pixel_size, h2.pixel_size
+        if not a1:
+            raise InputError("the map header has no pixel size: give --angpix", path=str(p.i))
+        if a2 and abs(a1 - a2) > 1e-3:
+            raise InputError(f"half maps have different pixel sizes: {a1} Å ({p.i}) vs {a2} Å ({p.half2()})")
+        apix = a1
+    mask = None
+    if p.mask is not None:
+        m = np.asarray(read_mrc(p.mask).data, np.float64)
+        if m.shape != v1.shape:
+            raise InputError(f"mask shape {m.shape} differs from the half maps {v1.shape}", path=str(p.mask))
+        lo, hi = float(m.min()), float(m.max())
+        if lo < -1e-6 or hi > 1 + 1e-6:
+            raise InputError(f"mask values must lie in [0, 1]; found min {lo:g}, max {hi:g}", path=str(p.mask))
+        mask = np.clip(m, 0, 1)
+    return v1, v2, apix, mask
+
+
+def run(p: Params) -> Iterator:
+    v1, v2, apix, mask = _load_inputs(p)
+    N = v1.shape[0]
+    out = Path(p.o)
+    yield Started(JOB_NAME, out, "CPU (NumPy)", f"post-processing {N}³ half maps at {apix:.3f} Å/px")
+    out.mkdir(parents=True, exist_ok=True)
+    write_note(out, JOB_NAME, p)
+    nsh = N // 2 + 1
+    shells = np.arange(nsh)
+    fsc_unmasked = F.fsc(v1, v2)
+    curves = {"unmasked": fsc_unmasked}
+    general: dict[str, object] = {}
+    if mask is not None:
+        fsc_masked = F.fsc(v1 * mask, v2 * mask)
+        below = np.nonzero((fsc_unmasked < p.randomize_at_fsc) & (shells > 0))[0]
+        if len(below) == 0:
+            raise InputError(f"the unmasked FSC never drops below {p.randomize_at_fsc}: cannot choose where to "
+                             "randomise phases", path=str(p.i))
+        ra = int(below[0])
+        r1 = F.randomize_phases_beyond(v1, ra, p.random_seed)
+        r2 = F.randomize_phases_beyond(v2, ra, p.random_seed + 1)
+        fsc_rand = F.fsc(r1 * mask, r2 * mask)
+        fsc_corr = F.corrected_fsc(fsc_masked, fsc_rand, ra)
+        if fsc_corr[0] <= 0:
+            fsc_corr[0] = 1.0
+        curves.update(masked=fsc_masked, phase_randomised=fsc_rand, corrected=fsc_corr)
+        frac = float((mask > 0.5).mean())
+        general.update(rlnParticleBoxFractionSolventMask=0.476 / max(frac, 1e-9), rlnMaskName=str(p.mask),
+                       rlnRandomiseFrom=N * apix / ra)
+        use = fsc_corr
+        if F.resolution_shell(fsc_unmasked) > F.resolution_shell(fsc_corr) and not p.force_mask:
+            yield Message("the unmasked FSC reaches further than the corrected masked FSC: using the unmasked "
+                          "curve (as RELION does; --force_mask to use the masked one)", "warning")
+            use = fsc_unmasked
+    else:
+        use = fsc_unmasked
+    res_shell = F.resolution_shell(use)
+    res = F.shell_to_angstrom(res_shell, N, apix)
+    yield Progress(1, 3, "FSC")
+    inv = np.where(shells > 0, shells / (N * apix), 1 / 999.0)
+    yield FscUpdated(inv, curves, res)
+
+    avg = 0.5 * (v1 + v2)
+    weighted = F.apply_bfactor_and_fsc_weight(avg, apix, 0.0, None if p.skip_fsc_weighting else use)
+    gx, gy_orig = F.guinier(avg, apix)
+    _, gy_w = F.guinier(weighted, apix)
+    if p.auto_bfac:
+        B, icept, r2 = F.fit_bfactor(gx, gy_w, (N, apix), p.autob_lowres, p.autob_highres)
+        general.update(rlnFittedSlopeGuinierPlot=B / 4, rlnFittedInterceptGuinierPlot=icept,
+                       rlnCorrelationFitGuinierPlot=r2)
+    else:
+        B = p.adhoc_bfac
+    low = res if p.low_pass < 0 else (p.low_pass if p.low_pass > 0 else None)
+    final = F.apply_bfactor_and_fsc_weight(avg, apix, B, None if p.skip_fsc_weighting else use, lowpass_A=low)
+    _, gy_s = F.guinier(final, apix)
+    yield Progress(2, 3, "sharpening")
+
+    paths = {"postprocess": write_mrc(out / "postprocess.mrc", final, apix)}
+    if mask is not None:
+        paths["postprocess_masked"] = write_mrc(out / "postprocess_masked.mrc", (final * mask).astype(np.float32), apix)
+    general = {"rlnFinalResolution": res, "rlnBfactorUsedForSharpening": B,
+               "rlnUnfilteredMapHalf1": str(p.i), "rlnUnfilteredMapHalf2": str(p.half2()),
+               "rlnPostprocessedMap": str(paths["postprocess"]), **general}
+    if mask is not None:
+        general["rlnPostprocessedMapMasked"] = str(paths["postprocess_masked"])
+    fsc_df = pd.DataFrame({"rlnSpectralIndex": shells, "rlnResolution": inv,
+                           "rlnAngstromResolution": np.where(shells > 0, N * apix / np.maximum(shells, 1), 999.0)})
+    if mask is not None:
+        fsc_df["rlnFourierShellCorrelationCorrected"] = curves["corrected"]
+        fsc_df["rlnFourierShellCorrelationUnmaskedMaps"] = fsc_unmasked
+        fsc_df["rlnFourierShellCorrelationMaskedMaps"] = curves["masked"]
+        fsc_df["rlnCorrectedFourierShellCorrelationPhaseRandomizedMaskedMaps"] = curves["phase_randomised"]
+    else:
+        fsc_df["rlnFourierShellCorrelationUnmaskedMaps"] = fsc_unmasked
+    g = shells > 0
+    guin = pd.DataFrame({"rlnResolutionSquared": gx[g], "rlnLogAmplitudesOriginal": gy_orig[g],
+                         "rlnLogAmplitudesWeighted": gy_w[g], "rlnLogAmplitudesSharpened": gy_s[g]})
+    paths["star"] = write_star_blocks(out / "postprocess.star", {"general": general, "fsc": fsc_df,
+                                                                 "guinier": guin})
+    yield MapUpdated("postprocess", final, apix, paths["postprocess"])
+    yield Progress(3, 3, "written")
+    yield Finished(paths, f"resolution {res:.2f} Å (FSC 0.143), B-factor {B:.1f} Å²")

@@ -1,0 +1,133 @@
+"""Reconstruct a map from the angles and offsets in a particles STAR (the counterpart of relion_reconstruct).
+
+Per batch of particles: FFT, apply the origin offset as a phase shift, optionally multiply by the CTF (and
+weight by CTF^2), then one batched trilinear insertion into the padded Fourier grid. Finally Hermitian
+pairing, point-group symmetrisation and the unregularised reconstruction with RELION's weight floor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..compute.backend import free_cached_memory, to_host
+from ..compute.backprojector import BackProjector
+from ..compute.ctf import CtfParams, ctf_half_grid
+from ..compute.fourier import phase_shift_2d, rfft_centered
+from ..compute.geometry import euler_to_matrix, symmetry_group
+from ..errors import InputError
+from ..io.atomic import ensure_not_input
+from ..io.mrc import write_mrc
+from ..io.star import ParticleTable, load_images, read_particles
+from .common import backend_for, batched_with_oom_retry, param, require_file, write_note
+from .events import Finished, MapUpdated, Message, Progress, Started
+
+JOB_NAME = "reconstruct"
+
+ANGLE_COLUMNS = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")
+CTF_COLUMNS = ("rlnDefocusU", "rlnDefocusV", "rlnDefocusAngle", "rlnVoltage", "rlnSphericalAberration",
+               "rlnAmplitudeContrast")
+
+
+@dataclass(frozen=True)
+class Params:
+    i: Path = param(flag="--i", help="Particles STAR file with angles and offsets")
+    o: Path = param(flag="--o", help="Output map (.mrc)")
+    ctf: bool = param(False, "--ctf", "Apply CTF correction (multiply by CTF, weight by CTF²)")
+    sym: str = param("C1", "--sym", "Point-group symmetry (C1, Cn, Dn, T, O, I, ...)")
+    subset: int = param(0, "--subset", "Only this random subset (1 or 2); 0 = all particles")
+    maxres: float = param(-1.0, "--maxres", "Maximum resolution to use (Å); -1 = Nyquist")
+    pad: int = param(2, "--pad", "Padding factor of the Fourier grid")
+    angpix: float = param(-1.0, "--angpix", "Pixel size (Å); -1 = from the STAR optics table")
+    batch: int = param(0, "--batch", "Particles per batch; 0 = from free memory")
+    cpu: bool = param(False, "--cpu", "Run on the CPU (NumPy) even if a GPU is present")
+    gpu: int | None = param(None, "--gpu", "GPU index to use")
+
+    def __post_init__(self):
+        require_file(self.i, "--i particles STAR", (".star",))
+        if self.o is None or Path(self.o).suffix.lower() not in (".mrc", ".map"):
+            raise InputError(f"--o must be an .mrc or .map file, got '{self.o}'")
+        ensure_not_input(self.o, self.i)
+        symmetry_group(self.sym)  # raises InputError for unknown names
+        if self.subset not in (0, 1, 2):
+            raise InputError(f"--subset must be 1 or 2 (or 0 for all), got {self.subset}")
+        if self.pad < 1:
+            raise InputError(f"--pad must be >= 1, got {self.pad}")
+
+
+def particle_offsets_px(table: ParticleTable, pixel_size: float) -> np.ndarray:
+    """(n, 2) origin offsets in pixels from rlnOriginX/YAngst (3.1+) or rlnOriginX/Y (3.0, pixels)."""
+    df = table.particles
+    if "rlnOriginXAngst" in df and "rlnOriginYAngst" in df:
+        return np.stack([df["rlnOriginXAngst"].to_numpy(float), df["rlnOriginYAngst"].to_numpy(float)], 1) / pixel_size
+    if "rlnOriginX" in df and "rlnOriginY" in df:
+        return np.stack([df["rlnOriginX"].to_numpy(float), df["rlnOriginY"].to_numpy(float)], 1)
+    raise InputError("offset columns missing: need rlnOriginXAngst and rlnOriginYAngst (or rlnOriginX/rlnOriginY "
+                     f"in RELION 3.0 files); the file has {', '.join(df.columns)}", path=str(table.path))
+
+
+def load_for_reconstruction(path: Path, ctf: bool, subset: int) -> ParticleTable:
+    table = read_particles(path, require=("rlnImageName",) + ANGLE_COLUMNS)
+    if ctf:  # CTF columns may live in the optics table: check the merged table
+        missing = [c for c in CTF_COLUMNS if c not in table.particles.columns]
+        if missing:
+            raise InputError(f"--ctf needs the CTF column(s) {', '.join(missing)} (in the particles or optics "
+                             "table)", path=str(path), column=", ".join(missing))
+    if subset:
+        if "rlnRandomSubset" not in table.particles:
+            raise InputError("--subset needs the column rlnRandomSubset", path=str(path))
+        keep = table.particles["rlnRandomSubset"].to_numpy() == subset
+        if not keep.any():
+            raise InputError(f"no particles with rlnRandomSubset == {subset}", path=str(path))
+        table = ParticleTable(**{**table.__dict__, "particles": table.particles[keep].reset_index(drop=True)})
+    return table
+
+
+def run(p: Params) -> Iterator:
+    table = load_for_reconstruction(Path(p.i), p.ctf, p.subset)
+    apix = p.angpix if p.angpix > 0 else table.pixel_size
+    offsets = particle_offsets_px(table, apix)
+    df = table.particles
+    n = len(df)
+    N = table.box_size
+    be = backend_for(p)
+    xp = be.xp
+    out = Path(p.o)
+    yield Started(JOB_NAME, out.parent, be.name, f"reconstructing {n} particles, box {N}, {apix:.3f} Å/px")
+    write_note(out.parent, JOB_NAME, p)
+    r_max = N / 2 if p.maxres <= 0 else min(N / 2, N * apix / p.maxres)
+    sym = symmetry_group(p.sym)
+    ang = df[list(ANGLE_COLUMNS)].to_numpy(np.float64)
+    ctfp = CtfParams.from_table(df) if p.ctf else None
+    bp = BackProjector(N, p.pad, r_max, ndim=3, xp=xp)
+    per_image = 700 * N * N + 8 * N * N
+    batch = p.batch or int(max(1, min(4096, 0.25 * be.free_bytes() // per_image)))
+
+    def work(i0: int, i1: int) -> None:
+        imgs = xp.asarray(load_images(table, rows=np.arange(i0, i1)))
+        F = rfft_centered(imgs.astype(np.float32), 2)
+        F = phase_shift_2d(F, xp.asarray(offsets[i0:i1]), N)  # shifting by +origin centres the particle
+        A = xp.asarray(euler_to_matrix(ang[i0:i1, 0], ang[i0:i1, 1], ang[i0:i1, 2]))
+        if ctfp is not None:
+            c = ctf_half_grid(ctfp.subset(slice(i0, i1)), N, apix, xp=xp)
+            bp.insert_images(A, F * c, c * c)
+        else:
+            bp.insert_images(A, F, xp.ones(F.shape, dtype=np.float32))
+
+    for item in batched_with_oom_retry(n, batch, work, be):
+        if isinstance(item, Message):
+            yield item
+        else:
+            yield Progress(item[0], item[1], "back-projecting")
+    bp.enforce_hermitian()
+    if sym.order > 1:
+        yield Message(f"symmetrising with {sym.name} ({sym.order} operators)")
+        bp.symmetrise(sym.matrices)
+    vol = to_host(bp.reconstruct())
+    write_mrc(out, vol, apix)
+    free_cached_memory(be)
+    yield MapUpdated(out.stem, vol, apix, out)
+    yield Finished({"map": out}, f"wrote {out} ({N}³, {apix:.3f} Å/px) from {n} particles")

@@ -1,0 +1,163 @@
+"""Simulated data sets written as RELION files: particle stacks + STAR with the true parameters,
+micrographs + micrographs STAR + coordinate STARs of the truth, reference and truth maps.
+
+``napari-gpu-relion simulate --o DIR`` writes one; the repository's sample_data/ is made by
+``napari-gpu-relion simulate --o sample_data`` with the defaults below (deterministic for the seed).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ..compute import simulate as sim
+from ..compute.fourier import lowpass_map
+from ..errors import InputError
+from ..io.mrc import read_mrc, write_mrc
+from ..io.star import write_coordinates, write_particles
+from .common import param, write_note
+from .events import Finished, Progress, Started
+
+JOB_NAME = "simulate"
+
+
+@dataclass(frozen=True)
+class Params:
+    o: Path = param(flag="--o", help="Output folder for the simulated data set")
+    n_particles: int = param(400, "--n_particles", "Number of particle images")
+    box: int = param(64, "--box", "Box size (pixels, even)")
+    angpix: float = param(3.0, "--angpix", "Pixel size (Å)")
+    snr: float = param(0.1, "--snr", "Signal-to-noise ratio of the particle images (signal/noise variance)")
+    diameter: float = param(150.0, "--particle_diameter", "Phantom diameter (Å)")
+    map: Path | None = param(None, "--map", "Use this map as the phantom instead of the pseudo-atomic one")
+    n_micrographs: int = param(2, "--n_micrographs", "Number of micrographs")
+    micrograph_size: int = param(512, "--micrograph_size", "Micrograph edge (pixels)")
+    particles_per_micrograph: int = param(20, "--particles_per_micrograph", "Particles per micrograph")
+    ini_high: float = param(40.0, "--ini_high", "Low-pass of the reference map written as reference.mrc (Å)")
+    seed: int = param(0, "--seed", "Random seed")
+
+    def __post_init__(self):
+        if self.box % 2 or self.box < 16:
+            raise InputError(f"--box must be an even number >= 16, got {self.box}")
+        if self.angpix <= 0:
+            raise InputError(f"--angpix must be > 0, got {self.angpix}")
+        if self.snr <= 0:
+            raise InputError(f"--snr must be > 0, got {self.snr}")
+        if self.n_particles < 2:
+            raise InputError(f"--n_particles must be >= 2, got {self.n_particles}")
+
+
+def _optics(box: int, angpix: float, name_col: str) -> pd.DataFrame:
+    df = pd.DataFrame({
+        "rlnOpticsGroupName": ["opticsGroup1"], "rlnOpticsGroup": [1],
+        "rlnVoltage": [300.0], "rlnSphericalAberration": [2.7], "rlnAmplitudeContrast": [0.1],
+    })
+    if name_col == "particles":
+        df["rlnImagePixelSize"] = [angpix]
+        df["rlnImageSize"] = [box]
+        df["rlnImageDimensionality"] = [2]
+        df["rlnCtfDataAreCtfPremultiplied"] = [0]
+    else:
+        df["rlnMicrographPixelSize"] = [angpix]
+    return df
+
+
+def run(p: Params) -> Iterator:
+    out = Path(p.o)
+    yield Started(JOB_NAME, out, "CPU (NumPy)", "simulating")
+    out.mkdir(parents=True, exist_ok=True)
+    write_note(out, JOB_NAME, p)
+    if p.map is not None:
+        m = read_mrc(p.map)
+        vol = sim.fit_box(np.asarray(m.data, np.float32), p.box)
+        phantom = None
+        from ..compute.projector import prepare_reference, project  # noqa: PLC0415
+        from ..compute.fourier import irfft_centered, phase_shift_2d  # noqa: PLC0415
+
+        ref = prepare_reference(vol.astype(np.float64), pad=2)
+
+        def proj_fn(A, sh):
+            F = project(ref, A)
+            return irfft_centered(phase_shift_2d(F, -sh, p.box), p.box, 2).astype(np.float32)
+    else:
+        phantom = sim.pseudo_atomic_phantom(p.diameter, seed=p.seed)
+        vol = sim.phantom_volume(phantom, p.box, p.angpix)
+        proj_fn = None
+    write_mrc(out / "truth.mrc", vol, p.angpix)
+    write_mrc(out / "reference.mrc", lowpass_map(vol.astype(np.float64), p.angpix, p.ini_high).astype(np.float32),
+              p.angpix)
+    total = 2 + p.n_micrographs
+    yield Progress(1, total, "maps")
+
+    parts = sim.simulate_particles(p.n_particles, p.box, p.angpix, phantom=phantom, projections_fn=proj_fn,
+                                   snr=p.snr, seed=p.seed + 1)
+    pdir = out / "particles"
+    pdir.mkdir(exist_ok=True)
+    write_mrc(pdir / "particles.mrcs", parts.images, p.angpix)
+    n = p.n_particles
+    rng = np.random.default_rng(p.seed + 2)
+    df = pd.DataFrame({
+        "rlnImageName": [f"{i + 1:06d}@particles/particles.mrcs" for i in range(n)],
+        "rlnMicrographName": ["simulated.mrc"] * n,
+        "rlnOpticsGroup": np.ones(n, int),
+        "rlnDefocusU": parts.ctf.defocus_u, "rlnDefocusV": parts.ctf.defocus_v,
+        "rlnDefocusAngle": parts.ctf.defocus_angle, "rlnCtfBfactor": np.zeros(n),
+        "rlnCtfScalefactor": np.ones(n), "rlnPhaseShift": np.zeros(n),
+        "rlnAngleRot": parts.angles[:, 0], "rlnAngleTilt": parts.angles[:, 1], "rlnAnglePsi": parts.angles[:, 2],
+        "rlnOriginXAngst": parts.origins_px[:, 0] * p.angpix, "rlnOriginYAngst": parts.origins_px[:, 1] * p.angpix,
+        "rlnRandomSubset": rng.permutation(np.arange(n) % 2) + 1,
+        "rlnClassNumber": np.ones(n, int),
+    })
+    write_particles(out / "particles.star", df, _optics(p.box, p.angpix, "particles"))
+    yield Progress(2, total, "particles")
+
+    mdir = out / "micrographs"
+    cdir = out / "coords"
+    mdir.mkdir(exist_ok=True)
+    cdir.mkdir(exist_ok=True)
+    mic_rows = []
+    if phantom is None:
+        phantom = sim.pseudo_atomic_phantom(p.diameter, seed=p.seed)
+    for k in range(p.n_micrographs):
+        mic = sim.simulate_micrograph(phantom, (p.micrograph_size, p.micrograph_size), p.angpix,
+                                      p.particles_per_micrograph, p.box, snr=p.snr, seed=p.seed + 100 + k,
+                                      defocus_A=12000.0 + 4000.0 * k)
+        name = f"mic{k + 1:03d}"
+        write_mrc(mdir / f"{name}.mrc", mic.image, p.angpix)
+        write_coordinates(cdir / f"{name}_truth.star", mic.coords[:, 0].astype(float),
+                          mic.coords[:, 1].astype(float), fom=np.ones(len(mic.coords)),
+                          class_number=np.zeros(len(mic.coords), int), psi=np.zeros(len(mic.coords)))
+        mic_rows.append({"rlnMicrographName": f"micrographs/{name}.mrc", "rlnOpticsGroup": 1,
+                         "rlnDefocusU": float(mic.ctf.defocus_u[0]), "rlnDefocusV": float(mic.ctf.defocus_v[0]),
+                         "rlnDefocusAngle": float(mic.ctf.defocus_angle[0]), "rlnCtfMaxResolution": 6.0,
+                         "rlnCtfFigureOfMerit": 0.2})
+        yield Progress(3 + k, total, f"micrograph {k + 1}")
+    write_particles(out / "micrographs.star", pd.DataFrame(mic_rows), _optics(p.box, p.angpix, "micrographs"),
+                    block="micrographs")
+    yield Finished({"particles": out / "particles.star", "micrographs": out / "micrographs.star",
+                    "reference": out / "reference.mrc", "truth": out / "truth.mrc"},
+                   f"{n} particles (box {p.box}, {p.angpix} Å/px, SNR {p.snr}) and {p.n_micrographs} micrographs")
+
+
+def make_sample_data(out_dir: Path, **overrides) -> Path:
+    """Write the standard sample set (defaults of Params) into ``out_dir``; returns it."""
+    for _ in run(Params(o=Path(out_dir), **overrides)):
+        pass
+    return Path(out_dir)
+
+
+def sample_data_dir() -> Path:
+    """The sample data: the repository's sample_data/ when present (editable installs), else a copy generated
+    once into the user's cache (deterministic, same content)."""
+    repo = Path(__file__).resolve().parents[3] / "sample_data"
+    if (repo / "particles.star").is_file():
+        return repo
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "napari-gpu-relion" / "sample_data"
+    if not (cache / "particles.star").is_file():
+        make_sample_data(cache)
+    return cache
