@@ -310,6 +310,11 @@ def test_coordinates_round_trip(tmp_path):
     assert df["rlnCoordinateY"].tolist() == y.tolist()
     assert df["rlnAutopickFigureOfMerit"].tolist() == [1.5, 0.25, -0.125]
     assert df["rlnClassNumber"].tolist() == [0, 0, 0]
+    plain = read_coordinates(write_coordinates(tmp_path / "plain.star", x, y))
+    assert plain["rlnAutopickFigureOfMerit"].tolist() == [-999.0] * 3
+    assert plain["rlnClassNumber"].tolist() == [-999] * 3 and plain["rlnAnglePsi"].tolist() == [-999.0] * 3
+    empty = read_coordinates(write_coordinates(tmp_path / "none.star", [], []))
+    assert len(empty) == 0 and "rlnCoordinateX" in empty.columns
 
 
 def test_coordinates_any_order_and_missing_optional(tmp_path):
@@ -328,7 +333,9 @@ def test_coordinates_any_order_and_missing_optional(tmp_path):
     df = read_coordinates(manual)
     assert df["rlnCoordinateX"].tolist() == [8.0, 10.0] and df["rlnCoordinateY"].tolist() == [7.0, 9.0]
     assert df["rlnAutopickFigureOfMerit"].tolist() == [-999.0, -999.0]
-    assert df["rlnClassNumber"].tolist() == [-999, -999]
+    assert df["rlnClassNumber"].tolist() == [-999, -999] and df["rlnAnglePsi"].tolist() == [-999.0, -999.0]
+    assert list(df.columns) == ["rlnCoordinateX", "rlnCoordinateY", "rlnAutopickFigureOfMerit",
+                                "rlnClassNumber", "rlnAnglePsi"]
     no_y = tmp_path / "no_y.star"
     no_y.write_text("data_\n\nloop_\n_rlnCoordinateX #1\n_rlnAnglePsi #2\n7 8\n")
     with pytest.raises(InputError) as err:
@@ -510,3 +517,48 @@ def test_particle_table_in_memory():
     parts = pd.DataFrame({"rlnImageName": ["1@a.mrcs"], "rlnOpticsGroup": [1]})
     table = ParticleTable(particles=parts, optics=optics)
     assert table.pixel_size == 1.5 and table.box_size == 64 and table.line_of(0) is None
+
+
+@needs_data
+def test_required_column_may_come_from_optics():
+    table = read_particles(REAL / "relion31.star", require=("rlnImageName", "rlnVoltage", "rlnDefocusU"))
+    assert table.particles["rlnVoltage"].tolist() == [300.0] * 5
+    legacy = read_particles(REAL / "empiar_10076_7_relion30.star", require=("rlnImagePixelSize",))
+    assert legacy.particles["rlnImagePixelSize"].nunique() == 1
+
+
+@needs_data
+def test_row_with_extra_field(tmp_path):
+    text = real_text("relion31.star")
+    _, _, numbers = parse_loop(text, "particles")
+    lines = text.split("\n")
+    lines[numbers[1] - 1] += " 99"
+    p = copy_with(tmp_path, "ragged.star", "\n".join(lines))
+    with pytest.raises(InputError) as err:
+        read_particles(p)
+    assert err.value.line == numbers[1] and "27 fields" in str(err.value) and "26 labels" in str(err.value)
+
+
+@needs_data
+def test_relion30_mixed_optics_and_pixel_origins(tmp_path):
+    """A 3.0 file with two voltages gets two optics groups; pixel origins become Å origins."""
+    text = real_text("empiar_10076_7_relion30.star")
+    text = edit_cell(text, "", 3, "rlnVoltage", "200")
+    labels, rows, numbers = parse_loop(text, "")
+    lines = text.split("\n")
+    header_end = lines.index("_rlnDetectorPixelSize #10")
+    lines.insert(header_end + 1, "_rlnOriginX #11")
+    lines.insert(header_end + 2, "_rlnOriginY #12")
+    for k, n in enumerate(numbers):
+        lines[n + 1] += f" {k}.5 -{k}"  # two header lines were inserted above the rows
+    p = copy_with(tmp_path, "legacy.star", "\n".join(lines))
+    table = read_particles(p, project_dir=REAL)
+    assert table.optics["rlnVoltage"].tolist() == [300, 200]
+    assert table.particles["rlnOpticsGroup"].tolist() == [1, 1, 1, 2, 1, 1, 1]
+    assert table.particles["rlnVoltage"].tolist() == [300, 300, 300, 200, 300, 300, 300]
+    apix = 5 * 1e4 / 38168
+    assert "rlnOriginX" not in table.particles.columns
+    assert table.particles["rlnOriginXAngst"].tolist() == [(k + 0.5) * apix for k in range(7)]
+    assert table.particles["rlnOriginYAngst"].tolist() == [-k * apix for k in range(7)]
+    assert table.box_size == 320
+    assert table.row_lines.tolist() == [n + 2 for n in numbers]

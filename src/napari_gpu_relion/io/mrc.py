@@ -1,0 +1,268 @@
+"""MRC / MRCS reading and writing (maps, micrographs, particle stacks).
+
+Reading parses the header with mrcfile (permissive, so old RELION stacks without the ``MAP`` stamp open)
+and maps the data with ``numpy.memmap``: a 4096 x 4096 micrograph or a million-particle stack costs no
+memory until pixels are touched. Writing always goes through :func:`atomic_path`.
+
+Array layout is what mrcfile gives: (y, x) for one image, (n, y, x) for a stack, (z, y, x) for a volume.
+Pixel sizes are in Å per pixel.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import mrcfile
+import mrcfile.utils
+import numpy as np
+
+from ..errors import InputError
+from .atomic import atomic_path
+
+__all__ = ["MrcData", "MrcHeaderInfo", "LazyStack", "read_mrc", "write_mrc", "is_stack", "mrc_header_info"]
+
+_HEADER_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class MrcHeaderInfo:
+    """What is needed to map an MRC file: dtype (with byte order), array shape, data offset (bytes)."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
+    pixel_size: float | None
+    ispg: int
+    nz: int
+
+
+@dataclass(frozen=True, eq=False)
+class MrcData:
+    """Pixels and pixel size (Å, None when the header says 0) of one MRC file."""
+
+    data: np.ndarray
+    pixel_size: float | None
+    path: Path
+
+
+_VALID_MODES = frozenset({0, 1, 2, 3, 4, 6, 12, 101})
+
+
+def _precheck(path: Path, size: int) -> None:
+    """Cheap sanity check of the size/mode words (either byte order) before mrcfile parses the file.
+
+    Stops garbage files early: mrcfile would otherwise try to read a nonsense extended header.
+    """
+    with open(path, "rb") as fh:
+        head = fh.read(_HEADER_BYTES)
+    for order in "<>":
+        nx, ny, nz, mode = struct.unpack(order + "4i", head[:16])
+        (nsymbt,) = struct.unpack(order + "i", head[92:96])
+        if mode in _VALID_MODES and nx > 0 and ny > 0 and nz > 0:
+            if not 0 <= nsymbt <= size - _HEADER_BYTES:
+                raise InputError(f"not a readable MRC file: extended header of {nsymbt} bytes does not "
+                                 f"fit in the {size}-byte file", path=str(path))
+            return
+    nx, ny, nz, mode = struct.unpack("<4i", head[:16])
+    raise InputError(f"not an MRC file: header words nx={nx}, ny={ny}, nz={nz}, mode={mode} are not a valid "
+                     "MRC size and mode", path=str(path))
+
+
+def mrc_header_info(path: str | os.PathLike) -> MrcHeaderInfo:
+    """Read and check an MRC header; InputError naming the file if it is not a readable MRC file."""
+    p = Path(path)
+    if not p.exists():
+        raise InputError("MRC file not found", path=str(p))
+    if p.is_dir():
+        raise InputError("expected an MRC file but this is a folder", path=str(p))
+    size = p.stat().st_size
+    if size < _HEADER_BYTES:
+        raise InputError(f"not an MRC file: {size} bytes, shorter than the {_HEADER_BYTES}-byte header",
+                         path=str(p))
+    _precheck(p, size)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with mrcfile.open(p, mode="r", permissive=True, header_only=True) as mrc:
+                header = mrc.header.copy()
+        except Exception as exc:  # mrcfile raises ValueError/OSError/struct errors on garbage
+            raise InputError(f"not a readable MRC file ({exc})", path=str(p)) from exc
+    notes = "; ".join(str(w.message) for w in caught)
+    if header is None:
+        raise InputError(f"not a readable MRC file (no header{': ' + notes if notes else ''})", path=str(p))
+    try:
+        dtype = mrcfile.utils.data_dtype_from_header(header)
+        shape = tuple(int(s) for s in mrcfile.utils.data_shape_from_header(header))
+    except Exception as exc:
+        extra = f"; {notes}" if notes else ""
+        raise InputError(f"not a readable MRC file ({exc}{extra})", path=str(p)) from exc
+    nx, ny, nz = int(header.nx), int(header.ny), int(header.nz)
+    if nx <= 0 or ny <= 0 or nz <= 0 or any(s <= 0 for s in shape):
+        raise InputError(f"MRC header gives an empty or invalid size nx={nx}, ny={ny}, nz={nz}"
+                         f"{' (' + notes + ')' if notes else ''}", path=str(p))
+    nsymbt = int(header.nsymbt)
+    if nsymbt < 0:
+        raise InputError(f"MRC header has a negative extended-header size ({nsymbt})", path=str(p))
+    offset = _HEADER_BYTES + nsymbt
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if size < offset + nbytes:
+        raise InputError(f"MRC file is truncated: header promises {shape} {dtype.name} "
+                         f"({offset + nbytes} bytes) but the file has {size} bytes", path=str(p))
+    pixel_size = _header_pixel_size(header)
+    return MrcHeaderInfo(dtype=dtype, shape=shape, offset=offset, pixel_size=pixel_size,
+                         ispg=int(header.ispg), nz=nz)
+
+
+def _header_pixel_size(header: np.recarray) -> float | None:
+    """cella.x / mx in Å, at the float32 precision the header stores (1.23 stays 1.23); None if unset."""
+    mx = int(header.mx)
+    if mx <= 0:
+        return None
+    pixel = np.float32(header.cella.x) / np.float32(mx)
+    if not np.isfinite(pixel) or pixel <= 0:
+        return None
+    return float(str(pixel))  # shortest decimal that reads back as the same float32
+
+
+def _memmap(path: Path, info: MrcHeaderInfo) -> np.memmap:
+    """Read-only memory map of the data block (nothing is read until indexed)."""
+    return np.memmap(path, dtype=info.dtype, mode="r", offset=info.offset, shape=info.shape)
+
+
+def read_mrc(path: str | os.PathLike, *, mmap: bool = False) -> MrcData:
+    """Read an MRC/MRCS file. With ``mmap=True`` the data is a lazy read-only ``np.memmap``.
+
+    Without mmap the data is loaded into memory in native byte order and keeps the file's dtype
+    (uint16 micrographs stay uint16). Pixel size (Å) is taken from the header (cella.x / mx).
+    """
+    p = Path(path)
+    info = mrc_header_info(p)
+    mm = _memmap(p, info)
+    if mmap:
+        data: np.ndarray = mm
+    else:
+        data = np.array(mm, dtype=info.dtype.newbyteorder("="))
+        del mm
+    return MrcData(data=data, pixel_size=info.pixel_size, path=p)
+
+
+def is_stack(path: str | os.PathLike) -> bool:
+    """True for an image stack: suffix ``.mrcs``, or header space group 0 with more than one section."""
+    p = Path(path)
+    if p.suffix.lower() == ".mrcs":
+        return True
+    info = mrc_header_info(p)
+    return info.ispg == 0 and info.nz > 1
+
+
+def _dtype_for_writing(data: np.ndarray) -> np.dtype:
+    """Keep float16 and the integer types MRC stores natively; everything else becomes float32."""
+    kind = data.dtype
+    if kind == np.float16:
+        return np.dtype(np.float16)
+    if kind in (np.int8, np.int16, np.uint16):
+        return kind.newbyteorder("=")
+    if kind == np.uint8:
+        return np.dtype(np.uint16)  # mrcfile stores uint8 widened to mode 6
+    if kind == np.bool_:
+        return np.dtype(np.int8)
+    if np.iscomplexobj(data):
+        raise InputError(f"cannot write complex data ({kind}) as an image; take the real part or modulus")
+    return np.dtype(np.float32)
+
+
+def write_mrc(path: str | os.PathLike, data: np.ndarray, pixel_size: float | None, *,
+              stack: bool | None = None) -> Path:
+    """Write a 2D image, an image stack or a volume atomically; returns the path.
+
+    ``stack=None`` means: a stack if the suffix is ``.mrcs``, otherwise a 3D array is a volume.
+    Stacks get space group 0 (2D data of 1 image is written as a stack of one), volumes space group 1.
+    Header statistics are computed; ``pixel_size`` (Å) goes into the voxel size (None writes 0 = unknown).
+    """
+    p = Path(path)
+    arr = np.asarray(data)
+    if arr.ndim not in (2, 3):
+        raise InputError(f"can only write 2D images, stacks or volumes, got an array of shape {arr.shape}",
+                         path=str(p))
+    if arr.size == 0:
+        raise InputError(f"refusing to write an empty array of shape {arr.shape}", path=str(p))
+    if pixel_size is not None:
+        ps = float(pixel_size)
+        if not np.isfinite(ps) or ps <= 0:
+            raise InputError(f"pixel size must be a positive number of Å, got {pixel_size}", path=str(p))
+    else:
+        ps = 0.0
+    if stack is None:
+        stack = p.suffix.lower() == ".mrcs"
+    arr = np.ascontiguousarray(arr, dtype=_dtype_for_writing(arr))
+    if stack and arr.ndim == 2:
+        arr = arr[np.newaxis]
+    with atomic_path(p) as tmp:
+        with mrcfile.new(tmp, overwrite=True) as mrc:
+            mrc.set_data(arr)
+            if arr.ndim == 3:
+                if stack:
+                    mrc.set_image_stack()
+                else:
+                    mrc.set_volume()
+            mrc.voxel_size = ps
+            mrc.update_header_stats()
+    return p
+
+
+class LazyStack:
+    """A particle stack opened by memory map; images are read only when asked for.
+
+    A single 2D image is a stack of one; a 3D ``.mrc`` volume-typed file is treated as its sections (RELION
+    does the same when a STAR file points into it with ``n@file.mrc``).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        info = mrc_header_info(self.path)
+        if len(info.shape) == 4:
+            raise InputError(f"expected an image stack but the file is a stack of volumes {info.shape}",
+                             path=str(self.path))
+        mm = _memmap(self.path, info)
+        if mm.ndim == 2:
+            mm = mm.reshape((1,) + mm.shape)
+        self._mm: np.ndarray | None = mm
+        self.shape: tuple[int, int, int] = tuple(int(s) for s in mm.shape)  # type: ignore[assignment]
+        self.pixel_size: float | None = info.pixel_size
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def read(self, indices: int | np.ndarray | list[int]) -> np.ndarray:
+        """Images at 0-based ``indices`` as float32 (n, y, x); InputError for an index outside the stack."""
+        if self._mm is None:
+            raise ValueError(f"{self.path}: stack is closed")
+        idx = np.atleast_1d(np.asarray(indices))
+        if idx.size == 0:
+            return np.empty((0,) + self.shape[1:], dtype=np.float32)
+        if not np.issubdtype(idx.dtype, np.integer):
+            raise InputError(f"image indices must be integers, got {idx.dtype}", path=str(self.path))
+        idx = idx.ravel().astype(np.int64)
+        bad = (idx < 0) | (idx >= len(self))
+        if bad.any():
+            first = int(idx[np.argmax(bad)])
+            raise InputError(f"image index {first} (0-based; {first + 1} counting from 1) is outside the "
+                             f"stack of {len(self)} images", path=str(self.path))
+        return np.asarray(self._mm[idx], dtype=np.float32)
+
+    def close(self) -> None:
+        """Drop the memory map (the OS unmaps it once no array views remain)."""
+        self._mm = None
+
+    def __enter__(self) -> LazyStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"LazyStack({str(self.path)!r}, shape={self.shape}, pixel_size={self.pixel_size})"

@@ -1,0 +1,969 @@
+"""RELION STAR files: particle and micrograph tables, optics groups, coordinate files.
+
+Reading goes through starfile; on top of it this module finds the STAR text line of every table row (so
+errors can say "line 57, column rlnDefocusU"), merges optics-group values into each particle row, and turns
+RELION 3.0 files (no optics table) into the 3.1 layout. Writing is our own small formatter: RELION 3.1
+layout (``# version 30001``, data_optics then data_particles), shortest round-trip float text, atomic.
+
+Conventions kept from RELION: image names are ``<n>@<stack>`` with n counted from 1; stack paths are relative
+to the project folder (RELION's working directory); coordinates are in micrograph pixels; pixel sizes in Å;
+origins (rlnOriginXAngst/YAngst) in Å.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import pandas as pd
+import starfile
+
+from ..errors import InputError
+from .atomic import atomic_path
+from .mrc import LazyStack, mrc_header_info
+
+__all__ = [
+    "ParticleTable",
+    "read_star",
+    "read_particles",
+    "read_micrographs",
+    "write_particles",
+    "write_star_blocks",
+    "parse_image_name",
+    "image_locations",
+    "load_images",
+    "write_coordinates",
+    "read_coordinates",
+    "COORDINATE_DEFAULTS",
+]
+
+Block = pd.DataFrame | dict[str, Any]
+
+#: Labels whose values are text even when they look like numbers (e.g. micrograph "1" in old files).
+_STRING_LABELS = frozenset({
+    "rlnImageName", "rlnImageOriginalName", "rlnMicrographName", "rlnMicrographMovieName",
+    "rlnMicrographNameNoDW", "rlnMicrographMetadata", "rlnMicrographCoordinates", "rlnMicrographGainName",
+    "rlnMicrographDefectFile", "rlnOpticsGroupName", "rlnCtfImage", "rlnCtfPowerSpectrum",
+    "rlnReferenceImage", "rlnOddZernike", "rlnEvenZernike", "rlnGroupName", "rlnMaskName",
+    "rlnSolventMaskName", "rlnSolventMask2Name", "rlnSymmetryGroup", "rlnMtfFileName",
+    "rlnTomoName", "rlnTomoTiltSeriesName", "rlnOriginalParticleName", "rlnOutputRootName",
+})
+_STRING_SUFFIXES = ("Name", "File", "FileName", "StarFile")
+
+#: Allowed spread of pixel sizes between optics groups, Å (micrographs: RELION autopick's 0.01 Å rule).
+_PIXEL_TOLERANCE = {"particles": 1e-4, "micrographs": 0.01}
+_PIXEL_LABEL = {"particles": "rlnImagePixelSize", "micrographs": "rlnMicrographPixelSize"}
+
+#: Values used for coordinate columns that are not given: -999, the placeholder RELION's manual picker writes
+#: for picks without autopick information (the napari points layer uses the same defaults).
+COORDINATE_DEFAULTS: dict[str, float | int] = {
+    "rlnAutopickFigureOfMerit": -999.0,
+    "rlnClassNumber": -999,
+    "rlnAnglePsi": -999.0,
+}
+_COORD_COLUMNS = ("rlnCoordinateX", "rlnCoordinateY", "rlnAutopickFigureOfMerit", "rlnClassNumber",
+                  "rlnAnglePsi")
+
+_WRITE_CHUNK_ROWS = 100_000
+
+
+def _is_string_label(label: str) -> bool:
+    """True for RELION labels that hold text (file names, group names, Zernike lists)."""
+    return label in _STRING_LABELS or label.endswith(_STRING_SUFFIXES)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Text layout: which line holds which block header, label and data row
+
+
+@dataclass
+class _BlockLayout:
+    """Line numbers (1-based) of one ``data_`` block in the STAR text."""
+
+    header_line: int
+    is_loop: bool = False
+    label_lines: dict[str, int] = field(default_factory=dict)
+    row_lines: list[int] = field(default_factory=list)
+
+
+def _scan_layout(text: str) -> dict[str, _BlockLayout]:
+    """Map block name -> line numbers of its header, labels and data rows (blank and # lines skipped)."""
+    layouts: dict[str, _BlockLayout] = {}
+    current: _BlockLayout | None = None
+    for lineno, raw in enumerate(text.split("\n"), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("data_"):
+            rest = line[5:].split()
+            current = _BlockLayout(header_line=lineno)
+            layouts[rest[0] if rest else ""] = current
+            continue
+        if current is None:
+            continue
+        if line.startswith("loop_"):
+            current.is_loop = True
+        elif line.startswith("_"):
+            current.label_lines.setdefault(line.split()[0][1:], lineno)
+        elif current.is_loop:
+            current.row_lines.append(lineno)
+    return layouts
+
+
+def _read_text(path: Path) -> str:
+    """File text, or InputError for a missing/unreadable file."""
+    if not path.exists():
+        raise InputError("STAR file not found", path=str(path))
+    if path.is_dir():
+        raise InputError("expected a STAR file but this is a folder", path=str(path))
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise InputError(f"cannot read STAR file ({exc})", path=str(path)) from exc
+
+
+def _find_ragged_row(text: str, layout: dict[str, _BlockLayout]) -> tuple[int, str, int, int] | None:
+    """First loop row whose field count differs from its label count: (line, block, labels, fields)."""
+    lines = text.split("\n")
+    for name, blk in layout.items():
+        want = len(blk.label_lines)
+        for lineno in blk.row_lines:
+            got = len(lines[lineno - 1].split())
+            if got != want:
+                return lineno, name, want, got
+    return None
+
+
+def _parse_blocks(path: Path, text: str, layout: dict[str, _BlockLayout]) -> dict[str, Block]:
+    """starfile.read with text labels kept as text and all-numeric text columns (inf) made numeric."""
+    labels = {lab for blk in layout.values() for lab in blk.label_lines}
+    as_string = sorted(lab for lab in labels if _is_string_label(lab))
+    if not text.strip():
+        raise InputError("STAR file is empty", path=str(path))
+    try:
+        blocks = starfile.read(path, always_dict=True, parse_as_string=as_string)
+    except Exception as exc:  # pandas/starfile raise many types on malformed text
+        bad = _find_ragged_row(text, layout)
+        if bad is not None:
+            line, name, want, got = bad
+            raise InputError(f"row of data_{name} has {got} fields but the block has {want} labels",
+                             path=str(path), line=line) from exc
+        raise InputError(f"cannot parse STAR file ({type(exc).__name__}: {exc})", path=str(path)) from exc
+    if not blocks:
+        raise InputError("no data blocks (no 'data_' line followed by labels) in STAR file", path=str(path))
+    out: dict[str, Block] = {}
+    for name, blk in blocks.items():
+        if isinstance(blk, pd.DataFrame):
+            blk = blk.copy()
+            for col in blk.columns:
+                s = blk[col]
+                if _is_string_label(col) or pd.api.types.is_numeric_dtype(s):
+                    continue
+                num = pd.to_numeric(s, errors="coerce")
+                if len(s) and bool((num.notna() | s.isna()).all()):
+                    blk[col] = num
+        out[name] = blk
+    return out
+
+
+def read_star(path: str | os.PathLike) -> dict[str, Block]:
+    """All blocks of a STAR file by name (``data_optics`` -> ``"optics"``, ``data_`` -> ``""``).
+
+    Loop blocks are DataFrames; key-value blocks (``data_general``) are dicts {label: value}.
+    InputError for a missing or empty file, or one without data blocks.
+    """
+    p = Path(path)
+    text = _read_text(p)
+    return _parse_blocks(p, text, _scan_layout(text))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Particle / micrograph tables
+
+
+@dataclass
+class ParticleTable:
+    """A RELION particle (or micrograph) table with its optics groups.
+
+    ``particles`` has the optics-group values (pixel size, voltage, ...) merged into every row, matched by
+    rlnOpticsGroup. ``row_lines[i]`` is the STAR text line of the row whose index label is ``i`` (the index
+    of a freshly read table is 0..n-1); it lets later steps report errors by line.
+    """
+
+    particles: pd.DataFrame
+    optics: pd.DataFrame
+    path: Path | None = None
+    version: str = "3.1"
+    block: str = "particles"
+    extra_blocks: dict[str, Block] = field(default_factory=dict)
+    row_lines: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.particles)
+
+    @property
+    def pixel_size_label(self) -> str:
+        """rlnImagePixelSize for particles, rlnMicrographPixelSize for micrographs."""
+        return _PIXEL_LABEL.get(self.block, "rlnImagePixelSize")
+
+    def optics_in_use(self) -> pd.DataFrame:
+        """Optics rows of the groups that at least one particle row refers to (all rows if none do)."""
+        if "rlnOpticsGroup" in self.optics.columns and "rlnOpticsGroup" in self.particles.columns:
+            used = self.optics[self.optics["rlnOpticsGroup"].isin(self.particles["rlnOpticsGroup"].unique())]
+            if len(used):
+                return used
+        return self.optics
+
+    @property
+    def pixel_size(self) -> float:
+        """The one pixel size (Å) of the optics groups in use; InputError if unknown or if groups differ."""
+        label = self.pixel_size_label
+        optics = self.optics_in_use()
+        if label in optics.columns and len(optics):
+            table, where = optics, "optics"
+        elif label in self.particles.columns and len(self.particles):
+            table, where = self.particles, self.block
+        else:
+            raise InputError(f"pixel size unknown: no {label} in the optics table", path=_s(self.path),
+                             column=label)
+        values = table[label].astype(float)
+        tol = _PIXEL_TOLERANCE.get(self.block, 1e-4)
+        if float(values.max() - values.min()) > tol:
+            raise InputError(f"optics groups have different pixel sizes ({_describe_groups(table, label)}, "
+                             f"in data_{where}); one pixel size is needed here", path=_s(self.path),
+                             column=label)
+        return float(values.iloc[0])
+
+    @property
+    def box_size(self) -> int:
+        """Particle box size in pixels (rlnImageSize) of the groups in use; InputError if unknown or mixed."""
+        for table in (self.optics_in_use(), self.particles):
+            if "rlnImageSize" in table.columns and len(table):
+                sizes = sorted({int(v) for v in table["rlnImageSize"]})
+                if len(sizes) > 1:
+                    described = _describe_groups(table, "rlnImageSize")
+                    raise InputError(f"optics groups have different box sizes ({described})",
+                                     path=_s(self.path), column="rlnImageSize")
+                return sizes[0]
+        raise InputError("box size unknown: no rlnImageSize in the optics table", path=_s(self.path),
+                         column="rlnImageSize")
+
+    def line_of(self, label: Any) -> int | None:
+        """STAR text line of the row with index ``label`` (None when not known)."""
+        if self.row_lines is None:
+            return None
+        try:
+            i = int(label)
+        except (TypeError, ValueError):
+            return None
+        if 0 <= i < len(self.row_lines):
+            return int(self.row_lines[i])
+        return None
+
+
+def _s(path: Path | None) -> str | None:
+    return None if path is None else str(path)
+
+
+def _describe_groups(table: pd.DataFrame, label: str) -> str:
+    """'group 1 (opticsGroup1) = 1.25, group 2 (opticsGroup2) = 1.24' for an error message."""
+    parts = []
+    for i in range(len(table)):
+        row = table.iloc[i]
+        g = row.get("rlnOpticsGroup", i + 1)
+        name = row.get("rlnOpticsGroupName")
+        tag = f"group {g}" + (f" ({name})" if isinstance(name, str) else "")
+        parts.append(f"{tag} = {row[label]}")
+    return ", ".join(parts)
+
+
+def _as_frame(block: Block) -> pd.DataFrame:
+    """A key-value block as a one-row table; a table unchanged (copied)."""
+    if isinstance(block, pd.DataFrame):
+        return block.copy()
+    return pd.DataFrame({k: [v] for k, v in block.items()})
+
+
+def _row_line(lines: Sequence[int] | np.ndarray | None, row: int, fallback: int | None = None) -> int | None:
+    if lines is not None and 0 <= row < len(lines):
+        return int(lines[row])
+    return fallback
+
+
+def _check_values(df: pd.DataFrame, path: Path, block: str, lines: Sequence[int] | None,
+                  header_line: int | None) -> None:
+    """InputError for text in a numeric column, a missing text value, or a non-finite number."""
+    for col in df.columns:
+        s = df[col]
+        if pd.api.types.is_numeric_dtype(s):
+            continue
+        missing = s.isna().to_numpy()
+        if _is_string_label(col):
+            if missing.any():
+                row = int(np.argmax(missing))
+                raise InputError(f"missing value in column {col} (data_{block} row {row + 1})",
+                                 path=str(path), line=_row_line(lines, row, header_line), column=col)
+            continue
+        num = pd.to_numeric(s, errors="coerce").to_numpy()
+        ok = ~np.isnan(num.astype(float)) | missing
+        if ok.any() and not ok.all():
+            row = int(np.argmin(ok))
+            raise InputError(f"value {s.iloc[row]!r} in column {col} is not a number "
+                             f"(data_{block} row {row + 1})",
+                             path=str(path), line=_row_line(lines, row, header_line), column=col)
+    num_cols = [c for c in df.columns
+                if pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c])]
+    if not num_cols or not len(df):
+        return
+    bad_rows = np.zeros(len(df), dtype=bool)
+    first: tuple[int, str, float] | None = None  # earliest bad row, then leftmost column in it
+    for col in num_cols:
+        values = df[col].to_numpy(dtype=np.float64)
+        bad = ~np.isfinite(values)
+        if bad.any():
+            bad_rows |= bad
+            row = int(np.argmax(bad))
+            if first is None or row < first[0]:
+                first = (row, col, float(values[row]))
+    if first is not None:
+        row, col, value = first
+        raise InputError(f"non-finite value {value} in column {col} (data_{block} row "
+                         f"{row + 1}; {int(bad_rows.sum())} row(s) affected; a missing field reads as nan)",
+                         path=str(path), line=_row_line(lines, row, header_line), column=col)
+
+
+def _pick_block(blocks: dict[str, Block], kind: str, require: Sequence[str], path: Path) -> str:
+    """Name of the main table: by name, else the only table, else the first with all ``require`` columns."""
+    if kind in blocks:
+        return kind
+    tables = [n for n, b in blocks.items() if n != "optics" and isinstance(b, pd.DataFrame)]
+    if len(tables) == 1:
+        return tables[0]
+    for name in tables:
+        if all(c in blocks[name].columns for c in require):
+            return name
+    found = ", ".join(f"data_{n}" for n in blocks) or "none"
+    raise InputError(f"no data_{kind} block (blocks found: {found})", path=str(path))
+
+
+def _detect_version(text: str, blocks: dict[str, Block]) -> str:
+    """'5' for '# version 5xxxx', '3.1' when an optics table exists, else '3.0'."""
+    versions = [int(v) for v in re.findall(r"^\s*#\s*version\s+(\d+)", text, flags=re.MULTILINE)]
+    if versions and max(versions) >= 50000:
+        return "5"
+    if "optics" in blocks:
+        return "3.1"
+    return "3.0"
+
+
+def _merge_optics(parts: pd.DataFrame, optics: pd.DataFrame, path: Path | None, block: str,
+                  lines: Sequence[int] | None, optics_lines: Sequence[int] | None) -> pd.DataFrame:
+    """Copy every optics column into each row by rlnOpticsGroup (row values win when both exist)."""
+    where = _s(path)
+    if "rlnOpticsGroup" not in optics.columns:
+        raise InputError(f"optics table has no rlnOpticsGroup column (it has: {', '.join(optics.columns)})",
+                         path=where, column="rlnOpticsGroup")
+    groups = optics["rlnOpticsGroup"]
+    dup = groups.duplicated().to_numpy()
+    if dup.any():
+        row = int(np.argmax(dup))
+        raise InputError(f"optics group {groups.iloc[row]} is listed twice in data_optics", path=where,
+                         line=_row_line(optics_lines, row), column="rlnOpticsGroup")
+    if "rlnOpticsGroup" not in parts.columns:
+        if len(optics) != 1:
+            raise InputError(f"data_{block} has no rlnOpticsGroup column but there are {len(optics)} optics "
+                             "groups", path=where, column="rlnOpticsGroup")
+        parts = parts.assign(rlnOpticsGroup=groups.iloc[0])
+    known = set(groups.tolist())
+    used = parts["rlnOpticsGroup"]
+    absent = ~used.isin(known).to_numpy()
+    if absent.any():
+        row = int(np.argmax(absent))
+        missing = sorted(set(used[absent].tolist()))
+        raise InputError(f"particles refer to optics group(s) {missing} that are not in data_optics "
+                         f"(groups there: {sorted(known)}; first at data_{block} row {row + 1})", path=where,
+                         line=_row_line(lines, row), column="rlnOpticsGroup")
+    table = optics.set_index("rlnOpticsGroup")
+    new = {col: used.map(table[col]) for col in table.columns if col not in parts.columns}
+    if new:
+        parts = pd.concat([parts, pd.DataFrame(new, index=parts.index)], axis=1)
+    return parts
+
+
+def _resolve_project_dir(star_path: Path | None, stack: str, project_dir: str | os.PathLike | None
+                         ) -> tuple[Path | None, list[Path]]:
+    """Folder that relative stack paths start from, and the folders tried.
+
+    Given ``project_dir`` wins. Otherwise RELION's rule (paths relative to the project folder) is guessed:
+    the STAR file's folder, its parents up to 3 levels, then the current folder; the first that contains
+    ``stack`` is used.
+    """
+    if project_dir is not None:
+        return Path(project_dir), [Path(project_dir)]
+    if Path(stack).is_absolute():
+        return Path("/"), [Path("/")]
+    candidates: list[Path] = []
+    if star_path is not None:
+        here = Path(star_path).resolve().parent
+        candidates.append(here)
+        candidates.extend(list(here.parents)[:3])
+    candidates.append(Path.cwd())
+    tried: list[Path] = []
+    for c in candidates:
+        if c in tried:
+            continue
+        tried.append(c)
+        if (c / stack).is_file():
+            return c, tried
+    return None, tried
+
+
+def _stack_box(star_path: Path, parts: pd.DataFrame, project_dir: str | os.PathLike | None) -> int | None:
+    """Box size from the header of the first referenced stack (square images only), or None."""
+    if "rlnImageName" not in parts.columns or not len(parts):
+        return None
+    try:
+        _, stack = parse_image_name(parts["rlnImageName"].iloc[0])
+    except InputError:
+        return None
+    base, _ = _resolve_project_dir(star_path, stack, project_dir)
+    if base is None:
+        return None
+    try:
+        shape = mrc_header_info(base / stack).shape
+    except InputError:
+        return None
+    return int(shape[-1]) if shape[-1] == shape[-2] else None
+
+
+def _synthesise_optics(parts: pd.DataFrame, kind: str, path: Path, lines: Sequence[int] | None,
+                       project_dir: str | os.PathLike | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Optics table for a RELION 3.0 file: one group per distinct (voltage, Cs, Q0, pixel size).
+
+    Pixel size (Å) = rlnImagePixelSize if present, else rlnDetectorPixelSize (µm) * 1e4 / rlnMagnification.
+    Pixel origins rlnOriginX/Y/Z (and priors) become rlnOrigin*Angst (Å), as RELION 3.1 does on import.
+    """
+    px_label = _PIXEL_LABEL[kind]
+    parts = parts.copy()
+    apix: pd.Series | None = None
+    if px_label in parts.columns:
+        apix = parts[px_label].astype(float)
+    elif {"rlnDetectorPixelSize", "rlnMagnification"} <= set(parts.columns):
+        mag = parts["rlnMagnification"].astype(float)
+        nonpos = (mag <= 0).to_numpy()
+        if nonpos.any():
+            row = int(np.argmax(nonpos))
+            raise InputError(f"rlnMagnification must be positive, got {mag.iloc[row]}", path=str(path),
+                             line=_row_line(lines, row), column="rlnMagnification")
+        apix = parts["rlnDetectorPixelSize"].astype(float) * 1e4 / mag
+    if apix is not None:
+        for ax in "XYZ":
+            for old, new in ((f"rlnOrigin{ax}", f"rlnOrigin{ax}Angst"),
+                             (f"rlnOrigin{ax}Prior", f"rlnOrigin{ax}PriorAngst")):
+                if old in parts.columns and new not in parts.columns:
+                    parts[old] = parts[old].astype(float) * apix
+                    parts = parts.rename(columns={old: new})
+    keys = pd.DataFrame(index=parts.index)
+    for col in ("rlnVoltage", "rlnSphericalAberration", "rlnAmplitudeContrast"):
+        if col in parts.columns:
+            keys[col] = parts[col]
+    if apix is not None:
+        keys[px_label] = apix
+    if kind == "particles" and "rlnImageSize" in parts.columns:
+        keys["rlnImageSize"] = parts["rlnImageSize"]
+    if keys.shape[1]:
+        codes = keys.groupby(list(keys.columns), sort=False).ngroup().to_numpy() + 1
+    else:
+        codes = np.ones(len(parts), dtype=np.int64)
+    # Per-group values now live in the optics table; _merge_optics copies them back into every row.
+    parts = parts.drop(columns=[c for c in keys.columns if c in parts.columns])
+    parts["rlnOpticsGroup"] = codes.astype(np.int64)
+    first = keys.assign(rlnOpticsGroup=codes).drop_duplicates("rlnOpticsGroup").sort_values("rlnOpticsGroup")
+    optics = pd.DataFrame({
+        "rlnOpticsGroup": first["rlnOpticsGroup"].to_numpy(dtype=np.int64),
+        "rlnOpticsGroupName": [f"opticsGroup{g}" for g in first["rlnOpticsGroup"]],
+    })
+    for col in keys.columns:
+        optics[col] = first[col].to_numpy()
+    if kind == "particles":
+        if "rlnImageSize" not in optics.columns:
+            box = _stack_box(path, parts, project_dir)
+            if box is not None:
+                optics["rlnImageSize"] = np.int64(box)
+        optics["rlnImageDimensionality"] = np.int64(2)
+    return parts, optics
+
+
+def _check_uniform(optics: pd.DataFrame, used: np.ndarray, label: str, tol: float, path: Path,
+                   optics_lines: Sequence[int] | None) -> None:
+    """InputError naming the groups and values when the optics groups in use disagree on ``label``."""
+    if label not in optics.columns or used.sum() < 2:
+        return
+    rows = np.flatnonzero(used)
+    values = optics[label].astype(float).to_numpy()[rows]
+    off = np.abs(values - values[0]) > tol
+    if off.any():
+        row = int(rows[np.argmax(off)])
+        described = _describe_groups(optics.iloc[rows], label)
+        raise InputError(f"optics groups differ in {label}: {described}; all groups must match "
+                         "(pass uniform_optics=False to allow this)", path=str(path),
+                         line=_row_line(optics_lines, row), column=label)
+
+
+def _read_table(path: str | os.PathLike, kind: str, require: Sequence[str], uniform_optics: bool,
+                even_box: bool, project_dir: str | os.PathLike | None) -> ParticleTable:
+    p = Path(path)
+    text = _read_text(p)
+    layout = _scan_layout(text)
+    blocks = _parse_blocks(p, text, layout)
+    version = _detect_version(text, blocks)
+    name = _pick_block(blocks, kind, require, p)
+    lay = layout.get(name)
+    header_line = lay.header_line if lay else None
+    parts = _as_frame(blocks[name]).reset_index(drop=True)
+    lines = lay.row_lines if lay and len(lay.row_lines) == len(parts) else None
+
+    if len(parts) == 0:
+        raise InputError(f"data_{name} has no rows (empty {kind} table)", path=str(p), line=header_line)
+    _check_values(parts, p, name, lines, header_line)
+
+    optics_block = blocks.get("optics") if name != "optics" else None
+    if optics_block is not None:
+        optics = _as_frame(optics_block).reset_index(drop=True)
+        olay = layout.get("optics")
+        optics_lines = olay.row_lines if olay and len(olay.row_lines) == len(optics) else None
+        if len(optics) == 0:
+            raise InputError("data_optics has no rows", path=str(p), line=olay.header_line if olay else None)
+        _check_values(optics, p, "optics", optics_lines, olay.header_line if olay else None)
+    else:
+        parts, optics = _synthesise_optics(parts, kind, p, lines, project_dir)
+        optics_lines = None
+        version = "3.0" if version != "5" else version
+
+    # Required columns may live in either table (e.g. rlnVoltage is an optics column in 3.1 files).
+    available = list(parts.columns) + [c for c in optics.columns if c not in parts.columns]
+    missing = [c for c in require if c not in available]
+    if missing:
+        raise InputError(f"data_{name} is missing required column(s) {', '.join(missing)}; the file has: "
+                         f"{', '.join(available)}", path=str(p), line=header_line, column=", ".join(missing))
+
+    parts = _merge_optics(parts, optics, p, name, lines, optics_lines)
+    used = optics["rlnOpticsGroup"].isin(parts["rlnOpticsGroup"].unique()).to_numpy()
+    px_label = _PIXEL_LABEL[kind]
+    if px_label in optics.columns:
+        nonpos = (optics[px_label].astype(float) <= 0).to_numpy()
+        if nonpos.any():
+            row = int(np.argmax(nonpos))
+            raise InputError(f"pixel size must be positive, got {optics[px_label].iloc[row]} Å", path=str(p),
+                             line=_row_line(optics_lines, row), column=px_label)
+    if uniform_optics:
+        _check_uniform(optics, used, px_label, _PIXEL_TOLERANCE[kind], p, optics_lines)
+        if kind == "particles":
+            _check_uniform(optics, used, "rlnImageSize", 0.0, p, optics_lines)
+    if even_box and kind == "particles" and "rlnImageSize" in optics.columns:
+        odd = used & (optics["rlnImageSize"].astype(np.int64) % 2 == 1).to_numpy()
+        if odd.any():
+            row = int(np.argmax(odd))
+            raise InputError(f"box size rlnImageSize = {optics['rlnImageSize'].iloc[row]} px is odd "
+                             f"(optics group {optics['rlnOpticsGroup'].iloc[row]}); an even box is needed "
+                             "(pass even_box=False to allow it)", path=str(p),
+                             line=_row_line(optics_lines, row), column="rlnImageSize")
+
+    extra = {k: v for k, v in blocks.items() if k not in (name, "optics")}
+    row_lines = np.asarray(lines, dtype=np.int64) if lines is not None else None
+    return ParticleTable(particles=parts, optics=optics, path=p, version=version, block=kind,
+                         extra_blocks=extra, row_lines=row_lines)
+
+
+def read_particles(path: str | os.PathLike, *, require: Sequence[str] = ("rlnImageName",),
+                   uniform_optics: bool = True, even_box: bool = True,
+                   project_dir: str | os.PathLike | None = None) -> ParticleTable:
+    """Read a RELION 3.0, 3.1/4 or 5 particle STAR file into a :class:`ParticleTable`.
+
+    Every problem is an InputError naming the file, line and column: missing ``require`` columns, text or
+    non-finite numbers, unknown optics groups, optics groups with different pixel size or box size (when
+    ``uniform_optics``), an odd box (when ``even_box``), an empty table. ``project_dir`` only helps RELION 3.0
+    files, whose box size is read from the first stack's header.
+    """
+    return _read_table(path, "particles", tuple(require), uniform_optics, even_box, project_dir)
+
+
+def read_micrographs(path: str | os.PathLike, *, require: Sequence[str] = ("rlnMicrographName",)
+                     ) -> ParticleTable:
+    """Read a micrographs STAR (block='micrographs'); each row gets its group's rlnMicrographPixelSize (Å).
+
+    Optics groups may differ here; :attr:`ParticleTable.pixel_size` raises if they differ by > 0.01 Å.
+    """
+    return _read_table(path, "micrographs", tuple(require), False, False, None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Writing
+
+
+def _format_column(s: pd.Series, label: str, path: Path, block: str, offset: int) -> pd.Series:
+    """Text of one column: ints as ints, floats as the shortest text that reads back to the same value."""
+    if pd.api.types.is_bool_dtype(s):
+        return s.astype(np.int64).astype(str)
+    if pd.api.types.is_integer_dtype(s):
+        if s.isna().any():
+            row = offset + int(np.argmax(s.isna().to_numpy()))
+            raise InputError(f"missing value in column {label} (data_{block} row {row + 1})", path=str(path),
+                             column=label)
+        return s.astype(np.int64).astype(str)
+    if pd.api.types.is_float_dtype(s):
+        values = s.to_numpy()
+        bad = ~np.isfinite(values)
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise InputError(f"cannot write non-finite value {values[row]} in column {label} "
+                             f"(data_{block} row {offset + row + 1})", path=str(path), column=label)
+        return pd.Series(values.astype(str), index=s.index)
+    bad_mask = np.array(s.isna(), dtype=bool)
+    text = s.astype(object).astype(str)
+    bad_mask |= text.str.contains(r"\s", regex=True).to_numpy() | (text.str.len() == 0).to_numpy()
+    if bad_mask.any():
+        row = int(np.argmax(bad_mask))
+        raise InputError(f"cannot write {s.iloc[row]!r} in column {label} (data_{block} row "
+                         f"{offset + row + 1}): STAR values must be non-empty and without spaces",
+                         path=str(path), column=label)
+    return text
+
+
+def _write_block(fh: TextIO, name: str, block: Block, path: Path) -> None:
+    """One ``data_<name>`` block: a loop for a table, label/value lines for a dict."""
+    fh.write(f"# version 30001\n\ndata_{name}\n\n")
+    if isinstance(block, dict):
+        width = max((len(k) for k in block), default=0) + 1
+        for key, value in block.items():
+            one = _format_column(pd.Series([value]), key, path, name, 0).iloc[0]
+            fh.write(f"_{key:<{width}} {one}\n")
+        fh.write("\n")
+        return
+    fh.write("loop_\n")
+    for i, col in enumerate(block.columns, start=1):
+        fh.write(f"_{col} #{i}\n")
+    for start in range(0, len(block), _WRITE_CHUNK_ROWS):
+        chunk = block.iloc[start:start + _WRITE_CHUNK_ROWS]
+        cols = []
+        for col in chunk.columns:
+            text = _format_column(chunk[col], str(col), path, name, start)
+            cols.append(text.str.rjust(int(text.str.len().max())))
+        if not cols:
+            continue
+        rows = cols[0].str.cat(cols[1:], sep=" ") if len(cols) > 1 else cols[0]
+        fh.write("\n".join(rows.tolist()))
+        fh.write("\n")
+    fh.write("\n")
+
+
+def write_star_blocks(path: str | os.PathLike, blocks: dict[str, Block]) -> Path:
+    """Write blocks in order (tables as loops, dicts as key-value), RELION 3.1 style, atomically."""
+    p = Path(path)
+    with atomic_path(p) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+        for name, block in blocks.items():
+            _write_block(fh, name, block, p)
+    return p
+
+
+def _split_optics_columns(parts: pd.DataFrame, optics: pd.DataFrame, path: Path, block: str) -> pd.DataFrame:
+    """Particle columns to write: those not in the optics table (rlnOpticsGroup kept).
+
+    A merged optics column is dropped only if every row equals its group's value; a row that differs would
+    be lost in the 3.1 layout, so that is an InputError.
+    """
+    if "rlnOpticsGroup" not in optics.columns:
+        raise InputError("optics table has no rlnOpticsGroup column", path=str(path), column="rlnOpticsGroup")
+    if "rlnOpticsGroup" not in parts.columns:
+        if len(optics) != 1:
+            raise InputError(f"data_{block} has no rlnOpticsGroup column but there are {len(optics)} "
+                             "optics groups", path=str(path), column="rlnOpticsGroup")
+        parts = parts.assign(rlnOpticsGroup=optics["rlnOpticsGroup"].iloc[0])
+    groups = parts["rlnOpticsGroup"]
+    known = set(optics["rlnOpticsGroup"].tolist())
+    absent = ~groups.isin(known).to_numpy()
+    if absent.any():
+        unknown = sorted(set(groups[absent].tolist()))
+        raise InputError(f"particles refer to optics group(s) {unknown} that are not in the optics table "
+                         f"(groups: {sorted(known)})", path=str(path), column="rlnOpticsGroup")
+    table = optics.set_index("rlnOpticsGroup")
+    drop = []
+    for col in table.columns:
+        if col not in parts.columns:
+            continue
+        expected = groups.map(table[col])
+        have = parts[col]
+        if pd.api.types.is_numeric_dtype(have) and pd.api.types.is_numeric_dtype(expected):
+            same = np.isclose(have.to_numpy(float), expected.to_numpy(float), rtol=1e-12, atol=0.0)
+        else:
+            same = (have.astype(str) == expected.astype(str)).to_numpy()
+        if not same.all():
+            row = int(np.argmin(same))
+            raise InputError(f"column {col} of data_{block} row {row + 1} is {have.iloc[row]!r} but its "
+                             f"optics group {groups.iloc[row]} has {expected.iloc[row]!r}; RELION 3.1 files "
+                             "keep this value only in the optics table, so change the optics table instead",
+                             path=str(path), column=col)
+        drop.append(col)
+    return parts.drop(columns=drop)
+
+
+def write_particles(path: str | os.PathLike, table_or_particles: ParticleTable | pd.DataFrame,
+                    optics: pd.DataFrame | None = None, *, block: str | None = None) -> Path:
+    """Write a particle or micrograph table in RELION 3.1 layout, atomically; returns the path.
+
+    The file starts with ``# version 30001``, then data_optics, then data_<block> without the columns that
+    the optics table holds (except rlnOpticsGroup); a ParticleTable's extra blocks follow. ``block``
+    defaults to the table's own block ('particles' for a bare DataFrame). Floats are written as the shortest
+    text that reads back to the identical value, so a read-write-read round trip changes nothing.
+    """
+    p = Path(path)
+    extras: dict[str, Block] = {}
+    if isinstance(table_or_particles, ParticleTable):
+        if optics is not None:
+            raise TypeError("give either a ParticleTable or (particles, optics), not both")
+        parts, opt = table_or_particles.particles, table_or_particles.optics
+        block = block or table_or_particles.block
+        extras = dict(table_or_particles.extra_blocks)
+    else:
+        if optics is None:
+            raise TypeError("write_particles(path, particles_df, optics_df): the optics table is required")
+        parts, opt = table_or_particles, optics
+        block = block or "particles"
+    if block == "optics":
+        raise InputError("the particle block cannot be called 'optics'", path=str(p))
+    out_parts = _split_optics_columns(parts, opt, p, block)
+    blocks: dict[str, Block] = {"optics": opt, block: out_parts}
+    for name, blk in extras.items():
+        if name not in blocks:
+            blocks[name] = blk
+    return write_star_blocks(p, blocks)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Image names and pixels
+
+
+def parse_image_name(name: str) -> tuple[int, str]:
+    """``'000012@Particles/mic1.mrcs'`` -> ``(11, 'Particles/mic1.mrcs')`` (0-based index, stack path).
+
+    The number may have any width; it counts from 1. InputError for anything else.
+    """
+    text = str(name).strip()
+    number, at, stack = text.partition("@")
+    if not at:
+        raise InputError(f"image name {text!r} has no '@' (expected <number>@<stack file>)",
+                         column="rlnImageName")
+    if not number.isdigit():
+        raise InputError(f"image name {text!r}: {number!r} before '@' is not a whole number",
+                         column="rlnImageName")
+    if not stack or any(ch.isspace() for ch in stack):
+        raise InputError(f"image name {text!r} has no valid stack file after '@'", column="rlnImageName")
+    index = int(number)
+    if index < 1:
+        raise InputError(f"image name {text!r}: image numbers count from 1, got {index}",
+                         column="rlnImageName")
+    return index - 1, stack
+
+
+def _parse_names(parts: pd.DataFrame, table: ParticleTable) -> tuple[np.ndarray, list[str]]:
+    """0-based indices and stack strings for every row; InputError with the STAR line of a bad name."""
+    if "rlnImageName" not in parts.columns:
+        raise InputError(f"no rlnImageName column in data_{table.block}", path=_s(table.path),
+                         column="rlnImageName")
+    names = parts["rlnImageName"].astype(str).str.strip()
+    split = names.str.partition("@")
+    ok = np.array((split[1] == "@") & split[0].str.fullmatch(r"\d+").fillna(False)
+                  & (split[2].str.len() > 0) & ~split[2].str.contains(r"\s", regex=True), dtype=bool)
+    idx = np.zeros(len(names), dtype=np.int64)
+    if ok.any():
+        idx[ok] = split[0][ok].astype(np.int64).to_numpy() - 1
+    ok &= idx >= 0
+    if not ok.all():
+        row = int(np.argmin(ok))
+        try:
+            parse_image_name(names.iloc[row])
+            message = f"malformed image name {names.iloc[row]!r}"
+        except InputError as exc:
+            message = str(exc).split(": ", 1)[-1]
+        raise InputError(message, path=_s(table.path), line=table.line_of(parts.index[row]),
+                         column="rlnImageName")
+    return idx, split[2].tolist()
+
+
+def _locations(parts: pd.DataFrame, table: ParticleTable, project_dir: str | os.PathLike | None
+               ) -> tuple[list[Path], np.ndarray]:
+    idx, stacks = _parse_names(parts, table)
+    if not stacks:
+        return [], idx
+    base, tried = _resolve_project_dir(table.path, stacks[0], project_dir)
+    if base is None:
+        looked = ", ".join(str(t) for t in tried)
+        raise InputError(f"cannot find image stack {stacks[0]!r}; looked in {looked}. "
+                         "Pass project_dir (the RELION project folder that stack paths are relative to)",
+                         path=_s(table.path), line=table.line_of(parts.index[0]), column="rlnImageName")
+    cache: dict[str, Path] = {}
+    paths = []
+    for s in stacks:
+        q = cache.get(s)
+        if q is None:
+            q = cache[s] = Path(s) if Path(s).is_absolute() else base / s
+        paths.append(q)
+    return paths, idx
+
+
+def image_locations(table: ParticleTable, project_dir: str | os.PathLike | None = None
+                    ) -> tuple[list[Path], np.ndarray]:
+    """Stack file (Path) and 0-based image index of every particle row, in row order.
+
+    Relative stack paths start from ``project_dir``; when None, from the first of: the STAR file's folder,
+    its parents (up to 3 levels), the current folder, that contains the first row's stack.
+    """
+    return _locations(table.particles, table, project_dir)
+
+
+def load_images(table: ParticleTable, rows: Iterable[int] | None = None,
+                project_dir: str | os.PathLike | None = None) -> np.ndarray:
+    """Particle images as float32 (n, N, N), in row order; ``rows`` are 0-based positions (default: all).
+
+    Each stack file is opened once and only the needed images are read. InputError (naming the STAR file,
+    the row's line, the stack and the index) for a missing stack, an image number beyond the stack, or
+    images whose size disagrees with rlnImageSize.
+    """
+    parts = table.particles
+    if rows is not None:
+        positions = np.asarray(rows if isinstance(rows, np.ndarray) else list(rows), dtype=np.int64).ravel()
+        if positions.size and (positions.min() < 0 or positions.max() >= len(parts)):
+            raise InputError(f"row positions must be in 0..{len(parts) - 1}, got "
+                             f"{positions.min()}..{positions.max()}", path=_s(table.path))
+        parts = parts.iloc[positions]
+    star = _s(table.path)
+    paths, idx = _locations(parts, table, project_dir)
+    expected = parts["rlnImageSize"].to_numpy() if "rlnImageSize" in parts.columns else None
+    groups: dict[Path, list[int]] = {}
+    for pos, q in enumerate(paths):
+        groups.setdefault(q, []).append(pos)
+    out: np.ndarray | None = None
+    for stack_path, members in groups.items():
+        sel = np.asarray(members, dtype=np.int64)
+        first_line = table.line_of(parts.index[sel[0]])
+        if not stack_path.is_file():
+            raise InputError(f"image stack {stack_path} not found (named in rlnImageName "
+                             f"{parts['rlnImageName'].iloc[sel[0]]!r})", path=star, line=first_line,
+                             column="rlnImageName")
+        with LazyStack(stack_path) as stack:
+            n = len(stack)
+            beyond = idx[sel] >= n
+            if beyond.any():
+                pos = int(sel[np.argmax(beyond)])
+                raise InputError(f"image {idx[pos] + 1} of stack {stack_path} is asked for "
+                                 f"({parts['rlnImageName'].iloc[pos]!r}) but the stack has only {n} images",
+                                 path=star, line=table.line_of(parts.index[pos]), column="rlnImageName")
+            ny, nx = stack.shape[1:]
+            if expected is not None:
+                wrong = (expected[sel] != nx) | (expected[sel] != ny)
+                if wrong.any():
+                    pos = int(sel[np.argmax(wrong)])
+                    raise InputError(f"images in {stack_path} are {ny} x {nx} px but rlnImageSize is "
+                                     f"{expected[pos]}", path=star, line=table.line_of(parts.index[pos]),
+                                     column="rlnImageSize")
+            if out is None:
+                out = np.empty((len(parts), ny, nx), dtype=np.float32)
+            elif out.shape[1:] != (ny, nx):
+                raise InputError(f"images in {stack_path} are {ny} x {nx} px but earlier stacks have "
+                                 f"{out.shape[1]} x {out.shape[2]} px", path=star, line=first_line,
+                                 column="rlnImageName")
+            out[sel] = stack.read(idx[sel])
+    if out is None:
+        box = int(expected[0]) if expected is not None and len(expected) else 0
+        out = np.empty((0, box, box), dtype=np.float32)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Coordinate files (one per micrograph)
+
+
+def write_coordinates(path: str | os.PathLike, x: Sequence[float] | np.ndarray,
+                      y: Sequence[float] | np.ndarray,
+                      fom: Sequence[float] | np.ndarray | float | None = None,
+                      class_number: Sequence[int] | np.ndarray | int | None = None,
+                      psi: Sequence[float] | np.ndarray | float | None = None) -> Path:
+    """Write a RELION 4/5 autopick coordinate file (unnamed ``data_`` block), atomically.
+
+    Columns: rlnCoordinateX, rlnCoordinateY (micrograph pixels), rlnAutopickFigureOfMerit, rlnClassNumber,
+    rlnAnglePsi (degrees), in the column order of RELION's LoG picker. Values not given are written as -999
+    (COORDINATE_DEFAULTS, RELION's manual-pick placeholder); LoG picks should pass class 0 and psi 0.
+    """
+    p = Path(path)
+    xs = np.asarray(x, dtype=np.float64).ravel()
+    ys = np.asarray(y, dtype=np.float64).ravel()
+    if xs.shape != ys.shape:
+        raise InputError(f"x and y have different lengths ({xs.size} and {ys.size})", path=str(p))
+    n = xs.size
+
+    def column(values: Any, label: str, dtype: type) -> np.ndarray:
+        if values is None:
+            values = COORDINATE_DEFAULTS[label]
+        arr = np.asarray(values, dtype=np.float64)
+        if arr.ndim == 0:
+            arr = np.full(n, float(arr))
+        arr = arr.ravel()
+        if arr.size != n:
+            raise InputError(f"{label} has {arr.size} values but there are {n} coordinates", path=str(p),
+                             column=label)
+        if dtype is int:
+            if not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
+                raise InputError(f"{label} must hold whole numbers", path=str(p), column=label)
+            return arr.astype(np.int64)
+        return arr
+
+    df = pd.DataFrame({
+        "rlnCoordinateX": xs,
+        "rlnCoordinateY": ys,
+        "rlnAutopickFigureOfMerit": column(fom, "rlnAutopickFigureOfMerit", float),
+        "rlnClassNumber": column(class_number, "rlnClassNumber", int),
+        "rlnAnglePsi": column(psi, "rlnAnglePsi", float),
+    })
+    return write_star_blocks(p, {"": df})
+
+
+def read_coordinates(path: str | os.PathLike) -> pd.DataFrame:
+    """Read a coordinate file by label (any column order) into a DataFrame.
+
+    Always returns rlnCoordinateX, rlnCoordinateY (float, pixels), rlnAutopickFigureOfMerit, rlnClassNumber
+    and rlnAnglePsi, then any other columns; missing optional ones are filled from COORDINATE_DEFAULTS
+    (-999, RELION's manual-pick placeholder). InputError when X or Y is missing or a value is not finite.
+    """
+    p = Path(path)
+    text = _read_text(p)
+    layout = _scan_layout(text)
+    blocks = _parse_blocks(p, text, layout)
+    name = next((n for n, b in blocks.items() if n == "" and "rlnCoordinateX" in _as_frame(b).columns), None)
+    if name is None:
+        name = next((n for n, b in blocks.items() if "rlnCoordinateX" in _as_frame(b).columns), None)
+    if name is None:
+        name = next(iter(blocks))
+    df = _as_frame(blocks[name]).reset_index(drop=True)
+    lay = layout.get(name)
+    header_line = lay.header_line if lay else None
+    missing = [c for c in ("rlnCoordinateX", "rlnCoordinateY") if c not in df.columns]
+    if missing:
+        raise InputError(f"coordinate file is missing column(s) {', '.join(missing)}; it has: "
+                         f"{', '.join(map(str, df.columns)) or 'no columns'}", path=str(p), line=header_line,
+                         column=", ".join(missing))
+    lines = lay.row_lines if lay and len(lay.row_lines) == len(df) else None
+    _check_values(df, p, name, lines, header_line)
+    df["rlnCoordinateX"] = df["rlnCoordinateX"].astype(np.float64)
+    df["rlnCoordinateY"] = df["rlnCoordinateY"].astype(np.float64)
+    for label, default in COORDINATE_DEFAULTS.items():
+        if label not in df.columns:
+            df[label] = np.full(len(df), default, dtype=np.int64 if isinstance(default, int) else np.float64)
+    if len(df) == 0:
+        df["rlnClassNumber"] = df["rlnClassNumber"].astype(np.int64)
+    order = list(_COORD_COLUMNS) + [c for c in df.columns if c not in _COORD_COLUMNS]
+    return df[order]
