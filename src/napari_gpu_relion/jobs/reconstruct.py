@@ -82,7 +82,7 @@ def load_for_reconstruction(path: Path, ctf: bool, subset: int) -> ParticleTable
         keep = table.particles["rlnRandomSubset"].to_numpy() == subset
         if not keep.any():
             raise InputError(f"no particles with rlnRandomSubset == {subset}", path=str(path))
-        table = ParticleTable(**{**table.__dict__, "particles": table.particles[keep].reset_index(drop=True)})
+        table = ParticleTable(**{**table.__dict__, "particles": table.particles[keep]})
     return table
 
 
