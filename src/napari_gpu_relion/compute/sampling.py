@@ -1,0 +1,519 @@
+"""Orientation and translation sampling in RELION's scheme: HEALPix directions, psi, offsets, local searches.
+
+Directions come from the HEALPix grid in the NESTED scheme (Górski et al. 2005, ApJ 622, 759):
+``Nside = 2^order``, ``Npix = 12·4^order`` equal-area pixels; a pixel centre gives the viewing direction
+``rot = φ``, ``tilt = θ`` (degrees; rot wrapped to [−180, 180]). The coarse angular step is
+``360/(6·2^order)`` degrees, used for psi as well. Translations are a disc (2D) or ball (3D) of grid points.
+All functions take and return NumPy arrays; nothing here reads files. Angles in degrees unless a name
+says radians; translations in pixels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from napari_gpu_relion.compute.geometry import (
+    _canonical_name,
+    symmetry_group,
+    view_direction,
+)
+from napari_gpu_relion.errors import InputError
+
+__all__ = [
+    "LocalSearch",
+    "angular_step",
+    "asymmetric_unit_pixels",
+    "direction_grid",
+    "healpix_directions",
+    "healpix_max_pixrad_deg",
+    "healpix_nest2ring",
+    "healpix_nest2xyf",
+    "healpix_pix2ang_nest",
+    "healpix_pix2ang_ring",
+    "healpix_xyf2nest",
+    "local_search",
+    "orientation_grid",
+    "oversampled_directions",
+    "oversampled_psi",
+    "oversampled_translations",
+    "psi_angles",
+    "psi_angles_for_order",
+    "translation_grid",
+]
+
+MAX_ORDER = 13  # Npix = 805 M at order 13; RELION itself stops well before this
+
+# Base-pixel layout (Górski et al. 2005, fig. 4): ring number of each face's southern vertex in units of
+# Nside (2: north faces, 3: equatorial, 4: south) and the longitude of its centre in units of π/4.
+_FACE_RING = np.array([2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4], dtype=np.int64)
+_FACE_LON = np.array([1, 3, 5, 7, 0, 2, 4, 6, 1, 3, 5, 7], dtype=np.int64)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# HEALPix
+# ---------------------------------------------------------------------------------------------------------
+
+def _check_order(order: int) -> int:
+    o = int(order)
+    if o != order or not 0 <= o <= MAX_ORDER:
+        raise InputError(f"HEALPix order must be an integer in 0..{MAX_ORDER}; got {order!r}")
+    return o
+
+
+def _pixels(order: int, pix) -> np.ndarray:
+    npix = 12 * 4**order
+    if pix is None:
+        return np.arange(npix, dtype=np.int64)
+    p = np.asarray(pix, dtype=np.int64)
+    if p.size and (p.min() < 0 or p.max() >= npix):
+        raise InputError(f"HEALPix pixel index out of range 0..{npix - 1} for order {order}")
+    return p
+
+
+def _compact_bits(v: np.ndarray, nbits: int) -> np.ndarray:
+    """Bits 0, 2, 4, … of ``v`` packed into bits 0, 1, 2, …"""
+    out = np.zeros_like(v)
+    for b in range(nbits):
+        out |= ((v >> (2 * b)) & 1) << b
+    return out
+
+
+def _spread_bits(v: np.ndarray, nbits: int) -> np.ndarray:
+    """Bits 0, 1, 2, … of ``v`` spread to bits 0, 2, 4, …"""
+    out = np.zeros_like(v)
+    for b in range(nbits):
+        out |= ((v >> b) & 1) << (2 * b)
+    return out
+
+
+def healpix_nest2xyf(order: int, pix) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """NESTED pixel index -> (face 0..11, ix, iy) with 0 ≤ ix, iy < Nside (x in the even index bits)."""
+    order = _check_order(order)
+    p = _pixels(order, pix)
+    face = p >> (2 * order)
+    ipf = p & ((1 << (2 * order)) - 1)
+    return face, _compact_bits(ipf, order), _compact_bits(ipf >> 1, order)
+
+
+def healpix_xyf2nest(order: int, face, ix, iy) -> np.ndarray:
+    """(face, ix, iy) -> NESTED pixel index (inverse of :func:`healpix_nest2xyf`)."""
+    order = _check_order(order)
+    f, x, y = (np.asarray(a, dtype=np.int64) for a in (face, ix, iy))
+    return (f << (2 * order)) | _spread_bits(x, order) | (_spread_bits(y, order) << 1)
+
+
+def _face_xy_to_theta_phi(face, x, y, nside: int) -> tuple[np.ndarray, np.ndarray]:
+    """Continuous face coordinates (0 ≤ x, y ≤ Nside; pixel centres at ix + ½) -> (θ, φ) in radians.
+
+    The ring coordinate is ``r = Nside·face_ring − x − y`` (ring number at pixel centres). Equatorial belt
+    (Nside ≤ r ≤ 3 Nside): ``z = (2/3)(2 − r/Nside)``, ``φ = (π/4)(face_lon + (x − y)/Nside)``. Polar caps
+    (``k = r`` or ``4 Nside − r`` < Nside): ``1 − |z| = k²/(3 Nside²)``, ``φ = (π/4)(face_lon + (x − y)/k)``.
+    The map has constant Jacobian 4π/Npix, which makes the pixels equal-area.
+    """
+    face = np.asarray(face, dtype=np.int64)
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    n = float(nside)
+    r = _FACE_RING[face] * n - x - y
+    lon = _FACE_LON[face].astype(np.float64)
+    north = r < n
+    south = r > 3 * n
+    k = np.where(north, r, np.where(south, 4 * n - r, n))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        phi = 0.25 * np.pi * (lon + (x - y) / k)
+    phi = np.where(k > 0, phi, 0.0)                                   # the poles themselves: φ undefined
+    # θ: in the caps use sin(θ/2) = k/(√6 Nside) (accurate near the poles); in the belt θ = acos(z).
+    cap_theta = 2.0 * np.arcsin(np.clip(k / (np.sqrt(6.0) * n), 0.0, 1.0))
+    z_belt = (2.0 / 3.0) * (2.0 - r / n)
+    theta = np.where(north, cap_theta,
+                     np.where(south, np.pi - cap_theta, np.arccos(np.clip(z_belt, -1.0, 1.0))))
+    return theta, np.mod(phi, 2.0 * np.pi)
+
+
+def healpix_pix2ang_nest(order: int, pix=None) -> tuple[np.ndarray, np.ndarray]:
+    """Centres ``(θ, φ)`` in radians of NESTED pixels at ``order`` (all ``12·4^order`` when ``pix`` is None).
+
+    θ ∈ [0, π] is the colatitude (z = cos θ), φ ∈ [0, 2π). Vectorised: bit de-interleaving to
+    (face, ix, iy), then the face geometry of :func:`_face_xy_to_theta_phi`.
+    """
+    order = _check_order(order)
+    face, ix, iy = healpix_nest2xyf(order, pix)
+    return _face_xy_to_theta_phi(face, ix + 0.5, iy + 0.5, 1 << order)
+
+
+def healpix_nest2ring(order: int, pix=None) -> np.ndarray:
+    """NESTED -> RING pixel index at ``order`` (all pixels when ``pix`` is None)."""
+    order = _check_order(order)
+    nside = 1 << order
+    npix = 12 * nside * nside
+    ncap = 2 * nside * (nside - 1)
+    face, ix, iy = healpix_nest2xyf(order, pix)
+    jr = _FACE_RING[face] * nside - ix - iy - 1                      # ring number 1 .. 4 Nside − 1
+    north = jr < nside
+    south = jr > 3 * nside
+    k = np.where(north, jr, np.where(south, 4 * nside - jr, nside))  # pixels per ring / 4
+    before = np.where(north, 2 * k * (k - 1),
+                      np.where(south, npix - 2 * k * (k + 1), ncap + (jr - nside) * 4 * nside))
+    shift = np.where(north | south, 0, (jr - nside) & 1)
+    jp = (_FACE_LON[face] * k + ix - iy + 1 + shift) // 2            # 1-based position in the ring
+    jp = np.where(jp > 4 * k, jp - 4 * k, np.where(jp < 1, jp + 4 * k, jp))
+    return before + jp - 1
+
+
+def healpix_pix2ang_ring(order: int, pix=None) -> tuple[np.ndarray, np.ndarray]:
+    """Centres ``(θ, φ)`` in radians of RING-scheme pixels (the ring-by-ring formulas of Górski et al.).
+
+    An independent route to the same grid, used to check :func:`healpix_pix2ang_nest`.
+    """
+    order = _check_order(order)
+    nside = 1 << order
+    npix = 12 * nside * nside
+    ncap = 2 * nside * (nside - 1)
+    p = _pixels(order, pix)
+    n = float(nside)
+
+    def cap_ring(q):  # ring i (1-based) holding 0-based in-cap index q: 2 i (i − 1) ≤ q < 2 i (i + 1)
+        i = np.floor(0.5 * (1.0 + np.sqrt(1.0 + 2.0 * q))).astype(np.int64)
+        i = np.where(2 * i * (i - 1) > q, i - 1, i)
+        return np.where(2 * i * (i + 1) <= q, i + 1, i)
+
+    north = p < ncap
+    south = p >= npix - ncap
+    # North cap.
+    i_n = cap_ring(np.where(north, p, 0))
+    j_n = np.where(north, p, 0) - 2 * i_n * (i_n - 1) + 1
+    # South cap (count from the last pixel backwards).
+    q_s = np.where(south, npix - 1 - p, 0)
+    i_s = cap_ring(q_s)
+    j_s = 4 * i_s - (q_s - 2 * i_s * (i_s - 1))
+    # Equatorial belt.
+    q_e = np.where(north | south, 0, p - ncap)
+    i_e = q_e // (4 * nside) + nside
+    j_e = q_e % (4 * nside) + 1
+    s_e = (i_e - nside + 1) % 2
+    z = np.where(north, 1.0 - i_n**2 / (3.0 * n * n),
+                 np.where(south, -1.0 + i_s**2 / (3.0 * n * n), 4.0 / 3.0 - 2.0 * i_e / (3.0 * n)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        phi = np.where(north, 0.5 * np.pi / i_n * (j_n - 0.5),
+                       np.where(south, 0.5 * np.pi / i_s * (j_s - 0.5),
+                                0.5 * np.pi / n * (j_e - 0.5 * s_e)))
+    return np.arccos(np.clip(z, -1.0, 1.0)), np.mod(phi, 2.0 * np.pi)
+
+
+def healpix_max_pixrad_deg(order: int) -> float:
+    """Largest angular distance (degrees) between a pixel centre and one of its four corners at ``order``."""
+    order = _check_order(order)
+    nside = 1 << order
+    face, ix, iy = healpix_nest2xyf(order, None)
+    tc, pc = _face_xy_to_theta_phi(face, ix + 0.5, iy + 0.5, nside)
+    c = np.stack([np.sin(tc) * np.cos(pc), np.sin(tc) * np.sin(pc), np.cos(tc)], -1)
+    best = 0.0
+    for dx, dy in ((0, 0), (1, 0), (0, 1), (1, 1)):
+        t, p = _face_xy_to_theta_phi(face, ix + dx, iy + dy, nside)
+        v = np.stack([np.sin(t) * np.cos(p), np.sin(t) * np.sin(p), np.cos(t)], -1)
+        cross = np.linalg.norm(np.cross(c, v), axis=-1)
+        best = max(best, float(np.arctan2(cross, np.einsum("ij,ij->i", c, v)).max()))
+    return float(np.rad2deg(best))
+
+
+def _angles_from_theta_phi(theta, phi) -> tuple[np.ndarray, np.ndarray]:
+    rot = np.rad2deg(phi)
+    rot = np.where(rot > 180.0, rot - 360.0, rot)
+    return rot, np.rad2deg(theta)
+
+
+def healpix_directions(order: int, pix=None) -> tuple[np.ndarray, np.ndarray]:
+    """RELION directions ``(rot, tilt)`` in degrees of NESTED pixels: rot = φ wrapped to [−180, 180],
+    tilt = acos(z) ∈ [0, 180]."""
+    return _angles_from_theta_phi(*healpix_pix2ang_nest(order, pix))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Steps, psi and translations
+# ---------------------------------------------------------------------------------------------------------
+
+def angular_step(order: int) -> float:
+    """RELION's angular sampling at a HEALPix order, ``360/(6·2^order)`` degrees (order 2: 15°)."""
+    return 360.0 / (6 * 2 ** _check_order(order))
+
+
+def psi_angles(step_deg: float, multiple_of: int = 1) -> np.ndarray:
+    """In-plane angles ``psi_i = i·360/nr_psi`` (degrees) with ``nr_psi = ceil(360/step)``.
+
+    ``multiple_of`` rounds nr_psi up to a multiple (RELION's accelerated 2D classification uses 32).
+    """
+    if not step_deg > 0:
+        raise InputError(f"psi step must be positive (degrees); got {step_deg!r}")
+    nr = int(np.ceil(360.0 / step_deg - 1e-9))
+    m = max(1, int(multiple_of))
+    nr = -(-nr // m) * m
+    return np.arange(nr, dtype=np.float64) * (360.0 / nr)
+
+
+def psi_angles_for_order(order: int) -> np.ndarray:
+    """Coarse psi angles for 3D at a HEALPix order: step = :func:`angular_step` (``6·2^order`` values)."""
+    return psi_angles(angular_step(order))
+
+
+def translation_grid(range_px: float, step_px: float, ndim: int = 2) -> np.ndarray:
+    """Coarse translations ``(T, ndim)`` in pixels (columns x, y[, z]); RELION's order, x slowest.
+
+    Points ``i·step`` with ``|i| ≤ ceil(range/step)`` per axis, kept where ``x² + y² < range² + 0.001``
+    (2D disc) or ``x² + y² + z² ≤ range²`` (3D ball). 5/2 px -> 21, 6/2 -> 29, 8/2 -> 49, 10/2 -> 81.
+    """
+    if ndim not in (2, 3):
+        raise InputError(f"translation grid: ndim must be 2 or 3; got {ndim!r}")
+    if not step_px > 0 or range_px < 0:
+        raise InputError(f"translation grid: need step > 0 and range ≥ 0 (pixels); got {step_px!r}, {range_px!r}")
+    m = int(np.ceil(range_px / step_px))
+    ax = np.arange(-m, m + 1, dtype=np.float64) * step_px
+    g = np.stack(np.meshgrid(*([ax] * ndim), indexing="ij"), axis=-1).reshape(-1, ndim)
+    r2 = np.sum(g * g, axis=1)
+    keep = r2 < range_px**2 + 0.001 if ndim == 2 else r2 <= range_px**2
+    return g[keep]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Oversampling
+# ---------------------------------------------------------------------------------------------------------
+
+def oversampled_directions(order: int, idir, q: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ``4^q`` children at ``order + q`` of NESTED pixel(s) ``idir`` at ``order``.
+
+    ``idir`` is a HEALPix NESTED pixel index (scalar or array; for a symmetry-reduced grid pass the
+    ``pix`` of :func:`direction_grid`). Returns ``(pix, rot, tilt)``, each ``idir.shape + (4^q,)``: the
+    child indices (the set ``4^q·p … 4^q·p + 4^q − 1``) in RELION's loop order (sub-pixel y outer,
+    x inner; for q = 1 this is ascending NESTED order) and their directions in degrees.
+    """
+    order = _check_order(order)
+    q = int(q)
+    _check_order(order + q)
+    face, ix, iy = healpix_nest2xyf(order, idir)
+    f = 1 << q
+    sub_y, sub_x = np.meshgrid(np.arange(f), np.arange(f), indexing="ij")
+    cx = ix[..., None] * f + sub_x.ravel()
+    cy = iy[..., None] * f + sub_y.ravel()
+    child = healpix_xyf2nest(order + q, np.broadcast_to(face[..., None], cx.shape), cx, cy)
+    rot, tilt = healpix_directions(order + q, child)
+    return child, rot, tilt
+
+
+def oversampled_psi(psi, step: float, q: int = 1) -> np.ndarray:
+    """``2^q`` fine psi values per coarse psi: ``psi − step/2 + (j + ½)·step/2^q``; shape ``psi.shape + (2^q,)``."""
+    n = 1 << int(q)
+    j = np.arange(n, dtype=np.float64)
+    return np.asarray(psi, dtype=np.float64)[..., None] - 0.5 * step + (j + 0.5) * step / n
+
+
+def oversampled_translations(t, step: float, q: int = 1) -> np.ndarray:
+    """Fine translations around coarse ones ``t`` (``(..., ndim)``, pixels): each axis gets ``2^q`` values
+    ``t − step/2 + (j + ½)·step/2^q``; all combinations, x slowest (RELION's order). Shape
+    ``(..., 2^(q·ndim), ndim)`` (4 per coarse point for 2D, q = 1)."""
+    t = np.asarray(t, dtype=np.float64)
+    ndim = t.shape[-1]
+    n = 1 << int(q)
+    off = -0.5 * step + (np.arange(n, dtype=np.float64) + 0.5) * step / n
+    grid = np.stack(np.meshgrid(*([off] * ndim), indexing="ij"), axis=-1).reshape(-1, ndim)
+    return t[..., None, :] + grid
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Symmetry-reduced grids
+# ---------------------------------------------------------------------------------------------------------
+
+# Reference point of the asymmetric unit (see asymmetric_unit_pixels): close to +z, just off the
+# rot = 0 meridian, in general position for every supported group.
+_AU_THETA, _AU_PHI = 0.01, 0.0123
+_AU_REF = np.array([np.sin(_AU_THETA) * np.cos(_AU_PHI), np.sin(_AU_THETA) * np.sin(_AU_PHI), np.cos(_AU_THETA)])
+
+
+def _unit_vectors(order: int, pix) -> np.ndarray:
+    theta, phi = healpix_pix2ang_nest(order, pix)
+    st = np.sin(theta)
+    return np.stack([st * np.cos(phi), st * np.sin(phi), np.cos(theta)], axis=-1)
+
+
+def _greedy_unique(n: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Keep-mask of the greedy pass 'visit in index order, drop a point that conflicts with a kept one'.
+
+    ``lo < hi`` are conflicting pairs. Resolved in rounds, each vectorised over all pairs.
+    """
+    status = np.zeros(n, dtype=np.int8)  # 0 undecided, 1 kept, -1 dropped
+    while True:
+        undecided = status == 0
+        if not undecided.any():
+            return status > 0
+        lower_kept = np.bincount(hi, weights=(status[lo] == 1), minlength=n) > 0
+        lower_open = np.bincount(hi, weights=(status[lo] == 0), minlength=n) > 0
+        status[undecided & lower_kept] = -1
+        status[undecided & ~lower_kept & ~lower_open] = 1
+
+
+@lru_cache(maxsize=64)
+def _au_pixels_cached(order: int, canonical: str) -> np.ndarray:
+    ops = symmetry_group(canonical).direction_operators           # (m, 3, 3) proper rotations
+    npix = 12 * 4**order
+    if ops.shape[0] == 1:
+        out = np.arange(npix, dtype=np.int64)
+        out.setflags(write=False)
+        return out
+    # Step 1: keep a direction d when it is the mate g·d closest to the reference w, i.e. when
+    # w·d ≥ w·(g d) = (gᵀ w)·d for all g: the Dirichlet cell of w, an exact fundamental domain.
+    u = np.einsum("gji,j->gi", ops, _AU_REF)                        # gᵀ w, (m, 3)
+    keep = np.zeros(npix, dtype=bool)
+    chunk = max(1, (1 << 22) // ops.shape[0])
+    for s in range(0, npix, chunk):
+        d = _unit_vectors(order, np.arange(s, min(npix, s + chunk)))
+        sc = d @ u.T                                                # (chunk, m); column 0 is the identity
+        keep[s:s + d.shape[0]] = sc[:, 0] >= sc.max(axis=1) - 1e-12
+    pix = np.flatnonzero(keep)
+    # Step 2 (RELION's seam rule): drop a direction that has a symmetry mate within half the largest
+    # pixel radius of an already kept (lower-index) direction. Needed where the grid is not invariant
+    # under the group (e.g. 3-, 5- or 7-fold axes), so points on either side of a seam nearly coincide.
+    from scipy.spatial import cKDTree
+
+    d = _unit_vectors(order, pix)
+    mates = np.einsum("gij,nj->gni", ops, d).reshape(-1, 3)
+    owner = np.tile(np.arange(pix.size), ops.shape[0])
+    is_self = np.repeat(np.arange(ops.shape[0]) == 0, pix.size)
+    radius = 0.5 * np.deg2rad(healpix_max_pixrad_deg(order))
+    pairs = cKDTree(d).query_ball_point(mates, 2.0 * np.sin(0.5 * radius), return_sorted=False)
+    lens = np.fromiter((len(p) for p in pairs), dtype=np.int64, count=len(pairs))
+    if lens.sum():
+        a = np.repeat(owner, lens)
+        b = np.concatenate([np.asarray(p, dtype=np.int64) for p in pairs if len(p)])
+        self_pair = np.repeat(is_self, lens) & (a == b)
+        a, b = a[~self_pair], b[~self_pair]
+        lo, hi = np.minimum(a, b), np.maximum(a, b)
+        pix = pix[_greedy_unique(pix.size, lo, hi)]
+    pix = np.ascontiguousarray(pix)
+    pix.setflags(write=False)
+    return pix
+
+
+def asymmetric_unit_pixels(order: int, sym: str = "C1") -> np.ndarray:
+    """NESTED indices (ascending) of the directions kept for point group ``sym`` at ``order``.
+
+    Directions equivalent under the group (``d ~ det(S)·S·d``) are reduced in two steps:
+    1. keep ``d`` when it is, among its symmetry mates, the one closest to a fixed reference point
+       ``w`` near +z (tilt 0.57°, rot 0.70°): this is the Dirichlet cell of ``w``, an exact asymmetric
+       unit. For Cn it is the wedge ``|rot − 0.70°| ≤ 180/n`` (RELION: ``|rot| ≤ 180/n``); for Dn it is that
+       wedge on (nearly) the upper hemisphere;
+    2. RELION's seam rule, at every size: going through the kept directions in index order, drop one whose
+       symmetry mate lies within ``0.5·max_pixrad`` of one kept before it.
+    The count is ≈ ``12·4^order / m`` with m the number of distinct direction operators (|G| for proper
+    groups, |G|/2 when G contains the inversion, since the inversion only turns psi).
+    """
+    return np.array(_au_pixels_cached(_check_order(order), _canonical_name(sym)))
+
+
+def direction_grid(order: int, sym: str = "C1") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Coarse directions after symmetry reduction: ``(pix, rot, tilt)`` (NESTED index, degrees)."""
+    pix = asymmetric_unit_pixels(order, sym)
+    rot, tilt = healpix_directions(order, pix)
+    return pix, rot, tilt
+
+
+def orientation_grid(order: int, sym: str = "C1", psi_step: float | None = None
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """All coarse orientations ``(rot, tilt, psi)`` (degrees), direction-major and psi-minor.
+
+    Directions: :func:`direction_grid`; psi: :func:`psi_angles` with ``psi_step`` (default the angular
+    step of the order), never symmetry-reduced. C1 at order 2: 192 × 24 = 4608 orientations.
+    """
+    _, rot, tilt = direction_grid(order, sym)
+    psi = psi_angles(angular_step(order) if psi_step is None else psi_step)
+    return np.repeat(rot, psi.size), np.repeat(tilt, psi.size), np.tile(psi, rot.size)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Local searches
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class LocalSearch:
+    """Local-search priors over the coarse grid, per particle (leading shape ``P`` = the priors' shape).
+
+    ``pix, rot, tilt`` (n_dirs,) are the candidate directions (:func:`direction_grid`) and ``psi``
+    (n_psi,) the candidate psi angles. ``dir_mask`` / ``psi_mask`` (P + (n_dirs,) / P + (n_psi,)) say which
+    are searched; ``dir_log_prior`` / ``psi_log_prior`` are log-probabilities normalised over the kept
+    entries (−inf elsewhere); ``dir_distance`` is the angle (degrees) from each direction's closest
+    symmetry mate to the prior direction, ``psi_distance`` the wrapped |Δψ|.
+    """
+
+    pix: np.ndarray
+    rot: np.ndarray
+    tilt: np.ndarray
+    psi: np.ndarray
+    dir_mask: np.ndarray
+    dir_log_prior: np.ndarray
+    dir_distance: np.ndarray
+    psi_mask: np.ndarray
+    psi_log_prior: np.ndarray
+    psi_distance: np.ndarray
+
+
+def _gaussian_log_prior(dist: np.ndarray, sigma: np.ndarray, cutoff: float) -> tuple[np.ndarray, np.ndarray]:
+    """Mask ``dist < cutoff·σ`` (at least the closest entry per row) and log-prior −d²/2σ² normalised."""
+    mask = dist < cutoff * sigma
+    empty = ~mask.any(axis=-1)
+    if empty.any():
+        closest = np.argmin(dist, axis=-1)
+        rows = np.flatnonzero(empty)
+        mask[rows, closest[rows]] = True
+    logit = np.where(mask, -0.5 * (dist / sigma) ** 2, -np.inf)
+    top = logit.max(axis=-1, keepdims=True)
+    lse = top + np.log(np.exp(logit - top).sum(axis=-1, keepdims=True))
+    return mask, logit - lse
+
+
+def local_search(prior_rot, prior_tilt, prior_psi, sigma_deg, order: int, sym: str = "C1",
+                 psi_step: float | None = None, *, sigma_psi_deg=None, sigma_cutoff: float = 3.0,
+                 bimodal_psi: bool = False) -> LocalSearch:
+    """Directions and psi angles of the coarse grid near prior poses (RELION's local searches, degrees).
+
+    Priors are scalars or arrays of one shape ``P`` (a batch of particles); ``sigma_deg`` is a scalar or
+    broadcasts to ``P`` (σ_rot = σ_tilt; ``sigma_psi_deg`` defaults to it). A direction is kept when the
+    angle ``d`` between the prior viewing direction and the closest symmetry mate of the direction is
+    ``< sigma_cutoff·σ``; its prior is ∝ exp(−d²/2σ²), normalised over the kept directions. psi likewise
+    with ``|Δψ|`` wrapped to ≤ 180 (``bimodal_psi``: folded to ≤ 90). Where nothing survives, the closest
+    single direction / psi is kept with prior 1. Vectorised over particles and directions.
+    """
+    order = _check_order(order)
+    pix, rot, tilt = direction_grid(order, sym)
+    psi = psi_angles(angular_step(order) if psi_step is None else psi_step)
+    pr, pt, pp = np.broadcast_arrays(*(np.asarray(a, dtype=np.float64) for a in (prior_rot, prior_tilt, prior_psi)))
+    shape = pr.shape
+    sig = np.broadcast_to(np.asarray(sigma_deg, dtype=np.float64), shape).reshape(-1, 1)
+    sig_psi = sig if sigma_psi_deg is None else \
+        np.broadcast_to(np.asarray(sigma_psi_deg, dtype=np.float64), shape).reshape(-1, 1)
+    if np.any(sig <= 0) or np.any(sig_psi <= 0):
+        raise InputError("local search: sigma must be positive (degrees)")
+    n = pr.size
+    # Directions: closest mate. max_g p·(g d) = max_g (gᵀ p)·d, so rotate the (few) priors, not the grid.
+    ops = symmetry_group(sym).direction_operators
+    dirs = view_direction(rot, tilt)                                       # (n_dirs, 3)
+    prior_dir = view_direction(pr.ravel(), pt.ravel())                     # (n, 3)
+    best = np.empty((n, dirs.shape[0]))
+    chunk = max(1, (1 << 23) // max(1, ops.shape[0] * dirs.shape[0]))
+    for s in range(0, n, chunk):
+        pm = np.einsum("gji,nj->ngi", ops, prior_dir[s:s + chunk])         # (c, m, 3)
+        best[s:s + chunk] = np.einsum("ngi,di->ngd", pm, dirs).max(axis=1)
+    dist = np.rad2deg(np.arccos(np.clip(best, -1.0, 1.0)))
+    dmask, dlog = _gaussian_log_prior(dist, sig, sigma_cutoff)
+    # psi: wrapped difference, no symmetry (as in RELION).
+    dpsi = np.abs(np.mod(psi[None, :] - pp.reshape(-1, 1) + 180.0, 360.0) - 180.0)
+    if bimodal_psi:
+        dpsi = np.where(dpsi > 90.0, 180.0 - dpsi, dpsi)
+    pmask, plog = _gaussian_log_prior(dpsi, sig_psi, sigma_cutoff)
+    nd, npsi = dirs.shape[0], psi.size
+    return LocalSearch(
+        pix=pix, rot=rot, tilt=tilt, psi=psi,
+        dir_mask=dmask.reshape(shape + (nd,)), dir_log_prior=dlog.reshape(shape + (nd,)),
+        dir_distance=dist.reshape(shape + (nd,)),
+        psi_mask=pmask.reshape(shape + (npsi,)), psi_log_prior=plog.reshape(shape + (npsi,)),
+        psi_distance=dpsi.reshape(shape + (npsi,)),
+    )
