@@ -47,13 +47,13 @@ def main():
         ref = prepare_reference(vol)
         ang = rng.uniform([-180, 0, -180], [180, 180, 180], (R, 3))
         A = xp.asarray(euler_to_matrix(*ang.T))
-        t_proj = timed(be, lambda: project(ref, A))
+        t_proj = timed(be, lambda ref=ref, A=A: project(ref, A))
         imgs = xp.asarray(rng.normal(size=(B, N, N)).astype(np.float32))
         F = rfft_centered(imgs, 2)
         bp = BackProjector(N, 2, xp=xp)
         Ab = A[:B]
         ones = xp.ones(F.shape, np.float32)
-        t_ins = timed(be, lambda: bp.insert_images(Ab, F, ones))
+        t_ins = timed(be, lambda bp=bp, Ab=Ab, F=F, ones=ones: bp.insert_images(Ab, F, ones))
         row = {"box": N, "slices_per_s": R / t_proj, "images_inserted_per_s": B / t_ins,
                "project_batch": R, "insert_batch": B}
         # full reconstruct of n_full particles: FFT + shift + CTF + insert + reconstruct

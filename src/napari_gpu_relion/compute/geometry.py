@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 
@@ -302,7 +302,7 @@ class SymmetryGroup:
         return direction_operators(self.matrices)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _group_cached(canonical: str) -> SymmetryGroup:
     mats = _closure(_generators(canonical))
     mats.setflags(write=False)

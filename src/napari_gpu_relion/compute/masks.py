@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from .backend import get_array_module
-from .fourier import lowpass_raised_cosine, real_radius_grid, rfft_centered, irfft_centered
+from .fourier import irfft_centered, lowpass_raised_cosine, real_radius_grid, rfft_centered
 
 
 def soft_edge_weight(r, radius: float, width: float, xp=np):

@@ -76,8 +76,8 @@ def run(p: Params) -> Iterator:
         m = read_mrc(p.map)
         vol = sim.fit_box(np.asarray(m.data, np.float32), p.box)
         phantom = None
-        from ..compute.projector import prepare_reference, project  # noqa: PLC0415
         from ..compute.fourier import irfft_centered, phase_shift_2d  # noqa: PLC0415
+        from ..compute.projector import prepare_reference, project  # noqa: PLC0415
 
         ref = prepare_reference(vol.astype(np.float64), pad=2)
 
