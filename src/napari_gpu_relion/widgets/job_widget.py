@@ -1,0 +1,531 @@
+"""One dock widget for any job, generated from the job module's ``Params`` dataclass.
+
+A job module defines ``JOB_NAME``, a frozen dataclass ``Params`` whose fields carry ``metadata={"flag":
+"--ini_high", "help": "..."}`` and a generator ``run(params) -> Iterator[Event]``. :func:`make_job_widget`
+turns it into a magicgui Container:
+
+* one input widget per field, chosen from the field type (Path: file/folder chooser, int/float: spin boxes,
+  bool: check box, str: line edit, ``X | None``: a line edit where empty means None), labelled with the
+  RELION flag and with the help text as tooltip;
+* Run / Cancel, a progress bar, a status line (errors stay there), the job folder and "Open folder";
+* the last values are remembered in ``~/.config/napari-gpu-relion/<job>.json`` (directory overridable with
+  the NAPARI_GPU_RELION_CONFIG_DIR environment variable).
+
+Bad values are caught when Params is built (its ``__post_init__`` raises InputError): the message goes to
+the status line and to ``show_error``, and nothing starts. The job itself runs through the shared
+:class:`~napari_gpu_relion.widgets.runner.JobRunner` of its device; results reach the viewer through
+:class:`~napari_gpu_relion.widgets.display.LiveDisplay`. No algorithm lives here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import logging
+import math
+import os
+import types
+import typing
+from pathlib import Path, PurePath
+from typing import TYPE_CHECKING, Any
+
+from magicgui.widgets import (
+    CheckBox,
+    ComboBox,
+    Container,
+    FileEdit,
+    FloatSpinBox,
+    Label,
+    LineEdit,
+    ProgressBar,
+    PushButton,
+    SpinBox,
+)
+from napari.utils.notifications import show_error, show_warning
+from qtpy.QtCore import Qt
+
+from ..errors import InputError
+from ..jobs.events import (
+    Finished,
+    FscUpdated,
+    IterationFinished,
+    MapUpdated,
+    Message,
+    MicrographPicked,
+    Progress,
+    Started,
+)
+from .display import LiveDisplay
+from .runner import Job, JobRunner, JobState, error_message, get_runner
+
+if TYPE_CHECKING:
+    import napari
+
+__all__ = ["make_job_widget", "job_widget_class", "JobWidget", "config_dir", "field_kind"]
+
+log = logging.getLogger(__name__)
+
+CONFIG_ENV = "NAPARI_GPU_RELION_CONFIG_DIR"
+_INT_LIMIT = 2**31 - 1
+_FLOAT_LIMIT = 1e12
+
+
+def config_dir() -> Path:
+    """Where remembered parameters live: $NAPARI_GPU_RELION_CONFIG_DIR, else ~/.config/napari-gpu-relion."""
+    env = os.environ.get(CONFIG_ENV)
+    if env:
+        return Path(env)
+    return Path.home() / ".config" / "napari-gpu-relion"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Field types -> widgets
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldSpec:
+    """What the widget needs to know about one Params field."""
+
+    name: str
+    kind: str  # "path" | "int" | "float" | "bool" | "str" | "choice"
+    optional: bool
+    default: Any
+    flag: str
+    help: str
+    metadata: dict
+    choices: tuple = ()
+
+
+def field_kind(tp: Any) -> tuple[str, bool, tuple]:
+    """(kind, optional, choices) of a resolved type annotation."""
+    optional = False
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(tp))
+        tp = args[0] if len(args) == 1 else str
+        origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return "choice", optional, tuple(typing.get_args(tp))
+    if isinstance(tp, type):
+        if issubclass(tp, enum.Enum):
+            return "choice", optional, tuple(tp)
+        if issubclass(tp, bool):
+            return "bool", optional, ()
+        if issubclass(tp, int):
+            return "int", optional, ()
+        if issubclass(tp, float):
+            return "float", optional, ()
+        if issubclass(tp, PurePath):
+            return "path", optional, ()
+    return "str", optional, ()
+
+
+def field_specs(params_cls: type) -> list[FieldSpec]:
+    """One FieldSpec per dataclass field of ``params_cls`` (fields with init=False are skipped)."""
+    hints = typing.get_type_hints(params_cls)
+    specs = []
+    for f in dataclasses.fields(params_cls):
+        if not f.init:
+            continue
+        kind, optional, choices = field_kind(hints.get(f.name, str))
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = None
+        md = dict(f.metadata)
+        specs.append(FieldSpec(f.name, kind, optional, default, md.get("flag") or f"--{f.name}",
+                               md.get("help", ""), md, choices))
+    return specs
+
+
+def _decimals(value: Any) -> int:
+    """Decimals a spin box needs to show ``value`` exactly (at least 3, at most 8)."""
+    if not isinstance(value, int | float) or not math.isfinite(float(value)):
+        return 3
+    text = repr(float(value))
+    if "e" in text:
+        return 8
+    frac = text.split(".")[1].rstrip("0") if "." in text else ""
+    return min(8, max(3, len(frac)))
+
+
+def _path_mode(spec: FieldSpec) -> str:
+    """'r' for inputs; for the output ``o``: 'd' for a folder, 'w' for a file (from metadata/default/help)."""
+    if "mode" in spec.metadata:
+        return str(spec.metadata["mode"])
+    if spec.name != "o":
+        return "r"
+    if spec.default is not None:
+        return "w" if Path(spec.default).suffix else "d"
+    text = spec.help.lower()
+    return "d" if ("folder" in text or "directory" in text) else "w"
+
+
+def _tooltip(spec: FieldSpec) -> str:
+    parts = [spec.help] if spec.help else []
+    if spec.optional:
+        parts.append("Leave empty for none.")
+    default = "none" if spec.default is None else spec.default
+    parts.append(f"({spec.flag}, default: {default})")
+    return "\n".join(parts)
+
+
+def _make_input(spec: FieldSpec) -> Any:
+    common = {"name": spec.name, "label": spec.flag, "tooltip": _tooltip(spec)}
+    md = spec.metadata
+    if spec.kind == "path":
+        w = FileEdit(mode=_path_mode(spec), filter=md.get("filter"), nullable=True, **common)
+        w.line_edit.value = "" if spec.default is None else str(spec.default)
+        return w
+    if spec.optional and spec.kind in ("int", "float", "str"):
+        return LineEdit(value="" if spec.default is None else str(spec.default), **common)
+    if spec.kind == "bool":
+        return CheckBox(value=bool(spec.default), text="", **common)
+    if spec.kind == "int":
+        return SpinBox(value=int(spec.default or 0), min=int(md.get("min", -_INT_LIMIT)),
+                       max=int(md.get("max", _INT_LIMIT)), step=int(md.get("step", 1)), **common)
+    if spec.kind == "float":
+        w = FloatSpinBox(min=float(md.get("min", -_FLOAT_LIMIT)), max=float(md.get("max", _FLOAT_LIMIT)),
+                         step=float(md.get("step", 0.1)), **common)
+        w.native.setDecimals(int(md.get("decimals", _decimals(spec.default))))
+        w.value = float(spec.default or 0.0)
+        return w
+    if spec.kind == "choice":
+        choices = list(spec.choices)
+        return ComboBox(choices=choices, value=spec.default if spec.default in choices else choices[0], **common)
+    return LineEdit(value="" if spec.default is None else str(spec.default), **common)
+
+
+def _read_input(spec: FieldSpec, widget: Any) -> Any:
+    """The Params value of one input widget; InputError naming the flag for unparsable text."""
+    if spec.kind == "path":
+        text = widget.line_edit.value.strip()
+        return Path(os.path.expanduser(text)) if text else None
+    if spec.optional and spec.kind in ("int", "float", "str"):
+        text = str(widget.value).strip()
+        if not text or text.lower() == "none":
+            return None
+        if spec.kind == "str":
+            return text
+        try:
+            return int(text) if spec.kind == "int" else float(text)
+        except ValueError:
+            raise InputError(f"{spec.flag} must be {'a whole number' if spec.kind == 'int' else 'a number'} or "
+                             f"empty, got {text!r}") from None
+    return widget.value
+
+
+def _to_json(spec: FieldSpec, widget: Any) -> Any:
+    if spec.kind == "path":
+        return widget.line_edit.value
+    if spec.optional and spec.kind in ("int", "float", "str"):
+        return widget.value
+    value = widget.value
+    if isinstance(value, enum.Enum):
+        return value.name
+    return value
+
+
+def _from_json(spec: FieldSpec, widget: Any, value: Any) -> None:
+    if spec.kind == "path" or (spec.optional and spec.kind in ("int", "float", "str")):
+        target = widget.line_edit if spec.kind == "path" else widget
+        target.value = "" if value is None else str(value)
+    elif spec.kind == "choice" and spec.choices and isinstance(spec.choices[0], enum.Enum):
+        widget.value = type(spec.choices[0])[value]
+    elif spec.kind == "bool":
+        widget.value = bool(value)
+    elif spec.kind == "int":
+        widget.value = int(value)
+    elif spec.kind == "float":
+        widget.value = float(value)
+    else:
+        widget.value = value
+
+
+def _device_of(params: Any) -> str:
+    """Runner key: jobs on the same device run one after another."""
+    if getattr(params, "cpu", False):
+        return "cpu"
+    if hasattr(params, "gpu"):
+        return f"gpu{getattr(params, 'gpu', None) or 0}"
+    return "cpu"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The widget
+
+
+class JobWidget(Container):
+    """The dock widget of one job module (see the module docstring). Build it with :func:`make_job_widget`."""
+
+    def __init__(self, viewer: napari.viewer.Viewer, job_module: Any, *, runner: JobRunner | None = None):
+        self.viewer = viewer
+        self.job_module = job_module
+        self.job_name: str = getattr(job_module, "JOB_NAME", job_module.__name__.rsplit(".", 1)[-1])
+        self.specs = field_specs(job_module.Params)
+        self.inputs: dict[str, Any] = {s.name: _make_input(s) for s in self.specs}
+        self._runner = runner
+        self.display = LiveDisplay.for_viewer(viewer)
+        LiveDisplay.prepare()
+        self.job: Job | None = None
+        self.last_params: Any = None
+        self.last_error: str | None = None
+        self._closed = False
+        self._loading = False
+
+        self.run_button = PushButton(text="Run", name="job_run_button", label="")
+        self.run_button.tooltip = f"Start {self.job_name} with these parameters (queued if the device is busy)"
+        self.cancel_button = PushButton(text="Cancel", name="job_cancel_button", label="", enabled=False)
+        self.cancel_button.tooltip = "Stop the job at its next step; files already written stay valid"
+        buttons = Container(widgets=[self.run_button, self.cancel_button], layout="horizontal", labels=False,
+                            name="job_buttons", label="")
+        buttons.margins = (0, 0, 0, 0)
+        self.progress = ProgressBar(value=0, min=0, max=1, name="job_progress", label="progress")
+        self.status = Label(value="ready", name="job_status", label="status")
+        self.status.native.setWordWrap(True)
+        self.status.native.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.folder = LineEdit(value="", name="job_folder", label="job folder")
+        self.folder.native.setReadOnly(True)
+        self.open_button = PushButton(text="Open folder", name="job_open_folder", label="")
+        folder_row = Container(widgets=[self.folder, self.open_button], layout="horizontal", labels=False,
+                               name="job_folder_row", label="job folder")
+        folder_row.margins = (0, 0, 0, 0)
+
+        super().__init__(widgets=[*self.inputs.values(), buttons, self.progress, self.status, folder_row],
+                         labels=True, scrollable=False, name=f"{self.job_name}_widget")
+
+        self._load_settings()
+        self._update_folder_from_params()
+        self.run_button.changed.connect(self.start_job)
+        self.cancel_button.changed.connect(self.cancel_job)
+        self.open_button.changed.connect(self.open_folder)
+        for spec in self.specs:
+            self.inputs[spec.name].changed.connect(self._on_input_changed)
+        self.native.destroyed.connect(self._on_destroyed)
+
+    # -- parameters --------------------------------------------------------------------------------------
+
+    @property
+    def runner(self) -> JobRunner | None:
+        return self._runner
+
+    def values(self) -> dict[str, Any]:
+        """Current field values as Params keyword arguments (InputError for unparsable text)."""
+        return {s.name: _read_input(s, self.inputs[s.name]) for s in self.specs}
+
+    def build_params(self) -> Any:
+        """Params from the widgets; InputError (or TypeError/ValueError) if a value is rejected."""
+        return self.job_module.Params(**self.values())
+
+    def set_values(self, **values: Any) -> None:
+        """Set input widgets from Python values (paths as str or Path, None for empty optional fields)."""
+        specs = {s.name: s for s in self.specs}
+        for name, value in values.items():
+            spec = specs[name]
+            _from_json(spec, self.inputs[name], str(value) if isinstance(value, PurePath) else value)
+
+    def _settings_path(self) -> Path:
+        return config_dir() / f"{self.job_name}.json"
+
+    def save_settings(self) -> None:
+        """Write the current values to the config file (atomically; errors only logged)."""
+        data = {"job": self.job_name, "values": {s.name: _to_json(s, self.inputs[s.name]) for s in self.specs}}
+        path = self._settings_path()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(json.dumps(data, indent=1, default=str))
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("could not save parameters to %s: %s", path, exc)
+
+    def _load_settings(self) -> None:
+        path = self._settings_path()
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        values = data.get("values", {}) if isinstance(data, dict) else {}
+        self._loading = True
+        try:
+            for spec in self.specs:
+                if spec.name not in values:
+                    continue
+                try:
+                    _from_json(spec, self.inputs[spec.name], values[spec.name])
+                except (TypeError, ValueError, KeyError) as exc:
+                    log.info("ignoring remembered %s=%r: %s", spec.flag, values[spec.name], exc)
+        finally:
+            self._loading = False
+
+    def _on_input_changed(self, *_: Any) -> None:
+        if self._loading or self._closed:
+            return
+        self.save_settings()
+        if self.job is None or self.job.done:
+            self._update_folder_from_params()
+
+    def _update_folder_from_params(self) -> None:
+        if "o" not in self.inputs:
+            return
+        text = self.inputs["o"].line_edit.value.strip()
+        if not text:
+            self.folder.value = ""
+            return
+        spec = next(s for s in self.specs if s.name == "o")
+        out = Path(text)
+        self.folder.value = str(out if _path_mode(spec) == "d" else out.parent)
+
+    # -- running -----------------------------------------------------------------------------------------
+
+    def _set_status(self, text: str, error: bool = False) -> None:
+        if self._closed:
+            return
+        self.status.value = text
+        self.status.native.setStyleSheet("color: #ff6464;" if error else "")
+
+    def _report_error(self, message: str) -> None:
+        self.last_error = message
+        self._set_status(message, error=True)
+        show_error(message)
+
+    def start_job(self, *_: Any) -> Job | None:
+        """Validate the parameters and submit the job; on bad values show the error and start nothing."""
+        if self.job is not None and not self.job.done:
+            return self.job
+        try:
+            params = self.build_params()
+        except (InputError, TypeError, ValueError) as exc:
+            self._report_error(f"{self.job_name}: {error_message(exc)}")
+            return None
+        self.last_error = None
+        self.last_params = params
+        self.save_settings()
+        if self._runner is None:
+            runner = get_runner(_device_of(params))
+        else:
+            runner = self._runner
+        self.progress.max = 1
+        self.progress.value = 0
+        self._set_status(f"{self.job_name}: submitted")
+        module = self.job_module
+        handlers = {
+            Started: self._on_started,
+            Progress: self._on_progress,
+            Message: self._on_message,
+            Finished: self._on_finished,
+            MapUpdated: self.display.handle,
+            FscUpdated: self.display.handle,
+            MicrographPicked: self.display.handle,
+            IterationFinished: self._on_iteration,
+        }
+        self.job = runner.submit(self.job_name, lambda: module.run(params), handlers=handlers,
+                                 on_state=self._on_state)
+        self._on_state(self.job)  # submit() may have started it before self.job was set
+        return self.job
+
+    def cancel_job(self, *_: Any) -> None:
+        """Cancel this widget's job (running: at its next step; queued: removed)."""
+        if self.job is not None and not self.job.done:
+            self.job.cancel()
+
+    def _on_state(self, job: Job) -> None:
+        if self._closed or job is not self.job:
+            return
+        active = job.state in (JobState.QUEUED, JobState.RUNNING)
+        if job.done and self.display.pending:
+            self.display.flush()
+        self.run_button.enabled = job.done
+        self.cancel_button.enabled = active
+        if job.state is JobState.QUEUED:
+            current = job.runner.current
+            self._set_status(f"{self.job_name}: queued" + (f" (waiting for {current.name})" if current else ""))
+        elif job.state is JobState.CANCELLED:
+            self._set_status(f"{self.job_name}: cancelled; files already written are kept")
+        elif job.state is JobState.FAILED:
+            self.last_error = f"{self.job_name} failed: {error_message(job.error)}" if job.error else "failed"
+            self._set_status(self.last_error, error=True)
+
+    def _on_started(self, ev: Started) -> None:
+        if ev.output_dir is not None:
+            self.folder.value = str(ev.output_dir)
+        self._set_status(f"{self.job_name}: running on {ev.backend}" + (f" — {ev.message}" if ev.message else ""))
+
+    def _on_progress(self, ev: Progress) -> None:
+        total = max(int(ev.total), 0)
+        self.progress.max = total if total > 0 else 0
+        self.progress.value = min(int(ev.done), total) if total > 0 else 0
+        stage = f"{ev.stage} " if ev.stage else ""
+        self._set_status(f"{self.job_name}: {stage}{ev.done}/{ev.total}")
+
+    def _on_message(self, ev: Message) -> None:
+        self._set_status(f"{self.job_name}: {ev.text}")
+        if ev.level == "warning":
+            show_warning(f"{self.job_name}: {ev.text}")
+
+    def _on_iteration(self, ev: IterationFinished) -> None:
+        self.display.handle(ev)
+        if ev.summary:
+            self._set_status(f"{self.job_name}: iteration {ev.iteration}: {ev.summary}")
+
+    def _on_finished(self, ev: Finished) -> None:
+        self.display.flush()
+        if self.progress.max > 0:
+            self.progress.value = self.progress.max
+        else:
+            self.progress.max, self.progress.value = 1, 1
+        outputs = [Path(p) for p in ev.outputs.values()] if ev.outputs else []
+        if outputs and not self.folder.value:
+            first = outputs[0]
+            self.folder.value = str(first if first.is_dir() else first.parent)
+        self._set_status(f"{self.job_name}: finished" + (f" — {ev.summary}" if ev.summary else ""))
+
+    # -- folder, close -----------------------------------------------------------------------------------
+
+    def open_folder(self, *_: Any) -> bool:
+        """Open the job folder in the system file browser; False (with a status message) if it does not exist."""
+        text = self.folder.value.strip()
+        if not text or not Path(text).is_dir():
+            self._set_status(f"job folder {text or '(none)'} does not exist yet")
+            return False
+        return _open_in_file_browser(Path(text))
+
+    def _on_destroyed(self, *_: Any) -> None:
+        self._closed = True
+        job = self.job
+        if job is not None and not job.done:
+            job.cancel()
+
+
+def _open_in_file_browser(path: Path) -> bool:
+    from qtpy.QtCore import QUrl
+    from qtpy.QtGui import QDesktopServices
+
+    return bool(QDesktopServices.openUrl(QUrl.fromLocalFile(str(path.resolve()))))
+
+
+def make_job_widget(viewer: napari.viewer.Viewer, job_module: Any, *,
+                    runner: JobRunner | None = None) -> JobWidget:
+    """The dock widget of ``job_module`` (see the module docstring). ``runner`` defaults to the shared
+    runner of the device named by the parameters (``cpu`` / ``gpu`` fields)."""
+    return JobWidget(viewer, job_module, runner=runner)
+
+
+def job_widget_class(job_module: Any) -> type[JobWidget]:
+    """A JobWidget subclass bound to ``job_module``, constructed as ``cls(viewer)``.
+
+    napari's dock-widget machinery passes the viewer only to a callable whose ``__init__`` asks for it
+    (an argument annotated ``napari.viewer.Viewer``); a plain factory function would be called without
+    arguments. The manifest therefore points at classes made by this function.
+    """
+
+    def __init__(self: JobWidget, viewer: napari.viewer.Viewer) -> None:
+        JobWidget.__init__(self, viewer, job_module)
+
+    __init__.__annotations__["viewer"] = "napari.viewer.Viewer"
+    name = "".join(part.capitalize() for part in getattr(job_module, "JOB_NAME", "job").split("_")) + "Widget"
+    return type(name, (JobWidget,), {"__init__": __init__, "__module__": __name__, "__qualname__": name})
