@@ -307,6 +307,39 @@ def test_cancel_keeps_viewer_usable_and_files_complete(make_napari_viewer, qtbot
     assert w.job.state is JobState.FINISHED
 
 
+def test_quit_from_task_list_or_closing_the_viewer_stops_the_job(make_napari_viewer, qtbot, tmp_path, errors):
+    viewer = make_napari_viewer()
+    w = make_job_widget(viewer, toy)
+    w.set_values(o=tmp_path / "a", steps=100, delay=0.02, maps=False)
+    w.run_button.native.click()
+    qtbot.waitUntil(lambda: (tmp_path / "a" / "step001.bin").exists(), timeout=10_000)
+    w.job.worker.quit()  # what napari's task list (and closing the window) does
+    _wait_done(qtbot, w, timeout=5_000)
+    assert w.job.state is JobState.CANCELLED and not errors
+
+    viewer.window.add_dock_widget(w, name="toy")
+    w.set_values(o=tmp_path / "b")
+    job = w.start_job()
+    qtbot.waitUntil(lambda: (tmp_path / "b" / "step001.bin").exists(), timeout=10_000)
+    viewer.close()  # the window goes, the widget is deleted: the job must stop and its thread end
+    qtbot.waitUntil(lambda: not job.worker.is_running, timeout=5_000)
+    assert len(list((tmp_path / "b").glob("step*.bin"))) < 100
+
+
+def test_open_folder_button(make_napari_viewer, tmp_path, monkeypatch):
+    opened = []
+    monkeypatch.setattr(jw, "_open_in_file_browser", lambda p: opened.append(p) or True)
+    viewer = make_napari_viewer()
+    w = make_job_widget(viewer, toy)
+    w.set_values(o=tmp_path / "job")
+    assert w.folder.value == str(tmp_path / "job")
+    w.open_button.native.click()
+    assert opened == [] and "does not exist yet" in w.status.value
+    (tmp_path / "job").mkdir()
+    w.open_button.native.click()
+    assert opened == [tmp_path / "job"]
+
+
 def test_jobs_queue_one_at_a_time(make_napari_viewer, qtbot, tmp_path, errors):
     viewer = make_napari_viewer()
     runner = JobRunner("test-device")
