@@ -127,9 +127,11 @@ def _subsample(image: np.ndarray, pixels: int = CONTRAST_SAMPLE_PIXELS) -> np.nd
 
 
 def iso_level(volume: np.ndarray) -> float:
-    """An iso-surface threshold separating density from solvent: Otsu's threshold of the voxel histogram.
+    """An iso-surface threshold separating density from solvent.
 
-    Computed on a subsample of at most ~1M voxels; falls back to the midpoint for a flat volume.
+    Otsu's threshold of the voxel histogram, raised to median + 4 noise sigmas (sigma from the median
+    absolute deviation; most voxels of a map are solvent) when the map is noisy, so that the surface of a
+    noisy half map is not drawn through its noise. Computed on a subsample of at most ~1M voxels.
     """
     vol = np.asarray(volume, dtype=np.float32)
     step = max(1, int(np.ceil((vol.size / 2**20) ** (1 / 3))))
@@ -148,7 +150,11 @@ def iso_level(volume: np.ndarray) -> float:
     mu0 = np.divide(m0, w0, out=np.zeros_like(m0), where=w0 > 0)
     mu1 = np.divide(m0[-1] - m0, w1, out=np.zeros_like(m0), where=w1 > 0)
     between = w0 * w1 * (mu0 - mu1) ** 2
-    return float(edges[int(np.argmax(between)) + 1])
+    otsu = float(edges[int(np.argmax(between)) + 1])
+    median = float(np.median(values))
+    noise = 1.4826 * float(np.median(np.abs(values - median)))
+    above_noise = median + 4.0 * noise
+    return above_noise if otsu < above_noise < hi else otsu
 
 
 def _units(ndim: int, pixel_size: float | None, stack_axes: int = 0) -> tuple[tuple, tuple]:

@@ -184,7 +184,7 @@ def _make_input(spec: FieldSpec) -> Any:
     if spec.optional and spec.kind in ("int", "float", "str"):
         return LineEdit(value="" if spec.default is None else str(spec.default), **common)
     if spec.kind == "bool":
-        return CheckBox(value=bool(spec.default), text="", **common)
+        return CheckBox(value=bool(spec.default), text=spec.flag, **common)
     if spec.kind == "int":
         return SpinBox(value=int(spec.default or 0), min=int(md.get("min", -_INT_LIMIT)),
                        max=int(md.get("max", _INT_LIMIT)), step=int(md.get("step", 1)), **common)
@@ -284,9 +284,11 @@ class JobWidget(Container):
         buttons = Container(widgets=[self.run_button, self.cancel_button], layout="horizontal", labels=False,
                             name="job_buttons", label="")
         buttons.margins = (0, 0, 0, 0)
+        buttons.label = " "
         self.progress = ProgressBar(value=0, min=0, max=1, name="job_progress", label="progress")
         self.status = Label(value="ready", name="job_status", label="status")
         self.status.native.setWordWrap(True)
+        self.status.native.setAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter)
         self.status.native.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.folder = LineEdit(value="", name="job_folder", label="job folder")
         self.folder.native.setReadOnly(True)
@@ -311,7 +313,10 @@ class JobWidget(Container):
 
     @property
     def runner(self) -> JobRunner | None:
-        return self._runner
+        """The runner given at construction, else the one that ran the last job (None before any)."""
+        if self._runner is not None:
+            return self._runner
+        return self.job.runner if self.job is not None else None
 
     def values(self) -> dict[str, Any]:
         """Current field values as Params keyword arguments (InputError for unparsable text)."""
