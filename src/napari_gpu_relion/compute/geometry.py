@@ -27,8 +27,8 @@ from functools import cache
 
 import numpy as np
 
-from napari_gpu_relion.compute.backend import get_array_module
-from napari_gpu_relion.errors import InputError
+from .backend import get_array_module
+from ..errors import InputError
 
 __all__ = [
     "SymmetryGroup",

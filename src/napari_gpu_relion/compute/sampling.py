@@ -15,12 +15,12 @@ from functools import lru_cache
 
 import numpy as np
 
-from napari_gpu_relion.compute.geometry import (
+from .geometry import (
     _canonical_name,
     symmetry_group,
     view_direction,
 )
-from napari_gpu_relion.errors import InputError
+from ..errors import InputError
 
 __all__ = [
     "LocalSearch",
