@@ -27,8 +27,8 @@ from functools import cache
 
 import numpy as np
 
-from .backend import get_array_module
 from ..errors import InputError
+from .backend import get_array_module
 
 __all__ = [
     "SymmetryGroup",

@@ -15,12 +15,12 @@ from functools import lru_cache
 
 import numpy as np
 
+from ..errors import InputError
 from .geometry import (
     _canonical_name,
     symmetry_group,
     view_direction,
 )
-from ..errors import InputError
 
 __all__ = [
     "LocalSearch",
