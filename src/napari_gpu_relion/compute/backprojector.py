@@ -190,7 +190,7 @@ class BackProjector:
             W = W + add
         # floor: shell mean of W / 1000, shells r' = FLOOR(|q|/pf)
         rfloor = xp.floor(xp.sqrt(q2) / pf).astype(np.int64)
-        nsh = int(pf * self.r_max / pf) + 2
+        nsh = int(self.r_max) + 2
         rf = xp.where(inside, rfloor, nsh)
         sums = xp.bincount(rf.reshape(-1), weights=xp.where(inside, W, 0).reshape(-1), minlength=nsh + 1)
         cnts = xp.bincount(rf.reshape(-1), minlength=nsh + 1)
@@ -199,7 +199,7 @@ class BackProjector:
         data = self.data
         Vhat = xp.where(inside & (denom > 0), data / xp.where(denom > 0, denom, 1.0), 0)
         P = self.padded_size
-        vol_pad = irfft_centered(Vhat, P, ndim) * (1.0 if ndim == 2 else 1.0)
+        vol_pad = irfft_centered(Vhat, P, ndim)
         scale = 1.0 / (pf**3 * N) if ndim == 3 else 1.0 / pf**2
         lo = P // 2 - N // 2
         sl = tuple(slice(lo, lo + N) for _ in range(ndim))

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..compute.fsc import fsc, fsc_to_full, resolution_A, resolution_shell
-from ..io.mrc import read_mrc
+from ..io.mrc import read_mrc, write_mrc
 from . import mask_create, postprocess, reconstruct
 from .common import param
 from .events import Finished, Message, Started
@@ -57,8 +57,6 @@ def run(p: Params) -> Iterator:
     h1 = read_mrc(halves[0])
     apix = float(h1.pixel_size)
     joined = 0.5 * (np.asarray(h1.data, np.float64) + np.asarray(read_mrc(halves[1]).data, np.float64))
-    from ..io.mrc import write_mrc  # noqa: PLC0415
-
     jpath = write_mrc(out / "Reconstruct" / "joined.mrc", joined.astype(np.float32), apix)
     yield Message("Mask from the joined map (lowpass 15 Å, threshold at 3% of max, extend 2 px, edge 4 px)")
     mpath = out / "MaskCreate" / "mask.mrc"
