@@ -1,0 +1,498 @@
+"""One E-step over a batch of particles: preprocessing, the coarse pass, the fine (oversampled) pass, the
+per-particle results and the weighted sums for the M-step (relion_algorithm.md 2.4-3.7).
+
+Orientation "rows" are (class, orientation) pairs, class-major. A global search scores every row with one
+GEMM shared by all particles; a local search (or the fine pass) gathers each particle's own candidate rows and
+uses batched GEMMs (compute/expectation.py). Fine candidates are the 8 orientation x 4 translation children of
+each significant coarse sample; non-candidates are masked with a log-prior of -inf, so the products stay dense.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .backend import get_array_module, to_host
+from .ctf import CtfParams, ctf_from_frequencies
+from .expectation import (
+    PixelSet,
+    fine_sums,
+    gather_pixels,
+    particle_terms,
+    posterior_weights,
+    scores_gathered,
+    scores_shared,
+    translation_ramps,
+)
+from .fourier import irfft_centered, rfft_centered, shell_sum
+from .geometry import euler_to_matrix
+from .masks import soft_mask_outside
+from .projector import FourierReference, project_pixels
+from .sampling import (
+    angular_step,
+    direction_grid,
+    oversampled_directions,
+    oversampled_psi,
+    oversampled_translations,
+    psi_angles,
+    translation_grid,
+)
+
+# ----------------------------------------------------------------------------------------------------------
+# Sampling of one iteration
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sampling:
+    """Coarse orientations and translations of one iteration, with RELION's random perturbation.
+
+    Orientation index r = idir * n_psi + ipsi (direction-major). Translations in pixels. ``perturb`` is
+    RELION's rho in [-0.5, 0.5]: angles are perturbed by rho x (angular step) about all three Euler axes,
+    translations by rho x (offset step)."""
+
+    order: int
+    sym: str = "C1"
+    psi_step: float | None = None
+    offset_range: float = 5.0
+    offset_step: float = 2.0
+    perturb: float = 0.0
+    oversampling: int = 1
+    dir_pix: np.ndarray = field(init=False)
+    rot: np.ndarray = field(init=False)
+    tilt: np.ndarray = field(init=False)
+    psi: np.ndarray = field(init=False)
+    translations: np.ndarray = field(init=False)
+
+    def __post_init__(self):
+        self.dir_pix, self.rot, self.tilt = direction_grid(self.order, self.sym)
+        self.psi = psi_angles(self.angular_step if self.psi_step is None else self.psi_step)
+        t = translation_grid(self.offset_range, self.offset_step, 2)
+        self.translations = t + self.perturb * self.offset_step
+
+    @property
+    def angular_step(self) -> float:
+        return angular_step(self.order)
+
+    @property
+    def psi_step_actual(self) -> float:
+        return 360.0 / self.psi.size
+
+    @property
+    def fine_angular_step(self) -> float:
+        return self.angular_step / (1 << self.oversampling)
+
+    @property
+    def fine_offset_step(self) -> float:
+        return self.offset_step / (1 << self.oversampling)
+
+    @property
+    def n_dirs(self) -> int:
+        return int(self.dir_pix.size)
+
+    @property
+    def n_psi(self) -> int:
+        return int(self.psi.size)
+
+    @property
+    def n_orient(self) -> int:
+        return self.n_dirs * self.n_psi
+
+    def _perturbation(self) -> np.ndarray:
+        d = self.perturb * self.angular_step
+        return euler_to_matrix(d, d, d)
+
+    def coarse_angles(self, r) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        r = np.asarray(r)
+        return self.rot[r // self.n_psi], self.tilt[r // self.n_psi], self.psi[r % self.n_psi]
+
+    def coarse_matrices(self, r=None) -> np.ndarray:
+        """(n, 3, 3) perturbed matrices of coarse orientations r (default all)."""
+        r = np.arange(self.n_orient) if r is None else np.asarray(r)
+        return euler_to_matrix(*self.coarse_angles(r)) @ self._perturbation()
+
+    def fine_matrices(self, r) -> np.ndarray:
+        """(n, 8, 3, 3) perturbed matrices of the oversampled children of coarse orientations r
+        (4^q directions x 2^q psi, psi innermost, as RELION's iover_rot)."""
+        r = np.asarray(r)
+        q = self.oversampling
+        _, crot, ctilt = oversampled_directions(self.order, self.dir_pix[r // self.n_psi], q)  # (n, 4)
+        cpsi = oversampled_psi(self.psi[r % self.n_psi], self.psi_step_actual, q)  # (n, 2)
+        nd, npsi = crot.shape[-1], cpsi.shape[-1]
+        rot = np.repeat(crot, npsi, axis=-1)
+        tilt = np.repeat(ctilt, npsi, axis=-1)
+        psi = np.tile(cpsi, (1, nd))
+        return euler_to_matrix(rot, tilt, psi) @ self._perturbation()
+
+    def fine_translations(self) -> np.ndarray:
+        """(T, 4, 2) children of each coarse translation (pixels, x slowest)."""
+        return oversampled_translations(self.translations, self.offset_step, self.oversampling)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Particle preprocessing
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PreparedBatch:
+    """Fourier data of a batch at the full box (RELION getFourierTransformsAndCtfs)."""
+
+    F_masked: object  # (I, N, N//2+1) complex: masked image, pre-shifted by the rounded offset
+    F_unmasked: object  # (I, N, N//2+1) complex: unmasked, pre-shifted (for the back-projection)
+    rounded_offsets: np.ndarray  # (I, 2) integer pixels applied in real space
+
+
+def prepare_batch(images, norm_factor, offsets_px, mask_radius_px: float, mask_edge_px: float = 5.0,
+                  noise_sigma2=None, seed: int = 0) -> PreparedBatch:
+    """images (I, N, N) float32 on the device; norm_factor (I,) = n_avg / n_i (1 without --norm);
+    offsets_px (I, 2) current origin offsets. Steps: scale, shift by ROUND(offset) (a circular shift; the
+    mask removes what wraps), soft circular mask of ``mask_radius_px`` with a ``mask_edge_px`` raised-cosine
+    edge filled with the outside mean (--zero_mask) or, given ``noise_sigma2`` (shells 0..N/2), with
+    coloured Gaussian noise of that spectrum."""
+    xp = get_array_module(images)
+    I, N = images.shape[0], images.shape[-1]
+    rounded = np.sign(offsets_px) * np.floor(np.abs(offsets_px) + 0.5)
+    x = images.astype(np.float32) * xp.asarray(norm_factor, dtype=np.float32)[:, None, None]
+    F = rfft_centered(x, 2)
+    from .fourier import phase_shift_2d  # noqa: PLC0415
+
+    Fu = phase_shift_2d(F, xp.asarray(rounded), N)
+    xs = irfft_centered(Fu, N, 2).astype(np.float32)
+    background = None
+    if noise_sigma2 is not None:
+        from .fourier import shell_grid  # noqa: PLC0415
+
+        shells = xp.minimum(shell_grid(N, 2, xp), N // 2)
+        s2 = xp.asarray(noise_sigma2, dtype=np.float64)[shells]
+        rs = xp.random.RandomState(seed) if xp is not np else np.random.RandomState(seed)
+        g = rs.standard_normal((2, I, N, N // 2 + 1))
+        noise_F = (g[0] + 1j * g[1]) * xp.sqrt(s2)
+        background = irfft_centered(noise_F, N, 2).astype(np.float32)
+    xm = soft_mask_outside(xs, mask_radius_px, mask_edge_px, 2, background=background)
+    Fm = rfft_centered(xm.astype(np.float32), 2)
+    return PreparedBatch(Fm, Fu, rounded)
+
+
+def shell_power(F, nshells: int, unique_mask=None):
+    """(I, nshells) sum of |F|^2 per shell over the unique half grid."""
+    from .fourier import hermitian_unique_mask, shell_grid  # noqa: PLC0415
+
+    xp = get_array_module(F)
+    N = F.shape[-2]
+    sh = shell_grid(N, 2, xp)
+    sh = xp.where(hermitian_unique_mask(N, 2, xp), sh, -1)
+    return shell_sum((F.real * F.real + F.imag * F.imag).astype(np.float64), sh, nshells)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Accumulators of one E-step (per half / per class)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EStepSums:
+    """What the M-step needs, summed over the particles of one half (host float64 except the
+    back-projectors, which stay on the device)."""
+
+    backprojectors: list  # one BackProjector per class
+    n_shells: int
+    n_groups: int
+    n_dirs: int
+    sigma2: np.ndarray = None  # (G, n_shells) sum w |CP - X|^2 per shell
+    sumw_group: np.ndarray = None  # (G,)
+    pdf_class: np.ndarray = None  # (K,)
+    pdf_direction: np.ndarray = None  # (K, n_dirs)
+    sigma_offset: float = 0.0  # sum w |o - mu|^2, Å^2
+    sum_weight: float = 0.0
+    n_scale_groups: int = 1
+    xa: np.ndarray = None  # (n_scale_groups,) sum w Re(conj(CP) X) over shells with SSNR > 3
+    aa: np.ndarray = None  # (n_scale_groups,) sum w |CP|^2 over the same shells
+    log_likelihood: float = 0.0
+    sum_pmax: float = 0.0
+    n_particles: int = 0
+
+    def __post_init__(self):
+        K = len(self.backprojectors)
+        self.sigma2 = np.zeros((self.n_groups, self.n_shells))
+        self.sumw_group = np.zeros(self.n_groups)
+        self.pdf_class = np.zeros(K)
+        self.pdf_direction = np.zeros((K, self.n_dirs))
+        self.xa = np.zeros(self.n_scale_groups)
+        self.aa = np.zeros(self.n_scale_groups)
+
+
+@dataclass
+class BatchResult:
+    """Per-particle results of a batch (host arrays)."""
+
+    matrices: np.ndarray  # (I, 3, 3) best orientation
+    classes: np.ndarray  # (I,) 0-based
+    offsets_px: np.ndarray  # (I, 2) new origin offsets (rounded + best fine translation)
+    pmax: np.ndarray
+    nr_significant: np.ndarray
+    log_likelihood: np.ndarray
+    residual_power: np.ndarray  # (I,) E_i for the norm correction
+
+
+@dataclass
+class EStepSetup:
+    """Everything shared by the batches of one half in one iteration."""
+
+    refs: list  # FourierReference per class
+    sampling: Sampling
+    pix_coarse: PixelSet
+    pix_fine: PixelSet
+    pixel_size: float
+    sigma2: object  # (G, N/2+1) noise spectra on the device
+    log_pdf_direction: object = None  # (K, n_dirs) device, for global searches (None -> uniform)
+    sigma_offset_A: float = 10.0
+    adaptive_fraction: float = 0.999
+    cc: bool = False
+    scale_shells: object = None  # (K,) per pixel of the fine set: True where SSNR_MAP > 3 (group scale sums)
+    max_fine_bytes: int = 1 << 28
+    P_coarse: object = None  # (K * R, Kc) coarse slices for global searches (computed once)
+
+    def coarse_slices(self):
+        if self.P_coarse is None:
+            xp = get_array_module(self.refs[0].data)
+            A = xp.asarray(self.sampling.coarse_matrices())
+            kx, ky = self.pix_coarse.kx, self.pix_coarse.ky
+            self.P_coarse = xp.concatenate([project_pixels(ref, A, kx, ky) for ref in self.refs], axis=0)
+        return self.P_coarse
+
+
+def _weights_for(sigma2_rows, pix: PixelSet, xp):
+    """w = 1/(2 sigma2) per pixel (0 at DC) and m = 1/sigma2 (DC kept) for each particle's group rows."""
+    s2 = sigma2_rows[:, pix.shell]  # (I, K)
+    inv = xp.where(s2 > 0, 1.0 / xp.maximum(s2, 1e-30), 0.0)
+    w = xp.where(pix.shell[None, :] >= 1, 0.5 * inv, 0.0).astype(np.float32)
+    return w, inv.astype(np.float32)
+
+
+def _log_trans_prior(offsets_round_px, trans_px, pixel_size: float, sigma_A: float, xp, prior_A=None):
+    """(I, T) log prior -|o + t - mu|^2 / (2 sigma^2) in Å (one unit throughout, see relion_algorithm 2.8)."""
+    o = xp.asarray(offsets_round_px, dtype=np.float64)[:, None, :] + xp.asarray(trans_px)[None, :, :]
+    d = o * pixel_size
+    if prior_A is not None:
+        d = d - xp.asarray(prior_A)[:, None, :]
+    r2 = (d * d).sum(-1)
+    if sigma_A ** 2 < 1e-4:
+        return xp.where(r2 < 1e-8, 0.0, -np.inf)
+    return -r2 / (2.0 * sigma_A**2)
+
+
+def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | None, groups, scale,
+                      sums: EStepSums, candidates=None, candidate_log_prior=None,
+                      scale_group_index=None) -> BatchResult:
+    """Coarse and fine passes for one batch; adds the weighted sums into ``sums`` and returns the
+    per-particle results.
+
+    groups (I,) 0-based optics group of each particle; scale (I,) group intensity scale s_g.
+    candidates (I, n) coarse rows per particle (local searches; -1 pads) with their log priors, or None for
+    a global search over every row with the direction prior ``setup.log_pdf_direction``."""
+    xp = get_array_module(prep.F_masked)
+    smp = setup.sampling
+    R = smp.n_orient
+    K = len(setup.refs)
+    I, N = prep.F_masked.shape[0], prep.F_masked.shape[-2]
+    pc, pf = setup.pix_coarse, setup.pix_fine
+    sig2_rows = setup.sigma2[xp.asarray(groups)]
+    scale_d = xp.asarray(scale, dtype=np.float32)[:, None]
+
+    def ctf_at(pix):
+        if ctf is None:
+            return xp.broadcast_to(scale_d, (I, pix.npix)).astype(np.float32)
+        c = ctf_from_frequencies(ctf, pix.kx / (N * setup.pixel_size), pix.ky / (N * setup.pixel_size), xp)
+        return c * scale_d
+
+    # ---- coarse pass ----
+    Xc = gather_pixels(prep.F_masked, pc)
+    wc, _ = _weights_for(sig2_rows, pc, xp)
+    ramps_c = translation_ramps(pc, smp.translations)
+    terms = particle_terms(Xc, ctf_at(pc), wc, ramps_c, cc=setup.cc)
+    lp_trans = _log_trans_prior(prep.rounded_offsets, smp.translations, setup.pixel_size, setup.sigma_offset_A, xp)
+    if candidates is None:
+        d2 = scores_shared(setup.coarse_slices(), terms)  # (I, T, K R)
+        lp_rot = xp.zeros(K * R) if setup.log_pdf_direction is None else \
+            xp.repeat(xp.asarray(setup.log_pdf_direction).reshape(-1), smp.n_psi)
+        lp = lp_trans[:, :, None] + lp_rot[None, None, :]
+        cand = None
+    else:
+        cand = xp.asarray(candidates)
+        valid = cand >= 0
+        urows, pos = xp.unique(xp.where(valid, cand, 0), return_inverse=True)
+        pos = pos.reshape(cand.shape)
+        Pu = _project_rows(setup, to_host(urows), pc, fine=False)
+        d2 = scores_gathered(Pu[pos], terms)
+        lpr = xp.where(valid, xp.asarray(candidate_log_prior), -np.inf)
+        lp = lp_trans[:, :, None] + lpr[:, None, :]
+    Wc = posterior_weights(d2, lp, setup.adaptive_fraction, cc=setup.cc)
+    n_rows = d2.shape[2]
+    sig = Wc.significant.reshape(I, -1, n_rows)  # (I, T, n)
+    del d2, terms
+
+    # ---- fine pass: significant coarse rows per particle, gathered ----
+    sig_rot = sig.any(axis=1)  # (I, n)
+    cnt = sig_rot.sum(axis=1)
+    n2 = int(to_host(cnt.max()))
+    key = (~sig_rot).astype(np.int64) * n_rows + xp.arange(n_rows)[None, :]
+    order = xp.argsort(key, axis=1)[:, :n2]  # significant positions first, in index order
+    valid2 = xp.arange(n2)[None, :] < cnt[:, None]
+    rows2 = order if cand is None else xp.take_along_axis(cand, order, axis=1)  # global row ids
+    rows2 = xp.where(valid2, rows2, 0)
+    urows2, pos2 = xp.unique(rows2, return_inverse=True)
+    pos2 = pos2.reshape(rows2.shape)
+    urows2_h = to_host(urows2)
+    Pf = _project_rows(setup, urows2_h, pf, fine=True)  # (U*8, Kf)
+    nover = Pf.shape[0] // max(1, urows2_h.size)
+    fine_t = smp.fine_translations()  # (T, 4, 2)
+    T, ntov = fine_t.shape[0], fine_t.shape[1]
+    ramps_f = translation_ramps(pf, fine_t.reshape(-1, 2))
+    Xf = gather_pixels(prep.F_masked, pf)
+    Xu = gather_pixels(prep.F_unmasked, pf)
+    wf, mf = _weights_for(sig2_rows, pf, xp)
+    cf = ctf_at(pf)
+    if cand is None:
+        lp_rot2 = xp.zeros(rows2.shape) if setup.log_pdf_direction is None else \
+            xp.asarray(setup.log_pdf_direction).reshape(-1)[rows2 // smp.n_psi]
+    else:
+        lp_rot2 = xp.take_along_axis(xp.asarray(candidate_log_prior), order, axis=1)
+    # fine candidate mask: parent (t, row) significant
+    sig_parent = xp.take_along_axis(sig, xp.broadcast_to(order[:, None, :], (I, T, n2)), axis=2)
+    sig_parent &= valid2[:, None, :]
+    lp_parent = xp.where(sig_parent, lp_trans[:, :, None] + lp_rot2[:, None, :], -np.inf)  # (I, T, n2)
+
+    res_best_row = xp.zeros(I, dtype=np.int64)
+    res_best_t = xp.zeros(I, dtype=np.int64)
+    pmax = xp.zeros(I)
+    logev = xp.zeros(I)
+    resid = xp.zeros(I)
+    bp_slices = xp.zeros((urows2_h.size * nover, 2 * pf.npix), dtype=np.float32)
+    bp_weights = xp.zeros((urows2_h.size * nover, pf.npix), dtype=np.float32)
+    row_of = (pos2[:, :, None] * nover + xp.arange(nover)[None, None, :]).reshape(I, n2 * nover)
+    per_particle = max(1, n2 * nover * pf.npix * 8 * 6 + T * ntov * n2 * nover * 8 * 4)
+    chunk = max(1, int(setup.max_fine_bytes // per_particle))
+    shells_f = pf.shell
+    sig2_acc = xp.zeros((I, sums.n_shells))
+    trans_w_all = xp.zeros((I, T * ntov))
+    row_w_all = xp.zeros((I, n2 * nover))
+    xa_i = xp.zeros(I)
+    aa_i = xp.zeros(I)
+    for s0 in range(0, I, chunk):
+        s1 = min(I, s0 + chunk)
+        sl = slice(s0, s1)
+        Pg = Pf[row_of[sl]]  # (i, n2*8, Kf)
+        tf = particle_terms(Xf[sl], cf[sl], wf[sl], ramps_f, cc=setup.cc)
+        d2f = scores_gathered(Pg, tf)  # (i, T*4, n2*8)
+        ni = s1 - s0
+        lp_fine = xp.broadcast_to(lp_parent[sl, :, None, :, None], (ni, T, ntov, n2, nover))
+        Wf = posterior_weights(d2f, lp_fine.reshape(ni, T * ntov, n2 * nover), setup.adaptive_fraction,
+                               cc=setup.cc)
+        nn = n2 * nover
+        res_best_row[sl] = Wf.best % nn
+        res_best_t[sl] = Wf.best // nn
+        pmax[sl] = Wf.pmax
+        logev[sl] = Wf.log_evidence - tf.x2 if not setup.cc else Wf.log_evidence
+        w = Wf.w.reshape(ni, T * ntov, nn)
+        fs = fine_sums(w, Pg, Xf[sl], Xu[sl], cf[sl], mf[sl], ramps_f)
+        # back-projection slices summed per distinct fine row (scatter over the batch's union)
+        rows_flat = row_of[sl].reshape(-1)
+        _scatter_rows(bp_slices, rows_flat, fs.slices.reshape(-1, 2 * pf.npix))
+        bw = fs.row_weight[:, :, None] * (cf[sl] * cf[sl] * mf[sl])[:, None, :]
+        _scatter_rows(bp_weights, rows_flat, bw.reshape(-1, pf.npix))
+        sig2_acc[sl] = shell_sum(fs.noise, shells_f, sums.n_shells)
+        resid[sl] = fs.noise.sum(axis=1)
+        trans_w_all[sl] = fs.trans_weight
+        row_w_all[sl] = fs.row_weight
+        if setup.scale_shells is not None:
+            ss = setup.scale_shells
+            xa_i[sl] = (fs.xa * ss[None, :]).sum(1)
+            aa_i[sl] = (fs.aa * ss[None, :]).sum(1)
+
+    # shells beyond the fine size: the image's own power, with the particle's total weight (RELION 3.7)
+    hi = shell_power(prep.F_masked, sums.n_shells)
+    hi[:, : pf.size // 2 + 1] = 0.0
+    wtot = trans_w_all.sum(axis=1)
+    sig2_acc += hi * wtot[:, None]
+    resid += hi.sum(axis=1)
+
+    # ---- insert the summed slices (one per distinct fine orientation) into the class grids ----
+    Af = xp.asarray(smp.fine_matrices(urows2_h % R).reshape(-1, 3, 3))
+    cls_rows = np.repeat(urows2_h // R, nover)
+    wrow = to_host(bp_weights.sum(axis=1))
+    Kf = pf.npix
+    for c in range(K):
+        keep = np.flatnonzero((cls_rows == c) & (wrow > 0))
+        if keep.size:
+            kd = xp.asarray(keep)
+            vals = bp_slices[kd, :Kf].astype(np.complex64) + 1j * bp_slices[kd, Kf:]
+            sums.backprojectors[c].insert_pixels(Af[kd], pf.kx, pf.ky, vals, bp_weights[kd])
+
+    # ---- per-particle results ----
+    parent_pos = res_best_row // nover
+    child = res_best_row % nover
+    best_rows = xp.take_along_axis(rows2, parent_pos[:, None], axis=1)[:, 0]
+    best_rows_h = to_host(best_rows)
+    child_h = to_host(child)
+    mats = smp.fine_matrices(best_rows_h % R)[np.arange(I), child_h]
+    t_best = fine_t.reshape(-1, 2)[to_host(res_best_t)]
+    new_off = prep.rounded_offsets + t_best
+
+    # ---- sums for the M-step ----
+    g_h = np.asarray(groups)
+    s2_h = to_host(sig2_acc)
+    np.add.at(sums.sigma2, g_h, s2_h)
+    tw_h = to_host(trans_w_all)
+    wsum_i = tw_h.sum(axis=1)
+    np.add.at(sums.sumw_group, g_h, wsum_i)
+    rw_h = to_host(row_w_all).reshape(I, n2, nover).sum(-1)  # per coarse parent
+    rows2_h = to_host(rows2)
+    cls2 = rows2_h // R
+    dir2 = (rows2_h % R) // smp.n_psi
+    np.add.at(sums.pdf_direction, (cls2.reshape(-1), dir2.reshape(-1)), rw_h.reshape(-1))
+    np.add.at(sums.pdf_class, cls2.reshape(-1), rw_h.reshape(-1))
+    tot = prep.rounded_offsets[:, None, :] + fine_t.reshape(-1, 2)[None]  # (I, T4, 2) px
+    sums.sigma_offset += float((tw_h * (tot**2).sum(-1)).sum() * setup.pixel_size**2)
+    sums.sum_weight += float(wsum_i.sum())
+    if setup.scale_shells is not None and scale_group_index is not None:
+        np.add.at(sums.xa, np.asarray(scale_group_index), to_host(xa_i))
+        np.add.at(sums.aa, np.asarray(scale_group_index), to_host(aa_i))
+    ll = to_host(logev)
+    pm = to_host(pmax)
+    sums.log_likelihood += float(ll.sum())
+    sums.sum_pmax += float(pm.sum())
+    sums.n_particles += I
+    return BatchResult(mats, best_rows_h // R, new_off, pm, to_host(Wc.nr_significant), ll, to_host(resid))
+
+
+def _scatter_rows(target, rows, vals):
+    xp = get_array_module(target)
+    if xp is np:
+        np.add.at(target, rows, vals)
+    else:
+        import cupyx  # noqa: PLC0415
+
+        cupyx.scatter_add(target, rows, vals)
+
+
+def _project_rows(setup: EStepSetup, rows: np.ndarray, pix: PixelSet, fine: bool):
+    """Slices of global rows (class-major) at a pixel set: coarse (n, K) or fine children (n * 8, K)."""
+    xp = get_array_module(setup.refs[0].data)
+    smp = setup.sampling
+    R = smp.n_orient
+    rows = np.asarray(rows, dtype=np.int64)
+    nover = 8 if fine else 1
+    out = xp.zeros((rows.size * nover, pix.npix), dtype=np.complex64)
+    for c, ref in enumerate(setup.refs):
+        sel = np.flatnonzero(rows // R == c)
+        if not sel.size:
+            continue
+        r = rows[sel] % R
+        A = smp.fine_matrices(r).reshape(-1, 3, 3) if fine else smp.coarse_matrices(r)
+        vals = project_pixels(ref, xp.asarray(A), pix.kx, pix.ky)
+        dst = (sel[:, None] * nover + np.arange(nover)[None, :]).reshape(-1)
+        out[xp.asarray(dst)] = vals
+    return out
+

@@ -1,0 +1,236 @@
+"""The E-step as matrix products (DESIGN 4.3; relion_algorithm.md 3).
+
+RELION's negative log-likelihood of particle i at orientation row r (a class and an orientation) and
+translation t is, with w = 1/(2 sigma2) (0 at DC), C the particle's CTF (times its group scale), P_r the
+reference slice and X the particle's Fourier pixels:
+
+    diff2(i, t, r) = sum_k w C^2 |P_r|^2  -  2 Re sum_k conj(P_r) (w C X e_t)  +  sum_k w |X|^2
+
+The first term is one GEMM [I x K] @ [K x R]; the cross term is one real GEMM [(I T) x 2K] @ [2K x R] with real
+and imaginary parts stacked along K; the last term does not depend on (r, t) and is kept apart in float64.
+Scores are laid out (I, T, R): each particle's block is contiguous, so the softmax and the significance sort
+run over one axis. Where particles search different orientation sets (local searches, the fine pass) the
+slices are gathered per particle and the same products become batched GEMMs ``(I, T, 2K) @ (I, 2K, n)``.
+
+Everything takes NumPy or CuPy arrays and returns the same kind; nothing here loops over particles or
+orientations in Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .backend import get_array_module
+from .fourier import round_half_away, signed_index
+
+# ----------------------------------------------------------------------------------------------------------
+# Fourier pixels used at one image size
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PixelSet:
+    """The unique half-grid pixels of an N box with shell ROUND(|k|) <= s/2 (RELION's Mresol >= 0 at image
+    size s, without the redundant kx = 0, ky < 0 half column). ``flat`` indexes the (N, N//2+1) half grid."""
+
+    box: int  # N, the box of the images (Fourier pixels are 1/(N p))
+    size: int  # s, the image size in use (coarse_size or current_size)
+    kx: object  # (K,) float64
+    ky: object  # (K,) float64
+    flat: object  # (K,) int64 into the (N, N//2+1) half grid
+    shell: object  # (K,) int64, ROUND(|k|)
+
+    @property
+    def npix(self) -> int:
+        return int(self.kx.shape[0])
+
+
+def pixel_set(box: int, size: int, xp=np) -> PixelSet:
+    s = min(int(size), int(box))
+    ky = signed_index(box, xp)[:, None] * xp.ones((1, box // 2 + 1), dtype=np.int64)
+    kx = xp.arange(box // 2 + 1)[None, :] * xp.ones((box, 1), dtype=np.int64)
+    shell = round_half_away(xp.sqrt((kx * kx + ky * ky).astype(np.float64))).astype(np.int64)
+    keep = (shell <= s // 2) & ~((kx == 0) & (ky < 0))
+    flat = xp.nonzero(keep.reshape(-1))[0]
+    return PixelSet(box, s, kx.reshape(-1)[flat].astype(np.float64), ky.reshape(-1)[flat].astype(np.float64),
+                    flat, shell.reshape(-1)[flat])
+
+
+def gather_pixels(F, pix: PixelSet):
+    """(I, N, N//2+1) half-grid FTs -> (I, K) values at the pixel set."""
+    return F.reshape(F.shape[0], -1)[:, pix.flat]
+
+
+def translation_ramps(pix: PixelSet, shifts_px):
+    """e_t(k) = exp(-2 pi i k.t / N) for translations (T, 2) = (x, y) pixels: (T, K) complex64.
+    Multiplying an FT by e_t moves its content by +t (RELION's origin convention)."""
+    xp = get_array_module(pix.kx)
+    t = xp.asarray(shifts_px, dtype=np.float64).reshape(-1, 2)
+    phase = (-2.0 * np.pi / pix.box) * (t[:, 0:1] * pix.kx[None, :] + t[:, 1:2] * pix.ky[None, :])
+    return xp.exp(1j * phase).astype(np.complex64)
+
+
+def stack_complex(Z):
+    """Complex (..., K) -> real (..., 2K) float32 = [Re, Im] (the GEMM form of Re sum conj(a) b)."""
+    xp = get_array_module(Z)
+    return xp.concatenate([Z.real, Z.imag], axis=-1).astype(np.float32, copy=False)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Scores
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ParticleTerms:
+    """The particle side of the score GEMMs for a batch at one pixel set and translation set."""
+
+    Yt: object  # (I, T, 2K) float32: [Re, Im] of w C X e_t
+    wc2: object  # (I, K) float32: w C^2
+    x2: object  # (I,) float64: sum_k w |X|^2 (independent of orientation and translation)
+    cc: bool = False  # cross-correlation mode (w = 1; scores are -CC)
+    xnorm: object = None  # (I,) float64, sqrt(sum |X|^2) in CC mode
+
+
+def particle_terms(X, ctf, w, ramps, cc: bool = False) -> ParticleTerms:
+    """X (I, K) complex particle pixels, ctf (I, K) real or None, w (I, K) = 1/(2 sigma2) (0 where excluded),
+    ramps (T, K) translation phases. In CC mode w is replaced by 1 on the same pixels (w > 0)."""
+    xp = get_array_module(X)
+    if cc:
+        w = (w > 0).astype(np.float32)
+    c = xp.ones(X.shape, dtype=np.float32) if ctf is None else ctf.astype(np.float32)
+    wcx = (w * c)[:, None, :] * X[:, None, :] * ramps[None, :, :]  # (I, T, K)
+    wc2 = (w * c * c).astype(np.float32)
+    x2 = (w.astype(np.float64) * (X.real.astype(np.float64) ** 2 + X.imag.astype(np.float64) ** 2)).sum(-1)
+    xnorm = xp.sqrt(x2) if cc else None
+    return ParticleTerms(stack_complex(wcx), wc2, x2, cc, xnorm)
+
+
+def _finish_scores(cross, pnorm, terms: ParticleTerms):
+    """diff2 without the constant: pnorm - 2 cross; in CC mode -CC = -cross / (|C P| |X|)."""
+    xp = get_array_module(cross)
+    if terms.cc:
+        den = xp.sqrt(xp.maximum(pnorm, 1e-30)) * terms.xnorm[:, None, None].astype(np.float32)
+        return -cross / xp.maximum(den, 1e-30)
+    return pnorm - 2.0 * cross
+
+
+def scores_shared(P, terms: ParticleTerms):
+    """Scores (I, T, R) float32 for orientation slices P (R, K) shared by every particle: two GEMMs."""
+    xp = get_array_module(P)
+    I, T, K2 = terms.Yt.shape
+    Pr = stack_complex(P)  # (R, 2K)
+    cross = (terms.Yt.reshape(I * T, K2) @ Pr.T).reshape(I, T, -1)
+    p2 = (P.real * P.real + P.imag * P.imag).astype(np.float32)  # (R, K)
+    pnorm = (terms.wc2 @ p2.T)[:, None, :]  # (I, 1, R)
+    return _finish_scores(cross, pnorm, terms).astype(np.float32, copy=False)
+
+
+def scores_gathered(Pg, terms: ParticleTerms):
+    """Scores (I, T, n) for per-particle slices Pg (I, n, K): batched GEMMs over particles."""
+    xp = get_array_module(Pg)
+    Pr = stack_complex(Pg)  # (I, n, 2K)
+    cross = xp.matmul(terms.Yt, Pr.transpose(0, 2, 1))  # (I, T, n)
+    p2 = (Pg.real * Pg.real + Pg.imag * Pg.imag).astype(np.float32)
+    pnorm = xp.matmul(p2, terms.wc2[:, :, None]).transpose(0, 2, 1)  # (I, 1, n)
+    return _finish_scores(cross, pnorm, terms).astype(np.float32, copy=False)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Weights and significance
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Weights:
+    """Posterior weights of a batch over its (I, M) samples (M = T x rows, flattened)."""
+
+    w: object  # (I, M) float32: w / S for significant samples (>= w_sig), 0 elsewhere
+    significant: object  # (I, M) bool
+    best: object  # (I,) int64 flat index of the best sample
+    pmax: object  # (I,) float64: w_max / S
+    nr_significant: object  # (I,) int64
+    log_evidence: object  # (I,) float64: log sum_M exp(log prior - diff2) (without the constant x2)
+
+
+def posterior_weights(diff2, log_prior, adaptive_fraction: float = 0.999, cc: bool = False,
+                      maxsig: int = -1) -> Weights:
+    """Log-domain weights exp(log_prior - diff2) per particle over the last axis (invalid samples carry
+    log_prior = -inf), normalised by their full sum S, then RELION's significance: sort descending, keep the
+    samples until the running sum first exceeds ``adaptive_fraction`` x S (``maxsig`` caps the count).
+    CC mode: a hard assignment to the best (lowest) score."""
+    xp = get_array_module(diff2)
+    I = diff2.shape[0]
+    lw = (log_prior - diff2.astype(np.float64)).reshape(I, -1)
+    rows = xp.arange(I)
+    if cc:  # hard assignment to the best score among the valid samples; priors do not enter
+        ok = xp.isfinite(lw)
+        best = xp.argmax(xp.where(ok, -diff2.reshape(I, -1).astype(np.float64), -np.inf), axis=1)
+        w = xp.zeros(lw.shape, dtype=np.float32)
+        w[rows, best] = 1.0
+        ones = xp.ones(I, dtype=np.int64)
+        return Weights(w, w > 0, best, xp.ones(I), ones, -diff2.reshape(I, -1)[rows, best].astype(np.float64))
+    best = xp.argmax(lw, axis=1)
+    top = lw[rows, best][:, None]
+    e = xp.exp(lw - top)  # exp(-inf) = 0
+    S = e.sum(axis=1)
+    p = e / S[:, None]
+    srt = -xp.sort(-p, axis=1)
+    csum = xp.cumsum(srt, axis=1)
+    k = (csum < adaptive_fraction).sum(axis=1)  # samples before the crossing
+    k = xp.minimum(k, lw.shape[1] - 1)
+    if maxsig > 0:
+        k = xp.minimum(k, maxsig - 1)
+    wsig = srt[rows, k]
+    sig = (p >= wsig[:, None]) & (p > 0)
+    wn = xp.where(sig, p, 0.0).astype(np.float32)
+    return Weights(wn, sig, best, p[rows, best], k + 1, top[:, 0] + xp.log(S))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Weighted sums for the M-step (fine pass)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FineSums:
+    """Per-particle and per-row sums from the normalised fine weights of a batch."""
+
+    slices: object  # (I, n, 2K) float32: sum_t w(i,t,row) [Re, Im](C X_u e_t m), per gathered row
+    row_weight: object  # (I, n) float32: sum_t w(i, t, row)
+    trans_weight: object  # (I, T) float32: sum_row w(i, t, row)
+    noise: object  # (I, K) float64: sum_{row,t} w |C P - X e_t|^2 per pixel (masked image)
+    xa: object  # (I, K) float64: sum w Re(conj(C P) X e_t) per pixel
+    aa: object  # (I, K) float64: sum w |C P|^2 per pixel
+
+
+def fine_sums(w, Pg, X, Xu, ctf, m, ramps) -> FineSums:
+    """Weighted sums of a batch. w (I, T, n) normalised weights (0 where not significant); Pg (I, n, K) the
+    gathered reference slices; X (I, K) masked and Xu (I, K) unmasked particle pixels; ctf (I, K) or None;
+    m (I, K) = 1/sigma2 for the back-projection (RELION's Minvsigma2 with DC kept); ramps (T, K).
+
+    All products are batched GEMMs over particles: slices = w^T Z with Z = C Xu e_t m, the noise per pixel
+    C^2 sum_r W_r |P_r|^2 - 2 Re(C X sum_t e_t sum_r w conj(P_r)) + sum w |X|^2."""
+    xp = get_array_module(Pg)
+    I, T, n = w.shape
+    c = xp.ones(X.shape, dtype=np.float32) if ctf is None else ctf.astype(np.float32)
+    Z = stack_complex((c * m)[:, None, :] * Xu[:, None, :] * ramps[None])  # (I, T, 2K)
+    slices = xp.matmul(w.transpose(0, 2, 1), Z)  # (I, n, 2K)
+    row_w = w.sum(axis=1)  # (I, n)
+    trans_w = w.sum(axis=2)  # (I, T)
+    p2 = (Pg.real * Pg.real + Pg.imag * Pg.imag).astype(np.float32)
+    a = xp.matmul(row_w[:, None, :], p2)[:, 0, :].astype(np.float64)  # (I, K): sum_r W_r |P_r|^2
+    Ps = stack_complex(Pg)  # (I, n, 2K)
+    U = xp.matmul(w, Ps)  # (I, T, 2K): sum_r w [Re P, Im P]
+    K = X.shape[1]
+    Uc = U[..., :K].astype(np.complex64) - 1j * U[..., K:]  # sum_r w conj(P)
+    b = (Uc * ramps[None]).sum(axis=1) * X  # (I, K): sum_{r,t} w conj(P) X e_t
+    c64 = c.astype(np.float64)
+    xa = c64 * b.real.astype(np.float64)
+    aa = c64 * c64 * a
+    wsum = row_w.sum(axis=1).astype(np.float64)[:, None]
+    x2 = X.real.astype(np.float64) ** 2 + X.imag.astype(np.float64) ** 2
+    noise = aa - 2.0 * xa + wsum * x2
+    return FineSums(slices, row_w, trans_w, noise, xa, aa)

@@ -1,0 +1,167 @@
+"""The M-step besides the reconstruction itself (relion_algorithm.md 4.3, 4.6-4.8): noise spectra, tau2 from
+the gold-standard FSC, the half-map FSC from the accumulators, joining halves at low resolution, offsets,
+class and direction priors, norm and scale corrections, resolution and image sizes.
+
+Spectra are per shell 0..N/2 (Fourier pixels of the N box); sigma2 and tau2 are per real/imaginary component.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .backprojector import BackProjector
+from .fourier import hermitian_unique_mask, round_half_away, shell_grid
+
+
+def shell_pixel_counts(box: int) -> np.ndarray:
+    """Npix(r): unique half-grid pixels of an N x N FT in each shell 0..N/2 (kx = 0, ky < 0 excluded)."""
+    sh = shell_grid(box, 2, np)
+    sh = np.where(hermitian_unique_mask(box, 2, np), sh, -1).reshape(-1)
+    sh = sh[(sh >= 0) & (sh <= box // 2)]
+    return np.bincount(sh, minlength=box // 2 + 1).astype(np.float64)
+
+
+def update_sigma2(wsum_sigma2: np.ndarray, sumw: np.ndarray, box: int) -> np.ndarray:
+    """sigma2_o(r) = wsum_o(r) / (2 sumw_o Npix(r)); values below 1e-14 take the previous shell's value."""
+    npix = shell_pixel_counts(box)
+    out = wsum_sigma2 / (2.0 * np.maximum(sumw[:, None], 1e-300) * np.maximum(npix[None, :], 1))
+    for r in range(1, out.shape[1]):  # shells (N/2 + 1 of them), not particles
+        bad = out[:, r] < 1e-14
+        out[bad, r] = out[bad, r - 1]
+    return out
+
+
+def initial_sigma2(power_each: np.ndarray, power_of_mean: np.ndarray) -> np.ndarray:
+    """RELION's initial noise spectrum from particle images: (mean per-image power - power of the mean
+    image) / 2, per shell, as mean |X|^2 per pixel. Non-positive values take the neighbour's."""
+    s = (np.asarray(power_each, np.float64) - np.asarray(power_of_mean, np.float64)) / 2.0
+    s = s.copy()
+    for r in range(1, s.size):
+        if s[r] <= 0:
+            s[r] = s[r - 1]
+    for r in range(s.size - 2, -1, -1):
+        if s[r] <= 0:
+            s[r] = s[r + 1]
+    return s
+
+
+def reference_sigma2(bp: BackProjector) -> np.ndarray:
+    """sigma2_ref(r) = n_r / sum_{voxels in r} pf^ndim weight (shells 0..N/2) over the padded grid within
+    pf r_max; 0 where the shell has no weight."""
+    xp = bp.xp
+    shells, q2 = bp.padded_shells()
+    lim2 = float(round_half_away(np.float64(bp.pad * bp.r_max))) ** 2
+    n = bp.size // 2 + 1
+    ok = (q2 < lim2) & (shells < n)
+    sh = xp.where(ok, shells, n).reshape(-1)
+    wsum = xp.bincount(sh, weights=(bp.weight * bp.pad**bp.ndim).reshape(-1), minlength=n + 1)[:n]
+    cnt = xp.bincount(sh, minlength=n + 1)[:n]
+    out = xp.where(wsum > 0, cnt / xp.where(wsum > 0, wsum, 1.0), 0.0)
+    return np.asarray(out.get() if hasattr(out, "get") else out, dtype=np.float64)
+
+
+def tau2_from_fsc(fsc: np.ndarray, sigma2_ref: np.ndarray, tau2_fudge: float = 1.0, joined: bool = False
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Gold-standard tau2 and SSNR_MAP: f = max(FSC, 0.001) (sqrt(2f/(1+f)) for the joined final map),
+    capped at 0.999; SNR = T f/(1-f); tau2 = SNR sigma2_ref."""
+    f = np.maximum(np.asarray(fsc, np.float64), 0.001)
+    if joined:
+        f = np.sqrt(2.0 * f / (1.0 + f))
+    f = np.minimum(f, 0.999)
+    snr = tau2_fudge * f / (1.0 - f)
+    return snr * sigma2_ref, snr
+
+
+def _pooled(bp: BackProjector):
+    """sum data / sum weight per voxel of the unpadded N grid, pooling padded voxels at ROUND(q/pf)
+    (RELION compareTwoHalves): an unregularised estimate on the (N, N, N//2+1) half grid."""
+    xp = bp.xp
+    N, pf = bp.size, bp.pad
+    P = bp.padded_size
+    from .fourier import half_grid_indices  # noqa: PLC0415
+
+    kz, ky, kx = half_grid_indices(P, 3, xp)
+    rz = round_half_away(kz / pf).astype(np.int64)
+    ry = round_half_away(ky / pf).astype(np.int64)
+    rx = round_half_away(kx / pf).astype(np.int64)
+    rz, ry, rx = xp.broadcast_arrays(rz, ry, rx)
+    ok = (rx <= N // 2) & (xp.abs(ry) <= N // 2) & (xp.abs(rz) <= N // 2)
+    flat = ((rz % N) * N + (ry % N)) * (N // 2 + 1) + rx
+    size = N * N * (N // 2 + 1)
+    flat = xp.where(ok, flat, size).reshape(-1)
+    d_re = xp.bincount(flat, weights=bp.data_re.reshape(-1), minlength=size + 1)[:size]
+    d_im = xp.bincount(flat, weights=bp.data_im.reshape(-1), minlength=size + 1)[:size]
+    w = xp.bincount(flat, weights=bp.weight.reshape(-1), minlength=size + 1)[:size]
+    z = xp.where(w > 0, (d_re + 1j * d_im) / xp.where(w > 0, w, 1.0), 0)
+    return z.reshape(N, N, N // 2 + 1)
+
+
+def fsc_from_backprojectors(bp1: BackProjector, bp2: BackProjector) -> np.ndarray:
+    """Half-map FSC (shells 0..N/2) from the accumulators, as RELION compareTwoHalves; FSC(0) = 1 and shells
+    beyond r_max are 0."""
+    from .fsc import fsc_from_fts  # noqa: PLC0415
+
+    z1, z2 = _pooled(bp1), _pooled(bp2)
+    f = fsc_from_fts(z1, z2, 3)
+    f = np.asarray(f.get() if hasattr(f, "get") else f, dtype=np.float64)
+    f[0] = 1.0
+    f[int(bp1.r_max) + 1:] = 0.0
+    return f
+
+
+def join_low_resolution(bp1: BackProjector, bp2: BackProjector, r_join: float) -> None:
+    """Average data and weight of both halves for padded voxels with |q|^2 <= ROUND(pf r_join)^2 and write
+    the average back to both (RELION --low_resol_join_halves)."""
+    _, q2 = bp1.padded_shells()
+    lim = float(round_half_away(np.float64(bp1.pad * r_join))) ** 2
+    sel = q2 <= lim
+    for a in ("data_re", "data_im", "weight"):
+        x1, x2 = getattr(bp1, a), getattr(bp2, a)
+        avg = 0.5 * (x1 + x2)
+        x1[sel] = avg[sel]
+        x2[sel] = avg[sel]
+
+
+def update_sigma_offset(wsum: float, sum_weight: float, min_sigma2: float = 2.0, ndim: int = 2) -> float:
+    """sigma_off (Å) = sqrt(max(wsum / (ndim S), min_sigma2)) for 2D images (ndim = 2)."""
+    return float(np.sqrt(max(wsum / (ndim * max(sum_weight, 1e-300)), min_sigma2)))
+
+
+def update_norm(old_norm: np.ndarray, norm_average: float, residual_power: np.ndarray) -> np.ndarray:
+    """n_i <- (n_i / n_avg) sqrt(2 E_i): the real-space noise std of the residual, on the original scale."""
+    return (np.asarray(old_norm) / norm_average) * np.sqrt(np.maximum(2.0 * np.asarray(residual_power), 0.0))
+
+
+def update_scales(xa: np.ndarray, aa: np.ndarray, counts: np.ndarray, old: np.ndarray) -> np.ndarray:
+    """Group intensity scales: s_g = XA/AA, clamped to [median/5, 5 median], then divided by their
+    particle-weighted mean. Groups without signal keep their old scale."""
+    s = np.where(aa > 0, xa / np.where(aa > 0, aa, 1.0), old)
+    med = float(np.median(s))
+    if med > 0:
+        s = np.clip(s, med / 5.0, 5.0 * med)
+    mean = float((s * counts).sum() / max(counts.sum(), 1))
+    return s / mean if mean > 0 else old
+
+
+def resolution_shell_from_ssnr(ssnr: np.ndarray, minres_map: int = 5, gold_standard: bool = True) -> int:
+    """R: (first shell >= 1 with SSNR < 1) - 1; in gold-standard runs a shell r2 > R + 3 that still has
+    SSNR > 1 (scanning down from N/2 - 1) is used instead; at least ``minres_map``."""
+    s = np.asarray(ssnr, np.float64)
+    n = s.size
+    below = np.flatnonzero(s[1:] < 1.0)
+    R = int(below[0]) if below.size else n - 1  # (first failing shell) - 1
+    if gold_standard:
+        for r2 in range(n - 2, R + 3, -1):
+            if s[r2] > 1.0:
+                R = r2
+                break
+    return max(R, minres_map)
+
+
+def coarse_image_size(box: int, pixel_size: float, angular_step_deg: float, diameter_A: float,
+                      current_size: int, kappa: float = 1.2) -> int:
+    """RELION's coarse-pass image size 2 ceil(N p / d_c), d_c = (step/360) pi D / kappa, capped at the
+    current size (kappa 1.2 for 3D references)."""
+    dc = angular_step_deg / 360.0 * np.pi * diameter_A / kappa
+    s = 2 * int(np.ceil(box * pixel_size / dc))
+    return int(min(s, current_size))
