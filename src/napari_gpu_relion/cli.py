@@ -25,6 +25,7 @@ JOBS = {
     "reconstruct": ("napari_gpu_relion.jobs.reconstruct", "reconstruct a map from particles with known angles"),
     "postprocess": ("napari_gpu_relion.jobs.postprocess", "FSC, masking correction and sharpening of half maps"),
     "mask_create": ("napari_gpu_relion.jobs.mask_create", "make a soft mask from a map"),
+    "refine3d": ("napari_gpu_relion.jobs.refine3d", "3D auto-refine with gold-standard FSC (relion_refine)"),
     "demo": ("napari_gpu_relion.jobs.demo", "run the whole pipeline that exists on the sample data"),
 }
 

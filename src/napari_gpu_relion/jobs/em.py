@@ -1,0 +1,364 @@
+"""The EM machinery shared by refine3d (and, later, class3d and class2d): the particle set with its per-particle
+state, the E-step over a set of particles in memory-sized batches (halving on out-of-memory), accuracy
+estimates, and RELION's output files (run_itNNN_data.star, _model.star, _optimiser.star).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ..compute.backend import Backend, to_host
+from ..compute.ctf import CtfParams, ctf_from_frequencies
+from ..compute.estep import EStepSetup, EStepSums, expectation_batch, prepare_batch, shell_power
+from ..compute.expectation import PixelSet, translation_ramps
+from ..compute.fourier import rfft_centered
+from ..compute.geometry import euler_to_matrix, matrix_to_euler
+from ..compute.projector import FourierReference, project_pixels
+from ..compute.sampling import local_search
+from ..errors import InputError
+from ..io.star import ParticleTable, load_images, read_particles, read_star, write_particles, write_star_blocks
+from .common import batched_with_oom_retry
+from .events import Message, Progress
+
+ANGLES = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")
+CTF_COLUMNS = ("rlnDefocusU", "rlnDefocusV", "rlnDefocusAngle", "rlnVoltage", "rlnSphericalAberration",
+               "rlnAmplitudeContrast")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Particles and their state
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ParticleSet:
+    """A particles STAR with the per-particle hidden-variable state the EM iterations update."""
+
+    table: ParticleTable
+    pixel_size: float
+    box: int
+    angles: np.ndarray  # (n, 3) rot, tilt, psi (degrees)
+    offsets_px: np.ndarray  # (n, 2) origin offsets (pixels)
+    norm: np.ndarray  # (n,) rlnNormCorrection
+    subset: np.ndarray  # (n,) 1 or 2
+    optics_group: np.ndarray  # (n,) 0-based
+    scale_group: np.ndarray  # (n,) 0-based index into scale_group_names
+    scale_group_names: list
+    ctf: CtfParams | None
+    classes: np.ndarray = None  # (n,) 0-based
+    pmax: np.ndarray = None
+    nr_significant: np.ndarray = None
+    log_likelihood: np.ndarray = None
+    residual_power: np.ndarray = None
+
+    def __post_init__(self):
+        n = len(self.table)
+        for name, dt in (("classes", np.int64), ("pmax", float), ("nr_significant", np.int64),
+                         ("log_likelihood", float), ("residual_power", float)):
+            if getattr(self, name) is None:
+                setattr(self, name, np.zeros(n, dtype=dt))
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    @property
+    def n_optics_groups(self) -> int:
+        return int(self.optics_group.max()) + 1
+
+    def images(self, rows) -> np.ndarray:
+        return load_images(self.table, rows=np.asarray(rows)).astype(np.float32)
+
+    def ctf_rows(self, rows) -> CtfParams | None:
+        return None if self.ctf is None else self.ctf.subset(np.asarray(rows))
+
+
+def load_particle_set(path: Path, ctf: bool, seed: int = 0) -> ParticleSet:
+    """Read a particles STAR for refinement; clear errors (file, column) for what is missing. Particles
+    without rlnRandomSubset are split into random halves (kept when present, as RELION does)."""
+    table = read_particles(path, require=("rlnImageName",))
+    df = table.particles
+    n = len(df)
+    if ctf:
+        missing = [c for c in CTF_COLUMNS if c not in df.columns]
+        if missing:
+            raise InputError(f"--ctf needs the CTF column(s) {', '.join(missing)} (in the particles or optics "
+                             "table)", path=str(path), column=", ".join(missing))
+    apix = table.pixel_size
+    box = table.box_size
+    ang = np.zeros((n, 3))
+    for j, c in enumerate(ANGLES):
+        if c in df:
+            ang[:, j] = df[c].to_numpy(float)
+    if "rlnOriginXAngst" in df and "rlnOriginYAngst" in df:
+        off = np.stack([df["rlnOriginXAngst"].to_numpy(float), df["rlnOriginYAngst"].to_numpy(float)], 1) / apix
+    elif "rlnOriginX" in df and "rlnOriginY" in df:
+        off = np.stack([df["rlnOriginX"].to_numpy(float), df["rlnOriginY"].to_numpy(float)], 1)
+    else:
+        off = np.zeros((n, 2))
+    norm = df["rlnNormCorrection"].to_numpy(float) if "rlnNormCorrection" in df else np.ones(n)
+    if "rlnRandomSubset" in df:
+        subset = df["rlnRandomSubset"].to_numpy(int)
+        bad = ~np.isin(subset, (1, 2))
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise InputError(f"rlnRandomSubset must be 1 or 2; row {row + 1} has {subset[row]}", path=str(path),
+                             column="rlnRandomSubset", line=table.line_of(df.index[row]))
+    else:
+        subset = np.random.default_rng(seed).permutation(np.arange(n) % 2) + 1
+    for h in (1, 2):
+        if (subset == h).sum() < 2:
+            raise InputError(f"too few particles for two gold-standard halves: half {h} has {(subset == h).sum()} "
+                             f"of {n} particles (need at least 2 in each)", path=str(path), column="rlnRandomSubset")
+    og = df["rlnOpticsGroup"].to_numpy(int) if "rlnOpticsGroup" in df else np.ones(n, int)
+    _, og0 = np.unique(og, return_inverse=True)
+    key = "rlnGroupNumber" if "rlnGroupNumber" in df else ("rlnMicrographName" if "rlnMicrographName" in df else None)
+    if key is None:
+        names, sg = ["1"], np.zeros(n, int)
+    else:
+        u, sg = np.unique(df[key].astype(str).to_numpy(), return_inverse=True)
+        names = list(u)
+    return ParticleSet(table, apix, box, ang, off, norm, subset, og0, sg, names,
+                       CtfParams.from_table(df) if ctf else None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Initial noise spectra
+# ----------------------------------------------------------------------------------------------------------
+
+
+def initial_noise_spectra(ps: ParticleSet, be: Backend, mask_radius_px: float, zero_mask: bool,
+                          max_per_group: int = 1000) -> np.ndarray:
+    """(G, N/2+1) initial sigma2 per optics group from up to 1000 particles each (zero-masked first with
+    --zero_mask): (mean image power - power of the mean image) / 2 (relion_algorithm.md 6, setup)."""
+    from ..compute.maximization import initial_sigma2  # noqa: PLC0415
+    from ..compute.masks import soft_mask_outside  # noqa: PLC0415
+
+    N = ps.box
+    out = np.zeros((ps.n_optics_groups, N // 2 + 1))
+    for g in range(ps.n_optics_groups):
+        rows = np.flatnonzero(ps.optics_group == g)[:max_per_group]
+        x = be.asarray(ps.images(rows))
+        if zero_mask:
+            x = soft_mask_outside(x, mask_radius_px, 5.0, 2)
+        F = rfft_centered(x, 2)
+        from ..compute.fourier import radial_average  # noqa: PLC0415
+
+        each = to_host(radial_average((F.real**2 + F.imag**2).astype(np.float64), N, 2).mean(axis=0))
+        Fm = F.mean(axis=0)
+        mean_pow = to_host(radial_average((Fm.real**2 + Fm.imag**2).astype(np.float64), N, 2))
+        out[g] = initial_sigma2(each, mean_pow)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The E-step over a set of particles
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LocalSearchSpec:
+    sigma_deg: float
+    sym: str
+
+
+def local_candidates(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, spec: LocalSearchSpec):
+    """Per-particle coarse candidate rows and log priors (I, n) around each particle's current angles
+    (RELION local searches, sigma = ``spec.sigma_deg``, 3 sigma cut-off); -1 pads."""
+    smp = setup.sampling
+    a = ps.angles[rows]
+    ls = local_search(a[:, 0], a[:, 1], a[:, 2], spec.sigma_deg, smp.order, spec.sym, smp.psi_step)
+    keep = ls.dir_mask[:, :, None] & ls.psi_mask[:, None, :]  # (I, D, P)
+    lp = ls.dir_log_prior[:, :, None] + ls.psi_log_prior[:, None, :]
+    flat = keep.reshape(len(rows), -1)
+    n = int(flat.sum(axis=1).max())
+    keyed = np.where(flat, 0, 1) * flat.shape[1] + np.arange(flat.shape[1])[None, :]
+    order = np.argsort(keyed, axis=1)[:, :n]
+    ok = np.take_along_axis(flat, order, axis=1)
+    cand = np.where(ok, order, -1)
+    lpc = np.where(ok, np.take_along_axis(lp.reshape(len(rows), -1), order, axis=1), -np.inf)
+    return cand, lpc
+
+
+def run_estep(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, sums: EStepSums, be: Backend, *,
+              mask_radius_px: float, zero_mask: bool, do_norm: bool, norm_average: float, scales: np.ndarray,
+              batch: int, local: LocalSearchSpec | None = None, stage: str = "E-step", seed: int = 0
+              ) -> Iterator:
+    """E-step over ``rows`` of the particle set in batches (halving on out-of-memory); updates the particle
+    state (angles, offsets, classes, pmax, ...) and ``sums``. Yields Progress / Message events."""
+    n = rows.size
+    sig2_host = to_host(setup.sigma2)
+
+    def work(i0: int, i1: int) -> None:
+        r = rows[i0:i1]
+        imgs = be.asarray(ps.images(r))
+        nf = (norm_average / ps.norm[r]) if do_norm else np.ones(r.size)
+        noise = None if zero_mask else sig2_host[ps.optics_group[r][0]]
+        prep = prepare_batch(imgs, nf, ps.offsets_px[r], mask_radius_px, 5.0, noise_sigma2=noise,
+                             seed=seed + int(r[0]))
+        cand = lpc = None
+        if local is not None:
+            cand, lpc = local_candidates(ps, r, setup, local)
+        res = expectation_batch(setup, prep, ps.ctf_rows(r), ps.optics_group[r], scales[ps.scale_group[r]], sums,
+                                candidates=cand, candidate_log_prior=lpc, scale_group_index=ps.scale_group[r])
+        rot, tilt, psi = matrix_to_euler(res.matrices)
+        ps.angles[r] = np.stack([rot, tilt, psi], axis=1)
+        ps.offsets_px[r] = res.offsets_px
+        ps.classes[r] = res.classes
+        ps.pmax[r] = res.pmax
+        ps.nr_significant[r] = res.nr_significant
+        ps.log_likelihood[r] = res.log_likelihood
+        ps.residual_power[r] = res.residual_power
+
+    for item in batched_with_oom_retry(n, batch, work, be):
+        if isinstance(item, Message):
+            yield item
+        else:
+            yield Progress(item[0], item[1], stage)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Accuracy of rotations and translations (RELION calculateExpectedAngularErrors)
+# ----------------------------------------------------------------------------------------------------------
+
+_ANGLE_ERRORS = np.concatenate([np.arange(0.05, 1.0, 0.05), np.arange(1.0, 5.0, 0.25), np.arange(5.0, 30.01, 1.0)])
+_SHIFT_ERRORS = np.concatenate([np.arange(0.05, 1.0, 0.05), np.arange(1.0, 10.01, 0.25)])
+
+
+def estimate_accuracy(ref: FourierReference, pix: PixelSet, angles: np.ndarray, ctf: CtfParams | None,
+                      sigma2_rows: np.ndarray, pixel_size: float, seed: int = 0) -> tuple[float, float]:
+    """Mean angular (degrees) and translational (Å) error at which the weighted squared difference between
+    a particle's projection and a perturbed one first exceeds ln(100) (4.60517), for the given particles
+    (RELION uses the first 100). Each particle is perturbed along one of rot/tilt/psi (x or y for shifts)
+    chosen at random; all error steps are evaluated at once. Caps: 30 degrees, 10 pixels."""
+    xp = _xp_of(ref)
+    n = angles.shape[0]
+    rng = np.random.default_rng(seed)
+    axis = rng.integers(0, 3, n)
+    N = pix.box
+    ne = _ANGLE_ERRORS.size
+    w = np.where(np.asarray(to_host(pix.shell))[None, :] >= 1, 0.5 / np.maximum(sigma2_rows, 1e-30), 0.0)
+    if ctf is None:
+        c = np.ones((n, pix.npix))
+    else:
+        c = to_host(ctf_from_frequencies(ctf, pix.kx / (N * pixel_size), pix.ky / (N * pixel_size), xp))
+    A0 = euler_to_matrix(angles[:, 0], angles[:, 1], angles[:, 2])
+    P0 = to_host(project_pixels(ref, xp.asarray(A0), pix.kx, pix.ky))  # (n, K)
+    pert = np.repeat(angles[:, None, :], ne, axis=1).copy()
+    pert[np.arange(n), :, axis] += _ANGLE_ERRORS[None, :]
+    A1 = euler_to_matrix(pert[..., 0], pert[..., 1], pert[..., 2]).reshape(-1, 3, 3)
+    P1 = to_host(project_pixels(ref, xp.asarray(A1), pix.kx, pix.ky)).reshape(n, ne, -1)
+    d = ((c[:, None, :] ** 2) * np.abs(P1 - P0[:, None, :]) ** 2 * w[:, None, :]).sum(-1)
+    acc_rot = _first_above(d, _ANGLE_ERRORS, 30.0)
+    # translations: |C P|^2 |1 - e_t|^2
+    sax = rng.integers(0, 2, n)
+    kx = np.asarray(to_host(pix.kx))
+    ky = np.asarray(to_host(pix.ky))
+    k = np.where(sax[:, None] == 0, kx[None, :], ky[None, :])  # (n, K)
+    ph = 2 * np.pi * _SHIFT_ERRORS[None, :, None] * k[:, None, :] / N
+    dt = ((c**2 * np.abs(P0) ** 2 * w)[:, None, :] * (2.0 - 2.0 * np.cos(ph))).sum(-1)
+    acc_trans_px = _first_above(dt, _SHIFT_ERRORS, 10.0)
+    return float(acc_rot), float(acc_trans_px * pixel_size)
+
+
+def _first_above(d: np.ndarray, steps: np.ndarray, cap: float) -> float:
+    above = d > 4.60517
+    first = np.where(above.any(axis=1), np.argmax(above, axis=1), -1)
+    vals = np.where(first >= 0, steps[np.maximum(first, 0)], cap)
+    return float(vals.mean())
+
+
+def _xp_of(ref: FourierReference):
+    from ..compute.backend import get_array_module  # noqa: PLC0415
+
+    return get_array_module(ref.data)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Files
+# ----------------------------------------------------------------------------------------------------------
+
+
+def data_table(ps: ParticleSet) -> pd.DataFrame:
+    """The particles with the refined hidden variables in RELION's columns."""
+    df = ps.table.particles.copy()
+    df["rlnAngleRot"], df["rlnAngleTilt"], df["rlnAnglePsi"] = ps.angles[:, 0], ps.angles[:, 1], ps.angles[:, 2]
+    df["rlnOriginXAngst"] = ps.offsets_px[:, 0] * ps.pixel_size
+    df["rlnOriginYAngst"] = ps.offsets_px[:, 1] * ps.pixel_size
+    for c in ("rlnOriginX", "rlnOriginY"):
+        if c in df:
+            del df[c]
+    df["rlnClassNumber"] = ps.classes + 1
+    df["rlnNormCorrection"] = ps.norm
+    df["rlnLogLikeliContribution"] = ps.log_likelihood
+    df["rlnMaxValueProbDistribution"] = ps.pmax
+    df["rlnNrOfSignificantSamples"] = ps.nr_significant
+    df["rlnRandomSubset"] = ps.subset
+    return df
+
+
+def write_data_star(path: Path, ps: ParticleSet) -> Path:
+    return write_particles(path, data_table(ps), ps.table.optics)
+
+
+def write_model_star(path: Path, general: dict, classes: pd.DataFrame, class_curves: list[pd.DataFrame],
+                     sigma2: np.ndarray, scales: np.ndarray, group_names: list, pdf_orient: list[np.ndarray],
+                     box: int, pixel_size: float) -> Path:
+    blocks: dict = {"model_general": general, "model_classes": classes}
+    for k, curve in enumerate(class_curves):
+        blocks[f"model_class_{k + 1}"] = curve
+    blocks["model_groups"] = pd.DataFrame({"rlnGroupNumber": np.arange(1, len(scales) + 1),
+                                           "rlnGroupName": [str(g) for g in group_names],
+                                           "rlnGroupScaleCorrection": scales})
+    sh = np.arange(box // 2 + 1)
+    for g in range(sigma2.shape[0]):
+        blocks[f"model_optics_group_{g + 1}"] = pd.DataFrame({
+            "rlnSpectralIndex": sh, "rlnResolution": sh / (box * pixel_size), "rlnSigma2Noise": sigma2[g]})
+    for k, pdf in enumerate(pdf_orient):
+        blocks[f"model_pdf_orient_class_{k + 1}"] = pd.DataFrame({"rlnOrientationDistribution": pdf})
+    return write_star_blocks(path, blocks)
+
+
+def read_model_sigma2(path: Path) -> np.ndarray:
+    blocks = read_star(path)
+    names = sorted((k for k in blocks if k.startswith("model_optics_group_")), key=lambda s: int(s.rsplit("_", 1)[1]))
+    if not names:
+        raise InputError("no model_optics_group_N block with rlnSigma2Noise", path=str(path))
+    return np.stack([np.asarray(pd.DataFrame(blocks[k])["rlnSigma2Noise"], float) for k in names])
+
+
+def write_optimiser_star(path: Path, state: dict) -> Path:
+    return write_star_blocks(path, {"optimiser_general": state})
+
+
+def read_optimiser_star(path: Path) -> dict:
+    blocks = read_star(path)
+    if "optimiser_general" not in blocks:
+        raise InputError("not an optimiser STAR file (no data_optimiser_general block)", path=str(path))
+    blk = blocks["optimiser_general"]
+    return dict(blk) if not isinstance(blk, pd.DataFrame) else blk.iloc[0].to_dict()
+
+
+@dataclass
+class ChangeMonitor:
+    """RELION's hidden-variable change monitor: an iteration has no large changes when neither the mean
+    angular change nor the rms offset change beats 1/1.03 of its smallest value so far (changes below
+    0.4 x the fine sampling step count as small)."""
+
+    smallest_angle: float = 999.0
+    smallest_offset: float = 999.0
+    history: list = field(default_factory=list)
+
+    def update(self, dangle: float, doffset: float, fine_angle: float, fine_offset: float) -> bool:
+        small_a = dangle / max(fine_angle, 1e-9) < 0.40
+        small_o = doffset / max(fine_offset, 1e-9) < 0.40
+        no_large = (small_a or 1.03 * dangle >= self.smallest_angle) and \
+                   (small_o or 1.03 * doffset >= self.smallest_offset)
+        self.smallest_angle = min(self.smallest_angle, dangle)
+        self.smallest_offset = min(self.smallest_offset, doffset)
+        self.history.append((dangle, doffset))
+        return bool(no_large)
