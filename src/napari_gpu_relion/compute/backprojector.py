@@ -73,7 +73,7 @@ class BackProjector:
             q, v, w = q[inside], v[inside], w[inside]
             idx_all, vr, vi, ww = [], [], [], []
             for idx, cw, valid in _corner_indices(q, P):
-                cw = xp.where(valid, cw, 0.0)
+                cw = cw if valid is True else xp.where(valid, cw, np.float32(0))
                 idx_all.append(idx)
                 vr.append(cw * v.real)
                 vi.append(cw * v.imag)

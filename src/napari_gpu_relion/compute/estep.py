@@ -17,18 +17,20 @@ from .backend import get_array_module, to_host
 from .ctf import CtfParams, ctf_from_frequencies
 from .expectation import (
     PixelSet,
+    as_slices,
     fine_sums,
     gather_pixels,
     particle_terms,
     posterior_weights,
     scores_gathered,
     scores_shared,
+    segment_sum,
     translation_ramps,
 )
 from .fourier import irfft_centered, rfft_centered, shell_sum
 from .geometry import euler_to_matrix
 from .masks import soft_mask_outside
-from .projector import FourierReference, project_pixels
+from .projector import project_pixels
 from .sampling import (
     angular_step,
     direction_grid,
@@ -252,14 +254,14 @@ class EStepSetup:
     cc: bool = False
     scale_shells: object = None  # (K,) per pixel of the fine set: True where SSNR_MAP > 3 (group scale sums)
     max_fine_bytes: int = 1 << 28
-    P_coarse: object = None  # (K * R, Kc) coarse slices for global searches (computed once)
+    P_coarse: object = None  # SliceSet (K * R, Kc) of the coarse slices for global searches (made once)
 
     def coarse_slices(self):
         if self.P_coarse is None:
             xp = get_array_module(self.refs[0].data)
             A = xp.asarray(self.sampling.coarse_matrices())
             kx, ky = self.pix_coarse.kx, self.pix_coarse.ky
-            self.P_coarse = xp.concatenate([project_pixels(ref, A, kx, ky) for ref in self.refs], axis=0)
+            self.P_coarse = as_slices(xp.concatenate([project_pixels(ref, A, kx, ky) for ref in self.refs], axis=0))
         return self.P_coarse
 
 
@@ -325,7 +327,7 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
         urows, pos = xp.unique(xp.where(valid, cand, 0), return_inverse=True)
         pos = pos.reshape(cand.shape)
         Pu = _project_rows(setup, to_host(urows), pc, fine=False)
-        d2 = scores_gathered(Pu[pos], terms)
+        d2 = scores_gathered(as_slices(Pu).take(pos), terms)
         lpr = xp.where(valid, xp.asarray(candidate_log_prior), -np.inf)
         lp = lp_trans[:, :, None] + lpr[:, None, :]
     Wc = posterior_weights(d2, lp, setup.adaptive_fraction, cc=setup.cc)
@@ -333,20 +335,35 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
     sig = Wc.significant.reshape(I, -1, n_rows)  # (I, T, n)
     del d2, terms
 
-    # ---- fine pass: significant coarse rows per particle, gathered ----
+    # ---- fine pass over the children of the significant coarse samples ----
+    # Particles are taken in order of their number of significant rows, in chunks that fit the memory budget.
+    # A chunk whose particles mostly share rows (early iterations) scores the union of its rows with one
+    # shared GEMM; otherwise each particle's own rows are gathered (batched GEMMs), padded to the chunk's
+    # largest count only.
     sig_rot = sig.any(axis=1)  # (I, n)
-    cnt = sig_rot.sum(axis=1)
-    n2 = int(to_host(cnt.max()))
-    key = (~sig_rot).astype(np.int64) * n_rows + xp.arange(n_rows)[None, :]
-    order = xp.argsort(key, axis=1)[:, :n2]  # significant positions first, in index order
-    valid2 = xp.arange(n2)[None, :] < cnt[:, None]
-    rows2 = order if cand is None else xp.take_along_axis(cand, order, axis=1)  # global row ids
-    rows2 = xp.where(valid2, rows2, 0)
-    urows2, pos2 = xp.unique(rows2, return_inverse=True)
-    pos2 = pos2.reshape(rows2.shape)
-    urows2_h = to_host(urows2)
-    Pf = _project_rows(setup, urows2_h, pf, fine=True)  # (U*8, Kf)
-    nover = Pf.shape[0] // max(1, urows2_h.size)
+    counts = to_host(sig_rot.sum(axis=1))
+    porder = np.argsort(counts, kind="stable")
+    rank = np.empty(I, dtype=np.int64)
+    rank[porder] = np.arange(I)
+    ii, jj = xp.nonzero(sig_rot)
+    # entries sorted by particle rank (then row): each chunk's entries are one contiguous range
+    esort = xp.argsort(xp.asarray(rank)[ii] * n_rows + jj)
+    ii, jj = ii[esort], jj[esort]
+    grow = jj if cand is None else cand[ii, jj]  # global row of each significant (particle, row)
+    if cand is None:
+        lpr_sig = xp.zeros(jj.shape) if setup.log_pdf_direction is None else \
+            xp.asarray(setup.log_pdf_direction).reshape(-1)[jj // smp.n_psi]
+    else:
+        lpr_sig = xp.asarray(candidate_log_prior)[ii, jj]
+    sig_sig = sig[ii, :, jj]  # (E, T): which translations of each significant row are significant
+    urows, upos = xp.unique(grow, return_inverse=True)
+    upos = upos.reshape(-1)
+    urows_h = to_host(urows)
+    n_union = int(urows_h.size)
+    Pf = _project_rows(setup, urows_h, pf, fine=True)  # (U * 8, Kf)
+    nover = Pf.shape[0] // max(1, n_union)
+    Sf = as_slices(Pf)
+    del Pf
     fine_t = smp.fine_translations()  # (T, 4, 2)
     T, ntov = fine_t.shape[0], fine_t.shape[1]
     ramps_f = translation_ramps(pf, fine_t.reshape(-1, 2))
@@ -354,73 +371,103 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
     Xu = gather_pixels(prep.F_unmasked, pf)
     wf, mf = _weights_for(sig2_rows, pf, xp)
     cf = ctf_at(pf)
-    if cand is None:
-        lp_rot2 = xp.zeros(rows2.shape) if setup.log_pdf_direction is None else \
-            xp.asarray(setup.log_pdf_direction).reshape(-1)[rows2 // smp.n_psi]
-    else:
-        lp_rot2 = xp.take_along_axis(xp.asarray(candidate_log_prior), order, axis=1)
-    # fine candidate mask: parent (t, row) significant
-    sig_parent = xp.take_along_axis(sig, xp.broadcast_to(order[:, None, :], (I, T, n2)), axis=2)
-    sig_parent &= valid2[:, None, :]
-    lp_parent = xp.where(sig_parent, lp_trans[:, :, None] + lp_rot2[:, None, :], -np.inf)  # (I, T, n2)
 
-    res_best_row = xp.zeros(I, dtype=np.int64)
-    res_best_t = xp.zeros(I, dtype=np.int64)
-    pmax = xp.zeros(I)
-    logev = xp.zeros(I)
+    best_row = np.zeros(I, dtype=np.int64)  # global coarse row of the best fine sample
+    best_child = np.zeros(I, dtype=np.int64)
+    best_t = np.zeros(I, dtype=np.int64)
+    pmax = np.zeros(I)
+    logev = np.zeros(I)
     resid = xp.zeros(I)
-    bp_slices = xp.zeros((urows2_h.size * nover, 2 * pf.npix), dtype=np.float32)
-    bp_weights = xp.zeros((urows2_h.size * nover, pf.npix), dtype=np.float32)
-    row_of = (pos2[:, :, None] * nover + xp.arange(nover)[None, None, :]).reshape(I, n2 * nover)
-    per_particle = max(1, n2 * nover * pf.npix * 8 * 6 + T * ntov * n2 * nover * 8 * 4)
-    chunk = max(1, int(setup.max_fine_bytes // per_particle))
-    shells_f = pf.shell
+    bp_slices = xp.zeros((n_union * nover, 2 * pf.npix), dtype=np.float32)
+    bp_weights = xp.zeros((n_union * nover, pf.npix), dtype=np.float32)
+    row_w_union = xp.zeros(n_union)
     sig2_acc = xp.zeros((I, sums.n_shells))
-    trans_w_all = xp.zeros((I, T * ntov))
-    row_w_all = xp.zeros((I, n2 * nover))
+    wtot = xp.zeros(I)
+    trans_w_px = xp.zeros((I, T * ntov))
     xa_i = xp.zeros(I)
     aa_i = xp.zeros(I)
-    for s0 in range(0, I, chunk):
-        s1 = min(I, s0 + chunk)
-        sl = slice(s0, s1)
-        Pg = Pf[row_of[sl]]  # (i, n2*8, Kf)
-        tf = particle_terms(Xf[sl], cf[sl], wf[sl], ramps_f, cc=setup.cc)
-        d2f = scores_gathered(Pg, tf)  # (i, T*4, n2*8)
-        ni = s1 - s0
-        lp_fine = xp.broadcast_to(lp_parent[sl, :, None, :, None], (ni, T, ntov, n2, nover))
-        Wf = posterior_weights(d2f, lp_fine.reshape(ni, T * ntov, n2 * nover), setup.adaptive_fraction,
-                               cc=setup.cc)
-        nn = n2 * nover
-        res_best_row[sl] = Wf.best % nn
-        res_best_t[sl] = Wf.best // nn
-        pmax[sl] = Wf.pmax
-        logev[sl] = Wf.log_evidence - tf.x2 if not setup.cc else Wf.log_evidence
-        w = Wf.w.reshape(ni, T * ntov, nn)
-        fs = fine_sums(w, Pg, Xf[sl], Xu[sl], cf[sl], mf[sl], ramps_f)
-        # back-projection slices summed per distinct fine row (scatter over the batch's union)
-        rows_flat = row_of[sl].reshape(-1)
-        _scatter_rows(bp_slices, rows_flat, fs.slices.reshape(-1, 2 * pf.npix))
-        bw = fs.row_weight[:, :, None] * (cf[sl] * cf[sl] * mf[sl])[:, None, :]
-        _scatter_rows(bp_weights, rows_flat, bw.reshape(-1, pf.npix))
-        sig2_acc[sl] = shell_sum(fs.noise, shells_f, sums.n_shells)
-        resid[sl] = fs.noise.sum(axis=1)
-        trans_w_all[sl] = fs.trans_weight
-        row_w_all[sl] = fs.row_weight
+    ecounts = counts[porder]
+    estart = np.concatenate([[0], np.cumsum(ecounts)])
+    a0 = 0
+    while a0 < I:
+        # grow the chunk while its padded size fits the budget (counts ascend, so the last one is the max)
+        a1 = a0 + 1
+        while a1 < I and (a1 + 1 - a0) * max(1, ecounts[a1]) * nover * (T * ntov * 40 + pf.npix * 24) \
+                <= setup.max_fine_bytes:
+            a1 += 1
+        ni = a1 - a0
+        pidx_h = porder[a0:a1]
+        pidx = xp.asarray(pidx_h)
+        e0, e1 = int(estart[a0]), int(estart[a1])
+        li = xp.asarray(rank)[ii[e0:e1]] - a0  # particle within the chunk
+        up = upos[e0:e1]
+        n2 = int(ecounts[a1 - 1])
+        cu, cpos = xp.unique(up, return_inverse=True)
+        cpos = cpos.reshape(-1)
+        shared = int(cu.size) <= 2 * n2
+        if shared:
+            n_par, par = int(cu.size), cpos
+            par_union = xp.broadcast_to(cu[None, :], (ni, n_par))
+        else:
+            n_par = n2
+            starts = xp.asarray(estart[a0:a1] - estart[a0])
+            par = xp.arange(e1 - e0) - starts[li]
+            par_union = xp.zeros((ni, n_par), dtype=np.int64)
+            par_union[li, par] = up
+        sig_parent = xp.zeros((ni, T, n_par), dtype=bool)
+        sig_parent[li, :, par] = sig_sig[e0:e1]
+        lpr = xp.full((ni, n_par), -np.inf)
+        lpr[li, par] = lpr_sig[e0:e1]
+        lp_parent = xp.where(sig_parent, lp_trans[pidx][:, :, None] + lpr[:, None, :], -np.inf)
+        child = xp.arange(nover)[None, :]
+        if shared:
+            rows_f = (cu[:, None] * nover + child).reshape(-1)  # (n_par * 8,) distinct
+        else:
+            rows_f = (par_union[:, :, None] * nover + child[None]).reshape(ni, -1)  # (ni, n_par * 8)
+        P = Sf.take(rows_f)
+        nn = n_par * nover
+        tf = particle_terms(Xf[pidx], cf[pidx], wf[pidx], ramps_f, cc=setup.cc)
+        d2f = scores_shared(P, tf) if shared else scores_gathered(P, tf)  # (ni, T*4, nn)
+        lp_fine = xp.broadcast_to(lp_parent[:, :, None, :, None], (ni, T, ntov, n_par, nover))
+        Wf = posterior_weights(d2f, lp_fine.reshape(ni, T * ntov, nn), setup.adaptive_fraction, cc=setup.cc)
+        del d2f, lp_fine, lp_parent, sig_parent
+        bpos = Wf.best % nn
+        best_row[pidx_h] = urows_h[to_host(xp.take_along_axis(par_union, (bpos // nover)[:, None], axis=1)[:, 0])]
+        best_child[pidx_h] = to_host(bpos % nover)
+        best_t[pidx_h] = to_host(Wf.best // nn)
+        pmax[pidx_h] = to_host(Wf.pmax)
+        logev[pidx_h] = to_host(Wf.log_evidence - tf.x2 if not setup.cc else Wf.log_evidence)
+        fs = fine_sums(Wf.w.reshape(ni, T * ntov, nn), P, Xf[pidx], Xu[pidx], cf[pidx], mf[pidx], ramps_f)
+        rw_par = fs.row_weight.reshape(ni, n_par, nover).sum(-1)  # (ni, n_par) per coarse parent
+        if shared:
+            bp_slices[rows_f] += fs.slices
+            bp_weights[rows_f] += fs.slice_weights
+            row_w_union[cu] += rw_par.sum(0)
+        else:
+            flat = rows_f.reshape(-1)
+            bp_slices += segment_sum(flat, fs.slices.reshape(-1, 2 * pf.npix), n_union * nover)
+            bp_weights += segment_sum(flat, fs.slice_weights.reshape(-1, pf.npix), n_union * nover)
+            row_w_union += segment_sum(par_union.reshape(-1), rw_par.reshape(-1, 1), n_union)[:, 0]
+        sig2_acc[pidx] = shell_sum(fs.noise, pf.shell, sums.n_shells)
+        resid[pidx] = fs.noise.sum(axis=1)
+        wtot[pidx] = fs.trans_weight.sum(axis=1)
+        trans_w_px[pidx] = fs.trans_weight
         if setup.scale_shells is not None:
             ss = setup.scale_shells
-            xa_i[sl] = (fs.xa * ss[None, :]).sum(1)
-            aa_i[sl] = (fs.aa * ss[None, :]).sum(1)
+            xa_i[pidx] = (fs.xa * ss[None, :]).sum(1)
+            aa_i[pidx] = (fs.aa * ss[None, :]).sum(1)
+        del fs, Wf, P
+        a0 = a1
 
     # shells beyond the fine size: the image's own power, with the particle's total weight (RELION 3.7)
     hi = shell_power(prep.F_masked, sums.n_shells)
     hi[:, : pf.size // 2 + 1] = 0.0
-    wtot = trans_w_all.sum(axis=1)
     sig2_acc += hi * wtot[:, None]
     resid += hi.sum(axis=1)
 
     # ---- insert the summed slices (one per distinct fine orientation) into the class grids ----
-    Af = xp.asarray(smp.fine_matrices(urows2_h % R).reshape(-1, 3, 3))
-    cls_rows = np.repeat(urows2_h // R, nover)
+    Af = xp.asarray(smp.fine_matrices(urows_h % R).reshape(-1, 3, 3))
+    cls_rows = np.repeat(urows_h // R, nover)
     wrow = to_host(bp_weights.sum(axis=1))
     Kf = pf.npix
     for c in range(K):
@@ -431,50 +478,28 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
             sums.backprojectors[c].insert_pixels(Af[kd], pf.kx, pf.ky, vals, bp_weights[kd])
 
     # ---- per-particle results ----
-    parent_pos = res_best_row // nover
-    child = res_best_row % nover
-    best_rows = xp.take_along_axis(rows2, parent_pos[:, None], axis=1)[:, 0]
-    best_rows_h = to_host(best_rows)
-    child_h = to_host(child)
-    mats = smp.fine_matrices(best_rows_h % R)[np.arange(I), child_h]
-    t_best = fine_t.reshape(-1, 2)[to_host(res_best_t)]
+    mats = smp.fine_matrices(best_row % R)[np.arange(I), best_child]
+    t_best = fine_t.reshape(-1, 2)[best_t]
     new_off = prep.rounded_offsets + t_best
 
     # ---- sums for the M-step ----
     g_h = np.asarray(groups)
-    s2_h = to_host(sig2_acc)
-    np.add.at(sums.sigma2, g_h, s2_h)
-    tw_h = to_host(trans_w_all)
-    wsum_i = tw_h.sum(axis=1)
+    np.add.at(sums.sigma2, g_h, to_host(sig2_acc))
+    wsum_i = to_host(wtot)
     np.add.at(sums.sumw_group, g_h, wsum_i)
-    rw_h = to_host(row_w_all).reshape(I, n2, nover).sum(-1)  # per coarse parent
-    rows2_h = to_host(rows2)
-    cls2 = rows2_h // R
-    dir2 = (rows2_h % R) // smp.n_psi
-    np.add.at(sums.pdf_direction, (cls2.reshape(-1), dir2.reshape(-1)), rw_h.reshape(-1))
-    np.add.at(sums.pdf_class, cls2.reshape(-1), rw_h.reshape(-1))
+    rw_u = to_host(row_w_union)
+    np.add.at(sums.pdf_direction, (urows_h // R, (urows_h % R) // smp.n_psi), rw_u)
+    np.add.at(sums.pdf_class, urows_h // R, rw_u)
     tot = prep.rounded_offsets[:, None, :] + fine_t.reshape(-1, 2)[None]  # (I, T4, 2) px
-    sums.sigma_offset += float((tw_h * (tot**2).sum(-1)).sum() * setup.pixel_size**2)
+    sums.sigma_offset += float((to_host(trans_w_px) * (tot**2).sum(-1)).sum() * setup.pixel_size**2)
     sums.sum_weight += float(wsum_i.sum())
     if setup.scale_shells is not None and scale_group_index is not None:
         np.add.at(sums.xa, np.asarray(scale_group_index), to_host(xa_i))
         np.add.at(sums.aa, np.asarray(scale_group_index), to_host(aa_i))
-    ll = to_host(logev)
-    pm = to_host(pmax)
-    sums.log_likelihood += float(ll.sum())
-    sums.sum_pmax += float(pm.sum())
+    sums.log_likelihood += float(logev.sum())
+    sums.sum_pmax += float(pmax.sum())
     sums.n_particles += I
-    return BatchResult(mats, best_rows_h // R, new_off, pm, to_host(Wc.nr_significant), ll, to_host(resid))
-
-
-def _scatter_rows(target, rows, vals):
-    xp = get_array_module(target)
-    if xp is np:
-        np.add.at(target, rows, vals)
-    else:
-        import cupyx  # noqa: PLC0415
-
-        cupyx.scatter_add(target, rows, vals)
+    return BatchResult(mats, best_row // R, new_off, pmax, to_host(Wc.nr_significant), logev, to_host(resid))
 
 
 def _project_rows(setup: EStepSetup, rows: np.ndarray, pix: PixelSet, fine: bool):

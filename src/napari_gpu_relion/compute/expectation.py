@@ -78,6 +78,30 @@ def stack_complex(Z):
     return xp.concatenate([Z.real, Z.imag], axis=-1).astype(np.float32, copy=False)
 
 
+@dataclass(frozen=True)
+class SliceSet:
+    """Reference slices in the form the GEMMs use, made once and then gathered by row: ``stacked``
+    (..., 2K) float32 = [Re, Im] and ``power`` (..., K) float32 = |P|^2. Shared slices are (n, .), gathered
+    ones (I, n, .)."""
+
+    stacked: object
+    power: object
+
+    @property
+    def ndim(self) -> int:
+        return self.stacked.ndim
+
+    def take(self, idx) -> SliceSet:
+        return SliceSet(self.stacked[idx], self.power[idx])
+
+
+def as_slices(P) -> SliceSet:
+    """Complex slices (..., K) -> SliceSet (a SliceSet is returned as it is)."""
+    if isinstance(P, SliceSet):
+        return P
+    return SliceSet(stack_complex(P), (P.real * P.real + P.imag * P.imag).astype(np.float32))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Scores
 # ----------------------------------------------------------------------------------------------------------
@@ -118,23 +142,21 @@ def _finish_scores(cross, pnorm, terms: ParticleTerms):
 
 
 def scores_shared(P, terms: ParticleTerms):
-    """Scores (I, T, R) float32 for orientation slices P (R, K) shared by every particle: two GEMMs."""
-    xp = get_array_module(P)
+    """Scores (I, T, R) float32 for orientation slices P (R, K) complex or SliceSet, shared by every
+    particle: two GEMMs."""
+    S = as_slices(P)
     I, T, K2 = terms.Yt.shape
-    Pr = stack_complex(P)  # (R, 2K)
-    cross = (terms.Yt.reshape(I * T, K2) @ Pr.T).reshape(I, T, -1)
-    p2 = (P.real * P.real + P.imag * P.imag).astype(np.float32)  # (R, K)
-    pnorm = (terms.wc2 @ p2.T)[:, None, :]  # (I, 1, R)
+    cross = (terms.Yt.reshape(I * T, K2) @ S.stacked.T).reshape(I, T, -1)
+    pnorm = (terms.wc2 @ S.power.T)[:, None, :]  # (I, 1, R)
     return _finish_scores(cross, pnorm, terms).astype(np.float32, copy=False)
 
 
 def scores_gathered(Pg, terms: ParticleTerms):
-    """Scores (I, T, n) for per-particle slices Pg (I, n, K): batched GEMMs over particles."""
-    xp = get_array_module(Pg)
-    Pr = stack_complex(Pg)  # (I, n, 2K)
-    cross = xp.matmul(terms.Yt, Pr.transpose(0, 2, 1))  # (I, T, n)
-    p2 = (Pg.real * Pg.real + Pg.imag * Pg.imag).astype(np.float32)
-    pnorm = xp.matmul(p2, terms.wc2[:, :, None]).transpose(0, 2, 1)  # (I, 1, n)
+    """Scores (I, T, n) for per-particle slices Pg (I, n, K) complex or SliceSet: batched GEMMs."""
+    S = as_slices(Pg)
+    xp = get_array_module(S.stacked)
+    cross = xp.matmul(terms.Yt, S.stacked.transpose(0, 2, 1))  # (I, T, n)
+    pnorm = xp.matmul(S.power, terms.wc2[:, :, None]).transpose(0, 2, 1)  # (I, 1, n)
     return _finish_scores(cross, pnorm, terms).astype(np.float32, copy=False)
 
 
@@ -176,17 +198,18 @@ def posterior_weights(diff2, log_prior, adaptive_fraction: float = 0.999, cc: bo
     top = lw[rows, best][:, None]
     e = xp.exp(lw - top)  # exp(-inf) = 0
     S = e.sum(axis=1)
-    p = e / S[:, None]
+    p = (e / S[:, None]).astype(np.float32)
+    del e
     srt = -xp.sort(-p, axis=1)
-    csum = xp.cumsum(srt, axis=1)
+    csum = xp.cumsum(srt, axis=1, dtype=np.float64)
     k = (csum < adaptive_fraction).sum(axis=1)  # samples before the crossing
     k = xp.minimum(k, lw.shape[1] - 1)
     if maxsig > 0:
         k = xp.minimum(k, maxsig - 1)
     wsig = srt[rows, k]
     sig = (p >= wsig[:, None]) & (p > 0)
-    wn = xp.where(sig, p, 0.0).astype(np.float32)
-    return Weights(wn, sig, best, p[rows, best], k + 1, top[:, 0] + xp.log(S))
+    wn = xp.where(sig, p, np.float32(0.0))
+    return Weights(wn, sig, best, p[rows, best].astype(np.float64), k + 1, top[:, 0] + xp.log(S))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -196,9 +219,14 @@ def posterior_weights(diff2, log_prior, adaptive_fraction: float = 0.999, cc: bo
 
 @dataclass
 class FineSums:
-    """Per-particle and per-row sums from the normalised fine weights of a batch."""
+    """Per-particle and per-row sums from the normalised fine weights of a batch.
 
-    slices: object  # (I, n, 2K) float32: sum_t w(i,t,row) [Re, Im](C X_u e_t m), per gathered row
+    With slices shared by the batch (P of shape (n, K)) the back-projection data are already summed over the
+    particles: ``slices`` (n, 2K) and ``slice_weights`` (n, K); with gathered slices (P of shape (I, n, K))
+    they are per particle: (I, n, 2K) and (I, n, K), to be summed per distinct row by the caller."""
+
+    slices: object  # sum_t w(i,t,row) [Re, Im](C X_u e_t m)
+    slice_weights: object  # sum_t w(i,t,row) C^2 m
     row_weight: object  # (I, n) float32: sum_t w(i, t, row)
     trans_weight: object  # (I, T) float32: sum_row w(i, t, row)
     noise: object  # (I, K) float64: sum_{row,t} w |C P - X e_t|^2 per pixel (masked image)
@@ -206,25 +234,33 @@ class FineSums:
     aa: object  # (I, K) float64: sum w |C P|^2 per pixel
 
 
-def fine_sums(w, Pg, X, Xu, ctf, m, ramps) -> FineSums:
-    """Weighted sums of a batch. w (I, T, n) normalised weights (0 where not significant); Pg (I, n, K) the
-    gathered reference slices; X (I, K) masked and Xu (I, K) unmasked particle pixels; ctf (I, K) or None;
-    m (I, K) = 1/sigma2 for the back-projection (RELION's Minvsigma2 with DC kept); ramps (T, K).
+def fine_sums(w, P, X, Xu, ctf, m, ramps) -> FineSums:
+    """Weighted sums of a batch. w (I, T, n) normalised weights (0 where not significant); P the reference
+    slices (complex or SliceSet), shared (n, K) or gathered per particle (I, n, K); X (I, K) masked and
+    Xu (I, K) unmasked particle pixels; ctf (I, K) or None; m (I, K) = 1/sigma2 for the back-projection
+    (RELION's Minvsigma2, DC kept); ramps (T, K).
 
-    All products are batched GEMMs over particles: slices = w^T Z with Z = C Xu e_t m, the noise per pixel
-    C^2 sum_r W_r |P_r|^2 - 2 Re(C X sum_t e_t sum_r w conj(P_r)) + sum w |X|^2."""
-    xp = get_array_module(Pg)
+    Every product is a GEMM (batched over particles for gathered slices): slices = w^T Z with
+    Z = C Xu e_t m; the noise per pixel C^2 sum_r W_r |P_r|^2 - 2 Re(C X sum_t e_t sum_r w conj(P_r))
+    + sum w |X|^2."""
+    S = as_slices(P)
+    xp = get_array_module(S.stacked)
     I, T, n = w.shape
+    K = X.shape[1]
+    shared = S.ndim == 2
     c = xp.ones(X.shape, dtype=np.float32) if ctf is None else ctf.astype(np.float32)
     Z = stack_complex((c * m)[:, None, :] * Xu[:, None, :] * ramps[None])  # (I, T, 2K)
-    slices = xp.matmul(w.transpose(0, 2, 1), Z)  # (I, n, 2K)
     row_w = w.sum(axis=1)  # (I, n)
     trans_w = w.sum(axis=2)  # (I, T)
-    p2 = (Pg.real * Pg.real + Pg.imag * Pg.imag).astype(np.float32)
-    a = xp.matmul(row_w[:, None, :], p2)[:, 0, :].astype(np.float64)  # (I, K): sum_r W_r |P_r|^2
-    Ps = stack_complex(Pg)  # (I, n, 2K)
-    U = xp.matmul(w, Ps)  # (I, T, 2K): sum_r w [Re P, Im P]
-    K = X.shape[1]
+    c2m = (c * c * m).astype(np.float32)
+    if shared:
+        slices = w.reshape(I * T, n).T @ Z.reshape(I * T, 2 * K)  # (n, 2K), summed over the batch
+        slice_w = row_w.T @ c2m  # (n, K)
+    else:
+        slices = xp.matmul(w.transpose(0, 2, 1), Z)  # (I, n, 2K)
+        slice_w = row_w[:, :, None] * c2m[:, None, :]
+    a = xp.matmul(row_w[:, None, :], S.power)[:, 0, :].astype(np.float64)  # (I, K): sum_r W_r |P_r|^2
+    U = xp.matmul(w, S.stacked)  # (I, T, 2K): sum_r w [Re P, Im P]
     Uc = U[..., :K].astype(np.complex64) - 1j * U[..., K:]  # sum_r w conj(P)
     b = (Uc * ramps[None]).sum(axis=1) * X  # (I, K): sum_{r,t} w conj(P) X e_t
     c64 = c.astype(np.float64)
@@ -233,4 +269,23 @@ def fine_sums(w, Pg, X, Xu, ctf, m, ramps) -> FineSums:
     wsum = row_w.sum(axis=1).astype(np.float64)[:, None]
     x2 = X.real.astype(np.float64) ** 2 + X.imag.astype(np.float64) ** 2
     noise = aa - 2.0 * xa + wsum * x2
-    return FineSums(slices, row_w, trans_w, noise, xa, aa)
+    return FineSums(slices, slice_w, row_w, trans_w, noise, xa, aa)
+
+
+def segment_sum(rows, values, n: int):
+    """out[r] = sum of values[j] with rows[j] == r, for r < n: (n, ...) float32. A sparse-matrix product on
+    the CPU (NumPy's add.at is an order of magnitude slower), atomic adds on the GPU."""
+    xp = get_array_module(values)
+    vals = values.reshape(values.shape[0], -1)
+    if xp is np:
+        from scipy.sparse import csr_matrix  # noqa: PLC0415
+
+        S = csr_matrix((np.ones(rows.size, np.float32), (np.asarray(rows), np.arange(rows.size))),
+                       shape=(n, rows.size))
+        out = np.asarray(S @ vals, dtype=np.float32)
+    else:
+        import cupyx  # noqa: PLC0415
+
+        out = xp.zeros((n, vals.shape[1]), dtype=np.float32)
+        cupyx.scatter_add(out, rows, vals.astype(np.float32))
+    return out.reshape((n,) + values.shape[1:])

@@ -75,34 +75,37 @@ def _corner_indices(q, P: int):
     """Trilinear (or bilinear) corners of points q (..., d) with q_x >= 0 on a half grid of edge P.
 
     Returns a list of (flat_index, weight, valid) per corner. Axis order of q: (x, y[, z]); the array is
-    indexed [z, y, x]."""
+    indexed [z, y, x]. The per-axis indices and weights are made once (2 per axis) and combined per corner."""
     xp = get_array_module(q)
     d = q.shape[-1]
     nx = P // 2 + 1
+    itype = np.int32 if nx * P ** (d - 1) < 2**31 else np.int64
     f0 = xp.floor(q)
-    frac = q - f0
-    i0 = f0.astype(np.int64)
+    frac = (q - f0).astype(np.float32)
+    i0 = f0.astype(itype)
+    axes = []  # per axis: ((index * stride, weight) for b = 0, 1)
+    stride = 1
+    valid = None
+    for a in range(d):
+        ia = i0[..., a]
+        fa = frac[..., a]
+        if a == 0:
+            valid = ia + 1 < nx  # the upper x corner beyond the half grid carries no weight
+            lo, hi = ia, xp.minimum(ia + 1, nx - 1)
+            stride_next = nx
+        else:
+            lo, hi = ia % P, (ia + 1) % P
+            stride_next = stride * P
+        axes.append(((lo * stride, 1.0 - fa), (hi * stride, fa)))
+        stride = stride_next
     corners = []
     for bits in range(1 << d):
-        w = None
-        idx = None
-        valid = None
-        for a in range(d):
-            b = (bits >> a) & 1
-            ia = i0[..., a] + b
-            wa = frac[..., a] if b else 1.0 - frac[..., a]
-            if a == 0:
-                ok = ia < nx
-                ia = xp.minimum(ia, nx - 1)
-                idx = ia
-                stride = nx
-                valid = ok
-            else:
-                ia = ia % P
-                idx = idx + ia * stride
-                stride *= P
-            w = wa if w is None else w * wa
-        corners.append((idx, w, valid))
+        idx, w = axes[0][bits & 1]
+        for a in range(1, d):
+            ia, wa = axes[a][(bits >> a) & 1]
+            idx = idx + ia
+            w = w * wa
+        corners.append((idx, w, valid if bits & 1 else True))
     return corners
 
 
@@ -126,7 +129,8 @@ def interpolate(grid, q, r_max_padded: float):
     flat = grid.reshape(-1)
     out = None
     for idx, w, valid in _corner_indices(q, P):
-        v = xp.take(flat, idx) * xp.where(valid, w, 0).astype(flat.real.dtype)
+        wv = w if valid is True else xp.where(valid, w, np.float32(0))
+        v = xp.take(flat, idx) * wv.astype(flat.real.dtype, copy=False)
         out = v if out is None else out + v
     if xp.iscomplexobj(grid):
         out = xp.where(neg, xp.conj(out), out)

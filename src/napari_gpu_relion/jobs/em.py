@@ -14,8 +14,8 @@ import pandas as pd
 
 from ..compute.backend import Backend, to_host
 from ..compute.ctf import CtfParams, ctf_from_frequencies
-from ..compute.estep import EStepSetup, EStepSums, expectation_batch, prepare_batch, shell_power
-from ..compute.expectation import PixelSet, translation_ramps
+from ..compute.estep import EStepSetup, EStepSums, expectation_batch, prepare_batch
+from ..compute.expectation import PixelSet
 from ..compute.fourier import rfft_centered
 from ..compute.geometry import euler_to_matrix, matrix_to_euler
 from ..compute.projector import FourierReference, project_pixels
@@ -135,8 +135,8 @@ def initial_noise_spectra(ps: ParticleSet, be: Backend, mask_radius_px: float, z
                           max_per_group: int = 1000) -> np.ndarray:
     """(G, N/2+1) initial sigma2 per optics group from up to 1000 particles each (zero-masked first with
     --zero_mask): (mean image power - power of the mean image) / 2 (relion_algorithm.md 6, setup)."""
-    from ..compute.maximization import initial_sigma2  # noqa: PLC0415
     from ..compute.masks import soft_mask_outside  # noqa: PLC0415
+    from ..compute.maximization import initial_sigma2  # noqa: PLC0415
 
     N = ps.box
     out = np.zeros((ps.n_optics_groups, N // 2 + 1))

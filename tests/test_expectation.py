@@ -1,0 +1,205 @@
+"""The E-step's GEMM formulation against direct float64 evaluation of RELION's formulas (relion_algorithm.md 3)."""
+
+import numpy as np
+import pytest
+
+from napari_gpu_relion.compute.expectation import (
+    fine_sums,
+    particle_terms,
+    pixel_set,
+    posterior_weights,
+    scores_gathered,
+    scores_shared,
+    segment_sum,
+    translation_ramps,
+)
+from napari_gpu_relion.compute.fourier import rfft_centered
+
+
+def _random_case(rng, I=5, T=7, R=11, N=16, with_ctf=True):
+    pix = pixel_set(N, 12)
+    K = pix.npix
+    X = (rng.normal(size=(I, K)) + 1j * rng.normal(size=(I, K))).astype(np.complex64)
+    P = (rng.normal(size=(R, K)) + 1j * rng.normal(size=(R, K))).astype(np.complex64)
+    ctf = rng.uniform(-1, 1, (I, K)).astype(np.float32) if with_ctf else None
+    sigma2 = rng.uniform(0.5, 2.0, (I, K))
+    w = np.where(pix.shell[None, :] >= 1, 0.5 / sigma2, 0.0).astype(np.float32)
+    shifts = rng.uniform(-3, 3, (T, 2))
+    return pix, X, P, ctf, w, shifts
+
+
+def _direct_diff2(X, P, ctf, w, shifts, pix):
+    """RELION's diff2(i, t, r) = sum_k w |C P_r - X e_t|^2 in float64, one sample at a time."""
+    X, P, w = X.astype(np.complex128), P.astype(np.complex128), w.astype(np.float64)
+    I, R = X.shape[0], P.shape[0]
+    C = np.ones(X.shape) if ctf is None else ctf.astype(np.float64)
+    out = np.zeros((I, len(shifts), R))
+    for i in range(I):
+        for t, (sx, sy) in enumerate(shifts):
+            e = np.exp(-2j * np.pi * (sx * pix.kx + sy * pix.ky) / pix.box)
+            for r in range(R):
+                out[i, t, r] = np.sum(w[i] * np.abs(C[i] * P[r] - X[i] * e) ** 2)
+    return out
+
+
+@pytest.mark.parametrize("with_ctf", [False, True])
+def test_shared_scores_equal_direct_float64(with_ctf):
+    rng = np.random.default_rng(3)
+    pix, X, P, ctf, w, shifts = _random_case(rng, with_ctf=with_ctf)
+    terms = particle_terms(X, ctf, w, translation_ramps(pix, shifts))
+    got = scores_shared(P, terms).astype(np.float64) + terms.x2[:, None, None]
+    want = _direct_diff2(X, P, ctf, w, shifts, pix)
+    spread = want.max() - want.min()
+    assert np.abs(got - want).max() < 1e-5 * spread
+
+
+@pytest.mark.parametrize("with_ctf", [False, True])
+def test_gathered_scores_equal_direct_float64(with_ctf):
+    """The fine pass / local-search form: each particle has its own slices (I, n, K)."""
+    rng = np.random.default_rng(4)
+    pix, X, P, ctf, w, shifts = _random_case(rng, R=13, with_ctf=with_ctf)
+    idx = rng.integers(0, P.shape[0], (X.shape[0], 6))
+    terms = particle_terms(X, ctf, w, translation_ramps(pix, shifts))
+    got = scores_gathered(P[idx], terms).astype(np.float64) + terms.x2[:, None, None]
+    full = _direct_diff2(X, P, ctf, w, shifts, pix)
+    want = np.take_along_axis(full, idx[:, None, :].repeat(len(shifts), 1), axis=2)
+    spread = want.max() - want.min()
+    assert np.abs(got - want).max() < 1e-5 * spread
+
+
+def test_cc_scores_are_normalised_cross_correlation():
+    rng = np.random.default_rng(5)
+    pix, X, P, ctf, w, shifts = _random_case(rng, with_ctf=True)
+    terms = particle_terms(X, ctf, w, translation_ramps(pix, shifts), cc=True)
+    got = scores_shared(P, terms)
+    on = (w > 0).astype(np.float64)
+    for i in range(X.shape[0]):
+        for t, (sx, sy) in enumerate(shifts):
+            e = np.exp(-2j * np.pi * (sx * pix.kx + sy * pix.ky) / pix.box)
+            for r in range(P.shape[0]):
+                cp = ctf[i] * P[r] * on[i]
+                xe = X[i] * e * on[i]
+                cc = np.real(np.vdot(cp, xe)) / (np.linalg.norm(cp) * np.linalg.norm(xe))
+                assert got[i, t, r] == pytest.approx(-cc, abs=1e-5)
+
+
+def test_translation_ramp_moves_content_by_plus_t():
+    """Pins the origin sign: X e_t is the FT of the image rolled by +t (x right, y down the rows)."""
+    rng = np.random.default_rng(6)
+    N = 16
+    img = rng.normal(size=(1, N, N)).astype(np.float32)
+    tx, ty = 3, -2
+    rolled = np.roll(img, (ty, tx), axis=(1, 2))
+    pix = pixel_set(N, N)
+    F = rfft_centered(img, 2).reshape(1, -1)[:, pix.flat]
+    Fr = rfft_centered(rolled, 2).reshape(1, -1)[:, pix.flat]
+    e = translation_ramps(pix, np.array([[tx, ty]]))
+    np.testing.assert_allclose(F * e, Fr, atol=1e-5 * np.abs(Fr).max())
+
+
+def _direct_significance(lw, fraction):
+    p = np.exp(lw - lw.max())
+    p /= p.sum()
+    order = np.argsort(-p)
+    csum = 0.0
+    keep = np.zeros(p.shape, bool)
+    for j in order:  # RELION: add samples until the running sum exceeds the fraction
+        keep[j] = True
+        csum += p[j]
+        if csum >= fraction:
+            break
+    return p, keep
+
+
+def test_posterior_weights_match_direct_softmax_and_significance():
+    rng = np.random.default_rng(7)
+    I, M = 6, 400
+    diff2 = rng.normal(0, 3, (I, M)) + 1e4  # large constant: the log domain must not overflow
+    log_prior = rng.normal(0, 1, (I, M))
+    log_prior[:, ::7] = -np.inf  # masked samples
+    W = posterior_weights(diff2.astype(np.float32), log_prior, 0.999)
+    lw = log_prior - diff2.astype(np.float32).astype(np.float64)
+    for i in range(I):
+        p, keep = _direct_significance(lw[i], 0.999)
+        np.testing.assert_array_equal(W.significant[i], keep)
+        np.testing.assert_allclose(W.w[i], np.where(keep, p, 0.0), rtol=1e-5, atol=1e-9)
+        assert W.pmax[i] == pytest.approx(p.max(), rel=1e-6)
+        assert W.nr_significant[i] == keep.sum()
+        finite = np.isfinite(lw[i])
+        assert W.log_evidence[i] == pytest.approx(np.log(np.exp(lw[i][finite] - lw[i].max()).sum()) + lw[i].max())
+        assert W.best[i] == np.argmax(lw[i])
+
+
+def test_posterior_weights_cc_is_hard_assignment_to_best_score():
+    rng = np.random.default_rng(8)
+    diff2 = rng.normal(size=(4, 50)).astype(np.float32)
+    lp = np.zeros((4, 50))
+    lp[:, 0] = -np.inf
+    W = posterior_weights(diff2, lp, cc=True)
+    best = np.argmin(np.where(np.isfinite(lp), diff2, np.inf), axis=1)
+    np.testing.assert_array_equal(W.best, best)
+    assert np.all(W.w.sum(1) == 1.0) and np.all(W.w[np.arange(4), best] == 1.0)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_fine_sums_equal_direct_loops(shared):
+    """Weighted back-projection slices, their weights, and per-pixel noise power against explicit sums
+    over (row, translation) in float64."""
+    rng = np.random.default_rng(9)
+    pix, X, P, ctf, w, shifts = _random_case(rng, I=3, T=5, R=6)
+    I, T, R = X.shape[0], len(shifts), P.shape[0]
+    Xu = (X + 0.3 * rng.normal(size=X.shape)).astype(np.complex64)
+    m = (2 * w + 0.1).astype(np.float32)
+    ramps = translation_ramps(pix, shifts)
+    if shared:
+        Pin = P
+        Pi = np.broadcast_to(P, (I,) + P.shape)
+    else:
+        idx = rng.integers(0, R, (I, 4))
+        Pin = P[idx]
+        Pi = Pin
+    n = Pi.shape[1]
+    wts = rng.uniform(0, 1, (I, T, n)) * (rng.uniform(size=(I, T, n)) > 0.3)
+    wts /= wts.sum(axis=(1, 2), keepdims=True)
+    fs = fine_sums(wts.astype(np.float32), Pin, X, Xu, ctf, m, ramps)
+    C = ctf.astype(np.float64)
+    e = ramps.astype(np.complex128)
+    sl = np.zeros((I, n, X.shape[1]), np.complex128)
+    sw = np.zeros((I, n, X.shape[1]))
+    noise = np.zeros(X.shape)
+    for i in range(I):
+        for t in range(T):
+            for r in range(n):
+                wt = wts[i, t, r]
+                sl[i, r] += wt * C[i] * Xu[i] * e[t] * m[i]
+                sw[i, r] += wt * C[i] ** 2 * m[i]
+                noise[i] += wt * np.abs(C[i] * Pi[i, r] - X[i] * e[t]) ** 2
+    K = X.shape[1]
+    got = fs.slices[..., :K] + 1j * fs.slices[..., K:]
+    if shared:
+        sl, sw = sl.sum(0), sw.sum(0)
+    np.testing.assert_allclose(got, sl, atol=1e-5 * np.abs(sl).max())
+    np.testing.assert_allclose(fs.slice_weights, sw, atol=1e-5 * sw.max())
+    np.testing.assert_allclose(fs.noise, noise, atol=1e-5 * noise.max())
+    np.testing.assert_allclose(fs.row_weight, wts.sum(1), atol=1e-6)
+    np.testing.assert_allclose(fs.trans_weight, wts.sum(2), atol=1e-6)
+
+
+def test_segment_sum_adds_repeated_rows():
+    rows = np.array([2, 0, 2, 2, 1])
+    vals = np.arange(10, dtype=np.float32).reshape(5, 2)
+    out = segment_sum(rows, vals, 4)
+    np.testing.assert_array_equal(out, [[2, 3], [8, 9], [0 + 4 + 6, 1 + 5 + 7], [0, 0]])
+
+
+def test_pixel_set_is_unique_half_grid_within_radius():
+    N, s = 16, 10
+    pix = pixel_set(N, s)
+    assert np.all(pix.shell <= s // 2)
+    # no Friedel pair twice: (0, ky) and (0, -ky) are never both present
+    pairs = {(int(x), int(y)) for x, y in zip(pix.kx, pix.ky, strict=True)}
+    assert not any((0, -y) in pairs for (x, y) in pairs if x == 0 and y != 0)
+    # every half-grid pixel of the disc is present once: count the full disc / 2 (+ DC)
+    full = sum(1 for y in range(-N // 2, N // 2) for x in range(-N // 2, N // 2)
+               if np.floor(np.hypot(x, y) + 0.5) <= s // 2)
+    assert pix.npix == (full - 1) // 2 + 1
