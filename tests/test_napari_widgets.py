@@ -159,11 +159,11 @@ def test_widget_built_from_params(make_napari_viewer):
 
 
 def test_plugin_widgets_dock(make_napari_viewer):
-    from napari_gpu_relion.jobs import mask_create, postprocess, reconstruct
+    from napari_gpu_relion.jobs import mask_create, postprocess, reconstruct, refine3d
 
     viewer = make_napari_viewer()
     for name, module in (("Reconstruct", reconstruct), ("Post-process", postprocess),
-                         ("Mask creation", mask_create)):
+                         ("Mask creation", mask_create), ("3D auto-refine", refine3d)):
         _, w = viewer.window.add_plugin_dock_widget(PLUGIN, name)
         assert w.job_module is module
         assert w.inputs["i"].label == "--i"
@@ -472,3 +472,23 @@ def test_postprocess_and_mask_widgets(make_napari_viewer, qtbot, tmp_path, sampl
     assert display.fsc is not None and display.fsc.draw_count >= 1
     assert "Resolution" in display.fsc.axes.get_title()
     assert {"unmasked", "corrected"} <= {ln.get_label() for ln in display.fsc.axes.get_lines()}
+
+
+def test_refine3d_widget_shows_half_maps_each_iteration_and_fsc(make_napari_viewer, qtbot, tmp_path, errors):
+    from napari_gpu_relion.jobs.simulate import make_sample_data
+
+    data = make_sample_data(tmp_path / "data", box=32, angpix=6.0, n_particles=80, snr=0.3, diameter=134.4,
+                            ini_high=60.0, n_micrographs=0)
+    viewer = make_napari_viewer()
+    _, w = viewer.window.add_plugin_dock_widget(PLUGIN, "3D auto-refine")
+    w.set_values(i=data / "particles.star", ref=data / "reference.mrc", o=tmp_path / "Refine3D", ctf=True,
+                 particle_diameter=160.0, healpix_order=1, auto_iter_max=2, cpu=True)
+    w.run_button.native.click()
+    _wait_done(qtbot, w, timeout=240_000)
+    assert w.job.state is JobState.FINISHED, w.status.value
+    assert not errors
+    display = LiveDisplay.for_viewer(viewer)
+    assert display.map_updates.get("half1", 0) >= 2 and display.map_updates.get("half2", 0) >= 2
+    assert display.map_updates.get("class001", 0) == 1  # the final joined map
+    assert display.fsc is not None and display.fsc.draw_count >= 3
+    assert viewer.layers["half1"].data.shape == (32, 32, 32)
