@@ -103,3 +103,30 @@ def test_bad_inputs_are_clear_errors_before_work(small_data, tmp_path):
     with pytest.raises(InputError, match="half"):
         list(refine3d.run(_params(small_data, tmp_path, i=tmp_path / "one.star")))
     assert not (tmp_path / "r" / "run_it001_data.star").exists()
+
+
+def test_local_candidates_are_the_prior_window_of_each_particle():
+    """Candidates = every (direction, psi) inside RELION's 3-sigma window around the particle's angles, with
+    the Gaussian log prior of direction and psi, in row order (row = direction x n_psi + psi)."""
+    from types import SimpleNamespace
+
+    from napari_gpu_relion.compute.estep import Sampling
+    from napari_gpu_relion.compute.sampling import local_search
+    from napari_gpu_relion.jobs.em import LocalSearchSpec, local_candidates
+
+    rng = np.random.default_rng(2)
+    angles = rng.uniform([-180, 0, -180], [180, 180, 180], (5, 3))
+    smp = Sampling(order=3)
+    cand, lpc = local_candidates(SimpleNamespace(angles=angles), np.arange(5), SimpleNamespace(sampling=smp),
+                                 LocalSearchSpec(sigma_deg=7.5, sym="C1"))
+    ls = local_search(angles[:, 0], angles[:, 1], angles[:, 2], 7.5, 3, "C1", None)
+    for i in range(5):
+        keep = ls.dir_mask[i][:, None] & ls.psi_mask[i][None, :]
+        want = np.flatnonzero(keep.reshape(-1))
+        got = cand[i][cand[i] >= 0]
+        np.testing.assert_array_equal(got, want)
+        lp = (ls.dir_log_prior[i][:, None] + ls.psi_log_prior[i][None, :]).reshape(-1)
+        np.testing.assert_allclose(lpc[i][cand[i] >= 0], lp[want])
+        assert np.all(np.isneginf(lpc[i][cand[i] < 0]))
+        # a 3-sigma window at 7.5° holds several orientations
+        assert want.size > 1

@@ -172,16 +172,23 @@ def local_candidates(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, spec:
     smp = setup.sampling
     a = ps.angles[rows]
     ls = local_search(a[:, 0], a[:, 1], a[:, 2], spec.sigma_deg, smp.order, spec.sym, smp.psi_step)
-    keep = ls.dir_mask[:, :, None] & ls.psi_mask[:, None, :]  # (I, D, P)
-    lp = ls.dir_log_prior[:, :, None] + ls.psi_log_prior[:, None, :]
-    flat = keep.reshape(len(rows), -1)
-    n = int(flat.sum(axis=1).max())
-    keyed = np.where(flat, 0, 1) * flat.shape[1] + np.arange(flat.shape[1])[None, :]
-    order = np.argsort(keyed, axis=1)[:, :n]
-    ok = np.take_along_axis(flat, order, axis=1)
-    cand = np.where(ok, order, -1)
-    lpc = np.where(ok, np.take_along_axis(lp.reshape(len(rows), -1), order, axis=1), -np.inf)
+    n_psi = ls.psi_mask.shape[1]
+    d_idx, d_ok = _kept_first(ls.dir_mask)  # (I, nd), few directions per particle
+    p_idx, p_ok = _kept_first(ls.psi_mask)  # (I, np)
+    ok = (d_ok[:, :, None] & p_ok[:, None, :]).reshape(len(rows), -1)
+    cand = np.where(ok, (d_idx[:, :, None] * n_psi + p_idx[:, None, :]).reshape(len(rows), -1), -1)
+    lp = (np.take_along_axis(ls.dir_log_prior, d_idx, axis=1)[:, :, None]
+          + np.take_along_axis(ls.psi_log_prior, p_idx, axis=1)[:, None, :]).reshape(len(rows), -1)
+    lpc = np.where(ok, lp, -np.inf)
     return cand, lpc
+
+
+def _kept_first(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Indices of the True entries of each row of ``mask`` (I, M), first and in order, padded to the largest
+    count: (I, n) indices and (I, n) validity."""
+    n = max(1, int(mask.sum(axis=1).max()))
+    idx = np.argsort(~mask, axis=1, kind="stable")[:, :n]
+    return idx, np.take_along_axis(mask, idx, axis=1)
 
 
 def run_estep(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, sums: EStepSums, be: Backend, *,
