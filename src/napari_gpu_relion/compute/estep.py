@@ -360,7 +360,8 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
     upos = upos.reshape(-1)
     urows_h = to_host(urows)
     n_union = int(urows_h.size)
-    Pf = _project_rows(setup, urows_h, pf, fine=True)  # (U * 8, Kf)
+    A_fine = smp.fine_matrices(urows_h % R).reshape(-1, 3, 3)  # (U * 8, 3, 3), made once per batch
+    Pf = _project_rows(setup, urows_h, pf, fine=True, matrices=A_fine)  # (U * 8, Kf)
     nover = Pf.shape[0] // max(1, n_union)
     Sf = as_slices(Pf)
     del Pf
@@ -466,7 +467,7 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
     resid += hi.sum(axis=1)
 
     # ---- insert the summed slices (one per distinct fine orientation) into the class grids ----
-    Af = xp.asarray(smp.fine_matrices(urows_h % R).reshape(-1, 3, 3))
+    Af = xp.asarray(A_fine)
     cls_rows = np.repeat(urows_h // R, nover)
     wrow = to_host(bp_weights.sum(axis=1))
     Kf = pf.npix
@@ -502,22 +503,23 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
     return BatchResult(mats, best_row // R, new_off, pmax, to_host(Wc.nr_significant), logev, to_host(resid))
 
 
-def _project_rows(setup: EStepSetup, rows: np.ndarray, pix: PixelSet, fine: bool):
-    """Slices of global rows (class-major) at a pixel set: coarse (n, K) or fine children (n * 8, K)."""
+def _project_rows(setup: EStepSetup, rows: np.ndarray, pix: PixelSet, fine: bool, matrices=None):
+    """Slices of global rows (class-major) at a pixel set: coarse (n, K) or fine children (n * 8, K).
+    ``matrices`` (n * nover, 3, 3) may pass the rows' matrices when the caller already has them."""
     xp = get_array_module(setup.refs[0].data)
     smp = setup.sampling
     R = smp.n_orient
     rows = np.asarray(rows, dtype=np.int64)
     nover = 8 if fine else 1
+    if matrices is None:
+        matrices = smp.fine_matrices(rows % R).reshape(-1, 3, 3) if fine else smp.coarse_matrices(rows % R)
+    if len(setup.refs) == 1:
+        return project_pixels(setup.refs[0], matrices, pix.kx, pix.ky)
     out = xp.zeros((rows.size * nover, pix.npix), dtype=np.complex64)
     for c, ref in enumerate(setup.refs):
         sel = np.flatnonzero(rows // R == c)
         if not sel.size:
             continue
-        r = rows[sel] % R
-        A = smp.fine_matrices(r).reshape(-1, 3, 3) if fine else smp.coarse_matrices(r)
-        vals = project_pixels(ref, xp.asarray(A), pix.kx, pix.ky)
         dst = (sel[:, None] * nover + np.arange(nover)[None, :]).reshape(-1)
-        out[xp.asarray(dst)] = vals
+        out[xp.asarray(dst)] = project_pixels(ref, matrices[dst], pix.kx, pix.ky)
     return out
-
