@@ -172,4 +172,5 @@ def test_demo_command_runs_end_to_end(dataset, tmp_path):
                         "--data", str(dataset), "--cpu"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "half-map FSC 0.143" in r.stdout
+    assert "refined from 60 Å" in r.stdout and "median angular error" in r.stdout
     assert (Path(tmp_path) / "demo" / "PostProcess" / "postprocess.star").is_file()

@@ -84,7 +84,7 @@ def run(p: Params) -> Iterator:
     rdir = out / "Refine3D"
     yield from _forward(refine3d.run(refine3d.Params(
         i=data / "particles.star", ref=data / "reference.mrc", o=rdir, ini_high=60.0, ctf=True, flatten_solvent=True,
-        particle_diameter=160.0, healpix_order=1, auto_local_healpix_order=3, cpu=p.cpu, gpu=p.gpu)), done)
+        healpix_order=1, auto_local_healpix_order=3, cpu=p.cpu, gpu=p.gpu)), done)
     r1 = read_mrc(rdir / "run_half1_class001_unfil.mrc")
     r_ref = resolution_A(fsc(np.asarray(r1.data, np.float64),
                              np.asarray(read_mrc(rdir / "run_half2_class001_unfil.mrc").data, np.float64)),
