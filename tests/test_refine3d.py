@@ -130,3 +130,31 @@ def test_local_candidates_are_the_prior_window_of_each_particle():
         assert np.all(np.isneginf(lpc[i][cand[i] < 0]))
         # a 3-sigma window at 7.5° holds several orientations
         assert want.size > 1
+
+
+@pytest.mark.slow
+def test_continue_from_an_optimiser_star_repeats_the_same_iterations(small_data, tmp_path):
+    """A run continued from run_it001_optimiser.star (same folder, files of iteration 1 only) gives the same
+    iteration 2 and final angles as the uninterrupted run: references, noise spectra, particle states and the
+    sampling schedule all come back from the files."""
+    import shutil
+
+    star = small_data / "particles.star"
+    kw = dict(ctf=True, particle_diameter=160.0, healpix_order=1, auto_iter_max=2, cpu=True)
+    proj = tmp_path / "project"  # a RELION project: image paths in the STAR files are relative to it
+    (proj / "Refine3D").mkdir(parents=True)
+    (proj / "particles").symlink_to(small_data / "particles")
+    full = proj / "Refine3D" / "full"
+    list(refine3d.run(refine3d.Params(i=star, ref=small_data / "reference.mrc", o=full, **kw)))
+    part = proj / "Refine3D" / "part"
+    part.mkdir()
+    for f in full.glob("run_it001_*"):
+        shutil.copy(f, part / f.name)
+    shutil.copy(full / "note.txt", part / "note.txt")
+    list(refine3d.run(refine3d.Params(continue_from=part / "run_it001_optimiser.star", cpu=True)))
+    for name in ("run_it002_data.star", "run_data.star"):
+        a = starfile.read(full / name)["particles"]
+        b = starfile.read(part / name)["particles"]
+        same = angular_distance_deg(_matrices(a), _matrices(b)) < 0.01
+        assert same.mean() > 0.99, f"{name}: {same.mean():.3f} of the angles agree"
+    assert (part / "run_class001.mrc").is_file()

@@ -338,6 +338,18 @@ def read_model_sigma2(path: Path) -> np.ndarray:
     return np.stack([np.asarray(pd.DataFrame(blocks[k])["rlnSigma2Noise"], float) for k in names])
 
 
+def read_model_state(path: Path) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Group scale corrections (G,) and the orientation distributions of each class from a model STAR, for
+    --continue."""
+    blocks = read_star(path)
+    groups = blocks.get("model_groups")
+    scales = np.asarray(pd.DataFrame(groups)["rlnGroupScaleCorrection"], float) if groups is not None else None
+    names = sorted((k for k in blocks if k.startswith("model_pdf_orient_class_")),
+                   key=lambda s: int(s.rsplit("_", 1)[1]))
+    pdfs = [np.asarray(pd.DataFrame(blocks[k])["rlnOrientationDistribution"], float) for k in names]
+    return scales, pdfs
+
+
 def write_optimiser_star(path: Path, state: dict) -> Path:
     return write_star_blocks(path, {"optimiser_general": state})
 

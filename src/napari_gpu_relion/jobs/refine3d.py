@@ -208,7 +208,9 @@ def run(p: Params) -> Iterator:
     if cont:
         refs = [np.asarray(read_mrc(base / str(opt[f"rlnGpuRelion_half{h}"])).data, np.float64) for h in (1, 2)]
         sigma2 = [em.read_model_sigma2(base / str(opt[f"rlnGpuRelion_model{h}"])) for h in (1, 2)]
-        scales = np.ones(len(ps.scale_group_names))
+        saved = [em.read_model_state(base / str(opt[f"rlnGpuRelion_model{h}"])) for h in (1, 2)]
+        scales = saved[0][0] if saved[0][0] is not None else np.ones(len(ps.scale_group_names))
+        pdf_saved = [sv[1][0] if sv[1] else None for sv in saved]
     else:
         ref0 = lowpass_map(_load_reference(prm, N, apix), apix, prm.ini_high)
         refs = [ref0.copy(), ref0.copy()]
@@ -221,10 +223,11 @@ def run(p: Params) -> Iterator:
                                           f"box {N}, {apix:.3f} Å/px, {sym.name}")
     out.mkdir(parents=True, exist_ok=True)
     write_note(out, JOB_NAME, p)
-    rng = np.random.default_rng(prm.random_seed + 7919 * state.iteration)
     monitor = em.ChangeMonitor(state.smallest_angle_change, state.smallest_offset_change)
     n_dirs_pdf = None
     pdf_dir = [None, None]
+    if cont and pdf_saved[0] is not None and pdf_saved[1] is not None:  # the direction priors learned so far
+        pdf_dir, n_dirs_pdf = pdf_saved, pdf_saved[0].size
     fsc = np.zeros(N // 2 + 1)
     final = False
     outputs: dict[str, Path] = {}
@@ -251,6 +254,8 @@ def run(p: Params) -> Iterator:
             msg = _update_sampling(state, prm, apix)
             if msg:
                 yield Message(msg)
+        # one generator per iteration, so that --continue draws what the uninterrupted run drew
+        rng = np.random.default_rng(prm.random_seed + 7919 * it)
         state.perturb = float(((state.perturb + rng.uniform(0.25, 0.5)) + 0.5) % 1.0 - 0.5)
         smp = Sampling(state.order, prm.sym, None, state.offset_range, state.offset_step, perturb=state.perturb)
         if n_dirs_pdf != smp.n_dirs:  # new HEALPix order: uniform direction priors
@@ -322,7 +327,7 @@ def run(p: Params) -> Iterator:
             new_refs = [v * m for v in new_refs]
         if cc:  # RELION re-applies the initial low-pass after a CC iteration
             new_refs = [lowpass_map(v, apix, prm.ini_high) for v in new_refs]
-        refs = new_refs
+        refs = [np.asarray(v, np.float32).astype(np.float64) for v in new_refs]  # as written: --continue reads these
         # ---- resolution, image size increments, hidden-variable changes ----
         state.ave_pmax = float(ps.pmax.mean())
         old_shell = state.res_shell
@@ -472,7 +477,6 @@ def _params_from_optimiser(opt: dict, p: Params) -> Params:
     for f in Params.__dataclass_fields__:
         key = f"rlnGpuRelionParam_{f}"
         if key in opt:
-            cur = getattr(Params, f, None) if not isinstance(getattr(Params, f, None), property) else None
             v = opt[key]
             default = Params.__dataclass_fields__[f].default
             if isinstance(default, bool):
@@ -483,7 +487,6 @@ def _params_from_optimiser(opt: dict, p: Params) -> Params:
                 v = float(v)
             else:
                 v = str(v)
-            del cur
             kw[f] = v
     base = Path(p.continue_from).parent
     return Params(i=None, ref=None, o=base, continue_from=p.continue_from, cpu=p.cpu, gpu=p.gpu, batch=p.batch,
