@@ -158,3 +158,31 @@ def test_continue_from_an_optimiser_star_repeats_the_same_iterations(small_data,
         same = angular_distance_deg(_matrices(a), _matrices(b)) < 0.01
         assert same.mean() > 0.99, f"{name}: {same.mean():.3f} of the angles agree"
     assert (part / "run_class001.mrc").is_file()
+
+
+def test_out_of_memory_halves_the_batch_and_gives_the_same_result(small_data, tmp_path, monkeypatch):
+    """An E-step batch that does not fit is retried at half the size: the job goes on, says so, and its angles
+    are those of a run that used the small batch from the start."""
+    from napari_gpu_relion.jobs import em
+    from napari_gpu_relion.jobs.events import Message
+
+    real = em.expectation_batch
+
+    def limited(setup, prep, *a, **k):
+        if prep.F_masked.shape[0] > 40:
+            raise MemoryError("out of memory (simulated)")
+        return real(setup, prep, *a, **k)
+
+    blocks = starfile.read(small_data / "particles.star")  # 120 particles are enough here
+    (tmp_path / "particles").symlink_to(small_data / "particles")
+    starfile.write({"optics": blocks["optics"], "particles": blocks["particles"].iloc[:120]}, tmp_path / "sub.star")
+    kw = dict(i=tmp_path / "sub.star", ref=small_data / "reference.mrc", ctf=True, particle_diameter=160.0,
+              healpix_order=1, auto_iter_max=1, zero_mask=True, cpu=True)
+    list(refine3d.run(refine3d.Params(o=tmp_path / "small", batch=40, **kw)))
+    monkeypatch.setattr(em, "expectation_batch", limited)
+    events = list(refine3d.run(refine3d.Params(o=tmp_path / "big", batch=100, **kw)))
+    assert any(isinstance(e, Message) and "out of memory" in e.text for e in events)
+    a = starfile.read(tmp_path / "small" / "run_data.star")["particles"]
+    b = starfile.read(tmp_path / "big" / "run_data.star")["particles"]
+    same = angular_distance_deg(_matrices(a), _matrices(b)) < 0.01
+    assert same.mean() > 0.99

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backend import get_array_module
+from .backend import get_array_module, is_out_of_memory
 from .fourier import half_grid_indices, irfft_centered, round_half_away
 from .masks import soft_mask_outside
 from .projector import _corner_indices, interpolate, pixel_list, rotated_frequencies, sinc2_gridding
@@ -61,27 +61,38 @@ class BackProjector:
         R, npix = values.shape
         step = max(1, chunk_points // max(npix, 1))
         rmp2 = float(round_half_away(np.float64(self.pad * self.r_max))) ** 2
-        P = self.padded_size
-        for r0 in range(0, R, step):
-            q = rotated_frequencies(A[r0:r0 + step], kx, ky, self.pad)
-            v = values[r0:r0 + step]
-            w = weights[r0:r0 + step]
-            neg = q[..., 0] < 0
-            q = xp.where(neg[..., None], -q, q)
-            v = xp.where(neg, xp.conj(v), v)
-            inside = ((q * q).sum(-1) <= rmp2) & (w != 0)
-            q, v, w = q[inside], v[inside], w[inside]
-            idx_all, vr, vi, ww = [], [], [], []
-            for idx, cw, valid in _corner_indices(q, P):
-                cw = cw if valid is True else xp.where(valid, cw, np.float32(0))
-                idx_all.append(idx)
-                vr.append(cw * v.real)
-                vi.append(cw * v.imag)
-                ww.append(cw * w)
-            idx = xp.concatenate(idx_all)
-            _scatter_add(self.data_re.reshape(-1), idx, xp.concatenate(vr))
-            _scatter_add(self.data_im.reshape(-1), idx, xp.concatenate(vi))
-            _scatter_add(self.weight.reshape(-1), idx, xp.concatenate(ww))
+        r0 = 0
+        while r0 < R:
+            try:  # everything that allocates comes before the first add, so a chunk is added whole or not at all
+                idx, vr, vi, ww = self._chunk_contributions(A[r0:r0 + step], kx, ky, values[r0:r0 + step],
+                                                            weights[r0:r0 + step], rmp2)
+            except Exception as exc:  # noqa: BLE001 - out of memory: a smaller chunk; anything else: raise
+                if not is_out_of_memory(exc) or step == 1:
+                    raise
+                step = max(1, step // 2)
+                continue
+            _scatter_add(self.data_re.reshape(-1), idx, vr)
+            _scatter_add(self.data_im.reshape(-1), idx, vi)
+            _scatter_add(self.weight.reshape(-1), idx, ww)
+            r0 += step
+
+    def _chunk_contributions(self, A, kx, ky, v, w, rmp2: float):
+        """Flat grid indices and the real, imaginary and weight contributions of one chunk of slices."""
+        xp = self.xp
+        q = rotated_frequencies(A, kx, ky, self.pad)
+        neg = q[..., 0] < 0
+        q = xp.where(neg[..., None], -q, q)
+        v = xp.where(neg, xp.conj(v), v)
+        inside = ((q * q).sum(-1) <= rmp2) & (w != 0)
+        q, v, w = q[inside], v[inside], w[inside]
+        idx_all, vr, vi, ww = [], [], [], []
+        for idx, cw, valid in _corner_indices(q, self.padded_size):
+            cw = cw if valid is True else xp.where(valid, cw, np.float32(0))
+            idx_all.append(idx)
+            vr.append(cw * v.real)
+            vi.append(cw * v.imag)
+            ww.append(cw * w)
+        return xp.concatenate(idx_all), xp.concatenate(vr), xp.concatenate(vi), xp.concatenate(ww)
 
     def insert_images(self, A, F, W, r_max: float | None = None):
         """Insert half-grid slices F (R, s, s//2+1) complex with weights W (same shape, real or broadcastable).
