@@ -117,7 +117,8 @@ def test_local_candidates_are_the_prior_window_of_each_particle():
     rng = np.random.default_rng(2)
     angles = rng.uniform([-180, 0, -180], [180, 180, 180], (5, 3))
     smp = Sampling(order=3)
-    cand, lpc = local_candidates(SimpleNamespace(angles=angles), np.arange(5), SimpleNamespace(sampling=smp),
+    setup = SimpleNamespace(sampling=smp, refs=[None])
+    cand, lpc = local_candidates(SimpleNamespace(angles=angles), np.arange(5), setup,
                                  LocalSearchSpec(sigma_deg=7.5, sym="C1"))
     ls = local_search(angles[:, 0], angles[:, 1], angles[:, 2], 7.5, 3, "C1", None)
     for i in range(5):
@@ -186,3 +187,15 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_result(small_data, tm
     b = starfile.read(tmp_path / "big" / "run_data.star")["particles"]
     same = angular_distance_deg(_matrices(a), _matrices(b)) < 0.01
     assert same.mean() > 0.99
+
+
+def test_class3d_rejects_bad_class_counts_before_work(small_data, tmp_path):
+    """Input checks of the (experimental) 3D classification: K < 1 and K larger than the particle count."""
+    from napari_gpu_relion.jobs import class3d
+
+    kw = dict(i=small_data / "particles.star", ref=small_data / "reference.mrc", o=tmp_path / "c", cpu=True)
+    with pytest.raises(InputError, match="--K must be at least 1"):
+        class3d.Params(K=0, **kw)
+    with pytest.raises(InputError, match="larger than the number of particles"):
+        list(class3d.run(class3d.Params(K=301, **kw)))
+    assert not (tmp_path / "c" / "run_it001_data.star").exists()

@@ -287,13 +287,15 @@ def _log_trans_prior(offsets_round_px, trans_px, pixel_size: float, sigma_A: flo
 
 def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | None, groups, scale,
                       sums: EStepSums, candidates=None, candidate_log_prior=None,
-                      scale_group_index=None) -> BatchResult:
+                      scale_group_index=None, class_log_prior=None) -> BatchResult:
     """Coarse and fine passes for one batch; adds the weighted sums into ``sums`` and returns the
     per-particle results.
 
     groups (I,) 0-based optics group of each particle; scale (I,) group intensity scale s_g.
     candidates (I, n) coarse rows per particle (local searches; -1 pads) with their log priors, or None for
-    a global search over every row with the direction prior ``setup.log_pdf_direction``."""
+    a global search over every row with the direction prior ``setup.log_pdf_direction``. ``class_log_prior``
+    (I, K) adds a per-particle class prior (-inf restricts a particle to some classes: 3D classification's
+    random class seeding)."""
     xp = get_array_module(prep.F_masked)
     smp = setup.sampling
     R = smp.n_orient
@@ -320,6 +322,8 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
         lp_rot = xp.zeros(K * R) if setup.log_pdf_direction is None else \
             xp.repeat(xp.asarray(setup.log_pdf_direction).reshape(-1), smp.n_psi)
         lp = lp_trans[:, :, None] + lp_rot[None, None, :]
+        if class_log_prior is not None:
+            lp = lp + xp.repeat(xp.asarray(class_log_prior, dtype=np.float64), R, axis=1)[:, None, :]
         cand = None
     else:
         cand = xp.asarray(candidates)
@@ -355,6 +359,8 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
             xp.asarray(setup.log_pdf_direction).reshape(-1)[jj // smp.n_psi]
     else:
         lpr_sig = xp.asarray(candidate_log_prior)[ii, jj]
+    if class_log_prior is not None:
+        lpr_sig = lpr_sig + xp.asarray(class_log_prior, dtype=np.float64)[ii, grow // R]
     sig_sig = sig[ii, :, jj]  # (E, T): which translations of each significant row are significant
     urows, upos = xp.unique(grow, return_inverse=True)
     upos = upos.reshape(-1)

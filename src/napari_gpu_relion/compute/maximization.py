@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .backend import get_array_module
 from .backprojector import BackProjector
 from .fourier import hermitian_unique_mask, round_half_away, shell_grid
 
@@ -165,3 +166,41 @@ def coarse_image_size(box: int, pixel_size: float, angular_step_deg: float, diam
     dc = angular_step_deg / 360.0 * np.pi * diameter_A / kappa
     s = 2 * int(np.ceil(box * pixel_size / dc))
     return int(min(s, current_size))
+
+
+def reference_tau2(ref) -> np.ndarray:
+    """Classification tau2 (relion_algorithm.md 5.1): tau2(r) = <|data(q)|^2> / 2 over the padded voxels of the
+    prepared reference (projector.FourierReference) in shell r = ROUND(|q|/pf), shells 0..N/2."""
+    from .fourier import half_grid_indices  # noqa: PLC0415
+
+    xp = get_array_module(ref.data)
+    P = ref.data.shape[0]
+    ks = half_grid_indices(P, ref.ndim, xp)
+    q = xp.sqrt(sum(k.astype(np.float64) ** 2 for k in ks))
+    shells = round_half_away(q / ref.pad).astype(np.int64)
+    n = ref.size // 2 + 1
+    sh = xp.where(shells < n, shells, n).reshape(-1)
+    p2 = (ref.data.real.astype(np.float64) ** 2 + ref.data.imag.astype(np.float64) ** 2).reshape(-1)
+    tot = xp.bincount(sh, weights=p2, minlength=n + 1)[:n]
+    cnt = xp.bincount(sh, minlength=n + 1)[:n]
+    out = xp.where(cnt > 0, tot / (2.0 * xp.maximum(cnt, 1)), 0.0)
+    return np.asarray(out.get() if hasattr(out, "get") else out, dtype=np.float64)
+
+
+def ssnr_map(bp, tau2: np.ndarray, tau2_fudge: float) -> np.ndarray:
+    """Classification SSNR_MAP ("data_vs_prior", relion_algorithm.md 4.3): the shell average of
+    pf^ndim T tau2(r) weight over the padded voxels within pf r_max; 0 beyond r_max, 999 in empty shells."""
+    xp = bp.xp
+    shells, q2 = bp.padded_shells()
+    lim2 = float(round_half_away(np.float64(bp.pad * bp.r_max))) ** 2
+    n = bp.size // 2 + 1
+    ok = (q2 < lim2) & (shells < n)
+    sh = xp.where(ok, shells, n).reshape(-1)
+    t2 = xp.asarray(np.concatenate([np.asarray(tau2, np.float64)[:n], [0.0]]))
+    val = (bp.pad**bp.ndim * tau2_fudge) * t2[sh] * bp.weight.reshape(-1)
+    tot = xp.bincount(sh, weights=val, minlength=n + 1)[:n]
+    cnt = xp.bincount(sh, minlength=n + 1)[:n]
+    out = xp.where(cnt > 0, tot / xp.maximum(cnt, 1), 999.0)
+    out = np.asarray(out.get() if hasattr(out, "get") else out, dtype=np.float64)
+    out[np.arange(n) > bp.r_max] = 0.0
+    return out

@@ -77,7 +77,7 @@ class ParticleSet:
         return None if self.ctf is None else self.ctf.subset(np.asarray(rows))
 
 
-def load_particle_set(path: Path, ctf: bool, seed: int = 0) -> ParticleSet:
+def load_particle_set(path: Path, ctf: bool, seed: int = 0, halves: bool = True) -> ParticleSet:
     """Read a particles STAR for refinement; clear errors (file, column) for what is missing. Particles
     without rlnRandomSubset are split into random halves (kept when present, as RELION does)."""
     table = read_particles(path, require=("rlnImageName",))
@@ -110,7 +110,7 @@ def load_particle_set(path: Path, ctf: bool, seed: int = 0) -> ParticleSet:
                              column="rlnRandomSubset", line=table.line_of(df.index[row]))
     else:
         subset = np.random.default_rng(seed).permutation(np.arange(n) % 2) + 1
-    for h in (1, 2):
+    for h in (1, 2) if halves else ():
         if (subset == h).sum() < 2:
             raise InputError(f"too few particles for two gold-standard halves: half {h} has {(subset == h).sum()} "
                              f"of {n} particles (need at least 2 in each)", path=str(path), column="rlnRandomSubset")
@@ -168,7 +168,7 @@ class LocalSearchSpec:
 
 def local_candidates(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, spec: LocalSearchSpec):
     """Per-particle coarse candidate rows and log priors (I, n) around each particle's current angles
-    (RELION local searches, sigma = ``spec.sigma_deg``, 3 sigma cut-off); -1 pads."""
+    (RELION local searches, sigma = ``spec.sigma_deg``, 3 sigma cut-off), in every class; -1 pads."""
     smp = setup.sampling
     a = ps.angles[rows]
     ls = local_search(a[:, 0], a[:, 1], a[:, 2], spec.sigma_deg, smp.order, spec.sym, smp.psi_step)
@@ -180,6 +180,10 @@ def local_candidates(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, spec:
     lp = (np.take_along_axis(ls.dir_log_prior, d_idx, axis=1)[:, :, None]
           + np.take_along_axis(ls.psi_log_prior, p_idx, axis=1)[:, None, :]).reshape(len(rows), -1)
     lpc = np.where(ok, lp, -np.inf)
+    K, R = len(setup.refs), smp.n_orient
+    if K > 1:  # the same window in every class (rows are class-major)
+        cand = np.concatenate([np.where(cand >= 0, cand + k * R, -1) for k in range(K)], axis=1)
+        lpc = np.concatenate([lpc] * K, axis=1)
     return cand, lpc
 
 
@@ -193,8 +197,8 @@ def _kept_first(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def run_estep(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, sums: EStepSums, be: Backend, *,
               mask_radius_px: float, zero_mask: bool, do_norm: bool, norm_average: float, scales: np.ndarray,
-              batch: int, local: LocalSearchSpec | None = None, stage: str = "E-step", seed: int = 0
-              ) -> Iterator:
+              batch: int, local: LocalSearchSpec | None = None, stage: str = "E-step", seed: int = 0,
+              class_log_prior: np.ndarray | None = None) -> Iterator:
     """E-step over ``rows`` of the particle set in batches (halving on out-of-memory); updates the particle
     state (angles, offsets, classes, pmax, ...) and ``sums``. Yields Progress / Message events."""
     n = rows.size
@@ -211,7 +215,8 @@ def run_estep(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, sums: EStepS
         if local is not None:
             cand, lpc = local_candidates(ps, r, setup, local)
         res = expectation_batch(setup, prep, ps.ctf_rows(r), ps.optics_group[r], scales[ps.scale_group[r]], sums,
-                                candidates=cand, candidate_log_prior=lpc, scale_group_index=ps.scale_group[r])
+                                candidates=cand, candidate_log_prior=lpc, scale_group_index=ps.scale_group[r],
+                                class_log_prior=None if class_log_prior is None else class_log_prior[r])
         rot, tilt, psi = matrix_to_euler(res.matrices)
         ps.angles[r] = np.stack([rot, tilt, psi], axis=1)
         ps.offsets_px[r] = res.offsets_px

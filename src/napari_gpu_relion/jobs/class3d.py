@@ -1,0 +1,228 @@
+"""3D classification (relion_refine without --split_random_halves; relion_algorithm.md 7).
+
+STATUS: EXPERIMENTAL, DOES NOT CLASSIFY YET, and is therefore not offered as a command or a widget. On a simulated
+50/50 mixture of two conformations (box 32, 300 particles, SNR 0.1-0.3, HEALPix order 1) one class absorbs
+most particles without separating the states, and the resolution stays near the minres shell (the SSNR collapses
+past shell 5: tau2 from the low-passed, solvent-flattened reference is tiny but non-zero, so the MAP prior holds
+the maps there). See issue #5.
+
+Plain EM over K classes started from one reference: in the first iteration each particle searches only one random
+class (RELION's seeding, so each class is rebuilt from a random 1/K of the data); tau2 of each class from its
+reference's power spectrum times tau2_fudge (default 4); class and direction priors; fixed HEALPix order (global
+searches) or local searches with --sigma_ang. The E-step is the shared engine (compute/estep.py through
+jobs/em.py) with K references: rows are (class, orientation) pairs, one GEMM for all of them. Files follow
+RELION's names: run_itNNN_classNNN.mrc, run_itNNN_model.star (class distributions and resolutions),
+run_itNNN_data.star (rlnClassNumber).
+
+Not yet: --skip_align, --continue, --firstiter_cc.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ..compute.backend import to_host
+from ..compute.backprojector import BackProjector
+from ..compute.estep import EStepSetup, EStepSums, Sampling
+from ..compute.expectation import pixel_set
+from ..compute.fourier import lowpass_map
+from ..compute.fsc import shell_to_angstrom
+from ..compute.geometry import symmetry_group
+from ..compute.masks import soft_spherical_mask
+from ..compute.maximization import (
+    coarse_image_size,
+    reference_tau2,
+    resolution_shell_from_ssnr,
+    ssnr_map,
+    update_sigma2,
+    update_sigma_offset,
+)
+from ..compute.projector import prepare_reference
+from ..errors import InputError
+from ..io.atomic import ensure_not_input
+from ..io.mrc import write_mrc
+from . import em
+from .common import backend_for, param, require_file, write_note
+from .events import Finished, IterationFinished, MapUpdated, Message, Started
+from .refine3d import MASK_EDGE, _batch_size, _load_reference
+
+JOB_NAME = "class3d"
+
+
+@dataclass(frozen=True)
+class Params:
+    i: Path | None = param(None, "--i", "Particles STAR file")
+    ref: Path | None = param(None, "--ref", "Initial reference map (.mrc)")
+    o: Path | None = param(None, "--o", "Output folder (files run_it*)")
+    K: int = param(2, "--K", "Number of classes")
+    iter: int = param(25, "--iter", "Number of iterations")
+    tau2_fudge: float = param(4.0, "--tau2_fudge", "Regularisation parameter T")
+    healpix_order: int = param(2, "--healpix_order", "HEALPix order (2 = 15° coarse, 7.5° fine)")
+    offset_range: float = param(5.0, "--offset_range", "Translation search range (pixels)")
+    offset_step: float = param(2.0, "--offset_step", "Coarse translation step (pixels)")
+    sym: str = param("C1", "--sym", "Point-group symmetry")
+    ini_high: float = param(60.0, "--ini_high", "Low-pass filter of the initial reference (Å)")
+    particle_diameter: float = param(-1.0, "--particle_diameter", "Mask diameter (Å); -1 = (box - 5) x pixel size")
+    sigma_ang: float = param(-1.0, "--sigma_ang", "Local searches with this angular sigma (degrees); -1 = global")
+    ctf: bool = param(False, "--ctf", "Do CTF correction")
+    flatten_solvent: bool = param(False, "--flatten_solvent", "Mask the references with a soft sphere")
+    zero_mask: bool = param(False, "--zero_mask", "Fill outside the particle mask with zeros (else noise)")
+    pad: int = param(2, "--pad", "Padding factor of the Fourier grids")
+    offset: float = param(10.0, "--offset", "Initial sigma of the offset prior (Å)")
+    trust_ref_size: bool = param(False, "--trust_ref_size", "Rescale a reference of another box/pixel size")
+    random_seed: int = param(0, "--random_seed", "Random seed (class seeding, perturbation, noise)")
+    batch: int = param(0, "--batch", "Particles per batch; 0 = from free memory")
+    cpu: bool = param(False, "--cpu", "Run on the CPU (NumPy) even if a GPU is present")
+    gpu: int | None = param(None, "--gpu", "GPU index to use")
+
+    def __post_init__(self):
+        require_file(self.i, "--i particles STAR", (".star",))
+        require_file(self.ref, "--ref reference map", (".mrc", ".map"))
+        if self.o is None:
+            raise InputError("--o (output folder) is required")
+        ensure_not_input(Path(self.o) / "run_it001_data.star", self.i)
+        symmetry_group(self.sym)
+        if self.K < 1:
+            raise InputError(f"--K must be at least 1, got {self.K}")
+        if self.iter < 1:
+            raise InputError(f"--iter must be at least 1, got {self.iter}")
+        if self.healpix_order < 0 or self.healpix_order > 8:
+            raise InputError(f"--healpix_order must be in 0..8, got {self.healpix_order}")
+        if self.offset_step <= 0 or self.offset_range < 0:
+            raise InputError(f"--offset_step must be > 0 and --offset_range >= 0 (pixels), got "
+                             f"{self.offset_step}, {self.offset_range}")
+        if self.tau2_fudge <= 0:
+            raise InputError(f"--tau2_fudge must be > 0, got {self.tau2_fudge}")
+
+
+def run(p: Params) -> Iterator:
+    t_start = time.time()
+    ps = em.load_particle_set(Path(p.i), p.ctf, seed=p.random_seed, halves=False)
+    N, apix, K = ps.box, ps.pixel_size, p.K
+    if K > len(ps):
+        raise InputError(f"--K {K} is larger than the number of particles ({len(ps)})", path=str(p.i))
+    diameter = p.particle_diameter if p.particle_diameter > 0 else (N - MASK_EDGE) * apix
+    if diameter > N * apix:
+        raise InputError(f"--particle_diameter {diameter:g} Å is larger than the box ({N} px x {apix:.3f} Å = "
+                         f"{N * apix:.1f} Å)")
+    mask_r = diameter / (2 * apix)
+    ref0 = lowpass_map(_load_reference(p, N, apix), apix, p.ini_high)
+    be = backend_for(p)
+    xp = be.xp
+    out = Path(p.o)
+    out.mkdir(parents=True, exist_ok=True)
+    write_note(out, JOB_NAME, p)
+    sym = symmetry_group(p.sym)
+    refs = [ref0.copy() for _ in range(K)]
+    sigma2 = em.initial_noise_spectra(ps, be, mask_r, p.zero_mask)
+    scales = np.ones(len(ps.scale_group_names))
+    pdf_class = np.full(K, 1.0 / K)
+    sigma_offset_A = p.offset
+    res_shell = int(round(N * apix / p.ini_high))
+    perturb = 0.0
+    everyone = np.arange(len(ps))
+    # RELION's seeding: in iteration 1 each particle searches one random class
+    seed_class = np.random.default_rng(p.random_seed + 1).integers(0, K, len(ps))
+    seed_prior = np.where(np.arange(K)[None, :] == seed_class[:, None], 0.0, -np.inf)
+    local = em.LocalSearchSpec(p.sigma_ang, p.sym) if p.sigma_ang > 0 else None
+    yield Started(JOB_NAME, out, be.name, f"classifying {len(ps)} particles into {K} classes")
+    pdf_dir = None
+    outputs: dict[str, Path] = {}
+    ssnr_all = [np.zeros(N // 2 + 1)] * K
+    for it in range(1, p.iter + 1):
+        t_it = time.time()
+        current_size = int(min(N, 2 * (res_shell + 10)))
+        frefs = [prepare_reference(be.asarray(v), p.pad, r_max=current_size / 2) for v in refs]
+        tau2 = [reference_tau2(f) for f in frefs]
+        rng = np.random.default_rng(p.random_seed + 7919 * it)
+        perturb = float(((perturb + rng.uniform(0.25, 0.5)) + 0.5) % 1.0 - 0.5)
+        smp = Sampling(p.healpix_order, p.sym, None, p.offset_range, p.offset_step, perturb=perturb)
+        if pdf_dir is None:
+            pdf_dir = np.full((K, smp.n_dirs), 1.0 / smp.n_dirs)
+        coarse = coarse_image_size(N, apix, smp.angular_step, diameter, current_size)
+        pix_c, pix_f = pixel_set(N, coarse, xp), pixel_set(N, current_size, xp)
+        yield Message(f"iteration {it}: image size {current_size} (coarse {coarse}), {K} classes x "
+                      f"{smp.n_orient} orientations{' (local)' if local else ''}, {smp.translations.shape[0]} "
+                      f"translations{', random class seeding' if it == 1 and K > 1 else ''}")
+        old_classes = ps.classes.copy()
+        bps = [BackProjector(N, p.pad, current_size / 2, ndim=3, xp=xp, dtype=np.float64) for _ in range(K)]
+        sums = EStepSums(bps, N // 2 + 1, ps.n_optics_groups, smp.n_dirs, n_scale_groups=len(scales))
+        with np.errstate(divide="ignore"):
+            log_prior = np.log(pdf_class)[:, None] + np.log(pdf_dir)  # (K, n_dirs): class x direction prior
+        setup = EStepSetup(frefs, smp, pix_c, pix_f, apix, be.asarray(sigma2),
+                           log_pdf_direction=None if local else be.asarray(log_prior),
+                           sigma_offset_A=sigma_offset_A)
+        batch = _batch_size(p, be, N, K * (smp.n_orient if local is None else 200), smp.translations.shape[0],
+                            pix_c.npix)
+        yield from em.run_estep(ps, everyone, setup, sums, be, mask_radius_px=mask_r, zero_mask=p.zero_mask,
+                                do_norm=False, norm_average=1.0, scales=scales, batch=batch, local=local,
+                                stage=f"it {it:03d}", seed=p.random_seed + it,
+                                class_log_prior=seed_prior if it == 1 and K > 1 else None)
+        # ---- M-step ----
+        new_refs = []
+        for k, bp in enumerate(bps):
+            bp.enforce_hermitian()
+            if sym.order > 1:
+                bp.symmetrise(sym.matrices)
+            ssnr_all[k] = ssnr_map(bp, tau2[k], p.tau2_fudge)
+            if sums.pdf_class[k] > 0:
+                new_refs.append(to_host(bp.reconstruct(tau2[k], p.tau2_fudge)).astype(np.float64))
+            else:  # an empty class keeps its reference (RELION does too)
+                new_refs.append(refs[k])
+        sigma2 = update_sigma2(sums.sigma2, sums.sumw_group, N)
+        sigma_offset_A = update_sigma_offset(sums.sigma_offset, sums.sum_weight)
+        pdf_class = sums.pdf_class / max(sums.pdf_class.sum(), 1e-300)
+        tot = sums.pdf_direction.sum(axis=1, keepdims=True)
+        pdf_dir = np.where(tot > 0, sums.pdf_direction / np.maximum(tot, 1e-300), 1.0 / smp.n_dirs)
+        if p.flatten_solvent:
+            m = soft_spherical_mask(N, mask_r, MASK_EDGE, 3).astype(np.float64)
+            new_refs = [v * m for v in new_refs]
+        refs = [np.asarray(v, np.float32).astype(np.float64) for v in new_refs]
+        res_shells = [min(resolution_shell_from_ssnr(s, gold_standard=False), N // 2) for s in ssnr_all]
+        res_shell = max(res_shells)
+        changed = float((ps.classes != old_classes).mean()) if it > 1 else 1.0
+        # ---- files and events ----
+        tag = f"_it{it:03d}"
+        res_A = [shell_to_angstrom(max(r, 1), N, apix) for r in res_shells]
+        paths = [write_mrc(out / f"run{tag}_class{k + 1:03d}.mrc", refs[k].astype(np.float32), apix)
+                 for k in range(K)]
+        _write_model(out / f"run{tag}_model.star", paths, pdf_class, res_A, ssnr_all, sigma2, scales, pdf_dir, ps,
+                     p, current_size, sigma_offset_A)
+        em.write_data_star(out / f"run{tag}_data.star", ps)
+        outputs = {f"class{k + 1:03d}": paths[k] for k in range(K)}
+        outputs.update(model=out / f"run{tag}_model.star", data=out / f"run{tag}_data.star")
+        empty = [k + 1 for k in range(K) if pdf_class[k] < 1e-6]
+        dist = ", ".join(f"{100 * d:.1f}%" for d in pdf_class)
+        summary = (f"class distribution {dist}; resolution {min(res_A):.1f} Å; {100 * changed:.1f}% of particles "
+                   f"changed class; <Pmax> {ps.pmax.mean():.3f}; {time.time() - t_it:.1f} s"
+                   + (f"; empty class(es): {empty}" if empty else ""))
+        for k in range(K):
+            yield MapUpdated(f"class{k + 1:03d}", refs[k].astype(np.float32), apix, paths[k])
+        yield IterationFinished(it, {f"class{k + 1:03d}": refs[k].astype(np.float32) for k in range(K)},
+                                pdf_class.copy(), float(min(res_A)), None, summary)
+        yield Message(f"  iteration {it}: {summary}")
+    final_dist = ", ".join(f"class {k + 1}: {100 * d:.1f}%" for k, d in enumerate(pdf_class))
+    yield Finished(outputs, f"{p.iter} iterations in {time.time() - t_start:.0f} s; {final_dist}")
+
+
+def _write_model(path: Path, paths, pdf_class, res_A, ssnr_all, sigma2, scales, pdf_dir, ps, p: Params,
+                 current_size: int, sigma_offset_A: float) -> Path:
+    N, apix = ps.box, ps.pixel_size
+    general = {"rlnReferenceDimensionality": 3, "rlnDataDimensionality": 2, "rlnOriginalImageSize": N,
+               "rlnCurrentResolution": float(min(res_A)), "rlnCurrentImageSize": current_size,
+               "rlnPaddingFactor": p.pad, "rlnPixelSize": apix, "rlnNrClasses": p.K, "rlnNrBodies": 1,
+               "rlnNrGroups": len(scales), "rlnTau2FudgeFactor": p.tau2_fudge, "rlnSigmaOffsetsAngst": sigma_offset_A,
+               "rlnLogLikelihood": float(ps.log_likelihood.sum()), "rlnAveragePmax": float(ps.pmax.mean())}
+    classes = pd.DataFrame({"rlnReferenceImage": [q.name for q in paths], "rlnClassDistribution": pdf_class,
+                            "rlnEstimatedResolution": res_A})
+    sh = np.arange(N // 2 + 1)
+    curves = [pd.DataFrame({"rlnSpectralIndex": sh, "rlnResolution": sh / (N * apix), "rlnSsnrMap": s[: sh.size]})
+              for s in ssnr_all]
+    return em.write_model_star(path, general, classes, curves, sigma2, scales, ps.scale_group_names,
+                               list(pdf_dir), N, apix)
