@@ -20,6 +20,7 @@ import platform
 import time
 
 import numpy as np
+from bench_reconstruction import timed  # the same timer (benchmarks/ is the script folder)
 
 from napari_gpu_relion.compute.backend import select_backend
 from napari_gpu_relion.compute.backprojector import BackProjector
@@ -34,16 +35,6 @@ from napari_gpu_relion.compute.expectation import (
 )
 from napari_gpu_relion.compute.geometry import euler_to_matrix
 from napari_gpu_relion.compute.projector import prepare_reference, project_pixels
-
-
-def timed(be, fn, reps=3):
-    fn()
-    be.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    be.synchronize()
-    return (time.perf_counter() - t) / reps
 
 
 def sgemm_rate(be, n=8192):

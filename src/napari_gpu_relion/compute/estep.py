@@ -366,8 +366,8 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
     upos = upos.reshape(-1)
     urows_h = to_host(urows)
     n_union = int(urows_h.size)
-    A_fine = smp.fine_matrices(urows_h % R).reshape(-1, 3, 3)  # (U * 8, 3, 3), made once per batch
-    Pf = _project_rows(setup, urows_h, pf, fine=True, matrices=A_fine)  # (U * 8, Kf)
+    Af = xp.asarray(smp.fine_matrices(urows_h % R).reshape(-1, 3, 3))  # (U * 8, 3, 3): projection and insertion
+    Pf = _project_rows(setup, urows_h, pf, fine=True, matrices=Af)  # (U * 8, Kf)
     nover = Pf.shape[0] // max(1, n_union)
     Sf = as_slices(Pf)
     del Pf
@@ -473,7 +473,6 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
     resid += hi.sum(axis=1)
 
     # ---- insert the summed slices (one per distinct fine orientation) into the class grids ----
-    Af = xp.asarray(A_fine)
     cls_rows = np.repeat(urows_h // R, nover)
     wrow = to_host(bp_weights.sum(axis=1))
     Kf = pf.npix
@@ -519,6 +518,7 @@ def _project_rows(setup: EStepSetup, rows: np.ndarray, pix: PixelSet, fine: bool
     nover = 8 if fine else 1
     if matrices is None:
         matrices = smp.fine_matrices(rows % R).reshape(-1, 3, 3) if fine else smp.coarse_matrices(rows % R)
+    matrices = xp.asarray(matrices)
     if len(setup.refs) == 1:
         return project_pixels(setup.refs[0], matrices, pix.kx, pix.ky)
     out = xp.zeros((rows.size * nover, pix.npix), dtype=np.complex64)
@@ -526,6 +526,6 @@ def _project_rows(setup: EStepSetup, rows: np.ndarray, pix: PixelSet, fine: bool
         sel = np.flatnonzero(rows // R == c)
         if not sel.size:
             continue
-        dst = (sel[:, None] * nover + np.arange(nover)[None, :]).reshape(-1)
-        out[xp.asarray(dst)] = project_pixels(ref, matrices[dst], pix.kx, pix.ky)
+        dst = xp.asarray((sel[:, None] * nover + np.arange(nover)[None, :]).reshape(-1))
+        out[dst] = project_pixels(ref, matrices[dst], pix.kx, pix.ky)
     return out

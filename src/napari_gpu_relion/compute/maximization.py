@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backend import get_array_module
+from .backend import get_array_module, to_host
 from .backprojector import BackProjector
 from .fourier import hermitian_unique_mask, round_half_away, shell_grid
 
@@ -46,19 +46,25 @@ def initial_sigma2(power_each: np.ndarray, power_of_mean: np.ndarray) -> np.ndar
     return s
 
 
-def reference_sigma2(bp: BackProjector) -> np.ndarray:
-    """sigma2_ref(r) = n_r / sum_{voxels in r} pf^ndim weight (shells 0..N/2) over the padded grid within
-    pf r_max; 0 where the shell has no weight."""
-    xp = bp.xp
+def _shells_within_rmax(bp: BackProjector):
+    """Flat shell index ROUND(|q|/pf) of each padded voxel, with voxels beyond pf r_max (or beyond N/2) sent
+    to an overflow shell n = N/2 + 1; and n."""
     shells, q2 = bp.padded_shells()
     lim2 = float(round_half_away(np.float64(bp.pad * bp.r_max))) ** 2
     n = bp.size // 2 + 1
     ok = (q2 < lim2) & (shells < n)
-    sh = xp.where(ok, shells, n).reshape(-1)
+    return bp.xp.where(ok, shells, n).reshape(-1), n
+
+
+def reference_sigma2(bp: BackProjector) -> np.ndarray:
+    """sigma2_ref(r) = n_r / sum_{voxels in r} pf^ndim weight (shells 0..N/2) over the padded grid within
+    pf r_max; 0 where the shell has no weight."""
+    xp = bp.xp
+    sh, n = _shells_within_rmax(bp)
     wsum = xp.bincount(sh, weights=(bp.weight * bp.pad**bp.ndim).reshape(-1), minlength=n + 1)[:n]
     cnt = xp.bincount(sh, minlength=n + 1)[:n]
     out = xp.where(wsum > 0, cnt / xp.where(wsum > 0, wsum, 1.0), 0.0)
-    return np.asarray(out.get() if hasattr(out, "get") else out, dtype=np.float64)
+    return np.asarray(to_host(out), dtype=np.float64)
 
 
 def tau2_from_fsc(fsc: np.ndarray, sigma2_ref: np.ndarray, tau2_fudge: float = 1.0, joined: bool = False
@@ -104,7 +110,7 @@ def fsc_from_backprojectors(bp1: BackProjector, bp2: BackProjector) -> np.ndarra
 
     z1, z2 = _pooled(bp1), _pooled(bp2)
     f = fsc_from_fts(z1, z2, 3)
-    f = np.asarray(f.get() if hasattr(f, "get") else f, dtype=np.float64)
+    f = np.asarray(to_host(f), dtype=np.float64)
     f[0] = 1.0
     f[int(bp1.r_max) + 1:] = 0.0
     return f
@@ -184,23 +190,19 @@ def reference_tau2(ref) -> np.ndarray:
     tot = xp.bincount(sh, weights=p2, minlength=n + 1)[:n]
     cnt = xp.bincount(sh, minlength=n + 1)[:n]
     out = xp.where(cnt > 0, tot / (2.0 * xp.maximum(cnt, 1)), 0.0)
-    return np.asarray(out.get() if hasattr(out, "get") else out, dtype=np.float64)
+    return np.asarray(to_host(out), dtype=np.float64)
 
 
 def ssnr_map(bp, tau2: np.ndarray, tau2_fudge: float) -> np.ndarray:
     """Classification SSNR_MAP ("data_vs_prior", relion_algorithm.md 4.3): the shell average of
     pf^ndim T tau2(r) weight over the padded voxels within pf r_max; 0 beyond r_max, 999 in empty shells."""
     xp = bp.xp
-    shells, q2 = bp.padded_shells()
-    lim2 = float(round_half_away(np.float64(bp.pad * bp.r_max))) ** 2
-    n = bp.size // 2 + 1
-    ok = (q2 < lim2) & (shells < n)
-    sh = xp.where(ok, shells, n).reshape(-1)
+    sh, n = _shells_within_rmax(bp)
     t2 = xp.asarray(np.concatenate([np.asarray(tau2, np.float64)[:n], [0.0]]))
     val = (bp.pad**bp.ndim * tau2_fudge) * t2[sh] * bp.weight.reshape(-1)
     tot = xp.bincount(sh, weights=val, minlength=n + 1)[:n]
     cnt = xp.bincount(sh, minlength=n + 1)[:n]
     out = xp.where(cnt > 0, tot / xp.maximum(cnt, 1), 999.0)
-    out = np.asarray(out.get() if hasattr(out, "get") else out, dtype=np.float64)
+    out = np.asarray(to_host(out), dtype=np.float64)
     out[np.arange(n) > bp.r_max] = 0.0
     return out

@@ -92,11 +92,7 @@ class Params:
             raise InputError(f"--K must be at least 1, got {self.K}")
         if self.iter < 1:
             raise InputError(f"--iter must be at least 1, got {self.iter}")
-        if self.healpix_order < 0 or self.healpix_order > 8:
-            raise InputError(f"--healpix_order must be in 0..8, got {self.healpix_order}")
-        if self.offset_step <= 0 or self.offset_range < 0:
-            raise InputError(f"--offset_step must be > 0 and --offset_range >= 0 (pixels), got "
-                             f"{self.offset_step}, {self.offset_range}")
+        em.check_search(self.healpix_order, self.offset_range, self.offset_step)
         if self.tau2_fudge <= 0:
             raise InputError(f"--tau2_fudge must be > 0, got {self.tau2_fudge}")
 
@@ -107,11 +103,7 @@ def run(p: Params) -> Iterator:
     N, apix, K = ps.box, ps.pixel_size, p.K
     if K > len(ps):
         raise InputError(f"--K {K} is larger than the number of particles ({len(ps)})", path=str(p.i))
-    diameter = p.particle_diameter if p.particle_diameter > 0 else (N - MASK_EDGE) * apix
-    if diameter > N * apix:
-        raise InputError(f"--particle_diameter {diameter:g} Å is larger than the box ({N} px x {apix:.3f} Å = "
-                         f"{N * apix:.1f} Å)")
-    mask_r = diameter / (2 * apix)
+    diameter, mask_r = em.particle_mask(ps, p.particle_diameter, MASK_EDGE)
     ref0 = lowpass_map(_load_reference(p, N, apix), apix, p.ini_high)
     be = backend_for(p)
     xp = be.xp

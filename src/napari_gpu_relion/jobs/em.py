@@ -126,6 +126,26 @@ def load_particle_set(path: Path, ctf: bool, seed: int = 0, halves: bool = True)
                        CtfParams.from_table(df) if ctf else None)
 
 
+def check_search(healpix_order: int, offset_range: float, offset_step: float) -> None:
+    """The search options every EM job shares: clear errors before any work."""
+    if healpix_order < 0 or healpix_order > 8:
+        raise InputError(f"--healpix_order must be in 0..8, got {healpix_order}")
+    if offset_step <= 0 or offset_range < 0:
+        raise InputError(f"--offset_step must be > 0 and --offset_range >= 0 (pixels), got "
+                         f"{offset_step}, {offset_range}")
+
+
+def particle_mask(ps: ParticleSet, particle_diameter: float, edge_px: float) -> tuple[float, float]:
+    """(diameter in Å, mask radius in pixels): --particle_diameter, or (box - edge) x pixel size when it is
+    not positive; an error when it is larger than the box."""
+    N, apix = ps.box, ps.pixel_size
+    diameter = particle_diameter if particle_diameter > 0 else (N - edge_px) * apix
+    if diameter > N * apix:
+        raise InputError(f"--particle_diameter {diameter:g} Å is larger than the box ({N} px x {apix:.3f} Å = "
+                         f"{N * apix:.1f} Å)")
+    return diameter, diameter / (2 * apix)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Initial noise spectra
 # ----------------------------------------------------------------------------------------------------------

@@ -93,11 +93,7 @@ class Params:
             raise InputError("--o (output folder) is required")
         ensure_not_input(Path(self.o) / "run_data.star", self.i)
         symmetry_group(self.sym)
-        if self.healpix_order < 0 or self.healpix_order > 8:
-            raise InputError(f"--healpix_order must be in 0..8, got {self.healpix_order}")
-        if self.offset_step <= 0 or self.offset_range < 0:
-            raise InputError(f"--offset_step must be > 0 and --offset_range >= 0 (pixels), got "
-                             f"{self.offset_step}, {self.offset_range}")
+        em.check_search(self.healpix_order, self.offset_range, self.offset_step)
         if self.pad < 1:
             raise InputError(f"--pad must be >= 1, got {self.pad}")
         if self.ini_high <= 0:
@@ -195,11 +191,7 @@ def run(p: Params) -> Iterator:
                       sigma_offset_A=p.offset)
     ps = em.load_particle_set(data_star, prm.ctf, seed=prm.random_seed)
     N, apix = ps.box, ps.pixel_size
-    diameter = prm.particle_diameter if prm.particle_diameter > 0 else (N - MASK_EDGE) * apix
-    if diameter > N * apix:
-        raise InputError(f"--particle_diameter {diameter:g} Å is larger than the box ({N} px x {apix:.3f} Å = "
-                         f"{N * apix:.1f} Å)")
-    mask_r = diameter / (2 * apix)
+    diameter, mask_r = em.particle_mask(ps, prm.particle_diameter, MASK_EDGE)
     out = Path(prm.o)
     be = backend_for(p)
     xp = be.xp
