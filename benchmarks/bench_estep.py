@@ -1,7 +1,8 @@
 """Benchmark: the E-step on one GPU, against the measured float32 GEMM rate of the same GPU.
 
-For box 128 and 256, HEALPix order 2 and 3 (C1) and 21 translations (range 5, step 2), on particles simulated
-from a random-phase map at SNR 0.05 with CTF:
+For box 128 and 256, HEALPix order 2 and 3 (C1) and 21 translations (range 5, step 2), with 1 class
+(refinement) or K classes (3D classification, e.g. case 128:2:64:4), on particles simulated from a random-phase
+map at SNR 0.05 with CTF:
   * the coarse-pass score GEMMs alone (scores_shared: cross term + |CP|^2 term), FLOPs counted exactly;
   * the coarse pass (particle terms, score GEMMs, log-domain weights and significance sort);
   * the whole E-step of a batch (compute/estep.expectation_batch: coarse pass, fine pass over the significant
@@ -65,22 +66,25 @@ def simulated_batch(be, ref, pix_full, N, apix, I, rng):
     return F, ctf, noise_var
 
 
-def run_case(be, N, order, I, reps):
+def run_case(be, N, order, I, reps, n_classes=1):
+    """One case; ``n_classes`` > 1 is 3D classification: independent random maps, rows = class x orientation,
+    particles simulated from class 1."""
     xp = be.xp
     rng = np.random.default_rng(N + order)
     apix = 1.0
-    vol = rng.standard_normal((N, N, N)).astype(np.float32)
     from napari_gpu_relion.compute.masks import soft_spherical_mask  # noqa: PLC0415
 
-    vol = vol * soft_spherical_mask(N, 0.35 * N, 3, 3)
-    ref = prepare_reference(xp.asarray(vol), 2, N / 2)
+    m = soft_spherical_mask(N, 0.35 * N, 3, 3)
+    refs = [prepare_reference(xp.asarray(rng.standard_normal((N, N, N)).astype(np.float32) * m), 2, N / 2)
+            for _ in range(n_classes)]
+    ref = refs[0]
     smp = Sampling(order=order, offset_range=5.0, offset_step=2.0)
     T = smp.translations.shape[0]
     pix = pixel_set(N, N, xp)
-    K, R = pix.npix, smp.n_orient
+    K, R = pix.npix, smp.n_orient * n_classes
     F, ctf, noise_var = simulated_batch(be, ref, pix, N, apix, I, rng)
     sigma2 = xp.full((1, N // 2 + 1), noise_var / 2.0)  # per complex component -> RELION's sigma2 per pixel
-    setup = EStepSetup([ref], smp, pix, pix, apix, sigma2, sigma_offset_A=10.0)
+    setup = EStepSetup(refs, smp, pix, pix, apix, sigma2, sigma_offset_A=10.0)
     t_proj = timed(be, lambda: (setattr(setup, "P_coarse", None), setup.coarse_slices()), reps=1)
     Sl = setup.coarse_slices()
     c = ctf_from_frequencies(ctf, pix.kx / N, pix.ky / N, xp).astype(np.float32)
@@ -103,7 +107,7 @@ def run_case(be, N, order, I, reps):
     stats = {}
 
     def estep():
-        sums = EStepSums([BackProjector(N, 2, xp=xp)], N // 2 + 1, 1, smp.n_dirs)
+        sums = EStepSums([BackProjector(N, 2, xp=xp) for _ in refs], N // 2 + 1, 1, smp.n_dirs)
         res = expectation_batch(setup, prep, ctf, groups, scale, sums)
         stats["nr_significant"] = float(np.median(res.nr_significant))
         stats["pmax"] = float(np.median(res.pmax))
@@ -115,7 +119,7 @@ def run_case(be, N, order, I, reps):
     nsig_rows = stats["nr_significant"]  # upper bound on significant rows per particle (samples >= rows)
     fine_flops = 3 * 2.0 * I * (T * 4) * (2 * K) * (8 * min(nsig_rows, R))
     return {
-        "box": N, "healpix_order": order, "orientations": R, "translations": T, "pixels": K, "batch": I,
+        "box": N, "healpix_order": order, "classes": n_classes, "rows": R, "translations": T, "pixels": K, "batch": I,
         "projection_s": t_proj, "coarse_gemm_flops": gemm_flops,
         "score_gemm_s": t_gemm, "score_gemm_tflops": gemm_flops / t_gemm / 1e12,
         "coarse_pass_s": t_coarse, "coarse_particle_iterations_per_s": I / t_coarse,
@@ -130,7 +134,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--cpu", action="store_true")
-    ap.add_argument("--cases", default="128:2:256,128:3:64,256:2:64,256:3:16")
+    ap.add_argument("--cases", default="128:2:256,128:3:64,256:2:64,256:3:16,128:2:64:4",
+                    help="box:healpix_order:batch[:classes], comma-separated")
     args = ap.parse_args()
     be = select_backend(cpu=args.cpu)
     res = {"hardware": be.name, "host": platform.node(), "date": time.strftime("%Y-%m-%d"), "results": []}
@@ -138,8 +143,8 @@ def main():
     res["sgemm_tflops"] = rate / 1e12
     print(f"{be.name}: measured SGEMM {rate / 1e12:.1f} TFLOP/s", flush=True)
     for case in args.cases.split(","):
-        N, order, I = (int(v) for v in case.split(":"))
-        r = run_case(be, N, order, I, reps=3 if be.is_gpu else 1)
+        v = [int(x) for x in case.split(":")]
+        r = run_case(be, v[0], v[1], v[2], reps=3 if be.is_gpu else 1, n_classes=v[3] if len(v) > 3 else 1)
         r["score_gemm_fraction"] = r["score_gemm_tflops"] * 1e12 / rate
         r["coarse_pass_fraction"] = r["coarse_pass_tflops"] * 1e12 / rate
         r["estep_coarse_gemm_fraction"] = r["coarse_gemm_flops"] / r["estep_s"] / rate

@@ -16,6 +16,7 @@ from magicgui.widgets import CheckBox, FileEdit, FloatSpinBox, LineEdit, SpinBox
 
 from napari_gpu_relion.errors import InputError  # noqa: E402
 from napari_gpu_relion.io.atomic import atomic_path  # noqa: E402
+from napari_gpu_relion.io.mrc import read_mrc  # noqa: E402
 from napari_gpu_relion.jobs.events import (  # noqa: E402
     Finished,
     FscUpdated,
@@ -159,11 +160,13 @@ def test_widget_built_from_params(make_napari_viewer):
 
 
 def test_plugin_widgets_dock(make_napari_viewer):
-    from napari_gpu_relion.jobs import mask_create, postprocess, reconstruct, refine3d
+    from napari_gpu_relion.jobs import autopick, class3d, extract, mask_create, postprocess, reconstruct, refine3d
 
     viewer = make_napari_viewer()
     for name, module in (("Reconstruct", reconstruct), ("Post-process", postprocess),
-                         ("Mask creation", mask_create), ("3D auto-refine", refine3d)):
+                         ("Mask creation", mask_create), ("3D auto-refine", refine3d),
+                         ("3D classification", class3d), ("Auto-picking", autopick),
+                         ("Particle extraction", extract)):
         _, w = viewer.window.add_plugin_dock_widget(PLUGIN, name)
         assert w.job_module is module
         assert w.inputs["i"].label == "--i"
@@ -492,3 +495,51 @@ def test_refine3d_widget_shows_half_maps_each_iteration_and_fsc(make_napari_view
     assert display.map_updates.get("class001", 0) == 1  # the final joined map
     assert display.fsc is not None and display.fsc.draw_count >= 3
     assert viewer.layers["half1"].data.shape == (32, 32, 32)
+
+
+def test_class3d_widget_shows_one_map_per_class_each_iteration(make_napari_viewer, qtbot, tmp_path, errors):
+    from napari_gpu_relion.jobs.simulate import make_sample_data
+
+    data = make_sample_data(tmp_path / "data", box=32, angpix=6.0, n_particles=400, snr=0.3, diameter=134.4,
+                            ini_high=60.0, n_micrographs=0, conformations=2)
+    viewer = make_napari_viewer()
+    _, w = viewer.window.add_plugin_dock_widget(PLUGIN, "3D classification")
+    w.set_values(i=data / "particles.star", ref=data / "reference.mrc", o=tmp_path / "Class3D", K=2, iter=6,
+                 ctf=True, skip_align=True, particle_diameter=150.0, cpu=True)
+    w.run_button.native.click()
+    _wait_done(qtbot, w, timeout=240_000)
+    assert w.job.state is JobState.FINISHED, w.status.value
+    assert not errors
+    display = LiveDisplay.for_viewer(viewer)
+    # updated in place during the run (the display coalesces updates that arrive faster than it draws)
+    assert display.map_updates.get("class001", 0) >= 2 and display.map_updates.get("class002", 0) >= 2
+    a, b = viewer.layers["class001"].data, viewer.layers["class002"].data
+    assert a.shape == (32, 32, 32) and not np.allclose(a, b)
+    np.testing.assert_allclose(a, read_mrc(tmp_path / "Class3D" / "run_it006_class001.mrc").data, atol=1e-6)
+
+
+def test_autopick_and_extract_widgets(make_napari_viewer, qtbot, tmp_path, sample_dir, errors):
+    """LoG picking from its widget puts the picks of every micrograph into one Points layer; the extraction
+    widget then writes one stack per micrograph with as many boxes as picks inside."""
+    import starfile
+
+    viewer = make_napari_viewer()
+    _, pick = viewer.window.add_plugin_dock_widget(PLUGIN, "Auto-picking")
+    pick.set_values(i=sample_dir / "micrographs.star", odir=tmp_path / "AutoPick", LoG=True, LoG_diam_min=120.0,
+                    LoG_diam_max=180.0, cpu=True)
+    pick.run_button.native.click()
+    _wait_done(qtbot, pick, timeout=120_000)
+    assert pick.job.state is JobState.FINISHED, pick.status.value
+    LiveDisplay.for_viewer(viewer).flush()
+    picks = viewer.layers["picks"]
+    assert len(picks.data) > 10
+    assert set(np.unique(picks.data[:, 0]).astype(int)) == {0, 1}  # both micrographs
+    _, ext = viewer.window.add_plugin_dock_widget(PLUGIN, "Particle extraction")
+    ext.set_values(i=sample_dir / "micrographs.star", coord_list=tmp_path / "AutoPick" / "autopick.star",
+                   o=tmp_path / "Extract", extract_size=64, norm=True, invert_contrast=True, cpu=True)
+    ext.run_button.native.click()
+    _wait_done(qtbot, ext, timeout=120_000)
+    assert ext.job.state is JobState.FINISHED, ext.status.value
+    parts = starfile.read(tmp_path / "Extract" / "particles.star")["particles"]
+    assert len(parts) == len(picks.data)
+    assert not errors

@@ -187,15 +187,3 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_result(small_data, tm
     b = starfile.read(tmp_path / "big" / "run_data.star")["particles"]
     same = angular_distance_deg(_matrices(a), _matrices(b)) < 0.01
     assert same.mean() > 0.99
-
-
-def test_class3d_rejects_bad_class_counts_before_work(small_data, tmp_path):
-    """Input checks of the (experimental) 3D classification: K < 1 and K larger than the particle count."""
-    from napari_gpu_relion.jobs import class3d
-
-    kw = dict(i=small_data / "particles.star", ref=small_data / "reference.mrc", o=tmp_path / "c", cpu=True)
-    with pytest.raises(InputError, match="--K must be at least 1"):
-        class3d.Params(K=0, **kw)
-    with pytest.raises(InputError, match="larger than the number of particles"):
-        list(class3d.run(class3d.Params(K=301, **kw)))
-    assert not (tmp_path / "c" / "run_it001_data.star").exists()

@@ -26,6 +26,9 @@ JOBS = {
     "postprocess": ("napari_gpu_relion.jobs.postprocess", "FSC, masking correction and sharpening of half maps"),
     "mask_create": ("napari_gpu_relion.jobs.mask_create", "make a soft mask from a map"),
     "refine3d": ("napari_gpu_relion.jobs.refine3d", "3D auto-refine with gold-standard FSC (relion_refine)"),
+    "class3d": ("napari_gpu_relion.jobs.class3d", "3D classification into K classes (relion_refine, no halves)"),
+    "autopick": ("napari_gpu_relion.jobs.autopick", "pick particles with LoG or templates (relion_autopick)"),
+    "extract": ("napari_gpu_relion.jobs.extract", "extract particle boxes from micrographs (relion_preprocess)"),
     "demo": ("napari_gpu_relion.jobs.demo", "run the whole pipeline that exists on the sample data"),
 }
 

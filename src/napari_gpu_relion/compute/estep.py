@@ -27,7 +27,7 @@ from .expectation import (
     segment_sum,
     translation_ramps,
 )
-from .fourier import irfft_centered, rfft_centered, shell_sum
+from .fourier import irfft_centered, phase_shift_2d, rfft_centered, shell_sum
 from .geometry import euler_to_matrix
 from .masks import soft_mask_outside
 from .projector import project_pixels
@@ -132,6 +132,37 @@ class Sampling:
         return oversampled_translations(self.translations, self.offset_step, self.oversampling)
 
 
+@dataclass
+class GivenOrientations:
+    """The sampling of --skip_align: row r is orientation ``matrices[r]`` (one per particle of the data set),
+    the only translation is 0 (the data are pre-shifted to their exact offsets) and there is no oversampling.
+    Offers the parts of Sampling's interface that the E-step uses."""
+
+    matrices: np.ndarray  # (R, 3, 3)
+    order: int = 0
+    perturb: float = 0.0
+    oversampling: int = 0
+    offset_step: float = 1.0
+    translations: np.ndarray = field(default_factory=lambda: np.zeros((1, 2)))
+
+    @property
+    def n_orient(self) -> int:
+        return int(self.matrices.shape[0])
+
+    n_dirs = n_orient
+    n_psi = 1
+    angular_step = fine_angular_step = psi_step_actual = 0.0
+
+    def coarse_matrices(self, r=None) -> np.ndarray:
+        return self.matrices if r is None else self.matrices[np.asarray(r)]
+
+    def fine_matrices(self, r) -> np.ndarray:
+        return self.coarse_matrices(r)[:, None]
+
+    def fine_translations(self) -> np.ndarray:
+        return self.translations[:, None, :]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Particle preprocessing
 # ----------------------------------------------------------------------------------------------------------
@@ -147,19 +178,18 @@ class PreparedBatch:
 
 
 def prepare_batch(images, norm_factor, offsets_px, mask_radius_px: float, mask_edge_px: float = 5.0,
-                  noise_sigma2=None, seed: int = 0) -> PreparedBatch:
+                  noise_sigma2=None, seed: int = 0, subpixel: bool = False) -> PreparedBatch:
     """images (I, N, N) float32 on the device; norm_factor (I,) = n_avg / n_i (1 without --norm);
     offsets_px (I, 2) current origin offsets. Steps: scale, shift by ROUND(offset) (a circular shift; the
     mask removes what wraps), soft circular mask of ``mask_radius_px`` with a ``mask_edge_px`` raised-cosine
     edge filled with the outside mean (--zero_mask) or, given ``noise_sigma2`` (shells 0..N/2), with
-    coloured Gaussian noise of that spectrum."""
+    coloured Gaussian noise of that spectrum. ``subpixel``: afterwards also apply the fractional remainder as
+    a Fourier phase shift, so the data sit at the exact offsets (--skip_align: the only translation is 0)."""
     xp = get_array_module(images)
     I, N = images.shape[0], images.shape[-1]
     rounded = np.sign(offsets_px) * np.floor(np.abs(offsets_px) + 0.5)
     x = images.astype(np.float32) * xp.asarray(norm_factor, dtype=np.float32)[:, None, None]
     F = rfft_centered(x, 2)
-    from .fourier import phase_shift_2d  # noqa: PLC0415
-
     Fu = phase_shift_2d(F, xp.asarray(rounded), N)
     xs = irfft_centered(Fu, N, 2).astype(np.float32)
     background = None
@@ -174,6 +204,10 @@ def prepare_batch(images, norm_factor, offsets_px, mask_radius_px: float, mask_e
         background = irfft_centered(noise_F, N, 2).astype(np.float32)
     xm = soft_mask_outside(xs, mask_radius_px, mask_edge_px, 2, background=background)
     Fm = rfft_centered(xm.astype(np.float32), 2)
+    if subpixel:
+        frac = xp.asarray(np.asarray(offsets_px, dtype=np.float64) - rounded)
+        Fm, Fu = phase_shift_2d(Fm, frac, N), phase_shift_2d(Fu, frac, N)
+        rounded = np.asarray(offsets_px, dtype=np.float64).copy()
     return PreparedBatch(Fm, Fu, rounded)
 
 
@@ -333,6 +367,9 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
         Pu = _project_rows(setup, to_host(urows), pc, fine=False)
         d2 = scores_gathered(as_slices(Pu).take(pos), terms)
         lpr = xp.where(valid, xp.asarray(candidate_log_prior), -np.inf)
+        if class_log_prior is not None:
+            lpr = lpr + xp.take_along_axis(xp.asarray(class_log_prior, dtype=np.float64), xp.maximum(cand, 0) // R,
+                                           axis=1)
         lp = lp_trans[:, :, None] + lpr[:, None, :]
     Wc = posterior_weights(d2, lp, setup.adaptive_fraction, cc=setup.cc)
     n_rows = d2.shape[2]
@@ -515,7 +552,7 @@ def _project_rows(setup: EStepSetup, rows: np.ndarray, pix: PixelSet, fine: bool
     smp = setup.sampling
     R = smp.n_orient
     rows = np.asarray(rows, dtype=np.int64)
-    nover = 8 if fine else 1
+    nover = (1 << (3 * smp.oversampling)) if fine else 1  # 4^q directions x 2^q psi
     if matrices is None:
         matrices = smp.fine_matrices(rows % R).reshape(-1, 3, 3) if fine else smp.coarse_matrices(rows % R)
     matrices = xp.asarray(matrices)

@@ -224,3 +224,21 @@ def simulate_micrograph(phantom: Phantom, shape: tuple[int, int], pixel_size: fl
     img = img + rng.normal(0.0, noise_sigma, img.shape)
     return SimulatedMicrograph((-img).astype(np.float32), xy, ang, ctf,
                                np.array(contam).reshape(-1, 3), noise_sigma)
+
+
+def conformations(ph: Phantom, n_states: int, fraction: float = 0.25) -> list[Phantom]:
+    """``n_states`` conformations of a phantom for classification tests: state 0 is the phantom itself; state
+    s >= 1 lacks the ``fraction`` of atoms nearest anchor atom s (anchors: outermost atoms, each as far as
+    possible from the earlier ones), i.e. a missing domain at a different place in each state."""
+    c = ph.centres_A
+    anchors = [int(np.argmax((c**2).sum(1)))]
+    while len(anchors) < n_states - 1:
+        d = np.min(((c[:, None, :] - c[anchors][None]) ** 2).sum(-1), axis=1)
+        anchors.append(int(np.argmax(d)))
+    k = int(round(fraction * len(c)))
+    states = [ph]
+    for a in anchors[: n_states - 1]:
+        keep = np.argsort(((c - c[a]) ** 2).sum(1))[k:]
+        keep.sort()
+        states.append(Phantom(c[keep], ph.amplitudes[keep], ph.sigma_A))
+    return states

@@ -1,11 +1,5 @@
 """3D classification (relion_refine without --split_random_halves; relion_algorithm.md 7).
 
-STATUS: EXPERIMENTAL, DOES NOT CLASSIFY YET, and is therefore not offered as a command or a widget. On a simulated
-50/50 mixture of two conformations (box 32, 300 particles, SNR 0.1-0.3, HEALPix order 1) one class absorbs
-most particles without separating the states, and the resolution stays near the minres shell (the SSNR collapses
-past shell 5: tau2 from the low-passed, solvent-flattened reference is tiny but non-zero, so the MAP prior holds
-the maps there). See issue #5.
-
 Plain EM over K classes started from one reference: in the first iteration each particle searches only one random
 class (RELION's seeding, so each class is rebuilt from a random 1/K of the data); tau2 of each class from its
 reference's power spectrum times tau2_fudge (default 4); class and direction priors; fixed HEALPix order (global
@@ -14,7 +8,10 @@ jobs/em.py) with K references: rows are (class, orientation) pairs, one GEMM for
 RELION's names: run_itNNN_classNNN.mrc, run_itNNN_model.star (class distributions and resolutions),
 run_itNNN_data.star (rlnClassNumber).
 
-Not yet: --skip_align, --continue, --firstiter_cc.
+--skip_align keeps the input angles and offsets: each particle is compared with every class at its own
+orientation and exact offset (GivenOrientations in the shared E-step).
+
+Not yet: --continue, --firstiter_cc.
 """
 
 from __future__ import annotations
@@ -29,11 +26,11 @@ import pandas as pd
 
 from ..compute.backend import to_host
 from ..compute.backprojector import BackProjector
-from ..compute.estep import EStepSetup, EStepSums, Sampling
+from ..compute.estep import EStepSetup, EStepSums, GivenOrientations, Sampling
 from ..compute.expectation import pixel_set
 from ..compute.fourier import lowpass_map
 from ..compute.fsc import shell_to_angstrom
-from ..compute.geometry import symmetry_group
+from ..compute.geometry import euler_to_matrix, symmetry_group
 from ..compute.masks import soft_spherical_mask
 from ..compute.maximization import (
     coarse_image_size,
@@ -70,6 +67,7 @@ class Params:
     ini_high: float = param(60.0, "--ini_high", "Low-pass filter of the initial reference (Å)")
     particle_diameter: float = param(-1.0, "--particle_diameter", "Mask diameter (Å); -1 = (box - 5) x pixel size")
     sigma_ang: float = param(-1.0, "--sigma_ang", "Local searches with this angular sigma (degrees); -1 = global")
+    skip_align: bool = param(False, "--skip_align", "Keep the input angles and offsets; classify only")
     ctf: bool = param(False, "--ctf", "Do CTF correction")
     flatten_solvent: bool = param(False, "--flatten_solvent", "Mask the references with a soft sphere")
     zero_mask: bool = param(False, "--zero_mask", "Fill outside the particle mask with zeros (else noise)")
@@ -122,7 +120,8 @@ def run(p: Params) -> Iterator:
     # RELION's seeding: in iteration 1 each particle searches one random class
     seed_class = np.random.default_rng(p.random_seed + 1).integers(0, K, len(ps))
     seed_prior = np.where(np.arange(K)[None, :] == seed_class[:, None], 0.0, -np.inf)
-    local = em.LocalSearchSpec(p.sigma_ang, p.sym) if p.sigma_ang > 0 else None
+    local = em.LocalSearchSpec(p.sigma_ang, p.sym) if p.sigma_ang > 0 and not p.skip_align else None
+    input_angles, input_offsets = ps.angles.copy(), ps.offsets_px.copy()
     yield Started(JOB_NAME, out, be.name, f"classifying {len(ps)} particles into {K} classes")
     pdf_dir = None
     outputs: dict[str, Path] = {}
@@ -134,28 +133,43 @@ def run(p: Params) -> Iterator:
         tau2 = [reference_tau2(f) for f in frefs]
         rng = np.random.default_rng(p.random_seed + 7919 * it)
         perturb = float(((perturb + rng.uniform(0.25, 0.5)) + 0.5) % 1.0 - 0.5)
-        smp = Sampling(p.healpix_order, p.sym, None, p.offset_range, p.offset_step, perturb=perturb)
-        if pdf_dir is None:
-            pdf_dir = np.full((K, smp.n_dirs), 1.0 / smp.n_dirs)
-        coarse = coarse_image_size(N, apix, smp.angular_step, diameter, current_size)
+        if p.skip_align:
+            smp = GivenOrientations(euler_to_matrix(*input_angles.T))
+            pdf_dir = np.ones((K, 1))
+            coarse = current_size
+        else:
+            smp = Sampling(p.healpix_order, p.sym, None, p.offset_range, p.offset_step, perturb=perturb)
+            if pdf_dir is None:
+                pdf_dir = np.full((K, smp.n_dirs), 1.0 / smp.n_dirs)
+            coarse = coarse_image_size(N, apix, smp.angular_step, diameter, current_size)
         pix_c, pix_f = pixel_set(N, coarse, xp), pixel_set(N, current_size, xp)
-        yield Message(f"iteration {it}: image size {current_size} (coarse {coarse}), {K} classes x "
-                      f"{smp.n_orient} orientations{' (local)' if local else ''}, {smp.translations.shape[0]} "
-                      f"translations{', random class seeding' if it == 1 and K > 1 else ''}")
+        search = ("own orientation and offset (--skip_align)" if p.skip_align else
+                  f"{smp.n_orient} orientations{' (local)' if local else ''}, {smp.translations.shape[0]} translations")
+        yield Message(f"iteration {it}: image size {current_size} (coarse {coarse}), {K} classes x {search}"
+                      f"{', random class seeding' if it == 1 and K > 1 else ''}")
         old_classes = ps.classes.copy()
         bps = [BackProjector(N, p.pad, current_size / 2, ndim=3, xp=xp, dtype=np.float64) for _ in range(K)]
         sums = EStepSums(bps, N // 2 + 1, ps.n_optics_groups, smp.n_dirs, n_scale_groups=len(scales))
+        if it == 1 and K > 1:
+            class_prior = seed_prior
+        elif p.skip_align:  # the class prior (with global searches it is part of the direction prior)
+            with np.errstate(divide="ignore"):
+                class_prior = np.broadcast_to(np.log(pdf_class), (len(ps), K))
+        else:
+            class_prior = None
         with np.errstate(divide="ignore"):
             log_prior = np.log(pdf_class)[:, None] + np.log(pdf_dir)  # (K, n_dirs): class x direction prior
         setup = EStepSetup(frefs, smp, pix_c, pix_f, apix, be.asarray(sigma2),
-                           log_pdf_direction=None if local else be.asarray(log_prior),
+                           log_pdf_direction=None if local or p.skip_align else be.asarray(log_prior),
                            sigma_offset_A=sigma_offset_A)
-        batch = _batch_size(p, be, N, K * (smp.n_orient if local is None else 200), smp.translations.shape[0],
-                            pix_c.npix)
+        rows_per_particle = K * (1 if p.skip_align else smp.n_orient if local is None else 200)
+        batch = _batch_size(p, be, N, rows_per_particle, smp.translations.shape[0], pix_c.npix)
         yield from em.run_estep(ps, everyone, setup, sums, be, mask_radius_px=mask_r, zero_mask=p.zero_mask,
                                 do_norm=False, norm_average=1.0, scales=scales, batch=batch, local=local,
                                 stage=f"it {it:03d}", seed=p.random_seed + it,
-                                class_log_prior=seed_prior if it == 1 and K > 1 else None)
+                                class_log_prior=class_prior, own_orientation=p.skip_align)
+        if p.skip_align:  # the input angles and offsets, exactly (not their round trip through matrices)
+            ps.angles[:], ps.offsets_px[:] = input_angles, input_offsets
         # ---- M-step ----
         new_refs = []
         for k, bp in enumerate(bps):
@@ -170,8 +184,9 @@ def run(p: Params) -> Iterator:
         sigma2 = update_sigma2(sums.sigma2, sums.sumw_group, N)
         sigma_offset_A = update_sigma_offset(sums.sigma_offset, sums.sum_weight)
         pdf_class = sums.pdf_class / max(sums.pdf_class.sum(), 1e-300)
-        tot = sums.pdf_direction.sum(axis=1, keepdims=True)
-        pdf_dir = np.where(tot > 0, sums.pdf_direction / np.maximum(tot, 1e-300), 1.0 / smp.n_dirs)
+        if not p.skip_align:
+            tot = sums.pdf_direction.sum(axis=1, keepdims=True)
+            pdf_dir = np.where(tot > 0, sums.pdf_direction / np.maximum(tot, 1e-300), 1.0 / smp.n_dirs)
         if p.flatten_solvent:
             m = soft_spherical_mask(N, mask_r, MASK_EDGE, 3).astype(np.float64)
             new_refs = [v * m for v in new_refs]
@@ -200,7 +215,29 @@ def run(p: Params) -> Iterator:
                                 pdf_class.copy(), float(min(res_A)), None, summary)
         yield Message(f"  iteration {it}: {summary}")
     final_dist = ", ".join(f"class {k + 1}: {100 * d:.1f}%" for k, d in enumerate(pdf_class))
-    yield Finished(outputs, f"{p.iter} iterations in {time.time() - t_start:.0f} s; {final_dist}")
+    report = class_report(refs, pdf_class, soft_spherical_mask(N, mask_r, MASK_EDGE, 3))
+    yield Message(report)
+    yield Finished(outputs, f"{p.iter} iterations in {time.time() - t_start:.0f} s; {final_dist}. {report}")
+
+
+def class_report(refs: list[np.ndarray], pdf_class: np.ndarray, mask: np.ndarray, empty_below: float = 0.01) -> str:
+    """What a user needs to judge K: empty classes (< 1 % of the particles) and the most alike pair of the
+    others by real-space correlation inside the particle mask (a state split over two classes gives a pair
+    that correlates better than any two different states)."""
+    K = len(refs)
+    empty = [k + 1 for k in range(K) if pdf_class[k] < empty_below]
+    live = [k for k in range(K) if pdf_class[k] >= empty_below]
+    parts = [f"empty class(es): {', '.join(map(str, empty))}" if empty else "no empty class"]
+    if len(live) >= 2:
+        v = np.stack([(refs[k] * mask)[mask > 0].astype(np.float64) for k in live])
+        v -= v.mean(axis=1, keepdims=True)
+        v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-30)
+        c = v @ v.T
+        pairs = [(c[a, b], live[a] + 1, live[b] + 1) for a in range(len(live)) for b in range(a + 1, len(live))]
+        cc, a, b = max(pairs)
+        parts.append(f"most alike: classes {a} and {b} (map correlation {cc:.3f}"
+                     + (f"; the least alike pair {min(pairs)[0]:.3f})" if len(pairs) > 1 else ")"))
+    return "; ".join(parts)
 
 
 def _write_model(path: Path, paths, pdf_class, res_A, ssnr_all, sigma2, scales, pdf_dir, ps, p: Params,

@@ -218,9 +218,12 @@ def _kept_first(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def run_estep(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, sums: EStepSums, be: Backend, *,
               mask_radius_px: float, zero_mask: bool, do_norm: bool, norm_average: float, scales: np.ndarray,
               batch: int, local: LocalSearchSpec | None = None, stage: str = "E-step", seed: int = 0,
-              class_log_prior: np.ndarray | None = None) -> Iterator:
+              class_log_prior: np.ndarray | None = None, own_orientation: bool = False) -> Iterator:
     """E-step over ``rows`` of the particle set in batches (halving on out-of-memory); updates the particle
-    state (angles, offsets, classes, pmax, ...) and ``sums``. Yields Progress / Message events."""
+    state (angles, offsets, classes, pmax, ...) and ``sums``. Yields Progress / Message events.
+
+    ``own_orientation`` (--skip_align): the setup's sampling is GivenOrientations with one row per particle of
+    the set; each particle is compared, in every class, only at its own orientation and exact offset."""
     n = rows.size
     sig2_host = to_host(setup.sigma2)
 
@@ -230,10 +233,14 @@ def run_estep(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, sums: EStepS
         nf = (norm_average / ps.norm[r]) if do_norm else np.ones(r.size)
         noise = None if zero_mask else sig2_host[ps.optics_group[r][0]]
         prep = prepare_batch(imgs, nf, ps.offsets_px[r], mask_radius_px, 5.0, noise_sigma2=noise,
-                             seed=seed + int(r[0]))
+                             seed=seed + int(r[0]), subpixel=own_orientation)
         cand = lpc = None
         if local is not None:
             cand, lpc = local_candidates(ps, r, setup, local)
+        elif own_orientation:
+            R = setup.sampling.n_orient
+            cand = r[:, None] + R * np.arange(len(setup.refs))[None, :]
+            lpc = np.zeros(cand.shape)
         res = expectation_batch(setup, prep, ps.ctf_rows(r), ps.optics_group[r], scales[ps.scale_group[r]], sums,
                                 candidates=cand, candidate_log_prior=lpc, scale_group_index=ps.scale_group[r],
                                 class_log_prior=None if class_log_prior is None else class_log_prior[r])

@@ -39,6 +39,8 @@ class Params:
     micrograph_size: int = param(512, "--micrograph_size", "Micrograph edge (pixels)")
     particles_per_micrograph: int = param(20, "--particles_per_micrograph", "Particles per micrograph")
     ini_high: float = param(40.0, "--ini_high", "Low-pass of the reference map written as reference.mrc (Å)")
+    conformations: int = param(1, "--conformations", "Number of conformations (states >= 2 each lack one domain); "
+                               "particles are split evenly, the truth in particles_truth.star (rlnClassNumber)")
     seed: int = param(0, "--seed", "Random seed")
 
     def __post_init__(self):
@@ -50,6 +52,10 @@ class Params:
             raise InputError(f"--snr must be > 0, got {self.snr}")
         if self.n_particles < 2:
             raise InputError(f"--n_particles must be >= 2, got {self.n_particles}")
+        if self.conformations < 1:
+            raise InputError(f"--conformations must be >= 1, got {self.conformations}")
+        if self.conformations > 1 and self.map is not None:
+            raise InputError("--conformations > 1 needs the pseudo-atomic phantom (not --map)")
 
 
 def _optics(box: int, angpix: float, name_col: str) -> pd.DataFrame:
@@ -94,12 +100,16 @@ def run(p: Params) -> Iterator:
     total = 2 + p.n_micrographs
     yield Progress(1, total, "maps")
 
-    parts = sim.simulate_particles(p.n_particles, p.box, p.angpix, phantom=phantom, projections_fn=proj_fn,
-                                   snr=p.snr, seed=p.seed + 1)
+    n = p.n_particles
+    if p.conformations == 1:
+        parts = sim.simulate_particles(n, p.box, p.angpix, phantom=phantom, projections_fn=proj_fn,
+                                       snr=p.snr, seed=p.seed + 1)
+        state = np.zeros(n, int)
+    else:
+        parts, state = _simulate_states(p, phantom, out)
     pdir = out / "particles"
     pdir.mkdir(exist_ok=True)
     write_mrc(pdir / "particles.mrcs", parts.images, p.angpix)
-    n = p.n_particles
     rng = np.random.default_rng(p.seed + 2)
     df = pd.DataFrame({
         "rlnImageName": [f"{i + 1:06d}@particles/particles.mrcs" for i in range(n)],
@@ -114,6 +124,9 @@ def run(p: Params) -> Iterator:
         "rlnClassNumber": np.ones(n, int),
     })
     write_particles(out / "particles.star", df, _optics(p.box, p.angpix, "particles"))
+    if p.conformations > 1:
+        write_particles(out / "particles_truth.star", df.assign(rlnClassNumber=state + 1),
+                        _optics(p.box, p.angpix, "particles"))
     yield Progress(2, total, "particles")
 
     mdir = out / "micrographs"
@@ -142,6 +155,30 @@ def run(p: Params) -> Iterator:
     yield Finished({"particles": out / "particles.star", "micrographs": out / "micrographs.star",
                     "reference": out / "reference.mrc", "truth": out / "truth.mrc"},
                    f"{n} particles (box {p.box}, {p.angpix} Å/px, SNR {p.snr}) and {p.n_micrographs} micrographs")
+
+
+def _simulate_states(p: Params, phantom: sim.Phantom, out: Path) -> tuple[sim.SimulatedParticles, np.ndarray]:
+    """Particles from ``p.conformations`` states (evenly split, shuffled) with ONE noise level for all, so
+    that only the structure tells the states apart. Writes truth_state2.mrc, ... next to truth.mrc."""
+    states = sim.conformations(phantom, p.conformations)
+    for s, ph in enumerate(states[1:], start=2):
+        write_mrc(out / f"truth_state{s}.mrc", sim.phantom_volume(ph, p.box, p.angpix), p.angpix)
+    n = p.n_particles
+    state = np.random.default_rng(p.seed + 3).permutation(np.arange(n) % p.conformations)
+    per = [sim.simulate_particles(int((state == s).sum()), p.box, p.angpix, phantom=ph, snr=0.0,
+                                  seed=p.seed + 1 + 1000 * s) for s, ph in enumerate(states)]
+    clean = np.empty((n, p.box, p.box), np.float32)
+    ang, org = np.empty((n, 3)), np.empty((n, 2))
+    ctf_cols = {k: np.empty(n) for k in ("defocus_u", "defocus_v", "defocus_angle")}
+    for s, sp in enumerate(per):
+        idx = np.flatnonzero(state == s)
+        clean[idx], ang[idx], org[idx] = sp.clean, sp.angles, sp.origins_px
+        for k in ctf_cols:
+            ctf_cols[k][idx] = getattr(sp.ctf, k)
+    noise_sigma = float(np.sqrt(clean.reshape(n, -1).var(axis=1).mean() / p.snr))
+    noisy = clean + np.random.default_rng(p.seed + 4).normal(0.0, noise_sigma, clean.shape).astype(np.float32)
+    ctf = sim.CtfParams(ctf_cols["defocus_u"], ctf_cols["defocus_v"], ctf_cols["defocus_angle"])
+    return sim.SimulatedParticles(noisy, clean, ang, org, ctf, p.angpix, noise_sigma), state
 
 
 def make_sample_data(out_dir: Path, **overrides) -> Path:

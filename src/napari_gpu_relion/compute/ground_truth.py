@@ -1,0 +1,41 @@
+"""Comparisons with ground truth for simulated data (tests, benchmarks, the demo's report)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ClassAssignmentReport:
+    """Each class is labelled with the true state most of its particles come from.
+
+    accuracy: fraction of particles whose class is labelled with their own state; sizes (K,), label (K,)
+    (-1 for an empty class), purity (K,) fraction of the class's particles from its label state;
+    split_states: states whose particles fill more than one class (each holding >= ``min_fraction``)."""
+
+    accuracy: float
+    sizes: np.ndarray
+    label: np.ndarray
+    purity: np.ndarray
+    empty_classes: list[int]
+    split_states: list[int]
+
+
+def class_assignment_report(classes: np.ndarray, states: np.ndarray, K: int,
+                            min_fraction: float = 0.05) -> ClassAssignmentReport:
+    """Compare 0-based class assignments with 0-based true states (both (n,) int)."""
+    classes, states = np.asarray(classes, int), np.asarray(states, int)
+    S = int(states.max()) + 1
+    table = np.zeros((K, S), int)
+    np.add.at(table, (classes, states), 1)
+    sizes = table.sum(1)
+    label = np.where(sizes > 0, table.argmax(1), -1)
+    correct = sum(int(table[k, label[k]]) for k in range(K) if label[k] >= 0)
+    purity = np.where(sizes > 0, table.max(1) / np.maximum(sizes, 1), 0.0)
+    n = len(classes)
+    big = sizes >= min_fraction * n
+    split = [s for s in range(S) if int(np.sum(big & (label == s))) > 1]
+    empty = [k for k in range(K) if sizes[k] < min_fraction * n]
+    return ClassAssignmentReport(correct / n, sizes, label, purity, empty, split)

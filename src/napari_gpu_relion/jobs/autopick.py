@@ -1,0 +1,393 @@
+"""Autopicking (the counterpart of relion_autopick): Laplacian-of-Gaussian or template picking on the GPU.
+
+Per micrograph: read lazily, normalise (outliers to the mean), embed into a square, FFT, crop to the working
+grid W (from --lowpass with --shrink 0), then
+- LoG: 11 scale-normalised LoG filters, best response and size per pixel, RELION's size filter, threshold and
+  greedy exclusion (LoG micrographs are batched on the device);
+- templates: references (2D stack, or projections of a 3D map) masked, inverted, rotated in-plane in the
+  Fourier domain, multiplied by the micrograph's CTF, correlated in batches of (reference, ψ) FFTs with
+  RELION's probability-ratio FOM, then RELION's peak search and pruning.
+Writes <odir>/<micrograph path without job prefix>_autopick.star per micrograph and <odir>/autopick.star
+(rlnMicrographName, rlnMicrographCoordinates), and yields one MicrographPicked event per micrograph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..compute import picking as pk
+from ..compute.backend import free_cached_memory, is_out_of_memory, to_host
+from ..compute.ctf import CtfParams, ctf_from_frequencies
+from ..compute.fourier import fourier_resize, half_grid_indices, irfft_centered, round_half_away
+from ..errors import InputError
+from ..io.micrographs import (
+    MicrographList,
+    micrograph_list,
+    micrograph_shape,
+    output_root,
+    read_micrograph,
+    write_coordinate_list,
+)
+from ..io.mrc import is_stack, read_mrc, write_mrc
+from ..io.star import write_coordinates
+from .common import backend_for, param, write_note
+from .events import Finished, Message, MicrographPicked, Progress, Started
+
+JOB_NAME = "autopick"
+
+
+@dataclass(frozen=True)
+class Params:
+    i: Path = param(flag="--i", help="Micrographs STAR file, or a glob of MRC files (then --angpix)")
+    odir: Path = param(flag="--odir", help="Output folder (e.g. AutoPick/job004/)")
+    angpix: float = param(-1.0, "--angpix", "Micrograph pixel size (Å); needed for MRC globs")
+    LoG: bool = param(False, "--LoG", "Laplacian-of-Gaussian picking (no templates)")
+    LoG_diam_min: float = param(-1.0, "--LoG_diam_min", "Smallest particle diameter (Å)")
+    LoG_diam_max: float = param(-1.0, "--LoG_diam_max", "Largest particle diameter (Å)")
+    LoG_neighbour: float = param(100.0, "--LoG_neighbour", "Exclusion radius between LoG picks (% of diameter)")
+    Log_invert: bool = param(False, "--Log_invert", "Particles are white (bright) instead of black")
+    LoG_adjust_threshold: float = param(0.0, "--LoG_adjust_threshold",
+                                        "LoG threshold: mean + this many standard deviations")
+    LoG_upper_threshold: float = param(99999.0, "--LoG_upper_threshold",
+                                       "LoG upper threshold (standard deviations); stronger picks are dropped")
+    LoG_robust_stats: bool = param(False, "--LoG_robust_stats",
+                                   "Threshold statistics from median and MAD (not RELION; insensitive to "
+                                   "contamination)")
+    Log_max_search: int = param(5, "--Log_max_search", "Competing LoG sizes up to this multiple/fraction")
+    ref: Path | None = param(None, "--ref", "References: 2D stack (.mrcs) or 3D map (.mrc)")
+    angpix_ref: float = param(-1.0, "--angpix_ref", "Pixel size of the references (Å); -1 = header")
+    ang: float = param(10.0, "--ang", "In-plane (psi) angular sampling of the templates (degrees)")
+    healpix_order: int = param(1, "--healpix_order", "HEALPix order of projection directions (3D reference)")
+    sym: str = param("C1", "--sym", "Symmetry of the 3D reference")
+    ctf: bool = param(False, "--ctf", "Multiply the templates by each micrograph's CTF")
+    invert: bool = param(False, "--invert", "Invert the templates (white references, black particles)")
+    lowpass: float = param(20.0, "--lowpass", "Low-pass filter and working-grid Nyquist (Å); -1 = none")
+    shrink: float = param(0.0, "--shrink", "Working size: 0 = from --lowpass, <=1 = fraction, >1 = pixels")
+    particle_diameter: float = param(-1.0, "--particle_diameter", "Particle diameter (Å); -1 = from references")
+    shrink_particle_mask: int = param(2, "--shrink_particle_mask", "Shrink the particle disc by this (pixels)")
+    threshold: float = param(0.05, "--threshold", "Template FOM threshold")
+    min_distance: float = param(100.0, "--min_distance", "Minimum distance between template picks (Å); -1 = "
+                                "half the reference box")
+    max_stddev_noise: float = param(1.1, "--max_stddev_noise", "Reject picks where the local std exceeds "
+                                    "this (micrograph std units); -1 = off")
+    min_avg_noise: float = param(-999.0, "--min_avg_noise", "Reject picks where the local mean is below this")
+    skip_side: int = param(0, "--skip_side", "Keep this many micrograph pixels from the edges free of picks")
+    pad: int = param(2, "--pad", "Padding factor of the template Fourier grids")
+    outlier_removal_zscore: float = param(8.0, "--outlier_removal_zscore", "Outlier pixels set to the mean")
+    random_seed: int = param(1, "--random_seed", "Seed (noise fill of non-square micrographs)")
+    batch: int = param(0, "--batch", "Micrographs (LoG) or templates per batch; 0 = from free memory")
+    cpu: bool = param(False, "--cpu", "Run on the CPU (NumPy) even if a GPU is present")
+    gpu: int | None = param(None, "--gpu", "GPU index to use")
+
+    def __post_init__(self):
+        if self.i is None:
+            raise InputError("--i (micrographs STAR or MRC glob) is required")
+        if self.odir is None:
+            raise InputError("--odir (output folder) is required")
+        if self.LoG == (self.ref is not None):
+            raise InputError("give either --LoG or --ref (templates), not both or neither")
+        if self.LoG:
+            if self.LoG_diam_min <= 0 or self.LoG_diam_max <= 0:
+                raise InputError(f"--LoG_diam_min and --LoG_diam_max must be > 0 Å, got {self.LoG_diam_min} "
+                                 f"and {self.LoG_diam_max}")
+            if self.LoG_diam_min > self.LoG_diam_max:
+                raise InputError(f"--LoG_diam_min ({self.LoG_diam_min} Å) is larger than --LoG_diam_max "
+                                 f"({self.LoG_diam_max} Å)")
+            if self.LoG_neighbour <= 0:
+                raise InputError(f"--LoG_neighbour must be > 0 %, got {self.LoG_neighbour}")
+            if self.Log_max_search < 2:
+                raise InputError(f"--Log_max_search must be >= 2, got {self.Log_max_search}")
+        else:
+            if not Path(self.ref).is_file():
+                raise InputError("--ref: reference file not found", path=str(self.ref))
+            if self.ang <= 0 or self.ang > 360:
+                raise InputError(f"--ang must be in (0, 360] degrees, got {self.ang}")
+            if self.pad < 1:
+                raise InputError(f"--pad must be >= 1, got {self.pad}")
+        if self.shrink < 0:
+            raise InputError(f"--shrink must be >= 0, got {self.shrink}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# References
+
+
+@dataclass
+class References:
+    refs: np.ndarray  # (K, s, s) masked, inverted as asked, at the micrograph pixel size
+    disc: np.ndarray  # (s, s) bool
+    radius_px: int  # particle disc radius (micrograph pixels)
+    diameter_A: float
+    angles: np.ndarray | None  # (K, 3) projection angles for a 3D reference
+
+
+def load_references(p: Params, apix: float, odir: Path) -> tuple[References, list[str]]:
+    """Read, project (3D), rescale to ``apix``, mask and invert the references; notes for the log."""
+    notes = []
+    m = read_mrc(p.ref)
+    header_px = m.pixel_size
+    if p.angpix_ref > 0:
+        ref_px = float(p.angpix_ref)
+    else:
+        if header_px is None:
+            raise InputError("the reference header has no pixel size: give --angpix_ref (Å)", path=str(p.ref))
+        if abs(header_px - apix) > 0.01:
+            raise InputError(f"the references have {header_px} Å/px (header) but the micrographs {apix} Å/px; "
+                             "give --angpix_ref to confirm the reference pixel size (they are then rescaled)",
+                             path=str(p.ref))
+        ref_px = header_px
+    data = np.asarray(m.data, np.float32)
+    angles = None
+    if data.ndim == 3 and not is_stack(p.ref):
+        from ..compute.geometry import euler_to_matrix  # noqa: PLC0415
+        from ..compute.projector import prepare_reference, project  # noqa: PLC0415
+        from ..compute.sampling import direction_grid  # noqa: PLC0415
+
+        s = data.shape[-1]
+        if data.shape != (s, s, s) or s % 2:
+            raise InputError(f"a 3D reference must be a cube with an even edge, got {data.shape}", path=str(p.ref))
+        _, rot, tilt = direction_grid(p.healpix_order, p.sym)
+        A = euler_to_matrix(rot, tilt, np.zeros_like(rot))
+        r_max = s / 2 if p.lowpass <= 0 else min(s / 2, s * ref_px / p.lowpass)
+        F = project(prepare_reference(data.astype(np.float64), 2, r_max), A)
+        data = irfft_centered(F, s, 2).astype(np.float32)
+        angles = np.stack([rot, tilt, np.zeros_like(rot)], 1)
+        write_mrc(odir / "reference_projections.mrcs", data, ref_px)
+        notes.append(f"projected the 3D reference in {len(rot)} directions (HEALPix order {p.healpix_order}, "
+                     f"{p.sym}) into {odir / 'reference_projections.mrcs'}")
+    if data.ndim == 2:
+        data = data[None]
+    s = data.shape[-1]
+    if data.shape[-2] != s or s % 2:
+        raise InputError(f"references must be square with an even edge, got {data.shape[-2:]}", path=str(p.ref))
+    if abs(ref_px - apix) > 1e-6:
+        new = int(2 * round_half_away(np.float64(s / 2 * ref_px / apix)))
+        data = fourier_resize(data.astype(np.float64), new, 2).astype(np.float32)
+        notes.append(f"references rescaled from {s} px at {ref_px} Å/px to {new} px at {apix} Å/px")
+        s = new
+    diam = p.particle_diameter if p.particle_diameter > 0 else pk.auto_particle_diameter(data, apix)
+    if diam <= 0 or diam > s * apix:
+        raise InputError(f"particle diameter {diam:.1f} Å does not fit the {s}-pixel references "
+                         f"({s * apix:.1f} Å); give --particle_diameter", path=str(p.ref))
+    R = int(round_half_away(np.float64(diam / (2 * apix)))) - p.shrink_particle_mask
+    if R < 1:
+        raise InputError(f"particle disc radius {R} px is too small (--particle_diameter {diam} Å, "
+                         f"--shrink_particle_mask {p.shrink_particle_mask})")
+    disc = pk.particle_disc(s, R)
+    refs = data * disc
+    if p.invert:
+        refs = -refs
+    return References(refs.astype(np.float32), disc, R, float(diam), angles), notes
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Per-shape setup
+
+
+@dataclass
+class Setup:
+    grid: pk.Grid
+    downsize: int
+    inside: object  # (w, w) bool on the device
+    extra: dict
+
+
+def _grid(ny: int, nx: int, p: Params, apix: float) -> tuple[pk.Grid, int]:
+    n = pk.square_size(ny, nx)
+    w = pk.working_size(n, apix, p.lowpass, p.shrink)
+    return pk.Grid(n, w, ny, nx), pk.downsize_mic(n, apix, p.lowpass)
+
+
+def _ctf_on(ctf: CtfParams, box: int, w: int, apix: float, xp):
+    """CTF (w, w//2+1) at the frequencies k / (box apix) of a box-size grid (k integer, cropped to w)."""
+    ky, kx = half_grid_indices(w, 2, xp)
+    fx = xp.broadcast_to(kx / (box * apix), (w, w // 2 + 1))
+    fy = xp.broadcast_to(ky / (box * apix), (w, w // 2 + 1))
+    return ctf_from_frequencies(ctf, fx, fy, xp)[0]
+
+
+def _prepare(batch_raw: list[np.ndarray], g: pk.Grid, p: Params, xp, invert: bool, seed: int):
+    m = xp.asarray(np.stack(batch_raw))
+    x = pk.normalise_micrographs(m, p.outlier_removal_zscore, invert=invert)
+    return pk.embed_square(x, g.n, seed)
+
+
+def _log_batch(raws: list[np.ndarray], setup: Setup, p: Params, apix: float, xp, seed: int):
+    """LoG picks for a batch of same-shape micrographs: list of (X, Y, FOM) host arrays."""
+    g = setup.grid
+    x = _prepare(raws, g, p, xp, invert=not p.Log_invert, seed=seed)
+    F = pk.crop_spectrum(pk.micrograph_spectrum(x), g.w)
+    del x
+    ds = setup.extra["diameters"]
+    best, which = pk.log_fom(F, g.n, apix, ds)
+    fom, upper = pk.log_threshold(best, which, ds, p.LoG_diam_min, p.LoG_diam_max, setup.inside,
+                                  p.LoG_adjust_threshold, p.LoG_upper_threshold, p.LoG_robust_stats)
+    fom_h, which_h, up_h = to_host(fom), to_host(which), to_host(upper)
+    out = []
+    for b in range(fom_h.shape[0]):  # per micrograph of the batch: the sequential greedy search
+        rad = pk.log_pick_radius(which_h[b], ds, p.LoG_diam_min, apix, g.scale, p.LoG_neighbour)
+        py, px, v = pk.greedy_pick(fom_h[b], rad, float(up_h[b]))
+        X, Y = g.to_micrograph(py, px)
+        out.append((X, Y, v))
+    return out
+
+
+def _template_one(raw: np.ndarray, setup: Setup, refs: References, p: Params, apix: float, ctf: CtfParams | None,
+                  xp, seed: int, batch: int):
+    g = setup.grid
+    e = setup.extra
+    x = _prepare([raw], g, p, xp, invert=False, seed=seed)[0]
+    X = pk.crop_spectrum(pk.micrograph_spectrum(x), g.w)
+    X2 = pk.crop_spectrum(pk.micrograph_spectrum(x * x), g.w)
+    del x
+    s = refs.refs.shape[-1]
+    c_w = c_ps = None
+    if ctf is not None:
+        c_w = _ctf_on(ctf, g.n, g.w, apix, xp)
+        c_ps = _ctf_on(ctf, s, s, apix, xp)
+    am, a2 = pk.template_means(e["refs_dev"], e["disc_dev"], c_ps, setup.downsize / 2 * s / g.n)
+    maps = pk.template_fom_maps(X, X2, e["bank"], e["psi"], e["pixels"], e["ring_w"], e["n_ring"], e["n_disc"],
+                                am, a2, g.n, c_w, batch=batch, cache=e["cache"])
+    min_d = p.min_distance if p.min_distance > 0 else s / 2 * apix
+    py, px, f, k, pi = pk.template_picks(maps, setup.inside, p.threshold, refs.radius_px * g.scale,
+                                         float(round_half_away(np.float64(min_d / apix))) * g.scale,
+                                         p.max_stddev_noise, p.min_avg_noise, g.scale)
+    Xc, Yc = g.to_micrograph(py, px)
+    return Xc, Yc, f, k + 1, e["psi"][pi]
+
+
+def _setup(shape: tuple[int, int], p: Params, apix: float, xp, refs: References | None, be) -> Setup:
+    ny, nx = shape
+    g, down = _grid(ny, nx, p, apix)
+    extra: dict = {}
+    if p.LoG:
+        skip = int(max(p.skip_side, int(0.5 * p.LoG_diam_min / apix)) * g.scale)
+        extra["diameters"] = pk.log_diameters(p.LoG_diam_min, p.LoG_diam_max, p.Log_max_search)
+    else:
+        s = refs.refs.shape[-1]
+        skip = max(1, int((p.skip_side + s / 2) * g.scale))
+        psi_step = 360.0 / float(round_half_away(np.float64(360.0 / p.ang)))
+        psi = np.arange(int(round(360.0 / psi_step))) * psi_step
+        refs_dev = xp.asarray(refs.refs)
+        ring = ~refs.disc
+        extra.update(
+            psi=psi, refs_dev=refs_dev, disc_dev=xp.asarray(refs.disc),
+            bank=pk.prepare_templates(refs_dev, p.pad), pixels=pk.template_pixels(g.w, down / 2, xp),
+            ring_w=pk.box_spectrum(xp.asarray(ring, np.float64), g.n, g.w),
+            n_ring=int(ring.sum()), n_disc=int(refs.disc.sum()))
+        cache_bytes = len(refs.refs) * len(psi) * g.w * (g.w // 2 + 1) * 8
+        extra["cache"] = {} if cache_bytes < 0.3 * be.free_bytes() else None
+    return Setup(g, down, g.inside(skip, xp), extra)
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _ctf_of(ml: MicrographList, row: int) -> CtfParams | None:
+    if not ml.has_ctf:
+        return None
+    return CtfParams.from_table(ml.table.iloc[[row]])
+
+
+def run(p: Params) -> Iterator:
+    ml = micrograph_list(p.i, p.angpix)
+    apix = ml.pixel_size
+    if p.ctf and not ml.has_ctf:
+        raise InputError("--ctf needs rlnDefocusU and rlnDefocusV in the micrographs STAR", path=str(p.i),
+                         column="rlnDefocusU")
+    odir = Path(p.odir)
+    be = backend_for(p)
+    xp = be.xp
+    n = len(ml.entries)
+    mode = "LoG" if p.LoG else "templates"
+    yield Started(JOB_NAME, odir, be.name, f"picking {n} micrographs ({mode}, {apix:.3f} Å/px)")
+    odir.mkdir(parents=True, exist_ok=True)
+    write_note(odir, JOB_NAME, p)
+    refs = None
+    if not p.LoG:
+        refs, notes = load_references(p, apix, odir)
+        for t in notes:
+            yield Message(t)
+        yield Message(f"{len(refs.refs)} references of {refs.refs.shape[-1]} px, particle diameter "
+                      f"{refs.diameter_A:.1f} Å (disc radius {refs.radius_px} px)")
+    setups: dict[tuple[int, int], Setup] = {}
+    failures: list[str] = []
+    done_names: list[str] = []
+    done_files: list[str] = []
+    n_picks = 0
+    # LoG: batches of micrographs; templates: one micrograph, batches of (reference, psi) pairs
+    mic_batch = max(1, p.batch) if (p.LoG and p.batch) else 1
+    if p.LoG and not p.batch:
+        try:
+            ny, nx = micrograph_shape(ml.entries[0].path)
+            nn = pk.square_size(ny, nx)
+            mic_batch = int(max(1, min(16, 0.2 * be.free_bytes() // (nn * nn * 40))))
+        except InputError:
+            mic_batch = 1
+    i = 0
+    while i < n:
+        chunk = ml.entries[i:i + mic_batch]
+        raws: dict[tuple[int, int], list] = {}
+        for e in chunk:
+            try:
+                raw = read_micrograph(e.path)
+                raws.setdefault(raw.shape, []).append((e, raw))
+            except (InputError, OSError, ValueError) as exc:
+                failures.append(f"{e.name}: {exc}")
+                yield Message(f"skipping micrograph {e.name}: {exc}", "warning")
+        try:
+            results = []
+            for shape, items in raws.items():
+                if shape not in setups:
+                    setups[shape] = _setup(shape, p, apix, xp, refs, be)
+                    g = setups[shape].grid
+                    yield Message(f"{shape[1]} x {shape[0]} px micrographs: working grid {g.w} px "
+                                  f"({apix / g.scale:.2f} Å/px)")
+                st = setups[shape]
+                if p.LoG:
+                    res = _log_batch([np.asarray(r) for _, r in items], st, p, apix, xp, p.random_seed + i)
+                    for (e, _), (X, Y, v) in zip(items, res, strict=True):
+                        z = np.zeros(len(X))
+                        results.append((e, X, Y, v, z.astype(int), z))
+                else:
+                    e, r = items[0]
+                    tb = p.batch or _template_batch(st.grid.w, be, len(refs.refs) * len(st.extra["psi"]))
+                    X, Y, v, k, psi = _template_one(np.asarray(r), st, refs, p, apix, _ctf_of(ml, e.row), xp,
+                                                    p.random_seed + e.row, tb)
+                    results.append((e, X, Y, v, k, psi))
+        except Exception as exc:  # noqa: BLE001
+            if is_out_of_memory(exc) and mic_batch > 1:
+                free_cached_memory(be)
+                mic_batch = max(1, mic_batch // 2)
+                yield Message(f"out of memory; retrying with {mic_batch} micrographs per batch", "warning")
+                continue
+            raise
+        for e, X, Y, v, k, psi in results:
+            f = odir / (output_root(e.name) + "_autopick.star")
+            write_coordinates(f, X, Y, fom=v, class_number=k, psi=psi)
+            done_names.append(e.name)
+            done_files.append(str(f))
+            n_picks += len(X)
+            yield MicrographPicked(e.name, e.row, np.stack([X, Y], 1).astype(np.float64) if len(X) else
+                                   np.zeros((0, 2)), np.asarray(v, np.float64))
+        i += len(chunk)
+        yield Progress(i, n, "picking")
+    # keep STAR order; write the list even when some micrographs failed
+    order = {e.name: e.row for e in ml.entries}
+    idx = np.argsort([order[nm] for nm in done_names], kind="stable")
+    out = write_coordinate_list(odir / "autopick.star", [done_names[j] for j in idx], [done_files[j] for j in idx])
+    free_cached_memory(be)
+    summary = f"{n_picks} particles picked from {len(done_names)} of {n} micrographs ({mode})"
+    if failures:
+        yield Message(f"{len(failures)} micrograph(s) could not be read:\n  " + "\n  ".join(failures), "warning")
+        summary += f"; {len(failures)} failed: " + ", ".join(f.split(":")[0] for f in failures)
+    yield Finished({"coordinates": out}, summary)
+
+
+def _template_batch(w: int, be, total: int) -> int:
+    per = w * (w // 2 + 1) * 8 * 4 + w * w * 4 * 4
+    return int(max(1, min(total, 0.25 * be.free_bytes() // per, 512)))

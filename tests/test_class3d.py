@@ -1,0 +1,114 @@
+"""3D classification on a simulated two-state mixture with ground truth (CI-sized), its report, and its input
+checks. The full-size global-search check is benchmarks/science_class3d.py (GPU, results/ JSON) and
+tests/test_gpu.py::test_class3d_global_search_separates_two_states."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import starfile
+
+from napari_gpu_relion.compute.estep import prepare_batch
+from napari_gpu_relion.compute.fourier import irfft_centered, phase_shift_2d, rfft_centered
+from napari_gpu_relion.compute.ground_truth import class_assignment_report
+from napari_gpu_relion.errors import InputError
+from napari_gpu_relion.jobs import class3d
+from napari_gpu_relion.jobs.events import Finished
+from napari_gpu_relion.jobs.simulate import make_sample_data
+
+
+@pytest.fixture(scope="module")
+def mixture(tmp_path_factory) -> Path:
+    """600 particles, 50/50 from two conformations (the phantom, and the phantom without the quarter of its
+    atoms around its outermost atom), box 32 at 6 Å/px, CTF, offsets, one noise level, SNR 0.2. Per Fourier
+    component below 12 Å this is the information of SNR 0.05 at box 64 and 3 Å/px (4x the pixels)."""
+    return make_sample_data(tmp_path_factory.mktemp("mixture"), box=32, angpix=6.0, n_particles=600, snr=0.2,
+                            diameter=134.4, ini_high=60.0, n_micrographs=0, conformations=2)
+
+
+def _classify(data: Path, out: Path, K: int) -> tuple[Finished, object, object]:
+    p = class3d.Params(i=data / "particles.star", ref=data / "truth.mrc", o=out, K=K, iter=20, ctf=True,
+                       skip_align=True, particle_diameter=150.0, flatten_solvent=True, zero_mask=True, cpu=True)
+    fin = [e for e in class3d.run(p) if isinstance(e, Finished)][0]
+    truth = starfile.read(data / "particles_truth.star")["particles"]
+    got = starfile.read(out / "run_it020_data.star")["particles"]
+    assert (got["rlnImageName"].to_numpy() == truth["rlnImageName"].to_numpy()).all()
+    rep = class_assignment_report(got["rlnClassNumber"].to_numpy() - 1, truth["rlnClassNumber"].to_numpy() - 1, K)
+    return fin, rep, (truth, got)
+
+
+def test_class3d_two_classes_separate_two_states(mixture, tmp_path):
+    """K=2 with --skip_align: >= 95 % of the particles in the class of their own state; the input angles and
+    offsets are kept exactly; the model STAR's class distribution matches the particle counts."""
+    fin, rep, (truth, got) = _classify(mixture, tmp_path / "k2", 2)
+    assert rep.accuracy >= 0.95, rep
+    assert sorted(rep.label.tolist()) == [0, 1]  # one class per state
+    for c in ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi", "rlnOriginXAngst", "rlnOriginYAngst"):
+        np.testing.assert_allclose(got[c].to_numpy(), truth[c].to_numpy(), atol=1e-4)
+    model = starfile.read(tmp_path / "k2" / "run_it020_model.star")
+    dist = model["model_classes"]["rlnClassDistribution"].to_numpy()
+    assert abs(dist.sum() - 1) < 1e-6
+    np.testing.assert_allclose(dist, rep.sizes / rep.sizes.sum(), atol=0.03)
+    assert "no empty class" in fin.summary
+
+
+def test_class3d_three_classes_report_the_split_or_empty_class(mixture, tmp_path):
+    """K=3 on two states: >= 95 % accuracy (each class labelled by its majority state); one class empties or
+    a state splits over two classes, and the job's report names that pair as the most alike."""
+    fin, rep, _ = _classify(mixture, tmp_path / "k3", 3)
+    assert rep.accuracy >= 0.95, rep
+    assert rep.empty_classes or rep.split_states, rep
+    if rep.split_states:
+        s = rep.split_states[0]
+        pair = sorted(k + 1 for k in range(3) if rep.label[k] == s and k not in rep.empty_classes)
+        assert f"most alike: classes {pair[0]} and {pair[1]}" in fin.summary, fin.summary
+    else:
+        assert f"empty class(es): {rep.empty_classes[0] + 1}" in fin.summary, fin.summary
+
+
+def test_subpixel_preparation_moves_the_particle_to_its_exact_offset():
+    """--skip_align pre-shifts each image by its full (fractional) offset: a band-limited image whose content
+    sits at -t comes back to the centre (the origin sign convention: rlnOrigin = t re-centres it)."""
+    rng = np.random.default_rng(3)
+    N = 32
+    F = rfft_centered(rng.normal(size=(4, N, N)), 2)
+    ky = np.fft.fftfreq(N) * N
+    kx = np.arange(N // 2 + 1)
+    F[:, (np.abs(ky)[:, None] > 8) | (kx[None, :] > 8)] = 0  # band-limited: Fourier shifts are exact
+    centred = irfft_centered(F, N, 2)
+    t = np.array([[0.3, -1.7], [2.5, 0.25], [-0.6, 0.6], [1.0, 0.0]])
+    moved = irfft_centered(phase_shift_2d(F, -t, N), N, 2)  # the particle sits at -t
+    prep = prepare_batch(moved.astype(np.float32), np.ones(4), t, mask_radius_px=N, subpixel=True)
+    back = irfft_centered(prep.F_unmasked, N, 2)
+    assert np.abs(back - centred).max() < 1e-4 * np.abs(centred).max()
+    np.testing.assert_array_equal(prep.rounded_offsets, t)
+
+
+def test_class3d_rejects_bad_input_before_work(mixture, tmp_path):
+    """K < 1, K larger than the number of particles, and particles of different image sizes."""
+    kw = dict(i=mixture / "particles.star", ref=mixture / "reference.mrc", o=tmp_path / "c", cpu=True)
+    with pytest.raises(InputError, match="--K must be at least 1"):
+        class3d.Params(K=0, **kw)
+    with pytest.raises(InputError, match="larger than the number of particles"):
+        list(class3d.run(class3d.Params(K=601, **kw)))
+    star = starfile.read(mixture / "particles.star")
+    optics = star["optics"]
+    two = pd_concat_optics(optics)
+    parts = star["particles"].copy()
+    parts.loc[parts.index[:10], "rlnOpticsGroup"] = 2
+    bad = tmp_path / "mixed.star"
+    starfile.write({"optics": two, "particles": parts}, bad)
+    with pytest.raises(InputError, match="rlnImageSize"):
+        list(class3d.run(class3d.Params(i=bad, ref=mixture / "reference.mrc", o=tmp_path / "d", cpu=True)))
+    assert not (tmp_path / "c" / "run_it001_data.star").exists()
+    assert not (tmp_path / "d" / "run_it001_data.star").exists()
+
+
+def pd_concat_optics(optics):
+    import pandas as pd
+
+    g2 = optics.copy()
+    g2["rlnOpticsGroup"] = 2
+    g2["rlnOpticsGroupName"] = "opticsGroup2"
+    g2["rlnImageSize"] = 48
+    return pd.concat([optics, g2], ignore_index=True)
