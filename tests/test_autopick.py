@@ -15,6 +15,7 @@ from scipy.spatial import cKDTree
 from napari_gpu_relion.compute import picking as pk
 from napari_gpu_relion.compute import simulate as sim
 from napari_gpu_relion.compute.geometry import euler_to_matrix
+from napari_gpu_relion.compute.ground_truth import pick_matches
 from napari_gpu_relion.errors import InputError
 from napari_gpu_relion.io.mrc import write_mrc
 from napari_gpu_relion.io.star import read_coordinates, read_star, write_particles
@@ -165,13 +166,7 @@ def _score(truth: np.ndarray, picks: np.ndarray, radius: float, contamination: n
     if contamination is not None and len(contamination):
         dc = np.hypot(truth[:, None, 0] - contamination[None, :, 0], truth[:, None, 1] - contamination[None, :, 1])
         care = ~(dc < contamination[None, :, 2] + BOX / 2).any(1)
-    if len(picks) == 0:
-        return 0, int(care.sum()), 0, 0
-    d, _ = cKDTree(picks).query(truth)
-    d2, j = cKDTree(truth).query(picks)
-    hit = d2 <= radius
-    counted = ~hit | care[j]
-    return int((d[care] <= radius).sum()), int(care.sum()), int((hit & counted).sum()), int(counted.sum())
+    return pick_matches(truth, picks, radius, care)
 
 
 def _dataset(tmp: Path, n_mics: int, size: int, n_particles: int, seed0: int):

@@ -169,8 +169,10 @@ def test_symmetry_reconstruction_from_star(tmp_path):
 
 def test_demo_command_runs_end_to_end(dataset, tmp_path):
     r = subprocess.run([sys.executable, "-m", "napari_gpu_relion.cli", "demo", "--o", str(tmp_path / "demo"),
-                        "--data", str(dataset), "--cpu"], capture_output=True, text=True, timeout=600)
+                        "--data", str(dataset), "--particle_diameter", "90", "--cpu"], capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stderr
+    assert "picking: recall" in r.stdout
     assert "half-map FSC 0.143" in r.stdout
     assert "refined from 60 Å" in r.stdout and "median angular error" in r.stdout
     assert (Path(tmp_path) / "demo" / "PostProcess" / "postprocess.star").is_file()

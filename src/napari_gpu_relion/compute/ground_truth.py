@@ -39,3 +39,22 @@ def class_assignment_report(classes: np.ndarray, states: np.ndarray, K: int,
     split = [s for s in range(S) if int(np.sum(big & (label == s))) > 1]
     empty = [k for k in range(K) if sizes[k] < min_fraction * n]
     return ClassAssignmentReport(correct / n, sizes, label, purity, empty, split)
+
+
+def pick_matches(truth_xy: np.ndarray, picks_xy: np.ndarray, radius_px: float,
+                 care: np.ndarray | None = None) -> tuple[int, int, int, int]:
+    """(particles found, particles, correct picks, picks counted) for one micrograph: a particle is found when a
+    pick lies within ``radius_px`` of it, a pick is correct when a particle lies within ``radius_px``.
+    ``care`` (n_truth,) False marks "don't care" particles (e.g. on contamination): they are neither missed nor
+    counted when picked. recall = found / particles, precision = correct / counted."""
+    from scipy.spatial import cKDTree  # noqa: PLC0415
+
+    truth_xy, picks_xy = np.asarray(truth_xy, float).reshape(-1, 2), np.asarray(picks_xy, float).reshape(-1, 2)
+    care = np.ones(len(truth_xy), bool) if care is None else np.asarray(care, bool)
+    if len(picks_xy) == 0 or len(truth_xy) == 0:
+        return 0, int(care.sum()), 0, len(picks_xy)
+    d, _ = cKDTree(picks_xy).query(truth_xy)
+    d2, j = cKDTree(truth_xy).query(picks_xy)
+    hit = d2 <= radius_px
+    counted = ~hit | care[j]
+    return int((d[care] <= radius_px).sum()), int(care.sum()), int((hit & counted).sum()), int(counted.sum())

@@ -27,7 +27,6 @@ from ..errors import InputError
 from ..io.micrographs import (
     MicrographList,
     micrograph_list,
-    micrograph_shape,
     output_root,
     read_micrograph,
     write_coordinate_list,
@@ -79,7 +78,7 @@ class Params:
     pad: int = param(2, "--pad", "Padding factor of the template Fourier grids")
     outlier_removal_zscore: float = param(8.0, "--outlier_removal_zscore", "Outlier pixels set to the mean")
     random_seed: int = param(1, "--random_seed", "Seed (noise fill of non-square micrographs)")
-    batch: int = param(0, "--batch", "Micrographs (LoG) or templates per batch; 0 = from free memory")
+    batch: int = param(0, "--batch", "Micrographs (LoG; 0 = 1) or templates (0 = from free memory) per batch")
     cpu: bool = param(False, "--cpu", "Run on the CPU (NumPy) even if a GPU is present")
     gpu: int | None = param(None, "--gpu", "GPU index to use")
 
@@ -320,14 +319,9 @@ def run(p: Params) -> Iterator:
     done_files: list[str] = []
     n_picks = 0
     # LoG: batches of micrographs; templates: one micrograph, batches of (reference, psi) pairs
+    # one LoG micrograph at a time unless --batch says otherwise: on the H100 batches of 4 were 4x slower than
+    # single micrographs at 4096 px (benchmarks/results/picking_h100.json)
     mic_batch = max(1, p.batch) if (p.LoG and p.batch) else 1
-    if p.LoG and not p.batch:
-        try:
-            ny, nx = micrograph_shape(ml.entries[0].path)
-            nn = pk.square_size(ny, nx)
-            mic_batch = int(max(1, min(16, 0.2 * be.free_bytes() // (nn * nn * 40))))
-        except InputError:
-            mic_batch = 1
     i = 0
     while i < n:
         chunk = ml.entries[i:i + mic_batch]

@@ -1,6 +1,7 @@
 """The demo: the whole pipeline that exists, on the sample data, printing what it achieved.
 
-Now: reconstruct the two random halves of the sample particles from their true angles (CTF-corrected), make
+Now: pick the sample micrographs (LoG) and extract the picks, scoring the picks against the true positions;
+reconstruct the two random halves of the sample particles from their true angles (CTF-corrected), make
 a mask from the joined map, post-process the half maps, and compare with the ground-truth map; then refine the
 particles with 3D auto-refine from the sample reference low-passed to 60 Å and report the gold-standard
 resolution and the median angular error against the true angles.
@@ -16,7 +17,7 @@ import numpy as np
 
 from ..compute.fsc import fsc, fsc_to_full, resolution_A, resolution_shell
 from ..io.mrc import read_mrc, write_mrc
-from . import mask_create, postprocess, reconstruct, refine3d
+from . import autopick, extract, mask_create, postprocess, reconstruct, refine3d
 from .common import param
 from .events import Finished, Message, Started
 from .simulate import make_sample_data, sample_data_dir
@@ -29,6 +30,8 @@ class Params:
     o: Path = param(flag="--o", help="Output folder for the demo's job folders")
     data: Path | None = param(None, "--data", "Sample data folder (default: the packaged sample data)")
     regenerate: bool = param(False, "--regenerate", "Simulate a fresh sample data set into <o>/sample_data")
+    particle_diameter: float = param(150.0, "--particle_diameter", "Particle diameter of the data (Å): picking "
+                                     "searches 0.8-1.2 x this")
     cpu: bool = param(False, "--cpu", "Run on the CPU even if a GPU is present")
     gpu: int | None = param(None, "--gpu", "GPU index to use")
 
@@ -49,6 +52,7 @@ def run(p: Params) -> Iterator:
     data = Path(p.data) if p.data else (make_sample_data(out / "sample_data") if p.regenerate else sample_data_dir())
     yield Started(JOB_NAME, out, "see each step", f"demo on {data}")
     done: list[Finished] = []
+    summary = yield from _pick_and_extract(p, data, out, done)
     halves = []
     for k in (1, 2):
         yield Message(f"Reconstruct half {k} from the true angles (--ctf --subset {k})")
@@ -75,7 +79,7 @@ def run(p: Params) -> Iterator:
     r_half = resolution_A(f_half, N, apix, 0.143)
     r_truth = resolution_A(f_truth, N, apix, 0.5)
     r_pred = resolution_A(fsc_to_full(f_half), N, apix, 0.5)
-    summary = (f"half-map FSC 0.143: {r_half:.1f} Å; joined map vs truth FSC 0.5: {r_truth:.1f} Å "
+    summary += (f"; half-map FSC 0.143: {r_half:.1f} Å; joined map vs truth FSC 0.5: {r_truth:.1f} Å "
                f"(predicted from the half maps by FSC' = sqrt(2FSC/(1+FSC)): {r_pred:.1f} Å, shells "
                f"{resolution_shell(f_truth, 0.5)} vs {resolution_shell(fsc_to_full(f_half), 0.5)})")
     yield Message(summary)
@@ -94,6 +98,40 @@ def run(p: Params) -> Iterator:
                 f"angular error {np.median(err):.2f}° ({(err < 10).mean() * 100:.0f}% under 10°)")
     yield Finished({"postprocess": out / "PostProcess" / "postprocess.mrc", "half1": halves[0],
                     "half2": halves[1], "refined": rdir / "run_class001.mrc"}, summary)
+
+
+def _pick_and_extract(p: Params, data: Path, out: Path, done: list) -> Iterator:
+    """LoG picking of the sample micrographs, scored against their true coordinates, then extraction of the
+    picks (box 64, background normalisation, contrast inverted). Returns the summary text."""
+    from ..compute.ground_truth import pick_matches  # noqa: PLC0415
+    from ..io.micrographs import read_coordinate_list  # noqa: PLC0415
+    from ..io.star import read_coordinates  # noqa: PLC0415
+
+    d = p.particle_diameter
+    yield Message(f"Auto-pick the micrographs (--LoG {0.8 * d:.0f}-{1.2 * d:.0f} Å, robust threshold +3 sd)")
+    pdir = out / "AutoPick"
+    yield from _forward(autopick.run(autopick.Params(
+        i=data / "micrographs.star", odir=pdir, LoG=True, LoG_diam_min=0.8 * d, LoG_diam_max=1.2 * d,
+        LoG_adjust_threshold=3.0, LoG_robust_stats=True, cpu=p.cpu, gpu=p.gpu)), done)
+    tot = np.zeros(4, int)
+    apix = None
+    for mic, coords in read_coordinate_list(pdir / "autopick.star").items():
+        apix = apix or float(read_mrc(data / mic, mmap=True).pixel_size)
+        picks = read_coordinates(coords)
+        truth = read_coordinates(data / "coords" / f"{Path(mic).stem}_truth.star")
+        tot += pick_matches(truth[["rlnCoordinateX", "rlnCoordinateY"]].to_numpy(),
+                            picks[["rlnCoordinateX", "rlnCoordinateY"]].to_numpy(), d / 4 / apix)
+    box = int(2 * round(0.75 * d / apix))  # about 1.5 diameters, even
+    text = (f"picking: recall {tot[0] / max(tot[1], 1):.2f}, precision {tot[2] / max(tot[3], 1):.2f} "
+            f"({tot[3]} picks, {tot[1]} particles, within {d / 4:.1f} Å)")
+    if tot[3]:
+        yield Message(f"Extract the picks (--extract_size {box} --norm --invert_contrast)")
+        yield from _forward(extract.run(extract.Params(
+            i=data / "micrographs.star", coord_list=pdir / "autopick.star", o=out / "Extract", extract_size=box,
+            norm=True, invert_contrast=True, cpu=p.cpu, gpu=p.gpu)), done)
+        text += f"; extracted {done[-1].summary}"
+    yield Message(text)
+    return text
 
 
 def _angular_errors(refined_star: Path, truth_star: Path) -> np.ndarray:
