@@ -50,6 +50,14 @@ def test_class3d_two_classes_separate_two_states(mixture, tmp_path):
     assert abs(dist.sum() - 1) < 1e-6
     np.testing.assert_allclose(dist, rep.sizes / rep.sizes.sum(), atol=0.03)
     assert "no empty class" in fin.summary
+    # go on from this run's classes: --ref its model STAR (one map per class, K from the list, no seeding)
+    p = class3d.Params(i=mixture / "particles.star", ref=tmp_path / "k2" / "run_it020_model.star",
+                       o=tmp_path / "again", K=1, iter=2, ctf=True, skip_align=True, particle_diameter=150.0,
+                       flatten_solvent=True, zero_mask=True, cpu=True)
+    events = list(class3d.run(p))
+    assert not any("seeding" in getattr(e, "text", "") for e in events)
+    again = starfile.read(tmp_path / "again" / "run_it002_data.star")["particles"]
+    assert (again["rlnClassNumber"].to_numpy() == got["rlnClassNumber"].to_numpy()).mean() >= 0.98
 
 
 def test_class3d_three_classes_report_the_split_or_empty_class(mixture, tmp_path):

@@ -55,7 +55,8 @@ JOB_NAME = "class3d"
 @dataclass(frozen=True)
 class Params:
     i: Path | None = param(None, "--i", "Particles STAR file")
-    ref: Path | None = param(None, "--ref", "Initial reference map (.mrc)")
+    ref: Path | None = param(None, "--ref", "Initial reference map (.mrc), or a STAR listing one map per class "
+                             "(rlnReferenceImage, e.g. a previous run's _model.star; then K = their number)")
     o: Path | None = param(None, "--o", "Output folder (files run_it*)")
     K: int = param(2, "--K", "Number of classes")
     iter: int = param(25, "--iter", "Number of iterations")
@@ -64,7 +65,8 @@ class Params:
     offset_range: float = param(5.0, "--offset_range", "Translation search range (pixels)")
     offset_step: float = param(2.0, "--offset_step", "Coarse translation step (pixels)")
     sym: str = param("C1", "--sym", "Point-group symmetry")
-    ini_high: float = param(60.0, "--ini_high", "Low-pass filter of the initial reference (Å)")
+    ini_high: float = param(60.0, "--ini_high", "Low-pass filter of the initial reference(s) (Å); -1 = none, "
+                            "start at full size (e.g. going on from a previous run's classes)")
     particle_diameter: float = param(-1.0, "--particle_diameter", "Mask diameter (Å); -1 = (box - 5) x pixel size")
     sigma_ang: float = param(-1.0, "--sigma_ang", "Local searches with this angular sigma (degrees); -1 = global")
     skip_align: bool = param(False, "--skip_align", "Keep the input angles and offsets; classify only")
@@ -81,7 +83,7 @@ class Params:
 
     def __post_init__(self):
         require_file(self.i, "--i particles STAR", (".star",))
-        require_file(self.ref, "--ref reference map", (".mrc", ".map"))
+        require_file(self.ref, "--ref reference map", (".mrc", ".map", ".star"))
         if self.o is None:
             raise InputError("--o (output folder) is required")
         ensure_not_input(Path(self.o) / "run_it001_data.star", self.i)
@@ -98,23 +100,29 @@ class Params:
 def run(p: Params) -> Iterator:
     t_start = time.time()
     ps = em.load_particle_set(Path(p.i), p.ctf, seed=p.random_seed, halves=False)
-    N, apix, K = ps.box, ps.pixel_size, p.K
+    N, apix = ps.box, ps.pixel_size
+    ref_paths = reference_paths(Path(p.ref))
+    K = len(ref_paths) if len(ref_paths) > 1 else p.K
     if K > len(ps):
         raise InputError(f"--K {K} is larger than the number of particles ({len(ps)})", path=str(p.i))
     diameter, mask_r = em.particle_mask(ps, p.particle_diameter, MASK_EDGE)
-    ref0 = lowpass_map(_load_reference(p, N, apix), apix, p.ini_high)
+
     be = backend_for(p)
     xp = be.xp
     out = Path(p.o)
     out.mkdir(parents=True, exist_ok=True)
     write_note(out, JOB_NAME, p)
     sym = symmetry_group(p.sym)
-    refs = [ref0.copy() for _ in range(K)]
+    refs = [_load_reference(p, N, apix, q) for q in ref_paths]
+    if p.ini_high > 0:
+        refs = [lowpass_map(v, apix, p.ini_high) for v in refs]
+    seeding = len(refs) == 1 and K > 1
+    refs = refs * K if len(refs) == 1 else refs
     sigma2 = em.initial_noise_spectra(ps, be, mask_r, p.zero_mask)
     scales = np.ones(len(ps.scale_group_names))
     pdf_class = np.full(K, 1.0 / K)
     sigma_offset_A = p.offset
-    res_shell = int(round(N * apix / p.ini_high))
+    res_shell = int(round(N * apix / p.ini_high)) if p.ini_high > 0 else N // 2 - 10
     perturb = 0.0
     everyone = np.arange(len(ps))
     # RELION's seeding: in iteration 1 each particle searches one random class
@@ -146,11 +154,11 @@ def run(p: Params) -> Iterator:
         search = ("own orientation and offset (--skip_align)" if p.skip_align else
                   f"{smp.n_orient} orientations{' (local)' if local else ''}, {smp.translations.shape[0]} translations")
         yield Message(f"iteration {it}: image size {current_size} (coarse {coarse}), {K} classes x {search}"
-                      f"{', random class seeding' if it == 1 and K > 1 else ''}")
+                      f"{', random class seeding' if it == 1 and seeding else ''}")
         old_classes = ps.classes.copy()
         bps = [BackProjector(N, p.pad, current_size / 2, ndim=3, xp=xp, dtype=np.float64) for _ in range(K)]
         sums = EStepSums(bps, N // 2 + 1, ps.n_optics_groups, smp.n_dirs, n_scale_groups=len(scales))
-        if it == 1 and K > 1:
+        if it == 1 and seeding:
             class_prior = seed_prior
         elif p.skip_align:  # the class prior (with global searches it is part of the direction prior)
             with np.errstate(divide="ignore"):
@@ -218,6 +226,27 @@ def run(p: Params) -> Iterator:
     report = class_report(refs, pdf_class, soft_spherical_mask(N, mask_r, MASK_EDGE, 3))
     yield Message(report)
     yield Finished(outputs, f"{p.iter} iterations in {time.time() - t_start:.0f} s; {final_dist}. {report}")
+
+
+def reference_paths(ref: Path) -> list[Path]:
+    """The reference map(s): --ref itself, or the rlnReferenceImage entries of a STAR file (names relative to
+    the working folder or, failing that, to the STAR file's folder)."""
+    if ref.suffix != ".star":
+        return [ref]
+    from ..io.star import read_star  # noqa: PLC0415
+
+    table = next((b for b in read_star(ref).values() if isinstance(b, pd.DataFrame)
+                  and "rlnReferenceImage" in b.columns), None)
+    if table is None or not len(table):
+        raise InputError("no rlnReferenceImage entries (expected a list of maps, e.g. a _model.star)",
+                         path=str(ref), column="rlnReferenceImage")
+    out = []
+    for name in table["rlnReferenceImage"].astype(str):
+        q = Path(name)
+        q = q if q.is_file() else ref.parent / q
+        require_file(q, f"reference map listed in {ref}", (".mrc", ".map"))
+        out.append(q)
+    return out
 
 
 def class_report(refs: list[np.ndarray], pdf_class: np.ndarray, mask: np.ndarray, empty_below: float = 0.01) -> str:

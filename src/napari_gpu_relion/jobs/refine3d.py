@@ -146,11 +146,13 @@ class State:
         return s
 
 
-def _load_reference(p: Params, box: int, apix: float) -> np.ndarray:
-    m = read_mrc(p.ref)
+def _load_reference(p: Params, box: int, apix: float, path: Path | None = None) -> np.ndarray:
+    """The reference map ``path`` (default --ref) at the particles' box and pixel size (--trust_ref_size)."""
+    path = Path(p.ref if path is None else path)
+    m = read_mrc(path)
     vol = np.asarray(m.data, np.float64)
     if vol.ndim != 3 or len(set(vol.shape)) != 1:
-        raise InputError(f"the reference must be a cubic 3D map, got shape {vol.shape}", path=str(p.ref))
+        raise InputError(f"the reference must be a cubic 3D map, got shape {vol.shape}", path=str(path))
     ref_apix = float(m.pixel_size) if m.pixel_size else apix
     same_size = vol.shape[0] == box
     same_apix = abs(ref_apix - apix) <= 1e-3 * apix
@@ -159,7 +161,7 @@ def _load_reference(p: Params, box: int, apix: float) -> np.ndarray:
     if not p.trust_ref_size:
         raise InputError(f"the reference has box {vol.shape[0]} at {ref_apix:.4f} Å/px but the particles have box "
                          f"{box} at {apix:.4f} Å/px; give --trust_ref_size to rescale it, or a matching map",
-                         path=str(p.ref))
+                         path=str(path))
     # rescale: Fourier-resample to the particles' pixel size, then crop/pad to the box
     from ..compute.simulate import fit_box  # noqa: PLC0415
 
