@@ -90,6 +90,11 @@ class Sampling:
         return self.offset_step / (1 << self.oversampling)
 
     @property
+    def n_children(self) -> int:
+        """Oversampled orientations per coarse one: 4^q directions x 2^q psi."""
+        return 1 << (3 * self.oversampling)
+
+    @property
     def n_dirs(self) -> int:
         return int(self.dir_pix.size)
 
@@ -151,6 +156,7 @@ class GivenOrientations:
 
     n_dirs = n_orient
     n_psi = 1
+    n_children = 1
     angular_step = fine_angular_step = psi_step_actual = 0.0
 
     def coarse_matrices(self, r=None) -> np.ndarray:
@@ -161,6 +167,70 @@ class GivenOrientations:
 
     def fine_translations(self) -> np.ndarray:
         return self.translations[:, None, :]
+
+
+@dataclass
+class InPlaneSampling:
+    """The sampling of 2D classification: in-plane angles only (one "direction"), RELION's psi grid
+    360/ceil(360/step), 2^q psi children per coarse psi, translations and perturbation as in Sampling. Rows
+    are psi indices; matrices are Euler (0, 0, psi), whose upper-left 2x2 block rotates the 2D references."""
+
+    psi_step: float = 10.0
+    offset_range: float = 5.0
+    offset_step: float = 2.0
+    perturb: float = 0.0
+    oversampling: int = 1
+    order: int = 0
+    sym: str = "C1"
+    psi: np.ndarray = field(init=False)
+    translations: np.ndarray = field(init=False)
+
+    def __post_init__(self):
+        self.psi = psi_angles(self.psi_step)
+        self.translations = translation_grid(self.offset_range, self.offset_step, 2) + self.perturb * self.offset_step
+
+    @property
+    def psi_step_actual(self) -> float:
+        return 360.0 / self.psi.size
+
+    angular_step = psi_step_actual
+
+    @property
+    def fine_angular_step(self) -> float:
+        return self.psi_step_actual / (1 << self.oversampling)
+
+    @property
+    def fine_offset_step(self) -> float:
+        return self.offset_step / (1 << self.oversampling)
+
+    @property
+    def n_children(self) -> int:
+        return 1 << self.oversampling
+
+    n_dirs = 1
+
+    @property
+    def n_psi(self) -> int:
+        return int(self.psi.size)
+
+    n_orient = n_psi
+
+    def coarse_angles(self, r) -> np.ndarray:
+        """Perturbed psi (degrees) of coarse rows r."""
+        return self.psi[np.asarray(r)] + self.perturb * self.psi_step_actual
+
+    def coarse_matrices(self, r=None) -> np.ndarray:
+        r = np.arange(self.n_orient) if r is None else np.asarray(r)
+        psi = self.coarse_angles(r)
+        return euler_to_matrix(np.zeros_like(psi), np.zeros_like(psi), psi)
+
+    def fine_matrices(self, r) -> np.ndarray:
+        """(n, 2^q, 3, 3) matrices of the psi children of coarse rows r."""
+        psi = oversampled_psi(self.coarse_angles(r), self.psi_step_actual, self.oversampling)
+        return euler_to_matrix(np.zeros_like(psi), np.zeros_like(psi), psi)
+
+    def fine_translations(self) -> np.ndarray:
+        return oversampled_translations(self.translations, self.offset_step, self.oversampling)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -552,7 +622,7 @@ def _project_rows(setup: EStepSetup, rows: np.ndarray, pix: PixelSet, fine: bool
     smp = setup.sampling
     R = smp.n_orient
     rows = np.asarray(rows, dtype=np.int64)
-    nover = (1 << (3 * smp.oversampling)) if fine else 1  # 4^q directions x 2^q psi
+    nover = smp.n_children if fine else 1
     if matrices is None:
         matrices = smp.fine_matrices(rows % R).reshape(-1, 3, 3) if fine else smp.coarse_matrices(rows % R)
     matrices = xp.asarray(matrices)

@@ -1,0 +1,239 @@
+"""2D classification (relion_refine with 2D references, EM variant; relion_algorithm.md 7).
+
+STATUS: EXPERIMENTAL, not yet offered as a command or widget (issue #5). On 5 simulated views + 20 % noise
+junk (tests/test_class2d.py) the junk goes to its own classes and most views get a class of their own (> 0.9
+correlation with the true projection), but two similar views share a class, short of the issue's target. No
+GPU benchmark yet.
+
+K class averages from random-subset averages with RELION's blob initialisation; each iteration one E-step on the
+shared engine (compute/estep.py with InPlaneSampling: rows are (class, psi) pairs, one GEMM for all classes and
+in-plane angles, translations as phase ramps), then per class a MAP reconstruction of the 2D average with tau2
+from the class's power spectrum times tau2_fudge (default 2), optional soft masking and centring of the classes.
+Files follow RELION: run_itNNN_classes.mrcs, run_itNNN_model.star (class distribution and resolution),
+run_itNNN_data.star (rlnClassNumber, rlnAnglePsi, offsets).
+
+Not yet: per-class offset priors (rlnClassPriorOffsetX/Y; the offset prior is centred on the box for every
+class), --continue, VDAM (--grad).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ..compute.backend import to_host
+from ..compute.backprojector import BackProjector
+from ..compute.ctf import ctf_half_grid
+from ..compute.estep import EStepSetup, EStepSums, InPlaneSampling
+from ..compute.expectation import pixel_set
+from ..compute.fourier import lowpass_map, phase_shift_2d, rfft_centered
+from ..compute.fsc import shell_to_angstrom
+from ..compute.geometry import euler_to_matrix
+from ..compute.masks import soft_spherical_mask
+from ..compute.maximization import (
+    coarse_image_size,
+    reference_tau2,
+    resolution_shell_from_ssnr,
+    ssnr_map,
+    update_sigma2,
+    update_sigma_offset,
+)
+from ..compute.projector import prepare_reference
+from ..compute.references2d import blob_references, center_of_mass, shift_images
+from ..errors import InputError
+from ..io.atomic import ensure_not_input
+from ..io.mrc import write_mrc
+from . import em
+from .common import backend_for, param, require_file, write_note
+from .events import Finished, IterationFinished, MapUpdated, Message, Started
+from .refine3d import MASK_EDGE, _batch_size
+
+JOB_NAME = "class2d"
+
+
+@dataclass(frozen=True)
+class Params:
+    i: Path | None = param(None, "--i", "Particles STAR file")
+    o: Path | None = param(None, "--o", "Output folder (files run_it*)")
+    K: int = param(50, "--K", "Number of classes")
+    iter: int = param(25, "--iter", "Number of iterations")
+    tau2_fudge: float = param(2.0, "--tau2_fudge", "Regularisation parameter T")
+    psi_step: float = param(12.0, "--psi_step", "Coarse in-plane step (degrees); the fine step is half")
+    offset_range: float = param(5.0, "--offset_range", "Translation search range (pixels)")
+    offset_step: float = param(2.0, "--offset_step", "Coarse translation step (pixels)")
+    ini_high: float = param(-1.0, "--ini_high", "Low-pass of the initial classes (Å); -1 = 0.07 digital frequency")
+    particle_diameter: float = param(-1.0, "--particle_diameter", "Mask diameter (Å); -1 = (box - 5) x pixel size")
+    center_classes: bool = param(False, "--center_classes", "Centre the class averages on their mass each iteration")
+    sort_classes: bool = param(False, "--sort_classes", "Number the classes by decreasing class distribution")
+    ctf: bool = param(False, "--ctf", "Do CTF correction")
+    flatten_solvent: bool = param(False, "--flatten_solvent", "Mask the class averages with a soft circle")
+    zero_mask: bool = param(False, "--zero_mask", "Fill outside the particle mask with zeros (else noise)")
+    pad: int = param(2, "--pad", "Padding factor of the Fourier grids")
+    offset: float = param(10.0, "--offset", "Initial sigma of the offset prior (Å)")
+    random_seed: int = param(0, "--random_seed", "Random seed (initial classes, perturbation, noise)")
+    batch: int = param(0, "--batch", "Particles per batch; 0 = from free memory")
+    cpu: bool = param(False, "--cpu", "Run on the CPU (NumPy) even if a GPU is present")
+    gpu: int | None = param(None, "--gpu", "GPU index to use")
+
+    def __post_init__(self):
+        require_file(self.i, "--i particles STAR", (".star",))
+        if self.o is None:
+            raise InputError("--o (output folder) is required")
+        ensure_not_input(Path(self.o) / "run_it001_data.star", self.i)
+        if self.K < 1:
+            raise InputError(f"--K must be at least 1, got {self.K}")
+        if self.iter < 1:
+            raise InputError(f"--iter must be at least 1, got {self.iter}")
+        if not 0 < self.psi_step <= 180:
+            raise InputError(f"--psi_step must be in (0, 180] degrees, got {self.psi_step}")
+        em.check_search(0, self.offset_range, self.offset_step)
+        if self.tau2_fudge <= 0:
+            raise InputError(f"--tau2_fudge must be > 0, got {self.tau2_fudge}")
+
+
+def initial_classes(ps: em.ParticleSet, K: int, be, diameter_px: float, mask_r: float, lowpass_A: float,
+                    seed: int, pad: int = 2, max_particles: int = 1000) -> np.ndarray:
+    """(K, N, N) starting classes: up to ``max_particles`` particles in random order, each with a random psi and
+    class (index mod K), CTF-weighted and averaged per class without regularisation, then RELION's blobs,
+    the low-pass and the soft mask."""
+    xp = be.xp
+    N, apix = ps.box, ps.pixel_size
+    rng = np.random.default_rng(seed)
+    rows = np.sort(rng.permutation(len(ps))[:max_particles])
+    psi = rng.uniform(0.0, 360.0, rows.size)
+    cls = np.arange(rows.size) % K
+    A = euler_to_matrix(np.zeros_like(psi), np.zeros_like(psi), psi)
+    F = phase_shift_2d(rfft_centered(be.asarray(ps.images(rows)), 2), xp.asarray(ps.offsets_px[rows]), N)
+    ctf = ps.ctf_rows(rows)
+    c = xp.ones(F.shape, dtype=np.float32) if ctf is None else xp.asarray(ctf_half_grid(ctf, N, apix))
+    avgs = np.zeros((K, N, N))
+    for k in range(K):  # K classes, each one batched insertion
+        sel = np.flatnonzero(cls == k)
+        if not sel.size:
+            continue
+        bp = BackProjector(N, pad, ndim=2, xp=xp, dtype=np.float64)
+        s = xp.asarray(sel)
+        bp.insert_images(xp.asarray(A[sel]), F[s] * c[s], c[s] * c[s])
+        bp.enforce_hermitian()
+        avgs[k] = to_host(bp.reconstruct(None, 1.0))
+    refs = blob_references(avgs, diameter_px, rng)
+    refs = lowpass_map(refs, apix, lowpass_A, ndim=2)
+    return refs * soft_spherical_mask(N, mask_r, MASK_EDGE, 2)[None]
+
+
+def run(p: Params) -> Iterator:
+    t_start = time.time()
+    ps = em.load_particle_set(Path(p.i), p.ctf, seed=p.random_seed, halves=False)
+    N, apix, K = ps.box, ps.pixel_size, p.K
+    if K > len(ps):
+        raise InputError(f"--K {K} is larger than the number of particles ({len(ps)})", path=str(p.i))
+    diameter, mask_r = em.particle_mask(ps, p.particle_diameter, MASK_EDGE)
+    be = backend_for(p)
+    xp = be.xp
+    out = Path(p.o)
+    out.mkdir(parents=True, exist_ok=True)
+    write_note(out, JOB_NAME, p)
+    ini_high = p.ini_high if p.ini_high > 0 else apix / 0.07
+    yield Started(JOB_NAME, out, be.name, f"classifying {len(ps)} particles into {K} 2D classes")
+    refs = initial_classes(ps, K, be, diameter / apix, mask_r, ini_high, p.random_seed + 11, p.pad)
+    sigma2 = em.initial_noise_spectra(ps, be, mask_r, p.zero_mask)
+    scales = np.ones(len(ps.scale_group_names))
+    pdf_class = np.full(K, 1.0 / K)
+    sigma_offset_A = p.offset
+    res_shell = int(round(N * apix / ini_high))
+    perturb = 0.0
+    everyone = np.arange(len(ps))
+    circle = soft_spherical_mask(N, mask_r, MASK_EDGE, 2).astype(np.float64)
+    outputs: dict[str, Path] = {}
+    ssnr_all = [np.zeros(N // 2 + 1)] * K
+    for it in range(1, p.iter + 1):
+        t_it = time.time()
+        current_size = int(min(N, 2 * (res_shell + 10)))
+        frefs = [prepare_reference(be.asarray(v), p.pad, r_max=current_size / 2) for v in refs]
+        tau2 = [reference_tau2(f) for f in frefs]
+        rng = np.random.default_rng(p.random_seed + 7919 * it)
+        perturb = float(((perturb + rng.uniform(0.25, 0.5)) + 0.5) % 1.0 - 0.5)
+        smp = InPlaneSampling(p.psi_step, p.offset_range, p.offset_step, perturb=perturb)
+        coarse = coarse_image_size(N, apix, smp.psi_step_actual, diameter, current_size, kappa=1.5)
+        pix_c, pix_f = pixel_set(N, coarse, xp), pixel_set(N, current_size, xp)
+        yield Message(f"iteration {it}: image size {current_size} (coarse {coarse}), {K} classes x {smp.n_psi} psi "
+                      f"x {smp.translations.shape[0]} translations")
+        old_classes = ps.classes.copy()
+        bps = [BackProjector(N, p.pad, current_size / 2, ndim=2, xp=xp, dtype=np.float64) for _ in range(K)]
+        sums = EStepSums(bps, N // 2 + 1, ps.n_optics_groups, 1, n_scale_groups=len(scales))
+        with np.errstate(divide="ignore"):
+            log_prior = np.log(pdf_class)[:, None]  # (K, 1): the class prior
+        setup = EStepSetup(frefs, smp, pix_c, pix_f, apix, be.asarray(sigma2), log_pdf_direction=be.asarray(log_prior),
+                           sigma_offset_A=sigma_offset_A)
+        batch = _batch_size(p, be, N, K * smp.n_orient, smp.translations.shape[0], pix_c.npix)
+        yield from em.run_estep(ps, everyone, setup, sums, be, mask_radius_px=mask_r, zero_mask=p.zero_mask,
+                                do_norm=False, norm_average=1.0, scales=scales, batch=batch, stage=f"it {it:03d}",
+                                seed=p.random_seed + it)
+        # 2D: the in-plane angle is rot + psi of the Euler triple (tilt 0)
+        ps.angles[:, 2] = (ps.angles[:, 0] + ps.angles[:, 2] + 180.0) % 360.0 - 180.0
+        ps.angles[:, :2] = 0.0
+        # ---- M-step ----
+        new_refs = np.empty((K, N, N))
+        for k, bp in enumerate(bps):
+            bp.enforce_hermitian()
+            ssnr_all[k] = ssnr_map(bp, tau2[k], p.tau2_fudge)
+            new_refs[k] = to_host(bp.reconstruct(tau2[k], p.tau2_fudge)) if sums.pdf_class[k] > 0 else refs[k]
+        sigma2 = update_sigma2(sums.sigma2, sums.sumw_group, N)
+        sigma_offset_A = update_sigma_offset(sums.sigma_offset, sums.sum_weight)
+        pdf_class = sums.pdf_class / max(sums.pdf_class.sum(), 1e-300)
+        if p.flatten_solvent:
+            new_refs = new_refs * circle[None]
+        if p.center_classes:
+            new_refs = shift_images(new_refs, -center_of_mass(new_refs, p.offset_range))
+        refs = new_refs.astype(np.float32).astype(np.float64)
+        res_shells = [min(resolution_shell_from_ssnr(s, gold_standard=False), N // 2) for s in ssnr_all]
+        res_shell = max(res_shells)
+        if p.sort_classes:
+            order = np.argsort(-pdf_class, kind="stable")
+            rank = np.empty(K, dtype=np.int64)
+            rank[order] = np.arange(K)
+            refs, pdf_class = refs[order], pdf_class[order]
+            ssnr_all, res_shells = [ssnr_all[k] for k in order], [res_shells[k] for k in order]
+            ps.classes[:] = rank[ps.classes]
+            old_classes = rank[old_classes] if it > 1 else old_classes
+        changed = float((ps.classes != old_classes).mean()) if it > 1 else 1.0
+        # ---- files and events ----
+        tag = f"_it{it:03d}"
+        res_A = [shell_to_angstrom(max(r, 1), N, apix) for r in res_shells]
+        stack = write_mrc(out / f"run{tag}_classes.mrcs", refs.astype(np.float32), apix, stack=True)
+        _write_model(out / f"run{tag}_model.star", stack, pdf_class, res_A, ssnr_all, sigma2, scales, ps, p,
+                     current_size, sigma_offset_A)
+        em.write_data_star(out / f"run{tag}_data.star", ps)
+        outputs = {"classes": stack, "model": out / f"run{tag}_model.star", "data": out / f"run{tag}_data.star"}
+        n_empty = int((pdf_class < 1e-6).sum())
+        summary = (f"largest classes {', '.join(f'{100 * d:.1f}%' for d in np.sort(pdf_class)[::-1][:5])}; "
+                   f"resolution {min(res_A):.1f} Å; {100 * changed:.1f}% of particles changed class; <Pmax> "
+                   f"{ps.pmax.mean():.3f}; {time.time() - t_it:.1f} s" + (f"; {n_empty} empty" if n_empty else ""))
+        yield MapUpdated("classes", refs.astype(np.float32), apix, stack)
+        yield IterationFinished(it, {"classes": refs.astype(np.float32)}, pdf_class.copy(), float(min(res_A)), None,
+                                summary)
+        yield Message(f"  iteration {it}: {summary}")
+    yield Finished(outputs, f"{p.iter} iterations in {time.time() - t_start:.0f} s; "
+                   f"{int((pdf_class >= 1e-6).sum())} of {K} classes hold particles")
+
+
+def _write_model(path: Path, stack: Path, pdf_class, res_A, ssnr_all, sigma2, scales, ps, p: Params,
+                 current_size: int, sigma_offset_A: float) -> Path:
+    N, apix, K = ps.box, ps.pixel_size, len(pdf_class)
+    general = {"rlnReferenceDimensionality": 2, "rlnDataDimensionality": 2, "rlnOriginalImageSize": N,
+               "rlnCurrentResolution": float(min(res_A)), "rlnCurrentImageSize": current_size,
+               "rlnPaddingFactor": p.pad, "rlnPixelSize": apix, "rlnNrClasses": K, "rlnNrBodies": 1,
+               "rlnNrGroups": len(scales), "rlnTau2FudgeFactor": p.tau2_fudge, "rlnSigmaOffsetsAngst": sigma_offset_A,
+               "rlnLogLikelihood": float(ps.log_likelihood.sum()), "rlnAveragePmax": float(ps.pmax.mean())}
+    classes = pd.DataFrame({"rlnReferenceImage": [f"{k + 1:06d}@{stack.name}" for k in range(K)],
+                            "rlnClassDistribution": pdf_class, "rlnEstimatedResolution": res_A})
+    sh = np.arange(N // 2 + 1)
+    curves = [pd.DataFrame({"rlnSpectralIndex": sh, "rlnResolution": sh / (N * apix), "rlnSsnrMap": s[: sh.size]})
+              for s in ssnr_all]
+    return em.write_model_star(path, general, classes, curves, sigma2, scales, ps.scale_group_names,
+                               [np.array([d]) for d in pdf_class], N, apix)
