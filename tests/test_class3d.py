@@ -53,7 +53,7 @@ def test_class3d_two_classes_separate_two_states(mixture, tmp_path):
     # go on from this run's classes: --ref its model STAR (one map per class, K from the list, no seeding)
     p = class3d.Params(i=mixture / "particles.star", ref=tmp_path / "k2" / "run_it020_model.star",
                        o=tmp_path / "again", K=1, iter=2, ctf=True, skip_align=True, particle_diameter=150.0,
-                       flatten_solvent=True, zero_mask=True, cpu=True)
+                       ini_high=-1.0, flatten_solvent=True, zero_mask=True, cpu=True)
     events = list(class3d.run(p))
     assert not any("seeding" in getattr(e, "text", "") for e in events)
     again = starfile.read(tmp_path / "again" / "run_it002_data.star")["particles"]
