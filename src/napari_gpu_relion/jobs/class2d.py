@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 
 from ..compute.backend import to_host
 from ..compute.backprojector import BackProjector
@@ -156,8 +155,7 @@ def run(p: Params) -> Iterator:
         current_size = int(min(N, 2 * (res_shell + 10)))
         frefs = [prepare_reference(be.asarray(v), p.pad, r_max=current_size / 2) for v in refs]
         tau2 = [reference_tau2(f) for f in frefs]
-        rng = np.random.default_rng(p.random_seed + 7919 * it)
-        perturb = float(((perturb + rng.uniform(0.25, 0.5)) + 0.5) % 1.0 - 0.5)
+        perturb = em.next_perturbation(perturb, p.random_seed, it)
         smp = InPlaneSampling(p.psi_step, p.offset_range, p.offset_step, perturb=perturb)
         coarse = coarse_image_size(N, apix, smp.psi_step_actual, diameter, current_size, kappa=1.5)
         pix_c, pix_f = pixel_set(N, coarse, xp), pixel_set(N, current_size, xp)
@@ -206,8 +204,9 @@ def run(p: Params) -> Iterator:
         tag = f"_it{it:03d}"
         res_A = [shell_to_angstrom(max(r, 1), N, apix) for r in res_shells]
         stack = write_mrc(out / f"run{tag}_classes.mrcs", refs.astype(np.float32), apix, stack=True)
-        _write_model(out / f"run{tag}_model.star", stack, pdf_class, res_A, ssnr_all, sigma2, scales, ps, p,
-                     current_size, sigma_offset_A)
+        em.write_classification_model(out / f"run{tag}_model.star", 2, [f"{k + 1:06d}@{stack.name}" for k in range(K)],
+                                      pdf_class, res_A, ssnr_all, sigma2, scales, [np.array([d]) for d in pdf_class],
+                                      ps, p.pad, p.tau2_fudge, current_size, sigma_offset_A)
         em.write_data_star(out / f"run{tag}_data.star", ps)
         outputs = {"classes": stack, "model": out / f"run{tag}_model.star", "data": out / f"run{tag}_data.star"}
         n_empty = int((pdf_class < 1e-6).sum())
@@ -222,18 +221,3 @@ def run(p: Params) -> Iterator:
                    f"{int((pdf_class >= 1e-6).sum())} of {K} classes hold particles")
 
 
-def _write_model(path: Path, stack: Path, pdf_class, res_A, ssnr_all, sigma2, scales, ps, p: Params,
-                 current_size: int, sigma_offset_A: float) -> Path:
-    N, apix, K = ps.box, ps.pixel_size, len(pdf_class)
-    general = {"rlnReferenceDimensionality": 2, "rlnDataDimensionality": 2, "rlnOriginalImageSize": N,
-               "rlnCurrentResolution": float(min(res_A)), "rlnCurrentImageSize": current_size,
-               "rlnPaddingFactor": p.pad, "rlnPixelSize": apix, "rlnNrClasses": K, "rlnNrBodies": 1,
-               "rlnNrGroups": len(scales), "rlnTau2FudgeFactor": p.tau2_fudge, "rlnSigmaOffsetsAngst": sigma_offset_A,
-               "rlnLogLikelihood": float(ps.log_likelihood.sum()), "rlnAveragePmax": float(ps.pmax.mean())}
-    classes = pd.DataFrame({"rlnReferenceImage": [f"{k + 1:06d}@{stack.name}" for k in range(K)],
-                            "rlnClassDistribution": pdf_class, "rlnEstimatedResolution": res_A})
-    sh = np.arange(N // 2 + 1)
-    curves = [pd.DataFrame({"rlnSpectralIndex": sh, "rlnResolution": sh / (N * apix), "rlnSsnrMap": s[: sh.size]})
-              for s in ssnr_all]
-    return em.write_model_star(path, general, classes, curves, sigma2, scales, ps.scale_group_names,
-                               [np.array([d]) for d in pdf_class], N, apix)

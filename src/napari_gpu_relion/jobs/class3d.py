@@ -139,8 +139,7 @@ def run(p: Params) -> Iterator:
         current_size = int(min(N, 2 * (res_shell + 10)))
         frefs = [prepare_reference(be.asarray(v), p.pad, r_max=current_size / 2) for v in refs]
         tau2 = [reference_tau2(f) for f in frefs]
-        rng = np.random.default_rng(p.random_seed + 7919 * it)
-        perturb = float(((perturb + rng.uniform(0.25, 0.5)) + 0.5) % 1.0 - 0.5)
+        perturb = em.next_perturbation(perturb, p.random_seed, it)
         if p.skip_align:
             smp = GivenOrientations(euler_to_matrix(*input_angles.T))
             pdf_dir = np.ones((K, 1))
@@ -207,8 +206,9 @@ def run(p: Params) -> Iterator:
         res_A = [shell_to_angstrom(max(r, 1), N, apix) for r in res_shells]
         paths = [write_mrc(out / f"run{tag}_class{k + 1:03d}.mrc", refs[k].astype(np.float32), apix)
                  for k in range(K)]
-        _write_model(out / f"run{tag}_model.star", paths, pdf_class, res_A, ssnr_all, sigma2, scales, pdf_dir, ps,
-                     p, current_size, sigma_offset_A)
+        em.write_classification_model(out / f"run{tag}_model.star", 3, [q.name for q in paths], pdf_class, res_A,
+                                      ssnr_all, sigma2, scales, list(pdf_dir), ps, p.pad, p.tau2_fudge, current_size,
+                                      sigma_offset_A)
         em.write_data_star(out / f"run{tag}_data.star", ps)
         outputs = {f"class{k + 1:03d}": paths[k] for k in range(K)}
         outputs.update(model=out / f"run{tag}_model.star", data=out / f"run{tag}_data.star")
@@ -269,18 +269,3 @@ def class_report(refs: list[np.ndarray], pdf_class: np.ndarray, mask: np.ndarray
     return "; ".join(parts)
 
 
-def _write_model(path: Path, paths, pdf_class, res_A, ssnr_all, sigma2, scales, pdf_dir, ps, p: Params,
-                 current_size: int, sigma_offset_A: float) -> Path:
-    N, apix = ps.box, ps.pixel_size
-    general = {"rlnReferenceDimensionality": 3, "rlnDataDimensionality": 2, "rlnOriginalImageSize": N,
-               "rlnCurrentResolution": float(min(res_A)), "rlnCurrentImageSize": current_size,
-               "rlnPaddingFactor": p.pad, "rlnPixelSize": apix, "rlnNrClasses": p.K, "rlnNrBodies": 1,
-               "rlnNrGroups": len(scales), "rlnTau2FudgeFactor": p.tau2_fudge, "rlnSigmaOffsetsAngst": sigma_offset_A,
-               "rlnLogLikelihood": float(ps.log_likelihood.sum()), "rlnAveragePmax": float(ps.pmax.mean())}
-    classes = pd.DataFrame({"rlnReferenceImage": [q.name for q in paths], "rlnClassDistribution": pdf_class,
-                            "rlnEstimatedResolution": res_A})
-    sh = np.arange(N // 2 + 1)
-    curves = [pd.DataFrame({"rlnSpectralIndex": sh, "rlnResolution": sh / (N * apix), "rlnSsnrMap": s[: sh.size]})
-              for s in ssnr_all]
-    return em.write_model_star(path, general, classes, curves, sigma2, scales, ps.scale_group_names,
-                               list(pdf_dir), N, apix)

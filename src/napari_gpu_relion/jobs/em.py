@@ -362,6 +362,34 @@ def write_model_star(path: Path, general: dict, classes: pd.DataFrame, class_cur
     return write_star_blocks(path, blocks)
 
 
+def write_classification_model(path: Path, ref_dim: int, reference_names: list[str], pdf_class: np.ndarray,
+                               res_A: list[float], ssnr_all: list[np.ndarray], sigma2: np.ndarray, scales: np.ndarray,
+                               pdf_orient: list[np.ndarray], ps: ParticleSet, pad: int, tau2_fudge: float,
+                               current_size: int, sigma_offset_A: float) -> Path:
+    """run_itNNN_model.star of a 2D or 3D classification: general block, class table (reference, distribution,
+    resolution), SSNR_MAP per class, noise spectra, group scales, orientation distributions."""
+    N, apix = ps.box, ps.pixel_size
+    general = {"rlnReferenceDimensionality": ref_dim, "rlnDataDimensionality": 2, "rlnOriginalImageSize": N,
+               "rlnCurrentResolution": float(min(res_A)), "rlnCurrentImageSize": current_size,
+               "rlnPaddingFactor": pad, "rlnPixelSize": apix, "rlnNrClasses": len(pdf_class), "rlnNrBodies": 1,
+               "rlnNrGroups": len(scales), "rlnTau2FudgeFactor": tau2_fudge, "rlnSigmaOffsetsAngst": sigma_offset_A,
+               "rlnLogLikelihood": float(ps.log_likelihood.sum()), "rlnAveragePmax": float(ps.pmax.mean())}
+    classes = pd.DataFrame({"rlnReferenceImage": list(reference_names), "rlnClassDistribution": pdf_class,
+                            "rlnEstimatedResolution": res_A})
+    sh = np.arange(N // 2 + 1)
+    curves = [pd.DataFrame({"rlnSpectralIndex": sh, "rlnResolution": sh / (N * apix), "rlnSsnrMap": s[: sh.size]})
+              for s in ssnr_all]
+    return write_model_star(path, general, classes, curves, sigma2, scales, ps.scale_group_names, pdf_orient, N,
+                            apix)
+
+
+def next_perturbation(previous: float, seed: int, iteration: int) -> float:
+    """RELION's random perturbation of the sampling for this iteration, in [-0.5, 0.5): one generator per
+    iteration (seed + 7919 x iteration), so a continued run draws what the uninterrupted run drew."""
+    rng = np.random.default_rng(seed + 7919 * iteration)
+    return float(((previous + rng.uniform(0.25, 0.5)) + 0.5) % 1.0 - 0.5)
+
+
 def read_model_sigma2(path: Path) -> np.ndarray:
     blocks = read_star(path)
     names = sorted((k for k in blocks if k.startswith("model_optics_group_")), key=lambda s: int(s.rsplit("_", 1)[1]))

@@ -248,9 +248,7 @@ def run(p: Params) -> Iterator:
             msg = _update_sampling(state, prm, apix)
             if msg:
                 yield Message(msg)
-        # one generator per iteration, so that --continue draws what the uninterrupted run drew
-        rng = np.random.default_rng(prm.random_seed + 7919 * it)
-        state.perturb = float(((state.perturb + rng.uniform(0.25, 0.5)) + 0.5) % 1.0 - 0.5)
+        state.perturb = em.next_perturbation(state.perturb, prm.random_seed, it)
         smp = Sampling(state.order, prm.sym, None, state.offset_range, state.offset_step, perturb=state.perturb)
         if n_dirs_pdf != smp.n_dirs:  # new HEALPix order: uniform direction priors
             n_dirs_pdf = smp.n_dirs
