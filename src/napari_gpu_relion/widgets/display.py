@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from .._reader import map_kwargs, points_kwargs
-from ..jobs.events import FscUpdated, MapUpdated, MicrographPicked
+from ..jobs.events import ClassAveragesUpdated, FscUpdated, MapUpdated, MicrographPicked
 
 if TYPE_CHECKING:
     import napari
@@ -155,7 +155,7 @@ class LiveDisplay:
         """
         if self.viewer is None:
             return
-        if isinstance(event, MapUpdated):
+        if isinstance(event, (MapUpdated, ClassAveragesUpdated)):
             self._pending_maps[event.name] = event
         elif isinstance(event, FscUpdated):
             self._pending_fsc = event
@@ -192,7 +192,8 @@ class LiveDisplay:
             self._turn = (self._turn + 1) % 3
             if kind == 0 and self._pending_maps:
                 name = next(iter(self._pending_maps))
-                self.show_map(self._pending_maps.pop(name))
+                ev = self._pending_maps.pop(name)
+                self.show_classes(ev) if isinstance(ev, ClassAveragesUpdated) else self.show_map(ev)
                 return
             if kind == 1 and self._pending_fsc is not None:
                 fsc, self._pending_fsc = self._pending_fsc, None
@@ -255,6 +256,43 @@ class LiveDisplay:
             layer.contrast_limits = (lo, hi)
             layer.iso_threshold = kwargs["iso_threshold"]
             layer.metadata.update(kwargs["metadata"])
+        self.map_updates[event.name] = self.map_updates.get(event.name, 0) + 1
+        return layer
+
+    def show_classes(self, event: ClassAveragesUpdated) -> Any:
+        """One 2D image: the class averages in a grid, largest class first (each scaled to its own mean and
+        std), with a Points layer "<name> labels" that writes "class: distribution, resolution" on each tile."""
+        viewer = self.viewer
+        imgs = np.asarray(event.images, dtype=np.float32)
+        K, N = imgs.shape[0], imgs.shape[-1]
+        order = np.argsort(-np.asarray(event.distribution), kind="stable")
+        ncol = int(np.ceil(np.sqrt(K)))
+        nrow = int(np.ceil(K / ncol))
+        grid = np.zeros((nrow * N, ncol * N), np.float32)
+        pos = np.zeros((K, 2))
+        for i, k in enumerate(order):  # K tiles (a display copy, not a hot path)
+            r, c = divmod(i, ncol)
+            im = imgs[k]
+            grid[r * N:(r + 1) * N, c * N:(c + 1) * N] = (im - im.mean()) / (im.std() or 1.0)
+            pos[i] = (r * N + 1, c * N + 1)
+        scale = (float(event.pixel_size or 1.0),) * 2
+        layer = _find_layer(viewer, event.name, "Image")
+        if layer is not None and layer.data.shape != grid.shape:
+            viewer.layers.remove(layer)
+            layer = None
+        if layer is None:
+            layer = viewer.add_image(grid, name=event.name, scale=scale, colormap="gray",
+                                     metadata={"kind": "classes", "path": event.path})
+        else:
+            layer.data = grid
+        layer.metadata["order"] = order  # tile i shows class order[i] (0-based)
+        text = [f"{k + 1}: {100 * event.distribution[k]:.1f}% {event.resolution_A[k]:.0f} Å" for k in order]
+        lname = f"{event.name} labels"
+        labels = _find_layer(viewer, lname, "Points")
+        if labels is not None:
+            viewer.layers.remove(labels)
+        viewer.add_points(pos, name=lname, scale=scale, size=0, features={"label": text},
+                          text={"string": "{label}", "anchor": "upper_left", "size": 8, "color": "yellow"})
         self.map_updates[event.name] = self.map_updates.get(event.name, 0) + 1
         return layer
 

@@ -47,6 +47,7 @@ from qtpy.QtCore import Qt
 
 from ..errors import InputError
 from ..jobs.events import (
+    ClassAveragesUpdated,
     Finished,
     FscUpdated,
     IterationFinished,
@@ -424,6 +425,7 @@ class JobWidget(Container):
             Message: self._on_message,
             Finished: self._on_finished,
             MapUpdated: self.display.handle,
+            ClassAveragesUpdated: self.display.handle,
             FscUpdated: self.display.handle,
             MicrographPicked: self.display.handle,
             IterationFinished: self._on_iteration,
