@@ -10,7 +10,7 @@ map at SNR 0.05 with CTF:
   * the measured SGEMM rate (cuBLAS, 8192^3, float32, no TF32).
 Particle-iterations per second = batch / time. Fractions are achieved GEMM FLOP/s over the measured rate.
 
-Run: python benchmarks/bench_estep.py [--out benchmarks/results/estep_<gpu>.json] [--cpu]
+Run: python benchmarks/bench_estep.py [--cases_2d 128:100:256] [--out benchmarks/results/estep_<gpu>.json] [--cpu]
 """
 
 from __future__ import annotations
@@ -46,10 +46,13 @@ def sgemm_rate(be, n=8192):
     return 2.0 * n**3 / t
 
 
-def simulated_batch(be, ref, pix_full, N, apix, I, rng):
-    """Noisy CTF-affected projections (SNR 0.05 in Fourier power) as half-grid FTs, plus their CTFs."""
+def simulated_batch(be, ref, pix_full, N, apix, I, rng, in_plane=False):
+    """Noisy CTF-affected projections (SNR 0.05 in Fourier power) as half-grid FTs, plus their CTFs
+    (``in_plane``: a 2D reference rotated by random psi only)."""
     xp = be.xp
     ang = rng.uniform([-180, 0, -180], [180, 180, 180], (I, 3))
+    if in_plane:
+        ang[:, :2] = 0.0
     A = xp.asarray(euler_to_matrix(*ang.T))
     P = project_pixels(ref, A, pix_full.kx, pix_full.ky)  # (I, K)
     du = rng.uniform(8000, 25000, I)
@@ -130,19 +133,64 @@ def run_case(be, N, order, I, reps, n_classes=1):
     }
 
 
+def run_case_2d(be, N, n_classes, I, reps, psi_step=12.0):
+    """2D classification E-step: K random 2D classes, rows = class x psi (coarse psi step 12° = RELION's GUI
+    6° fine), 21 translations (range 5, step 2), particles from class 1 at random psi."""
+    from napari_gpu_relion.compute.estep import InPlaneSampling  # noqa: PLC0415
+    from napari_gpu_relion.compute.masks import soft_spherical_mask  # noqa: PLC0415
+
+    xp = be.xp
+    rng = np.random.default_rng(N + n_classes)
+    m = soft_spherical_mask(N, 0.35 * N, 3, 2)
+    refs = [prepare_reference(xp.asarray(rng.standard_normal((N, N)).astype(np.float32) * m), 2, N / 2)
+            for _ in range(n_classes)]
+    smp = InPlaneSampling(psi_step, 5.0, 2.0)
+    T = smp.translations.shape[0]
+    pix = pixel_set(N, N, xp)
+    K, R = pix.npix, smp.n_orient * n_classes
+    F, ctf, noise_var = simulated_batch(be, refs[0], pix, N, 1.0, I, rng, in_plane=True)
+    sigma2 = xp.full((1, N // 2 + 1), noise_var / 2.0)
+    with np.errstate(divide="ignore"):
+        lp = xp.asarray(np.full((n_classes, 1), -np.log(n_classes)))
+    setup = EStepSetup(refs, smp, pix, pix, 1.0, sigma2, log_pdf_direction=lp, sigma_offset_A=10.0)
+    setup.coarse_slices()
+    prep = PreparedBatch(F, F, np.zeros((I, 2)))
+    groups, scale = np.zeros(I, dtype=np.int64), np.ones(I)
+    stats = {}
+
+    def estep():
+        sums = EStepSums([BackProjector(N, 2, ndim=2, xp=xp) for _ in refs], N // 2 + 1, 1, 1)
+        res = expectation_batch(setup, prep, ctf, groups, scale, sums)
+        stats["pmax"] = float(np.median(res.pmax))
+        return res
+
+    t_estep = timed(be, estep, reps)
+    gemm_flops = 2.0 * I * T * (2 * K) * R + 2.0 * I * K * R
+    return {"kind": "class2d", "box": N, "classes": n_classes, "psi": smp.n_psi, "rows": R, "translations": T,
+            "pixels": K, "batch": I, "coarse_gemm_flops": gemm_flops, "estep_s": t_estep,
+            "estep_particle_iterations_per_s": I / t_estep, "median_pmax": stats["pmax"]}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--cases", default="128:2:256,128:3:64,256:2:64,256:3:16,128:2:64:4",
                     help="box:healpix_order:batch[:classes], comma-separated")
+    ap.add_argument("--cases_2d", default="", help="2D classification cases box:classes:batch, e.g. 128:100:256")
     args = ap.parse_args()
     be = select_backend(cpu=args.cpu)
     res = {"hardware": be.name, "host": platform.node(), "date": time.strftime("%Y-%m-%d"), "results": []}
     rate = sgemm_rate(be, 8192 if be.is_gpu else 2048)
     res["sgemm_tflops"] = rate / 1e12
     print(f"{be.name}: measured SGEMM {rate / 1e12:.1f} TFLOP/s", flush=True)
-    for case in args.cases.split(","):
+    for case in filter(None, args.cases_2d.split(",")):
+        N, K, I = (int(x) for x in case.split(":"))
+        r = run_case_2d(be, N, K, I, reps=3 if be.is_gpu else 1)
+        r["estep_coarse_gemm_fraction"] = r["coarse_gemm_flops"] / r["estep_s"] / rate
+        res["results"].append(r)
+        print(json.dumps(r), flush=True)
+    for case in filter(None, args.cases.split(",")):
         v = [int(x) for x in case.split(":")]
         r = run_case(be, v[0], v[1], v[2], reps=3 if be.is_gpu else 1, n_classes=v[3] if len(v) > 3 else 1)
         r["score_gemm_fraction"] = r["score_gemm_tflops"] * 1e12 / rate

@@ -562,3 +562,30 @@ def test_relion30_mixed_optics_and_pixel_origins(tmp_path):
     assert table.particles["rlnOriginYAngst"].tolist() == [-k * apix for k in range(7)]
     assert table.box_size == 320
     assert table.row_lines.tolist() == [n + 2 for n in numbers]
+
+
+def test_image_names_stay_relative_where_they_resolve_and_become_absolute_elsewhere(tmp_path):
+    """A job writing a particles STAR into another folder keeps RELION's project-relative image names when the
+    stacks are found from there, and writes absolute stack paths otherwise (so chained jobs find the images)."""
+    import pandas as pd
+
+    from napari_gpu_relion.io.mrc import write_mrc
+    from napari_gpu_relion.io.star import image_names_for, load_images, read_particles, write_particles
+
+    proj = tmp_path / "project"
+    (proj / "Particles").mkdir(parents=True)
+    imgs = np.arange(2 * 4 * 4, dtype=np.float32).reshape(2, 4, 4)
+    write_mrc(proj / "Particles" / "s.mrcs", imgs, 1.0)
+    optics = pd.DataFrame({"rlnOpticsGroupName": ["g"], "rlnOpticsGroup": [1], "rlnImagePixelSize": [1.0],
+                           "rlnImageSize": [4], "rlnImageDimensionality": [2]})
+    parts = pd.DataFrame({"rlnImageName": ["000001@Particles/s.mrcs", "000002@Particles/s.mrcs"],
+                          "rlnOpticsGroup": [1, 1]})
+    write_particles(proj / "particles.star", parts, optics)
+    t = read_particles(proj / "particles.star")
+    inside = image_names_for(t, proj / "Class2D" / "job001" / "run_data.star")
+    assert list(inside) == ["000001@Particles/s.mrcs", "000002@Particles/s.mrcs"]
+    elsewhere = tmp_path / "other" / "deep" / "dir" / "er" / "run_data.star"
+    names = image_names_for(t, elsewhere)
+    assert list(names) == [f"00000{i}@{(proj / 'Particles' / 's.mrcs').resolve()}" for i in (1, 2)]
+    write_particles(elsewhere, parts.assign(rlnImageName=names.to_numpy()), optics)
+    np.testing.assert_array_equal(load_images(read_particles(elsewhere)), imgs)

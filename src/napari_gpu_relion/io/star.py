@@ -826,6 +826,25 @@ def image_locations(table: ParticleTable, project_dir: str | os.PathLike | None 
     return _locations(table.particles, table, project_dir)
 
 
+def image_names_for(table: ParticleTable, out_path: str | os.PathLike) -> pd.Series:
+    """rlnImageName of ``table``'s rows for a STAR file written at ``out_path``: unchanged when the stacks are
+    found from there by the same rule as on reading (RELION's project-relative names), otherwise with absolute
+    stack paths, so that a job's output STAR in another folder still finds its images."""
+    names = table.particles["rlnImageName"].astype(str)
+    try:
+        paths, idx = image_locations(table)
+    except InputError:  # the stacks are not here at all: nothing better to write than the names as they are
+        return names
+    if not paths:
+        return names
+    stacks = names.str.partition("@")[2]
+    base, _ = _resolve_project_dir(Path(out_path), stacks.iloc[0], None)
+    first = dict(zip(stacks, paths, strict=True))  # stack text -> where it was found
+    if base is not None and all((base / s).resolve() == q.resolve() for s, q in first.items()):
+        return names
+    return pd.Series([f"{i + 1:06d}@{q.resolve()}" for i, q in zip(idx, paths, strict=True)], index=names.index)
+
+
 def load_images(table: ParticleTable, rows: Iterable[int] | None = None,
                 project_dir: str | os.PathLike | None = None) -> np.ndarray:
     """Particle images as float32 (n, N, N), in row order; ``rows`` are 0-based positions (default: all).

@@ -21,7 +21,15 @@ from ..compute.geometry import euler_to_matrix, matrix_to_euler
 from ..compute.projector import FourierReference, project_pixels
 from ..compute.sampling import local_search
 from ..errors import InputError
-from ..io.star import ParticleTable, load_images, read_particles, read_star, write_particles, write_star_blocks
+from ..io.star import (
+    ParticleTable,
+    image_names_for,
+    load_images,
+    read_particles,
+    read_star,
+    write_particles,
+    write_star_blocks,
+)
 from .common import batched_with_oom_retry
 from .events import Message, Progress
 
@@ -341,7 +349,9 @@ def data_table(ps: ParticleSet) -> pd.DataFrame:
 
 
 def write_data_star(path: Path, ps: ParticleSet) -> Path:
-    return write_particles(path, data_table(ps), ps.table.optics)
+    df = data_table(ps)
+    df["rlnImageName"] = image_names_for(ps.table, path).to_numpy()
+    return write_particles(path, df, ps.table.optics)
 
 
 def write_model_star(path: Path, general: dict, classes: pd.DataFrame, class_curves: list[pd.DataFrame],

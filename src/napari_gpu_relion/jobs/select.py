@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..io.atomic import ensure_not_input
-from ..io.star import ParticleTable, read_particles, read_star, write_particles
+from ..io.star import ParticleTable, image_names_for, read_particles, read_star, write_particles
 from .common import param, require_file, write_note
 from .events import Finished, Started
 
@@ -107,6 +107,8 @@ def run(p: Params) -> Iterator:
     out.parent.mkdir(parents=True, exist_ok=True)
     write_note(out.parent, JOB_NAME, p)
     sel = select_particles(table, chosen)
+    if len(sel):
+        sel.particles["rlnImageName"] = image_names_for(sel, out).to_numpy()
     write_particles(out, sel)
     yield Finished({"particles": out}, f"kept {len(sel)} of {len(table)} particles (classes "
                    f"{', '.join(map(str, chosen)) or 'none'})")
