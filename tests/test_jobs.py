@@ -172,7 +172,7 @@ def test_demo_command_runs_end_to_end(dataset, tmp_path):
                         "--data", str(dataset), "--particle_diameter", "90", "--cpu"], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr
-    assert "picking: recall" in r.stdout
+    assert "picking: recall" in r.stdout and "2D classes -> kept" in r.stdout
     assert "half-map FSC 0.143" in r.stdout
     assert "refined from 60 Å" in r.stdout and "median angular error" in r.stdout
     assert (Path(tmp_path) / "demo" / "PostProcess" / "postprocess.star").is_file()

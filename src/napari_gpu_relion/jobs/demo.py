@@ -2,8 +2,9 @@
 
 Now: pick the sample micrographs (LoG) and extract the picks, scoring the picks against the true positions;
 reconstruct the two random halves of the sample particles from their true angles (CTF-corrected), make
-a mask from the joined map, post-process the half maps, and compare with the ground-truth map; then refine the
-particles with 3D auto-refine from the sample reference low-passed to 60 Å and report the gold-standard
+a mask from the joined map, post-process the half maps, and compare with the ground-truth map; classify the
+particles in 2D and select the classes holding at least 5 % of them; then refine the selected particles with
+3D auto-refine from the sample reference low-passed to 60 Å and report the gold-standard
 resolution and the median angular error against the true angles.
 """
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from ..compute.fsc import fsc, fsc_to_full, resolution_A, resolution_shell
 from ..io.mrc import read_mrc, write_mrc
-from . import autopick, extract, mask_create, postprocess, reconstruct, refine3d
+from . import autopick, class2d, extract, mask_create, postprocess, reconstruct, refine3d, select
 from .common import param
 from .events import Finished, Message, Started
 from .simulate import make_sample_data, sample_data_dir
@@ -83,11 +84,21 @@ def run(p: Params) -> Iterator:
                f"(predicted from the half maps by FSC' = sqrt(2FSC/(1+FSC)): {r_pred:.1f} Å, shells "
                f"{resolution_shell(f_truth, 0.5)} vs {resolution_shell(fsc_to_full(f_half), 0.5)})")
     yield Message(summary)
-    yield Message("3D auto-refine from the reference low-passed to 60 Å (--ctf --flatten_solvent, HEALPix order 1 "
-                  "to start, local searches from order 3)")
+    yield Message("2D classification (K=4, 10 iterations, --ctf --flatten_solvent --zero_mask --center_classes), "
+                  "then select the classes holding >= 5 % of the particles")
+    yield from _forward(class2d.run(class2d.Params(
+        i=data / "particles.star", o=out / "Class2D", K=4, iter=10, ctf=True,
+        particle_diameter=p.particle_diameter + 10, flatten_solvent=True, zero_mask=True, center_classes=True,
+        cpu=p.cpu, gpu=p.gpu)), done)
+    selected = out / "Select" / "particles.star"
+    yield from _forward(select.run(select.Params(i=out / "Class2D" / "run_it010_data.star", o=selected,
+                                                 min_class_distribution=0.05)), done)
+    summary += f"; 2D classes -> {done[-1].summary}"
+    yield Message("3D auto-refine of the selected particles from the reference low-passed to 60 Å (--ctf "
+                  "--flatten_solvent, HEALPix order 1 to start, local searches from order 3)")
     rdir = out / "Refine3D"
     yield from _forward(refine3d.run(refine3d.Params(
-        i=data / "particles.star", ref=data / "reference.mrc", o=rdir, ini_high=60.0, ctf=True, flatten_solvent=True,
+        i=selected, ref=data / "reference.mrc", o=rdir, ini_high=60.0, ctf=True, flatten_solvent=True,
         healpix_order=1, auto_local_healpix_order=3, cpu=p.cpu, gpu=p.gpu)), done)
     r1 = read_mrc(rdir / "run_half1_class001_unfil.mrc")
     r_ref = resolution_A(fsc(np.asarray(r1.data, np.float64),
@@ -135,12 +146,15 @@ def _pick_and_extract(p: Params, data: Path, out: Path, done: list) -> Iterator:
 
 
 def _angular_errors(refined_star: Path, truth_star: Path) -> np.ndarray:
-    """Angle (degrees) between refined and true orientations, particle by particle (same order)."""
+    """Angle (degrees) between refined and true orientations of the refined particles, matched to the truth
+    by their image number in the (one) stack."""
     from ..compute.geometry import angular_distance_deg, euler_to_matrix  # noqa: PLC0415
     from ..io.star import read_particles  # noqa: PLC0415
 
     cols = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")
-    a, b = read_particles(refined_star), read_particles(truth_star)
-    ma = euler_to_matrix(*(a.particles[c].to_numpy() for c in cols))
-    mb = euler_to_matrix(*(b.particles[c].to_numpy() for c in cols))
+    a, b = read_particles(refined_star).particles, read_particles(truth_star).particles
+    number = b["rlnImageName"].astype(str).str.split("@").str[0].astype(int)
+    b = b.set_index(number.to_numpy()).loc[a["rlnImageName"].astype(str).str.split("@").str[0].astype(int)]
+    ma = euler_to_matrix(*(a[c].to_numpy() for c in cols))
+    mb = euler_to_matrix(*(b[c].to_numpy() for c in cols))
     return angular_distance_deg(ma, mb)
