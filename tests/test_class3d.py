@@ -12,6 +12,7 @@ from napari_gpu_relion.compute.estep import prepare_batch
 from napari_gpu_relion.compute.fourier import irfft_centered, phase_shift_2d, rfft_centered
 from napari_gpu_relion.compute.ground_truth import class_assignment_report
 from napari_gpu_relion.errors import InputError
+from napari_gpu_relion.io.mrc import read_mrc
 from napari_gpu_relion.jobs import class3d
 from napari_gpu_relion.jobs.events import Finished
 from napari_gpu_relion.jobs.simulate import make_sample_data
@@ -122,3 +123,22 @@ def pd_concat_optics(optics):
     g2["rlnOpticsGroupName"] = "opticsGroup2"
     g2["rlnImageSize"] = 48
     return pd.concat([optics, g2], ignore_index=True)
+
+
+def test_class3d_continue_repeats_the_uninterrupted_run(mixture, tmp_path):
+    """--continue run_it002_optimiser.star (to --iter 4) gives the classes and maps of 4 uninterrupted iterations."""
+    kw = dict(i=mixture / "particles.star", ref=mixture / "truth.mrc", K=2, ctf=True, skip_align=True,
+              particle_diameter=150.0, flatten_solvent=True, zero_mask=True, cpu=True)
+    list(class3d.run(class3d.Params(o=tmp_path / "full", iter=4, **kw)))
+    list(class3d.run(class3d.Params(o=tmp_path / "part", iter=2, **kw)))
+    events = list(class3d.run(class3d.Params(continue_from=tmp_path / "part" / "run_it002_optimiser.star", iter=4,
+                                             cpu=True)))
+    assert "continuing after iteration 2" in events[0].message
+    assert not (tmp_path / "part" / "run_it005_data.star").exists()
+    a = starfile.read(tmp_path / "full" / "run_it004_data.star")["particles"]["rlnClassNumber"].to_numpy()
+    b = starfile.read(tmp_path / "part" / "run_it004_data.star")["particles"]["rlnClassNumber"].to_numpy()
+    np.testing.assert_array_equal(a, b)
+    for k in (1, 2):
+        ma = read_mrc(tmp_path / "full" / f"run_it004_class00{k}.mrc").data
+        mb = read_mrc(tmp_path / "part" / f"run_it004_class00{k}.mrc").data
+        np.testing.assert_allclose(mb, ma, atol=1e-5 * np.abs(ma).max())

@@ -11,7 +11,9 @@ run_itNNN_data.star (rlnClassNumber).
 --skip_align keeps the input angles and offsets: each particle is compared with every class at its own
 orientation and exact offset (GivenOrientations in the shared E-step).
 
-Not yet: --continue, --firstiter_cc.
+--continue run_itNNN_optimiser.star goes on from that iteration (to --iter) and repeats the uninterrupted run.
+
+Not yet: --firstiter_cc.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from ..compute.projector import prepare_reference
 from ..errors import InputError
 from ..io.atomic import ensure_not_input
 from ..io.mrc import write_mrc
+from ..io.star import read_star
 from . import em
 from .common import backend_for, param, require_file, write_note
 from .events import Finished, IterationFinished, MapUpdated, Message, Started
@@ -77,11 +80,15 @@ class Params:
     offset: float = param(10.0, "--offset", "Initial sigma of the offset prior (Å)")
     trust_ref_size: bool = param(False, "--trust_ref_size", "Rescale a reference of another box/pixel size")
     random_seed: int = param(0, "--random_seed", "Random seed (class seeding, perturbation, noise)")
+    continue_from: Path | None = param(None, "--continue", "Continue from a run_itNNN_optimiser.star (to --iter)")
     batch: int = param(0, "--batch", "Particles per batch; 0 = from free memory")
     cpu: bool = param(False, "--cpu", "Run on the CPU (NumPy) even if a GPU is present")
     gpu: int | None = param(None, "--gpu", "GPU index to use")
 
     def __post_init__(self):
+        if self.continue_from is not None:
+            require_file(self.continue_from, "--continue optimiser STAR", (".star",))
+            return
         require_file(self.i, "--i particles STAR", (".star",))
         require_file(self.ref, "--ref reference map", (".mrc", ".map", ".star"))
         if self.o is None:
@@ -97,8 +104,22 @@ class Params:
             raise InputError(f"--tau2_fudge must be > 0, got {self.tau2_fudge}")
 
 
+SAVED = ("K", "iter", "tau2_fudge", "healpix_order", "offset_range", "offset_step", "sym", "ini_high",
+         "particle_diameter", "sigma_ang", "skip_align", "ctf", "flatten_solvent", "zero_mask", "pad", "offset",
+         "random_seed")
+
+
 def run(p: Params) -> Iterator:
     t_start = time.time()
+    opt = None
+    if p.continue_from is not None:  # the options, particles, classes and state of that iteration
+        opt = em.read_optimiser_star(p.continue_from)
+        base = Path(p.continue_from).parent
+        given = {"i": base / str(opt["rlnExperimentalDataStarFile"]), "ref": base / str(opt["rlnModelStarFile"]),
+                 "o": base, "continue_from": p.continue_from, "cpu": p.cpu, "gpu": p.gpu, "batch": p.batch}
+        if p.iter != Params.__dataclass_fields__["iter"].default:
+            given["iter"] = p.iter
+        p = em.params_from_optimiser(Params, opt, **given)
     ps = em.load_particle_set(Path(p.i), p.ctf, seed=p.random_seed, halves=False)
     N, apix = ps.box, ps.pixel_size
     ref_paths = reference_paths(Path(p.ref))
@@ -114,27 +135,40 @@ def run(p: Params) -> Iterator:
     write_note(out, JOB_NAME, p)
     sym = symmetry_group(p.sym)
     refs = [_load_reference(p, N, apix, q) for q in ref_paths]
-    if p.ini_high > 0:
+    if p.ini_high > 0 and opt is None:
         refs = [lowpass_map(v, apix, p.ini_high) for v in refs]
     seeding = len(refs) == 1 and K > 1
     refs = refs * K if len(refs) == 1 else refs
-    sigma2 = em.initial_noise_spectra(ps, be, mask_r, p.zero_mask)
+    sigma2 = em.initial_noise_spectra(ps, be, mask_r, p.zero_mask) if opt is None else None
     scales = np.ones(len(ps.scale_group_names))
     pdf_class = np.full(K, 1.0 / K)
     sigma_offset_A = p.offset
     res_shell = int(round(N * apix / p.ini_high)) if p.ini_high > 0 else N // 2 - 10
     perturb = 0.0
+    first_it = 1
+    pdf_dir = None
+    if opt is not None:
+        first_it = int(opt["rlnCurrentIteration"]) + 1
+        res_shell, perturb = int(opt["rlnGpuRelion_res_shell"]), float(opt["rlnGpuRelion_perturb"])
+        sigma_offset_A = float(opt["rlnGpuRelion_sigma_offset"])
+        sigma2 = em.read_model_sigma2(Path(p.ref))
+        saved_scales, saved_pdf = em.read_model_state(Path(p.ref))
+        scales = saved_scales if saved_scales is not None else scales
+        pdf_class = np.asarray(read_star(Path(p.ref))["model_classes"]["rlnClassDistribution"], float)
+        pdf_dir = np.stack(saved_pdf) if saved_pdf and not p.skip_align else None
+        if "rlnClassNumber" in ps.table.particles:
+            ps.classes[:] = ps.table.particles["rlnClassNumber"].to_numpy(int) - 1
     everyone = np.arange(len(ps))
     # RELION's seeding: in iteration 1 each particle searches one random class
     seed_class = np.random.default_rng(p.random_seed + 1).integers(0, K, len(ps))
     seed_prior = np.where(np.arange(K)[None, :] == seed_class[:, None], 0.0, -np.inf)
     local = em.LocalSearchSpec(p.sigma_ang, p.sym) if p.sigma_ang > 0 and not p.skip_align else None
     input_angles, input_offsets = ps.angles.copy(), ps.offsets_px.copy()
-    yield Started(JOB_NAME, out, be.name, f"classifying {len(ps)} particles into {K} classes")
-    pdf_dir = None
+    yield Started(JOB_NAME, out, be.name, f"classifying {len(ps)} particles into {K} classes"
+                  + (f", continuing after iteration {first_it - 1}" if opt is not None else ""))
     outputs: dict[str, Path] = {}
     ssnr_all = [np.zeros(N // 2 + 1)] * K
-    for it in range(1, p.iter + 1):
+    for it in range(first_it, p.iter + 1):
         t_it = time.time()
         current_size = int(min(N, 2 * (res_shell + 10)))
         frefs = [prepare_reference(be.asarray(v), p.pad, r_max=current_size / 2) for v in refs]
@@ -210,6 +244,10 @@ def run(p: Params) -> Iterator:
                                       ssnr_all, sigma2, scales, list(pdf_dir), ps, p.pad, p.tau2_fudge, current_size,
                                       sigma_offset_A)
         em.write_data_star(out / f"run{tag}_data.star", ps)
+        state = {"rlnCurrentIteration": it, "rlnExperimentalDataStarFile": f"run{tag}_data.star",
+                 "rlnModelStarFile": f"run{tag}_model.star", "rlnGpuRelion_res_shell": res_shell,
+                 "rlnGpuRelion_perturb": perturb, "rlnGpuRelion_sigma_offset": sigma_offset_A}
+        em.write_optimiser_star(out / f"run{tag}_optimiser.star", state | em.params_to_optimiser(p, SAVED))
         outputs = {f"class{k + 1:03d}": paths[k] for k in range(K)}
         outputs.update(model=out / f"run{tag}_model.star", data=out / f"run{tag}_data.star")
         empty = [k + 1 for k in range(K) if pdf_class[k] < 1e-6]
@@ -233,8 +271,6 @@ def reference_paths(ref: Path) -> list[Path]:
     the working folder or, failing that, to the STAR file's folder)."""
     if ref.suffix != ".star":
         return [ref]
-    from ..io.star import read_star  # noqa: PLC0415
-
     table = next((b for b in read_star(ref).values() if isinstance(b, pd.DataFrame)
                   and "rlnReferenceImage" in b.columns), None)
     if table is None or not len(table):

@@ -432,6 +432,36 @@ def read_optimiser_star(path: Path) -> dict:
     return dict(blk) if not isinstance(blk, pd.DataFrame) else blk.iloc[0].to_dict()
 
 
+def params_to_optimiser(params, names) -> dict:
+    """The job options ``names`` as rlnGpuRelionParam_<name> entries of an optimiser STAR (for --continue)."""
+    out = {}
+    for k in names:
+        v = getattr(params, k)
+        out[f"rlnGpuRelionParam_{k}"] = int(v) if isinstance(v, bool) else v
+    return out
+
+
+def params_from_optimiser(params_cls, opt: dict, **given):
+    """A job's Params from the rlnGpuRelionParam_<name> entries of an optimiser STAR (types from the field
+    defaults), with ``given`` on top (e.g. --continue, --cpu, --gpu, the output folder)."""
+    kw = {}
+    for f, fld in params_cls.__dataclass_fields__.items():
+        key = f"rlnGpuRelionParam_{f}"
+        if key not in opt or f in given:
+            continue
+        v, default = opt[key], fld.default
+        if isinstance(default, bool):
+            v = bool(int(v))
+        elif isinstance(default, int):
+            v = int(v)
+        elif isinstance(default, float):
+            v = float(v)
+        else:
+            v = str(v)
+        kw[f] = v
+    return params_cls(**kw, **given)
+
+
 @dataclass
 class ChangeMonitor:
     """RELION's hidden-variable change monitor: an iteration has no large changes when neither the mean

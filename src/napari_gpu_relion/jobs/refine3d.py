@@ -454,32 +454,14 @@ def _write_iteration(out: Path, tag: str, it: int, refs, fsc, ssnr, ps, sigma2, 
            "rlnNumberOfIterWithoutChangingAssignments": state.nr_iter_wo_large_changes,
            "rlnGpuRelion_half1": names[0], "rlnGpuRelion_half2": names[-1],
            "rlnGpuRelion_model1": models[0], "rlnGpuRelion_model2": models[-1]}
-    for k in ("ini_high", "particle_diameter", "auto_local_healpix_order", "sym", "ctf", "firstiter_cc",
-              "flatten_solvent", "zero_mask", "norm", "scale", "pad", "tau2_fudge", "low_resol_join_halves",
-              "auto_iter_max", "random_seed"):
-        v = getattr(p, k)
-        opt[f"rlnGpuRelionParam_{k}"] = int(v) if isinstance(v, bool) else v
+    opt.update(em.params_to_optimiser(p, ("ini_high", "particle_diameter", "auto_local_healpix_order", "sym", "ctf",
+                                          "firstiter_cc", "flatten_solvent", "zero_mask", "norm", "scale", "pad",
+                                          "tau2_fudge", "low_resol_join_halves", "auto_iter_max", "random_seed")))
     opt.update(state.to_star())
     em.write_optimiser_star(out / f"run{tag}_optimiser.star", opt)
     return paths
 
 
 def _params_from_optimiser(opt: dict, p: Params) -> Params:
-    kw = {}
-    for f in Params.__dataclass_fields__:
-        key = f"rlnGpuRelionParam_{f}"
-        if key in opt:
-            v = opt[key]
-            default = Params.__dataclass_fields__[f].default
-            if isinstance(default, bool):
-                v = bool(int(v))
-            elif isinstance(default, int):
-                v = int(v)
-            elif isinstance(default, float):
-                v = float(v)
-            else:
-                v = str(v)
-            kw[f] = v
-    base = Path(p.continue_from).parent
-    return Params(i=None, ref=None, o=base, continue_from=p.continue_from, cpu=p.cpu, gpu=p.gpu, batch=p.batch,
-                  **kw)
+    return em.params_from_optimiser(Params, opt, i=None, ref=None, o=Path(p.continue_from).parent,
+                                    continue_from=p.continue_from, cpu=p.cpu, gpu=p.gpu, batch=p.batch)
