@@ -123,3 +123,21 @@ def test_class2d_bad_input(views_and_junk, tmp_path):
     with pytest.raises(InputError, match="larger than the number of particles"):
         list(class2d.run(class2d.Params(i=d / "particles.star", o=tmp_path / "x", K=1000, cpu=True)))
     assert not (tmp_path / "x" / "run_it001_data.star").exists()
+
+
+def test_class2d_continue_repeats_the_uninterrupted_run(views_and_junk, tmp_path):
+    """--continue run_it002_optimiser.star (to --iter 4) gives the classes and averages of 4 uninterrupted
+    iterations."""
+    kw = dict(i=views_and_junk / "particles.star", K=4, ctf=True, particle_diameter=150.0, flatten_solvent=True,
+              zero_mask=True, center_classes=True, sort_classes=True, cpu=True)
+    list(class2d.run(class2d.Params(o=tmp_path / "full", iter=4, **kw)))
+    list(class2d.run(class2d.Params(o=tmp_path / "part", iter=2, **kw)))
+    events = list(class2d.run(class2d.Params(continue_from=tmp_path / "part" / "run_it002_optimiser.star", iter=4,
+                                             cpu=True)))
+    assert "continuing after iteration 2" in events[0].message
+    a = starfile.read(tmp_path / "full" / "run_it004_data.star")["particles"]["rlnClassNumber"].to_numpy()
+    b = starfile.read(tmp_path / "part" / "run_it004_data.star")["particles"]["rlnClassNumber"].to_numpy()
+    np.testing.assert_array_equal(a, b)
+    ma = read_mrc(tmp_path / "full" / "run_it004_classes.mrcs").data
+    mb = read_mrc(tmp_path / "part" / "run_it004_classes.mrcs").data
+    np.testing.assert_allclose(mb, ma, atol=1e-5 * np.abs(ma).max())

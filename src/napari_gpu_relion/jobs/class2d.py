@@ -10,8 +10,10 @@ from the class's power spectrum times tau2_fudge (default 2), optional soft mask
 Files follow RELION: run_itNNN_classes.mrcs, run_itNNN_model.star (class distribution and resolution),
 run_itNNN_data.star (rlnClassNumber, rlnAnglePsi, offsets).
 
+--continue run_itNNN_optimiser.star goes on from that iteration (to --iter) and repeats the uninterrupted run.
+
 Not yet: per-class offset priors (rlnClassPriorOffsetX/Y; the offset prior is centred on the box for every
-class), --continue, VDAM (--grad).
+class), VDAM (--grad).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ from ..compute.projector import prepare_reference
 from ..compute.references2d import blob_references, center_of_mass, shift_images
 from ..errors import InputError
 from ..io.atomic import ensure_not_input
-from ..io.mrc import write_mrc
+from ..io.mrc import read_mrc, write_mrc
+from ..io.star import read_star
 from . import em
 from .common import backend_for, param, require_file, write_note
 from .events import ClassAveragesUpdated, Finished, IterationFinished, Message, Started
@@ -73,11 +76,15 @@ class Params:
     pad: int = param(2, "--pad", "Padding factor of the Fourier grids")
     offset: float = param(10.0, "--offset", "Initial sigma of the offset prior (Å)")
     random_seed: int = param(0, "--random_seed", "Random seed (initial classes, perturbation, noise)")
+    continue_from: Path | None = param(None, "--continue", "Continue from a run_itNNN_optimiser.star (to --iter)")
     batch: int = param(0, "--batch", "Particles per batch; 0 = from free memory")
     cpu: bool = param(False, "--cpu", "Run on the CPU (NumPy) even if a GPU is present")
     gpu: int | None = param(None, "--gpu", "GPU index to use")
 
     def __post_init__(self):
+        if self.continue_from is not None:
+            require_file(self.continue_from, "--continue optimiser STAR", (".star",))
+            return
         require_file(self.i, "--i particles STAR", (".star",))
         if self.o is None:
             raise InputError("--o (output folder) is required")
@@ -123,8 +130,21 @@ def initial_classes(ps: em.ParticleSet, K: int, be, diameter_px: float, mask_r: 
     return refs * soft_spherical_mask(N, mask_r, MASK_EDGE, 2)[None]
 
 
+SAVED = ("K", "iter", "tau2_fudge", "psi_step", "offset_range", "offset_step", "ini_high", "particle_diameter",
+         "center_classes", "sort_classes", "ctf", "flatten_solvent", "zero_mask", "pad", "offset", "random_seed")
+
+
 def run(p: Params) -> Iterator:
     t_start = time.time()
+    opt = None
+    if p.continue_from is not None:  # the options, particles, classes and state of that iteration
+        opt = em.read_optimiser_star(p.continue_from)
+        base = Path(p.continue_from).parent
+        given = {"i": base / str(opt["rlnExperimentalDataStarFile"]), "o": base, "continue_from": p.continue_from,
+                 "cpu": p.cpu, "gpu": p.gpu, "batch": p.batch}
+        if p.iter != Params.__dataclass_fields__["iter"].default:
+            given["iter"] = p.iter
+        p = em.params_from_optimiser(Params, opt, **given)
     ps = em.load_particle_set(Path(p.i), p.ctf, seed=p.random_seed, halves=False)
     N, apix, K = ps.box, ps.pixel_size, p.K
     if K > len(ps):
@@ -136,19 +156,32 @@ def run(p: Params) -> Iterator:
     out.mkdir(parents=True, exist_ok=True)
     write_note(out, JOB_NAME, p)
     ini_high = p.ini_high if p.ini_high > 0 else apix / 0.07
-    yield Started(JOB_NAME, out, be.name, f"classifying {len(ps)} particles into {K} 2D classes")
-    refs = initial_classes(ps, K, be, diameter / apix, mask_r, ini_high, p.random_seed + 11, p.pad)
-    sigma2 = em.initial_noise_spectra(ps, be, mask_r, p.zero_mask)
+    yield Started(JOB_NAME, out, be.name, f"classifying {len(ps)} particles into {K} 2D classes"
+                  + (f", continuing after iteration {int(opt['rlnCurrentIteration'])}" if opt is not None else ""))
     scales = np.ones(len(ps.scale_group_names))
-    pdf_class = np.full(K, 1.0 / K)
-    sigma_offset_A = p.offset
-    res_shell = int(round(N * apix / ini_high))
-    perturb = 0.0
+    if opt is None:
+        refs = initial_classes(ps, K, be, diameter / apix, mask_r, ini_high, p.random_seed + 11, p.pad)
+        sigma2 = em.initial_noise_spectra(ps, be, mask_r, p.zero_mask)
+        pdf_class = np.full(K, 1.0 / K)
+        sigma_offset_A = p.offset
+        res_shell = int(round(N * apix / ini_high))
+        perturb, first_it = 0.0, 1
+    else:
+        model = base / str(opt["rlnModelStarFile"])
+        refs = np.asarray(read_mrc(base / str(opt["rlnGpuRelion_classes"])).data, np.float64)
+        sigma2 = em.read_model_sigma2(model)
+        saved_scales, _ = em.read_model_state(model)
+        scales = saved_scales if saved_scales is not None else scales
+        pdf_class = np.asarray(read_star(model)["model_classes"]["rlnClassDistribution"], float)
+        sigma_offset_A = float(opt["rlnGpuRelion_sigma_offset"])
+        res_shell, perturb = int(opt["rlnGpuRelion_res_shell"]), float(opt["rlnGpuRelion_perturb"])
+        first_it = int(opt["rlnCurrentIteration"]) + 1
+        ps.classes[:] = ps.table.particles["rlnClassNumber"].to_numpy(int) - 1
     everyone = np.arange(len(ps))
     circle = soft_spherical_mask(N, mask_r, MASK_EDGE, 2).astype(np.float64)
     outputs: dict[str, Path] = {}
     ssnr_all = [np.zeros(N // 2 + 1)] * K
-    for it in range(1, p.iter + 1):
+    for it in range(first_it, p.iter + 1):
         t_it = time.time()
         current_size = int(min(N, 2 * (res_shell + 10)))
         frefs = [prepare_reference(be.asarray(v), p.pad, r_max=current_size / 2) for v in refs]
@@ -206,6 +239,11 @@ def run(p: Params) -> Iterator:
                                       pdf_class, res_A, ssnr_all, sigma2, scales, [np.array([d]) for d in pdf_class],
                                       ps, p.pad, p.tau2_fudge, current_size, sigma_offset_A)
         em.write_data_star(out / f"run{tag}_data.star", ps)
+        state = {"rlnCurrentIteration": it, "rlnExperimentalDataStarFile": f"run{tag}_data.star",
+                 "rlnModelStarFile": f"run{tag}_model.star", "rlnGpuRelion_classes": stack.name,
+                 "rlnGpuRelion_res_shell": res_shell, "rlnGpuRelion_perturb": perturb,
+                 "rlnGpuRelion_sigma_offset": sigma_offset_A}
+        em.write_optimiser_star(out / f"run{tag}_optimiser.star", state | em.params_to_optimiser(p, SAVED))
         outputs = {"classes": stack, "model": out / f"run{tag}_model.star", "data": out / f"run{tag}_data.star"}
         n_empty = int((pdf_class < 1e-6).sum())
         summary = (f"largest classes {', '.join(f'{100 * d:.1f}%' for d in np.sort(pdf_class)[::-1][:5])}; "
