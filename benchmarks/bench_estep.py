@@ -24,7 +24,7 @@ import numpy as np
 from bench_reconstruction import timed  # the same timer (benchmarks/ is the script folder)
 
 from napari_gpu_relion.compute.backend import select_backend
-from napari_gpu_relion.compute.backprojector import BackProjector
+from napari_gpu_relion.compute.backprojector import BackProjectorStack
 from napari_gpu_relion.compute.ctf import CtfParams, ctf_from_frequencies
 from napari_gpu_relion.compute.estep import EStepSetup, EStepSums, PreparedBatch, Sampling, expectation_batch
 from napari_gpu_relion.compute.expectation import (
@@ -110,7 +110,7 @@ def run_case(be, N, order, I, reps, n_classes=1):
     stats = {}
 
     def estep():
-        sums = EStepSums([BackProjector(N, 2, xp=xp) for _ in refs], N // 2 + 1, 1, smp.n_dirs)
+        sums = EStepSums(BackProjectorStack(len(refs), N, 2, xp=xp).members, N // 2 + 1, 1, smp.n_dirs)
         res = expectation_batch(setup, prep, ctf, groups, scale, sums)
         stats["nr_significant"] = float(np.median(res.nr_significant))
         stats["pmax"] = float(np.median(res.pmax))
@@ -159,7 +159,7 @@ def run_case_2d(be, N, n_classes, I, reps, psi_step=12.0):
     stats = {}
 
     def estep():
-        sums = EStepSums([BackProjector(N, 2, ndim=2, xp=xp) for _ in refs], N // 2 + 1, 1, 1)
+        sums = EStepSums(BackProjectorStack(len(refs), N, 2, ndim=2, xp=xp).members, N // 2 + 1, 1, 1)
         res = expectation_batch(setup, prep, ctf, groups, scale, sums)
         stats["pmax"] = float(np.median(res.pmax))
         return res

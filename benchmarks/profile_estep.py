@@ -1,7 +1,8 @@
 """Where the E-step's time goes: wraps the steps that expectation_batch calls with synchronised timers and runs
-one batch of bench_estep's simulated case (box, HEALPix order, batch from --case).
+one batch of bench_estep's simulated case: 3D (--case box:healpix_order:batch) or 2D classification
+(--case_2d box:classes:batch, psi step 12°, K random classes).
 
-Run: python benchmarks/profile_estep.py --case 128:2:1024 [--out results/x.json]
+Run: python benchmarks/profile_estep.py --case 128:2:1024 [--case_2d 128:100:1024] [--out results/x.json]
 """
 
 from __future__ import annotations
@@ -15,8 +16,15 @@ import numpy as np
 
 from napari_gpu_relion.compute import estep
 from napari_gpu_relion.compute.backend import select_backend
-from napari_gpu_relion.compute.backprojector import BackProjector
-from napari_gpu_relion.compute.estep import EStepSetup, EStepSums, PreparedBatch, Sampling, expectation_batch
+from napari_gpu_relion.compute.backprojector import BackProjectorStack
+from napari_gpu_relion.compute.estep import (
+    EStepSetup,
+    EStepSums,
+    InPlaneSampling,
+    PreparedBatch,
+    Sampling,
+    expectation_batch,
+)
 from napari_gpu_relion.compute.expectation import pixel_set
 from napari_gpu_relion.compute.masks import soft_spherical_mask
 from napari_gpu_relion.compute.projector import prepare_reference
@@ -41,39 +49,47 @@ def wrap(module, name, be):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", default="128:2:1024")
+    ap.add_argument("--case_2d", default="", help="2D classification box:classes:batch (replaces --case)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--cpu", action="store_true")
     a = ap.parse_args()
     be = select_backend(cpu=a.cpu)
     xp = be.xp
-    N, order, I = (int(v) for v in a.case.split(":"))
     from bench_estep import simulated_batch  # noqa: PLC0415
 
     rng = np.random.default_rng(1)
-    vol = rng.standard_normal((N, N, N)).astype(np.float32) * soft_spherical_mask(N, 0.35 * N, 3, 3)
-    ref = prepare_reference(xp.asarray(vol), 2, N / 2)
-    smp = Sampling(order=order, offset_range=5.0, offset_step=2.0)
+    if a.case_2d:
+        N, K, I = (int(v) for v in a.case_2d.split(":"))
+        ndim, smp = 2, InPlaneSampling(12.0, 5.0, 2.0)
+    else:
+        N, order, I = (int(v) for v in a.case.split(":"))
+        K, ndim, smp = 1, 3, Sampling(order=order, offset_range=5.0, offset_step=2.0)
+    m = soft_spherical_mask(N, 0.35 * N, 3, ndim)
+    refs = [prepare_reference(xp.asarray(rng.standard_normal((N,) * ndim).astype(np.float32) * m), 2, N / 2)
+            for _ in range(K)]
     pix = pixel_set(N, N, xp)
-    F, ctf, noise_var = simulated_batch(be, ref, pix, N, 1.0, I, rng)
-    setup = EStepSetup([ref], smp, pix, pix, 1.0, xp.full((1, N // 2 + 1), noise_var / 2.0))
+    F, ctf, noise_var = simulated_batch(be, refs[0], pix, N, 1.0, I, rng, in_plane=ndim == 2)
+    with np.errstate(divide="ignore"):
+        lp = xp.asarray(np.full((K, 1), -np.log(K))) if ndim == 2 else None
+    setup = EStepSetup(refs, smp, pix, pix, 1.0, xp.full((1, N // 2 + 1), noise_var / 2.0), log_pdf_direction=lp)
     setup.coarse_slices()
     prep = PreparedBatch(F, F, np.zeros((I, 2)))
 
     def once():
-        sums = EStepSums([BackProjector(N, 2, xp=xp)], N // 2 + 1, 1, smp.n_dirs)
+        sums = EStepSums(BackProjectorStack(K, N, 2, ndim=ndim, xp=xp).members, N // 2 + 1, 1, smp.n_dirs)
         expectation_batch(setup, prep, ctf, np.zeros(I, np.int64), np.ones(I), sums)
 
     once()  # warm-up (kernel compilation, plans)
     for name in ("particle_terms", "scores_shared", "scores_gathered", "posterior_weights", "fine_sums",
-                 "segment_sum", "_project_rows", "translation_ramps", "shell_power"):
+                 "segment_sum", "_project_rows", "translation_ramps", "shell_power", "insert_by_class"):
         wrap(estep, name, be)
-    wrap(BackProjector, "insert_pixels", be)
     be.synchronize()
     t = time.perf_counter()
     once()
     be.synchronize()
     total = time.perf_counter() - t
-    res = {"hardware": be.name, "case": a.case, "total_s": total, "steps_s": dict(TIMES),
+    res = {"hardware": be.name, "case": a.case_2d or a.case, "kind": "class2d" if a.case_2d else "refine",
+           "total_s": total, "steps_s": dict(TIMES),
            "other_s": total - sum(TIMES.values())}
     print(json.dumps(res, indent=1))
     if a.out:

@@ -93,6 +93,13 @@ def test_class2d_separates_junk_and_averages_each_view(views_and_junk, tmp_path)
     for v in range(len(VIEWS)):
         k = np.bincount(cls[label == v], minlength=10).argmax()
         assert _aligned_correlation(avgs[k], views[v]) > 0.9, (v, k)
+    # each class's offset prior (model STAR, Å) is the mean offset of its particles (data STAR, same sign)
+    prior = starfile.read(tmp_path / "c2" / "run_it025_model.star")["model_classes"]
+    parts = starfile.read(tmp_path / "c2" / "run_it025_data.star")["particles"]
+    for k in np.flatnonzero(np.bincount(cls, minlength=10) >= 20):
+        mean = parts.loc[cls == k, ["rlnOriginXAngst", "rlnOriginYAngst"]].to_numpy().mean(0)
+        want = prior.loc[k, ["rlnClassPriorOffsetX", "rlnClassPriorOffsetY"]].to_numpy(float)
+        assert np.abs(mean - want).max() < 1.0, (k, mean, want)  # measured <= 0.56 Å
 
 
 def test_center_of_mass_and_shift_recentre_a_blob():

@@ -142,3 +142,26 @@ def test_class3d_continue_repeats_the_uninterrupted_run(mixture, tmp_path):
         ma = read_mrc(tmp_path / "full" / f"run_it004_class00{k}.mrc").data
         mb = read_mrc(tmp_path / "part" / f"run_it004_class00{k}.mrc").data
         np.testing.assert_allclose(mb, ma, atol=1e-5 * np.abs(ma).max())
+
+
+def test_class3d_firstiter_cc_copies_class_one_then_seeds(mixture, tmp_path):
+    """--firstiter_cc: iteration 1 puts every particle in class 1 (CC, no noise/offset-sigma update), writes class 1
+    to both classes with 50/50 distribution; iteration 2 seeds each particle into one random class; the run then
+    separates the states as without CC."""
+    p = class3d.Params(i=mixture / "particles.star", ref=mixture / "truth.mrc", o=tmp_path / "cc", K=2, iter=12,
+                       ctf=True, skip_align=True, firstiter_cc=True, particle_diameter=150.0, flatten_solvent=True,
+                       zero_mask=True, cpu=True)
+    list(class3d.run(p))
+    d1 = starfile.read(tmp_path / "cc" / "run_it001_data.star")["particles"]["rlnClassNumber"].to_numpy()
+    assert (d1 == 1).all()
+    m1 = starfile.read(tmp_path / "cc" / "run_it001_model.star")
+    np.testing.assert_allclose(m1["model_classes"]["rlnClassDistribution"].to_numpy(), [0.5, 0.5])
+    assert float(m1["model_general"]["rlnSigmaOffsetsAngst"]) == p.offset  # not updated by a CC iteration
+    a, b = (read_mrc(tmp_path / "cc" / f"run_it001_class00{k}.mrc").data for k in (1, 2))
+    np.testing.assert_array_equal(a, b)
+    d2 = starfile.read(tmp_path / "cc" / "run_it002_data.star")["particles"]["rlnClassNumber"].to_numpy()
+    assert 0.4 <= (d2 == 1).mean() <= 0.6
+    truth = starfile.read(mixture / "particles_truth.star")["particles"]["rlnClassNumber"].to_numpy() - 1
+    got = starfile.read(tmp_path / "cc" / "run_it012_data.star")["particles"]["rlnClassNumber"].to_numpy() - 1
+    rep = class_assignment_report(got, truth, 2)
+    assert rep.accuracy >= 0.95, rep

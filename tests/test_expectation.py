@@ -219,3 +219,42 @@ def test_project_pixels_float32_coordinates_match_float64_slices():
     got = project_pixels(ref, A, pix.kx, pix.ky)
     want = project(ref, A).reshape(7, -1)[:, pix.flat]
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
+
+
+def test_class_offset_priors_split_identical_classes_as_the_priors_say():
+    """Two identical 2D classes whose translation priors are centred at mu_0 = (0, 0) and mu_1 = (3, 0) Å; the
+    data are the reference shifted by +2 px (4 Å) in x. The likelihood cannot tell the classes apart, so the
+    class posterior is the prior ratio exp(-(|o - mu_1|^2 - |o - mu_0|^2) / (2 sigma^2)) evaluated at the coarse
+    translation (relion_algorithm 2.8) with o = -4 Å (RELION's offset is the shift that brings the particle
+    back to the centre), not at the fine child that wins; each class's mean offset is that child (the posterior
+    is sharp) and the offset-variance sum is sum_c p_c |child - mu_c|^2."""
+    from napari_gpu_relion.compute.backprojector import BackProjectorStack
+    from napari_gpu_relion.compute.estep import EStepSetup, EStepSums, InPlaneSampling, expectation_batch, prepare_batch
+    from napari_gpu_relion.compute.expectation import pixel_set
+    from napari_gpu_relion.compute.projector import prepare_reference
+
+    N, apix, sigma_A, I = 32, 2.0, 3.0, 3
+    yy, xx = np.mgrid[:N, :N] - N // 2
+    img = sum(a * np.exp(-((xx - cx) ** 2 + (yy - cy) ** 2) / (2 * s * s))
+              for a, cx, cy, s in ((1.0, -4, 2, 2.5), (0.7, 5, -3, 2.0), (0.5, 1, 7, 1.5)))
+    data = np.repeat(np.roll(img, 2, axis=1)[None], I, axis=0).astype(np.float32)  # +2 px in x
+    refs = [prepare_reference(img, 2, r_max=N / 2) for _ in range(2)]
+    smp = InPlaneSampling(psi_step=12.0, offset_range=4.0, offset_step=2.0)
+    pix = pixel_set(N, N, np)
+    power = float((np.abs(np.fft.rfft2(img) / img.size) ** 2).mean())
+    mu = np.array([[0.0, 0.0], [3.0, 0.0]])
+    setup = EStepSetup(refs, smp, pix, pix, apix, np.full((1, N // 2 + 1), 1e-3 * power),
+                       sigma_offset_A=sigma_A, class_offset_prior_A=mu)
+    sums = EStepSums(BackProjectorStack(2, N, 2, N / 2, ndim=2).members, N // 2 + 1, 1, 1)
+    prep = prepare_batch(data, np.ones(I), np.zeros((I, 2)), mask_radius_px=N / 2 - 1)
+    res = expectation_batch(setup, prep, None, np.zeros(I, int), np.ones(I), sums)
+    o = np.array([-4.0, 0.0])
+    lw = -((o - mu) ** 2).sum(1) / (2 * sigma_A**2)
+    p_want = np.exp(lw - lw.max()) / np.exp(lw - lw.max()).sum()
+    np.testing.assert_allclose(sums.pdf_class / I, p_want, atol=1e-3)
+    child = res.offsets_px[0] * apix  # the best fine translation: a child of (-2, 0) px, 0.5 px off in x and y
+    np.testing.assert_allclose(np.abs(child - o), [1.0, 1.0], atol=1e-6)
+    np.testing.assert_allclose(res.offsets_px, res.offsets_px[:1].repeat(I, 0))
+    np.testing.assert_allclose(sums.offset_sum / sums.pdf_class[:, None], np.tile(child, (2, 1)), atol=0.01)
+    want = I * float((p_want * ((child - mu) ** 2).sum(1)).sum())
+    np.testing.assert_allclose(sums.sigma_offset, want, rtol=2e-3)

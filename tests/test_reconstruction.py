@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 
 from napari_gpu_relion.compute import simulate as sim
-from napari_gpu_relion.compute.backprojector import BackProjector
+from napari_gpu_relion.compute.backprojector import BackProjector, BackProjectorStack, insert_by_class
 from napari_gpu_relion.compute.fourier import irfft_centered, rfft_centered
 from napari_gpu_relion.compute.fsc import fsc, fsc_to_full, resolution_shell
 from napari_gpu_relion.compute.geometry import euler_to_matrix, symmetry_group
-from napari_gpu_relion.compute.projector import prepare_reference, project
+from napari_gpu_relion.compute.projector import pixel_list, prepare_reference, project, project_pixels, stack_references
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +138,35 @@ def test_fsc_analytic_cases():
     f2 = fsc(s + rng.normal(size=s.shape), s + rng.normal(size=s.shape))
     assert np.abs(f2[4:] - 0.5).max() < 0.12
     assert fsc_to_full(np.array([0.143]))[0] == pytest.approx(np.sqrt(2 * 0.143 / 1.143))
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_stacked_classes_project_and_insert_as_one_class_at_a_time(ndim):
+    """All classes in one stack (one projection / one scatter call for rows of any class) give exactly what
+    the classes give one at a time: the 2D classification E-step relies on it."""
+    rng = np.random.default_rng(3)
+    N, K, R = 16, 3, 7
+    maps = [rng.standard_normal((N,) * ndim) for _ in range(K)]
+    refs = [prepare_reference(m, 2, r_max=6) for m in maps]
+    alone = [prepare_reference(m, 2, r_max=6) for m in maps]
+    stacked = stack_references(refs)
+    assert stacked.ndim == ndim and stacked.n_stacked == K
+    A = euler_to_matrix(*(rng.uniform(-180, 180, (3, R)) * np.array([[1], [0.5], [1]])))
+    ky, kx, _ = pixel_list(N, 6, unique=True)
+    index = rng.integers(0, K, R)
+    got = project_pixels(stacked, A, kx, ky, index=index)
+    for r in range(R):
+        want = project_pixels(alone[index[r]], A[r:r + 1], kx, ky)[0]
+        np.testing.assert_array_equal(got[r], want)
+    # insertion: one stack call == per-class BackProjectors
+    vals = got * (1 + 0.5j)
+    w = np.abs(got).astype(np.float64) + 0.1
+    stack = BackProjectorStack(K, N, 2, 6, ndim=ndim)
+    insert_by_class(stack.members, index, A, kx, ky, vals, w)
+    for k in range(K):
+        one = BackProjector(N, 2, 6, ndim=ndim)
+        sel = index == k
+        one.insert_pixels(A[sel], kx, ky, vals[sel], w[sel])
+        np.testing.assert_allclose(stack.members[k].data, one.data, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(stack.members[k].weight, one.weight, rtol=1e-12, atol=1e-12)
+    assert sum(float(m.weight.sum()) for m in stack.members) > 0

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backend import get_array_module, is_out_of_memory
+from .backend import get_array_module, is_out_of_memory, to_host
 from .fourier import half_grid_indices, irfft_centered, round_half_away
 from .masks import soft_mask_outside
-from .projector import _corner_indices, interpolate, pixel_list, rotated_frequencies, sinc2_gridding
+from .projector import _corner_indices, interpolate, pixel_list, rotated_frequencies, sinc2_gridding, stack_offsets
 
 
 def _scatter_add(target_flat, idx, vals):
@@ -25,6 +25,63 @@ def _scatter_add(target_flat, idx, vals):
         cupyx.scatter_add(target_flat, idx, vals.astype(target_flat.dtype))
 
 
+def grid_shape(size: int, pad: int, ndim: int) -> tuple[int, ...]:
+    """Shape of the padded half grid (P,)*(ndim-1) + (P//2+1,), P = pad * size."""
+    P = pad * size
+    return (P,) * (ndim - 1) + (P // 2 + 1,)
+
+
+def _chunk_contributions(A, kx, ky, v, w, pad: int, P: int, rmp2: float, base=None):
+    """Flat grid indices and the real, imaginary and weight contributions of one chunk of slices; ``base``
+    (R, 1) adds each slice's flat offset in a stack of grids."""
+    xp = get_array_module(v)
+    q = rotated_frequencies(A, kx, ky, pad)
+    neg = q[..., 0] < 0
+    q = xp.where(neg[..., None], -q, q)
+    v = xp.where(neg, xp.conj(v), v)
+    inside = ((q * q).sum(-1) <= rmp2) & (w != 0)
+    q, v, w = q[inside], v[inside], w[inside]
+    b = None if base is None else xp.broadcast_to(base, inside.shape)[inside]
+    idx_all, vr, vi, ww = [], [], [], []
+    for idx, cw, valid in _corner_indices(q, P):
+        cw = cw if valid is True else xp.where(valid, cw, np.float32(0))
+        idx_all.append(idx if b is None else idx + b)
+        vr.append(cw * v.real)
+        vi.append(cw * v.imag)
+        ww.append(cw * w)
+    return xp.concatenate(idx_all), xp.concatenate(vr), xp.concatenate(vi), xp.concatenate(ww)
+
+
+def _insert_chunks(targets: tuple, pad: int, r_max: float, A, kx, ky, values, weights, chunk_points: int,
+                   index=None) -> None:
+    """Splat slices into ``targets`` (data_re, data_im, weight) in chunks of about ``chunk_points`` points;
+    out of memory halves the chunk. With ``index`` (R,), the targets are stacks (K, *grid) and slice r goes
+    into grid index[r]."""
+    xp = get_array_module(targets[0])
+    values = xp.asarray(values)
+    weights = xp.asarray(weights, dtype=np.float64)
+    R, npix = values.shape
+    P = targets[0].shape[-2]
+    grid_size = targets[0][0].size if index is not None else targets[0].size
+    flats = [t.reshape(-1) for t in targets]
+    step = max(1, chunk_points // max(npix, 1))
+    rmp2 = float(round_half_away(np.float64(pad * r_max))) ** 2
+    r0 = 0
+    while r0 < R:
+        try:  # everything that allocates comes before the first add, so a chunk is added whole or not at all
+            base = None if index is None else stack_offsets(index[r0:r0 + step], grid_size, targets[0].size, xp)
+            idx, vr, vi, ww = _chunk_contributions(A[r0:r0 + step], kx, ky, values[r0:r0 + step],
+                                                   weights[r0:r0 + step], pad, P, rmp2, base)
+        except Exception as exc:  # noqa: BLE001 - out of memory: a smaller chunk; anything else: raise
+            if not is_out_of_memory(exc) or step == 1:
+                raise
+            step = max(1, step // 2)
+            continue
+        for flat, contrib in zip(flats, (vr, vi, ww), strict=True):
+            _scatter_add(flat, idx, contrib)
+        r0 += step
+
+
 class BackProjector:
     """Padded Fourier accumulators for one reconstruction (one class, one half).
 
@@ -32,14 +89,13 @@ class BackProjector:
     ndim: 3 for a 3D map from 2D images, 2 for a 2D class average."""
 
     def __init__(self, size: int, pad: int = 2, r_max: float | None = None, ndim: int = 3, xp=np,
-                 dtype=np.float64):
+                 dtype=np.float64, arrays: tuple | None = None):
         self.size, self.pad, self.ndim, self.xp = int(size), int(pad), ndim, xp
         self.r_max = size / 2 if r_max is None else float(r_max)
-        P = self.pad * self.size
-        shape = (P,) * (ndim - 1) + (P // 2 + 1,)
-        self.data_re = xp.zeros(shape, dtype=dtype)
-        self.data_im = xp.zeros(shape, dtype=dtype)
-        self.weight = xp.zeros(shape, dtype=dtype)
+        if arrays is None:  # else views (data_re, data_im, weight) into a BackProjectorStack
+            arrays = tuple(xp.zeros(grid_shape(self.size, self.pad, ndim), dtype=dtype) for _ in range(3))
+        self.data_re, self.data_im, self.weight = arrays
+        self.stack: tuple[BackProjectorStack, int] | None = None
 
     @property
     def padded_size(self) -> int:
@@ -56,43 +112,8 @@ class BackProjector:
         A = xp.asarray(A, dtype=np.float64)
         if self.ndim == 2:
             A = A[:, :2, :2]
-        values = xp.asarray(values)
-        weights = xp.asarray(weights, dtype=np.float64)
-        R, npix = values.shape
-        step = max(1, chunk_points // max(npix, 1))
-        rmp2 = float(round_half_away(np.float64(self.pad * self.r_max))) ** 2
-        r0 = 0
-        while r0 < R:
-            try:  # everything that allocates comes before the first add, so a chunk is added whole or not at all
-                idx, vr, vi, ww = self._chunk_contributions(A[r0:r0 + step], kx, ky, values[r0:r0 + step],
-                                                            weights[r0:r0 + step], rmp2)
-            except Exception as exc:  # noqa: BLE001 - out of memory: a smaller chunk; anything else: raise
-                if not is_out_of_memory(exc) or step == 1:
-                    raise
-                step = max(1, step // 2)
-                continue
-            _scatter_add(self.data_re.reshape(-1), idx, vr)
-            _scatter_add(self.data_im.reshape(-1), idx, vi)
-            _scatter_add(self.weight.reshape(-1), idx, ww)
-            r0 += step
-
-    def _chunk_contributions(self, A, kx, ky, v, w, rmp2: float):
-        """Flat grid indices and the real, imaginary and weight contributions of one chunk of slices."""
-        xp = self.xp
-        q = rotated_frequencies(A, kx, ky, self.pad)
-        neg = q[..., 0] < 0
-        q = xp.where(neg[..., None], -q, q)
-        v = xp.where(neg, xp.conj(v), v)
-        inside = ((q * q).sum(-1) <= rmp2) & (w != 0)
-        q, v, w = q[inside], v[inside], w[inside]
-        idx_all, vr, vi, ww = [], [], [], []
-        for idx, cw, valid in _corner_indices(q, self.padded_size):
-            cw = cw if valid is True else xp.where(valid, cw, np.float32(0))
-            idx_all.append(idx)
-            vr.append(cw * v.real)
-            vi.append(cw * v.imag)
-            ww.append(cw * w)
-        return xp.concatenate(idx_all), xp.concatenate(vr), xp.concatenate(vi), xp.concatenate(ww)
+        _insert_chunks((self.data_re, self.data_im, self.weight), self.pad, self.r_max, A, kx, ky, values, weights,
+                       chunk_points)
 
     def insert_images(self, A, F, W, r_max: float | None = None):
         """Insert half-grid slices F (R, s, s//2+1) complex with weights W (same shape, real or broadcastable).
@@ -219,3 +240,48 @@ class BackProjector:
             vol = soft_mask_outside(vol[None], N / 2, 3.0, ndim)[0]
         vol = vol / sinc2_gridding(N, pf, ndim, xp)
         return vol.astype(np.float32)
+
+
+class BackProjectorStack:
+    """K accumulators of one geometry in one array (K, *grid) each for data and weight, so that one scatter-add
+    inserts the slices of all classes (2D classification: K = 100-200 small grids). ``members[k]`` is an
+    ordinary BackProjector over grid k (reconstruct, symmetrise, ... per class)."""
+
+    def __init__(self, n: int, size: int, pad: int = 2, r_max: float | None = None, ndim: int = 3, xp=np,
+                 dtype=np.float64):
+        shape = (int(n),) + grid_shape(int(size), int(pad), ndim)
+        self.arrays = tuple(xp.zeros(shape, dtype=dtype) for _ in range(3))
+        self.size, self.pad, self.ndim, self.xp = int(size), int(pad), ndim, xp
+        self.r_max = size / 2 if r_max is None else float(r_max)
+        self.members = []
+        for k in range(int(n)):
+            bp = BackProjector(size, pad, r_max, ndim, xp, dtype, arrays=tuple(a[k] for a in self.arrays))
+            bp.stack = (self, k)
+            self.members.append(bp)
+
+    def insert_pixels(self, index, A, kx, ky, values, weights, chunk_points: int = 1 << 23) -> None:
+        """As BackProjector.insert_pixels; slice r goes into member index[r]."""
+        xp = self.xp
+        A = xp.asarray(A, dtype=np.float64)
+        if self.ndim == 2:
+            A = A[:, :2, :2]
+        _insert_chunks(self.arrays, self.pad, self.r_max, A, kx, ky, values, weights, chunk_points,
+                       index=xp.asarray(index))
+
+
+def insert_by_class(backprojectors: list, index, A, kx, ky, values, weights) -> None:
+    """Insert slice r into ``backprojectors[index[r]]``: one call when they are the members of one
+    BackProjectorStack in order, else one call per class."""
+    xp = get_array_module(values)
+    stacks = {id(bp.stack[0]) if bp.stack is not None else None for bp in backprojectors}
+    first = backprojectors[0].stack
+    in_order = first is not None and all(bp.stack[1] == k for k, bp in enumerate(backprojectors))
+    if len(stacks) == 1 and in_order and len(first[0].members) == len(backprojectors):
+        first[0].insert_pixels(index, A, kx, ky, values, weights)
+        return
+    index_h = to_host(index)
+    for c, bp in enumerate(backprojectors):
+        keep = np.flatnonzero(index_h == c)
+        if keep.size:
+            kd = xp.asarray(keep)
+            bp.insert_pixels(A[kd], kx, ky, values[kd], weights[kd])

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend import get_array_module, to_host
+from .backprojector import insert_by_class
 from .ctf import CtfParams, ctf_from_frequencies
 from .expectation import (
     PixelSet,
@@ -30,7 +31,7 @@ from .expectation import (
 from .fourier import irfft_centered, phase_shift_2d, rfft_centered, shell_sum
 from .geometry import euler_to_matrix
 from .masks import soft_mask_outside
-from .projector import project_pixels
+from .projector import FourierReference, project_pixels, stack_references
 from .sampling import (
     angular_step,
     direction_grid,
@@ -312,6 +313,7 @@ class EStepSums:
     pdf_direction: np.ndarray = None  # (K, n_dirs)
     sigma_offset: float = 0.0  # sum w |o - mu|^2, Å^2
     sum_weight: float = 0.0
+    offset_sum: np.ndarray = None  # (K, 2) sum w (o + t) in Å per class (2D classification's class offset priors)
     n_scale_groups: int = 1
     xa: np.ndarray = None  # (n_scale_groups,) sum w Re(conj(CP) X) over shells with SSNR > 3
     aa: np.ndarray = None  # (n_scale_groups,) sum w |CP|^2 over the same shells
@@ -325,6 +327,7 @@ class EStepSums:
         self.sumw_group = np.zeros(self.n_groups)
         self.pdf_class = np.zeros(K)
         self.pdf_direction = np.zeros((K, self.n_dirs))
+        self.offset_sum = np.zeros((K, 2))
         self.xa = np.zeros(self.n_scale_groups)
         self.aa = np.zeros(self.n_scale_groups)
 
@@ -354,18 +357,21 @@ class EStepSetup:
     sigma2: object  # (G, N/2+1) noise spectra on the device
     log_pdf_direction: object = None  # (K, n_dirs) device, for global searches (None -> uniform)
     sigma_offset_A: float = 10.0
+    class_offset_prior_A: np.ndarray | None = None  # (K, 2) prior mean of the offsets per class (Å; 2D), else 0
     adaptive_fraction: float = 0.999
     cc: bool = False
     scale_shells: object = None  # (K,) per pixel of the fine set: True where SSNR_MAP > 3 (group scale sums)
     max_fine_bytes: int = 1 << 28
     P_coarse: object = None  # SliceSet (K * R, Kc) of the coarse slices for global searches (made once)
+    ref_stack: FourierReference = field(init=False)  # all classes in one stack: one projection call for any rows
+
+    def __post_init__(self):
+        self.ref_stack = self.refs[0] if len(self.refs) == 1 else stack_references(self.refs)
 
     def coarse_slices(self):
         if self.P_coarse is None:
-            xp = get_array_module(self.refs[0].data)
-            A = xp.asarray(self.sampling.coarse_matrices())
-            kx, ky = self.pix_coarse.kx, self.pix_coarse.ky
-            self.P_coarse = as_slices(xp.concatenate([project_pixels(ref, A, kx, ky) for ref in self.refs], axis=0))
+            R = self.sampling.n_orient
+            self.P_coarse = as_slices(_project_rows(self, np.arange(len(self.refs) * R), self.pix_coarse, fine=False))
         return self.P_coarse
 
 
@@ -377,12 +383,11 @@ def _weights_for(sigma2_rows, pix: PixelSet, xp):
     return w, inv.astype(np.float32)
 
 
-def _log_trans_prior(offsets_round_px, trans_px, pixel_size: float, sigma_A: float, xp, prior_A=None):
-    """(I, T) log prior -|o + t - mu|^2 / (2 sigma^2) in Å (one unit throughout, see relion_algorithm 2.8)."""
+def _log_trans_prior(offsets_round_px, trans_px, pixel_size: float, sigma_A: float, xp, prior_A):
+    """(I, T, K) log prior -|o + t - mu_k|^2 / (2 sigma^2) in Å (one unit throughout, see relion_algorithm
+    2.8) for prior means mu_k (K, 2) in Å (one per class in 2D classification; K = 1 and mu = 0 otherwise)."""
     o = xp.asarray(offsets_round_px, dtype=np.float64)[:, None, :] + xp.asarray(trans_px)[None, :, :]
-    d = o * pixel_size
-    if prior_A is not None:
-        d = d - xp.asarray(prior_A)[:, None, :]
+    d = o[:, :, None, :] * pixel_size - xp.asarray(prior_A, dtype=np.float64)[None, None, :, :]
     r2 = (d * d).sum(-1)
     if sigma_A ** 2 < 1e-4:
         return xp.where(r2 < 1e-8, 0.0, -np.inf)
@@ -420,12 +425,23 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
     wc, _ = _weights_for(sig2_rows, pc, xp)
     ramps_c = translation_ramps(pc, smp.translations)
     terms = particle_terms(Xc, ctf_at(pc), wc, ramps_c, cc=setup.cc)
-    lp_trans = _log_trans_prior(prep.rounded_offsets, smp.translations, setup.pixel_size, setup.sigma_offset_A, xp)
+    mu = np.zeros((1, 2)) if setup.class_offset_prior_A is None else np.asarray(setup.class_offset_prior_A)
+    lp_trans = _log_trans_prior(prep.rounded_offsets, smp.translations, setup.pixel_size, setup.sigma_offset_A, xp,
+                                mu)  # (I, T, 1 or K)
+    per_class = lp_trans.shape[2] > 1
+
+    def trans_prior_of_rows(lpt, rows):
+        """(i, T, n) translation log prior of rows (i, n) (global row numbers, class-major)."""
+        if not per_class:
+            return xp.broadcast_to(lpt, lpt.shape[:2] + (rows.shape[1],))
+        cls = xp.broadcast_to((rows // R)[:, None, :], lpt.shape[:2] + (rows.shape[1],))
+        return xp.take_along_axis(lpt, cls, axis=2)
+
     if candidates is None:
         d2 = scores_shared(setup.coarse_slices(), terms)  # (I, T, K R)
         lp_rot = xp.zeros(K * R) if setup.log_pdf_direction is None else \
             xp.repeat(xp.asarray(setup.log_pdf_direction).reshape(-1), smp.n_psi)
-        lp = lp_trans[:, :, None] + lp_rot[None, None, :]
+        lp = trans_prior_of_rows(lp_trans, xp.arange(K * R)[None, :]) + lp_rot[None, None, :]
         if class_log_prior is not None:
             lp = lp + xp.repeat(xp.asarray(class_log_prior, dtype=np.float64), R, axis=1)[:, None, :]
         cand = None
@@ -440,7 +456,7 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
         if class_log_prior is not None:
             lpr = lpr + xp.take_along_axis(xp.asarray(class_log_prior, dtype=np.float64), xp.maximum(cand, 0) // R,
                                            axis=1)
-        lp = lp_trans[:, :, None] + lpr[:, None, :]
+        lp = trans_prior_of_rows(lp_trans, xp.maximum(cand, 0)) + lpr[:, None, :]
     Wc = posterior_weights(d2, lp, setup.adaptive_fraction, cc=setup.cc)
     n_rows = d2.shape[2]
     sig = Wc.significant.reshape(I, -1, n_rows)  # (I, T, n)
@@ -497,7 +513,7 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
     row_w_union = xp.zeros(n_union)
     sig2_acc = xp.zeros((I, sums.n_shells))
     wtot = xp.zeros(I)
-    trans_w_px = xp.zeros((I, T * ntov))
+    off_moments = xp.zeros((K, 4))  # per class: sum w, sum w x, sum w y, sum w |o|^2 (Å)
     xa_i = xp.zeros(I)
     aa_i = xp.zeros(I)
     ecounts = counts[porder]
@@ -532,7 +548,8 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
         sig_parent[li, :, par] = sig_sig[e0:e1]
         lpr = xp.full((ni, n_par), -np.inf)
         lpr[li, par] = lpr_sig[e0:e1]
-        lp_parent = xp.where(sig_parent, lp_trans[pidx][:, :, None] + lpr[:, None, :], -np.inf)
+        par_rows = urows[par_union]  # (ni, n_par) global coarse row of each parent
+        lp_parent = xp.where(sig_parent, trans_prior_of_rows(lp_trans[pidx], par_rows) + lpr[:, None, :], -np.inf)
         child = xp.arange(nover)[None, :]
         if shared:
             rows_f = (cu[:, None] * nover + child).reshape(-1)  # (n_par * 8,) distinct
@@ -562,10 +579,18 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
             bp_slices += segment_sum(flat, fs.slices.reshape(-1, 2 * pf.npix), n_union * nover)
             bp_weights += segment_sum(flat, fs.slice_weights.reshape(-1, pf.npix), n_union * nover)
             row_w_union += segment_sum(par_union.reshape(-1), rw_par.reshape(-1, 1), n_union)[:, 0]
+        # offset moments per class: sum w, sum w pos, sum w |pos|^2 (pos = o + t in Å) over each parent's
+        # children and translations, then summed over the parents of each class
+        wt = Wf.w.reshape(ni, T * ntov, n_par, nover).sum(-1)  # (ni, T4, n_par)
+        pos = (xp.asarray(prep.rounded_offsets)[pidx][:, None, :] + xp.asarray(fine_t.reshape(-1, 2))[None]) \
+            * setup.pixel_size  # (ni, T4, 2) Å
+        m1 = xp.einsum("itp,itd->ipd", wt, pos)
+        m2 = xp.einsum("itp,it->ip", wt, (pos * pos).sum(-1))
+        moments = xp.concatenate([wt.sum(1)[..., None], m1, m2[..., None]], axis=-1).reshape(-1, 4)
+        off_moments += segment_sum((par_rows // R).reshape(-1), moments, K)
         sig2_acc[pidx] = shell_sum(fs.noise, pf.shell, sums.n_shells)
         resid[pidx] = fs.noise.sum(axis=1)
         wtot[pidx] = fs.trans_weight.sum(axis=1)
-        trans_w_px[pidx] = fs.trans_weight
         if setup.scale_shells is not None:
             ss = setup.scale_shells
             xa_i[pidx] = (fs.xa * ss[None, :]).sum(1)
@@ -581,14 +606,11 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
 
     # ---- insert the summed slices (one per distinct fine orientation) into the class grids ----
     cls_rows = np.repeat(urows_h // R, nover)
-    wrow = to_host(bp_weights.sum(axis=1))
-    Kf = pf.npix
-    for c in range(K):
-        keep = np.flatnonzero((cls_rows == c) & (wrow > 0))
-        if keep.size:
-            kd = xp.asarray(keep)
-            vals = bp_slices[kd, :Kf].astype(np.complex64) + 1j * bp_slices[kd, Kf:]
-            sums.backprojectors[c].insert_pixels(Af[kd], pf.kx, pf.ky, vals, bp_weights[kd])
+    keep = np.flatnonzero(to_host(bp_weights.sum(axis=1)) > 0)
+    if keep.size:
+        kd, Kf = xp.asarray(keep), pf.npix
+        vals = bp_slices[kd, :Kf].astype(np.complex64) + 1j * bp_slices[kd, Kf:]
+        insert_by_class(sums.backprojectors, xp.asarray(cls_rows[keep]), Af[kd], pf.kx, pf.ky, vals, bp_weights[kd])
 
     # ---- per-particle results ----
     mats = smp.fine_matrices(best_row % R)[np.arange(I), best_child]
@@ -603,8 +625,10 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
     rw_u = to_host(row_w_union)
     np.add.at(sums.pdf_direction, (urows_h // R, (urows_h % R) // smp.n_psi), rw_u)
     np.add.at(sums.pdf_class, urows_h // R, rw_u)
-    tot = prep.rounded_offsets[:, None, :] + fine_t.reshape(-1, 2)[None]  # (I, T4, 2) px
-    sums.sigma_offset += float((to_host(trans_w_px) * (tot**2).sum(-1)).sum() * setup.pixel_size**2)
+    m = to_host(off_moments)  # sum_c w |o - mu_c|^2 = m2 - 2 mu.m1 + |mu|^2 m0
+    mu_k = np.broadcast_to(mu, (K, 2))
+    sums.sigma_offset += float((m[:, 3] - 2.0 * (mu_k * m[:, 1:3]).sum(1) + (mu_k**2).sum(1) * m[:, 0]).sum())
+    sums.offset_sum += m[:, 1:3]
     sums.sum_weight += float(wsum_i.sum())
     if setup.scale_shells is not None and scale_group_index is not None:
         np.add.at(sums.xa, np.asarray(scale_group_index), to_host(xa_i))
@@ -626,13 +650,6 @@ def _project_rows(setup: EStepSetup, rows: np.ndarray, pix: PixelSet, fine: bool
     if matrices is None:
         matrices = smp.fine_matrices(rows % R).reshape(-1, 3, 3) if fine else smp.coarse_matrices(rows % R)
     matrices = xp.asarray(matrices)
-    if len(setup.refs) == 1:
-        return project_pixels(setup.refs[0], matrices, pix.kx, pix.ky)
-    out = xp.zeros((rows.size * nover, pix.npix), dtype=np.complex64)
-    for c, ref in enumerate(setup.refs):
-        sel = np.flatnonzero(rows // R == c)
-        if not sel.size:
-            continue
-        dst = xp.asarray((sel[:, None] * nover + np.arange(nover)[None, :]).reshape(-1))
-        out[dst] = project_pixels(ref, matrices[dst], pix.kx, pix.ky)
-    return out
+    ref = setup.ref_stack
+    index = xp.asarray(np.repeat(rows // R, nover)) if ref.stacked else None
+    return project_pixels(ref, matrices, pix.kx, pix.ky, index=index)

@@ -29,18 +29,37 @@ def sinc2_gridding(size: int, pad: int, ndim: int = 3, xp=np):
 class FourierReference:
     """A map ready for slicing: padded half-grid FT and its geometry (sizes in pixels)."""
 
-    data: object  # complex array (P, P, P//2+1) for 3D or (P, P//2+1) for 2D, P = pad * size
+    data: object  # complex array (P, P, P//2+1) for 3D or (P, P//2+1) for 2D, P = pad * size; (K, ...) if stacked
     size: int  # original box N
     pad: int  # padding factor pf
     r_max: float  # largest |k| (Fourier pixels of the N box) kept
+    stacked: bool = False  # data holds K references along a leading axis (stack_references)
 
     @property
     def ndim(self) -> int:
-        return self.data.ndim
+        return self.data.ndim - int(self.stacked)
 
     @property
     def padded_size(self) -> int:
-        return self.data.shape[0]
+        return self.data.shape[-2]
+
+    @property
+    def n_stacked(self) -> int:
+        return self.data.shape[0] if self.stacked else 1
+
+
+def stack_references(refs: list[FourierReference]) -> FourierReference:
+    """K references of one geometry as one stacked reference, so that one ``project_pixels(..., index=)`` call
+    projects rows of any class (the E-step's class-major rows without a loop over classes). Each ref's
+    ``data`` becomes a view into the stack, so the K grids are held once."""
+    first = refs[0]
+    if any(r.data.shape != first.data.shape or r.pad != first.pad or r.size != first.size for r in refs):
+        raise ValueError("stacked references need one box, padding and grid")
+    xp = get_array_module(first.data)
+    stack = xp.stack([r.data for r in refs])
+    for k, r in enumerate(refs):
+        r.data = stack[k]
+    return FourierReference(stack, first.size, first.pad, max(r.r_max for r in refs), stacked=True)
 
 
 def prepare_reference(vol, pad: int = 2, r_max: float | None = None, gridding: bool = True) -> FourierReference:
@@ -117,18 +136,28 @@ def rotated_frequencies(A, kx, ky, pad: int):
     return pad * (kx[None, :, None] * A[:, None, 0, :] + ky[None, :, None] * A[:, None, 1, :])
 
 
-def interpolate(grid, q, r_max_padded: float):
+def stack_offsets(index, grid_size: int, total_size: int, xp):
+    """Flat offsets index * grid_size of the grids of a stack, shaped (R, 1) to broadcast over pixels."""
+    itype = np.int32 if total_size < 2**31 else np.int64
+    return (xp.asarray(index).astype(itype) * itype(grid_size))[:, None]
+
+
+def interpolate(grid, q, r_max_padded: float, index=None):
     """Trilinear/bilinear interpolation of a half-grid array (complex or real) at points q (..., d) in padded
     Fourier pixels; negative-x points are read from their Hermitian mate (conjugated for complex grids);
-    points beyond ``r_max_padded`` give 0."""
+    points beyond ``r_max_padded`` give 0. With ``index`` (R,), ``grid`` is a stack (K, *half grid) and
+    the points q[r] (R, Npix, d) are read from grid[index[r]]."""
     xp = get_array_module(grid)
-    P = grid.shape[0]
+    P = grid.shape[-2]
     neg = q[..., 0] < 0
     q = xp.where(neg[..., None], -q, q)
     inside = (q * q).sum(-1) <= r_max_padded**2
     flat = grid.reshape(-1)
+    base = None if index is None else stack_offsets(index, grid[0].size, grid.size, xp)
     out = None
     for idx, w, valid in _corner_indices(q, P):
+        if base is not None:
+            idx = idx + base
         wv = w if valid is True else xp.where(valid, w, np.float32(0))
         v = xp.take(flat, idx) * wv.astype(flat.real.dtype, copy=False)
         out = v if out is None else out + v
@@ -169,10 +198,10 @@ def project(ref: FourierReference, A, size: int | None = None, r_max: float | No
     return out.reshape(A.shape[0], s, s // 2 + 1)
 
 
-def project_pixels(ref: FourierReference, A, kx, ky, chunk_points: int = 1 << 24):
+def project_pixels(ref: FourierReference, A, kx, ky, chunk_points: int = 1 << 24, index=None):
     """Reference values at image pixels (kx, ky) for each orientation: (R, Npix) complex64 (the GEMM-ready
     layout of the E-step). Coordinates in float32: their rounding (< 2e-5 px at box 256) is far below the
-    trilinear interpolation error."""
+    trilinear interpolation error. For a stacked reference, ``index`` (R,) names the reference of each row."""
     xp = get_array_module(ref.data)
     A = xp.asarray(A, dtype=np.float32)
     if ref.ndim == 2:
@@ -182,7 +211,10 @@ def project_pixels(ref: FourierReference, A, kx, ky, chunk_points: int = 1 << 24
     out = xp.empty((R, npix), dtype=np.complex64)
     step = max(1, chunk_points // max(npix, 1))
     rmp = ref.pad * ref.r_max
+    if ref.stacked and index is None:
+        raise ValueError("a stacked reference needs the reference index of each orientation")
+    index = None if index is None else xp.asarray(index)
     for r0 in range(0, R, step):
         q = rotated_frequencies(A[r0:r0 + step], kx, ky, ref.pad)
-        out[r0:r0 + step] = interpolate(ref.data, q, rmp)
+        out[r0:r0 + step] = interpolate(ref.data, q, rmp, None if index is None else index[r0:r0 + step])
     return out

@@ -12,8 +12,8 @@ run_itNNN_data.star (rlnClassNumber, rlnAnglePsi, offsets).
 
 --continue run_itNNN_optimiser.star goes on from that iteration (to --iter) and repeats the uninterrupted run.
 
-Not yet: per-class offset priors (rlnClassPriorOffsetX/Y; the offset prior is centred on the box for every
-class), VDAM (--grad).
+The translation prior of each class is centred on its particles' mean offset (rlnClassPriorOffsetX/Y in the
+model STAR, Å), as RELION does for 2D. Not yet: VDAM (--grad).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ..compute.backend import to_host
-from ..compute.backprojector import BackProjector
+from ..compute.backprojector import BackProjectorStack
 from ..compute.ctf import ctf_half_grid
 from ..compute.estep import EStepSetup, EStepSums, InPlaneSampling
 from ..compute.expectation import pixel_set
@@ -42,7 +42,7 @@ from ..compute.maximization import (
     update_sigma2,
     update_sigma_offset,
 )
-from ..compute.projector import prepare_reference
+from ..compute.projector import pixel_list, prepare_reference
 from ..compute.references2d import blob_references, center_of_mass, shift_images
 from ..errors import InputError
 from ..io.atomic import ensure_not_input
@@ -115,19 +115,25 @@ def initial_classes(ps: em.ParticleSet, K: int, be, diameter_px: float, mask_r: 
     F = phase_shift_2d(rfft_centered(be.asarray(ps.images(rows)), 2), xp.asarray(ps.offsets_px[rows]), N)
     ctf = ps.ctf_rows(rows)
     c = xp.ones(F.shape, dtype=np.float32) if ctf is None else xp.asarray(ctf_half_grid(ctf, N, apix))
+    stack = BackProjectorStack(K, N, pad, ndim=2, xp=xp, dtype=np.float64)
+    ky, kx, flat = pixel_list(N, N / 2, xp, unique=True)
+    n = rows.size
+    stack.insert_pixels(cls, A, kx, ky, (F * c).reshape(n, -1)[:, flat], (c * c).reshape(n, -1)[:, flat])
     avgs = np.zeros((K, N, N))
-    for k in range(K):  # K classes, each one batched insertion
-        sel = np.flatnonzero(cls == k)
-        if not sel.size:
-            continue
-        bp = BackProjector(N, pad, ndim=2, xp=xp, dtype=np.float64)
-        s = xp.asarray(sel)
-        bp.insert_images(xp.asarray(A[sel]), F[s] * c[s], c[s] * c[s])
-        bp.enforce_hermitian()
-        avgs[k] = to_host(bp.reconstruct(None, 1.0))
+    for k, bp in enumerate(stack.members):  # K unregularised reconstructions (once per run)
+        if np.any(cls == k):
+            bp.enforce_hermitian()
+            avgs[k] = to_host(bp.reconstruct(None, 1.0))
     refs = blob_references(avgs, diameter_px, rng)
     refs = lowpass_map(refs, apix, lowpass_A, ndim=2)
     return refs * soft_spherical_mask(N, mask_r, MASK_EDGE, 2)[None]
+
+
+def class_offset_priors(offset_sum_A: np.ndarray, class_weight: np.ndarray) -> np.ndarray:
+    """(K, 2) prior means of the offsets per class (Å): the weighted mean offset of the class's particles,
+    0 for empty classes (RELION's maximizationOtherParameters divides by the class's own weight)."""
+    w = np.asarray(class_weight, float)[:, None]
+    return np.where(w > 0, np.asarray(offset_sum_A) / np.where(w > 0, w, 1.0), 0.0)
 
 
 SAVED = ("K", "iter", "tau2_fudge", "psi_step", "offset_range", "offset_step", "ini_high", "particle_diameter",
@@ -165,6 +171,7 @@ def run(p: Params) -> Iterator:
         pdf_class = np.full(K, 1.0 / K)
         sigma_offset_A = p.offset
         res_shell = int(round(N * apix / ini_high))
+        prior_offsets = np.zeros((K, 2))
         perturb, first_it = 0.0, 1
     else:
         model = base / str(opt["rlnModelStarFile"])
@@ -172,7 +179,10 @@ def run(p: Params) -> Iterator:
         sigma2 = em.read_model_sigma2(model)
         saved_scales, _ = em.read_model_state(model)
         scales = saved_scales if saved_scales is not None else scales
-        pdf_class = np.asarray(read_star(model)["model_classes"]["rlnClassDistribution"], float)
+        class_table = read_star(model)["model_classes"]
+        pdf_class = np.asarray(class_table["rlnClassDistribution"], float)
+        prior_offsets = np.column_stack([np.asarray(class_table.get(f"rlnClassPriorOffset{a}", np.zeros(K)), float)
+                                         for a in "XY"])
         sigma_offset_A = float(opt["rlnGpuRelion_sigma_offset"])
         res_shell, perturb = int(opt["rlnGpuRelion_res_shell"]), float(opt["rlnGpuRelion_perturb"])
         first_it = int(opt["rlnCurrentIteration"]) + 1
@@ -193,12 +203,12 @@ def run(p: Params) -> Iterator:
         yield Message(f"iteration {it}: image size {current_size} (coarse {coarse}), {K} classes x {smp.n_psi} psi "
                       f"x {smp.translations.shape[0]} translations")
         old_classes = ps.classes.copy()
-        bps = [BackProjector(N, p.pad, current_size / 2, ndim=2, xp=xp, dtype=np.float64) for _ in range(K)]
+        bps = BackProjectorStack(K, N, p.pad, current_size / 2, ndim=2, xp=xp, dtype=np.float64).members
         sums = EStepSums(bps, N // 2 + 1, ps.n_optics_groups, 1, n_scale_groups=len(scales))
         with np.errstate(divide="ignore"):
             log_prior = np.log(pdf_class)[:, None]  # (K, 1): the class prior
         setup = EStepSetup(frefs, smp, pix_c, pix_f, apix, be.asarray(sigma2), log_pdf_direction=be.asarray(log_prior),
-                           sigma_offset_A=sigma_offset_A)
+                           sigma_offset_A=sigma_offset_A, class_offset_prior_A=prior_offsets)
         batch = _batch_size(p, be, N, K * smp.n_orient, smp.translations.shape[0], pix_c.npix)
         yield from em.run_estep(ps, everyone, setup, sums, be, mask_radius_px=mask_r, zero_mask=p.zero_mask,
                                 do_norm=False, norm_average=1.0, scales=scales, batch=batch, stage=f"it {it:03d}",
@@ -215,6 +225,7 @@ def run(p: Params) -> Iterator:
         sigma2 = update_sigma2(sums.sigma2, sums.sumw_group, N)
         sigma_offset_A = update_sigma_offset(sums.sigma_offset, sums.sum_weight)
         pdf_class = sums.pdf_class / max(sums.pdf_class.sum(), 1e-300)
+        prior_offsets = class_offset_priors(sums.offset_sum, sums.pdf_class)
         if p.flatten_solvent:
             new_refs = new_refs * circle[None]
         if p.center_classes:
@@ -226,7 +237,7 @@ def run(p: Params) -> Iterator:
             order = np.argsort(-pdf_class, kind="stable")
             rank = np.empty(K, dtype=np.int64)
             rank[order] = np.arange(K)
-            refs, pdf_class = refs[order], pdf_class[order]
+            refs, pdf_class, prior_offsets = refs[order], pdf_class[order], prior_offsets[order]
             ssnr_all, res_shells = [ssnr_all[k] for k in order], [res_shells[k] for k in order]
             ps.classes[:] = rank[ps.classes]
             old_classes = rank[old_classes] if it > 1 else old_classes
@@ -237,7 +248,7 @@ def run(p: Params) -> Iterator:
         stack = write_mrc(out / f"run{tag}_classes.mrcs", refs.astype(np.float32), apix, stack=True)
         em.write_classification_model(out / f"run{tag}_model.star", 2, [f"{k + 1:06d}@{stack.name}" for k in range(K)],
                                       pdf_class, res_A, ssnr_all, sigma2, scales, [np.array([d]) for d in pdf_class],
-                                      ps, p.pad, p.tau2_fudge, current_size, sigma_offset_A)
+                                      ps, p.pad, p.tau2_fudge, current_size, sigma_offset_A, prior_offsets)
         em.write_data_star(out / f"run{tag}_data.star", ps)
         state = {"rlnCurrentIteration": it, "rlnExperimentalDataStarFile": f"run{tag}_data.star",
                  "rlnModelStarFile": f"run{tag}_model.star", "rlnGpuRelion_classes": stack.name,

@@ -13,7 +13,9 @@ orientation and exact offset (GivenOrientations in the shared E-step).
 
 --continue run_itNNN_optimiser.star goes on from that iteration (to --iter) and repeats the uninterrupted run.
 
-Not yet: --firstiter_cc.
+--firstiter_cc: iteration 1 aligns with cross-correlation against class 1 only (no noise or offset-sigma update,
+the initial low-pass re-applied), its reconstruction is copied to every class and the random seeding happens in
+iteration 2, as RELION does.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from ..compute.backend import to_host
-from ..compute.backprojector import BackProjector
+from ..compute.backprojector import BackProjectorStack
 from ..compute.estep import EStepSetup, EStepSums, GivenOrientations, Sampling
 from ..compute.expectation import pixel_set
 from ..compute.fourier import lowpass_map
@@ -73,6 +75,7 @@ class Params:
     particle_diameter: float = param(-1.0, "--particle_diameter", "Mask diameter (Å); -1 = (box - 5) x pixel size")
     sigma_ang: float = param(-1.0, "--sigma_ang", "Local searches with this angular sigma (degrees); -1 = global")
     skip_align: bool = param(False, "--skip_align", "Keep the input angles and offsets; classify only")
+    firstiter_cc: bool = param(False, "--firstiter_cc", "Cross-correlation against class 1 in the first iteration")
     ctf: bool = param(False, "--ctf", "Do CTF correction")
     flatten_solvent: bool = param(False, "--flatten_solvent", "Mask the references with a soft sphere")
     zero_mask: bool = param(False, "--zero_mask", "Fill outside the particle mask with zeros (else noise)")
@@ -105,8 +108,8 @@ class Params:
 
 
 SAVED = ("K", "iter", "tau2_fudge", "healpix_order", "offset_range", "offset_step", "sym", "ini_high",
-         "particle_diameter", "sigma_ang", "skip_align", "ctf", "flatten_solvent", "zero_mask", "pad", "offset",
-         "random_seed")
+         "particle_diameter", "sigma_ang", "skip_align", "firstiter_cc", "ctf", "flatten_solvent", "zero_mask", "pad",
+         "offset", "random_seed")
 
 
 def run(p: Params) -> Iterator:
@@ -159,7 +162,8 @@ def run(p: Params) -> Iterator:
         if "rlnClassNumber" in ps.table.particles:
             ps.classes[:] = ps.table.particles["rlnClassNumber"].to_numpy(int) - 1
     everyone = np.arange(len(ps))
-    # RELION's seeding: in iteration 1 each particle searches one random class
+    # RELION's seeding: in iteration 1 (2 after a CC iteration 1) each particle searches one random class
+    seed_it = 2 if p.firstiter_cc else 1
     seed_class = np.random.default_rng(p.random_seed + 1).integers(0, K, len(ps))
     seed_prior = np.where(np.arange(K)[None, :] == seed_class[:, None], 0.0, -np.inf)
     local = em.LocalSearchSpec(p.sigma_ang, p.sym) if p.sigma_ang > 0 and not p.skip_align else None
@@ -170,6 +174,7 @@ def run(p: Params) -> Iterator:
     ssnr_all = [np.zeros(N // 2 + 1)] * K
     for it in range(first_it, p.iter + 1):
         t_it = time.time()
+        cc = p.firstiter_cc and it == 1
         current_size = int(min(N, 2 * (res_shell + 10)))
         frefs = [prepare_reference(be.asarray(v), p.pad, r_max=current_size / 2) for v in refs]
         tau2 = [reference_tau2(f) for f in frefs]
@@ -187,11 +192,13 @@ def run(p: Params) -> Iterator:
         search = ("own orientation and offset (--skip_align)" if p.skip_align else
                   f"{smp.n_orient} orientations{' (local)' if local else ''}, {smp.translations.shape[0]} translations")
         yield Message(f"iteration {it}: image size {current_size} (coarse {coarse}), {K} classes x {search}"
-                      f"{', random class seeding' if it == 1 and seeding else ''}")
+                      f"{', random class seeding' if it == seed_it and seeding else ''}{', CC' if cc else ''}")
         old_classes = ps.classes.copy()
-        bps = [BackProjector(N, p.pad, current_size / 2, ndim=3, xp=xp, dtype=np.float64) for _ in range(K)]
+        bps = BackProjectorStack(K, N, p.pad, current_size / 2, ndim=3, xp=xp, dtype=np.float64).members
         sums = EStepSums(bps, N // 2 + 1, ps.n_optics_groups, smp.n_dirs, n_scale_groups=len(scales))
-        if it == 1 and seeding:
+        if cc and seeding:  # class 1 only
+            class_prior = np.where(np.arange(K)[None, :] == 0, 0.0, -np.inf) * np.ones((len(ps), 1))
+        elif it == seed_it and seeding:
             class_prior = seed_prior
         elif p.skip_align:  # the class prior (with global searches it is part of the direction prior)
             with np.errstate(divide="ignore"):
@@ -202,7 +209,7 @@ def run(p: Params) -> Iterator:
             log_prior = np.log(pdf_class)[:, None] + np.log(pdf_dir)  # (K, n_dirs): class x direction prior
         setup = EStepSetup(frefs, smp, pix_c, pix_f, apix, be.asarray(sigma2),
                            log_pdf_direction=None if local or p.skip_align else be.asarray(log_prior),
-                           sigma_offset_A=sigma_offset_A)
+                           sigma_offset_A=sigma_offset_A, cc=cc)
         rows_per_particle = K * (1 if p.skip_align else smp.n_orient if local is None else 200)
         batch = _batch_size(p, be, N, rows_per_particle, smp.translations.shape[0], pix_c.npix)
         yield from em.run_estep(ps, everyone, setup, sums, be, mask_radius_px=mask_r, zero_mask=p.zero_mask,
@@ -222,8 +229,9 @@ def run(p: Params) -> Iterator:
                 new_refs.append(to_host(bp.reconstruct(tau2[k], p.tau2_fudge)).astype(np.float64))
             else:  # an empty class keeps its reference (RELION does too)
                 new_refs.append(refs[k])
-        sigma2 = update_sigma2(sums.sigma2, sums.sumw_group, N)
-        sigma_offset_A = update_sigma_offset(sums.sigma_offset, sums.sum_weight)
+        if not cc:
+            sigma2 = update_sigma2(sums.sigma2, sums.sumw_group, N)
+            sigma_offset_A = update_sigma_offset(sums.sigma_offset, sums.sum_weight)
         pdf_class = sums.pdf_class / max(sums.pdf_class.sum(), 1e-300)
         if not p.skip_align:
             tot = sums.pdf_direction.sum(axis=1, keepdims=True)
@@ -231,9 +239,14 @@ def run(p: Params) -> Iterator:
         if p.flatten_solvent:
             m = soft_spherical_mask(N, mask_r, MASK_EDGE, 3).astype(np.float64)
             new_refs = [v * m for v in new_refs]
+        if cc:  # RELION re-applies the initial low-pass after a CC iteration and copies class 1 to every class
+            new_refs = [lowpass_map(v, apix, p.ini_high) if p.ini_high > 0 else v for v in new_refs]
+            if seeding:
+                new_refs, pdf_class, ssnr_all = [new_refs[0]] * K, np.full(K, 1.0 / K), [ssnr_all[0]] * K
+                pdf_dir = np.broadcast_to(pdf_dir[:1], pdf_dir.shape).copy()
         refs = [np.asarray(v, np.float32).astype(np.float64) for v in new_refs]
         res_shells = [min(resolution_shell_from_ssnr(s, gold_standard=False), N // 2) for s in ssnr_all]
-        res_shell = max(res_shells)
+        res_shell = res_shell if cc else max(res_shells)
         changed = float((ps.classes != old_classes).mean()) if it > 1 else 1.0
         # ---- files and events ----
         tag = f"_it{it:03d}"

@@ -375,9 +375,11 @@ def write_model_star(path: Path, general: dict, classes: pd.DataFrame, class_cur
 def write_classification_model(path: Path, ref_dim: int, reference_names: list[str], pdf_class: np.ndarray,
                                res_A: list[float], ssnr_all: list[np.ndarray], sigma2: np.ndarray, scales: np.ndarray,
                                pdf_orient: list[np.ndarray], ps: ParticleSet, pad: int, tau2_fudge: float,
-                               current_size: int, sigma_offset_A: float) -> Path:
+                               current_size: int, sigma_offset_A: float,
+                               prior_offsets_A: np.ndarray | None = None) -> Path:
     """run_itNNN_model.star of a 2D or 3D classification: general block, class table (reference, distribution,
-    resolution), SSNR_MAP per class, noise spectra, group scales, orientation distributions."""
+    resolution and, for 2D, the class offset priors rlnClassPriorOffsetX/Y in Å), SSNR_MAP per class, noise
+    spectra, group scales, orientation distributions."""
     N, apix = ps.box, ps.pixel_size
     general = {"rlnReferenceDimensionality": ref_dim, "rlnDataDimensionality": 2, "rlnOriginalImageSize": N,
                "rlnCurrentResolution": float(min(res_A)), "rlnCurrentImageSize": current_size,
@@ -386,6 +388,9 @@ def write_classification_model(path: Path, ref_dim: int, reference_names: list[s
                "rlnLogLikelihood": float(ps.log_likelihood.sum()), "rlnAveragePmax": float(ps.pmax.mean())}
     classes = pd.DataFrame({"rlnReferenceImage": list(reference_names), "rlnClassDistribution": pdf_class,
                             "rlnEstimatedResolution": res_A})
+    if prior_offsets_A is not None:
+        classes["rlnClassPriorOffsetX"] = np.asarray(prior_offsets_A)[:, 0]
+        classes["rlnClassPriorOffsetY"] = np.asarray(prior_offsets_A)[:, 1]
     sh = np.arange(N // 2 + 1)
     curves = [pd.DataFrame({"rlnSpectralIndex": sh, "rlnResolution": sh / (N * apix), "rlnSsnrMap": s[: sh.size]})
               for s in ssnr_all]
