@@ -91,6 +91,17 @@ def select_particles(table: ParticleTable, classes: list[int]) -> ParticleTable:
     return dataclasses.replace(table, particles=table.particles[keep].reset_index(drop=True), row_lines=None)
 
 
+def write_selection(table: ParticleTable, classes: list[int], out: Path) -> ParticleTable:
+    """Write the particles of ``classes`` (1-based) to ``out`` atomically, image names valid from there; returns
+    them. The Select job and the 2D class grid's "Save selection" both write through here."""
+    ensure_not_input(Path(out), table.path)
+    sel = select_particles(table, classes)
+    if len(sel):
+        sel.particles["rlnImageName"] = image_names_for(sel, Path(out)).to_numpy()
+    write_particles(Path(out), sel)
+    return sel
+
+
 def run(p: Params) -> Iterator:
     table = read_particles(p.i)
     present = sorted(int(c) for c in np.unique(table.particles.get("rlnClassNumber", [])))
@@ -106,9 +117,6 @@ def run(p: Params) -> Iterator:
     yield Started(JOB_NAME, out.parent, "CPU", f"selecting classes {chosen} of {p.i}")
     out.parent.mkdir(parents=True, exist_ok=True)
     write_note(out.parent, JOB_NAME, p)
-    sel = select_particles(table, chosen)
-    if len(sel):
-        sel.particles["rlnImageName"] = image_names_for(sel, out).to_numpy()
-    write_particles(out, sel)
+    sel = write_selection(table, chosen, out)
     yield Finished({"particles": out}, f"kept {len(sel)} of {len(table)} particles (classes "
                    f"{', '.join(map(str, chosen)) or 'none'})")

@@ -1,8 +1,147 @@
-"""Dock widget "2D classification" (napari.yaml): the generic job widget of jobs.class2d. Each iteration's class
-averages arrive as ClassAveragesUpdated and are shown as one labelled grid, largest class first
-(widgets/display.py)."""
+"""Dock widget "2D classification" (napari.yaml): the generic job widget of jobs.class2d, plus class selection.
 
+Each iteration's class averages arrive as ClassAveragesUpdated and are shown as one labelled grid, largest class
+first (widgets/display.py). Clicking a tile (grid, labels or selection layer active, pan/zoom mode) toggles its
+class; selected tiles are outlined. "Save selection" writes the particles of the selected classes of the shown
+iteration (its run_itNNN_data.star) to a particles STAR through the Select job's own writer
+(jobs.select.write_selection).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from magicgui.widgets import FileEdit, Label, PushButton
+from napari.utils.notifications import show_info
+
+from ..errors import InputError
+from ..io.star import read_particles
 from ..jobs import class2d
-from .job_widget import job_widget_class
+from ..jobs.select import write_selection
+from .job_widget import JobWidget
+from .runner import error_message
 
-widget = job_widget_class(class2d)
+if TYPE_CHECKING:
+    import napari
+
+__all__ = ["Class2DWidget", "widget", "data_star_for", "newest_iteration_file", "save_selected_particles"]
+
+GRID_LAYER = "classes"
+SELECTION_FILE = "selected_particles.star"
+_ITERATION = re.compile(r"_it(\d+)_data\.star$")
+
+
+def newest_iteration_file(folder: Path) -> Path | None:
+    """The run_itNNN_data.star of ``folder`` with the highest NNN (None if there is none)."""
+    if not folder.is_dir():
+        return None
+    found = [(int(m.group(1)), p) for p in folder.glob("*_it*_data.star") if (m := _ITERATION.search(p.name))]
+    return max(found)[1] if found else None
+
+
+def data_star_for(classes_path: Path | str | None, folder: Path | None) -> Path | None:
+    """Particles STAR of the shown class averages (run_itNNN_classes.mrcs -> run_itNNN_data.star), else the
+    newest run_itNNN_data.star in ``folder``."""
+    if classes_path is not None:
+        p = Path(classes_path)
+        candidate = p.with_name(re.sub(r"_classes\.mrcs?$", "_data.star", p.name))
+        if candidate != p and candidate.is_file():
+            return candidate
+        folder = folder or p.parent
+    return newest_iteration_file(folder) if folder is not None else None
+
+
+def save_selected_particles(data_star: Path, classes: list[int], out: Path) -> tuple[int, int]:
+    """Write the particles of ``classes`` (1-based) of ``data_star`` to ``out`` as the Select job does (rows and
+    optics kept, image names valid from ``out``), atomically; returns (particles written, particles read)."""
+    table = read_particles(data_star)
+    return len(write_selection(table, classes, out)), len(table)
+
+
+class Class2DWidget(JobWidget):
+    """The 2D classification job widget with a class selection row (see the module docstring)."""
+
+    def __init__(self, viewer: napari.viewer.Viewer) -> None:
+        super().__init__(viewer, class2d)
+        self.selection_info = Label(value="click class tiles in the grid to select them", name="selection_info",
+                                    label="selection")
+        self.selection_info.native.setWordWrap(True)
+        self.selection_file = FileEdit(mode="w", filter="*.star", nullable=True, name="selection_file",
+                                       label="selection file")
+        self.selection_file.line_edit.value = ""
+        self.selection_file.tooltip = (f"Particles STAR to write the selected classes to; empty: <job folder>/"
+                                       f"{SELECTION_FILE}")
+        self.save_selection_button = PushButton(text="Save selection", name="save_selection_button", label="")
+        self.save_selection_button.tooltip = "Write the particles of the selected classes (as the Select job)"
+        self.extend([self.selection_info, self.selection_file, self.save_selection_button])
+        self.last_saved: tuple[Path, int] | None = None
+        self.save_selection_button.changed.connect(self.save_selection)
+        display, callback = self.display, self._on_selection
+        display.connect("selection", callback)
+        self.native.destroyed.connect(lambda *_: display.disconnect("selection", callback))
+        grid = self.grid_layer()
+        if grid is not None:
+            self._on_selection(grid)
+
+    def grid_layer(self) -> Any:
+        """The class grid of this job (its folder), else the one named "classes"; None if there is none."""
+        viewer = self.display.viewer  # the viewer itself, not napari's proxy of it
+        if viewer is None:
+            return None
+        grids = [la for la in viewer.layers if (getattr(la, "metadata", None) or {}).get("kind") == "classes"]
+        folder = self.folder.value.strip()
+        for grid in grids:
+            path = grid.metadata.get("path")
+            if folder and path is not None and Path(path).parent == Path(folder):
+                return grid
+        named = [g for g in grids if g.name == GRID_LAYER]
+        return (named or grids or [None])[0]
+
+    def _on_selection(self, grid: Any) -> None:
+        if self._closed:
+            return
+        classes = sorted(grid.metadata.get("selected") or ())
+        self.selection_info.value = (f"{len(classes)} class(es): {', '.join(map(str, classes))}" if classes
+                                     else "no classes selected")
+
+    def selection_path(self, grid: Any) -> Path:
+        """Where "Save selection" writes: the file chosen, else <job folder>/selected_particles.star."""
+        text = self.selection_file.line_edit.value.strip()
+        if text:
+            return Path(text).expanduser()
+        path = grid.metadata.get("path")
+        folder = Path(path).parent if path is not None else Path(self.folder.value.strip() or ".")
+        return folder / SELECTION_FILE
+
+    def save_selection(self, *_: Any) -> Path | None:
+        """Write the particles of the selected classes; report how many (None, with the reason, if nothing)."""
+        grid = self.grid_layer()
+        if grid is None:
+            self._report_error("Save selection: no class grid yet (run 2D classification first)")
+            return None
+        classes = sorted(grid.metadata.get("selected") or ())
+        if not classes:
+            self._report_error("Save selection: no classes selected (click tiles of the class grid)")
+            return None
+        folder = self.folder.value.strip()
+        data_star = data_star_for(grid.metadata.get("path"), Path(folder) if folder else None)
+        if data_star is None:
+            self._report_error("Save selection: cannot find the run_itNNN_data.star of the shown classes")
+            return None
+        out = self.selection_path(grid)
+        try:
+            n, total = save_selected_particles(data_star, classes, out)
+        except (InputError, OSError) as exc:
+            self._report_error(f"Save selection: {error_message(exc)}")
+            return None
+        message = (f"wrote {n} of {total} particles (classes {', '.join(map(str, classes))} of {data_star.name}) "
+                   f"to {out}")
+        self._set_status(message)
+        show_info(message)
+        self.last_saved = (out, n)
+        return out
+
+
+widget = Class2DWidget

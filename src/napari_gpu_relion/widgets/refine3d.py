@@ -1,7 +1,79 @@
-"""Dock widget "3D auto-refine" (napari.yaml): the generic job widget of jobs.refine3d. Each iteration's half
-maps arrive as MapUpdated (updated in place) and the FSC as FscUpdated (widgets/display.py)."""
+"""Dock widget "3D auto-refine" (napari.yaml): the generic job widget of jobs.refine3d, plus the angular
+distribution.
 
+Each iteration's half maps arrive as MapUpdated (updated in place) and the FSC as FscUpdated
+(widgets/display.py). When the job finishes, the viewing directions of its final run_data.star (the Finished
+event's "data" output) are drawn in the "Angular distribution" dock (equal-area bins, rot and tilt in degrees);
+"Show angular distribution" draws it for the newest data STAR of the job folder at any time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from magicgui.widgets import PushButton
+
+from ..errors import InputError
+from ..io.star import read_particles
 from ..jobs import refine3d
-from .job_widget import job_widget_class
+from ..jobs.events import Finished
+from .class2d import newest_iteration_file
+from .display import AngularDistributionPlot
+from .job_widget import JobWidget
+from .runner import error_message
 
-widget = job_widget_class(refine3d)
+if TYPE_CHECKING:
+    import napari
+
+__all__ = ["Refine3DWidget", "widget", "read_angles", "refine_data_star"]
+
+ANGLES = ("rlnAngleRot", "rlnAngleTilt")
+
+
+def read_angles(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(rot, tilt) in degrees of every particle of a particles STAR."""
+    parts = read_particles(path, require=ANGLES, uniform_optics=False, even_box=False).particles
+    return parts["rlnAngleRot"].to_numpy(dtype=np.float64), parts["rlnAngleTilt"].to_numpy(dtype=np.float64)
+
+
+def refine_data_star(folder: Path) -> Path | None:
+    """The final run_data.star of a refine job folder, else its newest run_itNNN_data.star (still running)."""
+    final = folder / "run_data.star"
+    return final if final.is_file() else newest_iteration_file(folder)
+
+
+class Refine3DWidget(JobWidget):
+    """The 3D auto-refine job widget; shows the angular distribution when the job finishes."""
+
+    def __init__(self, viewer: napari.viewer.Viewer) -> None:
+        super().__init__(viewer, refine3d)
+        self.angdist_button = PushButton(text="Show angular distribution", name="angdist_button", label="")
+        self.angdist_button.tooltip = "Viewing directions of the newest data STAR of the job folder"
+        self.append(self.angdist_button)
+        self.angdist_button.changed.connect(self.show_angular_distribution)
+
+    def _on_finished(self, ev: Finished) -> None:
+        super()._on_finished(ev)
+        data = (ev.outputs or {}).get("data")
+        if data is not None:
+            self.show_angular_distribution(path=Path(data))
+
+    def show_angular_distribution(self, *_: Any, path: Path | None = None) -> AngularDistributionPlot | None:
+        """Draw the angular distribution of ``path`` (default: :func:`refine_data_star` of the job folder)."""
+        folder = self.folder.value.strip()
+        if path is None:
+            path = refine_data_star(Path(folder)) if folder else None
+        if path is None:
+            self._report_error("angular distribution: no run_data.star (or run_itNNN_data.star) in the job folder")
+            return None
+        try:
+            rot, tilt = read_angles(path)
+        except (InputError, OSError, ValueError) as exc:
+            self._report_error(f"angular distribution: {error_message(exc)}")
+            return None
+        return self.display.show_angular_distribution(rot, tilt, path)
+
+
+widget = Refine3DWidget
