@@ -4,72 +4,25 @@ blobs) and input checks."""
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pytest
 import starfile
-from scipy.ndimage import rotate
 
-from napari_gpu_relion.compute import simulate as sim
-from napari_gpu_relion.compute.geometry import euler_to_matrix
+from napari_gpu_relion.compute.ground_truth import aligned_correlation
 from napari_gpu_relion.compute.references2d import blob_references, center_of_mass, shift_images
 from napari_gpu_relion.errors import InputError
-from napari_gpu_relion.io.mrc import read_mrc, write_mrc
-from napari_gpu_relion.io.star import write_particles
+from napari_gpu_relion.io.mrc import read_mrc
 from napari_gpu_relion.jobs import class2d
-from napari_gpu_relion.jobs.simulate import _optics
+from napari_gpu_relion.jobs.simulate import make_views_and_junk
 
 BOX, APIX = 32, 6.0
 VIEWS = np.array([[0, 90, 0], [90, 90, 0], [0, 0, 0], [45, 45, 0], [135, 60, 0]], dtype=float)
 
 
-def _l_shaped_phantom() -> sim.Phantom:
-    """A rod, an arm at one end and a knob above the other end: projections along different axes differ."""
-    rng = np.random.default_rng(0)
-    parts = [((-20.0, 0, 0), (30.0, 7, 7), 120), ((25.0, 28, 0), (7.0, 18, 7), 60), ((-35.0, 0, 25), (9.0, 9, 9), 40)]
-    c = np.concatenate([np.array(m) + rng.normal(size=(n, 3)) * np.array(s) for m, s, n in parts])
-    return sim.Phantom(c - c.mean(0), rng.uniform(0.6, 1.4, len(c)), 3.4)
-
-
 @pytest.fixture(scope="module")
 def views_and_junk(tmp_path_factory) -> Path:
-    """5 views x 60 particles (random psi, offsets, CTF, SNR 0.3) and 75 images of pure noise at the same noise
-    level (20 %), shuffled; label.npy holds the view of each particle (-1 = junk), views.npy the noise-free
-    projections."""
-    out = tmp_path_factory.mktemp("views")
-    rng = np.random.default_rng(0)
-    ph = _l_shaped_phantom()
-    ang = np.repeat(VIEWS, 60, axis=0)
-    ang[:, 2] = rng.uniform(-180, 180, len(ang))
-    sp = sim.simulate_particles(len(ang), BOX, APIX, phantom=ph, angles=ang, snr=0.0, seed=1)
-    noise = float(np.sqrt(sp.clean.reshape(len(ang), -1).var(1).mean() / 0.3))
-    clean = np.concatenate([sp.clean, np.zeros((75, BOX, BOX), np.float32)])
-    n = len(clean)
-    perm = rng.permutation(n)
-    imgs = (clean + rng.normal(0, noise, clean.shape).astype(np.float32))[perm]
-    (out / "particles").mkdir()
-    write_mrc(out / "particles" / "particles.mrcs", imgs, APIX)
-    ctf = {k: np.concatenate([getattr(sp.ctf, k), np.full(75, v)])[perm]
-           for k, v in (("defocus_u", 15000.0), ("defocus_v", 15000.0), ("defocus_angle", 0.0))}
-    df = pd.DataFrame({"rlnImageName": [f"{i + 1:06d}@particles/particles.mrcs" for i in range(n)],
-                       "rlnOpticsGroup": np.ones(n, int), "rlnDefocusU": ctf["defocus_u"],
-                       "rlnDefocusV": ctf["defocus_v"], "rlnDefocusAngle": ctf["defocus_angle"],
-                       "rlnOriginXAngst": np.zeros(n), "rlnOriginYAngst": np.zeros(n)})  # offsets unknown
-    write_particles(out / "particles.star", df, _optics(BOX, APIX, "particles"))
-    np.save(out / "label.npy", np.concatenate([np.repeat(np.arange(5), 60), np.full(75, -1)])[perm])
-    np.save(out / "views.npy", sim.phantom_projections(ph, euler_to_matrix(*VIEWS.T), BOX, APIX))
-    return out
-
-
-def _aligned_correlation(a: np.ndarray, b: np.ndarray) -> float:
-    """Best correlation of image a with b over in-plane rotations (3° steps) and cyclic shifts (float64)."""
-    best = -1.0
-    A = np.fft.fft2(a - a.mean())
-    for ang in range(0, 360, 3):
-        r = rotate(b, ang, reshape=False, order=1)
-        cc = np.fft.ifft2(A * np.conj(np.fft.fft2(r - r.mean()))).real
-        dy, dx = np.unravel_index(cc.argmax(), cc.shape)
-        best = max(best, float(np.corrcoef(a.ravel(), np.roll(r, (dy, dx), (0, 1)).ravel())[0, 1]))
-    return best
+    """5 views x 60 particles (random psi, CTF, SNR 0.3) and 75 images of pure noise at the same noise level
+    (20 %), shuffled (jobs.simulate.make_views_and_junk)."""
+    return make_views_and_junk(tmp_path_factory.mktemp("views"), VIEWS, 60, 75, BOX, APIX, 0.3, seed=0)
 
 
 def test_class2d_separates_junk_and_averages_each_view(views_and_junk, tmp_path):
@@ -92,7 +45,7 @@ def test_class2d_separates_junk_and_averages_each_view(views_and_junk, tmp_path)
     views = np.load(d / "views.npy").astype(np.float64)
     for v in range(len(VIEWS)):
         k = np.bincount(cls[label == v], minlength=10).argmax()
-        assert _aligned_correlation(avgs[k], views[v]) > 0.9, (v, k)
+        assert aligned_correlation(avgs[k], views[v]) > 0.9, (v, k)
     # each class's offset prior (model STAR, Å) is the mean offset of its particles (data STAR, same sign)
     prior = starfile.read(tmp_path / "c2" / "run_it025_model.star")["model_classes"]
     parts = starfile.read(tmp_path / "c2" / "run_it025_data.star")["particles"]

@@ -58,3 +58,20 @@ def pick_matches(truth_xy: np.ndarray, picks_xy: np.ndarray, radius_px: float,
     hit = d2 <= radius_px
     counted = ~hit | care[j]
     return int((d[care] <= radius_px).sum()), int(care.sum()), int((hit & counted).sum()), int(counted.sum())
+
+
+def aligned_correlation(a: np.ndarray, b: np.ndarray, step_deg: float = 3.0) -> float:
+    """Best Pearson correlation of image ``a`` with image ``b`` over in-plane rotations of b (``step_deg``
+    steps, bilinear) and cyclic shifts (float64): how well a class average matches a true projection."""
+    from scipy.ndimage import rotate  # noqa: PLC0415
+
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    A = np.fft.fft2(a - a.mean())
+    best = -1.0
+    for ang in np.arange(0.0, 360.0, step_deg):
+        r = rotate(b, ang, reshape=False, order=1)
+        cc = np.fft.ifft2(A * np.conj(np.fft.fft2(r - r.mean()))).real
+        dy, dx = np.unravel_index(cc.argmax(), cc.shape)
+        best = max(best, float(np.corrcoef(a.ravel(), np.roll(r, (dy, dx), (0, 1)).ravel())[0, 1]))
+    return best

@@ -242,3 +242,12 @@ def conformations(ph: Phantom, n_states: int, fraction: float = 0.25) -> list[Ph
         keep.sort()
         states.append(Phantom(c[keep], ph.amplitudes[keep], ph.sigma_A))
     return states
+
+
+def l_shaped_phantom(seed: int = 0) -> Phantom:
+    """A rod (~60 Å), an arm at one end and a knob above the other end (Å): its projections along different axes
+    differ clearly, which makes it the 2D-classification test object."""
+    rng = np.random.default_rng(seed)
+    parts = [((-20.0, 0, 0), (30.0, 7, 7), 120), ((25.0, 28, 0), (7.0, 18, 7), 60), ((-35.0, 0, 25), (9.0, 9, 9), 40)]
+    c = np.concatenate([np.array(m) + rng.normal(size=(n, 3)) * np.array(sd) for m, sd, n in parts])
+    return Phantom(c - c.mean(0), rng.uniform(0.6, 1.4, len(c)), 3.4)

@@ -210,12 +210,14 @@ def run(p: Params) -> Iterator:
         setup = EStepSetup(frefs, smp, pix_c, pix_f, apix, be.asarray(sigma2), log_pdf_direction=be.asarray(log_prior),
                            sigma_offset_A=sigma_offset_A, class_offset_prior_A=prior_offsets)
         batch = _batch_size(p, be, N, K * smp.n_orient, smp.translations.shape[0], pix_c.npix)
+        t_e = time.time()
         yield from em.run_estep(ps, everyone, setup, sums, be, mask_radius_px=mask_r, zero_mask=p.zero_mask,
                                 do_norm=False, norm_average=1.0, scales=scales, batch=batch, stage=f"it {it:03d}",
                                 seed=p.random_seed + it)
         # 2D: the in-plane angle is rot + psi of the Euler triple (tilt 0)
         ps.angles[:, 2] = (ps.angles[:, 0] + ps.angles[:, 2] + 180.0) % 360.0 - 180.0
         ps.angles[:, :2] = 0.0
+        t_e = time.time() - t_e
         # ---- M-step ----
         new_refs = np.empty((K, N, N))
         for k, bp in enumerate(bps):
@@ -259,7 +261,8 @@ def run(p: Params) -> Iterator:
         n_empty = int((pdf_class < 1e-6).sum())
         summary = (f"largest classes {', '.join(f'{100 * d:.1f}%' for d in np.sort(pdf_class)[::-1][:5])}; "
                    f"resolution {min(res_A):.1f} Å; {100 * changed:.1f}% of particles changed class; <Pmax> "
-                   f"{ps.pmax.mean():.3f}; {time.time() - t_it:.1f} s" + (f"; {n_empty} empty" if n_empty else ""))
+                   f"{ps.pmax.mean():.3f}; {time.time() - t_it:.1f} s "
+                   f"(E-step {t_e:.1f} s, batch {batch})" + (f"; {n_empty} empty" if n_empty else ""))
         yield ClassAveragesUpdated("classes", refs.astype(np.float32), pdf_class.copy(), np.asarray(res_A), apix,
                                    stack)
         yield IterationFinished(it, {"classes": refs.astype(np.float32)}, pdf_class.copy(), float(min(res_A)), None,

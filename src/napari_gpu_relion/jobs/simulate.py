@@ -198,3 +198,38 @@ def sample_data_dir() -> Path:
     if not (cache / "particles.star").is_file():
         make_sample_data(cache)
     return cache
+
+
+def make_views_and_junk(out: Path, views_deg: np.ndarray, n_per_view: int, n_junk: int, box: int, angpix: float,
+                        snr: float, seed: int = 0) -> Path:
+    """A 2D-classification data set in ``out``: ``n_per_view`` particles of each view (rot, tilt; random psi, CTF,
+    offsets) of the L-shaped phantom at signal-to-noise ``snr`` plus ``n_junk`` images of pure noise at the same
+    noise level, shuffled; particles.star (offsets unknown: 0), label.npy (the view of each particle, -1 = junk)
+    and views.npy (the noise-free projections of the views, psi 0)."""
+    from ..compute.geometry import euler_to_matrix  # noqa: PLC0415
+
+    out = Path(out)
+    rng = np.random.default_rng(seed)
+    ph = sim.l_shaped_phantom()
+    views = np.asarray(views_deg, dtype=float)
+    ang = np.repeat(views, n_per_view, axis=0)
+    ang[:, 2] = rng.uniform(-180, 180, len(ang))
+    sp = sim.simulate_particles(len(ang), box, angpix, phantom=ph, angles=ang, snr=0.0, seed=seed + 1)
+    noise = float(np.sqrt(sp.clean.reshape(len(ang), -1).var(1).mean() / snr))
+    clean = np.concatenate([sp.clean, np.zeros((n_junk, box, box), np.float32)])
+    n = len(clean)
+    perm = rng.permutation(n)
+    imgs = (clean + rng.normal(0, noise, clean.shape).astype(np.float32))[perm]
+    (out / "particles").mkdir(parents=True, exist_ok=True)
+    write_mrc(out / "particles" / "particles.mrcs", imgs, angpix)
+    ctf = {k: np.concatenate([getattr(sp.ctf, k), np.full(n_junk, v)])[perm]
+           for k, v in (("defocus_u", 15000.0), ("defocus_v", 15000.0), ("defocus_angle", 0.0))}
+    df = pd.DataFrame({"rlnImageName": [f"{i + 1:06d}@particles/particles.mrcs" for i in range(n)],
+                       "rlnOpticsGroup": np.ones(n, int), "rlnDefocusU": ctf["defocus_u"],
+                       "rlnDefocusV": ctf["defocus_v"], "rlnDefocusAngle": ctf["defocus_angle"],
+                       "rlnOriginXAngst": np.zeros(n), "rlnOriginYAngst": np.zeros(n)})
+    write_particles(out / "particles.star", df, _optics(box, angpix, "particles"))
+    np.save(out / "label.npy", np.concatenate([np.repeat(np.arange(len(views)), n_per_view),
+                                               np.full(n_junk, -1)])[perm])
+    np.save(out / "views.npy", sim.phantom_projections(ph, euler_to_matrix(*views.T), box, angpix))
+    return out
