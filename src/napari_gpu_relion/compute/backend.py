@@ -73,6 +73,17 @@ class Backend:
     def is_gpu(self) -> bool:
         return self.device is not None
 
+    def release_cached(self, max_cached_fraction: float = 0.25) -> None:
+        """Give the device memory that CuPy's pool caches but no array uses back to the driver once it exceeds
+        ``max_cached_fraction`` of the device (between iterations: transient blocks of varying sizes pile up in
+        the pool, GBs per iteration; releasing every time made the next E-steps up to 2x slower on the H100)."""
+        if self.is_gpu:
+            with self.xp.cuda.Device(self.device):
+                pool = self.xp.get_default_memory_pool()
+                _free, total = self.xp.cuda.runtime.memGetInfo()
+                if pool.free_bytes() > max_cached_fraction * total:
+                    pool.free_all_blocks()
+
     def asarray(self, a, dtype=None):
         """Move ``a`` to this backend's device."""
         if self.is_gpu:

@@ -95,7 +95,9 @@ class BackProjector:
         if arrays is None:  # else views (data_re, data_im, weight) into a BackProjectorStack
             arrays = tuple(xp.zeros(grid_shape(self.size, self.pad, ndim), dtype=dtype) for _ in range(3))
         self.data_re, self.data_im, self.weight = arrays
-        self.stack: tuple[BackProjectorStack, int] | None = None
+        # (the stack's full arrays, this member's index) when a BackProjectorStack made this one; no reference to
+        # the stack object itself, so no reference cycle keeps device memory alive until a garbage collection
+        self.stack: tuple[tuple, int] | None = None
 
     @property
     def padded_size(self) -> int:
@@ -256,7 +258,7 @@ class BackProjectorStack:
         self.members = []
         for k in range(int(n)):
             bp = BackProjector(size, pad, r_max, ndim, xp, dtype, arrays=tuple(a[k] for a in self.arrays))
-            bp.stack = (self, k)
+            bp.stack = (self.arrays, k)
             self.members.append(bp)
 
     def insert_pixels(self, index, A, kx, ky, values, weights, chunk_points: int = 1 << 23) -> None:
@@ -273,11 +275,15 @@ def insert_by_class(backprojectors: list, index, A, kx, ky, values, weights) -> 
     """Insert slice r into ``backprojectors[index[r]]``: one call when they are the members of one
     BackProjectorStack in order, else one call per class."""
     xp = get_array_module(values)
-    stacks = {id(bp.stack[0]) if bp.stack is not None else None for bp in backprojectors}
-    first = backprojectors[0].stack
-    in_order = first is not None and all(bp.stack[1] == k for k, bp in enumerate(backprojectors))
-    if len(stacks) == 1 and in_order and len(first[0].members) == len(backprojectors):
-        first[0].insert_pixels(index, A, kx, ky, values, weights)
+    first = backprojectors[0]
+    one_stack = first.stack is not None and first.stack[0][0].shape[0] == len(backprojectors) and all(
+        bp.stack is not None and bp.stack[0] is first.stack[0] and bp.stack[1] == k
+        for k, bp in enumerate(backprojectors))
+    if one_stack:
+        A = xp.asarray(A, dtype=np.float64)
+        A = A[:, :2, :2] if first.ndim == 2 else A
+        _insert_chunks(first.stack[0], first.pad, first.r_max, A, kx, ky, values, weights, 1 << 23,
+                       index=xp.asarray(index))
         return
     index_h = to_host(index)
     for c, bp in enumerate(backprojectors):

@@ -266,6 +266,7 @@ def run_estep(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, sums: EStepS
             yield item
         else:
             yield Progress(item[0], item[1], stage)
+    be.release_cached()
 
 
 # ----------------------------------------------------------------------------------------------------------
