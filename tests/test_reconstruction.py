@@ -170,3 +170,16 @@ def test_stacked_classes_project_and_insert_as_one_class_at_a_time(ndim):
         np.testing.assert_allclose(stack.members[k].data, one.data, rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(stack.members[k].weight, one.weight, rtol=1e-12, atol=1e-12)
     assert sum(float(m.weight.sum()) for m in stack.members) > 0
+    # Hermitian pairing and reconstruction of the whole stack == member by member
+    copies = []
+    for m in stack.members:
+        c = BackProjector(N, 2, 6, ndim=ndim)
+        c.add(m)
+        c.enforce_hermitian()
+        copies.append(c)
+    stack.enforce_hermitian()
+    tau2 = rng.uniform(0.5, 2.0, (K, N // 2 + 1))
+    maps = stack.reconstruct(tau2, 2.0, max_bytes=2 * 8 * (2 * N) ** ndim)  # two members per chunk
+    for k, c in enumerate(copies):
+        np.testing.assert_array_equal(stack.members[k].weight, c.weight)
+        np.testing.assert_allclose(maps[k], c.reconstruct(tau2[k], 2.0), rtol=1e-5, atol=1e-6 * np.abs(maps[k]).max())

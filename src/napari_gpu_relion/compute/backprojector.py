@@ -31,6 +31,70 @@ def grid_shape(size: int, pad: int, ndim: int) -> tuple[int, ...]:
     return (P,) * (ndim - 1) + (P // 2 + 1,)
 
 
+def _enforce_hermitian(re, im, w, ndim: int) -> None:
+    """In place on grids (..., *half grid): data(k) + conj(data(-k)) and summed weights on the kx=0 plane (2D:
+    line), DC left alone; leading axes are independent grids (a class stack)."""
+    xp = get_array_module(re)
+    P = re.shape[-2]
+    m = (-xp.arange(P)) % P
+    if ndim == 3:
+        sl = (Ellipsis, slice(None), slice(None), 0)
+        mate = [a[sl][..., m, :][..., :, m] for a in (re, im, w)]
+        dc = (Ellipsis, 0, 0)
+    else:
+        sl = (Ellipsis, slice(None), 0)
+        mate = [a[sl][..., m] for a in (re, im, w)]
+        dc = (Ellipsis, 0)
+    re0, im0, w0 = re[sl], im[sl], w[sl]
+    new = [re0 + mate[0], im0 - mate[1], w0 + mate[2]]
+    for n, old in zip(new, (re0, im0, w0), strict=True):
+        n[dc] = old[dc]
+    re[sl], im[sl], w[sl] = new
+
+
+def reconstruct_grids(data, weight, size: int, pad: int, ndim: int, r_max: float, tau2=None,
+                      tau2_fudge: float = 1.0, minres_map: int = 5, soft_edge: bool = True):
+    """BackProjector.reconstruct for B grids at once: data (B, *half grid) complex, weight (B, *half grid),
+    tau2 (B, shells) or None -> (B, N, ...) float32 maps (one batched inverse FFT)."""
+    xp = get_array_module(weight)
+    N, pf = size, pad
+    B = weight.shape[0]
+    P = pf * N
+    ks = half_grid_indices(P, ndim, xp)
+    q2 = sum(k.astype(np.float64) ** 2 for k in ks)
+    shells = round_half_away(xp.sqrt(q2) / pf).astype(np.int64)
+    lim2 = float(round_half_away(np.float64(pf * r_max))) ** 2
+    inside = q2 < lim2
+    W = weight.astype(np.float64, copy=True)
+    if tau2 is not None:
+        t2 = xp.asarray(tau2, dtype=np.float64).reshape(B, -1)
+        L = t2.shape[1]
+        t = t2[:, xp.clip(shells, 0, L - 1)]
+        prior_ok = (inside & (shells >= minres_map) & (shells < L))[None]
+        add = xp.where(prior_ok & (t > 0), 1.0 / xp.maximum(pf**ndim * tau2_fudge * t, 1e-300), 0.0)
+        add = xp.where(prior_ok & (t <= 0) & (W > 0), 1.0 / xp.maximum(0.001 * W, 1e-300), add)
+        W = W + add
+    # floor: shell mean of W / 1000, shells r' = FLOOR(|q|/pf)
+    nsh = int(r_max) + 2
+    rf = xp.where(inside, xp.floor(xp.sqrt(q2) / pf).astype(np.int64), nsh)
+    idx = (xp.arange(B)[:, None] * (nsh + 1) + rf.reshape(1, -1)).reshape(-1)
+    sums = xp.bincount(idx, weights=xp.where(inside[None], W, 0).reshape(-1), minlength=B * (nsh + 1))
+    cnts = xp.bincount(rf.reshape(-1), minlength=nsh + 1)
+    wbar = sums.reshape(B, nsh + 1) / xp.maximum(cnts, 1)[None] / 1000.0
+    denom = xp.maximum(W, wbar[:, xp.minimum(rf, nsh)])
+    ok = inside[None] & (denom > 0)
+    Vhat = xp.where(ok, data / xp.where(denom > 0, denom, 1.0), 0)
+    del W, denom, ok
+    vol_pad = irfft_centered(Vhat, P, ndim)
+    lo = P // 2 - N // 2
+    sl = (slice(None),) + tuple(slice(lo, lo + N) for _ in range(ndim))
+    vol = vol_pad[sl] * (1.0 / (pf**3 * N) if ndim == 3 else 1.0 / pf**2)
+    if soft_edge:
+        vol = soft_mask_outside(vol, N / 2, 3.0, ndim)
+    vol = vol / sinc2_gridding(N, pf, ndim, xp)
+    return vol.astype(np.float32)
+
+
 def _chunk_contributions(A, kx, ky, v, w, pad: int, P: int, rmp2: float, base=None):
     """Flat grid indices and the real, imaginary and weight contributions of one chunk of slices; ``base``
     (R, 1) adds each slice's flat offset in a stack of grids."""
@@ -141,22 +205,7 @@ class BackProjector:
     def enforce_hermitian(self) -> None:
         """Sum the Hermitian pairs on the kx=0 plane (line in 2D): D = data(k) + conj(data(-k)), weights summed
         (RELION 4.2 step 1; sums, not averages). The DC element is left alone."""
-        xp = self.xp
-        P = self.padded_size
-        m = (-xp.arange(P)) % P
-        if self.ndim == 3:
-            re0, im0, w0 = self.data_re[:, :, 0], self.data_im[:, :, 0], self.weight[:, :, 0]
-            mre, mim, mw = re0[m][:, m], im0[m][:, m], w0[m][:, m]
-        else:
-            re0, im0, w0 = self.data_re[:, 0], self.data_im[:, 0], self.weight[:, 0]
-            mre, mim, mw = re0[m], im0[m], w0[m]
-        new_re, new_im, new_w = re0 + mre, im0 - mim, w0 + mw
-        dc = (0, 0) if self.ndim == 3 else (0,)
-        new_re[dc], new_im[dc], new_w[dc] = re0[dc], im0[dc], w0[dc]
-        if self.ndim == 3:
-            self.data_re[:, :, 0], self.data_im[:, :, 0], self.weight[:, :, 0] = new_re, new_im, new_w
-        else:
-            self.data_re[:, 0], self.data_im[:, 0], self.weight[:, 0] = new_re, new_im, new_w
+        _enforce_hermitian(self.data_re, self.data_im, self.weight, self.ndim)
 
     def _grid_points(self):
         """Padded-grid coordinates (x, y[, z]) of all half-grid voxels within pf r_max, and their flat index."""
@@ -207,41 +256,9 @@ class BackProjector:
         >= ``minres_map``; ``tau2=None`` gives the unregularised reconstruction. A floor of the shell-mean
         weight / 1000 avoids division by tiny weights. Then inverse FFT, crop, /(pf^3 N) (3D) or /pf^2 (2D),
         soft edge at N/2 (3 px) and the sinc^2 gridding correction."""
-        xp = self.xp
-        N, pf, ndim = self.size, self.pad, self.ndim
-        shells, q2 = self.padded_shells()
-        lim2 = float(round_half_away(np.float64(pf * self.r_max))) ** 2
-        inside = q2 < lim2
-        W = self.weight.copy()
-        if tau2 is not None:
-            t2 = xp.asarray(tau2, dtype=np.float64)
-            sh = xp.clip(shells, 0, t2.shape[0] - 1)
-            t = t2[sh]
-            ovs = pf**ndim
-            prior_ok = inside & (shells >= minres_map) & (shells < t2.shape[0])
-            add = xp.where(prior_ok & (t > 0), 1.0 / xp.maximum(ovs * tau2_fudge * t, 1e-300), 0.0)
-            add = xp.where(prior_ok & (t <= 0) & (W > 0), 1.0 / xp.maximum(0.001 * W, 1e-300), add)
-            W = W + add
-        # floor: shell mean of W / 1000, shells r' = FLOOR(|q|/pf)
-        rfloor = xp.floor(xp.sqrt(q2) / pf).astype(np.int64)
-        nsh = int(self.r_max) + 2
-        rf = xp.where(inside, rfloor, nsh)
-        sums = xp.bincount(rf.reshape(-1), weights=xp.where(inside, W, 0).reshape(-1), minlength=nsh + 1)
-        cnts = xp.bincount(rf.reshape(-1), minlength=nsh + 1)
-        wbar = sums / xp.maximum(cnts, 1) / 1000.0
-        denom = xp.maximum(W, wbar[xp.minimum(rf, nsh)])
-        data = self.data
-        Vhat = xp.where(inside & (denom > 0), data / xp.where(denom > 0, denom, 1.0), 0)
-        P = self.padded_size
-        vol_pad = irfft_centered(Vhat, P, ndim)
-        scale = 1.0 / (pf**3 * N) if ndim == 3 else 1.0 / pf**2
-        lo = P // 2 - N // 2
-        sl = tuple(slice(lo, lo + N) for _ in range(ndim))
-        vol = vol_pad[sl] * scale
-        if soft_edge:
-            vol = soft_mask_outside(vol[None], N / 2, 3.0, ndim)[0]
-        vol = vol / sinc2_gridding(N, pf, ndim, xp)
-        return vol.astype(np.float32)
+        t2 = None if tau2 is None else self.xp.asarray(tau2, dtype=np.float64)[None]
+        return reconstruct_grids(self.data[None], self.weight[None], self.size, self.pad, self.ndim, self.r_max,
+                                 t2, tau2_fudge, minres_map, soft_edge)[0]
 
 
 class BackProjectorStack:
@@ -260,6 +277,24 @@ class BackProjectorStack:
             bp = BackProjector(size, pad, r_max, ndim, xp, dtype, arrays=tuple(a[k] for a in self.arrays))
             bp.stack = (self.arrays, k)
             self.members.append(bp)
+
+    def enforce_hermitian(self) -> None:
+        """BackProjector.enforce_hermitian for every member at once."""
+        _enforce_hermitian(*self.arrays, self.ndim)
+
+    def reconstruct(self, tau2, tau2_fudge: float = 1.0, max_bytes: int = 1 << 28):
+        """(K, N, ...) float32 maps of every member (BackProjector.reconstruct), ``tau2`` (K, shells) or None;
+        members in chunks whose padded real-space grids fit ``max_bytes``."""
+        xp = self.xp
+        K = self.arrays[0].shape[0]
+        step = max(1, int(max_bytes // (8 * (self.pad * self.size) ** self.ndim)))
+        out = []
+        for k0 in range(0, K, step):  # ceil(K / step) batched reconstructions
+            re, im, w = (a[k0:k0 + step] for a in self.arrays)
+            t2 = None if tau2 is None else xp.asarray(tau2, dtype=np.float64)[k0:k0 + step]
+            out.append(reconstruct_grids(re + 1j * im, w, self.size, self.pad, self.ndim, self.r_max, t2,
+                                         tau2_fudge))
+        return xp.concatenate(out)
 
     def insert_pixels(self, index, A, kx, ky, values, weights, chunk_points: int = 1 << 23) -> None:
         """As BackProjector.insert_pixels; slice r goes into member index[r]."""

@@ -203,13 +203,14 @@ def run(p: Params) -> Iterator:
         yield Message(f"iteration {it}: image size {current_size} (coarse {coarse}), {K} classes x {smp.n_psi} psi "
                       f"x {smp.translations.shape[0]} translations")
         old_classes = ps.classes.copy()
-        bps = BackProjectorStack(K, N, p.pad, current_size / 2, ndim=2, xp=xp, dtype=np.float64).members
+        stack = BackProjectorStack(K, N, p.pad, current_size / 2, ndim=2, xp=xp, dtype=np.float64)
+        bps = stack.members
         sums = EStepSums(bps, N // 2 + 1, ps.n_optics_groups, 1, n_scale_groups=len(scales))
         with np.errstate(divide="ignore"):
             log_prior = np.log(pdf_class)[:, None]  # (K, 1): the class prior
         setup = EStepSetup(frefs, smp, pix_c, pix_f, apix, be.asarray(sigma2), log_pdf_direction=be.asarray(log_prior),
                            sigma_offset_A=sigma_offset_A, class_offset_prior_A=prior_offsets)
-        batch = _batch_size(p, be, N, K * smp.n_orient, smp.translations.shape[0], pix_c.npix)
+        batch = _batch_size(p, be, N, K * smp.n_orient, smp.translations.shape[0], pix_c.npix, cap=1024)
         t_e = time.time()
         yield from em.run_estep(ps, everyone, setup, sums, be, mask_radius_px=mask_r, zero_mask=p.zero_mask,
                                 do_norm=False, norm_average=1.0, scales=scales, batch=batch, stage=f"it {it:03d}",
@@ -219,11 +220,10 @@ def run(p: Params) -> Iterator:
         ps.angles[:, :2] = 0.0
         t_e = time.time() - t_e
         # ---- M-step ----
-        new_refs = np.empty((K, N, N))
-        for k, bp in enumerate(bps):
-            bp.enforce_hermitian()
-            ssnr_all[k] = ssnr_map(bp, tau2[k], p.tau2_fudge)
-            new_refs[k] = to_host(bp.reconstruct(tau2[k], p.tau2_fudge)) if sums.pdf_class[k] > 0 else refs[k]
+        stack.enforce_hermitian()
+        ssnr_all = [ssnr_map(bp, tau2[k], p.tau2_fudge) for k, bp in enumerate(bps)]
+        maps = to_host(stack.reconstruct(np.stack([to_host(t) for t in tau2]), p.tau2_fudge)).astype(np.float64)
+        new_refs = np.where((sums.pdf_class > 0)[:, None, None], maps, refs)  # an empty class keeps its average
         sigma2 = update_sigma2(sums.sigma2, sums.sumw_group, N)
         sigma_offset_A = update_sigma_offset(sums.sigma_offset, sums.sum_weight)
         pdf_class = sums.pdf_class / max(sums.pdf_class.sum(), 1e-300)

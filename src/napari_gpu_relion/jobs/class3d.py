@@ -194,7 +194,8 @@ def run(p: Params) -> Iterator:
         yield Message(f"iteration {it}: image size {current_size} (coarse {coarse}), {K} classes x {search}"
                       f"{', random class seeding' if it == seed_it and seeding else ''}{', CC' if cc else ''}")
         old_classes = ps.classes.copy()
-        bps = BackProjectorStack(K, N, p.pad, current_size / 2, ndim=3, xp=xp, dtype=np.float64).members
+        stack = BackProjectorStack(K, N, p.pad, current_size / 2, ndim=3, xp=xp, dtype=np.float64)
+        bps = stack.members
         sums = EStepSums(bps, N // 2 + 1, ps.n_optics_groups, smp.n_dirs, n_scale_groups=len(scales))
         if cc and seeding:  # class 1 only
             class_prior = np.where(np.arange(K)[None, :] == 0, 0.0, -np.inf) * np.ones((len(ps), 1))
@@ -219,16 +220,14 @@ def run(p: Params) -> Iterator:
         if p.skip_align:  # the input angles and offsets, exactly (not their round trip through matrices)
             ps.angles[:], ps.offsets_px[:] = input_angles, input_offsets
         # ---- M-step ----
-        new_refs = []
+        stack.enforce_hermitian()
         for k, bp in enumerate(bps):
-            bp.enforce_hermitian()
             if sym.order > 1:
                 bp.symmetrise(sym.matrices)
             ssnr_all[k] = ssnr_map(bp, tau2[k], p.tau2_fudge)
-            if sums.pdf_class[k] > 0:
-                new_refs.append(to_host(bp.reconstruct(tau2[k], p.tau2_fudge)).astype(np.float64))
-            else:  # an empty class keeps its reference (RELION does too)
-                new_refs.append(refs[k])
+        maps = to_host(stack.reconstruct(np.stack([to_host(t) for t in tau2]), p.tau2_fudge)).astype(np.float64)
+        # an empty class keeps its reference (RELION does too)
+        new_refs = [maps[k] if sums.pdf_class[k] > 0 else refs[k] for k in range(K)]
         if not cc:
             sigma2 = update_sigma2(sums.sigma2, sums.sumw_group, N)
             sigma_offset_A = update_sigma_offset(sums.sigma_offset, sums.sum_weight)
