@@ -178,15 +178,14 @@ class Weights:
 
 
 def posterior_weights(diff2, log_prior, adaptive_fraction: float = 0.999, cc: bool = False,
-                      maxsig: int = -1, method: str = "auto") -> Weights:
+                      maxsig: int = -1) -> Weights:
     """Log-domain weights exp(log_prior - diff2) per particle over the last axis (invalid samples carry
     log_prior = -inf), normalised by their full sum S, then RELION's significance: sort descending, keep the
     samples until the running sum first exceeds ``adaptive_fraction`` x S (``maxsig`` caps the count).
     CC mode: a hard assignment to the best (lowest) score.
 
-    ``method``: "sort" (the definition) or "bisect" (the same threshold found by bisection over the float32
-    values, no sort: ~30 masked sums per particle; the GPU default, where sorting every particle's samples
-    dominated 2D classification); "auto" bisects on the GPU and sorts on the CPU."""
+    (A sort-free threshold by bisection over the float32 values was tried: 32 masked reductions with a host
+    check each made the 2D E-step 1.5x slower on the H100, results/estep_class2d_bisect_rejected_h100.json.)"""
     xp = get_array_module(diff2)
     I = diff2.shape[0]
     lw = (log_prior - diff2.astype(np.float64)).reshape(I, -1)
@@ -203,70 +202,17 @@ def posterior_weights(diff2, log_prior, adaptive_fraction: float = 0.999, cc: bo
     e = xp.exp(lw - top)  # exp(-inf) = 0
     S = e.sum(axis=1)
     p = (e / S[:, None]).astype(np.float32)
-    del e, lw
-    if method == "auto":
-        method = "sort" if xp is np else "bisect"
-    if method == "sort":
-        srt = -xp.sort(-p, axis=1)
-        csum = xp.cumsum(srt, axis=1, dtype=np.float64)
-        k = (csum < adaptive_fraction).sum(axis=1)  # samples before the crossing
-        k = xp.minimum(k, p.shape[1] - 1)
-        if maxsig > 0:
-            k = xp.minimum(k, maxsig - 1)
-        wsig = srt[rows, k]
-        nsig = k + 1
-    else:
-        wsig = significance_threshold(p, adaptive_fraction)
-        if maxsig > 0:
-            wsig = xp.maximum(wsig, significance_threshold(p, maxsig, count=True))
-        nsig = ((p >= wsig[:, None]) & (p > 0)).sum(axis=1)
+    del e
+    srt = -xp.sort(-p, axis=1)
+    csum = xp.cumsum(srt, axis=1, dtype=np.float64)
+    k = (csum < adaptive_fraction).sum(axis=1)  # samples before the crossing
+    k = xp.minimum(k, lw.shape[1] - 1)
+    if maxsig > 0:
+        k = xp.minimum(k, maxsig - 1)
+    wsig = srt[rows, k]
     sig = (p >= wsig[:, None]) & (p > 0)
     wn = xp.where(sig, p, np.float32(0.0))
-    return Weights(wn, sig, best, p[rows, best].astype(np.float64), nsig, top[:, 0] + xp.log(S))
-
-
-def significance_threshold(p, level: float, count: bool = False):
-    """Per row of p (I, n) float32 >= 0 the largest value v among its entries with sum(p[p >= v]) >= ``level``
-    (RELION's significance cut: the value where the descending running sum first reaches the level), or with
-    ``count``, the largest v with #(p >= v) >= ``level`` (the level-th largest value). Bisection over the
-    float32 bit patterns (monotonic for values >= 0): 31 masked reductions, exact, no sort."""
-    xp = get_array_module(p)
-    p = xp.ascontiguousarray(p, dtype=np.float32)
-    lo = xp.zeros(p.shape[0], dtype=np.int32)  # the condition holds at 0 (all entries count)
-    hi = p.max(axis=1).view(np.int32) + 1  # ... and fails above the largest entry
-    measure = _masked_count if count else _masked_sum
-    for _ in range(32):
-        if not bool((hi - lo > 1).any()):
-            break
-        mid = lo + (hi - lo) // 2
-        ok = measure(p, mid.view(np.float32)) >= level
-        lo = xp.where(ok, mid, lo)
-        hi = xp.where(ok, hi, mid)
-    return lo.view(np.float32)
-
-
-_KERNELS: dict = {}
-
-
-def _masked_sum(p, v):
-    """sum over each row of p where p >= v[row] (float64 accumulation)."""
-    xp = get_array_module(p)
-    if xp is np:
-        return np.where(p >= v[:, None], p, np.float32(0)).sum(axis=1, dtype=np.float64)
-    if "sum" not in _KERNELS:
-        _KERNELS["sum"] = xp.ReductionKernel("float32 p, float32 v", "float64 s", "p >= v ? (double)p : 0.0",
-                                             "a + b", "s = a", "0", "gpu_relion_masked_sum")
-    return _KERNELS["sum"](p, v[:, None], axis=1)
-
-
-def _masked_count(p, v):
-    xp = get_array_module(p)
-    if xp is np:
-        return (p >= v[:, None]).sum(axis=1)
-    if "count" not in _KERNELS:
-        _KERNELS["count"] = xp.ReductionKernel("float32 p, float32 v", "int64 s", "p >= v ? 1 : 0",
-                                               "a + b", "s = a", "0", "gpu_relion_masked_count")
-    return _KERNELS["count"](p, v[:, None], axis=1)
+    return Weights(wn, sig, best, p[rows, best].astype(np.float64), k + 1, top[:, 0] + xp.log(S))
 
 
 # ----------------------------------------------------------------------------------------------------------
