@@ -108,13 +108,9 @@ toy.run = toy_run
 
 
 @pytest.fixture(autouse=True)
-def config_dir(tmp_path, monkeypatch):
-    cfg = tmp_path / "config"
-    monkeypatch.setenv("NAPARI_GPU_RELION_CONFIG_DIR", str(cfg))
-    yield cfg
-    rn.close_all_runners(timeout=10)
-    for runner in rn._runners.values():
-        assert not runner.busy
+def _settings(config_dir):
+    """Every test here gets its own settings folder (tests/conftest.py)."""
+    return config_dir
 
 
 @pytest.fixture

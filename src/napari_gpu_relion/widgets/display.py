@@ -61,25 +61,31 @@ MIN_REFRESH_INTERVAL = 0.1
 MIN_TICK_GAP = 0.02
 
 
+def _matplotlib_dock(object_name: str, figsize: tuple[float, float]) -> tuple[Any, Any, Any]:
+    """(QWidget, Figure, canvas): an empty matplotlib figure filling a widget for a napari dock."""
+    from matplotlib.backends.backend_qtagg import FigureCanvasQTAgg
+    from matplotlib.figure import Figure
+    from qtpy.QtWidgets import QVBoxLayout, QWidget
+
+    widget = QWidget()
+    widget.setObjectName(object_name)
+    figure = Figure(figsize=figsize)
+    canvas = FigureCanvasQTAgg(figure)
+    canvas.setMinimumHeight(200)
+    layout = QVBoxLayout(widget)
+    layout.setContentsMargins(0, 0, 0, 0)
+    layout.addWidget(canvas)
+    return widget, figure, canvas
+
+
 class FscPlot:
     """A matplotlib FSC plot in a napari dock widget: curves against resolution (1/Å), threshold line,
     resolution in the title. Build once, call :meth:`update` for every new FscUpdated."""
 
     def __init__(self, viewer: napari.viewer.Viewer):
-        from matplotlib.backends.backend_qtagg import FigureCanvasQTAgg
-        from matplotlib.figure import Figure
-        from qtpy.QtWidgets import QVBoxLayout, QWidget
-
-        self.widget = QWidget()
-        self.widget.setObjectName("gpu_relion_fsc_plot")
-        self.figure = Figure(figsize=(4, 3))
+        self.widget, self.figure, self.canvas = _matplotlib_dock("gpu_relion_fsc_plot", (4, 3))
         self.figure.subplots_adjust(left=0.16, right=0.97, bottom=0.16, top=0.88)
-        self.canvas = FigureCanvasQTAgg(self.figure)
-        self.canvas.setMinimumHeight(200)
         self.axes = self.figure.add_subplot(111)
-        layout = QVBoxLayout(self.widget)
-        layout.setContentsMargins(0, 0, 0, 0)
-        layout.addWidget(self.canvas)
         self._colors = _theme_colors(viewer)
         self.last_event: FscUpdated | None = None
         self.draw_count = 0
@@ -134,18 +140,7 @@ class AngularDistributionPlot:
     with a colour bar. Build once, call :meth:`update` with each new histogram."""
 
     def __init__(self, viewer: napari.viewer.Viewer):
-        from matplotlib.backends.backend_qtagg import FigureCanvasQTAgg
-        from matplotlib.figure import Figure
-        from qtpy.QtWidgets import QVBoxLayout, QWidget
-
-        self.widget = QWidget()
-        self.widget.setObjectName("gpu_relion_angular_distribution")
-        self.figure = Figure(figsize=(4.5, 3))
-        self.canvas = FigureCanvasQTAgg(self.figure)
-        self.canvas.setMinimumHeight(200)
-        layout = QVBoxLayout(self.widget)
-        layout.setContentsMargins(0, 0, 0, 0)
-        layout.addWidget(self.canvas)
+        self.widget, self.figure, self.canvas = _matplotlib_dock("gpu_relion_angular_distribution", (4.5, 3))
         self._colors = _theme_colors(viewer)
         self.axes: Any = None
         self.colorbar: Any = None
