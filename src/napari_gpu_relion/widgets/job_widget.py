@@ -299,7 +299,7 @@ class JobWidget(Container):
         folder_row.margins = (0, 0, 0, 0)
 
         super().__init__(widgets=[*self.inputs.values(), buttons, self.progress, self.status, folder_row],
-                         labels=True, scrollable=False, name=f"{self.job_name}_widget")
+                         labels=True, scrollable=True, name=f"{self.job_name}_widget")  # tall docks scroll
 
         self._load_settings()
         self._update_folder_from_params()
