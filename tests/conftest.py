@@ -1,4 +1,5 @@
-"""Shared fixtures of the widget tests: a private settings folder per test, and no runner left busy."""
+"""Shared fixtures of the widget tests: a private settings folder per test (no runner left busy), and the
+error messages the widgets show."""
 
 import pytest
 
@@ -15,3 +16,15 @@ def config_dir(tmp_path, monkeypatch):
     rn.close_all_runners(timeout=10)
     for runner in rn._runners.values():
         assert not runner.busy
+
+
+@pytest.fixture
+def errors(monkeypatch):
+    """Messages passed to show_error (by the runner and by the widgets)."""
+    from napari_gpu_relion.widgets import job_widget as jw
+    from napari_gpu_relion.widgets import runner as rn
+
+    seen: list[str] = []
+    monkeypatch.setattr(rn, "show_error", lambda msg: seen.append(str(msg)))
+    monkeypatch.setattr(jw, "show_error", lambda msg: seen.append(str(msg)))
+    return seen

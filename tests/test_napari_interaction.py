@@ -21,8 +21,6 @@ from napari.utils.interactions import (  # noqa: E402
 from napari_gpu_relion.io.micrographs import read_coordinate_list  # noqa: E402
 from napari_gpu_relion.io.star import read_coordinates, write_star_blocks  # noqa: E402
 from napari_gpu_relion.jobs.events import ClassAveragesUpdated, Finished, MicrographPicked  # noqa: E402
-from napari_gpu_relion.widgets import job_widget as jw  # noqa: E402
-from napari_gpu_relion.widgets import runner as rn  # noqa: E402
 from napari_gpu_relion.widgets.display import (  # noqa: E402
     LiveDisplay,
     class_at,
@@ -34,18 +32,7 @@ from napari_gpu_relion.widgets.display import (  # noqa: E402
 PLUGIN = "napari-gpu-relion"
 
 
-@pytest.fixture(autouse=True)
-def _settings(config_dir):
-    """Every test here gets its own settings folder (tests/conftest.py)."""
-    return config_dir
-
-
-@pytest.fixture
-def errors(monkeypatch):
-    seen: list[str] = []
-    monkeypatch.setattr(rn, "show_error", lambda msg: seen.append(str(msg)))
-    monkeypatch.setattr(jw, "show_error", lambda msg: seen.append(str(msg)))
-    return seen
+pytestmark = pytest.mark.usefixtures("config_dir")  # own settings folder per test (tests/conftest.py)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -107,19 +107,7 @@ toy.run = toy_run
 # Fixtures
 
 
-@pytest.fixture(autouse=True)
-def _settings(config_dir):
-    """Every test here gets its own settings folder (tests/conftest.py)."""
-    return config_dir
-
-
-@pytest.fixture
-def errors(monkeypatch):
-    """Messages passed to show_error (by the runner and by the widgets)."""
-    seen: list[str] = []
-    monkeypatch.setattr(rn, "show_error", lambda msg: seen.append(str(msg)))
-    monkeypatch.setattr(jw, "show_error", lambda msg: seen.append(str(msg)))
-    return seen
+pytestmark = pytest.mark.usefixtures("config_dir")  # own settings folder per test (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,6 @@ from ..compute.maximization import (
     coarse_image_size,
     reference_tau2,
     resolution_shell_from_ssnr,
-    ssnr_map,
     update_sigma2,
     update_sigma_offset,
 )
@@ -190,7 +189,6 @@ def run(p: Params) -> Iterator:
     everyone = np.arange(len(ps))
     circle = soft_spherical_mask(N, mask_r, MASK_EDGE, 2).astype(np.float64)
     outputs: dict[str, Path] = {}
-    ssnr_all = [np.zeros(N // 2 + 1)] * K
     for it in range(first_it, p.iter + 1):
         t_it = time.time()
         current_size = int(min(N, 2 * (res_shell + 10)))
@@ -204,8 +202,7 @@ def run(p: Params) -> Iterator:
                       f"x {smp.translations.shape[0]} translations")
         old_classes = ps.classes.copy()
         stack = BackProjectorStack(K, N, p.pad, current_size / 2, ndim=2, xp=xp, dtype=np.float64)
-        bps = stack.members
-        sums = EStepSums(bps, N // 2 + 1, ps.n_optics_groups, 1, n_scale_groups=len(scales))
+        sums = EStepSums(stack.members, N // 2 + 1, ps.n_optics_groups, 1, n_scale_groups=len(scales))
         with np.errstate(divide="ignore"):
             log_prior = np.log(pdf_class)[:, None]  # (K, 1): the class prior
         setup = EStepSetup(frefs, smp, pix_c, pix_f, apix, be.asarray(sigma2), log_pdf_direction=be.asarray(log_prior),
@@ -220,10 +217,7 @@ def run(p: Params) -> Iterator:
         ps.angles[:, :2] = 0.0
         t_e = time.time() - t_e
         # ---- M-step ----
-        stack.enforce_hermitian()
-        ssnr_all = [ssnr_map(bp, tau2[k], p.tau2_fudge) for k, bp in enumerate(bps)]
-        maps = to_host(stack.reconstruct(np.stack([to_host(t) for t in tau2]), p.tau2_fudge)).astype(np.float64)
-        new_refs = np.where((sums.pdf_class > 0)[:, None, None], maps, refs)  # an empty class keeps its average
+        new_refs, ssnr_all = em.reconstruct_classes(stack, tau2, p.tau2_fudge, sums.pdf_class, refs)
         sigma2 = update_sigma2(sums.sigma2, sums.sumw_group, N)
         sigma_offset_A = update_sigma_offset(sums.sigma_offset, sums.sum_weight)
         pdf_class = sums.pdf_class / max(sums.pdf_class.sum(), 1e-300)

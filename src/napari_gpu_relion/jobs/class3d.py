@@ -28,7 +28,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..compute.backend import to_host
 from ..compute.backprojector import BackProjectorStack
 from ..compute.estep import EStepSetup, EStepSums, GivenOrientations, Sampling
 from ..compute.expectation import pixel_set
@@ -40,7 +39,6 @@ from ..compute.maximization import (
     coarse_image_size,
     reference_tau2,
     resolution_shell_from_ssnr,
-    ssnr_map,
     update_sigma2,
     update_sigma_offset,
 )
@@ -171,7 +169,6 @@ def run(p: Params) -> Iterator:
     yield Started(JOB_NAME, out, be.name, f"classifying {len(ps)} particles into {K} classes"
                   + (f", continuing after iteration {first_it - 1}" if opt is not None else ""))
     outputs: dict[str, Path] = {}
-    ssnr_all = [np.zeros(N // 2 + 1)] * K
     for it in range(first_it, p.iter + 1):
         t_it = time.time()
         cc = p.firstiter_cc and it == 1
@@ -195,8 +192,7 @@ def run(p: Params) -> Iterator:
                       f"{', random class seeding' if it == seed_it and seeding else ''}{', CC' if cc else ''}")
         old_classes = ps.classes.copy()
         stack = BackProjectorStack(K, N, p.pad, current_size / 2, ndim=3, xp=xp, dtype=np.float64)
-        bps = stack.members
-        sums = EStepSums(bps, N // 2 + 1, ps.n_optics_groups, smp.n_dirs, n_scale_groups=len(scales))
+        sums = EStepSums(stack.members, N // 2 + 1, ps.n_optics_groups, smp.n_dirs, n_scale_groups=len(scales))
         if cc and seeding:  # class 1 only
             class_prior = np.where(np.arange(K)[None, :] == 0, 0.0, -np.inf) * np.ones((len(ps), 1))
         elif it == seed_it and seeding:
@@ -220,14 +216,8 @@ def run(p: Params) -> Iterator:
         if p.skip_align:  # the input angles and offsets, exactly (not their round trip through matrices)
             ps.angles[:], ps.offsets_px[:] = input_angles, input_offsets
         # ---- M-step ----
-        stack.enforce_hermitian()
-        for k, bp in enumerate(bps):
-            if sym.order > 1:
-                bp.symmetrise(sym.matrices)
-            ssnr_all[k] = ssnr_map(bp, tau2[k], p.tau2_fudge)
-        maps = to_host(stack.reconstruct(np.stack([to_host(t) for t in tau2]), p.tau2_fudge)).astype(np.float64)
-        # an empty class keeps its reference (RELION does too)
-        new_refs = [maps[k] if sums.pdf_class[k] > 0 else refs[k] for k in range(K)]
+        new_refs, ssnr_all = em.reconstruct_classes(stack, tau2, p.tau2_fudge, sums.pdf_class, refs, sym.matrices)
+        new_refs = list(new_refs)
         if not cc:
             sigma2 = update_sigma2(sums.sigma2, sums.sumw_group, N)
             sigma_offset_A = update_sigma_offset(sums.sigma_offset, sums.sum_weight)

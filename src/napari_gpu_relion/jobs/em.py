@@ -399,6 +399,25 @@ def write_classification_model(path: Path, ref_dim: int, reference_names: list[s
                             apix)
 
 
+def reconstruct_classes(stack, tau2: list, tau2_fudge: float, class_weight: np.ndarray, old_refs,
+                        sym_matrices: np.ndarray | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The classification M-step of the class maps: Hermitian pairing of every class, point-group symmetrisation
+    (``sym_matrices``, 3D), SSNR_MAP per class and one batched MAP reconstruction with each class's tau2.
+    Returns the new maps (K, N, ...) float64 (an empty class keeps ``old_refs[k]``, as RELION does) and the
+    SSNR_MAP curves."""
+    from ..compute.maximization import ssnr_map  # noqa: PLC0415
+
+    stack.enforce_hermitian()
+    ssnr_all = []
+    for k, bp in enumerate(stack.members):  # K classes (symmetrisation and the SSNR are per class)
+        if sym_matrices is not None and len(sym_matrices) > 1:
+            bp.symmetrise(sym_matrices)
+        ssnr_all.append(ssnr_map(bp, tau2[k], tau2_fudge))
+    maps = to_host(stack.reconstruct(np.stack([to_host(t) for t in tau2]), tau2_fudge)).astype(np.float64)
+    keep = (np.asarray(class_weight) > 0).reshape((-1,) + (1,) * (maps.ndim - 1))
+    return np.where(keep, maps, np.asarray(old_refs, dtype=np.float64)), ssnr_all
+
+
 def next_perturbation(previous: float, seed: int, iteration: int) -> float:
     """RELION's random perturbation of the sampling for this iteration, in [-0.5, 0.5): one generator per
     iteration (seed + 7919 x iteration), so a continued run draws what the uninterrupted run drew."""
