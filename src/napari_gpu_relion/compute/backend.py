@@ -150,10 +150,79 @@ def select_backend(cpu: bool = False, gpu: int | None = None) -> Backend:
     return be
 
 
-def batch_size(bytes_per_item: int, budget_bytes: int, *, lo: int = 1, hi: int = 1 << 20) -> int:
-    """How many items of ``bytes_per_item`` fit in ``budget_bytes`` (at least ``lo``, at most ``hi``)."""
-    n = budget_bytes // max(1, int(bytes_per_item))
-    return int(max(lo, min(hi, n)))
+# ----------------------------------------------------------------------------------------------------------
+# The memory plan: the one place where batch and chunk sizes are decided
+# ----------------------------------------------------------------------------------------------------------
+
+#: Fraction of the free memory (after the references and accumulators) that one E-step batch may use. The E-step
+#: allocates transient arrays beyond the counted ones (FFT work areas, CuPy's rounding of blocks); 0.15 left
+#: room for them on the H100 and on 24 GB hosts without an out-of-memory retry.
+BATCH_FRACTION = 0.15
+#: Most particles per E-step batch. More particles per batch did not make 3D jobs faster on the H100 beyond
+#: 512; 2D classification (small images, many classes) was 1.3x faster at 1024 (benchmarks/README.md).
+MAX_BATCH_3D = 512
+MAX_BATCH_2D = 1024
+#: Bytes that one chunk of the fine pass, or one reconstruction chunk, may use: 256 MiB keeps the fine pass's
+#: (particle, fine row, translation) blocks in the GPU's L2-friendly range and well inside any host.
+CHUNK_BYTES = 1 << 28
+#: Points per scatter-add call of the back-projection (bounds its index and weight arrays to ~400 MB).
+INSERT_CHUNK_POINTS = 1 << 23
+
+
+def estep_bytes_per_particle(rows: int, translations: int, box: int, coarse_pixels: int) -> int:
+    """Device bytes one particle needs in an E-step batch: the coarse score, log-prior and weight blocks
+    (float32, rows x translations, 3 arrays), the image in real and Fourier space at the full box (8 float32
+    planes: masked and unmasked, complex), and the particle terms of the score GEMM (translations x coarse
+    pixels, complex float32 stacked [Re, Im])."""
+    return 4 * (rows * translations * 3 + 8 * box * box) + 8 * translations * coarse_pixels * 2
+
+
+def fine_bytes_per_sample(fine_translations: int, fine_pixels: int) -> int:
+    """Device bytes of one (particle, fine orientation) pair in a fine-pass chunk: per fine translation the
+    score, log prior and weight (float64 + float32 x 8 = 40 bytes); per pixel the gathered slice (complex64) and
+    its weighted-sum share (float32 x 4 = 24 bytes)."""
+    return fine_translations * 40 + fine_pixels * 24
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What an E-step iteration holds and how it is cut: the free memory, the references and accumulators, the
+    particle batch and the fine-pass chunk budget (bytes)."""
+
+    free_bytes: int
+    reference_bytes: int
+    accumulator_bytes: int
+    bytes_per_particle: int
+    batch: int
+    fine_chunk_bytes: int
+    rows_per_particle: int
+    translations: int
+
+    def describe(self) -> str:
+        gib = 1024.0**3
+        return (f"memory plan: references {self.reference_bytes / gib:.2f} GiB, accumulators "
+                f"{self.accumulator_bytes / gib:.2f} GiB, batch {self.batch} particles x {self.rows_per_particle} "
+                f"orientations x {self.translations} translations ({self.batch * self.bytes_per_particle / gib:.2f} "
+                f"GiB), fine chunks {self.fine_chunk_bytes / 2**20:.0f} MiB; free {self.free_bytes / gib:.1f} GiB")
+
+
+def plan_memory(free_bytes: int, *, box: int, ndim: int, pad: int, n_references: int, rows_per_particle: int,
+                translations: int, coarse_pixels: int, requested_batch: int = 0) -> MemoryPlan:
+    """The memory plan of one E-step iteration. ``n_references`` counts every padded Fourier reference held
+    (classes x halves); each has an accumulator of the same grid (complex128 data + float64 weight) beside its
+    complex64 reference. ``requested_batch`` (--batch) wins when positive; otherwise the batch is what
+    BATCH_FRACTION of the memory left after the references and accumulators holds, at most MAX_BATCH_2D/3D."""
+    grid = (pad * box) ** (ndim - 1) * (pad * box // 2 + 1)
+    ref_bytes = n_references * grid * 8
+    acc_bytes = n_references * grid * (16 + 8)
+    per = estep_bytes_per_particle(rows_per_particle, translations, box, coarse_pixels)
+    if requested_batch > 0:
+        batch = int(requested_batch)
+    else:
+        left = max(0, free_bytes - ref_bytes - acc_bytes)
+        cap = MAX_BATCH_2D if ndim == 2 else MAX_BATCH_3D
+        batch = int(max(1, min(cap, BATCH_FRACTION * left // max(per, 1))))
+    return MemoryPlan(int(free_bytes), ref_bytes, acc_bytes, per, batch, CHUNK_BYTES, rows_per_particle, translations)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

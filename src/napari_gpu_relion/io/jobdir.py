@@ -1,0 +1,143 @@
+"""RELION's job-folder layout and project-relative paths: the one module that spells their names.
+
+relion_refine's ``--o`` is a *rootname*: ``--o Refine3D/job001/run`` writes ``Refine3D/job001/run_it001_data.star``,
+``run_it001_model.star`` (``run_it001_half1_model.star`` in auto-refine), ``run_it001_optimiser.star``,
+``run_it001_class001.mrc`` (``run_it001_half1_class001.mrc``; 2D: ``run_it001_classes.mrcs``) and, after an
+auto-refine converges, ``run_data.star``, ``run_model.star``, ``run_class001.mrc`` and
+``run_half1_class001_unfil.mrc``. :class:`RunFiles` makes and parses these names.
+
+Paths inside STAR files are relative to the RELION project folder, the folder RELION runs in.
+:func:`project_path` resolves them the same way everywhere (particles' stacks, micrographs, references, the
+files a viewer opens).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+_ITER = re.compile(r"^(?P<root>.+?)_it(?P<it>\d{3,})_(?P<rest>.+)$")
+
+
+def _tag(iteration: int | None) -> str:
+    return "" if iteration is None else f"_it{iteration:03d}"
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """The files of one relion_refine-style job under the rootname ``root`` (folder / name prefix).
+    ``iteration=None`` names the final (converged) files of an auto-refine."""
+
+    root: Path
+
+    @classmethod
+    def from_output(cls, o: str | os.PathLike) -> RunFiles:
+        """``--o`` as RELION reads it: a rootname (``Class2D/job003/run``). An existing folder, or a path that
+        ends in a separator, means ``<folder>/run`` (what RELION's GUI passes for a job folder)."""
+        text = os.fspath(o)
+        p = Path(text)
+        if text.endswith(("/", os.sep)) or p.is_dir():
+            return cls(p / "run")
+        return cls(p)
+
+    @property
+    def folder(self) -> Path:
+        return self.root.parent
+
+    @property
+    def name(self) -> str:
+        return self.root.name
+
+    def _file(self, iteration: int | None, suffix: str) -> Path:
+        return self.folder / f"{self.name}{_tag(iteration)}_{suffix}"
+
+    def data(self, iteration: int | None = None) -> Path:
+        return self._file(iteration, "data.star")
+
+    def model(self, iteration: int | None = None, half: int | None = None) -> Path:
+        return self._file(iteration, f"half{half}_model.star" if half else "model.star")
+
+    def optimiser(self, iteration: int | None = None) -> Path:
+        return self._file(iteration, "optimiser.star")
+
+    def class_map(self, k: int, iteration: int | None = None, half: int | None = None) -> Path:
+        """3D class map (class ``k`` counted from 1), of one half in auto-refine."""
+        return self._file(iteration, f"half{half}_class{k:03d}.mrc" if half else f"class{k:03d}.mrc")
+
+    def unfiltered_half_map(self, half: int, k: int = 1) -> Path:
+        """The final unfiltered half map of an auto-refine (the input of post-processing)."""
+        return self.folder / f"{self.name}_half{half}_class{k:03d}_unfil.mrc"
+
+    def classes_stack(self, iteration: int) -> Path:
+        """2D classification: the class averages of an iteration as one stack."""
+        return self._file(iteration, "classes.mrcs")
+
+    def iterations(self) -> list[int]:
+        """The iterations whose optimiser STAR exists (written last: the iteration is complete), ascending."""
+        pat = re.compile(rf"^{re.escape(self.name)}_it(\d{{3,}})_optimiser\.star$")
+        if not self.folder.is_dir():
+            return []
+        return sorted(int(m.group(1)) for q in self.folder.iterdir() if (m := pat.match(q.name)))
+
+    def latest_data(self) -> Path | None:
+        """The final data STAR if it exists, else that of the newest iteration that has one."""
+        if self.data().is_file():
+            return self.data()
+        pat = re.compile(rf"^{re.escape(self.name)}_it(\d{{3,}})_data\.star$")
+        found = sorted((int(m.group(1)), q) for q in self.folder.glob(f"{self.name}_it*_data.star")
+                       if (m := pat.match(q.name)))
+        return found[-1][1] if found else None
+
+
+def parse_run_file(path: str | os.PathLike) -> tuple[RunFiles, int | None, str]:
+    """(RunFiles, iteration, what) of a file named as above: ``Class2D/job1/run_it025_classes.mrcs`` ->
+    (RunFiles('Class2D/job1/run'), 25, 'classes.mrcs'); final files give iteration None and a guessed root
+    (the text before the last ``_``-separated known part)."""
+    p = Path(path)
+    m = _ITER.match(p.name)
+    if m:
+        return RunFiles(p.parent / m.group("root")), int(m.group("it")), m.group("rest")
+    for what in ("data.star", "model.star", "optimiser.star", "class001.mrc"):
+        if p.name.endswith("_" + what):
+            return RunFiles(p.parent / p.name[: -len(what) - 1]), None, what
+    stem, _, rest = p.name.rpartition("_")
+    return RunFiles(p.parent / (stem or p.stem)), None, rest
+
+
+def data_for_classes_stack(stack: str | os.PathLike) -> Path | None:
+    """The data STAR of the same iteration as a 2D classes stack (``run_it025_classes.mrcs`` ->
+    ``run_it025_data.star``), None if the name is not such a stack."""
+    files, it, what = parse_run_file(stack)
+    if it is None or what != "classes.mrcs":
+        return None
+    return files.data(it)
+
+
+def project_path(name: str | os.PathLike, star: str | os.PathLike | None = None,
+                 project_dir: str | os.PathLike | None = None) -> tuple[Path | None, list[Path]]:
+    """Resolve a path written in a STAR file (RELION's rule: relative to the project folder) and say where it
+    was looked for. Absolute paths stand. ``project_dir`` given: only there. Otherwise the project folder is
+    the current folder (where RELION runs); failing that, the STAR file's folder and up to three of its parents
+    (a job folder is two levels below its project: ``Extract/job007/particles.star``).
+
+    Returns (the existing file, or None; the folders tried in order)."""
+    q = Path(name)
+    if q.is_absolute():
+        return (q if q.exists() else None), [Path("/")]
+    if project_dir is not None:
+        base = Path(project_dir)
+        return ((base / q) if (base / q).exists() else None), [base]
+    bases = [Path.cwd()]
+    if star is not None:
+        here = Path(star).resolve().parent
+        bases += [here, *list(here.parents)[:3]]
+    tried: list[Path] = []
+    for b in bases:
+        if b in tried:
+            continue
+        tried.append(b)
+        if (b / q).exists():
+            return b / q, tried
+    return None, tried
