@@ -26,7 +26,7 @@ from bench_reconstruction import timed  # the same timer (benchmarks/ is the scr
 from napari_gpu_relion.compute.backend import select_backend
 from napari_gpu_relion.compute.backprojector import BackProjectorStack
 from napari_gpu_relion.compute.ctf import CtfParams, ctf_from_frequencies
-from napari_gpu_relion.compute.estep import EStepSetup, EStepSums, PreparedBatch, Sampling, expectation_batch
+from napari_gpu_relion.compute.estep import EStepSetup, EStepSums, PreparedBatch, expectation_batch
 from napari_gpu_relion.compute.expectation import (
     particle_terms,
     pixel_set,
@@ -36,6 +36,7 @@ from napari_gpu_relion.compute.expectation import (
 )
 from napari_gpu_relion.compute.geometry import euler_to_matrix
 from napari_gpu_relion.compute.projector import prepare_reference, project_pixels
+from napari_gpu_relion.compute.sampling import Sampling
 
 
 def sgemm_rate(be, n=8192):
@@ -136,8 +137,8 @@ def run_case(be, N, order, I, reps, n_classes=1):
 def run_case_2d(be, N, n_classes, I, reps, psi_step=12.0):
     """2D classification E-step: K random 2D classes, rows = class x psi (coarse psi step 12° = RELION's GUI
     6° fine), 21 translations (range 5, step 2), particles from class 1 at random psi."""
-    from napari_gpu_relion.compute.estep import InPlaneSampling  # noqa: PLC0415
     from napari_gpu_relion.compute.masks import soft_spherical_mask  # noqa: PLC0415
+    from napari_gpu_relion.compute.sampling import InPlaneSampling  # noqa: PLC0415
 
     xp = be.xp
     rng = np.random.default_rng(N + n_classes)

@@ -22,6 +22,7 @@ import starfile
 
 from napari_gpu_relion.compute.backend import select_backend
 from napari_gpu_relion.compute.ground_truth import aligned_correlation
+from napari_gpu_relion.io.jobdir import RunFiles
 from napari_gpu_relion.io.mrc import read_mrc
 from napari_gpu_relion.jobs import class2d
 from napari_gpu_relion.jobs.events import IterationFinished, Message
@@ -48,7 +49,7 @@ def main():
     be = select_backend(cpu=a.cpu)
     data = make_views_and_junk(Path(a.work), VIEWS, a.per_view, a.junk, a.box, a.angpix, a.snr, a.seed)
     out = data / f"Class2D_K{a.K}"
-    params = class2d.Params(i=data / "particles.star", o=out, K=a.K, iter=a.iter, ctf=True,
+    params = class2d.Params(i=data / "particles.star", o=out / "run", K=a.K, iter=a.iter, ctf=True,
                             particle_diameter=a.diameter, flatten_solvent=True, zero_mask=True, center_classes=True,
                             random_seed=a.seed, cpu=a.cpu)
     t0 = time.time()
@@ -66,10 +67,10 @@ def main():
             print(ev.text, flush=True)
     wall = time.time() - t0
     label = np.load(data / "label.npy")
-    cls = starfile.read(out / f"run_it{a.iter:03d}_data.star")["particles"]["rlnClassNumber"].to_numpy() - 1
+    cls = starfile.read(RunFiles(out / "run").data(a.iter))["particles"]["rlnClassNumber"].to_numpy() - 1
     true_in = np.bincount(cls[label >= 0], minlength=a.K)
     junk_classes = true_in < 0.05 * (label >= 0).sum()
-    avgs = np.asarray(read_mrc(out / f"run_it{a.iter:03d}_classes.mrcs").data, np.float64)
+    avgs = np.asarray(read_mrc(RunFiles(out / "run").classes_stack(a.iter)).data, np.float64)
     views = np.load(data / "views.npy").astype(np.float64)
     corr = []
     for v in range(len(VIEWS)):

@@ -20,6 +20,7 @@ import starfile
 
 from napari_gpu_relion.compute.backend import select_backend
 from napari_gpu_relion.compute.ground_truth import class_assignment_report
+from napari_gpu_relion.io.jobdir import RunFiles
 from napari_gpu_relion.jobs import class3d
 from napari_gpu_relion.jobs.events import IterationFinished, Message
 from napari_gpu_relion.jobs.simulate import make_sample_data
@@ -57,7 +58,7 @@ def main():
     truth = starfile.read(data / "particles_truth.star")["particles"]
     states = truth["rlnClassNumber"].to_numpy() - 1
     out = data / f"Class3D_K{a.K}"  # inside the data folder (RELION's project layout: image paths resolve)
-    params = class3d.Params(i=data / "particles.star", ref=data / "truth.mrc", o=out, K=a.K, iter=a.iter,
+    params = class3d.Params(i=data / "particles.star", ref=data / "truth.mrc", o=out / "run", K=a.K, iter=a.iter,
                             tau2_fudge=a.tau2_fudge, healpix_order=a.healpix_order, sigma_ang=a.sigma_ang,
                             skip_align=a.skip_align, ini_high=a.ini_high, particle_diameter=a.diameter + 10.0, ctf=True,
                             flatten_solvent=not a.no_flatten, zero_mask=True, random_seed=a.seed, cpu=a.cpu)
@@ -65,10 +66,9 @@ def main():
     t0 = time.perf_counter()
     d = _run(params, out, truth, states, a.K, per_iter, t0)
     if a.then_local:
-        last = f"run_it{a.iter:03d}"
-        first = out
+        first = RunFiles(out / "run")
         out = data / f"Class3D_K{a.K}_local"
-        local = class3d.Params(i=first / f"{last}_data.star", ref=first / f"{last}_model.star", o=out, K=a.K,
+        local = class3d.Params(i=first.data(a.iter), ref=first.model(a.iter), o=out / "run", K=a.K,
                                iter=a.then_local,
                                tau2_fudge=a.tau2_fudge, healpix_order=a.local_order, sigma_ang=a.local_sigma,
                                ini_high=-1.0, particle_diameter=a.diameter + 10.0, ctf=True,
@@ -96,7 +96,7 @@ def _run(params, out, truth, states, K, per_iter, t0, offset=0):
         if isinstance(ev, Message):
             print(f"{time.perf_counter() - t0:8.1f} s  {ev.text}", flush=True)
         if isinstance(ev, IterationFinished):
-            d = starfile.read(out / f"run_it{ev.iteration:03d}_data.star")["particles"]
+            d = starfile.read(RunFiles(out / "run").data(ev.iteration))["particles"]
             assert (d["rlnImageName"].to_numpy() == truth["rlnImageName"].to_numpy()).all()
             rep = class_assignment_report(d["rlnClassNumber"].to_numpy() - 1, states, K)
             per_iter.append({"iteration": offset + ev.iteration, "accuracy": rep.accuracy, "sizes": rep.sizes.tolist(),

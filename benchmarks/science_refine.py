@@ -22,6 +22,7 @@ import starfile
 from napari_gpu_relion.compute.backend import select_backend
 from napari_gpu_relion.compute.fsc import fsc, resolution_A
 from napari_gpu_relion.compute.geometry import angular_distance_deg, euler_to_matrix
+from napari_gpu_relion.io.jobdir import RunFiles
 from napari_gpu_relion.io.mrc import read_mrc
 from napari_gpu_relion.jobs import reconstruct, refine3d
 from napari_gpu_relion.jobs.em import read_optimiser_star
@@ -63,22 +64,22 @@ def main():
                                                     subset=k, cpu=a.cpu)):
             pass
     res_truth = half_map_resolution(work / "truth_half1.mrc", work / "truth_half2.mrc")
-    out = work / "refine"
+    out = RunFiles(work / "refine" / "run")
     t0 = time.perf_counter()
     last = ""
-    for ev in refine3d.run(refine3d.Params(i=data / "particles.star", ref=data / "reference.mrc", o=out, ctf=True,
+    for ev in refine3d.run(refine3d.Params(i=data / "particles.star", ref=data / "reference.mrc", o=out.root, ctf=True,
                                            particle_diameter=a.diameter + 10.0, healpix_order=a.healpix_order,
                                            flatten_solvent=True, cpu=a.cpu)):
         if isinstance(ev, Message):
             last = ev.text
             print(f"{time.perf_counter() - t0:8.1f} s  {ev.text}", flush=True)
     wall = time.perf_counter() - t0
-    res_refined = half_map_resolution(out / "run_half1_class001_unfil.mrc", out / "run_half2_class001_unfil.mrc")
-    d = starfile.read(out / "run_data.star")["particles"]
+    res_refined = half_map_resolution(out.unfiltered_half_map(1), out.unfiltered_half_map(2))
+    d = starfile.read(out.data())["particles"]
     err = angular_distance_deg(_matrices(d), _matrices(truth))
     off = np.hypot(d["rlnOriginXAngst"].to_numpy() - truth["rlnOriginXAngst"].to_numpy(),
                    d["rlnOriginYAngst"].to_numpy() - truth["rlnOriginYAngst"].to_numpy())
-    gen = read_optimiser_star(out / "run_optimiser.star")
+    gen = read_optimiser_star(out.optimiser())
     order = int(gen.get("rlnGpuRelion_order", a.healpix_order))
     final_step = 60.0 / 2**order / 2.0  # fine (oversampled) angular step of the last iteration
     r = {"hardware": be.name, "host": platform.node(), "date": time.strftime("%Y-%m-%d"),

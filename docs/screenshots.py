@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from napari_gpu_relion.io.jobdir import RunFiles
+
 PLUGIN = "napari-gpu-relion"
 #: Window size (pixels), the same for every screenshot: tall enough for the tallest dock widget (Auto-picking, about
 #: 1140 px) and for 3D auto-refine with the result docks below the canvas; under Xvfb it is taller than the screen.
@@ -219,8 +221,9 @@ def truth_check(w: Walkthrough, ref_dir: Path) -> None:
     from napari_gpu_relion.io.mrc import read_mrc
     from napari_gpu_relion.jobs.demo import _angular_errors
 
-    err = _angular_errors(ref_dir / "run_data.star", w.data / "particles.star")
-    refined = read_mrc(ref_dir / "run_class001.mrc")
+    run = RunFiles(ref_dir / "run")
+    err = _angular_errors(run.data(), w.data / "particles.star")
+    refined = read_mrc(run.class_map(1))
     truth = np.asarray(read_mrc(w.data / "truth.mrc").data, np.float64)
     res = resolution_A(fsc(np.asarray(refined.data, np.float64), truth), truth.shape[0],
                        float(refined.pixel_size), 0.5)
@@ -334,7 +337,7 @@ def main() -> None:
 
     # 7. the same selection with the Class selection widget (the Select job)
     sel_dir = w.job_folder("Select")
-    data_star = sorted(c2_dir.glob("run_it*_data.star"))[-1]
+    data_star = RunFiles(c2_dir / "run").latest_data()
     sel = w.dock("Class selection")
     sel.set_values(i=data_star, o=sel_dir / "particles.star", classes=",".join(map(str, sorted(good))))
     w.run(sel, "select")
@@ -377,7 +380,7 @@ def main() -> None:
     w.note(f"class001 iso threshold shown in the layer controls: {iso:.4f} -> --ini_threshold {threshold}")
     mk = w.dock("Mask creation")
     w.move_below_canvas(["FSC", "Angular distribution"])
-    mk.set_values(i=ref_dir / "run_class001.mrc", o=mask_dir / "mask.mrc", ini_threshold=threshold,
+    mk.set_values(i=RunFiles(ref_dir / "run").class_map(1), o=mask_dir / "mask.mrc", ini_threshold=threshold,
                   extend_inimask=2.0, width_soft_edge=4.0, lowpass=15.0)
     w.run(mk, "mask_create")
     w.note(f"mask: {mk.status.value}")
@@ -393,7 +396,7 @@ def main() -> None:
     pp_dir = w.job_folder("PostProcess")
     pp = w.dock("Post-process")
     w.move_below_canvas(["FSC", "Angular distribution"])
-    pp.set_values(i=ref_dir / "run_half1_class001_unfil.mrc", o=pp_dir, mask=mask_dir / "mask.mrc",
+    pp.set_values(i=RunFiles(ref_dir / "run").unfiltered_half_map(1), o=pp_dir, mask=mask_dir / "mask.mrc",
                   adhoc_bfac=-200.0, low_pass=-1.0)
     w.run(pp, "postprocess")
     w.note(f"postprocess: {pp.status.value}")

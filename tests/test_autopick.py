@@ -214,6 +214,7 @@ def test_log_picking_recall_and_precision(tmp_path, monkeypatch):
     assert lst["rlnMicrographCoordinates"].iloc[0] == "AutoPick/job002/Micrographs/mic000_autopick.star"
 
 
+@pytest.mark.slow
 def test_template_picking_recall_precision_and_psi(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     ph, mics, star = _dataset(tmp_path, 2, 512, 20, seed0=10)

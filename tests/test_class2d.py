@@ -25,6 +25,7 @@ def views_and_junk(tmp_path_factory) -> Path:
     return make_views_and_junk(tmp_path_factory.mktemp("views"), VIEWS, 60, 75, BOX, APIX, 0.3, seed=0)
 
 
+@pytest.mark.slow
 def test_class2d_separates_junk_and_averages_each_view(views_and_junk, tmp_path):
     """RELION's GUI defaults (K=10, 25 iterations, T=2, --ctf --flatten_solvent --zero_mask --center_classes):
     >= 90 % of the junk in classes holding < 5 % of the true particles, and for each view the class holding
@@ -32,7 +33,7 @@ def test_class2d_separates_junk_and_averages_each_view(views_and_junk, tmp_path)
     rotation and shift). Measured: junk 100 %, views 0.928-0.963. Noticed: similar views (0.8 alike) can share
     a class, and with --random_seed 1 one view's class reached only 0.897."""
     d = views_and_junk
-    for _ in class2d.run(class2d.Params(i=d / "particles.star", o=tmp_path / "c2", K=10, iter=25, ctf=True,
+    for _ in class2d.run(class2d.Params(i=d / "particles.star", o=tmp_path / "c2" / "run", K=10, iter=25, ctf=True,
                                         particle_diameter=150.0, flatten_solvent=True, zero_mask=True,
                                         center_classes=True, cpu=True)):
         pass
@@ -77,21 +78,22 @@ def test_blob_references_differ_per_class_and_keep_the_std():
 def test_class2d_bad_input(views_and_junk, tmp_path):
     d = views_and_junk
     with pytest.raises(InputError, match="--K must be at least 1"):
-        class2d.Params(i=d / "particles.star", o=tmp_path / "x", K=0)
+        class2d.Params(i=d / "particles.star", o=tmp_path / "x" / "run", K=0)
     with pytest.raises(InputError, match="--psi_step"):
-        class2d.Params(i=d / "particles.star", o=tmp_path / "x", psi_step=0)
+        class2d.Params(i=d / "particles.star", o=tmp_path / "x" / "run", psi_step=0)
     with pytest.raises(InputError, match="larger than the number of particles"):
-        list(class2d.run(class2d.Params(i=d / "particles.star", o=tmp_path / "x", K=1000, cpu=True)))
+        list(class2d.run(class2d.Params(i=d / "particles.star", o=tmp_path / "x" / "run", K=1000, cpu=True)))
     assert not (tmp_path / "x" / "run_it001_data.star").exists()
 
 
+@pytest.mark.slow
 def test_class2d_continue_repeats_the_uninterrupted_run(views_and_junk, tmp_path):
     """--continue run_it002_optimiser.star (to --iter 4) gives the classes and averages of 4 uninterrupted
     iterations."""
     kw = dict(i=views_and_junk / "particles.star", K=4, ctf=True, particle_diameter=150.0, flatten_solvent=True,
               zero_mask=True, center_classes=True, sort_classes=True, cpu=True)
-    list(class2d.run(class2d.Params(o=tmp_path / "full", iter=4, **kw)))
-    list(class2d.run(class2d.Params(o=tmp_path / "part", iter=2, **kw)))
+    list(class2d.run(class2d.Params(o=tmp_path / "full" / "run", iter=4, **kw)))
+    list(class2d.run(class2d.Params(o=tmp_path / "part" / "run", iter=2, **kw)))
     events = list(class2d.run(class2d.Params(continue_from=tmp_path / "part" / "run_it002_optimiser.star", iter=4,
                                              cpu=True)))
     assert "continuing after iteration 2" in events[0].message

@@ -28,7 +28,7 @@ def mixture(tmp_path_factory) -> Path:
 
 
 def _classify(data: Path, out: Path, K: int) -> tuple[Finished, object, object]:
-    p = class3d.Params(i=data / "particles.star", ref=data / "truth.mrc", o=out, K=K, iter=20, ctf=True,
+    p = class3d.Params(i=data / "particles.star", ref=data / "truth.mrc", o=out / "run", K=K, iter=20, ctf=True,
                        skip_align=True, particle_diameter=150.0, flatten_solvent=True, zero_mask=True, cpu=True)
     fin = [e for e in class3d.run(p) if isinstance(e, Finished)][0]
     truth = starfile.read(data / "particles_truth.star")["particles"]
@@ -40,6 +40,7 @@ def _classify(data: Path, out: Path, K: int) -> tuple[Finished, object, object]:
     return fin, rep, (truth, got)
 
 
+@pytest.mark.slow
 def test_class3d_two_classes_separate_two_states(mixture, tmp_path):
     """K=2 with --skip_align: >= 95 % of the particles in the class of their own state; the input angles and
     offsets are kept exactly; the model STAR's class distribution matches the particle counts."""
@@ -55,7 +56,7 @@ def test_class3d_two_classes_separate_two_states(mixture, tmp_path):
     assert "no empty class" in fin.summary
     # go on from this run's classes: --ref its model STAR (one map per class, K from the list, no seeding)
     p = class3d.Params(i=mixture / "particles.star", ref=tmp_path / "k2" / "run_it020_model.star",
-                       o=tmp_path / "again", K=1, iter=2, ctf=True, skip_align=True, particle_diameter=150.0,
+                       o=tmp_path / "again" / "run", K=1, iter=2, ctf=True, skip_align=True, particle_diameter=150.0,
                        ini_high=-1.0, flatten_solvent=True, zero_mask=True, cpu=True)
     events = list(class3d.run(p))
     assert not any("seeding" in getattr(e, "text", "") for e in events)
@@ -63,6 +64,7 @@ def test_class3d_two_classes_separate_two_states(mixture, tmp_path):
     assert (again["rlnClassNumber"].to_numpy() == got["rlnClassNumber"].to_numpy()).mean() >= 0.98
 
 
+@pytest.mark.slow
 def test_class3d_three_classes_report_the_split_or_empty_class(mixture, tmp_path):
     """K=3 on two states: >= 95 % accuracy (each class labelled by its majority state); one class empties or
     a state splits over two classes, and the job's report names that pair as the most alike."""
@@ -97,7 +99,7 @@ def test_subpixel_preparation_moves_the_particle_to_its_exact_offset():
 
 def test_class3d_rejects_bad_input_before_work(mixture, tmp_path):
     """K < 1, K larger than the number of particles, and particles of different image sizes."""
-    kw = dict(i=mixture / "particles.star", ref=mixture / "reference.mrc", o=tmp_path / "c", cpu=True)
+    kw = dict(i=mixture / "particles.star", ref=mixture / "reference.mrc", o=tmp_path / "c" / "run", cpu=True)
     with pytest.raises(InputError, match="--K must be at least 1"):
         class3d.Params(K=0, **kw)
     with pytest.raises(InputError, match="larger than the number of particles"):
@@ -110,7 +112,7 @@ def test_class3d_rejects_bad_input_before_work(mixture, tmp_path):
     bad = tmp_path / "mixed.star"
     starfile.write({"optics": two, "particles": parts}, bad)
     with pytest.raises(InputError, match="rlnImageSize"):
-        list(class3d.run(class3d.Params(i=bad, ref=mixture / "reference.mrc", o=tmp_path / "d", cpu=True)))
+        list(class3d.run(class3d.Params(i=bad, ref=mixture / "reference.mrc", o=tmp_path / "d" / "run", cpu=True)))
     assert not (tmp_path / "c" / "run_it001_data.star").exists()
     assert not (tmp_path / "d" / "run_it001_data.star").exists()
 
@@ -125,12 +127,13 @@ def pd_concat_optics(optics):
     return pd.concat([optics, g2], ignore_index=True)
 
 
+@pytest.mark.slow
 def test_class3d_continue_repeats_the_uninterrupted_run(mixture, tmp_path):
     """--continue run_it002_optimiser.star (to --iter 4) gives the classes and maps of 4 uninterrupted iterations."""
     kw = dict(i=mixture / "particles.star", ref=mixture / "truth.mrc", K=2, ctf=True, skip_align=True,
               particle_diameter=150.0, flatten_solvent=True, zero_mask=True, cpu=True)
-    list(class3d.run(class3d.Params(o=tmp_path / "full", iter=4, **kw)))
-    list(class3d.run(class3d.Params(o=tmp_path / "part", iter=2, **kw)))
+    list(class3d.run(class3d.Params(o=tmp_path / "full" / "run", iter=4, **kw)))
+    list(class3d.run(class3d.Params(o=tmp_path / "part" / "run", iter=2, **kw)))
     events = list(class3d.run(class3d.Params(continue_from=tmp_path / "part" / "run_it002_optimiser.star", iter=4,
                                              cpu=True)))
     assert "continuing after iteration 2" in events[0].message
@@ -144,11 +147,12 @@ def test_class3d_continue_repeats_the_uninterrupted_run(mixture, tmp_path):
         np.testing.assert_allclose(mb, ma, atol=1e-5 * np.abs(ma).max())
 
 
+@pytest.mark.slow
 def test_class3d_firstiter_cc_copies_class_one_then_seeds(mixture, tmp_path):
     """--firstiter_cc: iteration 1 puts every particle in class 1 (CC, no noise/offset-sigma update), writes class 1
     to both classes with 50/50 distribution; iteration 2 seeds each particle into one random class; the run then
     separates the states as without CC."""
-    p = class3d.Params(i=mixture / "particles.star", ref=mixture / "truth.mrc", o=tmp_path / "cc", K=2, iter=12,
+    p = class3d.Params(i=mixture / "particles.star", ref=mixture / "truth.mrc", o=tmp_path / "cc" / "run", K=2, iter=12,
                        ctf=True, skip_align=True, firstiter_cc=True, particle_diameter=150.0, flatten_solvent=True,
                        zero_mask=True, cpu=True)
     list(class3d.run(p))

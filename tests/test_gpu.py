@@ -97,7 +97,7 @@ def test_refine3d_cupy_and_numpy_give_the_same_angles(tmp_path):
     angles = {}
     for cpu in (True, False):
         o = tmp_path / ("cpu" if cpu else "gpu")
-        for _ in refine3d.run(refine3d.Params(i=data / "particles.star", ref=data / "reference.mrc", o=o, ctf=True,
+        for _ in refine3d.run(refine3d.Params(i=data / "particles.star", ref=data / "reference.mrc", o=o / "run", ctf=True,
                                               particle_diameter=160.0, healpix_order=1, zero_mask=True,
                                               auto_iter_max=3, cpu=cpu, gpu=None if cpu else 0)):
             pass
@@ -123,11 +123,11 @@ def test_class3d_global_then_local_searches_separate_two_states(tmp_path):
     data = make_sample_data(tmp_path / "data", box=64, angpix=3.0, n_particles=2000, snr=0.05, diameter=150.0,
                             ini_high=60.0, n_micrographs=0, conformations=2)
     common = dict(K=2, ctf=True, particle_diameter=160.0, flatten_solvent=True, zero_mask=True)
-    for _ in class3d.run(class3d.Params(i=data / "particles.star", ref=data / "truth.mrc", o=data / "Class3D",
+    for _ in class3d.run(class3d.Params(i=data / "particles.star", ref=data / "truth.mrc", o=data / "Class3D" / "run",
                                         iter=20, healpix_order=2, **common)):
         pass
     for _ in class3d.run(class3d.Params(i=data / "Class3D" / "run_it020_data.star",
-                                        ref=data / "Class3D" / "run_it020_model.star", o=data / "Local", iter=8,
+                                        ref=data / "Class3D" / "run_it020_model.star", o=data / "Local" / "run", iter=8,
                                         healpix_order=3, sigma_ang=3.0, ini_high=-1.0, **common)):
         pass
     truth = starfile.read(data / "particles_truth.star")["particles"]["rlnClassNumber"].to_numpy() - 1

@@ -9,13 +9,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from napari_gpu_relion import _reader
 from napari_gpu_relion.errors import InputError
-from napari_gpu_relion.io.mrc import read_mrc
+from napari_gpu_relion.io.micrographs import micrograph_list, read_coordinate_list, write_coordinate_list
+from napari_gpu_relion.io.mrc import read_mrc, write_mrc
+from napari_gpu_relion.io.particle_images import image_locations, image_names_for, load_images, parse_image_name
 from napari_gpu_relion.io.star import (
     ParticleTable,
-    image_locations,
-    load_images,
-    parse_image_name,
     read_coordinates,
     read_micrographs,
     read_particles,
@@ -567,11 +567,6 @@ def test_relion30_mixed_optics_and_pixel_origins(tmp_path):
 def test_image_names_stay_relative_where_they_resolve_and_become_absolute_elsewhere(tmp_path):
     """A job writing a particles STAR into another folder keeps RELION's project-relative image names when the
     stacks are found from there, and writes absolute stack paths otherwise (so chained jobs find the images)."""
-    import pandas as pd
-
-    from napari_gpu_relion.io.mrc import write_mrc
-    from napari_gpu_relion.io.star import image_names_for, load_images, read_particles, write_particles
-
     proj = tmp_path / "project"
     (proj / "Particles").mkdir(parents=True)
     imgs = np.arange(2 * 4 * 4, dtype=np.float32).reshape(2, 4, 4)
@@ -589,3 +584,49 @@ def test_image_names_stay_relative_where_they_resolve_and_become_absolute_elsewh
     assert list(names) == [f"00000{i}@{(proj / 'Particles' / 's.mrcs').resolve()}" for i in (1, 2)]
     write_particles(elsewhere, parts.assign(rlnImageName=names.to_numpy()), optics)
     np.testing.assert_array_equal(load_images(read_particles(elsewhere)), imgs)
+
+
+def test_paths_in_star_files_resolve_by_one_rule_current_folder_first(tmp_path, monkeypatch):
+    """Particle stacks, micrographs and coordinate files named in STAR files are all found by RELION's rule
+    (jobdir.project_path): the current folder (the project) first, then the STAR's folder and its parents;
+    what is found nowhere is an error that lists the folders tried."""
+    optics = pd.DataFrame({"rlnOpticsGroupName": ["g"], "rlnOpticsGroup": [1], "rlnImagePixelSize": [1.0],
+                           "rlnImageSize": [4], "rlnImageDimensionality": [2]})
+    mic_optics = pd.DataFrame({"rlnOpticsGroupName": ["g"], "rlnOpticsGroup": [1], "rlnMicrographPixelSize": [1.0]})
+    projects = {}
+    for name in ("proj", "cwd"):
+        root = tmp_path / name
+        (root / "Particles").mkdir(parents=True)
+        write_mrc(root / "Particles" / "s.mrcs", np.zeros((1, 4, 4), np.float32), 1.0)
+        write_mrc(root / "m.mrc", np.zeros((8, 8), np.float32), 1.0)
+        write_coordinates(root / "m_pick.star", [1.0], [2.0])
+        projects[name] = root
+    star = projects["proj"] / "Select" / "job002" / "particles.star"
+    write_particles(star, pd.DataFrame({"rlnImageName": ["000001@Particles/s.mrcs"], "rlnOpticsGroup": [1]}), optics)
+    mics = write_particles(projects["proj"] / "Select" / "job002" / "micrographs.star",
+                           pd.DataFrame({"rlnMicrographName": ["m.mrc"], "rlnOpticsGroup": [1]}), mic_optics,
+                           block="micrographs")
+    picks = write_coordinate_list(projects["proj"] / "Select" / "job002" / "picks.star", ["m.mrc"], ["m_pick.star"])
+
+    def found() -> set[Path]:
+        stack = image_locations(read_particles(star))[0][0]
+        mic = micrograph_list(mics).entries[0].path
+        coords = read_coordinate_list(picks)["m.mrc"]
+        files = _reader.micrographs_table(mics)[0][0]
+        return {stack.parent.resolve(), mic.parent.resolve(), coords.parent.resolve(), files.parent.resolve()}
+
+    monkeypatch.chdir(tmp_path)  # no project here: the STAR file's parents
+    assert found() == {projects["proj"].resolve(), (projects["proj"] / "Particles").resolve()}
+    monkeypatch.chdir(projects["cwd"])  # the current folder is the project
+    assert found() == {projects["cwd"].resolve(), (projects["cwd"] / "Particles").resolve()}
+    monkeypatch.chdir(tmp_path)
+    lost = tmp_path / "lost" / "particles.star"
+    write_particles(lost, pd.DataFrame({"rlnImageName": ["000001@Particles/s.mrcs"], "rlnOpticsGroup": [1]}), optics)
+    with pytest.raises(InputError, match="cannot find image stack") as err:
+        image_locations(read_particles(lost))
+    assert str(tmp_path) in str(err.value) and str(lost.parent) in str(err.value)
+    write_particles(lost.with_name("mics.star"), pd.DataFrame({"rlnMicrographName": ["m.mrc"], "rlnOpticsGroup": [1]}),
+                    mic_optics, block="micrographs")
+    with pytest.raises(InputError, match="not found; looked in") as err:
+        _reader.micrographs_table(lost.with_name("mics.star"))
+    assert str(lost.parent) in str(err.value)

@@ -167,6 +167,7 @@ def test_symmetry_reconstruction_from_star(tmp_path):
     assert res["D2"][band].mean() > res["C1"][band].mean() + 0.03
 
 
+@pytest.mark.slow
 def test_demo_command_runs_end_to_end(dataset, tmp_path):
     r = subprocess.run([sys.executable, "-m", "napari_gpu_relion.cli", "demo", "--o", str(tmp_path / "demo"),
                         "--data", str(dataset), "--particle_diameter", "90", "--cpu"], capture_output=True, text=True,

@@ -45,7 +45,7 @@ def test_refine3d_reaches_true_angle_resolution_and_angles(small_data, tmp_path)
             pass
     res_truth = _half_resolution(tmp_path / "t1.mrc", tmp_path / "t2.mrc")
     out = tmp_path / "Refine3D"
-    events = list(refine3d.run(refine3d.Params(i=star, ref=small_data / "reference.mrc", o=out, ctf=True,
+    events = list(refine3d.run(refine3d.Params(i=star, ref=small_data / "reference.mrc", o=out / "run", ctf=True,
                                                particle_diameter=160.0, healpix_order=1,
                                                auto_local_healpix_order=3, flatten_solvent=True, cpu=True)))
     res = _half_resolution(out / "run_half1_class001_unfil.mrc", out / "run_half2_class001_unfil.mrc")
@@ -70,7 +70,7 @@ def test_refine3d_reaches_true_angle_resolution_and_angles(small_data, tmp_path)
 
 
 def _params(data, tmp_path, **kw):
-    base = dict(i=data / "particles.star", ref=data / "reference.mrc", o=tmp_path / "r", ctf=True, cpu=True)
+    base = dict(i=data / "particles.star", ref=data / "reference.mrc", o=tmp_path / "r" / "run", ctf=True, cpu=True)
     base.update(kw)
     return refine3d.Params(**base)
 
@@ -108,18 +108,12 @@ def test_bad_inputs_are_clear_errors_before_work(small_data, tmp_path):
 def test_local_candidates_are_the_prior_window_of_each_particle():
     """Candidates = every (direction, psi) inside RELION's 3-sigma window around the particle's angles, with
     the Gaussian log prior of direction and psi, in row order (row = direction x n_psi + psi)."""
-    from types import SimpleNamespace
-
-    from napari_gpu_relion.compute.estep import Sampling
-    from napari_gpu_relion.compute.sampling import local_search
-    from napari_gpu_relion.jobs.em import LocalSearchSpec, local_candidates
+    from napari_gpu_relion.compute.sampling import Sampling, local_candidates, local_search
 
     rng = np.random.default_rng(2)
     angles = rng.uniform([-180, 0, -180], [180, 180, 180], (5, 3))
     smp = Sampling(order=3)
-    setup = SimpleNamespace(sampling=smp, refs=[None])
-    cand, lpc = local_candidates(SimpleNamespace(angles=angles), np.arange(5), setup,
-                                 LocalSearchSpec(sigma_deg=7.5, sym="C1"))
+    cand, lpc = local_candidates(angles, smp, 7.5, "C1")
     ls = local_search(angles[:, 0], angles[:, 1], angles[:, 2], 7.5, 3, "C1", None)
     for i in range(5):
         keep = ls.dir_mask[i][:, None] & ls.psi_mask[i][None, :]
@@ -146,7 +140,7 @@ def test_continue_from_an_optimiser_star_repeats_the_same_iterations(small_data,
     (proj / "Refine3D").mkdir(parents=True)
     (proj / "particles").symlink_to(small_data / "particles")
     full = proj / "Refine3D" / "full"
-    list(refine3d.run(refine3d.Params(i=star, ref=small_data / "reference.mrc", o=full, **kw)))
+    list(refine3d.run(refine3d.Params(i=star, ref=small_data / "reference.mrc", o=full / "run", **kw)))
     part = proj / "Refine3D" / "part"
     part.mkdir()
     for f in full.glob("run_it001_*"):
@@ -161,6 +155,7 @@ def test_continue_from_an_optimiser_star_repeats_the_same_iterations(small_data,
     assert (part / "run_class001.mrc").is_file()
 
 
+@pytest.mark.slow
 def test_out_of_memory_halves_the_batch_and_gives_the_same_result(small_data, tmp_path, monkeypatch):
     """An E-step batch that does not fit is retried at half the size: the job goes on, says so, and its angles
     are those of a run that used the small batch from the start."""
@@ -179,9 +174,9 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_result(small_data, tm
     starfile.write({"optics": blocks["optics"], "particles": blocks["particles"].iloc[:120]}, tmp_path / "sub.star")
     kw = dict(i=tmp_path / "sub.star", ref=small_data / "reference.mrc", ctf=True, particle_diameter=160.0,
               healpix_order=1, auto_iter_max=1, zero_mask=True, cpu=True)
-    list(refine3d.run(refine3d.Params(o=tmp_path / "small", batch=40, **kw)))
+    list(refine3d.run(refine3d.Params(o=tmp_path / "small" / "run", batch=40, **kw)))
     monkeypatch.setattr(em, "expectation_batch", limited)
-    events = list(refine3d.run(refine3d.Params(o=tmp_path / "big", batch=100, **kw)))
+    events = list(refine3d.run(refine3d.Params(o=tmp_path / "big" / "run", batch=100, **kw)))
     assert any(isinstance(e, Message) and "out of memory" in e.text for e in events)
     a = starfile.read(tmp_path / "small" / "run_data.star")["particles"]
     b = starfile.read(tmp_path / "big" / "run_data.star")["particles"]

@@ -19,9 +19,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import dask
+import dask.array as da
 import numpy as np
+import pandas as pd
 
 from .errors import InputError
+from .io.jobdir import project_path
+from .io.mrc import is_stack, mrc_header_info, read_mrc
+from .io.particle_images import load_images
+from .io.star import read_coordinates, read_micrographs, read_particles, read_star
 
 __all__ = [
     "get_reader",
@@ -174,8 +181,6 @@ def _units(ndim: int, pixel_size: float | None, stack_axes: int = 0) -> tuple[tu
 
 def read_mrc_layers(path: str | os.PathLike) -> list[LayerData]:
     """One Image layer: a map (3D), a stack (.mrcs or image-stack header) or a single micrograph (2D)."""
-    from .io.mrc import is_stack, mrc_header_info
-
     p = Path(path)
     info = mrc_header_info(p)
     shape = info.shape
@@ -192,8 +197,6 @@ def read_mrc_layers(path: str | os.PathLike) -> list[LayerData]:
 
 def micrograph_layer(path: str | os.PathLike) -> LayerData:
     """A single 2D micrograph, memory-mapped (a 4096² uint16 file costs nothing until displayed)."""
-    from .io.mrc import read_mrc
-
     p = Path(path)
     mrc = read_mrc(p, mmap=True)
     data = mrc.data
@@ -230,11 +233,6 @@ def _section_reader(path: Path, dtype: np.dtype, shape: tuple[int, int], offset:
 
 def _lazy_stack(path: Path) -> tuple[Any, Callable[[int], np.ndarray]]:
     """A dask array (n, y, x) of float32 with one chunk per section, and the section reader."""
-    import dask
-    import dask.array as da
-
-    from .io.mrc import mrc_header_info
-
     info = mrc_header_info(path)
     n, ny, nx = (1,) * (3 - len(info.shape)) + tuple(info.shape)
     read = _section_reader(path, info.dtype, (ny, nx), info.offset)
@@ -251,8 +249,6 @@ def _stack_sample(read: Callable[[int], np.ndarray], n: int) -> np.ndarray:
 
 def stack_layer(path: str | os.PathLike) -> LayerData:
     """An image stack (n, y, x), scale (1, p, p); stacks above LAZY_STACK_BYTES are read per section."""
-    from .io.mrc import mrc_header_info, read_mrc
-
     p = Path(path)
     info = mrc_header_info(p)
     nbytes = int(np.prod(info.shape, dtype=np.int64)) * info.dtype.itemsize
@@ -283,8 +279,6 @@ def stack_layer(path: str | os.PathLike) -> LayerData:
 
 def map_layer(path: str | os.PathLike, name: str | None = None) -> LayerData:
     """A 3D map (z, y, x) in Å, ready for iso-surface rendering in 3D (threshold from Otsu's method)."""
-    from .io.mrc import read_mrc
-
     p = Path(path)
     mrc = read_mrc(p)
     vol = np.asarray(mrc.data, dtype=np.float32)
@@ -390,8 +384,6 @@ def find_micrograph(coord_path: str | os.PathLike) -> Path | None:
 def _header_pixel_size(path: Path | None) -> float | None:
     if path is None:
         return None
-    from .io.mrc import mrc_header_info
-
     try:
         return mrc_header_info(path).pixel_size
     except InputError:
@@ -439,8 +431,6 @@ def coordinate_layer(path: str | os.PathLike, pixel_size: float | None = None,
     numbered in order of appearance (names in ``metadata['micrograph_names']``). The pixel size comes from
     ``pixel_size``, else from the matching micrograph's header (:func:`find_micrograph`), else 1 (pixels).
     """
-    from .io.star import read_coordinates
-
     p = Path(path)
     df = read_coordinates(p)
     yx = df[["rlnCoordinateY", "rlnCoordinateX"]].to_numpy(dtype=np.float64)
@@ -473,8 +463,6 @@ def _codes(values: np.ndarray) -> tuple[np.ndarray, list[str]]:
 
 def particles_layer(path: str | os.PathLike, max_particles: int = MAX_PARTICLES) -> LayerData:
     """The first ``max_particles`` particle images of a particle STAR as an Image stack (n, y, x)."""
-    from .io.star import load_images, read_particles
-
     p = Path(path)
     table = read_particles(p)
     n = len(table)
@@ -499,23 +487,18 @@ def particles_layer(path: str | os.PathLike, max_particles: int = MAX_PARTICLES)
 
 
 def _project_file(star: Path, name: str) -> Path:
-    """A path from a STAR table resolved like RELION: relative to the project folder (STAR's folder, its
-    parents up to 3 levels, or the current folder; the first where the file exists)."""
-    q = Path(name)
-    if q.is_absolute():
-        return q
-    here = star.resolve().parent
-    for base in [here, *list(here.parents)[:3], Path.cwd()]:
-        if (base / q).is_file():
-            return base / q
-    raise InputError(f"file {name!r} not found (looked beside the STAR file, in its parents and in the "
-                     "current folder)", path=str(star))
+    """A path from a STAR table resolved like RELION: relative to the project folder (see
+    :func:`.io.jobdir.project_path`); InputError listing the folders tried when it is nowhere."""
+    found, tried = project_path(name, star)
+    if found is None:
+        looked = ", ".join(str(t) for t in tried)
+        raise InputError(f"file {name!r} not found; looked in {looked} (the current folder, then the STAR "
+                         "file's folder and its parents)", path=str(star))
+    return found
 
 
 def micrographs_table(path: str | os.PathLike) -> tuple[list[Path], float | None, Any]:
     """Micrograph files (resolved), pixel size (Å or None) and the table of a micrographs STAR."""
-    from .io.star import read_micrographs, read_star
-
     p = Path(path)
     try:
         table = read_micrographs(p)
@@ -526,8 +509,6 @@ def micrographs_table(path: str | os.PathLike) -> tuple[list[Path], float | None
             pixel_size = None
     except InputError:
         blocks = read_star(p)
-        import pandas as pd
-
         df = next((b for b in blocks.values() if isinstance(b, pd.DataFrame) and "rlnMicrographName" in b.columns),
                   None)
         if df is None:
@@ -542,11 +523,6 @@ def micrographs_table(path: str | os.PathLike) -> tuple[list[Path], float | None
 def micrographs_layer(files: Sequence[Path], pixel_size: float | None, name: str,
                       metadata: dict | None = None) -> LayerData:
     """Micrographs as one lazy Image stack (mic, y, x): each file is read only when its slice is shown."""
-    import dask
-    import dask.array as da
-
-    from .io.mrc import mrc_header_info
-
     if not files:
         raise InputError("no micrographs listed", path=name)
     infos = [mrc_header_info(f) for f in files]
@@ -588,8 +564,6 @@ def micrographs_layers(path: str | os.PathLike) -> list[LayerData]:
 def picks_over_stack(coord_files: Sequence[Path | None], pixel_size: float | None, name: str,
                      size: float | None = None) -> LayerData:
     """One Points layer (mic, y, x) from per-micrograph coordinate files (None = no picks for that mic)."""
-    from .io.star import read_coordinates
-
     rows, feats = [], []
     for i, f in enumerate(coord_files):
         if f is None:

@@ -7,13 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import _reader
+from .errors import InputError
+from .io.star import read_particles
+from .jobs.simulate import sample_data_dir
 
 __all__ = ["sample_micrographs", "sample_particles", "sample_reference", "sample_dir"]
 
 
 def sample_dir() -> Path:
-    from .jobs.simulate import sample_data_dir
-
     return Path(sample_data_dir())
 
 
@@ -26,9 +27,6 @@ def _particles_star(root: Path) -> Path:
 
 def _box_size(root: Path) -> float | None:
     """Particle box (pixels) of the sample set, used as the size of the pick markers."""
-    from .errors import InputError
-    from .io.star import read_particles
-
     try:
         return float(read_particles(_particles_star(root)).box_size)
     except (InputError, FileNotFoundError):

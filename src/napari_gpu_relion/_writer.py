@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from .io.star import write_coordinates
+
 __all__ = ["write_points"]
 
 _FEATURE_COLUMNS = {
@@ -68,8 +70,6 @@ def write_points(path: str, data: Any, meta: dict[str, Any]) -> list[str]:
     ((mic, y, x) layers) go to one file per micrograph beside ``path``: ``<stem>_<micrograph>.star``,
     named after ``metadata['micrograph_names']`` when present (RELION's per-micrograph layout).
     """
-    from .io.star import write_coordinates
-
     pts = np.asarray(data, dtype=np.float64)
     if pts.ndim != 2 or pts.shape[1] < 2:
         pts = pts.reshape(-1, max(2, pts.shape[-1] if pts.ndim else 2))

@@ -36,29 +36,34 @@ JOBS = {
 
 
 def _base_type(tp):
-    """The non-None member of an Optional type annotation (as a class)."""
-    if isinstance(tp, str):
-        tp = eval(tp, {"Path": Path, "None": type(None)})  # noqa: S307 - our own annotations only
+    """The non-None member of an Optional type (``Path | None`` -> Path); other types unchanged."""
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return args[0]
     return tp
 
 
+def _escape(text: str) -> str:
+    """Help text as argparse wants it: it %-formats help strings, so a literal % must be %%."""
+    return text.replace("%", "%%")
+
+
 def add_params_arguments(parser: argparse.ArgumentParser, params_cls) -> None:
+    hints = typing.get_type_hints(params_cls)  # the annotations evaluated in the Params' own module
     for f in fields(params_cls):
-        tp = _base_type(f.type)
+        tp = _base_type(hints[f.name])
         flag = flag_of(f)
         hlp = f.metadata.get("help", "")
         required = f.default is MISSING
         if tp is bool:
-            parser.add_argument(flag, dest=f.name, action="store_true", help=hlp)
+            parser.add_argument(flag, dest=f.name, action="store_true", help=_escape(hlp))
         else:
             conv = {Path: Path, int: int, float: float, str: str}.get(tp, str)
             default = None if required else f.default
             extra = "" if required or default is None else f" (default: {default})"
             parser.add_argument(flag, dest=f.name, type=conv, default=default, required=required,
-                                help=hlp + extra, metavar=tp.__name__.upper() if hasattr(tp, "__name__") else "X")
+                                help=_escape(hlp + extra),
+                                metavar=tp.__name__.upper() if hasattr(tp, "__name__") else "X")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="more log output")
     sub = p.add_subparsers(dest="job", metavar="<job>")
     for name, (mod, desc) in JOBS.items():
-        sp = sub.add_parser(name, help=desc, description=desc)
+        sp = sub.add_parser(name, help=_escape(desc), description=desc)
         sp.set_defaults(_module=mod)
         add_params_arguments(sp, importlib.import_module(mod).Params)
     return p

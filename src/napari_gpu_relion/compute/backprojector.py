@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backend import get_array_module, is_out_of_memory, to_host
+from .backend import CHUNK_BYTES, INSERT_CHUNK_POINTS, get_array_module, is_out_of_memory, to_host
 from .fourier import half_grid_indices, irfft_centered, round_half_away
 from .masks import soft_mask_outside
 from .projector import _corner_indices, interpolate, pixel_list, rotated_frequencies, sinc2_gridding, stack_offsets
@@ -171,7 +171,7 @@ class BackProjector:
     def data(self):
         return self.data_re + 1j * self.data_im
 
-    def insert_pixels(self, A, kx, ky, values, weights, chunk_points: int = 1 << 23):
+    def insert_pixels(self, A, kx, ky, values, weights, chunk_points: int = INSERT_CHUNK_POINTS):
         """Insert, for R orientations, the values (R, Npix) complex and weights (R, Npix) real given at image
         pixels (kx, ky) (Fourier pixels of the N box). A: (R, 3, 3) (or 2x2 for 2D)."""
         xp = self.xp
@@ -282,7 +282,7 @@ class BackProjectorStack:
         """BackProjector.enforce_hermitian for every member at once."""
         _enforce_hermitian(*self.arrays, self.ndim)
 
-    def reconstruct(self, tau2, tau2_fudge: float = 1.0, max_bytes: int = 1 << 28):
+    def reconstruct(self, tau2, tau2_fudge: float = 1.0, max_bytes: int = CHUNK_BYTES):
         """(K, N, ...) float32 maps of every member (BackProjector.reconstruct), ``tau2`` (K, shells) or None;
         members in chunks whose padded real-space grids fit ``max_bytes``."""
         xp = self.xp
@@ -296,7 +296,7 @@ class BackProjectorStack:
                                          tau2_fudge))
         return xp.concatenate(out)
 
-    def insert_pixels(self, index, A, kx, ky, values, weights, chunk_points: int = 1 << 23) -> None:
+    def insert_pixels(self, index, A, kx, ky, values, weights, chunk_points: int = INSERT_CHUNK_POINTS) -> None:
         """As BackProjector.insert_pixels; slice r goes into member index[r]."""
         xp = self.xp
         A = xp.asarray(A, dtype=np.float64)
@@ -317,7 +317,7 @@ def insert_by_class(backprojectors: list, index, A, kx, ky, values, weights) -> 
     if one_stack:
         A = xp.asarray(A, dtype=np.float64)
         A = A[:, :2, :2] if first.ndim == 2 else A
-        _insert_chunks(first.stack[0], first.pad, first.r_max, A, kx, ky, values, weights, 1 << 23,
+        _insert_chunks(first.stack[0], first.pad, first.r_max, A, kx, ky, values, weights, INSERT_CHUNK_POINTS,
                        index=xp.asarray(index))
         return
     index_h = to_host(index)

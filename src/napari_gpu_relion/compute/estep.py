@@ -5,6 +5,18 @@ Orientation "rows" are (class, orientation) pairs, class-major. A global search 
 GEMM shared by all particles; a local search (or the fine pass) gathers each particle's own candidate rows and
 uses batched GEMMs (compute/expectation.py). Fine candidates are the 8 orientation x 4 translation children of
 each significant coarse sample; non-candidates are masked with a log-prior of -inf, so the products stay dense.
+
+``expectation_batch`` runs these steps:
+
+1. ``_coarse_pass``: scores of every (translation, row) at the coarse pixels, log priors, posterior weights and
+   RELION's significance.
+2. ``_significant_rows`` and ``_fine_data``: the significant (particle, row) pairs sorted by particle, the
+   union of their rows, the slices of all children of that union and the particles' fine pixels.
+3. ``plan_fine_chunks``: which particles form each fine-pass chunk, bounded by the memory budget.
+4. ``_fine_chunk``: scores, weights, best samples and weighted sums of one chunk (into ``_FineSums``).
+5. ``_add_power_beyond_fine``: the image power of the shells beyond the fine size (noise and norm terms).
+6. ``_insert_summed_slices``: one insertion per distinct fine orientation into the class back-projectors.
+7. ``_best_poses`` and ``_add_mstep_sums``: the per-particle results and the sums for the M-step.
 """
 
 from __future__ import annotations
@@ -13,11 +25,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .backend import get_array_module, to_host
+from .backend import CHUNK_BYTES, fine_bytes_per_sample, get_array_module, to_host
 from .backprojector import insert_by_class
 from .ctf import CtfParams, ctf_from_frequencies
 from .expectation import (
     PixelSet,
+    SliceSet,
     as_slices,
     fine_sums,
     gather_pixels,
@@ -28,211 +41,19 @@ from .expectation import (
     segment_sum,
     translation_ramps,
 )
-from .fourier import irfft_centered, phase_shift_2d, rfft_centered, shell_sum
-from .geometry import euler_to_matrix
+from .fourier import (
+    hermitian_unique_mask,
+    irfft_centered,
+    phase_shift_2d,
+    rfft_centered,
+    shell_grid,
+    shell_sum,
+)
 from .masks import soft_mask_outside
 from .projector import FourierReference, project_pixels, stack_references
-from .sampling import (
-    angular_step,
-    direction_grid,
-    oversampled_directions,
-    oversampled_psi,
-    oversampled_translations,
-    psi_angles,
-    translation_grid,
-)
-
-# ----------------------------------------------------------------------------------------------------------
-# Sampling of one iteration
-# ----------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Sampling:
-    """Coarse orientations and translations of one iteration, with RELION's random perturbation.
-
-    Orientation index r = idir * n_psi + ipsi (direction-major). Translations in pixels. ``perturb`` is
-    RELION's rho in [-0.5, 0.5]: angles are perturbed by rho x (angular step) about all three Euler axes,
-    translations by rho x (offset step)."""
-
-    order: int
-    sym: str = "C1"
-    psi_step: float | None = None
-    offset_range: float = 5.0
-    offset_step: float = 2.0
-    perturb: float = 0.0
-    oversampling: int = 1
-    dir_pix: np.ndarray = field(init=False)
-    rot: np.ndarray = field(init=False)
-    tilt: np.ndarray = field(init=False)
-    psi: np.ndarray = field(init=False)
-    translations: np.ndarray = field(init=False)
-
-    def __post_init__(self):
-        self.dir_pix, self.rot, self.tilt = direction_grid(self.order, self.sym)
-        self.psi = psi_angles(self.angular_step if self.psi_step is None else self.psi_step)
-        t = translation_grid(self.offset_range, self.offset_step, 2)
-        self.translations = t + self.perturb * self.offset_step
-
-    @property
-    def angular_step(self) -> float:
-        return angular_step(self.order)
-
-    @property
-    def psi_step_actual(self) -> float:
-        return 360.0 / self.psi.size
-
-    @property
-    def fine_angular_step(self) -> float:
-        return self.angular_step / (1 << self.oversampling)
-
-    @property
-    def fine_offset_step(self) -> float:
-        return self.offset_step / (1 << self.oversampling)
-
-    @property
-    def n_children(self) -> int:
-        """Oversampled orientations per coarse one: 4^q directions x 2^q psi."""
-        return 1 << (3 * self.oversampling)
-
-    @property
-    def n_dirs(self) -> int:
-        return int(self.dir_pix.size)
-
-    @property
-    def n_psi(self) -> int:
-        return int(self.psi.size)
-
-    @property
-    def n_orient(self) -> int:
-        return self.n_dirs * self.n_psi
-
-    def _perturbation(self) -> np.ndarray:
-        d = self.perturb * self.angular_step
-        return euler_to_matrix(d, d, d)
-
-    def coarse_angles(self, r) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        r = np.asarray(r)
-        return self.rot[r // self.n_psi], self.tilt[r // self.n_psi], self.psi[r % self.n_psi]
-
-    def coarse_matrices(self, r=None) -> np.ndarray:
-        """(n, 3, 3) perturbed matrices of coarse orientations r (default all)."""
-        r = np.arange(self.n_orient) if r is None else np.asarray(r)
-        return euler_to_matrix(*self.coarse_angles(r)) @ self._perturbation()
-
-    def fine_matrices(self, r) -> np.ndarray:
-        """(n, 8, 3, 3) perturbed matrices of the oversampled children of coarse orientations r
-        (4^q directions x 2^q psi, psi innermost, as RELION's iover_rot)."""
-        r = np.asarray(r)
-        q = self.oversampling
-        _, crot, ctilt = oversampled_directions(self.order, self.dir_pix[r // self.n_psi], q)  # (n, 4)
-        cpsi = oversampled_psi(self.psi[r % self.n_psi], self.psi_step_actual, q)  # (n, 2)
-        nd, npsi = crot.shape[-1], cpsi.shape[-1]
-        rot = np.repeat(crot, npsi, axis=-1)
-        tilt = np.repeat(ctilt, npsi, axis=-1)
-        psi = np.tile(cpsi, (1, nd))
-        return euler_to_matrix(rot, tilt, psi) @ self._perturbation()
-
-    def fine_translations(self) -> np.ndarray:
-        """(T, 4, 2) children of each coarse translation (pixels, x slowest)."""
-        return oversampled_translations(self.translations, self.offset_step, self.oversampling)
-
-
-@dataclass
-class GivenOrientations:
-    """The sampling of --skip_align: row r is orientation ``matrices[r]`` (one per particle of the data set),
-    the only translation is 0 (the data are pre-shifted to their exact offsets) and there is no oversampling.
-    Offers the parts of Sampling's interface that the E-step uses."""
-
-    matrices: np.ndarray  # (R, 3, 3)
-    order: int = 0
-    perturb: float = 0.0
-    oversampling: int = 0
-    offset_step: float = 1.0
-    translations: np.ndarray = field(default_factory=lambda: np.zeros((1, 2)))
-
-    @property
-    def n_orient(self) -> int:
-        return int(self.matrices.shape[0])
-
-    n_dirs = n_orient
-    n_psi = 1
-    n_children = 1
-    angular_step = fine_angular_step = psi_step_actual = 0.0
-
-    def coarse_matrices(self, r=None) -> np.ndarray:
-        return self.matrices if r is None else self.matrices[np.asarray(r)]
-
-    def fine_matrices(self, r) -> np.ndarray:
-        return self.coarse_matrices(r)[:, None]
-
-    def fine_translations(self) -> np.ndarray:
-        return self.translations[:, None, :]
-
-
-@dataclass
-class InPlaneSampling:
-    """The sampling of 2D classification: in-plane angles only (one "direction"), RELION's psi grid
-    360/ceil(360/step), 2^q psi children per coarse psi, translations and perturbation as in Sampling. Rows
-    are psi indices; matrices are Euler (0, 0, psi), whose upper-left 2x2 block rotates the 2D references."""
-
-    psi_step: float = 10.0
-    offset_range: float = 5.0
-    offset_step: float = 2.0
-    perturb: float = 0.0
-    oversampling: int = 1
-    order: int = 0
-    sym: str = "C1"
-    psi: np.ndarray = field(init=False)
-    translations: np.ndarray = field(init=False)
-
-    def __post_init__(self):
-        self.psi = psi_angles(self.psi_step)
-        self.translations = translation_grid(self.offset_range, self.offset_step, 2) + self.perturb * self.offset_step
-
-    @property
-    def psi_step_actual(self) -> float:
-        return 360.0 / self.psi.size
-
-    angular_step = psi_step_actual
-
-    @property
-    def fine_angular_step(self) -> float:
-        return self.psi_step_actual / (1 << self.oversampling)
-
-    @property
-    def fine_offset_step(self) -> float:
-        return self.offset_step / (1 << self.oversampling)
-
-    @property
-    def n_children(self) -> int:
-        return 1 << self.oversampling
-
-    n_dirs = 1
-
-    @property
-    def n_psi(self) -> int:
-        return int(self.psi.size)
-
-    n_orient = n_psi
-
-    def coarse_angles(self, r) -> np.ndarray:
-        """Perturbed psi (degrees) of coarse rows r."""
-        return self.psi[np.asarray(r)] + self.perturb * self.psi_step_actual
-
-    def coarse_matrices(self, r=None) -> np.ndarray:
-        r = np.arange(self.n_orient) if r is None else np.asarray(r)
-        psi = self.coarse_angles(r)
-        return euler_to_matrix(np.zeros_like(psi), np.zeros_like(psi), psi)
-
-    def fine_matrices(self, r) -> np.ndarray:
-        """(n, 2^q, 3, 3) matrices of the psi children of coarse rows r."""
-        psi = oversampled_psi(self.coarse_angles(r), self.psi_step_actual, self.oversampling)
-        return euler_to_matrix(np.zeros_like(psi), np.zeros_like(psi), psi)
-
-    def fine_translations(self) -> np.ndarray:
-        return oversampled_translations(self.translations, self.offset_step, self.oversampling)
-
+from .sampling import GivenOrientations as GivenOrientations  # re-exported (the jobs still import them from here)
+from .sampling import InPlaneSampling as InPlaneSampling
+from .sampling import Sampling
 
 # ----------------------------------------------------------------------------------------------------------
 # Particle preprocessing
@@ -265,8 +86,6 @@ def prepare_batch(images, norm_factor, offsets_px, mask_radius_px: float, mask_e
     xs = irfft_centered(Fu, N, 2).astype(np.float32)
     background = None
     if noise_sigma2 is not None:
-        from .fourier import shell_grid  # noqa: PLC0415
-
         shells = xp.minimum(shell_grid(N, 2, xp), N // 2)
         s2 = xp.asarray(noise_sigma2, dtype=np.float64)[shells]
         rs = xp.random.RandomState(seed) if xp is not np else np.random.RandomState(seed)
@@ -282,10 +101,8 @@ def prepare_batch(images, norm_factor, offsets_px, mask_radius_px: float, mask_e
     return PreparedBatch(Fm, Fu, rounded)
 
 
-def shell_power(F, nshells: int, unique_mask=None):
+def shell_power(F, nshells: int):
     """(I, nshells) sum of |F|^2 per shell over the unique half grid."""
-    from .fourier import hermitian_unique_mask, shell_grid  # noqa: PLC0415
-
     xp = get_array_module(F)
     N = F.shape[-2]
     sh = shell_grid(N, 2, xp)
@@ -361,7 +178,7 @@ class EStepSetup:
     adaptive_fraction: float = 0.999
     cc: bool = False
     scale_shells: object = None  # (K,) per pixel of the fine set: True where SSNR_MAP > 3 (group scale sums)
-    max_fine_bytes: int = 1 << 28
+    max_fine_bytes: int = CHUNK_BYTES  # budget of one fine-pass chunk (plan_fine_chunks)
     P_coarse: object = None  # SliceSet (K * R, Kc) of the coarse slices for global searches (made once)
     ref_stack: FourierReference = field(init=False)  # all classes in one stack: one projection call for any rows
 
@@ -394,6 +211,11 @@ def _log_trans_prior(offsets_round_px, trans_px, pixel_size: float, sigma_A: flo
     return -r2 / (2.0 * sigma_A**2)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# One batch
+# ----------------------------------------------------------------------------------------------------------
+
+
 def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | None, groups, scale,
                       sums: EStepSums, candidates=None, candidate_log_prior=None,
                       scale_group_index=None, class_log_prior=None) -> BatchResult:
@@ -405,238 +227,431 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
     a global search over every row with the direction prior ``setup.log_pdf_direction``. ``class_log_prior``
     (I, K) adds a per-particle class prior (-inf restricts a particle to some classes: 3D classification's
     random class seeding)."""
-    xp = get_array_module(prep.F_masked)
-    smp = setup.sampling
-    R = smp.n_orient
-    K = len(setup.refs)
-    I, N = prep.F_masked.shape[0], prep.F_masked.shape[-2]
-    pc, pf = setup.pix_coarse, setup.pix_fine
-    sig2_rows = setup.sigma2[xp.asarray(groups)]
-    scale_d = xp.asarray(scale, dtype=np.float32)[:, None]
+    batch = _Batch.make(setup, prep, ctf, groups, scale, class_log_prior)
+    coarse = _coarse_pass(batch, candidates, candidate_log_prior)
+    rows = _significant_rows(batch, coarse, candidate_log_prior)
+    fine = _fine_data(batch, rows.union_rows_host)
+    acc = _FineSums.zeros(batch, rows.n_union * fine.n_children, rows.n_union, setup.pix_fine.npix, sums.n_shells)
+    n_fine_translations = fine.translations.shape[0] * fine.translations.shape[1]
+    for a0, a1 in plan_fine_chunks(rows.counts[rows.order], fine.n_children, n_fine_translations,
+                                   setup.pix_fine.npix, setup.max_fine_bytes):
+        _fine_chunk(batch, rows, fine, acc, a0, a1)
+    _add_power_beyond_fine(batch, acc, sums.n_shells)
+    _insert_summed_slices(batch, rows, fine, acc, sums)
+    result = _best_poses(batch, fine, acc, coarse)
+    _add_mstep_sums(batch, rows, acc, sums, groups, scale_group_index)
+    return result
 
-    def ctf_at(pix):
-        if ctf is None:
-            return xp.broadcast_to(scale_d, (I, pix.npix)).astype(np.float32)
-        c = ctf_from_frequencies(ctf, pix.kx / (N * setup.pixel_size), pix.ky / (N * setup.pixel_size), xp)
-        return c * scale_d
 
-    # ---- coarse pass ----
-    Xc = gather_pixels(prep.F_masked, pc)
-    wc, _ = _weights_for(sig2_rows, pc, xp)
-    ramps_c = translation_ramps(pc, smp.translations)
-    terms = particle_terms(Xc, ctf_at(pc), wc, ramps_c, cc=setup.cc)
-    mu = np.zeros((1, 2)) if setup.class_offset_prior_A is None else np.asarray(setup.class_offset_prior_A)
-    lp_trans = _log_trans_prior(prep.rounded_offsets, smp.translations, setup.pixel_size, setup.sigma_offset_A, xp,
-                                mu)  # (I, T, 1 or K)
-    per_class = lp_trans.shape[2] > 1
+@dataclass
+class _Batch:
+    """What the passes of one batch share: its setup and data, the sizes, each particle's noise spectrum, CTF
+    and group scale, and the log priors that do not depend on the orientation."""
 
-    def trans_prior_of_rows(lpt, rows):
-        """(i, T, n) translation log prior of rows (i, n) (global row numbers, class-major)."""
-        if not per_class:
-            return xp.broadcast_to(lpt, lpt.shape[:2] + (rows.shape[1],))
-        cls = xp.broadcast_to((rows // R)[:, None, :], lpt.shape[:2] + (rows.shape[1],))
-        return xp.take_along_axis(lpt, cls, axis=2)
+    setup: EStepSetup
+    prep: PreparedBatch
+    xp: object
+    n_particles: int  # I
+    n_orient: int  # R: coarse orientations per class (rows are class * R + orientation)
+    n_classes: int  # K
+    sigma2_rows: object  # (I, N/2+1) noise spectrum of each particle's optics group
+    scale: object  # (I, 1) float32 group intensity scale s_g
+    ctf: CtfParams | None
+    prior_mean_A: np.ndarray  # (1 or K, 2) translation prior mean (Å): 0, or 2D classification's per class
+    log_trans_prior: object  # (I, T, 1 or K) translation log prior at the coarse translations
+    class_log_prior: object  # (I, K) or None
 
+    @classmethod
+    def make(cls, setup: EStepSetup, prep: PreparedBatch, ctf, groups, scale, class_log_prior) -> _Batch:
+        xp = get_array_module(prep.F_masked)
+        mu = np.zeros((1, 2)) if setup.class_offset_prior_A is None else np.asarray(setup.class_offset_prior_A)
+        lp_trans = _log_trans_prior(prep.rounded_offsets, setup.sampling.translations, setup.pixel_size,
+                                    setup.sigma_offset_A, xp, mu)
+        return cls(setup, prep, xp, prep.F_masked.shape[0], setup.sampling.n_orient, len(setup.refs),
+                   setup.sigma2[xp.asarray(groups)], xp.asarray(scale, dtype=np.float32)[:, None], ctf, mu, lp_trans,
+                   class_log_prior)
+
+    @property
+    def box(self) -> int:
+        return self.prep.F_masked.shape[-2]
+
+    def ctf_at(self, pix: PixelSet):
+        """(I, npix) float32: s_g x CTF of each particle at a pixel set (s_g alone without CTF)."""
+        xp = self.xp
+        if self.ctf is None:
+            return xp.broadcast_to(self.scale, (self.n_particles, pix.npix)).astype(np.float32)
+        N, p = self.box, self.setup.pixel_size
+        return ctf_from_frequencies(self.ctf, pix.kx / (N * p), pix.ky / (N * p), xp) * self.scale
+
+    def class_prior(self):
+        """(I, K) float64 per-particle class log prior (None without one)."""
+        return None if self.class_log_prior is None else self.xp.asarray(self.class_log_prior, dtype=np.float64)
+
+    def trans_prior_of_rows(self, log_trans_prior, rows):
+        """(i, T, n) translation log prior of global rows (i, n) (class-major): the prior of the row's class
+        where the prior mean depends on the class, else the same for every row."""
+        xp = self.xp
+        shape = log_trans_prior.shape[:2] + (rows.shape[1],)
+        if self.log_trans_prior.shape[2] == 1:
+            return xp.broadcast_to(log_trans_prior, shape)
+        cls = xp.broadcast_to((rows // self.n_orient)[:, None, :], shape)
+        return xp.take_along_axis(log_trans_prior, cls, axis=2)
+
+
+@dataclass
+class _CoarseResult:
+    """The coarse pass of a batch: which (translation, column) samples are significant. Columns are the
+    global rows (global search) or the columns of ``candidates`` (local search)."""
+
+    significant: object  # (I, T, n) bool
+    candidates: object  # (I, n) global row of each column, or None (column = global row)
+    nr_significant: object  # (I,) RELION's rlnNrOfSignificantSamples
+
+
+def _coarse_pass(b: _Batch, candidates, candidate_log_prior) -> _CoarseResult:
+    """Scores of every (translation, row) of each particle at the coarse pixels (one shared GEMM over all rows
+    for a global search, gathered candidate rows for a local one), their log priors (orientation: the direction
+    prior or the candidates' own; class; translation at the coarse grid), the posterior weights and RELION's
+    significance."""
+    xp, setup, smp = b.xp, b.setup, b.setup.sampling
+    R, K, I = b.n_orient, b.n_classes, b.n_particles
+    pix = setup.pix_coarse
+    X = gather_pixels(b.prep.F_masked, pix)
+    w, _ = _weights_for(b.sigma2_rows, pix, xp)
+    ramps = translation_ramps(pix, smp.translations)
+    terms = particle_terms(X, b.ctf_at(pix), w, ramps, cc=setup.cc)
+    class_prior = b.class_prior()
     if candidates is None:
-        d2 = scores_shared(setup.coarse_slices(), terms)  # (I, T, K R)
-        lp_rot = xp.zeros(K * R) if setup.log_pdf_direction is None else \
+        diff2 = scores_shared(setup.coarse_slices(), terms)  # (I, T, K R)
+        lp_orient = xp.zeros(K * R) if setup.log_pdf_direction is None else \
             xp.repeat(xp.asarray(setup.log_pdf_direction).reshape(-1), smp.n_psi)
-        lp = trans_prior_of_rows(lp_trans, xp.arange(K * R)[None, :]) + lp_rot[None, None, :]
-        if class_log_prior is not None:
-            lp = lp + xp.repeat(xp.asarray(class_log_prior, dtype=np.float64), R, axis=1)[:, None, :]
+        log_prior = b.trans_prior_of_rows(b.log_trans_prior, xp.arange(K * R)[None, :]) + lp_orient[None, None, :]
+        if class_prior is not None:
+            log_prior = log_prior + xp.repeat(class_prior, R, axis=1)[:, None, :]
         cand = None
     else:
         cand = xp.asarray(candidates)
         valid = cand >= 0
         urows, pos = xp.unique(xp.where(valid, cand, 0), return_inverse=True)
         pos = pos.reshape(cand.shape)
-        Pu = _project_rows(setup, to_host(urows), pc, fine=False)
-        d2 = scores_gathered(as_slices(Pu).take(pos), terms)
-        lpr = xp.where(valid, xp.asarray(candidate_log_prior), -np.inf)
-        if class_log_prior is not None:
-            lpr = lpr + xp.take_along_axis(xp.asarray(class_log_prior, dtype=np.float64), xp.maximum(cand, 0) // R,
-                                           axis=1)
-        lp = trans_prior_of_rows(lp_trans, xp.maximum(cand, 0)) + lpr[:, None, :]
-    Wc = posterior_weights(d2, lp, setup.adaptive_fraction, cc=setup.cc)
-    n_rows = d2.shape[2]
-    sig = Wc.significant.reshape(I, -1, n_rows)  # (I, T, n)
-    del d2, terms
+        slices = _project_rows(setup, to_host(urows), pix, fine=False)
+        diff2 = scores_gathered(as_slices(slices).take(pos), terms)
+        lp_orient = xp.where(valid, xp.asarray(candidate_log_prior), -np.inf)
+        if class_prior is not None:
+            lp_orient = lp_orient + xp.take_along_axis(class_prior, xp.maximum(cand, 0) // R, axis=1)
+        log_prior = b.trans_prior_of_rows(b.log_trans_prior, xp.maximum(cand, 0)) + lp_orient[:, None, :]
+    W = posterior_weights(diff2, log_prior, setup.adaptive_fraction, cc=setup.cc)
+    return _CoarseResult(W.significant.reshape(I, -1, diff2.shape[2]), cand, W.nr_significant)
 
-    # ---- fine pass over the children of the significant coarse samples ----
-    # Particles are taken in order of their number of significant rows, in chunks that fit the memory budget.
-    # A chunk whose particles mostly share rows (early iterations) scores the union of its rows with one
-    # shared GEMM; otherwise each particle's own rows are gathered (batched GEMMs), padded to the chunk's
-    # largest count only.
-    sig_rot = sig.any(axis=1)  # (I, n)
-    counts = to_host(sig_rot.sum(axis=1))
-    porder = np.argsort(counts, kind="stable")
-    rank = np.empty(I, dtype=np.int64)
-    rank[porder] = np.arange(I)
-    ii, jj = xp.nonzero(sig_rot)
-    # entries sorted by particle rank (then row): each chunk's entries are one contiguous range
-    esort = xp.argsort(xp.asarray(rank)[ii] * n_rows + jj)
-    ii, jj = ii[esort], jj[esort]
-    grow = jj if cand is None else cand[ii, jj]  # global row of each significant (particle, row)
+
+@dataclass
+class _SignificantRows:
+    """The (particle, row) pairs with at least one significant coarse translation ("entries"), sorted by the
+    particles' rank (ascending count of such rows, so that each chunk of ranks is one contiguous range of
+    entries), then by column; and the union of their rows."""
+
+    counts: np.ndarray  # (I,) host: significant rows per particle
+    order: np.ndarray  # (I,) host: particles by ascending count (rank -> particle)
+    rank: np.ndarray  # (I,) host: particle -> rank
+    start: np.ndarray  # (I + 1,) host: first entry of each rank
+    particle: object  # (E,) particle of each entry
+    union_index: object  # (E,) the entry's row as an index into union_rows
+    log_prior: object  # (E,) the entry's orientation (and class) log prior
+    translations: object  # (E, T) bool: its significant coarse translations
+    union_rows: object  # (U,) distinct global rows of all entries
+    union_rows_host: np.ndarray  # (U,)
+
+    @property
+    def n_union(self) -> int:
+        return int(self.union_rows_host.size)
+
+
+def _significant_rows(b: _Batch, coarse: _CoarseResult, candidate_log_prior) -> _SignificantRows:
+    """The entries of the fine pass: each particle's rows with a significant coarse translation, in rank order,
+    with their orientation and class log priors (taken at the coarse parent, relion_algorithm 3.5)."""
+    xp, setup = b.xp, b.setup
+    sig = coarse.significant
+    cand = coarse.candidates
+    n_cols = sig.shape[2]
+    sig_rows = sig.any(axis=1)  # (I, n)
+    counts = to_host(sig_rows.sum(axis=1))
+    order = np.argsort(counts, kind="stable")
+    rank = np.empty(b.n_particles, dtype=np.int64)
+    rank[order] = np.arange(b.n_particles)
+    particle, col = xp.nonzero(sig_rows)
+    by_rank = xp.argsort(xp.asarray(rank)[particle] * n_cols + col)
+    particle, col = particle[by_rank], col[by_rank]
+    grow = col if cand is None else cand[particle, col]  # global row of each entry
     if cand is None:
-        lpr_sig = xp.zeros(jj.shape) if setup.log_pdf_direction is None else \
-            xp.asarray(setup.log_pdf_direction).reshape(-1)[jj // smp.n_psi]
+        log_prior = xp.zeros(col.shape) if setup.log_pdf_direction is None else \
+            xp.asarray(setup.log_pdf_direction).reshape(-1)[col // setup.sampling.n_psi]
     else:
-        lpr_sig = xp.asarray(candidate_log_prior)[ii, jj]
-    if class_log_prior is not None:
-        lpr_sig = lpr_sig + xp.asarray(class_log_prior, dtype=np.float64)[ii, grow // R]
-    sig_sig = sig[ii, :, jj]  # (E, T): which translations of each significant row are significant
-    urows, upos = xp.unique(grow, return_inverse=True)
-    upos = upos.reshape(-1)
-    urows_h = to_host(urows)
-    n_union = int(urows_h.size)
-    Af = xp.asarray(smp.fine_matrices(urows_h % R).reshape(-1, 3, 3))  # (U * 8, 3, 3): projection and insertion
-    Pf = _project_rows(setup, urows_h, pf, fine=True, matrices=Af)  # (U * 8, Kf)
-    nover = Pf.shape[0] // max(1, n_union)
-    Sf = as_slices(Pf)
-    del Pf
+        log_prior = xp.asarray(candidate_log_prior)[particle, col]
+    class_prior = b.class_prior()
+    if class_prior is not None:
+        log_prior = log_prior + class_prior[particle, grow // b.n_orient]
+    union_rows, union_index = xp.unique(grow, return_inverse=True)
+    start = np.concatenate([[0], np.cumsum(counts[order])])
+    return _SignificantRows(counts, order, rank, start, particle, union_index.reshape(-1), log_prior,
+                            sig[particle, :, col], union_rows, to_host(union_rows))
+
+
+@dataclass
+class _FineData:
+    """The fine pass's orientations, translations and particle pixels: every oversampled child of the union of
+    significant rows (matrices and slices, child c of union row u at u * n_children + c), the translation
+    children of every coarse translation, and the particles' pixels, weights and CTF at the fine pixel set."""
+
+    matrices: object  # (U * n_children, 3, 3): projection and insertion
+    slices: SliceSet  # (U * n_children, Kf)
+    n_children: int
+    translations: np.ndarray  # (T, n_trans_children, 2) pixels
+    ramps: object  # (T * n_trans_children, Kf)
+    X: object  # (I, Kf) masked image
+    X_unmasked: object  # (I, Kf) for the back-projection
+    w: object  # (I, Kf) 1/(2 sigma2), 0 at DC: the score weights
+    m: object  # (I, Kf) 1/sigma2, DC kept: the back-projection weights
+    ctf: object  # (I, Kf) s_g x CTF
+
+
+def _fine_data(b: _Batch, union_rows_host: np.ndarray) -> _FineData:
+    """Project every child of the union rows once (slices gathered by row afterwards) and gather the particles'
+    fine pixels."""
+    xp, setup, smp = b.xp, b.setup, b.setup.sampling
+    pix = setup.pix_fine
+    A = xp.asarray(smp.fine_matrices(union_rows_host % b.n_orient).reshape(-1, 3, 3))
+    P = _project_rows(setup, union_rows_host, pix, fine=True, matrices=A)
+    n_children = P.shape[0] // max(1, int(union_rows_host.size))
+    slices = as_slices(P)
+    del P
     fine_t = smp.fine_translations()  # (T, 4, 2)
-    T, ntov = fine_t.shape[0], fine_t.shape[1]
-    ramps_f = translation_ramps(pf, fine_t.reshape(-1, 2))
-    Xf = gather_pixels(prep.F_masked, pf)
-    Xu = gather_pixels(prep.F_unmasked, pf)
-    wf, mf = _weights_for(sig2_rows, pf, xp)
-    cf = ctf_at(pf)
+    ramps = translation_ramps(pix, fine_t.reshape(-1, 2))
+    w, m = _weights_for(b.sigma2_rows, pix, xp)
+    return _FineData(A, slices, n_children, fine_t, ramps, gather_pixels(b.prep.F_masked, pix),
+                     gather_pixels(b.prep.F_unmasked, pix), w, m, b.ctf_at(pix))
 
-    best_row = np.zeros(I, dtype=np.int64)  # global coarse row of the best fine sample
-    best_child = np.zeros(I, dtype=np.int64)
-    best_t = np.zeros(I, dtype=np.int64)
-    pmax = np.zeros(I)
-    logev = np.zeros(I)
-    resid = xp.zeros(I)
-    bp_slices = xp.zeros((n_union * nover, 2 * pf.npix), dtype=np.float32)
-    bp_weights = xp.zeros((n_union * nover, pf.npix), dtype=np.float32)
-    row_w_union = xp.zeros(n_union)
-    sig2_acc = xp.zeros((I, sums.n_shells))
-    wtot = xp.zeros(I)
-    off_moments = xp.zeros((K, 4))  # per class: sum w, sum w x, sum w y, sum w |o|^2 (Å)
-    xa_i = xp.zeros(I)
-    aa_i = xp.zeros(I)
-    ecounts = counts[porder]
-    estart = np.concatenate([[0], np.cumsum(ecounts)])
+
+def plan_fine_chunks(counts_sorted, n_children: int, n_fine_translations: int, n_fine_pixels: int,
+                     max_bytes: int) -> list[tuple[int, int]]:
+    """The fine pass's chunks as rank ranges [a0, a1) of the particles sorted by ascending number of
+    significant rows ``counts_sorted``. A chunk grows while its padded size (particles x the largest count in it
+    x ``n_children``) at ``fine_bytes_per_sample`` bytes per (particle, fine orientation) fits ``max_bytes``;
+    every chunk holds at least one particle."""
+    per_sample = fine_bytes_per_sample(n_fine_translations, n_fine_pixels)
+    n = len(counts_sorted)
+    chunks = []
     a0 = 0
-    while a0 < I:
-        # grow the chunk while its padded size fits the budget (counts ascend, so the last one is the max)
-        a1 = a0 + 1
-        while a1 < I and (a1 + 1 - a0) * max(1, ecounts[a1]) * nover * (T * ntov * 40 + pf.npix * 24) \
-                <= setup.max_fine_bytes:
+    while a0 < n:
+        a1 = a0 + 1  # counts ascend, so the last particle of a chunk has its largest count
+        while a1 < n and (a1 + 1 - a0) * max(1, counts_sorted[a1]) * n_children * per_sample <= max_bytes:
             a1 += 1
-        ni = a1 - a0
-        pidx_h = porder[a0:a1]
-        pidx = xp.asarray(pidx_h)
-        e0, e1 = int(estart[a0]), int(estart[a1])
-        li = xp.asarray(rank)[ii[e0:e1]] - a0  # particle within the chunk
-        up = upos[e0:e1]
-        n2 = int(ecounts[a1 - 1])
-        cu, cpos = xp.unique(up, return_inverse=True)
-        cpos = cpos.reshape(-1)
-        shared = int(cu.size) <= 2 * n2
-        if shared:
-            n_par, par = int(cu.size), cpos
-            par_union = xp.broadcast_to(cu[None, :], (ni, n_par))
-        else:
-            n_par = n2
-            starts = xp.asarray(estart[a0:a1] - estart[a0])
-            par = xp.arange(e1 - e0) - starts[li]
-            par_union = xp.zeros((ni, n_par), dtype=np.int64)
-            par_union[li, par] = up
-        sig_parent = xp.zeros((ni, T, n_par), dtype=bool)
-        sig_parent[li, :, par] = sig_sig[e0:e1]
-        lpr = xp.full((ni, n_par), -np.inf)
-        lpr[li, par] = lpr_sig[e0:e1]
-        par_rows = urows[par_union]  # (ni, n_par) global coarse row of each parent
-        lp_parent = xp.where(sig_parent, trans_prior_of_rows(lp_trans[pidx], par_rows) + lpr[:, None, :], -np.inf)
-        child = xp.arange(nover)[None, :]
-        if shared:
-            rows_f = (cu[:, None] * nover + child).reshape(-1)  # (n_par * 8,) distinct
-        else:
-            rows_f = (par_union[:, :, None] * nover + child[None]).reshape(ni, -1)  # (ni, n_par * 8)
-        P = Sf.take(rows_f)
-        nn = n_par * nover
-        tf = particle_terms(Xf[pidx], cf[pidx], wf[pidx], ramps_f, cc=setup.cc)
-        d2f = scores_shared(P, tf) if shared else scores_gathered(P, tf)  # (ni, T*4, nn)
-        lp_fine = xp.broadcast_to(lp_parent[:, :, None, :, None], (ni, T, ntov, n_par, nover))
-        Wf = posterior_weights(d2f, lp_fine.reshape(ni, T * ntov, nn), setup.adaptive_fraction, cc=setup.cc)
-        del d2f, lp_fine, lp_parent, sig_parent
-        bpos = Wf.best % nn
-        best_row[pidx_h] = urows_h[to_host(xp.take_along_axis(par_union, (bpos // nover)[:, None], axis=1)[:, 0])]
-        best_child[pidx_h] = to_host(bpos % nover)
-        best_t[pidx_h] = to_host(Wf.best // nn)
-        pmax[pidx_h] = to_host(Wf.pmax)
-        logev[pidx_h] = to_host(Wf.log_evidence - tf.x2 if not setup.cc else Wf.log_evidence)
-        fs = fine_sums(Wf.w.reshape(ni, T * ntov, nn), P, Xf[pidx], Xu[pidx], cf[pidx], mf[pidx], ramps_f)
-        rw_par = fs.row_weight.reshape(ni, n_par, nover).sum(-1)  # (ni, n_par) per coarse parent
-        if shared:
-            bp_slices[rows_f] += fs.slices
-            bp_weights[rows_f] += fs.slice_weights
-            row_w_union[cu] += rw_par.sum(0)
-        else:
-            flat = rows_f.reshape(-1)
-            bp_slices += segment_sum(flat, fs.slices.reshape(-1, 2 * pf.npix), n_union * nover)
-            bp_weights += segment_sum(flat, fs.slice_weights.reshape(-1, pf.npix), n_union * nover)
-            row_w_union += segment_sum(par_union.reshape(-1), rw_par.reshape(-1, 1), n_union)[:, 0]
-        # offset moments per class: sum w, sum w pos, sum w |pos|^2 (pos = o + t in Å) over each parent's
-        # children and translations, then summed over the parents of each class
-        wt = Wf.w.reshape(ni, T * ntov, n_par, nover).sum(-1)  # (ni, T4, n_par)
-        pos = (xp.asarray(prep.rounded_offsets)[pidx][:, None, :] + xp.asarray(fine_t.reshape(-1, 2))[None]) \
-            * setup.pixel_size  # (ni, T4, 2) Å
-        m1 = xp.einsum("itp,itd->ipd", wt, pos)
-        m2 = xp.einsum("itp,it->ip", wt, (pos * pos).sum(-1))
-        moments = xp.concatenate([wt.sum(1)[..., None], m1, m2[..., None]], axis=-1).reshape(-1, 4)
-        off_moments += segment_sum((par_rows // R).reshape(-1), moments, K)
-        sig2_acc[pidx] = shell_sum(fs.noise, pf.shell, sums.n_shells)
-        resid[pidx] = fs.noise.sum(axis=1)
-        wtot[pidx] = fs.trans_weight.sum(axis=1)
-        if setup.scale_shells is not None:
-            ss = setup.scale_shells
-            xa_i[pidx] = (fs.xa * ss[None, :]).sum(1)
-            aa_i[pidx] = (fs.aa * ss[None, :]).sum(1)
-        del fs, Wf, P
+        chunks.append((a0, a1))
         a0 = a1
+    return chunks
 
-    # shells beyond the fine size: the image's own power, with the particle's total weight (RELION 3.7)
-    hi = shell_power(prep.F_masked, sums.n_shells)
-    hi[:, : pf.size // 2 + 1] = 0.0
-    sig2_acc += hi * wtot[:, None]
-    resid += hi.sum(axis=1)
 
-    # ---- insert the summed slices (one per distinct fine orientation) into the class grids ----
-    cls_rows = np.repeat(urows_h // R, nover)
-    keep = np.flatnonzero(to_host(bp_weights.sum(axis=1)) > 0)
+@dataclass
+class _FineSums:
+    """What the fine chunks accumulate: per particle (best sample, Pmax, log-likelihood, noise and scale sums,
+    total weight) and per fine orientation of the union (back-projection slices and weights)."""
+
+    best_row: np.ndarray  # (I,) host: global coarse row of the best fine sample
+    best_child: np.ndarray  # (I,) host: its orientation child
+    best_translation: np.ndarray  # (I,) host: its fine translation (index into translations.reshape(-1, 2))
+    pmax: np.ndarray  # (I,) host
+    log_likelihood: np.ndarray  # (I,) host
+    residual: object  # (I,) sum w |CP - X|^2 (+ the power beyond the fine size): E_i of the norm correction
+    slices: object  # (U * n_children, 2 Kf) float32: sum w [Re, Im](C X_u e_t m)
+    slice_weights: object  # (U * n_children, Kf) float32: sum w C^2 m
+    row_weight: object  # (U,) sum of the weights of each union row's children
+    sigma2: object  # (I, n_shells) sum w |CP - X|^2 per shell
+    weight: object  # (I,) sum of the significant normalised weights
+    offset_moments: object  # (K, 4) per class: sum w, sum w x, sum w y, sum w |o|^2 (o = offset + t, Å)
+    xa: object  # (I,) sum w Re(conj(CP) X) over the scale shells
+    aa: object  # (I,) sum w |CP|^2 over the scale shells
+
+    @classmethod
+    def zeros(cls, b: _Batch, n_fine_rows: int, n_union: int, n_pixels: int, n_shells: int) -> _FineSums:
+        xp, I = b.xp, b.n_particles
+        return cls(np.zeros(I, dtype=np.int64), np.zeros(I, dtype=np.int64), np.zeros(I, dtype=np.int64),
+                   np.zeros(I), np.zeros(I), xp.zeros(I), xp.zeros((n_fine_rows, 2 * n_pixels), dtype=np.float32),
+                   xp.zeros((n_fine_rows, n_pixels), dtype=np.float32), xp.zeros(n_union),
+                   xp.zeros((I, n_shells)), xp.zeros(I), xp.zeros((b.n_classes, 4)), xp.zeros(I), xp.zeros(I))
+
+
+@dataclass
+class _ChunkLayout:
+    """Which coarse parents each particle of a chunk scores. Shared: every particle scores the chunk's distinct
+    union rows (one shared GEMM; non-parents are masked by the prior); gathered: each particle its own rows,
+    padded to the chunk's largest count (batched GEMMs)."""
+
+    shared: bool
+    distinct: object  # (n_par,) the chunk's distinct union indices (shared layout)
+    parents: object  # (ni, n_par) union index of each particle's parent columns
+    entry_particle: object  # (e,) each entry's particle within the chunk
+    entry_column: object  # (e,) each entry's parent column
+    fine_rows: object  # indices into the fine slices: (n_par * n_children,) shared or (ni, n_par * n_children)
+
+    @property
+    def n_parents(self) -> int:
+        return self.parents.shape[1]
+
+
+def _chunk_layout(b: _Batch, rows: _SignificantRows, a0: int, a1: int, n_children: int) -> _ChunkLayout:
+    """The parent layout of the particles of ranks a0..a1-1: shared when the chunk's particles mostly share
+    rows (at most twice its largest count distinct rows: early iterations), gathered otherwise."""
+    xp = b.xp
+    ni = a1 - a0
+    e0, e1 = int(rows.start[a0]), int(rows.start[a1])
+    entry_particle = xp.asarray(rows.rank)[rows.particle[e0:e1]] - a0
+    union_index = rows.union_index[e0:e1]
+    largest = int(rows.counts[rows.order[a1 - 1]])
+    distinct, column = xp.unique(union_index, return_inverse=True)
+    column = column.reshape(-1)
+    shared = int(distinct.size) <= 2 * largest
+    child = xp.arange(n_children)[None, :]
+    if shared:
+        parents = xp.broadcast_to(distinct[None, :], (ni, int(distinct.size)))
+        fine_rows = (distinct[:, None] * n_children + child).reshape(-1)  # distinct
+    else:
+        starts = xp.asarray(rows.start[a0:a1] - rows.start[a0])
+        column = xp.arange(e1 - e0) - starts[entry_particle]
+        parents = xp.zeros((ni, largest), dtype=np.int64)
+        parents[entry_particle, column] = union_index
+        fine_rows = (parents[:, :, None] * n_children + child[None]).reshape(ni, -1)
+    return _ChunkLayout(shared, distinct, parents, entry_particle, column, fine_rows)
+
+
+def _fine_chunk(b: _Batch, rows: _SignificantRows, fine: _FineData, acc: _FineSums, a0: int, a1: int) -> None:
+    """The fine pass of the particles of ranks a0..a1-1: scores of the orientation x translation children of
+    their significant coarse samples, with the log priors of the coarse parents (non-significant parents
+    masked), posterior weights and significance, the best sample, and the weighted sums."""
+    xp, setup = b.xp, b.setup
+    lay = _chunk_layout(b, rows, a0, a1, fine.n_children)
+    ni, n_par, nover = a1 - a0, lay.n_parents, fine.n_children
+    T, ntov = fine.translations.shape[0], fine.translations.shape[1]
+    pidx_h = rows.order[a0:a1]
+    pidx = xp.asarray(pidx_h)
+    e0, e1 = int(rows.start[a0]), int(rows.start[a1])
+    li, col = lay.entry_particle, lay.entry_column
+    sig_parent = xp.zeros((ni, T, n_par), dtype=bool)
+    sig_parent[li, :, col] = rows.translations[e0:e1]
+    lp_orient = xp.full((ni, n_par), -np.inf)
+    lp_orient[li, col] = rows.log_prior[e0:e1]
+    parent_rows = rows.union_rows[lay.parents]  # (ni, n_par) global coarse row of each parent
+    lp_parent = xp.where(sig_parent, b.trans_prior_of_rows(b.log_trans_prior[pidx], parent_rows)
+                         + lp_orient[:, None, :], -np.inf)
+    P = fine.slices.take(lay.fine_rows)
+    nn = n_par * nover
+    terms = particle_terms(fine.X[pidx], fine.ctf[pidx], fine.w[pidx], fine.ramps, cc=setup.cc)
+    diff2 = scores_shared(P, terms) if lay.shared else scores_gathered(P, terms)  # (ni, T*4, nn)
+    lp_fine = xp.broadcast_to(lp_parent[:, :, None, :, None], (ni, T, ntov, n_par, nover))
+    W = posterior_weights(diff2, lp_fine.reshape(ni, T * ntov, nn), setup.adaptive_fraction, cc=setup.cc)
+    del diff2, lp_fine, lp_parent, sig_parent
+    best_pos = W.best % nn
+    best_parent = xp.take_along_axis(lay.parents, (best_pos // nover)[:, None], axis=1)[:, 0]
+    acc.best_row[pidx_h] = rows.union_rows_host[to_host(best_parent)]
+    acc.best_child[pidx_h] = to_host(best_pos % nover)
+    acc.best_translation[pidx_h] = to_host(W.best // nn)
+    acc.pmax[pidx_h] = to_host(W.pmax)
+    acc.log_likelihood[pidx_h] = to_host(W.log_evidence - terms.x2 if not setup.cc else W.log_evidence)
+    _accumulate_chunk(b, fine, acc, lay, pidx, parent_rows, W.w.reshape(ni, T * ntov, nn), P)
+
+
+def _accumulate_chunk(b: _Batch, fine: _FineData, acc: _FineSums, lay: _ChunkLayout, pidx, parent_rows, w,
+                      P) -> None:
+    """The weighted sums of a chunk's normalised fine weights w (ni, T * 4, n_par * n_children): back-projection
+    slices per fine orientation, weights per union row, offset moments per class, and per particle the noise
+    per shell, the residual power, the total weight and the scale sums."""
+    xp, setup = b.xp, b.setup
+    ni, n_par, nover = w.shape[0], lay.n_parents, fine.n_children
+    n_fine_rows, n_pixels = acc.slice_weights.shape
+    fs = fine_sums(w, P, fine.X[pidx], fine.X_unmasked[pidx], fine.ctf[pidx], fine.m[pidx], fine.ramps)
+    rw_parent = fs.row_weight.reshape(ni, n_par, nover).sum(-1)  # (ni, n_par) per coarse parent
+    if lay.shared:
+        acc.slices[lay.fine_rows] += fs.slices
+        acc.slice_weights[lay.fine_rows] += fs.slice_weights
+        acc.row_weight[lay.distinct] += rw_parent.sum(0)
+    else:
+        flat = lay.fine_rows.reshape(-1)
+        acc.slices += segment_sum(flat, fs.slices.reshape(-1, 2 * n_pixels), n_fine_rows)
+        acc.slice_weights += segment_sum(flat, fs.slice_weights.reshape(-1, n_pixels), n_fine_rows)
+        acc.row_weight += segment_sum(lay.parents.reshape(-1), rw_parent.reshape(-1, 1), acc.row_weight.size)[:, 0]
+    # offset moments per class: sum w, sum w pos, sum w |pos|^2 (pos = o + t in Å) over each parent's children
+    # and translations, then summed over the parents of each class
+    wt = w.reshape(ni, w.shape[1], n_par, nover).sum(-1)  # (ni, T4, n_par)
+    pos = (xp.asarray(b.prep.rounded_offsets)[pidx][:, None, :] + xp.asarray(fine.translations.reshape(-1, 2))[None]) \
+        * setup.pixel_size  # (ni, T4, 2) Å
+    m1 = xp.einsum("itp,itd->ipd", wt, pos)
+    m2 = xp.einsum("itp,it->ip", wt, (pos * pos).sum(-1))
+    moments = xp.concatenate([wt.sum(1)[..., None], m1, m2[..., None]], axis=-1).reshape(-1, 4)
+    acc.offset_moments += segment_sum((parent_rows // b.n_orient).reshape(-1), moments, b.n_classes)
+    acc.sigma2[pidx] = shell_sum(fs.noise, setup.pix_fine.shell, acc.sigma2.shape[1])
+    acc.residual[pidx] = fs.noise.sum(axis=1)
+    acc.weight[pidx] = fs.trans_weight.sum(axis=1)
+    if setup.scale_shells is not None:
+        ss = setup.scale_shells
+        acc.xa[pidx] = (fs.xa * ss[None, :]).sum(1)
+        acc.aa[pidx] = (fs.aa * ss[None, :]).sum(1)
+
+
+def _add_power_beyond_fine(b: _Batch, acc: _FineSums, n_shells: int) -> None:
+    """Shells beyond the fine size: the masked image's own power, in the noise sums with the particle's total
+    weight and in the residual of the norm correction (relion_algorithm 3.7)."""
+    hi = shell_power(b.prep.F_masked, n_shells)
+    hi[:, : b.setup.pix_fine.size // 2 + 1] = 0.0
+    acc.sigma2 += hi * acc.weight[:, None]
+    acc.residual += hi.sum(axis=1)
+
+
+def _insert_summed_slices(b: _Batch, rows: _SignificantRows, fine: _FineData, acc: _FineSums,
+                          sums: EStepSums) -> None:
+    """Insert the batch's summed slice of every fine orientation with a non-zero weight into the
+    back-projector of its class (one insertion per distinct fine orientation per batch)."""
+    xp, pix = b.xp, b.setup.pix_fine
+    cls_rows = np.repeat(rows.union_rows_host // b.n_orient, fine.n_children)
+    keep = np.flatnonzero(to_host(acc.slice_weights.sum(axis=1)) > 0)
     if keep.size:
-        kd, Kf = xp.asarray(keep), pf.npix
-        vals = bp_slices[kd, :Kf].astype(np.complex64) + 1j * bp_slices[kd, Kf:]
-        insert_by_class(sums.backprojectors, xp.asarray(cls_rows[keep]), Af[kd], pf.kx, pf.ky, vals, bp_weights[kd])
+        kd, Kf = xp.asarray(keep), pix.npix
+        vals = acc.slices[kd, :Kf].astype(np.complex64) + 1j * acc.slices[kd, Kf:]
+        insert_by_class(sums.backprojectors, xp.asarray(cls_rows[keep]), fine.matrices[kd], pix.kx, pix.ky, vals,
+                        acc.slice_weights[kd])
 
-    # ---- per-particle results ----
-    mats = smp.fine_matrices(best_row % R)[np.arange(I), best_child]
-    t_best = fine_t.reshape(-1, 2)[best_t]
-    new_off = prep.rounded_offsets + t_best
 
-    # ---- sums for the M-step ----
-    g_h = np.asarray(groups)
-    np.add.at(sums.sigma2, g_h, to_host(sig2_acc))
-    wsum_i = to_host(wtot)
-    np.add.at(sums.sumw_group, g_h, wsum_i)
-    rw_u = to_host(row_w_union)
-    np.add.at(sums.pdf_direction, (urows_h // R, (urows_h % R) // smp.n_psi), rw_u)
-    np.add.at(sums.pdf_class, urows_h // R, rw_u)
-    m = to_host(off_moments)  # sum_c w |o - mu_c|^2 = m2 - 2 mu.m1 + |mu|^2 m0
-    mu_k = np.broadcast_to(mu, (K, 2))
-    sums.sigma_offset += float((m[:, 3] - 2.0 * (mu_k * m[:, 1:3]).sum(1) + (mu_k**2).sum(1) * m[:, 0]).sum())
+def _best_poses(b: _Batch, fine: _FineData, acc: _FineSums, coarse: _CoarseResult) -> BatchResult:
+    """The per-particle results: the best fine sample's orientation (perturbed), class and offset (rounded
+    offset + fine translation), Pmax, the coarse significant count, log-likelihood and residual power."""
+    R = b.n_orient
+    mats = b.setup.sampling.fine_matrices(acc.best_row % R)[np.arange(b.n_particles), acc.best_child]
+    offsets = b.prep.rounded_offsets + fine.translations.reshape(-1, 2)[acc.best_translation]
+    return BatchResult(mats, acc.best_row // R, offsets, acc.pmax, to_host(coarse.nr_significant),
+                       acc.log_likelihood, to_host(acc.residual))
+
+
+def _add_mstep_sums(b: _Batch, rows: _SignificantRows, acc: _FineSums, sums: EStepSums, groups,
+                    scale_group_index) -> None:
+    """Add the batch's sums for the M-step: noise per optics group and shell, weights per group, class and
+    direction, offset variance and mean offsets per class, scale sums per scale group, log-likelihood, Pmax."""
+    R, K, setup = b.n_orient, b.n_classes, b.setup
+    g = np.asarray(groups)
+    np.add.at(sums.sigma2, g, to_host(acc.sigma2))
+    weight = to_host(acc.weight)
+    np.add.at(sums.sumw_group, g, weight)
+    urows = rows.union_rows_host
+    row_weight = to_host(acc.row_weight)
+    np.add.at(sums.pdf_direction, (urows // R, (urows % R) // setup.sampling.n_psi), row_weight)
+    np.add.at(sums.pdf_class, urows // R, row_weight)
+    m = to_host(acc.offset_moments)  # sum_c w |o - mu_c|^2 = m2 - 2 mu.m1 + |mu|^2 m0
+    mu = np.broadcast_to(b.prior_mean_A, (K, 2))
+    sums.sigma_offset += float((m[:, 3] - 2.0 * (mu * m[:, 1:3]).sum(1) + (mu**2).sum(1) * m[:, 0]).sum())
     sums.offset_sum += m[:, 1:3]
-    sums.sum_weight += float(wsum_i.sum())
+    sums.sum_weight += float(weight.sum())
     if setup.scale_shells is not None and scale_group_index is not None:
-        np.add.at(sums.xa, np.asarray(scale_group_index), to_host(xa_i))
-        np.add.at(sums.aa, np.asarray(scale_group_index), to_host(aa_i))
-    sums.log_likelihood += float(logev.sum())
-    sums.sum_pmax += float(pmax.sum())
-    sums.n_particles += I
-    return BatchResult(mats, best_row // R, new_off, pmax, to_host(Wc.nr_significant), logev, to_host(resid))
+        np.add.at(sums.xa, np.asarray(scale_group_index), to_host(acc.xa))
+        np.add.at(sums.aa, np.asarray(scale_group_index), to_host(acc.aa))
+    sums.log_likelihood += float(acc.log_likelihood.sum())
+    sums.sum_pmax += float(acc.pmax.sum())
+    sums.n_particles += b.n_particles
 
 
 def _project_rows(setup: EStepSetup, rows: np.ndarray, pix: PixelSet, fine: bool, matrices=None):

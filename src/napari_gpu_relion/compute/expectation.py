@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.sparse import csr_matrix
 
 from .backend import get_array_module
 from .fourier import round_half_away, signed_index
@@ -281,8 +282,6 @@ def segment_sum(rows, values, n: int):
     xp = get_array_module(values)
     vals = values.reshape(values.shape[0], -1)
     if xp is np:
-        from scipy.sparse import csr_matrix  # noqa: PLC0415
-
         S = csr_matrix((np.ones(rows.size, np.float32), (np.asarray(rows), np.arange(rows.size))),
                        shape=(n, rows.size))
         out = np.asarray(S @ vals, dtype=np.float32)

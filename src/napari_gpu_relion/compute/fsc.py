@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .backend import get_array_module
-from .fourier import irfft_centered, radius_grid, rfft_centered, shell_grid, shell_sum
+from .fourier import irfft_centered, lowpass_raised_cosine, radius_grid, rfft_centered, shell_grid, shell_sum
 
 
 def fsc_from_fts(F1, F2, ndim: int = 3):
@@ -136,8 +136,6 @@ def apply_bfactor_and_fsc_weight(vol, pixel_size: float, bfactor: float, fsc_cur
         wv = xp.asarray(w)[xp.clip(sh, 0, len(w) - 1)]
         filt = filt * xp.where(sh < len(w), wv, 0.0)
     if lowpass_A is not None and lowpass_A > 0:
-        from .fourier import lowpass_raised_cosine  # noqa: PLC0415
-
         shell = np.floor(N * pixel_size / lowpass_A + 0.5)
         filt = filt * lowpass_raised_cosine(N, shell, edge_shells, 3, xp)
     return irfft_centered(F * filt, N, 3).astype(np.float32)

@@ -11,7 +11,16 @@ import numpy as np
 
 from .backend import get_array_module, to_host
 from .backprojector import BackProjector
-from .fourier import hermitian_unique_mask, round_half_away, shell_grid
+from .fourier import (
+    half_grid_indices,
+    hermitian_unique_mask,
+    radial_average,
+    rfft_centered,
+    round_half_away,
+    shell_grid,
+)
+from .fsc import fsc_from_fts
+from .masks import soft_mask_outside
 
 
 def shell_pixel_counts(box: int) -> np.ndarray:
@@ -85,8 +94,6 @@ def _pooled(bp: BackProjector):
     xp = bp.xp
     N, pf = bp.size, bp.pad
     P = bp.padded_size
-    from .fourier import half_grid_indices  # noqa: PLC0415
-
     kz, ky, kx = half_grid_indices(P, 3, xp)
     rz = round_half_away(kz / pf).astype(np.int64)
     ry = round_half_away(ky / pf).astype(np.int64)
@@ -106,8 +113,6 @@ def _pooled(bp: BackProjector):
 def fsc_from_backprojectors(bp1: BackProjector, bp2: BackProjector) -> np.ndarray:
     """Half-map FSC (shells 0..N/2) from the accumulators, as RELION compareTwoHalves; FSC(0) = 1 and shells
     beyond r_max are 0."""
-    from .fsc import fsc_from_fts  # noqa: PLC0415
-
     z1, z2 = _pooled(bp1), _pooled(bp2)
     f = fsc_from_fts(z1, z2, 3)
     f = np.asarray(to_host(f), dtype=np.float64)
@@ -177,8 +182,6 @@ def coarse_image_size(box: int, pixel_size: float, angular_step_deg: float, diam
 def reference_tau2(ref) -> np.ndarray:
     """Classification tau2 (relion_algorithm.md 5.1): tau2(r) = <|data(q)|^2> / 2 over the padded voxels of the
     prepared reference (projector.FourierReference) in shell r = ROUND(|q|/pf), shells 0..N/2."""
-    from .fourier import half_grid_indices  # noqa: PLC0415
-
     xp = get_array_module(ref.data)
     P = ref.data.shape[0]
     ks = half_grid_indices(P, ref.ndim, xp)
@@ -206,3 +209,46 @@ def ssnr_map(bp, tau2: np.ndarray, tau2_fudge: float) -> np.ndarray:
     out = np.asarray(to_host(out), dtype=np.float64)
     out[np.arange(n) > bp.r_max] = 0.0
     return out
+
+
+def initial_noise_spectrum(images, mask_radius_px: float, zero_mask: bool, mask_edge_px: float = 5.0) -> np.ndarray:
+    """(N/2+1,) RELION's initial sigma2 of one optics group from its particle images (n, N, N) (up to 1000 of
+    them; zero-masked first with --zero_mask): (mean image power - power of the mean image) / 2."""
+    N = images.shape[-1]
+    x = soft_mask_outside(images, mask_radius_px, mask_edge_px, 2) if zero_mask else images
+    F = rfft_centered(x, 2)
+    each = to_host(radial_average((F.real**2 + F.imag**2).astype(np.float64), N, 2).mean(axis=0))
+    Fm = F.mean(axis=0)
+    mean_pow = to_host(radial_average((Fm.real**2 + Fm.imag**2).astype(np.float64), N, 2))
+    return initial_sigma2(each, mean_pow)
+
+
+def reconstruct_classes(stack, tau2: list, tau2_fudge: float, class_weight: np.ndarray, old_refs,
+                        sym_matrices: np.ndarray | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The classification M-step of the class maps: Hermitian pairing of every class, point-group symmetrisation
+    (``sym_matrices``, 3D), SSNR_MAP per class and one batched MAP reconstruction with each class's tau2.
+    Returns the new maps (K, N, ...) float64 (an empty class keeps ``old_refs[k]``, as RELION does) and the
+    SSNR_MAP curves."""
+    stack.enforce_hermitian()
+    ssnr_all = []
+    for k, bp in enumerate(stack.members):  # K classes (symmetrisation and the SSNR are per class)
+        if sym_matrices is not None and len(sym_matrices) > 1:
+            bp.symmetrise(sym_matrices)
+        ssnr_all.append(ssnr_map(bp, tau2[k], tau2_fudge))
+    maps = to_host(stack.reconstruct(np.stack([to_host(t) for t in tau2]), tau2_fudge)).astype(np.float64)
+    keep = (np.asarray(class_weight) > 0).reshape((-1,) + (1,) * (maps.ndim - 1))
+    return np.where(keep, maps, np.asarray(old_refs, dtype=np.float64)), ssnr_all
+
+
+def class_offset_priors(offset_sum_A: np.ndarray, class_weight: np.ndarray) -> np.ndarray:
+    """(K, 2) prior means of the offsets per class (Å): the weighted mean offset of the class's particles,
+    0 for empty classes (RELION's maximizationOtherParameters divides by the class's own weight)."""
+    w = np.asarray(class_weight, float)[:, None]
+    return np.where(w > 0, np.asarray(offset_sum_A) / np.where(w > 0, w, 1.0), 0.0)
+
+
+def normalised_direction_priors(pdf_direction: np.ndarray) -> np.ndarray:
+    """(K, n_dirs) orientation distribution of each class from its summed weights (uniform for a class without
+    weight)."""
+    tot = pdf_direction.sum(axis=1, keepdims=True)
+    return np.where(tot > 0, pdf_direction / np.maximum(tot, 1e-300), 1.0 / pdf_direction.shape[1])

@@ -15,9 +15,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.sparse import coo_matrix
 
 from .backend import get_array_module, to_host
-from .fourier import _fft_module, round_half_away, signed_index, window_fourier
+from .fourier import (
+    _fft_module,
+    irfft_centered,
+    radius_grid,
+    rfft_centered,
+    round_half_away,
+    signed_index,
+    window_fourier,
+)
 from .projector import _corner_indices, pixel_list
 
 # ----------------------------------------------------------------------------------------------------------
@@ -410,8 +419,6 @@ def template_means(refs, disc, ctf_ps=None, lowpass_radius_ps: float | None = No
     """RELION's per-reference averages at ψ=0 on the references' own grid: ā = Σ_disc A / (n_disc + 1),
     ā² = Σ_disc A² / (n_disc + 1), of the low-passed (|k| <= ``lowpass_radius_ps`` box pixels), CTF-multiplied
     (``ctf_ps`` on the (s, s//2+1) half grid) references. Returns (ā, ā²), each (K,)."""
-    from .fourier import irfft_centered, radius_grid, rfft_centered  # noqa: PLC0415
-
     xp = get_array_module(refs)
     s = refs.shape[-1]
     F = rfft_centered(refs.astype(np.float64), 2)
@@ -504,7 +511,6 @@ def prune_peaks(xy: np.ndarray, fom: np.ndarray, link_radius: float, min_distanc
     """RELION's cluster pruning (host): single-linkage clusters with squared distance < link_radius^2; in each
     cluster keep the highest FOM (first on ties) and drop members at squared distance < min_distance^2 of a
     kept peak, greedily. Returns the kept mask."""
-    from scipy.sparse import coo_matrix  # noqa: PLC0415
     from scipy.sparse.csgraph import connected_components  # noqa: PLC0415
     from scipy.spatial import cKDTree  # noqa: PLC0415
 

@@ -1,10 +1,17 @@
-"""2D class references: RELION's blob initialisation and class centring (relion_algorithm.md 7, 4.6)."""
+"""2D class references: RELION's random-subset starting averages, blob initialisation and class centring
+(relion_algorithm.md 7, 4.6)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from .backend import get_array_module
+from .backend import get_array_module, to_host
+from .backprojector import BackProjectorStack
+from .ctf import ctf_half_grid
+from .fourier import lowpass_map, phase_shift_2d, rfft_centered
+from .geometry import euler_to_matrix
+from .masks import soft_spherical_mask
+from .projector import pixel_list
 
 
 def blob_references(averages: np.ndarray, diameter_px: float, rng: np.random.Generator, n_blobs: int = 40
@@ -64,3 +71,30 @@ def shift_images(images, shifts_px):
         dst_x = slice(max(0, dx), min(N, N + dx))
         out[k, dst_y, dst_x] = images[k, src_y, src_x]
     return out
+
+
+def initial_class_averages(images, offsets_px: np.ndarray, ctf, K: int, pixel_size: float, diameter_px: float,
+                           mask_radius_px: float, lowpass_A: float, rng: np.random.Generator, pad: int = 2,
+                           mask_edge_px: float = 5.0) -> np.ndarray:
+    """(K, N, N) starting classes of 2D classification (RELION's random-subset averages): each image (n, N, N,
+    on the device; already a random subset in random order) gets a random psi and class (index mod K), is
+    shifted by its offset (pixels), CTF-weighted (``ctf`` CtfParams or None) and averaged per class without
+    regularisation; then RELION's blobs, the low-pass at ``lowpass_A`` and the soft mask."""
+    xp = get_array_module(images)
+    n, N = images.shape[0], images.shape[-1]
+    psi = rng.uniform(0.0, 360.0, n)
+    cls = np.arange(n) % K
+    A = euler_to_matrix(np.zeros_like(psi), np.zeros_like(psi), psi)
+    F = phase_shift_2d(rfft_centered(images, 2), xp.asarray(offsets_px), N)
+    c = xp.ones(F.shape, dtype=np.float32) if ctf is None else xp.asarray(ctf_half_grid(ctf, N, pixel_size))
+    stack = BackProjectorStack(K, N, pad, ndim=2, xp=xp, dtype=np.float64)
+    ky, kx, flat = pixel_list(N, N / 2, xp, unique=True)
+    stack.insert_pixels(cls, A, kx, ky, (F * c).reshape(n, -1)[:, flat], (c * c).reshape(n, -1)[:, flat])
+    avgs = np.zeros((K, N, N))
+    for k, bp in enumerate(stack.members):  # K unregularised reconstructions (once per run)
+        if np.any(cls == k):
+            bp.enforce_hermitian()
+            avgs[k] = to_host(bp.reconstruct(None, 1.0))
+    refs = blob_references(avgs, diameter_px, rng)
+    refs = lowpass_map(refs, pixel_size, lowpass_A, ndim=2)
+    return refs * soft_spherical_mask(N, mask_radius_px, mask_edge_px, 2)[None]

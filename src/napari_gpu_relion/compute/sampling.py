@@ -10,7 +10,7 @@ says radians; translations in pixels.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
@@ -18,12 +18,16 @@ import numpy as np
 from ..errors import InputError
 from .geometry import (
     _canonical_name,
+    euler_to_matrix,
     symmetry_group,
     view_direction,
 )
 
 __all__ = [
+    "GivenOrientations",
+    "InPlaneSampling",
     "LocalSearch",
+    "Sampling",
     "angular_step",
     "asymmetric_unit_pixels",
     "direction_grid",
@@ -550,3 +554,224 @@ def local_search(prior_rot, prior_tilt, prior_psi, sigma_deg, order: int, sym: s
         psi_mask=pmask.reshape(shape + (npsi,)), psi_log_prior=plog.reshape(shape + (npsi,)),
         psi_distance=dpsi.reshape(shape + (npsi,)),
     )
+
+
+def local_candidates(angles: np.ndarray, sampling, sigma_deg: float, sym: str = "C1", n_classes: int = 1
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Per-particle coarse candidate rows and log priors (I, n) of RELION's local searches: every (direction,
+    psi) of ``sampling`` inside the 3-sigma window around each particle's angles (I, 3) (rot, tilt, psi in
+    degrees), with the Gaussian log prior of direction and psi, rows direction x n_psi + psi; the same window
+    in every class (rows are class-major, class k adds k x n_orient); -1 pads (log prior -inf)."""
+    ls = local_search(angles[:, 0], angles[:, 1], angles[:, 2], sigma_deg, sampling.order, sym, sampling.psi_step)
+    n_psi = ls.psi_mask.shape[1]
+    d_idx, d_ok = _kept_first(ls.dir_mask)  # (I, nd), few directions per particle
+    p_idx, p_ok = _kept_first(ls.psi_mask)  # (I, np)
+    ok = (d_ok[:, :, None] & p_ok[:, None, :]).reshape(len(angles), -1)
+    cand = np.where(ok, (d_idx[:, :, None] * n_psi + p_idx[:, None, :]).reshape(len(angles), -1), -1)
+    lp = (np.take_along_axis(ls.dir_log_prior, d_idx, axis=1)[:, :, None]
+          + np.take_along_axis(ls.psi_log_prior, p_idx, axis=1)[:, None, :]).reshape(len(angles), -1)
+    lpc = np.where(ok, lp, -np.inf)
+    if n_classes > 1:
+        R = sampling.n_orient
+        cand = np.concatenate([np.where(cand >= 0, cand + k * R, -1) for k in range(n_classes)], axis=1)
+        lpc = np.concatenate([lpc] * n_classes, axis=1)
+    return cand, lpc
+
+
+def _kept_first(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Indices of the True entries of each row of ``mask`` (I, M), first and in order, padded to the largest
+    count: (I, n) indices and (I, n) validity."""
+    n = max(1, int(mask.sum(axis=1).max()))
+    idx = np.argsort(~mask, axis=1, kind="stable")[:, :n]
+    return idx, np.take_along_axis(mask, idx, axis=1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The sampling of one iteration (what the E-step iterates over)
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Sampling:
+    """Coarse orientations and translations of one iteration, with RELION's random perturbation.
+
+    Orientation index r = idir * n_psi + ipsi (direction-major). Translations in pixels. ``perturb`` is
+    RELION's rho in [-0.5, 0.5]: angles are perturbed by rho x (angular step) about all three Euler axes,
+    translations by rho x (offset step)."""
+
+    order: int
+    sym: str = "C1"
+    psi_step: float | None = None
+    offset_range: float = 5.0
+    offset_step: float = 2.0
+    perturb: float = 0.0
+    oversampling: int = 1
+    dir_pix: np.ndarray = field(init=False)
+    rot: np.ndarray = field(init=False)
+    tilt: np.ndarray = field(init=False)
+    psi: np.ndarray = field(init=False)
+    translations: np.ndarray = field(init=False)
+
+    def __post_init__(self):
+        self.dir_pix, self.rot, self.tilt = direction_grid(self.order, self.sym)
+        self.psi = psi_angles(self.angular_step if self.psi_step is None else self.psi_step)
+        t = translation_grid(self.offset_range, self.offset_step, 2)
+        self.translations = t + self.perturb * self.offset_step
+
+    @property
+    def angular_step(self) -> float:
+        return angular_step(self.order)
+
+    @property
+    def psi_step_actual(self) -> float:
+        return 360.0 / self.psi.size
+
+    @property
+    def fine_angular_step(self) -> float:
+        return self.angular_step / (1 << self.oversampling)
+
+    @property
+    def fine_offset_step(self) -> float:
+        return self.offset_step / (1 << self.oversampling)
+
+    @property
+    def n_children(self) -> int:
+        """Oversampled orientations per coarse one: 4^q directions x 2^q psi."""
+        return 1 << (3 * self.oversampling)
+
+    @property
+    def n_dirs(self) -> int:
+        return int(self.dir_pix.size)
+
+    @property
+    def n_psi(self) -> int:
+        return int(self.psi.size)
+
+    @property
+    def n_orient(self) -> int:
+        return self.n_dirs * self.n_psi
+
+    def _perturbation(self) -> np.ndarray:
+        d = self.perturb * self.angular_step
+        return euler_to_matrix(d, d, d)
+
+    def coarse_angles(self, r) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        r = np.asarray(r)
+        return self.rot[r // self.n_psi], self.tilt[r // self.n_psi], self.psi[r % self.n_psi]
+
+    def coarse_matrices(self, r=None) -> np.ndarray:
+        """(n, 3, 3) perturbed matrices of coarse orientations r (default all)."""
+        r = np.arange(self.n_orient) if r is None else np.asarray(r)
+        return euler_to_matrix(*self.coarse_angles(r)) @ self._perturbation()
+
+    def fine_matrices(self, r) -> np.ndarray:
+        """(n, 8, 3, 3) perturbed matrices of the oversampled children of coarse orientations r
+        (4^q directions x 2^q psi, psi innermost, as RELION's iover_rot)."""
+        r = np.asarray(r)
+        q = self.oversampling
+        _, crot, ctilt = oversampled_directions(self.order, self.dir_pix[r // self.n_psi], q)  # (n, 4)
+        cpsi = oversampled_psi(self.psi[r % self.n_psi], self.psi_step_actual, q)  # (n, 2)
+        nd, npsi = crot.shape[-1], cpsi.shape[-1]
+        rot = np.repeat(crot, npsi, axis=-1)
+        tilt = np.repeat(ctilt, npsi, axis=-1)
+        psi = np.tile(cpsi, (1, nd))
+        return euler_to_matrix(rot, tilt, psi) @ self._perturbation()
+
+    def fine_translations(self) -> np.ndarray:
+        """(T, 4, 2) children of each coarse translation (pixels, x slowest)."""
+        return oversampled_translations(self.translations, self.offset_step, self.oversampling)
+
+
+@dataclass
+class GivenOrientations:
+    """The sampling of --skip_align: row r is orientation ``matrices[r]`` (one per particle of the data set),
+    the only translation is 0 (the data are pre-shifted to their exact offsets) and there is no oversampling.
+    Offers the parts of Sampling's interface that the E-step uses."""
+
+    matrices: np.ndarray  # (R, 3, 3)
+    order: int = 0
+    perturb: float = 0.0
+    oversampling: int = 0
+    offset_step: float = 1.0
+    translations: np.ndarray = field(default_factory=lambda: np.zeros((1, 2)))
+
+    @property
+    def n_orient(self) -> int:
+        return int(self.matrices.shape[0])
+
+    n_dirs = n_orient
+    n_psi = 1
+    n_children = 1
+    angular_step = fine_angular_step = psi_step_actual = 0.0
+
+    def coarse_matrices(self, r=None) -> np.ndarray:
+        return self.matrices if r is None else self.matrices[np.asarray(r)]
+
+    def fine_matrices(self, r) -> np.ndarray:
+        return self.coarse_matrices(r)[:, None]
+
+    def fine_translations(self) -> np.ndarray:
+        return self.translations[:, None, :]
+
+
+@dataclass
+class InPlaneSampling:
+    """The sampling of 2D classification: in-plane angles only (one "direction"), RELION's psi grid
+    360/ceil(360/step), 2^q psi children per coarse psi, translations and perturbation as in Sampling. Rows
+    are psi indices; matrices are Euler (0, 0, psi), whose upper-left 2x2 block rotates the 2D references."""
+
+    psi_step: float = 10.0
+    offset_range: float = 5.0
+    offset_step: float = 2.0
+    perturb: float = 0.0
+    oversampling: int = 1
+    order: int = 0
+    sym: str = "C1"
+    psi: np.ndarray = field(init=False)
+    translations: np.ndarray = field(init=False)
+
+    def __post_init__(self):
+        self.psi = psi_angles(self.psi_step)
+        self.translations = translation_grid(self.offset_range, self.offset_step, 2) + self.perturb * self.offset_step
+
+    @property
+    def psi_step_actual(self) -> float:
+        return 360.0 / self.psi.size
+
+    angular_step = psi_step_actual
+
+    @property
+    def fine_angular_step(self) -> float:
+        return self.psi_step_actual / (1 << self.oversampling)
+
+    @property
+    def fine_offset_step(self) -> float:
+        return self.offset_step / (1 << self.oversampling)
+
+    @property
+    def n_children(self) -> int:
+        return 1 << self.oversampling
+
+    n_dirs = 1
+
+    @property
+    def n_psi(self) -> int:
+        return int(self.psi.size)
+
+    n_orient = n_psi
+
+    def coarse_angles(self, r) -> np.ndarray:
+        """Perturbed psi (degrees) of coarse rows r."""
+        return self.psi[np.asarray(r)] + self.perturb * self.psi_step_actual
+
+    def coarse_matrices(self, r=None) -> np.ndarray:
+        r = np.arange(self.n_orient) if r is None else np.asarray(r)
+        psi = self.coarse_angles(r)
+        return euler_to_matrix(np.zeros_like(psi), np.zeros_like(psi), psi)
+
+    def fine_matrices(self, r) -> np.ndarray:
+        """(n, 2^q, 3, 3) matrices of the psi children of coarse rows r."""
+        psi = oversampled_psi(self.coarse_angles(r), self.psi_step_actual, self.oversampling)
+        return euler_to_matrix(np.zeros_like(psi), np.zeros_like(psi), psi)
+
+    def fine_translations(self) -> np.ndarray:
+        return oversampled_translations(self.translations, self.offset_step, self.oversampling)

@@ -20,6 +20,7 @@ from scipy.special import expit
 
 from .ctf import CtfParams, ctf_half_grid
 from .fourier import irfft_centered, rfft_centered
+from .geometry import euler_to_matrix
 
 
 @dataclass(frozen=True)
@@ -143,8 +144,6 @@ def simulate_particles(n: int, box: int, pixel_size: float, phantom: Phantom | N
     SNR is the ratio of the mean per-image signal variance (CTF-affected, over the whole box) to the noise
     variance. Either ``phantom`` (analytic projections) or ``projections_fn(A, shifts_px) -> (n, N, N)``
     (e.g. the Fourier projector of a map) provides the clean projections."""
-    from .geometry import euler_to_matrix  # noqa: PLC0415
-
     rng = np.random.default_rng(seed)
     ang = random_rotations(n, rng) if angles is None else np.asarray(angles, np.float64)
     A = euler_to_matrix(ang[:, 0], ang[:, 1], ang[:, 2])
@@ -182,8 +181,6 @@ def simulate_micrograph(phantom: Phantom, shape: tuple[int, int], pixel_size: fl
     """A micrograph with particles at known integer coordinates, optional dark contamination blobs, the CTF
     applied to the whole field and white noise at the given per-particle SNR (signal variance measured
     inside each particle's box)."""
-    from .geometry import euler_to_matrix  # noqa: PLC0415
-
     rng = np.random.default_rng(seed)
     ny, nx = shape
     half = box // 2

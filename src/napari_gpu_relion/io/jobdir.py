@@ -120,7 +120,8 @@ def project_path(name: str | os.PathLike, star: str | os.PathLike | None = None,
     """Resolve a path written in a STAR file (RELION's rule: relative to the project folder) and say where it
     was looked for. Absolute paths stand. ``project_dir`` given: only there. Otherwise the project folder is
     the current folder (where RELION runs); failing that, the STAR file's folder and up to three of its parents
-    (a job folder is two levels below its project: ``Extract/job007/particles.star``).
+    (a job folder is two levels below its project: ``Extract/job007/particles.star``). A bare file name is
+    looked for beside the STAR file first.
 
     Returns (the existing file, or None; the folders tried in order)."""
     q = Path(name)
@@ -133,6 +134,8 @@ def project_path(name: str | os.PathLike, star: str | os.PathLike | None = None,
     if star is not None:
         here = Path(star).resolve().parent
         bases += [here, *list(here.parents)[:3]]
+        if len(q.parts) == 1:  # a bare file name (our model STARs name their maps so): beside the STAR first
+            bases.insert(0, here)
     tried: list[Path] = []
     for b in bases:
         if b in tried:

@@ -1,8 +1,8 @@
 """Micrograph lists for picking and extraction: a micrographs STAR or a glob/list of MRC files, RELION's
 output-path rule (job prefix removed), and the 2-column coordinate list (autopick.star).
 
-Relative micrograph paths are RELION project paths; they are looked up from the current folder first, then
-from the STAR file's folder and up to 3 of its parents (like particle stacks in star.py).
+Relative micrograph paths are RELION project paths, found by :func:`.jobdir.project_path` (the current folder
+first, then the STAR file's folder and up to 3 of its parents), like particle stacks.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import InputError
+from .jobdir import project_path
 from .mrc import mrc_header_info, read_mrc
 from .star import ParticleTable, read_micrographs, read_star, write_star_blocks
 
@@ -45,14 +46,10 @@ class MicrographList:
 
 
 def _resolve(name: str, star: Path | None) -> Path:
-    p = Path(name)
-    if p.is_absolute() or p.exists() or star is None:
-        return p
-    here = star.resolve().parent
-    for base in [here, *list(here.parents)[:3]]:
-        if (base / p).exists():
-            return base / p
-    return p
+    """A micrograph or coordinate file named in ``star``, where :func:`project_path` finds it; the name as it
+    is when found nowhere (a job then reports that file, and skips it, when it reads it)."""
+    found, _ = project_path(name, star)
+    return Path(name) if found is None else found
 
 
 def micrograph_list(source: str | os.PathLike, angpix: float = -1.0) -> MicrographList:

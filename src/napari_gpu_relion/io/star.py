@@ -1,20 +1,20 @@
-"""RELION STAR files: particle and micrograph tables, optics groups, coordinate files.
+"""RELION STAR files: blocks, particle and micrograph tables with their optics groups, coordinate files.
 
 Reading goes through starfile; on top of it this module finds the STAR text line of every table row (so
 errors can say "line 57, column rlnDefocusU"), merges optics-group values into each particle row, and turns
 RELION 3.0 files (no optics table) into the 3.1 layout. Writing is our own small formatter: RELION 3.1
 layout (``# version 30001``, data_optics then data_particles), shortest round-trip float text, atomic.
 
-Conventions kept from RELION: image names are ``<n>@<stack>`` with n counted from 1; stack paths are relative
-to the project folder (RELION's working directory); coordinates are in micrograph pixels; pixel sizes in Å;
-origins (rlnOriginXAngst/YAngst) in Å.
+The particle images a table names (``<n>@<stack>``) are found and read by :mod:`.particle_images`.
+Conventions kept from RELION: coordinates are in micrograph pixels; pixel sizes in Å; origins
+(rlnOriginXAngst/YAngst) in Å.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -25,7 +25,9 @@ import starfile
 
 from ..errors import InputError
 from .atomic import atomic_path
-from .mrc import LazyStack, mrc_header_info
+from .jobdir import project_path
+from .mrc import mrc_header_info
+from .particle_images import parse_image_name
 
 __all__ = [
     "ParticleTable",
@@ -34,9 +36,6 @@ __all__ = [
     "read_micrographs",
     "write_particles",
     "write_star_blocks",
-    "parse_image_name",
-    "image_locations",
-    "load_images",
     "write_coordinates",
     "read_coordinates",
     "COORDINATE_DEFAULTS",
@@ -395,34 +394,6 @@ def _merge_optics(parts: pd.DataFrame, optics: pd.DataFrame, path: Path | None, 
     return parts
 
 
-def _resolve_project_dir(star_path: Path | None, stack: str, project_dir: str | os.PathLike | None
-                         ) -> tuple[Path | None, list[Path]]:
-    """Folder that relative stack paths start from, and the folders tried.
-
-    Given ``project_dir`` wins. Otherwise RELION's rule (paths relative to the project folder) is guessed:
-    the STAR file's folder, its parents up to 3 levels, then the current folder; the first that contains
-    ``stack`` is used.
-    """
-    if project_dir is not None:
-        return Path(project_dir), [Path(project_dir)]
-    if Path(stack).is_absolute():
-        return Path("/"), [Path("/")]
-    candidates: list[Path] = []
-    if star_path is not None:
-        here = Path(star_path).resolve().parent
-        candidates.append(here)
-        candidates.extend(list(here.parents)[:3])
-    candidates.append(Path.cwd())
-    tried: list[Path] = []
-    for c in candidates:
-        if c in tried:
-            continue
-        tried.append(c)
-        if (c / stack).is_file():
-            return c, tried
-    return None, tried
-
-
 def _stack_box(star_path: Path, parts: pd.DataFrame, project_dir: str | os.PathLike | None) -> int | None:
     """Box size from the header of the first referenced stack (square images only), or None."""
     if "rlnImageName" not in parts.columns or not len(parts):
@@ -431,11 +402,11 @@ def _stack_box(star_path: Path, parts: pd.DataFrame, project_dir: str | os.PathL
         _, stack = parse_image_name(parts["rlnImageName"].iloc[0])
     except InputError:
         return None
-    base, _ = _resolve_project_dir(star_path, stack, project_dir)
-    if base is None:
+    found, _ = project_path(stack, star_path, project_dir)
+    if found is None:
         return None
     try:
-        shape = mrc_header_info(base / stack).shape
+        shape = mrc_header_info(found).shape
     except InputError:
         return None
     return int(shape[-1]) if shape[-1] == shape[-2] else None
@@ -742,165 +713,6 @@ def write_particles(path: str | os.PathLike, table_or_particles: ParticleTable |
         if name not in blocks:
             blocks[name] = blk
     return write_star_blocks(p, blocks)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Image names and pixels
-
-
-def parse_image_name(name: str) -> tuple[int, str]:
-    """``'000012@Particles/mic1.mrcs'`` -> ``(11, 'Particles/mic1.mrcs')`` (0-based index, stack path).
-
-    The number may have any width; it counts from 1. InputError for anything else.
-    """
-    text = str(name).strip()
-    number, at, stack = text.partition("@")
-    if not at:
-        raise InputError(f"image name {text!r} has no '@' (expected <number>@<stack file>)",
-                         column="rlnImageName")
-    if not number.isdigit():
-        raise InputError(f"image name {text!r}: {number!r} before '@' is not a whole number",
-                         column="rlnImageName")
-    if not stack or any(ch.isspace() for ch in stack):
-        raise InputError(f"image name {text!r} has no valid stack file after '@'", column="rlnImageName")
-    index = int(number)
-    if index < 1:
-        raise InputError(f"image name {text!r}: image numbers count from 1, got {index}",
-                         column="rlnImageName")
-    return index - 1, stack
-
-
-def _parse_names(parts: pd.DataFrame, table: ParticleTable) -> tuple[np.ndarray, list[str]]:
-    """0-based indices and stack strings for every row; InputError with the STAR line of a bad name."""
-    if "rlnImageName" not in parts.columns:
-        raise InputError(f"no rlnImageName column in data_{table.block}", path=_s(table.path),
-                         column="rlnImageName")
-    names = parts["rlnImageName"].astype(str).str.strip()
-    split = names.str.partition("@")
-    ok = np.array((split[1] == "@") & split[0].str.fullmatch(r"\d+").fillna(False)
-                  & (split[2].str.len() > 0) & ~split[2].str.contains(r"\s", regex=True), dtype=bool)
-    idx = np.zeros(len(names), dtype=np.int64)
-    if ok.any():
-        idx[ok] = split[0][ok].astype(np.int64).to_numpy() - 1
-    ok &= idx >= 0
-    if not ok.all():
-        row = int(np.argmin(ok))
-        try:
-            parse_image_name(names.iloc[row])
-            message = f"malformed image name {names.iloc[row]!r}"
-        except InputError as exc:
-            message = str(exc).split(": ", 1)[-1]
-        raise InputError(message, path=_s(table.path), line=table.line_of(parts.index[row]),
-                         column="rlnImageName")
-    return idx, split[2].tolist()
-
-
-def _locations(parts: pd.DataFrame, table: ParticleTable, project_dir: str | os.PathLike | None
-               ) -> tuple[list[Path], np.ndarray]:
-    idx, stacks = _parse_names(parts, table)
-    if not stacks:
-        return [], idx
-    base, tried = _resolve_project_dir(table.path, stacks[0], project_dir)
-    if base is None:
-        looked = ", ".join(str(t) for t in tried)
-        raise InputError(f"cannot find image stack {stacks[0]!r}; looked in {looked}. "
-                         "Pass project_dir (the RELION project folder that stack paths are relative to)",
-                         path=_s(table.path), line=table.line_of(parts.index[0]), column="rlnImageName")
-    cache: dict[str, Path] = {}
-    paths = []
-    for s in stacks:
-        q = cache.get(s)
-        if q is None:
-            q = cache[s] = Path(s) if Path(s).is_absolute() else base / s
-        paths.append(q)
-    return paths, idx
-
-
-def image_locations(table: ParticleTable, project_dir: str | os.PathLike | None = None
-                    ) -> tuple[list[Path], np.ndarray]:
-    """Stack file (Path) and 0-based image index of every particle row, in row order.
-
-    Relative stack paths start from ``project_dir``; when None, from the first of: the STAR file's folder,
-    its parents (up to 3 levels), the current folder, that contains the first row's stack.
-    """
-    return _locations(table.particles, table, project_dir)
-
-
-def image_names_for(table: ParticleTable, out_path: str | os.PathLike) -> pd.Series:
-    """rlnImageName of ``table``'s rows for a STAR file written at ``out_path``: unchanged when the stacks are
-    found from there by the same rule as on reading (RELION's project-relative names), otherwise with absolute
-    stack paths, so that a job's output STAR in another folder still finds its images."""
-    names = table.particles["rlnImageName"].astype(str)
-    try:
-        paths, idx = image_locations(table)
-    except InputError:  # the stacks are not here at all: nothing better to write than the names as they are
-        return names
-    if not paths:
-        return names
-    stacks = names.str.partition("@")[2]
-    base, _ = _resolve_project_dir(Path(out_path), stacks.iloc[0], None)
-    first = dict(zip(stacks, paths, strict=True))  # stack text -> where it was found
-    if base is not None and all((base / s).resolve() == q.resolve() for s, q in first.items()):
-        return names
-    return pd.Series([f"{i + 1:06d}@{q.resolve()}" for i, q in zip(idx, paths, strict=True)], index=names.index)
-
-
-def load_images(table: ParticleTable, rows: Iterable[int] | None = None,
-                project_dir: str | os.PathLike | None = None) -> np.ndarray:
-    """Particle images as float32 (n, N, N), in row order; ``rows`` are 0-based positions (default: all).
-
-    Each stack file is opened once and only the needed images are read. InputError (naming the STAR file,
-    the row's line, the stack and the index) for a missing stack, an image number beyond the stack, or
-    images whose size disagrees with rlnImageSize.
-    """
-    parts = table.particles
-    if rows is not None:
-        positions = np.asarray(rows if isinstance(rows, np.ndarray) else list(rows), dtype=np.int64).ravel()
-        if positions.size and (positions.min() < 0 or positions.max() >= len(parts)):
-            raise InputError(f"row positions must be in 0..{len(parts) - 1}, got "
-                             f"{positions.min()}..{positions.max()}", path=_s(table.path))
-        parts = parts.iloc[positions]
-    star = _s(table.path)
-    paths, idx = _locations(parts, table, project_dir)
-    expected = parts["rlnImageSize"].to_numpy() if "rlnImageSize" in parts.columns else None
-    groups: dict[Path, list[int]] = {}
-    for pos, q in enumerate(paths):
-        groups.setdefault(q, []).append(pos)
-    out: np.ndarray | None = None
-    for stack_path, members in groups.items():
-        sel = np.asarray(members, dtype=np.int64)
-        first_line = table.line_of(parts.index[sel[0]])
-        if not stack_path.is_file():
-            raise InputError(f"image stack {stack_path} not found (named in rlnImageName "
-                             f"{parts['rlnImageName'].iloc[sel[0]]!r})", path=star, line=first_line,
-                             column="rlnImageName")
-        with LazyStack(stack_path) as stack:
-            n = len(stack)
-            beyond = idx[sel] >= n
-            if beyond.any():
-                pos = int(sel[np.argmax(beyond)])
-                raise InputError(f"image {idx[pos] + 1} of stack {stack_path} is asked for "
-                                 f"({parts['rlnImageName'].iloc[pos]!r}) but the stack has only {n} images",
-                                 path=star, line=table.line_of(parts.index[pos]), column="rlnImageName")
-            ny, nx = stack.shape[1:]
-            if expected is not None:
-                wrong = (expected[sel] != nx) | (expected[sel] != ny)
-                if wrong.any():
-                    pos = int(sel[np.argmax(wrong)])
-                    raise InputError(f"images in {stack_path} are {ny} x {nx} px but rlnImageSize is "
-                                     f"{expected[pos]}", path=star, line=table.line_of(parts.index[pos]),
-                                     column="rlnImageSize")
-            if out is None:
-                out = np.empty((len(parts), ny, nx), dtype=np.float32)
-            elif out.shape[1:] != (ny, nx):
-                raise InputError(f"images in {stack_path} are {ny} x {nx} px but earlier stacks have "
-                                 f"{out.shape[1]} x {out.shape[2]} px", path=star, line=first_line,
-                                 column="rlnImageName")
-            out[sel] = stack.read(idx[sel])
-    if out is None:
-        box = int(expected[0]) if expected is not None and len(expected) else 0
-        out = np.empty((0, box, box), dtype=np.float32)
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------

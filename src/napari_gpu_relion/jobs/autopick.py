@@ -23,6 +23,9 @@ from ..compute import picking as pk
 from ..compute.backend import free_cached_memory, is_out_of_memory, to_host
 from ..compute.ctf import CtfParams, ctf_from_frequencies
 from ..compute.fourier import fourier_resize, half_grid_indices, irfft_centered, round_half_away
+from ..compute.geometry import euler_to_matrix
+from ..compute.projector import prepare_reference, project
+from ..compute.sampling import direction_grid
 from ..errors import InputError
 from ..io.micrographs import (
     MicrographList,
@@ -142,10 +145,6 @@ def load_references(p: Params, apix: float, odir: Path) -> tuple[References, lis
     data = np.asarray(m.data, np.float32)
     angles = None
     if data.ndim == 3 and not is_stack(p.ref):
-        from ..compute.geometry import euler_to_matrix  # noqa: PLC0415
-        from ..compute.projector import prepare_reference, project  # noqa: PLC0415
-        from ..compute.sampling import direction_grid  # noqa: PLC0415
-
         s = data.shape[-1]
         if data.shape != (s, s, s) or s % 2:
             raise InputError(f"a 3D reference must be a cube with an even edge, got {data.shape}", path=str(p.ref))

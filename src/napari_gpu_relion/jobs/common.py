@@ -14,9 +14,14 @@ from ..errors import InputError
 from .events import Message
 
 
-def param(default: Any = MISSING, flag: str | None = None, help: str = "", **kw) -> Any:  # noqa: A002
-    """A Params field carrying its command-line flag (RELION's name) and help text (shown as tooltip)."""
+def param(default: Any = MISSING, flag: str | None = None, help: str = "", mode: str | None = None,  # noqa: A002
+          **kw) -> Any:
+    """A Params field carrying its command-line flag (RELION's name) and help text (shown as tooltip).
+    ``mode`` tells a front end how to ask for a path: 'r' input file, 'w' output file, 'd' folder, 'root' a
+    relion_refine output rootname (the widget asks for the job folder and passes <folder>/run)."""
     md = {"flag": flag, "help": help}
+    if mode is not None:
+        md["mode"] = mode
     if default is MISSING:
         return field(metadata=md, **kw)
     return field(default=default, metadata=md, **kw)

@@ -17,7 +17,12 @@ from pathlib import Path
 import numpy as np
 
 from ..compute.fsc import fsc, fsc_to_full, resolution_A, resolution_shell
+from ..compute.geometry import angular_distance_deg, euler_to_matrix
+from ..compute.ground_truth import pick_matches
+from ..io.jobdir import RunFiles
+from ..io.micrographs import read_coordinate_list
 from ..io.mrc import read_mrc, write_mrc
+from ..io.star import read_coordinates, read_particles
 from . import autopick, class2d, extract, mask_create, postprocess, reconstruct, refine3d, select
 from .common import param
 from .events import Finished, Message, Started
@@ -57,7 +62,7 @@ def run(p: Params) -> Iterator:
     halves = []
     for k in (1, 2):
         yield Message(f"Reconstruct half {k} from the true angles (--ctf --subset {k})")
-        o = out / "Reconstruct" / f"run_half{k}_class001_unfil.mrc"
+        o = RunFiles(out / "Reconstruct" / "run").unfiltered_half_map(k)
         yield from _forward(reconstruct.run(reconstruct.Params(
             i=data / "particles.star", o=o, ctf=True, subset=k, cpu=p.cpu, gpu=p.gpu)), done)
         halves.append(o)
@@ -84,40 +89,37 @@ def run(p: Params) -> Iterator:
                f"(predicted from the half maps by FSC' = sqrt(2FSC/(1+FSC)): {r_pred:.1f} Å, shells "
                f"{resolution_shell(f_truth, 0.5)} vs {resolution_shell(fsc_to_full(f_half), 0.5)})")
     yield Message(summary)
+    class2d_run = RunFiles(out / "Class2D" / "run")
     yield Message("2D classification (K=4, 10 iterations, --ctf --flatten_solvent --zero_mask --center_classes), "
                   "then select the classes holding >= 5 % of the particles")
     yield from _forward(class2d.run(class2d.Params(
-        i=data / "particles.star", o=out / "Class2D", K=4, iter=10, ctf=True,
+        i=data / "particles.star", o=class2d_run.root, K=4, iter=10, ctf=True,
         particle_diameter=p.particle_diameter + 10, flatten_solvent=True, zero_mask=True, center_classes=True,
         cpu=p.cpu, gpu=p.gpu)), done)
     selected = out / "Select" / "particles.star"
-    yield from _forward(select.run(select.Params(i=out / "Class2D" / "run_it010_data.star", o=selected,
+    yield from _forward(select.run(select.Params(i=class2d_run.data(10), o=selected,
                                                  min_class_distribution=0.05)), done)
     summary += f"; 2D classes -> {done[-1].summary}"
     yield Message("3D auto-refine of the selected particles from the reference low-passed to 60 Å (--ctf "
                   "--flatten_solvent, HEALPix order 1 to start, local searches from order 3)")
-    rdir = out / "Refine3D"
+    refined = RunFiles(out / "Refine3D" / "run")
     yield from _forward(refine3d.run(refine3d.Params(
-        i=selected, ref=data / "reference.mrc", o=rdir, ini_high=60.0, ctf=True, flatten_solvent=True,
+        i=selected, ref=data / "reference.mrc", o=refined.root, ini_high=60.0, ctf=True, flatten_solvent=True,
         healpix_order=1, auto_local_healpix_order=3, cpu=p.cpu, gpu=p.gpu)), done)
-    r1 = read_mrc(rdir / "run_half1_class001_unfil.mrc")
+    r1 = read_mrc(refined.unfiltered_half_map(1))
     r_ref = resolution_A(fsc(np.asarray(r1.data, np.float64),
-                             np.asarray(read_mrc(rdir / "run_half2_class001_unfil.mrc").data, np.float64)),
+                             np.asarray(read_mrc(refined.unfiltered_half_map(2)).data, np.float64)),
                          N, apix, 0.143)
-    err = _angular_errors(rdir / "run_data.star", data / "particles.star")
+    err = _angular_errors(refined.data(), data / "particles.star")
     summary += (f"; refined from 60 Å: half-map FSC 0.143 {r_ref:.1f} Å (true angles {r_half:.1f} Å), median "
                 f"angular error {np.median(err):.2f}° ({(err < 10).mean() * 100:.0f}% under 10°)")
     yield Finished({"postprocess": out / "PostProcess" / "postprocess.mrc", "half1": halves[0],
-                    "half2": halves[1], "refined": rdir / "run_class001.mrc"}, summary)
+                    "half2": halves[1], "refined": refined.class_map(1)}, summary)
 
 
 def _pick_and_extract(p: Params, data: Path, out: Path, done: list) -> Iterator:
     """LoG picking of the sample micrographs, scored against their true coordinates, then extraction of the
     picks (box 64, background normalisation, contrast inverted). Returns the summary text."""
-    from ..compute.ground_truth import pick_matches  # noqa: PLC0415
-    from ..io.micrographs import read_coordinate_list  # noqa: PLC0415
-    from ..io.star import read_coordinates  # noqa: PLC0415
-
     d = p.particle_diameter
     yield Message(f"Auto-pick the micrographs (--LoG {0.8 * d:.0f}-{1.2 * d:.0f} Å, robust threshold +3 sd)")
     pdir = out / "AutoPick"
@@ -148,9 +150,6 @@ def _pick_and_extract(p: Params, data: Path, out: Path, done: list) -> Iterator:
 def _angular_errors(refined_star: Path, truth_star: Path) -> np.ndarray:
     """Angle (degrees) between refined and true orientations of the refined particles, matched to the truth
     by their image number in the (one) stack."""
-    from ..compute.geometry import angular_distance_deg, euler_to_matrix  # noqa: PLC0415
-    from ..io.star import read_particles  # noqa: PLC0415
-
     cols = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")
     a, b = read_particles(refined_star).particles, read_particles(truth_star).particles
     number = b["rlnImageName"].astype(str).str.split("@").str[0].astype(int)

@@ -1,10 +1,20 @@
-"""The EM machinery shared by refine3d (and, later, class3d and class2d): the particle set with its per-particle
-state, the E-step over a set of particles in memory-sized batches (halving on out-of-memory), accuracy
-estimates, and RELION's output files (run_itNNN_data.star, _model.star, _optimiser.star).
+"""The EM iteration shared by refine3d, class3d and class2d (relion_refine; relion_algorithm.md 6-7).
+
+``run(job)`` is the one iteration driver, with RELION's named steps:
+
+    for each iteration:  update_sampling -> expectation -> maximization -> update_resolution
+                         -> check_convergence -> write (and the events the viewer shows)
+
+What differs per job is an ``EMJob`` subclass (jobs/refine3d.py, class3d.py, class2d.py): how the references
+are made and reconstructed, how the sampling changes, when it has converged, which files it writes. The state
+between iterations is one ``compute.schedule.EMState`` (scalars) plus the model arrays of ``EMModel``, saved
+in the optimiser and model STARs so that ``--continue`` resumes exactly. The E-step over a set of particles
+runs in batches sized by the memory plan (compute/backend.plan_memory), halving on out-of-memory.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,135 +22,337 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..compute.backend import Backend, to_host
-from ..compute.ctf import CtfParams, ctf_from_frequencies
+from ..compute.backend import Backend, MemoryPlan, free_cached_memory, plan_memory, to_host
+from ..compute.backprojector import BackProjectorStack
 from ..compute.estep import EStepSetup, EStepSums, expectation_batch, prepare_batch
-from ..compute.expectation import PixelSet
-from ..compute.fourier import rfft_centered
-from ..compute.geometry import euler_to_matrix, matrix_to_euler
-from ..compute.projector import FourierReference, project_pixels
-from ..compute.sampling import local_search
+from ..compute.expectation import pixel_set
+from ..compute.fourier import fourier_resize
+from ..compute.geometry import matrix_to_euler
+from ..compute.maximization import initial_noise_spectrum
+from ..compute.projector import prepare_reference
+from ..compute.sampling import local_candidates
+from ..compute.schedule import EMState
+from ..compute.simulate import fit_box
 from ..errors import InputError
-from ..io.star import (
-    ParticleTable,
-    image_names_for,
-    load_images,
-    read_particles,
-    read_star,
-    write_particles,
-    write_star_blocks,
+from ..io.atomic import ensure_not_input
+from ..io.jobdir import RunFiles, project_path
+from ..io.model_star import (
+    params_from_optimiser,
+    params_to_optimiser,
+    read_model_star,
+    read_optimiser_star,
+    state_from_optimiser,
+    state_to_optimiser,
+    write_optimiser_star,
 )
-from .common import batched_with_oom_retry
-from .events import Message, Progress
+from ..io.mrc import read_mrc
+from ..io.particle_images import parse_image_name
+from ..io.star import read_star
+from .common import backend_for, batched_with_oom_retry, param, require_file, write_note
+from .events import Finished, Message, Progress, Started
+from .particles import ParticleSet, load_particle_set
 
-ANGLES = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")
-CTF_COLUMNS = ("rlnDefocusU", "rlnDefocusV", "rlnDefocusAngle", "rlnVoltage", "rlnSphericalAberration",
-               "rlnAmplitudeContrast")
+#: Width of the raised-cosine edge of the particle mask (pixels), RELION's default.
+MASK_EDGE = 5.0
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Particles and their state
+# Options every relion_refine-style job shares
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EMParams:
+    """The options of relion_refine that refine3d, class3d and class2d share (RELION's names and defaults)."""
+
+    i: Path | None = param(None, "--i", "Particles STAR file")
+    o: Path | None = param(None, "--o", "Output rootname, as RELION's (Class3D/job001/run writes "
+                           "Class3D/job001/run_it001_data.star, ...); an existing folder means <folder>/run",
+                           mode="root")
+    particle_diameter: float = param(-1.0, "--particle_diameter", "Mask diameter (Å); -1 = (box - 5) x pixel size")
+    offset_range: float = param(5.0, "--offset_range", "Translation search range (pixels)")
+    offset_step: float = param(2.0, "--offset_step", "Coarse translation step (pixels)")
+    ctf: bool = param(False, "--ctf", "Do CTF correction")
+    flatten_solvent: bool = param(False, "--flatten_solvent", "Mask the references with a soft sphere")
+    zero_mask: bool = param(False, "--zero_mask", "Fill outside the particle mask with zeros (else noise)")
+    pad: int = param(2, "--pad", "Padding factor of the Fourier grids")
+    offset: float = param(10.0, "--offset", "Initial sigma of the offset prior (Å)")
+    random_seed: int = param(0, "--random_seed", "Random seed (halves, seeding, perturbation, noise)")
+    continue_from: Path | None = param(None, "--continue", "Continue from a run_itNNN_optimiser.star")
+    batch: int = param(0, "--batch", "Particles per batch; 0 = from free memory")
+    cpu: bool = param(False, "--cpu", "Run on the CPU (NumPy) even if a GPU is present")
+    gpu: int | None = param(None, "--gpu", "GPU index to use")
+
+    #: Options that --continue takes from the command line, not from the optimiser STAR.
+    RUNTIME = ("continue_from", "cpu", "gpu", "batch")
+
+    def check(self, needs_ref: bool, healpix_order: int = 0) -> None:
+        """Clear errors before any work (called by each job's __post_init__ for a new run)."""
+        require_file(self.i, "--i particles STAR", (".star",))
+        if needs_ref:
+            require_file(getattr(self, "ref", None), "--ref reference map", (".mrc", ".map", ".star"))
+        if self.o is None:
+            raise InputError("--o (output rootname, e.g. Refine3D/job001/run) is required")
+        ensure_not_input(RunFiles.from_output(self.o).data(1), self.i)
+        if healpix_order < 0 or healpix_order > 8:
+            raise InputError(f"--healpix_order must be in 0..8, got {healpix_order}")
+        if self.offset_step <= 0 or self.offset_range < 0:
+            raise InputError(f"--offset_step must be > 0 and --offset_range >= 0 (pixels), got "
+                             f"{self.offset_step}, {self.offset_range}")
+        if self.pad < 1:
+            raise InputError(f"--pad must be >= 1, got {self.pad}")
+        if self.batch < 0:
+            raise InputError(f"--batch must be >= 1 (or 0 = from free memory), got {self.batch}")
+
+
+def saved_options(params_cls) -> tuple[str, ...]:
+    """The options a --continue takes from the optimiser STAR: all but the data, the output and RUNTIME."""
+    skip = {"i", "ref", "o", *EMParams.RUNTIME}
+    return tuple(f for f in params_cls.__dataclass_fields__ if f not in skip)
+
+
+def continued_params(params_cls, p):
+    """The Params of a --continue: the saved options from the optimiser STAR, the data STAR and model of that
+    iteration as --i / --ref, the same rootname, and this call's runtime options (and --iter when given)."""
+    opt = read_optimiser_star(p.continue_from, require=("rlnCurrentIteration", "rlnExperimentalDataStarFile",
+                                                        "rlnModelStarFile", "rlnOutputRootName"))
+    base = Path(p.continue_from).parent
+    given = {k: getattr(p, k) for k in EMParams.RUNTIME}
+    given["i"] = base / Path(str(opt["rlnExperimentalDataStarFile"])).name
+    given["o"] = base / Path(str(opt["rlnOutputRootName"])).name
+    if "ref" in params_cls.__dataclass_fields__:
+        given["ref"] = None
+    if "iter" in params_cls.__dataclass_fields__ and p.iter != params_cls.__dataclass_fields__["iter"].default:
+        given["iter"] = p.iter
+    return params_from_optimiser(params_cls, opt, **given), opt
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The model: references and the arrays the M-step updates, per gold-standard half (one "half" in classification)
 # ----------------------------------------------------------------------------------------------------------
 
 
 @dataclass
-class ParticleSet:
-    """A particles STAR with the per-particle hidden-variable state the EM iterations update."""
+class EMModel:
+    """Per half h: the K class references refs[h] (K, N, N[, N]) float64, the noise spectra sigma2[h]
+    (optics groups, shells), the class distribution pdf_class[h] (K,) and orientation distribution
+    pdf_dir[h] (K, n_dirs); shared: group scale corrections and 2D class offset priors (K, 2) in Å."""
 
-    table: ParticleTable
-    pixel_size: float
-    box: int
-    angles: np.ndarray  # (n, 3) rot, tilt, psi (degrees)
-    offsets_px: np.ndarray  # (n, 2) origin offsets (pixels)
-    norm: np.ndarray  # (n,) rlnNormCorrection
-    subset: np.ndarray  # (n,) 1 or 2
-    optics_group: np.ndarray  # (n,) 0-based
-    scale_group: np.ndarray  # (n,) 0-based index into scale_group_names
-    scale_group_names: list
-    ctf: CtfParams | None
-    classes: np.ndarray = None  # (n,) 0-based
-    pmax: np.ndarray = None
-    nr_significant: np.ndarray = None
-    log_likelihood: np.ndarray = None
-    residual_power: np.ndarray = None
-
-    def __post_init__(self):
-        n = len(self.table)
-        for name, dt in (("classes", np.int64), ("pmax", float), ("nr_significant", np.int64),
-                         ("log_likelihood", float), ("residual_power", float)):
-            if getattr(self, name) is None:
-                setattr(self, name, np.zeros(n, dtype=dt))
-
-    def __len__(self) -> int:
-        return len(self.table)
+    refs: list[np.ndarray]
+    sigma2: list[np.ndarray]
+    pdf_class: list[np.ndarray]
+    pdf_dir: list[np.ndarray | None]
+    scales: np.ndarray
+    prior_offsets_A: np.ndarray | None = None
 
     @property
-    def n_optics_groups(self) -> int:
-        return int(self.optics_group.max()) + 1
-
-    def images(self, rows) -> np.ndarray:
-        return load_images(self.table, rows=np.asarray(rows)).astype(np.float32)
-
-    def ctf_rows(self, rows) -> CtfParams | None:
-        return None if self.ctf is None else self.ctf.subset(np.asarray(rows))
+    def n_classes(self) -> int:
+        return int(self.refs[0].shape[0])
 
 
-def load_particle_set(path: Path, ctf: bool, seed: int = 0, halves: bool = True) -> ParticleSet:
-    """Read a particles STAR for refinement; clear errors (file, column) for what is missing. Particles
-    without rlnRandomSubset are split into random halves (kept when present, as RELION does)."""
-    table = read_particles(path, require=("rlnImageName",))
-    df = table.particles
-    n = len(df)
-    if ctf:
-        missing = [c for c in CTF_COLUMNS if c not in df.columns]
-        if missing:
-            raise InputError(f"--ctf needs the CTF column(s) {', '.join(missing)} (in the particles or optics "
-                             "table)", path=str(path), column=", ".join(missing))
-    apix = table.pixel_size
-    box = table.box_size
-    ang = np.zeros((n, 3))
-    for j, c in enumerate(ANGLES):
-        if c in df:
-            ang[:, j] = df[c].to_numpy(float)
-    if "rlnOriginXAngst" in df and "rlnOriginYAngst" in df:
-        off = np.stack([df["rlnOriginXAngst"].to_numpy(float), df["rlnOriginYAngst"].to_numpy(float)], 1) / apix
-    elif "rlnOriginX" in df and "rlnOriginY" in df:
-        off = np.stack([df["rlnOriginX"].to_numpy(float), df["rlnOriginY"].to_numpy(float)], 1)
-    else:
-        off = np.zeros((n, 2))
-    norm = df["rlnNormCorrection"].to_numpy(float) if "rlnNormCorrection" in df else np.ones(n)
-    if "rlnRandomSubset" in df:
-        subset = df["rlnRandomSubset"].to_numpy(int)
-        bad = ~np.isin(subset, (1, 2))
-        if bad.any():
-            row = int(np.argmax(bad))
-            raise InputError(f"rlnRandomSubset must be 1 or 2; row {row + 1} has {subset[row]}", path=str(path),
-                             column="rlnRandomSubset", line=table.line_of(df.index[row]))
-    else:
-        subset = np.random.default_rng(seed).permutation(np.arange(n) % 2) + 1
-    for h in (1, 2) if halves else ():
-        if (subset == h).sum() < 2:
-            raise InputError(f"too few particles for two gold-standard halves: half {h} has {(subset == h).sum()} "
-                             f"of {n} particles (need at least 2 in each)", path=str(path), column="rlnRandomSubset")
-    og = df["rlnOpticsGroup"].to_numpy(int) if "rlnOpticsGroup" in df else np.ones(n, int)
-    _, og0 = np.unique(og, return_inverse=True)
-    key = "rlnGroupNumber" if "rlnGroupNumber" in df else ("rlnMicrographName" if "rlnMicrographName" in df else None)
-    if key is None:
-        names, sg = ["1"], np.zeros(n, int)
-    else:
-        u, sg = np.unique(df[key].astype(str).to_numpy(), return_inverse=True)
-        names = list(u)
-    return ParticleSet(table, apix, box, ang, off, norm, subset, og0, sg, names,
-                       CtfParams.from_table(df) if ctf else None)
+@dataclass
+class Iteration:
+    """What one iteration computed, passed from step to step."""
+
+    final: bool
+    cc: bool
+    current_size: int
+    sampling: object
+    coarse_size: int
+    local_sigma: float | None
+    plan: MemoryPlan | None = None
+    sums: list = field(default_factory=list)  # EStepSums per half
+    accumulators: list = field(default_factory=list)  # BackProjector(Stack) per half
+    old_angles: np.ndarray | None = None
+    old_offsets: np.ndarray | None = None
+    old_classes: np.ndarray | None = None
+    ssnr: list = field(default_factory=list)  # SSNR_MAP per class (or the gold-standard one)
+    fsc: np.ndarray | None = None
+    references: list = field(default_factory=list)  # the prepared (padded Fourier) references per half
+    seconds_estep: float = 0.0
+    outputs: dict = field(default_factory=dict)
 
 
-def check_search(healpix_order: int, offset_range: float, offset_step: float) -> None:
-    """The search options every EM job shares: clear errors before any work."""
-    if healpix_order < 0 or healpix_order > 8:
-        raise InputError(f"--healpix_order must be in 0..8, got {healpix_order}")
-    if offset_step <= 0 or offset_range < 0:
-        raise InputError(f"--offset_step must be > 0 and --offset_range >= 0 (pixels), got "
-                         f"{offset_step}, {offset_range}")
+class EMJob:
+    """The job-specific part of an EM run. The driver calls the steps in RELION's order; the base class holds
+    what every job shares (reading the data, the E-step over the halves, --continue)."""
+
+    name = "em"
+    ndim = 3  # of the references
+    needs_halves = False  # gold-standard auto-refine
+
+    def __init__(self, p):
+        self.p = p
+        self.t_start = time.time()
+        self.continued = p.continue_from is not None
+        self.opt: dict | None = None
+        if self.continued:
+            self.p, self.opt = continued_params(type(p), p)
+        self.files = RunFiles.from_output(self.p.o)
+        self.ps: ParticleSet = load_particle_set(Path(self.p.i), self.p.ctf, seed=self.p.random_seed,
+                                                 halves=self.needs_halves)
+        self.N, self.apix = self.ps.box, self.ps.pixel_size
+        self.diameter, self.mask_r = particle_mask(self.ps, self.p.particle_diameter, MASK_EDGE)
+        self.be: Backend = backend_for(self.p)
+        self.halves = ([np.flatnonzero(self.ps.subset == h) for h in (1, 2)] if self.needs_halves
+                       else [np.arange(len(self.ps))])
+        self.state = EMState(order=getattr(self.p, "healpix_order", 0), offset_range=self.p.offset_range,
+                             offset_step=self.p.offset_step, sigma_offset_A=self.p.offset)
+        self.model: EMModel | None = None
+
+    # ---- the job-specific steps ----
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def initial_model(self) -> EMModel:
+        raise NotImplementedError
+
+    def update_sampling(self) -> Iterator:
+        """Before the E-step: sizes and the sampling of this iteration; yields Messages and returns the
+        Iteration."""
+        raise NotImplementedError
+
+    def expectation_options(self, it: Iteration, h: int) -> dict:
+        """Keyword options of the E-step of half h: direction/class priors, local searches, ..."""
+        return {}
+
+    def maximization(self, it: Iteration) -> None:
+        raise NotImplementedError
+
+    def update_resolution(self, it: Iteration) -> None:
+        raise NotImplementedError
+
+    def check_convergence(self, it: Iteration) -> bool:
+        """True when the iteration just done was the last."""
+        raise NotImplementedError
+
+    def write(self, it: Iteration) -> Iterator:
+        """Write this iteration's files (optimiser STAR last) and yield the viewer's events."""
+        raise NotImplementedError
+
+    def finished(self) -> Finished:
+        raise NotImplementedError
+
+    def restore(self) -> EMModel:
+        """The model saved by the iteration --continue names (and the particles' classes)."""
+        raise NotImplementedError
+
+    # ---- shared machinery ----
+    def load_reference(self, path: Path) -> np.ndarray:
+        return load_reference(path, self.N, self.apix, getattr(self.p, "trust_ref_size", False))
+
+    def initial_sigma2(self) -> np.ndarray:
+        """(G, N/2+1) initial noise spectra per optics group from up to 1000 particles each."""
+        out = np.zeros((self.ps.n_optics_groups, self.N // 2 + 1))
+        for g in range(self.ps.n_optics_groups):
+            rows = np.flatnonzero(self.ps.optics_group == g)[:1000]
+            out[g] = initial_noise_spectrum(self.be.asarray(self.ps.images(rows)), self.mask_r, self.p.zero_mask,
+                                            MASK_EDGE)
+        return out
+
+    def accumulators(self, current_size: int):
+        """A BackProjectorStack of K classes for one half (refine3d overrides: one BackProjector)."""
+        return BackProjectorStack(self.model.n_classes, self.N, self.p.pad, current_size / 2, ndim=self.ndim,
+                                  xp=self.be.xp, dtype=np.float64)
+
+    def expectation(self, it: Iteration) -> Iterator:
+        """The E-step of every half: prepared references, memory plan, batches of particles; fills it.sums and
+        it.accumulators and updates the particles' hidden variables."""
+        xp, N, K = self.be.xp, self.N, self.model.n_classes
+        smp = it.sampling
+        pix_c, pix_f = pixel_set(N, it.coarse_size, xp), pixel_set(N, it.current_size, xp)
+        it.old_angles, it.old_offsets = self.ps.angles.copy(), self.ps.offsets_px.copy()
+        it.old_classes = self.ps.classes.copy()
+        n_dirs = getattr(smp, "n_dirs", 1)
+        frefs = [[prepare_reference(self.be.asarray(v), self.p.pad, r_max=it.current_size / 2) for v in refs]
+                 for refs in self.model.refs]
+        it.references = frefs
+        rows = (1 if getattr(self, "own_orientation", False) else
+                smp.n_orient if it.local_sigma is None else local_rows_estimate(smp, it.local_sigma))
+        it.plan = plan_memory(self.be.free_bytes(), box=N, ndim=self.ndim, pad=self.p.pad,
+                              n_references=K * len(self.halves), rows_per_particle=K * rows,
+                              translations=smp.translations.shape[0], coarse_pixels=pix_c.npix,
+                              requested_batch=self.p.batch)
+        if self._first_plan:  # once per run, at its first iteration
+            self._first_plan = False
+            yield Message(it.plan.describe())
+        t0 = time.time()
+        for h, rows_h in enumerate(self.halves):
+            acc = self.accumulators(it.current_size)
+            members = acc.members if hasattr(acc, "members") else [acc]
+            sums = EStepSums(members, N // 2 + 1, self.ps.n_optics_groups, n_dirs,
+                             n_scale_groups=len(self.model.scales))
+            opts = self.expectation_options(it, h)
+            setup = EStepSetup(frefs[h], smp, pix_c, pix_f, self.apix, self.be.asarray(self.model.sigma2[h]),
+                               log_pdf_direction=opts.pop("log_pdf_direction", None),
+                               sigma_offset_A=self.state.sigma_offset_A, cc=it.cc,
+                               class_offset_prior_A=opts.pop("class_offset_prior_A", None),
+                               max_fine_bytes=it.plan.fine_chunk_bytes)
+            stage = f"it {self.state.iteration:03d}" + (f" half {h + 1}" if len(self.halves) > 1 else "")
+            yield from run_estep(self.ps, rows_h, setup, sums, self.be, mask_radius_px=self.mask_r,
+                                 zero_mask=self.p.zero_mask, do_norm=getattr(self.p, "norm", False),
+                                 norm_average=self.state.norm_average, scales=self.model.scales,
+                                 batch=it.plan.batch, stage=stage, seed=self.p.random_seed + self.state.iteration,
+                                 local_sigma=it.local_sigma, sym=getattr(self.p, "sym", "C1"), **opts)
+            it.sums.append(sums)
+            it.accumulators.append(acc)
+        it.seconds_estep = time.time() - t0
+
+    _first_plan = True
+
+    def optimiser_entries(self, it: Iteration, data: Path, models: list[Path]) -> dict:
+        """The optimiser STAR of an iteration: RELION's labels, the saved options and the EMState."""
+        opt = {"rlnOutputRootName": str(self.files.root), "rlnModelStarFile": models[0].name,
+               "rlnExperimentalDataStarFile": data.name, "rlnCurrentIteration": self.state.iteration,
+               "rlnHasConverged": int(it.final), "rlnNumberOfIterWithoutResolutionGain":
+               self.state.nr_iter_wo_resol_gain, "rlnNumberOfIterWithoutChangingAssignments":
+               self.state.nr_iter_wo_large_changes}
+        if len(models) > 1:
+            opt["rlnModelStarFile2"] = models[1].name
+        opt.update(params_to_optimiser(self.p, saved_options(type(self.p))))
+        opt.update(state_to_optimiser(self.state))
+        return opt
+
+    def write_optimiser(self, it: Iteration, data: Path, models: list[Path]) -> Path:
+        final_name = it.final and self.needs_halves  # auto-refine's last files have no _itNNN
+        return write_optimiser_star(self.files.optimiser(None if final_name else self.state.iteration),
+                                    self.optimiser_entries(it, data, models))
+
+    def restore_state(self) -> list:
+        """EMState, particles' classes and the model files of the iteration --continue names."""
+        state_from_optimiser(self.state, self.opt)
+        self.state.iteration = int(self.opt["rlnCurrentIteration"])
+        base = Path(self.p.continue_from).parent
+        names = [self.opt["rlnModelStarFile"]] + ([self.opt["rlnModelStarFile2"]] if self.needs_halves else [])
+        models = [read_model_star(base / Path(str(n)).name) for n in names]
+        if "rlnClassNumber" in self.ps.table.particles:
+            self.ps.classes[:] = self.ps.table.particles["rlnClassNumber"].to_numpy(int) - 1
+        return models
+
+
+def run(job: EMJob) -> Iterator:
+    """The iteration driver: RELION's steps in RELION's order, for any EMJob."""
+    job.model = job.restore() if job.continued else job.initial_model()
+    yield Started(job.name, job.files.folder, job.be.name, job.describe())
+    job.files.folder.mkdir(parents=True, exist_ok=True)
+    write_note(job.files.folder, job.name, job.p)
+    while True:
+        job.state.iteration += 1
+        it = yield from job.update_sampling()
+        yield from job.expectation(it)
+        job.maximization(it)
+        job.update_resolution(it)
+        last = job.check_convergence(it)
+        yield from job.write(it)
+        if last:
+            break
+    free_cached_memory(job.be)
+    yield job.finished()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------------------------------------
 
 
 def particle_mask(ps: ParticleSet, particle_diameter: float, edge_px: float) -> tuple[float, float]:
@@ -154,32 +366,58 @@ def particle_mask(ps: ParticleSet, particle_diameter: float, edge_px: float) -> 
     return diameter, diameter / (2 * apix)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Initial noise spectra
-# ----------------------------------------------------------------------------------------------------------
+def load_reference(path: Path, box: int, apix: float, trust_ref_size: bool) -> np.ndarray:
+    """A cubic 3D reference map at the particles' box and pixel size (rescaled in Fourier space and cropped or
+    padded only with --trust_ref_size)."""
+    m = read_mrc(path)
+    vol = np.asarray(m.data, np.float64)
+    if vol.ndim != 3 or len(set(vol.shape)) != 1:
+        raise InputError(f"the reference must be a cubic 3D map, got shape {vol.shape}", path=str(path))
+    ref_apix = float(m.pixel_size) if m.pixel_size else apix
+    if vol.shape[0] == box and abs(ref_apix - apix) <= 1e-3 * apix:
+        return vol
+    if not trust_ref_size:
+        raise InputError(f"the reference has box {vol.shape[0]} at {ref_apix:.4f} Å/px but the particles have box "
+                         f"{box} at {apix:.4f} Å/px; give --trust_ref_size to rescale it, or a matching map",
+                         path=str(path))
+    n_new = int(round(vol.shape[0] * ref_apix / apix / 2)) * 2
+    vol = fourier_resize(vol, n_new, 3) if n_new != vol.shape[0] else vol
+    return fit_box(vol.astype(np.float32), box).astype(np.float64)
 
 
-def initial_noise_spectra(ps: ParticleSet, be: Backend, mask_radius_px: float, zero_mask: bool,
-                          max_per_group: int = 1000) -> np.ndarray:
-    """(G, N/2+1) initial sigma2 per optics group from up to 1000 particles each (zero-masked first with
-    --zero_mask): (mean image power - power of the mean image) / 2 (relion_algorithm.md 6, setup)."""
-    from ..compute.masks import soft_mask_outside  # noqa: PLC0415
-    from ..compute.maximization import initial_sigma2  # noqa: PLC0415
+def reference_paths(ref: Path) -> list[Path]:
+    """The reference map(s) of --ref: the map itself, or the rlnReferenceImage entries of a STAR file (e.g. a
+    previous run's _model.star), resolved by the project-path rule."""
+    if ref.suffix != ".star":
+        return [ref]
+    table = next((b for b in read_star(ref).values() if isinstance(b, pd.DataFrame)
+                  and "rlnReferenceImage" in b.columns), None)
+    if table is None or not len(table):
+        raise InputError("no rlnReferenceImage entries (expected a list of maps, e.g. a _model.star)",
+                         path=str(ref), column="rlnReferenceImage")
+    out = []
+    for name in table["rlnReferenceImage"].astype(str):
+        found, tried = project_path(name, ref)
+        if found is None:
+            raise InputError(f"reference map {name!r} listed in {ref} not found (looked in "
+                             f"{', '.join(map(str, tried))})", path=str(ref), column="rlnReferenceImage")
+        require_file(found, f"reference map listed in {ref}", (".mrc", ".map"))
+        out.append(found)
+    return out
 
-    N = ps.box
-    out = np.zeros((ps.n_optics_groups, N // 2 + 1))
-    for g in range(ps.n_optics_groups):
-        rows = np.flatnonzero(ps.optics_group == g)[:max_per_group]
-        x = be.asarray(ps.images(rows))
-        if zero_mask:
-            x = soft_mask_outside(x, mask_radius_px, 5.0, 2)
-        F = rfft_centered(x, 2)
-        from ..compute.fourier import radial_average  # noqa: PLC0415
 
-        each = to_host(radial_average((F.real**2 + F.imag**2).astype(np.float64), N, 2).mean(axis=0))
-        Fm = F.mean(axis=0)
-        mean_pow = to_host(radial_average((Fm.real**2 + Fm.imag**2).astype(np.float64), N, 2))
-        out[g] = initial_sigma2(each, mean_pow)
+def reference_images(model_star: Path) -> list[np.ndarray]:
+    """The class references a model STAR lists (rlnReferenceImage: ``map.mrc`` or ``n@stack.mrcs``), float64."""
+    model = read_model_star(model_star)
+    out = []
+    for name in model.classes["rlnReferenceImage"].astype(str):
+        idx, stack = parse_image_name(name) if "@" in name else (0, name)
+        found, tried = project_path(stack, model_star)
+        if found is None:
+            raise InputError(f"reference image {name!r} not found (looked in {', '.join(map(str, tried))})",
+                             path=str(model_star), column="rlnReferenceImage")
+        data = np.asarray(read_mrc(found).data, np.float64)
+        out.append(data[idx] if "@" in name else data)  # parse_image_name counts from 0
     return out
 
 
@@ -188,66 +426,42 @@ def initial_noise_spectra(ps: ParticleSet, be: Backend, mask_radius_px: float, z
 # ----------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class LocalSearchSpec:
-    sigma_deg: float
-    sym: str
-
-
-def local_candidates(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, spec: LocalSearchSpec):
-    """Per-particle coarse candidate rows and log priors (I, n) around each particle's current angles
-    (RELION local searches, sigma = ``spec.sigma_deg``, 3 sigma cut-off), in every class; -1 pads."""
-    smp = setup.sampling
-    a = ps.angles[rows]
-    ls = local_search(a[:, 0], a[:, 1], a[:, 2], spec.sigma_deg, smp.order, spec.sym, smp.psi_step)
-    n_psi = ls.psi_mask.shape[1]
-    d_idx, d_ok = _kept_first(ls.dir_mask)  # (I, nd), few directions per particle
-    p_idx, p_ok = _kept_first(ls.psi_mask)  # (I, np)
-    ok = (d_ok[:, :, None] & p_ok[:, None, :]).reshape(len(rows), -1)
-    cand = np.where(ok, (d_idx[:, :, None] * n_psi + p_idx[:, None, :]).reshape(len(rows), -1), -1)
-    lp = (np.take_along_axis(ls.dir_log_prior, d_idx, axis=1)[:, :, None]
-          + np.take_along_axis(ls.psi_log_prior, p_idx, axis=1)[:, None, :]).reshape(len(rows), -1)
-    lpc = np.where(ok, lp, -np.inf)
-    K, R = len(setup.refs), smp.n_orient
-    if K > 1:  # the same window in every class (rows are class-major)
-        cand = np.concatenate([np.where(cand >= 0, cand + k * R, -1) for k in range(K)], axis=1)
-        lpc = np.concatenate([lpc] * K, axis=1)
-    return cand, lpc
-
-
-def _kept_first(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Indices of the True entries of each row of ``mask`` (I, M), first and in order, padded to the largest
-    count: (I, n) indices and (I, n) validity."""
-    n = max(1, int(mask.sum(axis=1).max()))
-    idx = np.argsort(~mask, axis=1, kind="stable")[:, :n]
-    return idx, np.take_along_axis(mask, idx, axis=1)
+def local_rows_estimate(smp, sigma_deg: float) -> int:
+    """Coarse rows per particle of a local search, for the memory plan: the orientations inside RELION's 3-sigma
+    window (a cone of 3 sigma in direction times 6 sigma of psi), at least 1."""
+    step = max(smp.angular_step, 1e-6)
+    dirs = np.pi * (3 * sigma_deg / step) ** 2
+    psis = 6 * sigma_deg / step
+    return int(max(1, np.ceil(dirs) * np.ceil(psis)))
 
 
 def run_estep(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, sums: EStepSums, be: Backend, *,
               mask_radius_px: float, zero_mask: bool, do_norm: bool, norm_average: float, scales: np.ndarray,
-              batch: int, local: LocalSearchSpec | None = None, stage: str = "E-step", seed: int = 0,
+              batch: int, local_sigma: float | None = None, sym: str = "C1", stage: str = "E-step", seed: int = 0,
               class_log_prior: np.ndarray | None = None, own_orientation: bool = False) -> Iterator:
     """E-step over ``rows`` of the particle set in batches (halving on out-of-memory); updates the particle
     state (angles, offsets, classes, pmax, ...) and ``sums``. Yields Progress / Message events.
 
-    ``own_orientation`` (--skip_align): the setup's sampling is GivenOrientations with one row per particle of
-    the set; each particle is compared, in every class, only at its own orientation and exact offset."""
+    ``local_sigma`` (degrees): local searches around each particle's angles. ``own_orientation``
+    (--skip_align): the setup's sampling is GivenOrientations with one row per particle of the set; each particle
+    is compared, in every class, only at its own orientation and exact offset."""
     n = rows.size
     sig2_host = to_host(setup.sigma2)
+    K = len(setup.refs)
 
     def work(i0: int, i1: int) -> None:
         r = rows[i0:i1]
         imgs = be.asarray(ps.images(r))
         nf = (norm_average / ps.norm[r]) if do_norm else np.ones(r.size)
         noise = None if zero_mask else sig2_host[ps.optics_group[r][0]]
-        prep = prepare_batch(imgs, nf, ps.offsets_px[r], mask_radius_px, 5.0, noise_sigma2=noise,
+        prep = prepare_batch(imgs, nf, ps.offsets_px[r], mask_radius_px, MASK_EDGE, noise_sigma2=noise,
                              seed=seed + int(r[0]), subpixel=own_orientation)
         cand = lpc = None
-        if local is not None:
-            cand, lpc = local_candidates(ps, r, setup, local)
+        if local_sigma is not None:
+            cand, lpc = local_candidates(ps.angles[r], setup.sampling, local_sigma, sym, K)
         elif own_orientation:
             R = setup.sampling.n_orient
-            cand = r[:, None] + R * np.arange(len(setup.refs))[None, :]
+            cand = r[:, None] + R * np.arange(K)[None, :]
             lpc = np.zeros(cand.shape)
         res = expectation_batch(setup, prep, ps.ctf_rows(r), ps.optics_group[r], scales[ps.scale_group[r]], sums,
                                 candidates=cand, candidate_log_prior=lpc, scale_group_index=ps.scale_group[r],
@@ -267,242 +481,3 @@ def run_estep(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, sums: EStepS
         else:
             yield Progress(item[0], item[1], stage)
     be.release_cached()
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Accuracy of rotations and translations (RELION calculateExpectedAngularErrors)
-# ----------------------------------------------------------------------------------------------------------
-
-_ANGLE_ERRORS = np.concatenate([np.arange(0.05, 1.0, 0.05), np.arange(1.0, 5.0, 0.25), np.arange(5.0, 30.01, 1.0)])
-_SHIFT_ERRORS = np.concatenate([np.arange(0.05, 1.0, 0.05), np.arange(1.0, 10.01, 0.25)])
-
-
-def estimate_accuracy(ref: FourierReference, pix: PixelSet, angles: np.ndarray, ctf: CtfParams | None,
-                      sigma2_rows: np.ndarray, pixel_size: float, seed: int = 0) -> tuple[float, float]:
-    """Mean angular (degrees) and translational (Å) error at which the weighted squared difference between
-    a particle's projection and a perturbed one first exceeds ln(100) (4.60517), for the given particles
-    (RELION uses the first 100). Each particle is perturbed along one of rot/tilt/psi (x or y for shifts)
-    chosen at random; all error steps are evaluated at once. Caps: 30 degrees, 10 pixels."""
-    xp = _xp_of(ref)
-    n = angles.shape[0]
-    rng = np.random.default_rng(seed)
-    axis = rng.integers(0, 3, n)
-    N = pix.box
-    ne = _ANGLE_ERRORS.size
-    w = np.where(np.asarray(to_host(pix.shell))[None, :] >= 1, 0.5 / np.maximum(sigma2_rows, 1e-30), 0.0)
-    if ctf is None:
-        c = np.ones((n, pix.npix))
-    else:
-        c = to_host(ctf_from_frequencies(ctf, pix.kx / (N * pixel_size), pix.ky / (N * pixel_size), xp))
-    A0 = euler_to_matrix(angles[:, 0], angles[:, 1], angles[:, 2])
-    P0 = to_host(project_pixels(ref, xp.asarray(A0), pix.kx, pix.ky))  # (n, K)
-    pert = np.repeat(angles[:, None, :], ne, axis=1).copy()
-    pert[np.arange(n), :, axis] += _ANGLE_ERRORS[None, :]
-    A1 = euler_to_matrix(pert[..., 0], pert[..., 1], pert[..., 2]).reshape(-1, 3, 3)
-    P1 = to_host(project_pixels(ref, xp.asarray(A1), pix.kx, pix.ky)).reshape(n, ne, -1)
-    d = ((c[:, None, :] ** 2) * np.abs(P1 - P0[:, None, :]) ** 2 * w[:, None, :]).sum(-1)
-    acc_rot = _first_above(d, _ANGLE_ERRORS, 30.0)
-    # translations: |C P|^2 |1 - e_t|^2
-    sax = rng.integers(0, 2, n)
-    kx = np.asarray(to_host(pix.kx))
-    ky = np.asarray(to_host(pix.ky))
-    k = np.where(sax[:, None] == 0, kx[None, :], ky[None, :])  # (n, K)
-    ph = 2 * np.pi * _SHIFT_ERRORS[None, :, None] * k[:, None, :] / N
-    dt = ((c**2 * np.abs(P0) ** 2 * w)[:, None, :] * (2.0 - 2.0 * np.cos(ph))).sum(-1)
-    acc_trans_px = _first_above(dt, _SHIFT_ERRORS, 10.0)
-    return float(acc_rot), float(acc_trans_px * pixel_size)
-
-
-def _first_above(d: np.ndarray, steps: np.ndarray, cap: float) -> float:
-    above = d > 4.60517
-    first = np.where(above.any(axis=1), np.argmax(above, axis=1), -1)
-    vals = np.where(first >= 0, steps[np.maximum(first, 0)], cap)
-    return float(vals.mean())
-
-
-def _xp_of(ref: FourierReference):
-    from ..compute.backend import get_array_module  # noqa: PLC0415
-
-    return get_array_module(ref.data)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Files
-# ----------------------------------------------------------------------------------------------------------
-
-
-def data_table(ps: ParticleSet) -> pd.DataFrame:
-    """The particles with the refined hidden variables in RELION's columns."""
-    df = ps.table.particles.copy()
-    df["rlnAngleRot"], df["rlnAngleTilt"], df["rlnAnglePsi"] = ps.angles[:, 0], ps.angles[:, 1], ps.angles[:, 2]
-    df["rlnOriginXAngst"] = ps.offsets_px[:, 0] * ps.pixel_size
-    df["rlnOriginYAngst"] = ps.offsets_px[:, 1] * ps.pixel_size
-    for c in ("rlnOriginX", "rlnOriginY"):
-        if c in df:
-            del df[c]
-    df["rlnClassNumber"] = ps.classes + 1
-    df["rlnNormCorrection"] = ps.norm
-    df["rlnLogLikeliContribution"] = ps.log_likelihood
-    df["rlnMaxValueProbDistribution"] = ps.pmax
-    df["rlnNrOfSignificantSamples"] = ps.nr_significant
-    df["rlnRandomSubset"] = ps.subset
-    return df
-
-
-def write_data_star(path: Path, ps: ParticleSet) -> Path:
-    df = data_table(ps)
-    df["rlnImageName"] = image_names_for(ps.table, path).to_numpy()
-    return write_particles(path, df, ps.table.optics)
-
-
-def write_model_star(path: Path, general: dict, classes: pd.DataFrame, class_curves: list[pd.DataFrame],
-                     sigma2: np.ndarray, scales: np.ndarray, group_names: list, pdf_orient: list[np.ndarray],
-                     box: int, pixel_size: float) -> Path:
-    blocks: dict = {"model_general": general, "model_classes": classes}
-    for k, curve in enumerate(class_curves):
-        blocks[f"model_class_{k + 1}"] = curve
-    blocks["model_groups"] = pd.DataFrame({"rlnGroupNumber": np.arange(1, len(scales) + 1),
-                                           "rlnGroupName": [str(g) for g in group_names],
-                                           "rlnGroupScaleCorrection": scales})
-    sh = np.arange(box // 2 + 1)
-    for g in range(sigma2.shape[0]):
-        blocks[f"model_optics_group_{g + 1}"] = pd.DataFrame({
-            "rlnSpectralIndex": sh, "rlnResolution": sh / (box * pixel_size), "rlnSigma2Noise": sigma2[g]})
-    for k, pdf in enumerate(pdf_orient):
-        blocks[f"model_pdf_orient_class_{k + 1}"] = pd.DataFrame({"rlnOrientationDistribution": pdf})
-    return write_star_blocks(path, blocks)
-
-
-def write_classification_model(path: Path, ref_dim: int, reference_names: list[str], pdf_class: np.ndarray,
-                               res_A: list[float], ssnr_all: list[np.ndarray], sigma2: np.ndarray, scales: np.ndarray,
-                               pdf_orient: list[np.ndarray], ps: ParticleSet, pad: int, tau2_fudge: float,
-                               current_size: int, sigma_offset_A: float,
-                               prior_offsets_A: np.ndarray | None = None) -> Path:
-    """run_itNNN_model.star of a 2D or 3D classification: general block, class table (reference, distribution,
-    resolution and, for 2D, the class offset priors rlnClassPriorOffsetX/Y in Å), SSNR_MAP per class, noise
-    spectra, group scales, orientation distributions."""
-    N, apix = ps.box, ps.pixel_size
-    general = {"rlnReferenceDimensionality": ref_dim, "rlnDataDimensionality": 2, "rlnOriginalImageSize": N,
-               "rlnCurrentResolution": float(min(res_A)), "rlnCurrentImageSize": current_size,
-               "rlnPaddingFactor": pad, "rlnPixelSize": apix, "rlnNrClasses": len(pdf_class), "rlnNrBodies": 1,
-               "rlnNrGroups": len(scales), "rlnTau2FudgeFactor": tau2_fudge, "rlnSigmaOffsetsAngst": sigma_offset_A,
-               "rlnLogLikelihood": float(ps.log_likelihood.sum()), "rlnAveragePmax": float(ps.pmax.mean())}
-    classes = pd.DataFrame({"rlnReferenceImage": list(reference_names), "rlnClassDistribution": pdf_class,
-                            "rlnEstimatedResolution": res_A})
-    if prior_offsets_A is not None:
-        classes["rlnClassPriorOffsetX"] = np.asarray(prior_offsets_A)[:, 0]
-        classes["rlnClassPriorOffsetY"] = np.asarray(prior_offsets_A)[:, 1]
-    sh = np.arange(N // 2 + 1)
-    curves = [pd.DataFrame({"rlnSpectralIndex": sh, "rlnResolution": sh / (N * apix), "rlnSsnrMap": s[: sh.size]})
-              for s in ssnr_all]
-    return write_model_star(path, general, classes, curves, sigma2, scales, ps.scale_group_names, pdf_orient, N,
-                            apix)
-
-
-def reconstruct_classes(stack, tau2: list, tau2_fudge: float, class_weight: np.ndarray, old_refs,
-                        sym_matrices: np.ndarray | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
-    """The classification M-step of the class maps: Hermitian pairing of every class, point-group symmetrisation
-    (``sym_matrices``, 3D), SSNR_MAP per class and one batched MAP reconstruction with each class's tau2.
-    Returns the new maps (K, N, ...) float64 (an empty class keeps ``old_refs[k]``, as RELION does) and the
-    SSNR_MAP curves."""
-    from ..compute.maximization import ssnr_map  # noqa: PLC0415
-
-    stack.enforce_hermitian()
-    ssnr_all = []
-    for k, bp in enumerate(stack.members):  # K classes (symmetrisation and the SSNR are per class)
-        if sym_matrices is not None and len(sym_matrices) > 1:
-            bp.symmetrise(sym_matrices)
-        ssnr_all.append(ssnr_map(bp, tau2[k], tau2_fudge))
-    maps = to_host(stack.reconstruct(np.stack([to_host(t) for t in tau2]), tau2_fudge)).astype(np.float64)
-    keep = (np.asarray(class_weight) > 0).reshape((-1,) + (1,) * (maps.ndim - 1))
-    return np.where(keep, maps, np.asarray(old_refs, dtype=np.float64)), ssnr_all
-
-
-def next_perturbation(previous: float, seed: int, iteration: int) -> float:
-    """RELION's random perturbation of the sampling for this iteration, in [-0.5, 0.5): one generator per
-    iteration (seed + 7919 x iteration), so a continued run draws what the uninterrupted run drew."""
-    rng = np.random.default_rng(seed + 7919 * iteration)
-    return float(((previous + rng.uniform(0.25, 0.5)) + 0.5) % 1.0 - 0.5)
-
-
-def read_model_sigma2(path: Path) -> np.ndarray:
-    blocks = read_star(path)
-    names = sorted((k for k in blocks if k.startswith("model_optics_group_")), key=lambda s: int(s.rsplit("_", 1)[1]))
-    if not names:
-        raise InputError("no model_optics_group_N block with rlnSigma2Noise", path=str(path))
-    return np.stack([np.asarray(pd.DataFrame(blocks[k])["rlnSigma2Noise"], float) for k in names])
-
-
-def read_model_state(path: Path) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Group scale corrections (G,) and the orientation distributions of each class from a model STAR, for
-    --continue."""
-    blocks = read_star(path)
-    groups = blocks.get("model_groups")
-    scales = np.asarray(pd.DataFrame(groups)["rlnGroupScaleCorrection"], float) if groups is not None else None
-    names = sorted((k for k in blocks if k.startswith("model_pdf_orient_class_")),
-                   key=lambda s: int(s.rsplit("_", 1)[1]))
-    pdfs = [np.asarray(pd.DataFrame(blocks[k])["rlnOrientationDistribution"], float) for k in names]
-    return scales, pdfs
-
-
-def write_optimiser_star(path: Path, state: dict) -> Path:
-    return write_star_blocks(path, {"optimiser_general": state})
-
-
-def read_optimiser_star(path: Path) -> dict:
-    blocks = read_star(path)
-    if "optimiser_general" not in blocks:
-        raise InputError("not an optimiser STAR file (no data_optimiser_general block)", path=str(path))
-    blk = blocks["optimiser_general"]
-    return dict(blk) if not isinstance(blk, pd.DataFrame) else blk.iloc[0].to_dict()
-
-
-def params_to_optimiser(params, names) -> dict:
-    """The job options ``names`` as rlnGpuRelionParam_<name> entries of an optimiser STAR (for --continue)."""
-    out = {}
-    for k in names:
-        v = getattr(params, k)
-        out[f"rlnGpuRelionParam_{k}"] = int(v) if isinstance(v, bool) else v
-    return out
-
-
-def params_from_optimiser(params_cls, opt: dict, **given):
-    """A job's Params from the rlnGpuRelionParam_<name> entries of an optimiser STAR (types from the field
-    defaults), with ``given`` on top (e.g. --continue, --cpu, --gpu, the output folder)."""
-    kw = {}
-    for f, fld in params_cls.__dataclass_fields__.items():
-        key = f"rlnGpuRelionParam_{f}"
-        if key not in opt or f in given:
-            continue
-        v, default = opt[key], fld.default
-        if isinstance(default, bool):
-            v = bool(int(v))
-        elif isinstance(default, int):
-            v = int(v)
-        elif isinstance(default, float):
-            v = float(v)
-        else:
-            v = str(v)
-        kw[f] = v
-    return params_cls(**kw, **given)
-
-
-@dataclass
-class ChangeMonitor:
-    """RELION's hidden-variable change monitor: an iteration has no large changes when neither the mean
-    angular change nor the rms offset change beats 1/1.03 of its smallest value so far (changes below
-    0.4 x the fine sampling step count as small)."""
-
-    smallest_angle: float = 999.0
-    smallest_offset: float = 999.0
-    history: list = field(default_factory=list)
-
-    def update(self, dangle: float, doffset: float, fine_angle: float, fine_offset: float) -> bool:
-        small_a = dangle / max(fine_angle, 1e-9) < 0.40
-        small_o = doffset / max(fine_offset, 1e-9) < 0.40
-        no_large = (small_a or 1.03 * dangle >= self.smallest_angle) and \
-                   (small_o or 1.03 * doffset >= self.smallest_offset)
-        self.smallest_angle = min(self.smallest_angle, dangle)
-        self.smallest_offset = min(self.smallest_offset, doffset)
-        self.history.append((dangle, doffset))
-        return bool(no_large)

@@ -21,7 +21,8 @@ from ..compute.geometry import euler_to_matrix, symmetry_group
 from ..errors import InputError
 from ..io.atomic import ensure_not_input
 from ..io.mrc import write_mrc
-from ..io.star import ParticleTable, load_images, read_particles
+from ..io.particle_images import load_images
+from ..io.star import ParticleTable, read_particles
 from .common import backend_for, batched_with_oom_retry, param, require_file, write_note
 from .events import Finished, MapUpdated, Message, Progress, Started
 

@@ -16,7 +16,8 @@ import numpy as np
 
 from ..errors import InputError
 from ..io.atomic import ensure_not_input
-from ..io.star import ParticleTable, image_names_for, read_particles, read_star, write_particles
+from ..io.particle_images import image_names_for
+from ..io.star import ParticleTable, read_particles, read_star, write_particles
 from .common import param, require_file, write_note
 from .events import Finished, Started
 

@@ -16,7 +16,9 @@ import numpy as np
 import pandas as pd
 
 from ..compute import simulate as sim
-from ..compute.fourier import lowpass_map
+from ..compute.fourier import irfft_centered, lowpass_map, phase_shift_2d
+from ..compute.geometry import euler_to_matrix
+from ..compute.projector import prepare_reference, project
 from ..errors import InputError
 from ..io.mrc import read_mrc, write_mrc
 from ..io.star import write_coordinates, write_particles
@@ -82,9 +84,6 @@ def run(p: Params) -> Iterator:
         m = read_mrc(p.map)
         vol = sim.fit_box(np.asarray(m.data, np.float32), p.box)
         phantom = None
-        from ..compute.fourier import irfft_centered, phase_shift_2d  # noqa: PLC0415
-        from ..compute.projector import prepare_reference, project  # noqa: PLC0415
-
         ref = prepare_reference(vol.astype(np.float64), pad=2)
 
         def proj_fn(A, sh):
@@ -206,8 +205,6 @@ def make_views_and_junk(out: Path, views_deg: np.ndarray, n_per_view: int, n_jun
     offsets) of the L-shaped phantom at signal-to-noise ``snr`` plus ``n_junk`` images of pure noise at the same
     noise level, shuffled; particles.star (offsets unknown: 0), label.npy (the view of each particle, -1 = junk)
     and views.npy (the noise-free projections of the views, psi 0)."""
-    from ..compute.geometry import euler_to_matrix  # noqa: PLC0415
-
     out = Path(out)
     rng = np.random.default_rng(seed)
     ph = sim.l_shaped_phantom()

@@ -2,10 +2,11 @@
 saving of edited picks.
 
 Each micrograph's picks arrive as MicrographPicked (one Points layer "picks" over the micrographs, FOM in
-features; widgets/display.py). The "Threshold (FOM)" slider hides picks below it without re-picking; its range
-follows the FOMs of the automatic picks. Points can be added, moved and deleted by hand in the picks layer
-(napari's point tools); "Save picks" writes one coordinate STAR per micrograph (<micrograph>_autopick.star, shown
-picks only, through the plugin's writer) and an autopick.star list to a folder, ready for particle extraction.
+features; widgets/display.py, state in widgets/pick_model.py). The "Threshold (FOM)" slider hides picks below it
+without re-picking; its range follows the FOMs of the automatic picks. Points can be added, moved and deleted by
+hand in the picks layer (napari's point tools); "Save picks" writes one coordinate STAR per micrograph
+(<micrograph>_autopick.star, shown picks only, as the plugin's writer does) and an autopick.star list to a
+folder, ready for particle extraction.
 """
 
 from __future__ import annotations
@@ -17,53 +18,42 @@ import numpy as np
 from magicgui.widgets import FileEdit, FloatSlider, Label, PushButton
 from napari.utils.notifications import show_info
 
-from .._writer import write_points
 from ..errors import InputError
 from ..io.micrographs import output_root, write_coordinate_list
+from ..io.star import write_coordinates
 from ..jobs import autopick
 from .job_widget import JobWidget
+from .pick_model import PickModel
 from .runner import error_message
 
 if TYPE_CHECKING:
     import napari
 
-__all__ = ["AutopickWidget", "widget", "save_picks_layer"]
+__all__ = ["AutopickWidget", "widget", "write_pick_files"]
 
 EDITED_FOLDER = "edited_picks"
 #: Slider positions between the lowest and the highest figure of merit.
 SLIDER_STEPS = 1000
 
 
-def _micrograph_label(index: int, names: list[str]) -> tuple[str, str | None]:
-    """(file root, micrograph name or None) of micrograph ``index``: RELION's output root of its name."""
-    name = names[index] if 0 <= index < len(names) and names[index] else None
-    return (output_root(name) if name else f"mic{index + 1:03d}"), name
+def _micrograph_label(index: int, name: str) -> str:
+    """File root of micrograph ``index``: RELION's output root of its name, else micNNN."""
+    return output_root(name) if name else f"mic{index + 1:03d}"
 
 
-def save_picks_layer(layer: Any, folder: Path) -> tuple[list[Path], int]:
-    """Write a (mic, y, x) picks layer as <folder>/<micrograph>_autopick.star per micrograph (shown points only,
-    through :func:`napari_gpu_relion._writer.write_points`; a micrograph without shown picks gets an empty file)
-    and <folder>/autopick.star listing them. Returns (files written, picks written)."""
-    data = np.asarray(layer.data, dtype=np.float64)
-    if data.ndim != 2 or data.shape[1] != 3:
-        raise InputError(f"the picks layer must have (micrograph, y, x) points, got shape {data.shape}")
-    names = list((layer.metadata or {}).get("micrograph_names") or [])
-    mics = np.round(data[:, 0]).astype(np.int64)
-    shown = np.asarray(layer.shown, dtype=bool)
-    features = layer.features
-    scale, translate = np.asarray(layer.scale), np.asarray(layer.translate)
-    indices = sorted({i for i, nm in enumerate(names) if nm} | set(mics.tolist()))
+def write_pick_files(model: PickModel, folder: Path) -> tuple[list[Path], int]:
+    """Write :meth:`PickModel.coordinate_tables` as <folder>/<micrograph>_autopick.star per micrograph (shown
+    picks only; a micrograph without shown picks gets an empty file) and <folder>/autopick.star listing the
+    named ones. Returns (files written, picks written)."""
     files, listed, n_written = [], ([], []), 0
-    for m in indices:
-        rows = mics == m
-        root, name = _micrograph_label(m, names)
-        meta = {"scale": scale[1:], "translate": translate[1:], "shown": shown[rows],
-                "features": features[rows].reset_index(drop=True), "metadata": dict(layer.metadata)}
-        target = Path(write_points(str(folder / f"{root}_autopick.star"), data[rows, 1:], meta)[0])
+    for table in model.coordinate_tables():
+        target = write_coordinates(folder / f"{_micrograph_label(table.index, table.name)}_autopick.star",
+                                   x=table.x, y=table.y, fom=table.fom, class_number=table.class_number,
+                                   psi=table.psi)
         files.append(target)
-        n_written += int(shown[rows].sum())
-        if name is not None:
-            listed[0].append(name)
+        n_written += len(table)
+        if table.name:
+            listed[0].append(table.name)
             listed[1].append(str(target))
     if listed[0]:
         files.append(write_coordinate_list(folder / "autopick.star", *listed))
@@ -129,13 +119,11 @@ class AutopickWidget(JobWidget):
         self._update_info()
 
     def _update_info(self) -> None:
-        layer = self.picks_layer()
-        if layer is None or self._closed:
+        if self.picks_layer() is None or self._closed:
             return
-        shown = int(np.count_nonzero(layer.shown))
-        threshold = self.display.pick_threshold
-        above = f" (FOM ≥ {threshold:.4g})" if np.isfinite(threshold) else ""
-        self.picks_info.value = f"{shown} of {len(layer.data)} picks shown{above}"
+        model = self.display.pick_model()
+        above = f" (FOM ≥ {model.threshold:.4g})" if np.isfinite(model.threshold) else ""
+        self.picks_info.value = f"{model.n_shown} of {len(model)} picks shown{above}"
 
     # -- saving ------------------------------------------------------------------------------------------
 
@@ -147,14 +135,13 @@ class AutopickWidget(JobWidget):
         return Path(self.folder.value.strip() or ".") / EDITED_FOLDER
 
     def save_picks(self, *_: Any) -> list[Path] | None:
-        """Write the shown picks per micrograph (see :func:`save_picks_layer`); report how many."""
-        layer = self.picks_layer()
-        if layer is None:
+        """Write the shown picks per micrograph (see :func:`write_pick_files`); report how many."""
+        if self.picks_layer() is None:
             self._report_error("Save picks: no picks layer yet (run auto-picking first)")
             return None
         folder = self.picks_path()
         try:
-            files, n = save_picks_layer(layer, folder)
+            files, n = write_pick_files(self.display.pick_model(), folder)
         except (InputError, OSError) as exc:
             self._report_error(f"Save picks: {error_message(exc)}")
             return None

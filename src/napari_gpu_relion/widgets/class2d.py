@@ -1,15 +1,14 @@
 """Dock widget "2D classification" (napari.yaml): the generic job widget of jobs.class2d, plus class selection.
 
 Each iteration's class averages arrive as ClassAveragesUpdated and are shown as one labelled grid, largest class
-first (widgets/display.py). Clicking a tile (grid, labels or selection layer active, pan/zoom mode) toggles its
-class; selected tiles are outlined. "Save selection" writes the particles of the selected classes of the shown
-iteration (its run_itNNN_data.star) to a particles STAR through the Select job's own writer
-(jobs.select.write_selection).
+first (widgets/display.py, layout and selection in widgets/class_grid_model.py). Clicking a tile (grid, labels or
+selection layer active, pan/zoom mode) toggles its class; selected tiles are outlined. "Save selection" writes the
+particles of the selected classes of the shown iteration (the data STAR of its classes stack, named by
+io/jobdir.py) to a particles STAR through the Select job's own writer (jobs.select.write_selection).
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +16,7 @@ from magicgui.widgets import FileEdit, Label, PushButton
 from napari.utils.notifications import show_info
 
 from ..errors import InputError
+from ..io.jobdir import RunFiles, data_for_classes_stack
 from ..io.star import read_particles
 from ..jobs import class2d
 from ..jobs.select import write_selection
@@ -26,31 +26,21 @@ from .runner import error_message
 if TYPE_CHECKING:
     import napari
 
-__all__ = ["Class2DWidget", "widget", "data_star_for", "newest_iteration_file", "save_selected_particles"]
+__all__ = ["Class2DWidget", "widget", "data_star_for", "save_selected_particles"]
 
 GRID_LAYER = "classes"
 SELECTION_FILE = "selected_particles.star"
-_ITERATION = re.compile(r"_it(\d+)_data\.star$")
 
 
-def newest_iteration_file(folder: Path) -> Path | None:
-    """The run_itNNN_data.star of ``folder`` with the highest NNN (None if there is none)."""
-    if not folder.is_dir():
-        return None
-    found = [(int(m.group(1)), p) for p in folder.glob("*_it*_data.star") if (m := _ITERATION.search(p.name))]
-    return max(found)[1] if found else None
-
-
-def data_star_for(classes_path: Path | str | None, folder: Path | None) -> Path | None:
-    """Particles STAR of the shown class averages (run_itNNN_classes.mrcs -> run_itNNN_data.star), else the
-    newest run_itNNN_data.star in ``folder``."""
+def data_star_for(classes_path: Path | str | None, folder: Path | str | None) -> Path | None:
+    """Particles STAR of the shown class averages (the data STAR of the same iteration), else the newest data STAR
+    of the job ``folder`` (a folder or the job's ``--o`` rootname; default: the folder of ``classes_path``)."""
     if classes_path is not None:
-        p = Path(classes_path)
-        candidate = p.with_name(re.sub(r"_classes\.mrcs?$", "_data.star", p.name))
-        if candidate != p and candidate.is_file():
+        candidate = data_for_classes_stack(classes_path)
+        if candidate is not None and candidate.is_file():
             return candidate
-        folder = folder or p.parent
-    return newest_iteration_file(folder) if folder is not None else None
+        folder = folder or Path(classes_path).parent
+    return RunFiles.from_output(folder).latest_data() if folder else None
 
 
 def save_selected_particles(data_star: Path, classes: list[int], out: Path) -> tuple[int, int]:
@@ -102,7 +92,7 @@ class Class2DWidget(JobWidget):
     def _on_selection(self, grid: Any) -> None:
         if self._closed:
             return
-        classes = sorted(grid.metadata.get("selected") or ())
+        classes = self.display.selected_classes(grid.name)
         self.selection_info.value = (f"{len(classes)} class(es): {', '.join(map(str, classes))}" if classes
                                      else "no classes selected")
 
@@ -121,14 +111,13 @@ class Class2DWidget(JobWidget):
         if grid is None:
             self._report_error("Save selection: no class grid yet (run 2D classification first)")
             return None
-        classes = sorted(grid.metadata.get("selected") or ())
+        classes = self.display.selected_classes(grid.name)
         if not classes:
             self._report_error("Save selection: no classes selected (click tiles of the class grid)")
             return None
-        folder = self.folder.value.strip()
-        data_star = data_star_for(grid.metadata.get("path"), Path(folder) if folder else None)
+        data_star = data_star_for(grid.metadata.get("path"), self.folder.value.strip() or None)
         if data_star is None:
-            self._report_error("Save selection: cannot find the run_itNNN_data.star of the shown classes")
+            self._report_error("Save selection: cannot find the data STAR of the shown classes")
             return None
         out = self.selection_path(grid)
         try:

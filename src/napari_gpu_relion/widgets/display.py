@@ -1,17 +1,23 @@
-"""Job events -> napari layers and plots, updated in place (never one new layer per iteration).
+"""The live display: job events -> napari layers and docks, updated in place (never one new layer per iteration).
+
+A thin view. The pick and class-selection state lives in plain models (no Qt, no napari):
+:class:`~napari_gpu_relion.widgets.pick_model.PickModel` and
+:class:`~napari_gpu_relion.widgets.class_grid_model.ClassGrid`; the plots are in widgets/plots.py. Here:
 
 * :class:`~napari_gpu_relion.jobs.events.MapUpdated`: one 3D Image layer per ``event.name``, created once
   (Å scale, iso-surface rendering, threshold by Otsu's method), then ``layer.data = volume``.
 * :class:`~napari_gpu_relion.jobs.events.FscUpdated`: one matplotlib dock widget "FSC", redrawn.
-* :class:`~napari_gpu_relion.jobs.events.MicrographPicked`: one Points layer "picks" (mic, y, x) over the
-  micrograph stack, scores in ``features['fom']``, a threshold that hides picks through ``shown``. Points
-  added by hand get RELION's manual-pick markers (fom, class, psi = -999), ``features['manual']`` True (never
-  hidden by the threshold) and ``features['mic']`` from their slice; edits survive later picks of the job.
-* :class:`~napari_gpu_relion.jobs.events.ClassAveragesUpdated`: one grid image; a click on a tile (grid, its
-  labels or its selection layer active, pan/zoom mode) toggles that class in ``metadata['selected']``
-  (1-based class numbers), outlined by a Shapes layer "<name> selection"; kept when the grid is redrawn.
-* :meth:`LiveDisplay.show_angular_distribution`: a matplotlib dock "Angular distribution" (rot × cos tilt,
-  equal-area bins).
+* :class:`~napari_gpu_relion.jobs.events.MicrographPicked`: into the PickModel, shown as one Points layer "picks"
+  (mic, y, x; row i of the model is point i), features fom, class, psi, mic and manual, ``shown`` from the
+  model's threshold. Points added by hand get RELION's manual-pick markers (fom, class, psi = -999), ``manual``
+  True and ``mic`` from their slice; the user's edits of the layer are read back into the model before it is
+  used again, so they survive later picks of the job.
+* :class:`~napari_gpu_relion.jobs.events.ClassAveragesUpdated`: a ClassGrid drawn as one image, a Points layer
+  "<name> labels" and a Shapes layer "<name> selection" outlining the selected classes. A click on a tile (grid,
+  labels or selection layer active, pan/zoom mode) toggles its class. The model lives in the grid layer's
+  ``metadata['class_grid']``, mirrored for widgets as ``order``, ``tile_size``, ``selected`` (1-based class
+  numbers) and ``path``; the selection is kept when the same job's grid is redrawn.
+* :meth:`LiveDisplay.show_angular_distribution`: a matplotlib dock "Angular distribution".
 
 Widgets follow changes through :meth:`LiveDisplay.connect` ("picks": picks shown or edited, "selection":
 class selection toggled).
@@ -25,7 +31,6 @@ fast job cannot flood the GUI thread. All methods run in the GUI thread
 from __future__ import annotations
 
 import logging
-import math
 import time
 import weakref
 from collections.abc import Callable
@@ -34,24 +39,29 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
+from qtpy.QtCore import QTimer
 
 from .._reader import map_kwargs, points_kwargs
-from ..compute.angular_distribution import AngularHistogram, angular_histogram
+from ..compute.angular_distribution import angular_histogram
 from ..jobs.events import ClassAveragesUpdated, FscUpdated, MapUpdated, MicrographPicked
+from . import plots
+from .class_grid_model import ClassGrid, class_at, grid_shape, tile_at, tile_corners
+from .pick_model import MANUAL_PICK_VALUE, PickModel
+from .plots import AngularDistributionPlot, FscPlot
 
 if TYPE_CHECKING:
     import napari
 
-__all__ = ["LiveDisplay", "FscPlot", "AngularDistributionPlot", "grid_shape", "tile_at", "class_at",
-           "tile_corners"]
+# the grid geometry is re-exported for callers of its former home (docs/screenshots.py, widget tests)
+__all__ = ["LiveDisplay", "grid_shape", "tile_at", "class_at", "tile_corners"]
 
 log = logging.getLogger(__name__)
 
 PICKS_LAYER = "picks"
 FSC_DOCK = "FSC"
 ANGDIST_DOCK = "Angular distribution"
-#: RELION's "not given" value of fom, class and psi (what its manual picker writes).
-MANUAL_PICK_VALUE = -999
+#: Key of a class grid layer's metadata that holds its ClassGrid.
+GRID_MODEL = "class_grid"
 #: Canvas pixels the mouse may move between press and release for a click (more is a pan).
 CLICK_TOLERANCE = 5.0
 SELECTION_COLOR = "cyan"
@@ -59,161 +69,6 @@ SELECTION_COLOR = "cyan"
 MIN_REFRESH_INTERVAL = 0.1
 #: Smallest pause (s) between two items of one refresh, so that queued GUI events get their turn.
 MIN_TICK_GAP = 0.02
-
-
-def _matplotlib_dock(object_name: str, figsize: tuple[float, float]) -> tuple[Any, Any, Any]:
-    """(QWidget, Figure, canvas): an empty matplotlib figure filling a widget for a napari dock."""
-    from matplotlib.backends.backend_qtagg import FigureCanvasQTAgg
-    from matplotlib.figure import Figure
-    from qtpy.QtWidgets import QVBoxLayout, QWidget
-
-    widget = QWidget()
-    widget.setObjectName(object_name)
-    figure = Figure(figsize=figsize)
-    canvas = FigureCanvasQTAgg(figure)
-    canvas.setMinimumHeight(200)
-    layout = QVBoxLayout(widget)
-    layout.setContentsMargins(0, 0, 0, 0)
-    layout.addWidget(canvas)
-    return widget, figure, canvas
-
-
-class FscPlot:
-    """A matplotlib FSC plot in a napari dock widget: curves against resolution (1/Å), threshold line,
-    resolution in the title. Build once, call :meth:`update` for every new FscUpdated."""
-
-    def __init__(self, viewer: napari.viewer.Viewer):
-        self.widget, self.figure, self.canvas = _matplotlib_dock("gpu_relion_fsc_plot", (4, 3))
-        self.figure.subplots_adjust(left=0.16, right=0.97, bottom=0.16, top=0.88)
-        self.axes = self.figure.add_subplot(111)
-        self._colors = _theme_colors(viewer)
-        self.last_event: FscUpdated | None = None
-        self.draw_count = 0
-
-    def update(self, event: FscUpdated) -> None:
-        fg, bg = self._colors
-        ax = self.axes
-        ax.clear()
-        self.figure.set_facecolor(bg)
-        ax.set_facecolor(bg)
-        x = np.asarray(event.resolution_inv_A, dtype=float)
-        for name, curve in event.curves.items():
-            y = np.asarray(curve, dtype=float)
-            n = min(len(x), len(y))
-            ax.plot(x[:n], y[:n], label=name, linewidth=1.5)
-        ax.axhline(event.threshold, color="0.6", linestyle="--", linewidth=1)
-        ax.axhline(0.0, color="0.4", linewidth=0.5)
-        if np.isfinite(event.resolution_A) and event.resolution_A > 0:
-            ax.axvline(1.0 / event.resolution_A, color="0.6", linestyle=":", linewidth=1)
-            title = f"Resolution {event.resolution_A:.2f} Å (FSC = {event.threshold:g})"
-        else:
-            title = "FSC"
-        ax.set_title(title, color=fg, fontsize=10)
-        ax.set_xlabel("resolution (1/Å)", color=fg)
-        ax.set_ylabel("FSC", color=fg)
-        ax.set_ylim(-0.1, 1.05)
-        if len(x):
-            ax.set_xlim(0, float(np.nanmax(x)))
-        ax.tick_params(colors=fg)
-        for spine in ax.spines.values():
-            spine.set_color(fg)
-        if event.curves:
-            ax.legend(fontsize=8, frameon=False, labelcolor=fg)
-        self.canvas.draw_idle()
-        self.last_event = event
-        self.draw_count += 1
-
-
-def _theme_colors(viewer: Any) -> tuple[str, str]:
-    """(foreground, background) colours of the viewer's theme, so the plot matches the dark/light UI."""
-    try:
-        from napari.utils.theme import get_theme
-
-        theme = get_theme(viewer.theme)
-        return theme.text.as_hex(), theme.background.as_hex()
-    except Exception:  # noqa: BLE001 - cosmetic only
-        return "black", "white"
-
-
-class AngularDistributionPlot:
-    """A matplotlib dock: particles per equal-area bin of viewing direction, rot (°) across, tilt (°) down,
-    with a colour bar. Build once, call :meth:`update` with each new histogram."""
-
-    def __init__(self, viewer: napari.viewer.Viewer):
-        self.widget, self.figure, self.canvas = _matplotlib_dock("gpu_relion_angular_distribution", (4.5, 3))
-        self._colors = _theme_colors(viewer)
-        self.axes: Any = None
-        self.colorbar: Any = None
-        self.histogram: AngularHistogram | None = None
-        self.source: Path | None = None
-        self.draw_count = 0
-
-    def update(self, hist: AngularHistogram, source: Path | None = None) -> None:
-        """Redraw with ``hist`` (bins drawn at their true tilt edges, so equal-area bins look taller near
-        the poles); ``source`` names the STAR file in the title."""
-        fg, bg = self._colors
-        self.figure.clear()
-        self.figure.set_facecolor(bg)
-        ax = self.figure.add_subplot(111)
-        ax.set_facecolor(bg)
-        mesh = ax.pcolormesh(hist.rot_edges, hist.tilt_edges, hist.counts, cmap="viridis", shading="flat")
-        ax.set_xlim(-180, 180)
-        ax.set_ylim(180, 0)  # tilt 0 (top view) at the top
-        ax.set_xticks(np.arange(-180, 181, 90))
-        ax.set_yticks(np.arange(0, 181, 45))
-        ax.set_xlabel("rot (°)", color=fg)
-        ax.set_ylabel("tilt (°)", color=fg)
-        total = float(hist.counts.sum())
-        name = f" — {Path(source).name}" if source else ""
-        ax.set_title(f"{total:.0f} particles{name}", color=fg, fontsize=10)
-        ax.tick_params(colors=fg)
-        for spine in ax.spines.values():
-            spine.set_color(fg)
-        cbar = self.figure.colorbar(mesh, ax=ax)
-        cbar.set_label("particles", color=fg)
-        cbar.ax.tick_params(colors=fg)
-        self.figure.tight_layout()
-        self.canvas.draw_idle()
-        self.axes, self.colorbar, self.histogram, self.source = ax, cbar, hist, source
-        self.draw_count += 1
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Class grid geometry (pure functions, tested without a viewer)
-
-
-def grid_shape(K: int) -> tuple[int, int]:
-    """(rows, columns) of the class grid of K tiles: ceil(sqrt(K)) columns, filled row by row."""
-    ncol = max(1, math.ceil(math.sqrt(K)))
-    return max(1, math.ceil(K / ncol)), ncol
-
-
-def tile_at(y: float, x: float, K: int, N: int, pixel_size: float = 1.0) -> int | None:
-    """Index (0-based, row-major) of the tile under (y, x) in Å (pixels times ``pixel_size``) of a grid of K
-    tiles of N x N pixels, or None outside the tiles. Pixel i is centred at i, so tiles start at -0.5 px."""
-    nrow, ncol = grid_shape(K)
-    row = math.floor((y / pixel_size + 0.5) / N)
-    col = math.floor((x / pixel_size + 0.5) / N)
-    if not (0 <= row < nrow and 0 <= col < ncol):
-        return None
-    tile = row * ncol + col
-    return tile if tile < K else None
-
-
-def class_at(y: float, x: float, order: Any, N: int, pixel_size: float = 1.0) -> int | None:
-    """RELION class number (1-based) shown under (y, x) in Å; ``order[i]`` is the 0-based class of tile i."""
-    order = np.asarray(order)
-    tile = tile_at(y, x, len(order), N, pixel_size)
-    return None if tile is None else int(order[tile]) + 1
-
-
-def tile_corners(tile: int, ncol: int, N: int, inset: float = 0.0) -> np.ndarray:
-    """(4, 2) corners (y, x) in pixels of tile ``tile`` of a grid with ``ncol`` columns of N-pixel tiles, moved
-    ``inset`` pixels inwards (so that outlines of neighbouring tiles stay apart)."""
-    r, c = divmod(int(tile), ncol)
-    y0, x0 = r * N - 0.5 + inset, c * N - 0.5 + inset
-    size = N - 2 * inset
-    return np.array([[y0, x0], [y0, x0 + size], [y0 + size, x0 + size], [y0 + size, x0]], dtype=np.float64)
 
 
 class LiveDisplay:
@@ -225,13 +80,11 @@ class LiveDisplay:
         self._viewer_ref = weakref.ref(_unwrap(viewer))
         self.fsc: FscPlot | None = None
         self._fsc_dock: Any = None
-        self.pick_threshold: float = -np.inf
         self.micrograph_pixel_size: float | None = None
         self.pick_size: float | None = None
-        # micrograph index -> (name, (n, 2) x/y pixels, (n,) fom, (n,) picked by hand)
-        self._picks: dict[int, tuple[str, np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._picks = PickModel()
         self._applying_picks = False  # True while the display itself changes the picks layer
-        self._picks_edited = False  # the user changed the picks layer since _picks was last synced
+        self._picks_edited = False  # the user changed the picks layer since the model was last synced
         self._watched_picks: weakref.WeakSet = weakref.WeakSet()
         self.angdist: AngularDistributionPlot | None = None
         self._angdist_dock: Any = None
@@ -305,8 +158,6 @@ class LiveDisplay:
         self._schedule()
 
     def _schedule(self, delay: float | None = None) -> None:
-        from qtpy.QtCore import QTimer
-
         if self._timer is None:
             self._timer = QTimer()
             self._timer.setSingleShot(True)
@@ -363,9 +214,8 @@ class LiveDisplay:
 
     @staticmethod
     def prepare() -> None:
-        """Import the plotting modules now (about 0.15 s the first time) rather than at the first FSC."""
-        import matplotlib.backends.backend_qtagg  # noqa: F401
-        import matplotlib.figure  # noqa: F401
+        """Import the plotting modules now rather than at the first FSC (see widgets/plots.py)."""
+        plots.prepare()
 
     # -- maps --------------------------------------------------------------------------------------------
 
@@ -402,36 +252,28 @@ class LiveDisplay:
         Clicks toggle classes (see :meth:`toggle_class_at`); the selection of the same job is kept."""
         viewer = self.viewer
         imgs = np.asarray(event.images, dtype=np.float32)
-        K, N = imgs.shape[0], imgs.shape[-1]
-        order = np.argsort(-np.asarray(event.distribution), kind="stable")
-        nrow, ncol = grid_shape(K)
-        grid = np.zeros((nrow * N, ncol * N), np.float32)
-        pos = np.zeros((K, 2))
-        for i, k in enumerate(order):  # K tiles (a display copy, not a hot path)
-            r, c = divmod(i, ncol)
-            im = imgs[k]
-            grid[r * N:(r + 1) * N, c * N:(c + 1) * N] = (im - im.mean()) / (im.std() or 1.0)
-            pos[i] = (r * N + 1, c * N + 1)
+        model = ClassGrid(event.distribution, event.resolution_A, imgs.shape[-1], event.path)
+        image = model.compose(imgs)
         scale = (float(event.pixel_size or 1.0),) * 2
         layer = _find_layer(viewer, event.name, "Image")
-        selected = _kept_selection(layer, event.path, K)
-        if layer is not None and layer.data.shape != grid.shape:
+        model.keep_selection_of(_grid_model(layer))
+        if layer is not None and layer.data.shape != image.shape:
             viewer.layers.remove(layer)
             layer = None
         if layer is None:
-            layer = viewer.add_image(grid, name=event.name, scale=scale, colormap="gray",
+            layer = viewer.add_image(image, name=event.name, scale=scale, colormap="gray",
                                      metadata={"kind": "classes"})
         else:
-            layer.data = grid
-        # tile i shows class order[i] (0-based); "selected" holds 1-based class numbers
-        layer.metadata.update(path=event.path, order=order, tile_size=N, selected=selected)
+            layer.data = image
+        layer.metadata[GRID_MODEL] = model
+        _publish_grid(layer)
         self._listen_for_clicks(layer)
-        text = [f"{k + 1}: {100 * event.distribution[k]:.1f}% {event.resolution_A[k]:.0f} Å" for k in order]
         lname = f"{event.name} labels"
         labels = _find_layer(viewer, lname, "Points")
         if labels is not None:
             viewer.layers.remove(labels)
-        labels = viewer.add_points(pos, name=lname, scale=scale, size=0, features={"label": text},
+        labels = viewer.add_points(model.label_positions(), name=lname, scale=scale, size=0,
+                                   features={"label": model.labels()},
                                    text={"string": "{label}", "anchor": "upper_left", "size": 8, "color": "yellow"},
                                    metadata={"kind": "class_labels", "grid": event.name})
         self._listen_for_clicks(labels)
@@ -441,6 +283,10 @@ class LiveDisplay:
         return layer
 
     # -- class selection ---------------------------------------------------------------------------------
+
+    def class_grid(self, grid_name: str) -> ClassGrid | None:
+        """The model of the class grid layer ``grid_name`` (None without such grid)."""
+        return _grid_model(_find_layer(self.viewer, grid_name, "Image"))
 
     def _listen_for_clicks(self, layer: Any) -> None:
         """Toggle classes on clicks while ``layer`` (the grid, its labels or its selection) is active."""
@@ -468,10 +314,11 @@ class LiveDisplay:
         """Toggle the class under ``position`` (world coordinates, Å) of the grid layer ``grid_name``; returns
         its 1-based number, or None when the position is outside the tiles or the grid is hidden."""
         grid = _find_layer(self.viewer, grid_name, "Image")
-        if grid is None or not grid.visible or "order" not in grid.metadata:
+        model = _grid_model(grid)
+        if model is None or not grid.visible:
             return None
         y, x = np.asarray(grid.world_to_data(position), dtype=np.float64)[-2:]
-        k = class_at(y, x, grid.metadata["order"], int(grid.metadata["tile_size"]))
+        k = model.class_at(y, x)
         if k is not None:
             self.toggle_class(grid_name, k)
         return k
@@ -479,31 +326,25 @@ class LiveDisplay:
     def toggle_class(self, grid_name: str, class_number: int) -> bool:
         """Select or deselect class ``class_number`` (1-based) of grid ``grid_name``; True if now selected."""
         grid = _find_layer(self.viewer, grid_name, "Image")
-        if grid is None:
+        model = _grid_model(grid)
+        if model is None:
             raise KeyError(f"no class grid named {grid_name!r}")
-        selected = set(grid.metadata.get("selected") or ())
-        now = class_number not in selected
-        (selected.add if now else selected.discard)(int(class_number))
-        grid.metadata["selected"] = selected
+        now = model.toggle(class_number)
+        _publish_grid(grid)
         self._draw_selection(grid)
         self._emit("selection", grid)
         return now
 
     def selected_classes(self, grid_name: str) -> list[int]:
         """The selected 1-based class numbers of grid ``grid_name``, sorted (empty without such grid)."""
-        grid = _find_layer(self.viewer, grid_name, "Image")
-        return sorted(grid.metadata.get("selected") or ()) if grid is not None else []
+        model = self.class_grid(grid_name)
+        return model.selected_classes() if model is not None else []
 
     def _draw_selection(self, grid: Any) -> Any:
         """Outline the selected tiles in the Shapes layer "<grid> selection" (made on the first selection)."""
+        model = _grid_model(grid)
         name = f"{grid.name} selection"
-        order = [int(k) for k in grid.metadata["order"]]
-        N = int(grid.metadata["tile_size"])
-        ncol = grid_shape(len(order))[1]
-        tile_of = {k + 1: i for i, k in enumerate(order)}
-        width = max(1.0, N / 32)
-        rects = [tile_corners(tile_of[k], ncol, N, width) for k in sorted(grid.metadata.get("selected") or ())
-                 if k in tile_of]
+        rects = model.selection_outlines()
         layer = _find_layer(self.viewer, name, "Shapes")
         if layer is None and not rects:
             return None
@@ -515,7 +356,8 @@ class LiveDisplay:
             layer.scale = grid.scale
         layer.data = []
         if rects:
-            layer.add_rectangles(rects, edge_width=width, edge_color=SELECTION_COLOR, face_color="transparent")
+            layer.add_rectangles(rects, edge_width=model.outline_width, edge_color=SELECTION_COLOR,
+                                 face_color="transparent")
         return layer
 
     # -- FSC ---------------------------------------------------------------------------------------------
@@ -530,6 +372,16 @@ class LiveDisplay:
         return self.fsc
 
     # -- picks -------------------------------------------------------------------------------------------
+
+    @property
+    def pick_threshold(self) -> float:
+        """The FOM threshold (set it with :meth:`set_pick_threshold`); -inf shows every pick."""
+        return self._picks.threshold
+
+    def pick_model(self) -> PickModel:
+        """The picks as shown, with the user's edits of the picks layer taken in."""
+        self._sync_edited_picks()
+        return self._picks
 
     def _micrograph_pixel_size(self) -> float | None:
         if self.micrograph_pixel_size:
@@ -546,29 +398,19 @@ class LiveDisplay:
         return self._apply_picks()
 
     def _store_picks(self, event: MicrographPicked) -> None:
-        """Keep the picks of one micrograph (after taking in the user's edits, so that they are not lost)."""
-        self._sync_edited_picks()
-        scores = np.asarray(event.scores, dtype=np.float64).ravel()
-        self._picks[int(event.index)] = (event.name, np.asarray(event.coords, dtype=np.float64).reshape(-1, 2),
-                                         scores, np.zeros(len(scores), bool))
+        """Put one micrograph's picks into the model (after taking in the user's edits, so they are not lost)."""
+        self.pick_model().set_micrograph(event.index, event.name, event.coords, event.scores)
 
     def _apply_picks(self) -> Any:
-        mics = sorted(self._picks)
-        data = np.concatenate([
-            np.column_stack([np.full(len(self._picks[m][1]), float(m)), self._picks[m][1][:, ::-1]])
-            for m in mics
-        ]) if mics else np.empty((0, 3))
-        fom = np.concatenate([self._picks[m][2] for m in mics]) if mics else np.empty(0)
-        manual = np.concatenate([self._picks[m][3] for m in mics]) if mics else np.empty(0, bool)
-        mic_col = np.concatenate([np.full(len(self._picks[m][2]), m, dtype=np.int64) for m in mics]) if mics \
-            else np.empty(0, np.int64)
-        unknown = np.full(len(fom), MANUAL_PICK_VALUE)  # class and psi are not in MicrographPicked
-        features = pd.DataFrame({"fom": fom, "class": unknown.astype(np.int64), "psi": unknown.astype(float),
-                                 "mic": mic_col, "manual": manual})
-        names = [""] * (max(mics) + 1 if mics else 0)
-        for m in mics:
-            names[m] = self._picks[m][0]
-        layer = _find_layer(self.viewer, PICKS_LAYER, "Points")
+        """Show the model in the picks layer (created on first use), point i being row i."""
+        model = self._picks
+        n = len(model)
+        data = np.column_stack([model.mic.astype(np.float64), model.xy[:, ::-1]])
+        unknown = np.full(n, MANUAL_PICK_VALUE)  # class and psi are not in MicrographPicked
+        features = pd.DataFrame({"fom": model.fom, "class": unknown.astype(np.int64), "psi": unknown.astype(float),
+                                 "mic": model.mic, "manual": model.manual})
+        names = model.micrograph_names()
+        layer = self.picks_layer()
         self._applying_picks = True
         try:
             if layer is None:
@@ -585,9 +427,15 @@ class LiveDisplay:
         finally:
             self._applying_picks = False
         self._watch_picks(layer)
-        layer.shown = self._pick_visibility(layer)
+        self._show_threshold(layer)
         self._emit("picks", layer)
         return layer
+
+    def _show_threshold(self, layer: Any) -> None:
+        """``layer.shown`` from the model (when the layer holds the model's rows)."""
+        shown = self._picks.shown
+        if len(shown) == len(layer.data):
+            layer.shown = shown
 
     def _watch_picks(self, layer: Any) -> None:
         """Follow the user's edits of the picks layer (once per layer)."""
@@ -597,13 +445,13 @@ class LiveDisplay:
 
     def _on_picks_edited(self, event: Any) -> None:
         """Points added, moved or deleted by hand: mark new points as manual picks on their micrograph and
-        remember that ``_picks`` must be re-read from the layer before the job's next picks are merged."""
+        remember that the model must be re-read from the layer before it is used again."""
         if self._applying_picks:
             return
         action = str(getattr(event, "action", ""))
         if action not in ("added", "removed", "changed"):
             return
-        layer = getattr(event, "source", None) or _find_layer(self.viewer, PICKS_LAYER, "Points")
+        layer = getattr(event, "source", None) or self.picks_layer()
         if layer is None:
             return
         if action == "added":
@@ -613,58 +461,41 @@ class LiveDisplay:
             self._emit("picks", layer)
 
     def _sync_edited_picks(self) -> None:
-        """Re-read ``_picks`` from the layer after the user edited it (points grouped by micrograph)."""
+        """Re-read the model from the layer after the user edited it (its rows in the layer's order)."""
         if not self._picks_edited:
             return
         self._picks_edited = False
-        layer = _find_layer(self.viewer, PICKS_LAYER, "Points")
+        layer = self.picks_layer()
         if layer is None or layer.ndim != 3:
             return
-        data = np.asarray(layer.data, dtype=np.float64)
-        n = len(data)
-        fom = _feature_column(layer, "fom", float, MANUAL_PICK_VALUE)
-        manual = _feature_column(layer, "manual", bool, False)
-        mics = np.round(data[:, 0]).astype(np.int64) if n else np.empty(0, np.int64)
-        names = list(layer.metadata.get("micrograph_names") or [])
-        old = self._picks
-        self._picks = {}
-        for m in sorted(set(old) | set(mics.tolist())):
-            rows = mics == m
-            name = old[m][0] if m in old else (names[m] if 0 <= m < len(names) and names[m] else "")
-            self._picks[m] = (name, data[rows][:, [2, 1]], fom[rows], manual[rows])
-
-    def _pick_visibility(self, layer: Any) -> np.ndarray:
-        """Shown: figure of merit at least the threshold, or picked by hand."""
-        fom = _feature_column(layer, "fom", float, np.inf)
-        return (fom >= self.pick_threshold) | _feature_column(layer, "manual", bool, False)
+        data = np.asarray(layer.data, dtype=np.float64).reshape(-1, 3)
+        self._picks.replace(np.round(data[:, 0]).astype(np.int64), data[:, [2, 1]],
+                            _feature_column(layer, "fom", float, MANUAL_PICK_VALUE),
+                            _feature_column(layer, "manual", bool, False),
+                            list(layer.metadata.get("micrograph_names") or []))
 
     def set_pick_threshold(self, threshold: float) -> None:
-        """Hide picks whose figure of merit is below ``threshold`` (no re-picking; the writer skips them).
-        Points added by hand (``features['manual']``) stay shown."""
-        self.pick_threshold = float(threshold)
-        layer = _find_layer(self.viewer, PICKS_LAYER, "Points")
-        if layer is not None and "fom" in layer.features:
-            layer.shown = self._pick_visibility(layer)
+        """Hide picks whose figure of merit is below ``threshold`` (no re-picking; Save skips them). Points added
+        by hand stay shown."""
+        self.pick_model().threshold = float(threshold)
+        layer = self.picks_layer()
+        if layer is not None:
+            self._show_threshold(layer)
 
     def picks_layer(self) -> Any:
         """The live picks layer (Points named "picks"), or None."""
         return _find_layer(self.viewer, PICKS_LAYER, "Points")
 
     def pick_fom_range(self) -> tuple[float, float] | None:
-        """(lowest, highest) figure of merit of the automatic picks in the picks layer; None without any."""
-        layer = _find_layer(self.viewer, PICKS_LAYER, "Points")
-        if layer is None or "fom" not in layer.features:
-            return None
-        fom = _feature_column(layer, "fom", float, np.nan)
-        fom = fom[~_feature_column(layer, "manual", bool, False) & np.isfinite(fom)]
-        return (float(fom.min()), float(fom.max())) if len(fom) else None
+        """(lowest, highest) figure of merit of the automatic picks; None without any."""
+        return self.pick_model().fom_range()
 
     def reset_picks(self) -> None:
         """Forget picks of a previous run (the layer is emptied in place)."""
         self._picks.clear()
         self._picks_dirty = False
         self._picks_edited = False
-        layer = _find_layer(self.viewer, PICKS_LAYER, "Points")
+        layer = self.picks_layer()
         if layer is not None:
             self._applying_picks = True
             try:
@@ -691,6 +522,19 @@ class LiveDisplay:
 def _unwrap(viewer: Any) -> Any:
     """The viewer itself when napari handed us its PublicOnlyProxy (a new proxy object per widget)."""
     return getattr(viewer, "__wrapped__", viewer)
+
+
+def _grid_model(layer: Any) -> ClassGrid | None:
+    """The ClassGrid of a class grid layer (None for no layer or another layer)."""
+    model = (getattr(layer, "metadata", None) or {}).get(GRID_MODEL) if layer is not None else None
+    return model if isinstance(model, ClassGrid) else None
+
+
+def _publish_grid(layer: Any) -> None:
+    """Mirror the grid layer's model in its metadata, for widgets: tile order, tile size, selection, path."""
+    model = layer.metadata[GRID_MODEL]
+    layer.metadata.update(path=model.path, order=model.order, tile_size=model.tile_size,
+                          selected=set(model.selected))
 
 
 def _manual_pick_defaults() -> dict[str, Any]:
@@ -722,16 +566,6 @@ def _mark_manual(layer: Any, indices: Any) -> None:
         if column not in features:
             features[column] = np.zeros(n, dtype=bool) if column == "manual" else np.full(n, MANUAL_PICK_VALUE)
         features.iloc[rows, features.columns.get_loc(column)] = value
-
-
-def _kept_selection(grid: Any, path: Path | None, K: int) -> set[int]:
-    """Selected classes to keep when a grid is redrawn: those <= K, none when the job folder changed."""
-    if grid is None:
-        return set()
-    old = grid.metadata.get("path")
-    if old is not None and path is not None and Path(old).parent != Path(path).parent:
-        return set()
-    return {int(k) for k in grid.metadata.get("selected") or () if 1 <= int(k) <= K}
 
 
 def _find_layer(viewer: Any, name: str, kind: str) -> Any:

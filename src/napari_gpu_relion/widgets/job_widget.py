@@ -43,7 +43,8 @@ from magicgui.widgets import (
     SpinBox,
 )
 from napari.utils.notifications import show_error, show_warning
-from qtpy.QtCore import Qt
+from qtpy.QtCore import Qt, QUrl
+from qtpy.QtGui import QDesktopServices
 
 from ..errors import InputError
 from ..jobs.events import (
@@ -154,6 +155,10 @@ def _decimals(value: Any) -> int:
     return min(8, max(3, len(frac)))
 
 
+#: Path mode of a relion_refine output rootname: the widget shows a folder, the job gets <folder>/run.
+ROOT = "root"
+
+
 def _path_mode(spec: FieldSpec) -> str:
     """'r' for inputs; for the output ``o``: 'd' for a folder, 'w' for a file (from metadata/default/help)."""
     if "mode" in spec.metadata:
@@ -179,7 +184,8 @@ def _make_input(spec: FieldSpec) -> Any:
     common = {"name": spec.name, "label": spec.flag, "tooltip": _tooltip(spec)}
     md = spec.metadata
     if spec.kind == "path":
-        w = FileEdit(mode=_path_mode(spec), filter=md.get("filter"), nullable=True, **common)
+        mode = _path_mode(spec)
+        w = FileEdit(mode="d" if mode == ROOT else mode, filter=md.get("filter"), nullable=True, **common)
         w.line_edit.value = "" if spec.default is None else str(spec.default)
         return w
     if spec.optional and spec.kind in ("int", "float", "str"):
@@ -320,8 +326,13 @@ class JobWidget(Container):
         return self.job.runner if self.job is not None else None
 
     def values(self) -> dict[str, Any]:
-        """Current field values as Params keyword arguments (InputError for unparsable text)."""
-        return {s.name: _read_input(s, self.inputs[s.name]) for s in self.specs}
+        """Current field values as Params keyword arguments (InputError for unparsable text). A rootname
+        output (relion_refine jobs) is asked for as the job folder and passed as <folder>/run."""
+        out = {s.name: _read_input(s, self.inputs[s.name]) for s in self.specs}
+        for s in self.specs:
+            if _path_mode(s) == ROOT and out.get(s.name) is not None:
+                out[s.name] = Path(out[s.name]) / "run"
+        return out
 
     def build_params(self) -> Any:
         """Params from the widgets; InputError (or TypeError/ValueError) if a value is rejected."""
@@ -384,7 +395,7 @@ class JobWidget(Container):
             return
         spec = next(s for s in self.specs if s.name == "o")
         out = Path(text)
-        self.folder.value = str(out if _path_mode(spec) == "d" else out.parent)
+        self.folder.value = str(out if _path_mode(spec) in ("d", ROOT) else out.parent)
 
     # -- running -----------------------------------------------------------------------------------------
 
@@ -509,9 +520,6 @@ class JobWidget(Container):
 
 
 def _open_in_file_browser(path: Path) -> bool:
-    from qtpy.QtCore import QUrl
-    from qtpy.QtGui import QDesktopServices
-
     return bool(QDesktopServices.openUrl(QUrl.fromLocalFile(str(path.resolve()))))
 
 

@@ -2,9 +2,10 @@
 distribution.
 
 Each iteration's half maps arrive as MapUpdated (updated in place) and the FSC as FscUpdated
-(widgets/display.py). When the job finishes, the viewing directions of its final run_data.star (the Finished
-event's "data" output) are drawn in the "Angular distribution" dock (equal-area bins, rot and tilt in degrees);
-"Show angular distribution" draws it for the newest data STAR of the job folder at any time.
+(widgets/display.py). When the job finishes, the viewing directions of its final data STAR (the Finished event's
+"data" output) are drawn in the "Angular distribution" dock (equal-area bins, rot and tilt in degrees);
+"Show angular distribution" draws it for the newest data STAR of the job folder at any time (final, else the
+newest iteration's; names from io/jobdir.py).
 """
 
 from __future__ import annotations
@@ -16,18 +17,18 @@ import numpy as np
 from magicgui.widgets import PushButton
 
 from ..errors import InputError
+from ..io.jobdir import RunFiles
 from ..io.star import read_particles
 from ..jobs import refine3d
 from ..jobs.events import Finished
-from .class2d import newest_iteration_file
-from .display import AngularDistributionPlot
 from .job_widget import JobWidget
+from .plots import AngularDistributionPlot
 from .runner import error_message
 
 if TYPE_CHECKING:
     import napari
 
-__all__ = ["Refine3DWidget", "widget", "read_angles", "refine_data_star"]
+__all__ = ["Refine3DWidget", "widget", "read_angles"]
 
 ANGLES = ("rlnAngleRot", "rlnAngleTilt")
 
@@ -36,12 +37,6 @@ def read_angles(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """(rot, tilt) in degrees of every particle of a particles STAR."""
     parts = read_particles(path, require=ANGLES, uniform_optics=False, even_box=False).particles
     return parts["rlnAngleRot"].to_numpy(dtype=np.float64), parts["rlnAngleTilt"].to_numpy(dtype=np.float64)
-
-
-def refine_data_star(folder: Path) -> Path | None:
-    """The final run_data.star of a refine job folder, else its newest run_itNNN_data.star (still running)."""
-    final = folder / "run_data.star"
-    return final if final.is_file() else newest_iteration_file(folder)
 
 
 class Refine3DWidget(JobWidget):
@@ -61,12 +56,12 @@ class Refine3DWidget(JobWidget):
             self.show_angular_distribution(path=Path(data))
 
     def show_angular_distribution(self, *_: Any, path: Path | None = None) -> AngularDistributionPlot | None:
-        """Draw the angular distribution of ``path`` (default: :func:`refine_data_star` of the job folder)."""
+        """Draw the angular distribution of ``path`` (default: the newest data STAR of the job folder)."""
         folder = self.folder.value.strip()
         if path is None:
-            path = refine_data_star(Path(folder)) if folder else None
+            path = RunFiles.from_output(folder).latest_data() if folder else None
         if path is None:
-            self._report_error("angular distribution: no run_data.star (or run_itNNN_data.star) in the job folder")
+            self._report_error("angular distribution: no data STAR (final or of an iteration) in the job folder")
             return None
         try:
             rot, tilt = read_angles(path)

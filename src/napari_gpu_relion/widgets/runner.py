@@ -35,6 +35,7 @@ from typing import Any
 
 from napari.qt.threading import GeneratorWorker, create_worker
 from napari.utils.notifications import show_error
+from qtpy.QtWidgets import QApplication
 
 from ..errors import InputError, JobCancelled
 from ..jobs.events import Finished, Message, Progress, Started
@@ -245,8 +246,6 @@ class JobRunner:
 
     def wait(self, job: Job | None = None, timeout: float = 60.0) -> bool:
         """Process Qt events until ``job`` (default: all jobs) is done; True if it finished in time."""
-        from qtpy.QtWidgets import QApplication
-
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if (job.done if job is not None else not self.busy):
@@ -456,8 +455,6 @@ def _close_on_quit() -> None:
     global _quit_hooked
     if _quit_hooked:
         return
-    from qtpy.QtWidgets import QApplication
-
     app = QApplication.instance()
     if app is not None:
         app.aboutToQuit.connect(close_all_runners)

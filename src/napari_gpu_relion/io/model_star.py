@@ -1,0 +1,148 @@
+"""RELION's model and optimiser STAR files of relion_refine-style jobs (run_itNNN_model.star,
+run_itNNN_optimiser.star): writing them each iteration and reading back what --continue needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ..errors import InputError
+from .star import read_star, write_star_blocks
+
+
+def write_model_star(path: Path, general: dict, classes: pd.DataFrame, class_curves: list[pd.DataFrame],
+                     sigma2: np.ndarray, scales: np.ndarray, group_names: list, pdf_orient: list[np.ndarray],
+                     box: int, pixel_size: float) -> Path:
+    """model_general, model_classes, model_class_N (per-class curves), model_groups (scale corrections),
+    model_optics_group_N (noise spectra, shells 0..box/2) and model_pdf_orient_class_N."""
+    blocks: dict = {"model_general": general, "model_classes": classes}
+    for k, curve in enumerate(class_curves):
+        blocks[f"model_class_{k + 1}"] = curve
+    blocks["model_groups"] = pd.DataFrame({"rlnGroupNumber": np.arange(1, len(scales) + 1),
+                                           "rlnGroupName": [str(g) for g in group_names],
+                                           "rlnGroupScaleCorrection": scales})
+    sh = np.arange(box // 2 + 1)
+    for g in range(sigma2.shape[0]):
+        blocks[f"model_optics_group_{g + 1}"] = pd.DataFrame({
+            "rlnSpectralIndex": sh, "rlnResolution": sh / (box * pixel_size), "rlnSigma2Noise": sigma2[g]})
+    for k, pdf in enumerate(pdf_orient):
+        blocks[f"model_pdf_orient_class_{k + 1}"] = pd.DataFrame({"rlnOrientationDistribution": pdf})
+    return write_star_blocks(path, blocks)
+
+
+@dataclass
+class ModelFile:
+    """What --continue reads back from a model STAR."""
+
+    path: Path
+    classes: pd.DataFrame  # model_classes: rlnReferenceImage, rlnClassDistribution (, rlnClassPriorOffsetX/Y)
+    sigma2: np.ndarray  # (optics groups, shells)
+    scales: np.ndarray | None  # (groups,) rlnGroupScaleCorrection
+    pdf_orient: list[np.ndarray]  # per class
+
+    @property
+    def class_distribution(self) -> np.ndarray:
+        return np.asarray(self.classes["rlnClassDistribution"], float)
+
+    def prior_offsets_A(self) -> np.ndarray:
+        """(K, 2) class offset priors (Å; 0 when the columns are absent)."""
+        K = len(self.classes)
+        return np.column_stack([np.asarray(self.classes.get(f"rlnClassPriorOffset{a}", np.zeros(K)), float)
+                                for a in "XY"])
+
+
+def _numbered(blocks: dict, prefix: str) -> list[str]:
+    return sorted((k for k in blocks if k.startswith(prefix)), key=lambda s: int(s.rsplit("_", 1)[1]))
+
+
+def read_model_star(path: Path) -> ModelFile:
+    """The class table, noise spectra, group scales and orientation distributions of a model STAR; a clear
+    error naming the file and block when one that --continue needs is missing."""
+    blocks = read_star(path)
+    if "model_classes" not in blocks:
+        raise InputError("not a model STAR file (no data_model_classes block)", path=str(path))
+    names = _numbered(blocks, "model_optics_group_")
+    if not names:
+        raise InputError("no model_optics_group_N block with rlnSigma2Noise", path=str(path))
+    try:
+        sigma2 = np.stack([np.asarray(pd.DataFrame(blocks[k])["rlnSigma2Noise"], float) for k in names])
+    except KeyError as exc:
+        raise InputError("a model_optics_group_N block has no rlnSigma2Noise column", path=str(path),
+                         column="rlnSigma2Noise") from exc
+    groups = blocks.get("model_groups")
+    scales = np.asarray(pd.DataFrame(groups)["rlnGroupScaleCorrection"], float) if groups is not None else None
+    pdfs = [np.asarray(pd.DataFrame(blocks[k])["rlnOrientationDistribution"], float)
+            for k in _numbered(blocks, "model_pdf_orient_class_")]
+    return ModelFile(Path(path), pd.DataFrame(blocks["model_classes"]), sigma2, scales, pdfs)
+
+
+def write_optimiser_star(path: Path, state: dict) -> Path:
+    return write_star_blocks(path, {"optimiser_general": state})
+
+
+def read_optimiser_star(path: Path, require: tuple[str, ...] = ()) -> dict:
+    """The optimiser_general block as a dict; an error naming the file and the missing labels of ``require``."""
+    blocks = read_star(path)
+    if "optimiser_general" not in blocks:
+        raise InputError("not an optimiser STAR file (no data_optimiser_general block)", path=str(path))
+    blk = blocks["optimiser_general"]
+    opt = dict(blk) if not isinstance(blk, pd.DataFrame) else blk.iloc[0].to_dict()
+    missing = [k for k in require if k not in opt]
+    if missing:
+        raise InputError(f"the optimiser STAR lacks {', '.join(missing)} (not written by this program, or "
+                         "damaged)", path=str(path), column=missing[0])
+    return opt
+
+
+PARAM_PREFIX = "rlnGpuRelionParam_"
+STATE_PREFIX = "rlnGpuRelion_"
+
+
+def params_to_optimiser(params, names) -> dict:
+    """The job options ``names`` as rlnGpuRelionParam_<name> entries of an optimiser STAR (for --continue)."""
+    out = {}
+    for k in names:
+        v = getattr(params, k)
+        out[f"{PARAM_PREFIX}{k}"] = int(v) if isinstance(v, bool) else v
+    return out
+
+
+def params_from_optimiser(params_cls, opt: dict, **given):
+    """A job's Params from the rlnGpuRelionParam_<name> entries of an optimiser STAR (types from the field
+    defaults), with ``given`` on top (e.g. --continue, --cpu, --gpu, the output rootname)."""
+    kw = {}
+    for f, fld in params_cls.__dataclass_fields__.items():
+        key = f"{PARAM_PREFIX}{f}"
+        if key not in opt or f in given:
+            continue
+        kw[f] = _typed(opt[key], fld.default)
+    return params_cls(**kw, **given)
+
+
+def _typed(v, like):
+    if isinstance(like, bool):
+        return bool(int(v))
+    if isinstance(like, int):
+        return int(v)
+    if isinstance(like, float):
+        return float(v)
+    return str(v)
+
+
+def state_to_optimiser(state) -> dict:
+    """A dataclass's fields as rlnGpuRelion_<name> entries (booleans as 0/1)."""
+    return {f"{STATE_PREFIX}{k}": (int(v) if isinstance(v, bool) else v) for k, v in vars(state).items()}
+
+
+def state_from_optimiser(state, opt: dict):
+    """Set the fields of the dataclass ``state`` from rlnGpuRelion_<name> entries (types from the current
+    values); returns ``state``."""
+    for k, v in opt.items():
+        if k.startswith(STATE_PREFIX) and not k.startswith(PARAM_PREFIX):
+            name = k[len(STATE_PREFIX):]
+            if hasattr(state, name):
+                setattr(state, name, _typed(v, getattr(state, name)))
+    return state

@@ -1,0 +1,209 @@
+"""Particle images named in RELION tables: ``<n>@<stack>`` image names, where their stacks are, their pixels.
+
+Conventions kept from RELION: image numbers count from 1; stack paths are relative to the project folder
+(RELION's working directory), found by :func:`.jobdir.project_path` (the current folder first, then the STAR
+file's folder and up to three of its parents); stacks are read lazily, each opened once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+
+from ..errors import InputError
+from .jobdir import project_path
+from .mrc import LazyStack
+
+if TYPE_CHECKING:  # star.py imports parse_image_name from here (box size of RELION 3.0 files)
+    from .star import ParticleTable
+
+__all__ = ["parse_image_name", "image_locations", "image_names_for", "load_images"]
+
+
+def _s(path: Path | None) -> str | None:
+    return None if path is None else str(path)
+
+
+def parse_image_name(name: str) -> tuple[int, str]:
+    """``'000012@Particles/mic1.mrcs'`` -> ``(11, 'Particles/mic1.mrcs')`` (0-based index, stack path).
+
+    The number may have any width; it counts from 1. InputError for anything else.
+    """
+    text = str(name).strip()
+    number, at, stack = text.partition("@")
+    if not at:
+        raise InputError(f"image name {text!r} has no '@' (expected <number>@<stack file>)",
+                         column="rlnImageName")
+    if not number.isdigit():
+        raise InputError(f"image name {text!r}: {number!r} before '@' is not a whole number",
+                         column="rlnImageName")
+    if not stack or any(ch.isspace() for ch in stack):
+        raise InputError(f"image name {text!r} has no valid stack file after '@'", column="rlnImageName")
+    index = int(number)
+    if index < 1:
+        raise InputError(f"image name {text!r}: image numbers count from 1, got {index}",
+                         column="rlnImageName")
+    return index - 1, stack
+
+
+def _parse_names(parts: pd.DataFrame, table: ParticleTable) -> tuple[np.ndarray, list[str]]:
+    """0-based indices and stack strings for every row; InputError with the STAR line of a bad name."""
+    if "rlnImageName" not in parts.columns:
+        raise InputError(f"no rlnImageName column in data_{table.block}", path=_s(table.path),
+                         column="rlnImageName")
+    names = parts["rlnImageName"].astype(str).str.strip()
+    split = names.str.partition("@")
+    ok = np.array((split[1] == "@") & split[0].str.fullmatch(r"\d+").fillna(False)
+                  & (split[2].str.len() > 0) & ~split[2].str.contains(r"\s", regex=True), dtype=bool)
+    idx = np.zeros(len(names), dtype=np.int64)
+    if ok.any():
+        idx[ok] = split[0][ok].astype(np.int64).to_numpy() - 1
+    ok &= idx >= 0
+    if not ok.all():
+        row = int(np.argmin(ok))
+        try:
+            parse_image_name(names.iloc[row])
+            message = f"malformed image name {names.iloc[row]!r}"
+        except InputError as exc:
+            message = str(exc).split(": ", 1)[-1]
+        raise InputError(message, path=_s(table.path), line=table.line_of(parts.index[row]),
+                         column="rlnImageName")
+    return idx, split[2].tolist()
+
+
+def _first_relative(stacks: list[str]) -> str | None:
+    """The first stack path that is relative (looked at once per distinct stack), None if all are absolute."""
+    return next((s for s in dict.fromkeys(stacks) if not Path(s).is_absolute()), None)
+
+
+def _project_base(star: Path | None, stacks: list[str], project_dir: str | os.PathLike | None
+                  ) -> tuple[Path | None, list[Path]]:
+    """The project folder that the relative stack paths start from (None if not found), and the folders tried.
+
+    A given ``project_dir`` is used as it is (a stack missing there is reported when it is read). Otherwise
+    the folder where :func:`project_path` finds the first relative stack: one project folder for all rows,
+    as in RELION.
+    """
+    if project_dir is not None:
+        return Path(project_dir), [Path(project_dir)]
+    first = _first_relative(stacks)
+    if first is None:  # only absolute stack paths: no project folder needed
+        return Path("/"), [Path("/")]
+    found, tried = project_path(first, star)
+    return (tried[-1] if found is not None else None), tried  # project_path stops at the folder it found
+
+
+def _locations(parts: pd.DataFrame, table: ParticleTable, project_dir: str | os.PathLike | None
+               ) -> tuple[list[Path], np.ndarray]:
+    idx, stacks = _parse_names(parts, table)
+    if not stacks:
+        return [], idx
+    base, tried = _project_base(table.path, stacks, project_dir)
+    if base is None:
+        first = _first_relative(stacks)
+        looked = ", ".join(str(t) for t in tried)
+        raise InputError(f"cannot find image stack {first!r}; looked in {looked}. "
+                         "Pass project_dir (the RELION project folder that stack paths are relative to)",
+                         path=_s(table.path), line=table.line_of(parts.index[stacks.index(first)]),
+                         column="rlnImageName")
+    cache: dict[str, Path] = {}
+    paths = []
+    for s in stacks:
+        q = cache.get(s)
+        if q is None:
+            q = cache[s] = Path(s) if Path(s).is_absolute() else base / s
+        paths.append(q)
+    return paths, idx
+
+
+def image_locations(table: ParticleTable, project_dir: str | os.PathLike | None = None
+                    ) -> tuple[list[Path], np.ndarray]:
+    """Stack file (Path) and 0-based image index of every particle row, in row order.
+
+    Relative stack paths start from ``project_dir``; when None, from the project folder found by
+    :func:`.jobdir.project_path` for the first relative stack (the current folder, else the STAR file's
+    folder or one of its 3 parents). InputError, listing the folders tried, when it is found nowhere.
+    """
+    return _locations(table.particles, table, project_dir)
+
+
+def image_names_for(table: ParticleTable, out_path: str | os.PathLike) -> pd.Series:
+    """rlnImageName of ``table``'s rows for a STAR file written at ``out_path``: unchanged when the stacks are
+    found from there by the same rule as on reading (RELION's project-relative names), otherwise with absolute
+    stack paths, so that a job's output STAR in another folder still finds its images."""
+    names = table.particles["rlnImageName"].astype(str)
+    try:
+        paths, idx = image_locations(table)
+    except InputError:  # the stacks are not here at all: nothing better to write than the names as they are
+        return names
+    if not paths:
+        return names
+    stacks = names.str.partition("@")[2]
+    base, _ = _project_base(Path(out_path), stacks.tolist(), None)
+    first = dict(zip(stacks, paths, strict=True))  # stack text -> where it was found
+    if base is not None and all((base / s).resolve() == q.resolve() for s, q in first.items()):
+        return names
+    return pd.Series([f"{i + 1:06d}@{q.resolve()}" for i, q in zip(idx, paths, strict=True)], index=names.index)
+
+
+def load_images(table: ParticleTable, rows: Iterable[int] | None = None,
+                project_dir: str | os.PathLike | None = None) -> np.ndarray:
+    """Particle images as float32 (n, N, N), in row order; ``rows`` are 0-based positions (default: all).
+
+    Each stack file is opened once and only the needed images are read. InputError (naming the STAR file,
+    the row's line, the stack and the index) for a missing stack, an image number beyond the stack, or
+    images whose size disagrees with rlnImageSize.
+    """
+    parts = table.particles
+    if rows is not None:
+        positions = np.asarray(rows if isinstance(rows, np.ndarray) else list(rows), dtype=np.int64).ravel()
+        if positions.size and (positions.min() < 0 or positions.max() >= len(parts)):
+            raise InputError(f"row positions must be in 0..{len(parts) - 1}, got "
+                             f"{positions.min()}..{positions.max()}", path=_s(table.path))
+        parts = parts.iloc[positions]
+    star = _s(table.path)
+    paths, idx = _locations(parts, table, project_dir)
+    expected = parts["rlnImageSize"].to_numpy() if "rlnImageSize" in parts.columns else None
+    groups: dict[Path, list[int]] = {}
+    for pos, q in enumerate(paths):
+        groups.setdefault(q, []).append(pos)
+    out: np.ndarray | None = None
+    for stack_path, members in groups.items():
+        sel = np.asarray(members, dtype=np.int64)
+        first_line = table.line_of(parts.index[sel[0]])
+        if not stack_path.is_file():
+            raise InputError(f"image stack {stack_path} not found (named in rlnImageName "
+                             f"{parts['rlnImageName'].iloc[sel[0]]!r})", path=star, line=first_line,
+                             column="rlnImageName")
+        with LazyStack(stack_path) as stack:
+            n = len(stack)
+            beyond = idx[sel] >= n
+            if beyond.any():
+                pos = int(sel[np.argmax(beyond)])
+                raise InputError(f"image {idx[pos] + 1} of stack {stack_path} is asked for "
+                                 f"({parts['rlnImageName'].iloc[pos]!r}) but the stack has only {n} images",
+                                 path=star, line=table.line_of(parts.index[pos]), column="rlnImageName")
+            ny, nx = stack.shape[1:]
+            if expected is not None:
+                wrong = (expected[sel] != nx) | (expected[sel] != ny)
+                if wrong.any():
+                    pos = int(sel[np.argmax(wrong)])
+                    raise InputError(f"images in {stack_path} are {ny} x {nx} px but rlnImageSize is "
+                                     f"{expected[pos]}", path=star, line=table.line_of(parts.index[pos]),
+                                     column="rlnImageSize")
+            if out is None:
+                out = np.empty((len(parts), ny, nx), dtype=np.float32)
+            elif out.shape[1:] != (ny, nx):
+                raise InputError(f"images in {stack_path} are {ny} x {nx} px but earlier stacks have "
+                                 f"{out.shape[1]} x {out.shape[2]} px", path=star, line=first_line,
+                                 column="rlnImageName")
+            out[sel] = stack.read(idx[sel])
+    if out is None:
+        box = int(expected[0]) if expected is not None and len(expected) else 0
+        out = np.empty((0, box, box), dtype=np.float32)
+    return out

@@ -1,0 +1,86 @@
+"""What 2D and 3D classification share on top of the EM driver (jobs/em.py): their option checks, the
+per-class resolution, the fixed number of iterations, the model and data STARs and the iteration summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ..compute.fsc import shell_to_angstrom
+from ..compute.maximization import resolution_shell_from_ssnr
+from ..errors import InputError
+from ..io.model_star import write_model_star
+from . import em
+from .particles import write_data_star
+
+
+def check_classification(p) -> None:
+    """Clear errors for the classification options (before any work)."""
+    if p.K < 1:
+        raise InputError(f"--K must be at least 1, got {p.K}")
+    if p.iter < 1:
+        raise InputError(f"--iter must be at least 1, got {p.iter}")
+    if p.tau2_fudge <= 0:
+        raise InputError(f"--tau2_fudge must be > 0, got {p.tau2_fudge}")
+
+
+class Classification(em.EMJob):
+    """relion_refine without gold-standard halves: K classes, a fixed number of iterations (--iter)."""
+
+    ndim = 3
+    K = 1
+
+    def check_k(self) -> None:
+        if self.K > len(self.ps):
+            raise InputError(f"--K {self.K} is larger than the number of particles ({len(self.ps)})",
+                             path=str(self.p.i))
+        if self.continued and int(self.opt["rlnCurrentIteration"]) >= self.p.iter:
+            raise InputError(f"nothing to continue: the run already has {int(self.opt['rlnCurrentIteration'])} "
+                             f"iterations; give --iter larger than that", path=str(self.p.continue_from))
+
+    def update_resolution(self, it: em.Iteration) -> None:
+        """Resolution of each class from its SSNR_MAP; the image size follows the best class."""
+        N = self.N
+        self.res_shells = [min(resolution_shell_from_ssnr(s, gold_standard=False), N // 2) for s in it.ssnr]
+        if not it.cc:
+            self.state.res_shell = max(self.res_shells)
+        self.res_A = [shell_to_angstrom(max(r, 1), N, self.apix) for r in self.res_shells]
+        self.changed = float((self.ps.classes != it.old_classes).mean()) if self.state.iteration > 1 else 1.0
+
+    def check_convergence(self, it: em.Iteration) -> bool:
+        return it.final
+
+    def write_data(self) -> Path:
+        return write_data_star(self.files.data(self.state.iteration), self.ps)
+
+    def write_model(self, it: em.Iteration, reference_names: list[str], pdf_orient: list[np.ndarray]) -> Path:
+        """run_itNNN_model.star: general block, class table (reference, distribution, resolution and, in 2D, the
+        class offset priors rlnClassPriorOffsetX/Y in Å), SSNR_MAP per class, noise spectra, group scales,
+        orientation distributions."""
+        m, ps, N, apix = self.model, self.ps, self.N, self.apix
+        pdf_class = m.pdf_class[0]
+        general = {"rlnReferenceDimensionality": self.ndim, "rlnDataDimensionality": 2, "rlnOriginalImageSize": N,
+                   "rlnCurrentResolution": float(min(self.res_A)), "rlnCurrentImageSize": it.current_size,
+                   "rlnPaddingFactor": self.p.pad, "rlnPixelSize": apix, "rlnNrClasses": len(pdf_class),
+                   "rlnNrBodies": 1, "rlnNrGroups": len(m.scales), "rlnTau2FudgeFactor": self.p.tau2_fudge,
+                   "rlnSigmaOffsetsAngst": self.state.sigma_offset_A,
+                   "rlnLogLikelihood": float(ps.log_likelihood.sum()), "rlnAveragePmax": float(ps.pmax.mean())}
+        classes = pd.DataFrame({"rlnReferenceImage": list(reference_names), "rlnClassDistribution": pdf_class,
+                                "rlnEstimatedResolution": self.res_A})
+        if m.prior_offsets_A is not None:
+            classes["rlnClassPriorOffsetX"] = m.prior_offsets_A[:, 0]
+            classes["rlnClassPriorOffsetY"] = m.prior_offsets_A[:, 1]
+        sh = np.arange(N // 2 + 1)
+        curves = [pd.DataFrame({"rlnSpectralIndex": sh, "rlnResolution": sh / (N * apix), "rlnSsnrMap": s[: sh.size]})
+                  for s in it.ssnr]
+        return write_model_star(self.files.model(self.state.iteration), general, classes, curves, m.sigma2[0],
+                                m.scales, ps.scale_group_names, pdf_orient, N, apix)
+
+    def summary(self, it: em.Iteration, distribution: str) -> str:
+        pdf = self.model.pdf_class[0]
+        empty = [k + 1 for k in range(len(pdf)) if pdf[k] < 1e-6]
+        return (f"{distribution}; resolution {min(self.res_A):.1f} Å; {100 * self.changed:.1f}% of particles changed "
+                f"class; <Pmax> {self.ps.pmax.mean():.3f}; E-step {it.seconds_estep:.1f} s, batch {it.plan.batch}"
+                + (f"; empty class(es): {empty}" if empty else ""))

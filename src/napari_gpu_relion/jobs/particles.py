@@ -1,0 +1,135 @@
+"""The particle set of an EM job: a particles STAR with the per-particle hidden-variable state that the iterations
+update (angles, offsets, classes, Pmax, norm, ...), read with clear errors and written back as RELION's
+run_itNNN_data.star."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ..compute.ctf import CtfParams
+from ..errors import InputError
+from ..io.particle_images import image_names_for, load_images
+from ..io.star import ParticleTable, read_particles, write_particles
+
+ANGLES = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")
+CTF_COLUMNS = ("rlnDefocusU", "rlnDefocusV", "rlnDefocusAngle", "rlnVoltage", "rlnSphericalAberration",
+               "rlnAmplitudeContrast")
+
+
+@dataclass
+class ParticleSet:
+    """A particles STAR with the per-particle hidden-variable state the EM iterations update."""
+
+    table: ParticleTable
+    pixel_size: float
+    box: int
+    angles: np.ndarray  # (n, 3) rot, tilt, psi (degrees)
+    offsets_px: np.ndarray  # (n, 2) origin offsets (pixels)
+    norm: np.ndarray  # (n,) rlnNormCorrection
+    subset: np.ndarray  # (n,) 1 or 2
+    optics_group: np.ndarray  # (n,) 0-based
+    scale_group: np.ndarray  # (n,) 0-based index into scale_group_names
+    scale_group_names: list
+    ctf: CtfParams | None
+    classes: np.ndarray = None  # (n,) 0-based
+    pmax: np.ndarray = None
+    nr_significant: np.ndarray = None
+    log_likelihood: np.ndarray = None
+    residual_power: np.ndarray = None
+
+    def __post_init__(self):
+        n = len(self.table)
+        for name, dt in (("classes", np.int64), ("pmax", float), ("nr_significant", np.int64),
+                         ("log_likelihood", float), ("residual_power", float)):
+            if getattr(self, name) is None:
+                setattr(self, name, np.zeros(n, dtype=dt))
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    @property
+    def n_optics_groups(self) -> int:
+        return int(self.optics_group.max()) + 1
+
+    def images(self, rows) -> np.ndarray:
+        return load_images(self.table, rows=np.asarray(rows)).astype(np.float32)
+
+    def ctf_rows(self, rows) -> CtfParams | None:
+        return None if self.ctf is None else self.ctf.subset(np.asarray(rows))
+
+
+def load_particle_set(path: Path, ctf: bool, seed: int = 0, halves: bool = True) -> ParticleSet:
+    """Read a particles STAR for refinement; clear errors (file, column) for what is missing. Particles
+    without rlnRandomSubset are split into random halves (kept when present, as RELION does)."""
+    table = read_particles(path, require=("rlnImageName",))
+    df = table.particles
+    n = len(df)
+    if ctf:
+        missing = [c for c in CTF_COLUMNS if c not in df.columns]
+        if missing:
+            raise InputError(f"--ctf needs the CTF column(s) {', '.join(missing)} (in the particles or optics "
+                             "table)", path=str(path), column=", ".join(missing))
+    apix = table.pixel_size
+    box = table.box_size
+    ang = np.zeros((n, 3))
+    for j, c in enumerate(ANGLES):
+        if c in df:
+            ang[:, j] = df[c].to_numpy(float)
+    if "rlnOriginXAngst" in df and "rlnOriginYAngst" in df:
+        off = np.stack([df["rlnOriginXAngst"].to_numpy(float), df["rlnOriginYAngst"].to_numpy(float)], 1) / apix
+    elif "rlnOriginX" in df and "rlnOriginY" in df:
+        off = np.stack([df["rlnOriginX"].to_numpy(float), df["rlnOriginY"].to_numpy(float)], 1)
+    else:
+        off = np.zeros((n, 2))
+    norm = df["rlnNormCorrection"].to_numpy(float) if "rlnNormCorrection" in df else np.ones(n)
+    if "rlnRandomSubset" in df:
+        subset = df["rlnRandomSubset"].to_numpy(int)
+        bad = ~np.isin(subset, (1, 2))
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise InputError(f"rlnRandomSubset must be 1 or 2; row {row + 1} has {subset[row]}", path=str(path),
+                             column="rlnRandomSubset", line=table.line_of(df.index[row]))
+    else:
+        subset = np.random.default_rng(seed).permutation(np.arange(n) % 2) + 1
+    for h in (1, 2) if halves else ():
+        if (subset == h).sum() < 2:
+            raise InputError(f"too few particles for two gold-standard halves: half {h} has {(subset == h).sum()} "
+                             f"of {n} particles (need at least 2 in each)", path=str(path), column="rlnRandomSubset")
+    og = df["rlnOpticsGroup"].to_numpy(int) if "rlnOpticsGroup" in df else np.ones(n, int)
+    _, og0 = np.unique(og, return_inverse=True)
+    key = "rlnGroupNumber" if "rlnGroupNumber" in df else ("rlnMicrographName" if "rlnMicrographName" in df else None)
+    if key is None:
+        names, sg = ["1"], np.zeros(n, int)
+    else:
+        u, sg = np.unique(df[key].astype(str).to_numpy(), return_inverse=True)
+        names = list(u)
+    return ParticleSet(table, apix, box, ang, off, norm, subset, og0, sg, names,
+                       CtfParams.from_table(df) if ctf else None)
+
+
+def data_table(ps: ParticleSet) -> pd.DataFrame:
+    """The particles with the refined hidden variables in RELION's columns."""
+    df = ps.table.particles.copy()
+    df["rlnAngleRot"], df["rlnAngleTilt"], df["rlnAnglePsi"] = ps.angles[:, 0], ps.angles[:, 1], ps.angles[:, 2]
+    df["rlnOriginXAngst"] = ps.offsets_px[:, 0] * ps.pixel_size
+    df["rlnOriginYAngst"] = ps.offsets_px[:, 1] * ps.pixel_size
+    for c in ("rlnOriginX", "rlnOriginY"):
+        if c in df:
+            del df[c]
+    df["rlnClassNumber"] = ps.classes + 1
+    df["rlnNormCorrection"] = ps.norm
+    df["rlnLogLikeliContribution"] = ps.log_likelihood
+    df["rlnMaxValueProbDistribution"] = ps.pmax
+    df["rlnNrOfSignificantSamples"] = ps.nr_significant
+    df["rlnRandomSubset"] = ps.subset
+    return df
+
+
+def write_data_star(path: Path, ps: ParticleSet) -> Path:
+    df = data_table(ps)
+    df["rlnImageName"] = image_names_for(ps.table, path).to_numpy()
+    return write_particles(path, df, ps.table.optics)
