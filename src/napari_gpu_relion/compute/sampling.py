@@ -775,3 +775,10 @@ class InPlaneSampling:
 
     def fine_translations(self) -> np.ndarray:
         return oversampled_translations(self.translations, self.offset_step, self.oversampling)
+
+
+def local_search_rows(angular_step_deg: float, sigma_deg: float) -> int:
+    """About how many coarse orientations a local search visits per particle (for the memory plan): RELION's
+    3-sigma window, a cone of radius 3 sigma in direction times 6 sigma of psi, at the coarse step; at least 1."""
+    step = max(angular_step_deg, 1e-6)
+    return int(max(1, np.ceil(np.pi * (3 * sigma_deg / step) ** 2) * np.ceil(6 * sigma_deg / step)))

@@ -30,7 +30,7 @@ from ..compute.fourier import fourier_resize
 from ..compute.geometry import matrix_to_euler
 from ..compute.maximization import initial_noise_spectrum
 from ..compute.projector import prepare_reference
-from ..compute.sampling import local_candidates
+from ..compute.sampling import local_candidates, local_search_rows
 from ..compute.schedule import EMState
 from ..compute.simulate import fit_box
 from ..errors import InputError
@@ -268,7 +268,7 @@ class EMJob:
                  for refs in self.model.refs]
         it.references = frefs
         rows = (1 if getattr(self, "own_orientation", False) else
-                smp.n_orient if it.local_sigma is None else local_rows_estimate(smp, it.local_sigma))
+                smp.n_orient if it.local_sigma is None else local_search_rows(smp.angular_step, it.local_sigma))
         it.plan = plan_memory(self.be.free_bytes(), box=N, ndim=self.ndim, pad=self.p.pad,
                               n_references=K * len(self.halves), rows_per_particle=K * rows,
                               translations=smp.translations.shape[0], coarse_pixels=pix_c.npix,
@@ -424,15 +424,6 @@ def reference_images(model_star: Path) -> list[np.ndarray]:
 # ----------------------------------------------------------------------------------------------------------
 # The E-step over a set of particles
 # ----------------------------------------------------------------------------------------------------------
-
-
-def local_rows_estimate(smp, sigma_deg: float) -> int:
-    """Coarse rows per particle of a local search, for the memory plan: the orientations inside RELION's 3-sigma
-    window (a cone of 3 sigma in direction times 6 sigma of psi), at least 1."""
-    step = max(smp.angular_step, 1e-6)
-    dirs = np.pi * (3 * sigma_deg / step) ** 2
-    psis = 6 * sigma_deg / step
-    return int(max(1, np.ceil(dirs) * np.ceil(psis)))
 
 
 def run_estep(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, sums: EStepSums, be: Backend, *,
