@@ -1,7 +1,50 @@
 """Shared fixtures of the widget tests: a private settings folder per test (no runner left busy), and the
-error messages the widgets show."""
+error messages the widgets show.
+
+Without a display the viewer tests are skipped, not run: Qt aborts the whole process (not just the test)
+when it cannot connect to an X server, so on a Linux machine with neither a desktop nor Xvfb (which
+pytest-xvfb starts when it is on PATH) every test that asks for a napari viewer or a QApplication is
+skipped at collection with one reason saying what to install. Importing the test modules is safe: they
+import Qt but create nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
 
 import pytest
+
+# Fixtures that create a QApplication (directly or through a napari viewer); item.fixturenames holds the
+# closure, so a test using a fixture built on these is caught too.
+_QT_FIXTURES = frozenset({"qapp", "qtbot", "qtmodeltester", "make_napari_viewer", "make_napari_viewer_proxy"})
+
+
+def _no_display_reason() -> str | None:
+    """Why Qt cannot open a window here, or None where it can. Checked after pytest-xvfb's configure hook,
+    which sets DISPLAY once it has started Xvfb."""
+    if not sys.platform.startswith(("linux", "freebsd", "openbsd", "netbsd")):
+        return None  # macOS and Windows need no X server
+    if os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"):
+        return None
+    if os.environ.get("QT_QPA_PLATFORM", "xcb").split(":")[0] not in ("xcb", "wayland", ""):
+        return None  # offscreen, minimal, ...: Qt needs no display server
+    if shutil.which("Xvfb") is None:
+        return "no X display and no Xvfb: apt-get install xvfb (or run on a desktop) to run the {n} viewer tests"
+    return ("no X display and Xvfb not started (pytest-xvfb missing or disabled): install the [test] extra "
+            "and drop --no-xvfb (or run on a desktop) to run the {n} viewer tests")
+
+
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection, so {n} counts the tests that would have run
+def pytest_collection_modifyitems(config, items):
+    reason = _no_display_reason()
+    if reason is None:
+        return
+    needs_qt = [item for item in items if _QT_FIXTURES.intersection(getattr(item, "fixturenames", ()))]
+    mark = pytest.mark.skip(reason=reason.format(n=len(needs_qt)))
+    for item in needs_qt:
+        item.add_marker(mark)
 
 
 @pytest.fixture

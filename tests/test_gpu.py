@@ -84,8 +84,10 @@ def test_estep_scores_and_weights_cupy_match_numpy():
     del rng
 
 
-def test_refine3d_cupy_and_numpy_give_the_same_angles(tmp_path):
-    """The same small refinement (zero-filled masks, so no random noise fill differs) on both backends."""
+@pytest.mark.parametrize("zero_mask", [True, False])
+def test_refine3d_cupy_and_numpy_give_the_same_angles(tmp_path, zero_mask):
+    """The same small refinement on both backends, with zero-filled masks and with noise-filled ones (the noise is
+    counter-based, compute/noise.py: the same numbers on NumPy and CuPy)."""
     import starfile  # noqa: PLC0415
 
     from napari_gpu_relion.compute.geometry import angular_distance_deg  # noqa: PLC0415
@@ -98,7 +100,7 @@ def test_refine3d_cupy_and_numpy_give_the_same_angles(tmp_path):
     for cpu in (True, False):
         o = tmp_path / ("cpu" if cpu else "gpu")
         for _ in refine3d.run(refine3d.Params(i=data / "particles.star", ref=data / "reference.mrc", o=o / "run", ctf=True,
-                                              particle_diameter=160.0, healpix_order=1, zero_mask=True,
+                                              particle_diameter=160.0, healpix_order=1, zero_mask=zero_mask,
                                               auto_iter_max=3, cpu=cpu, gpu=None if cpu else 0)):
             pass
         d = starfile.read(o / "run_data.star")["particles"]

@@ -50,6 +50,7 @@ from .fourier import (
     shell_sum,
 )
 from .masks import soft_mask_outside
+from .noise import counter_normal
 from .projector import FourierReference, project_pixels, stack_references
 from .sampling import GivenOrientations as GivenOrientations  # re-exported (the jobs still import them from here)
 from .sampling import InPlaneSampling as InPlaneSampling
@@ -70,13 +71,15 @@ class PreparedBatch:
 
 
 def prepare_batch(images, norm_factor, offsets_px, mask_radius_px: float, mask_edge_px: float = 5.0,
-                  noise_sigma2=None, seed: int = 0, subpixel: bool = False) -> PreparedBatch:
+                  noise_sigma2=None, seed: int = 0, subpixel: bool = False, particle_ids=None) -> PreparedBatch:
     """images (I, N, N) float32 on the device; norm_factor (I,) = n_avg / n_i (1 without --norm);
     offsets_px (I, 2) current origin offsets. Steps: scale, shift by ROUND(offset) (a circular shift; the
     mask removes what wraps), soft circular mask of ``mask_radius_px`` with a ``mask_edge_px`` raised-cosine
-    edge filled with the outside mean (--zero_mask) or, given ``noise_sigma2`` (shells 0..N/2), with
-    coloured Gaussian noise of that spectrum. ``subpixel``: afterwards also apply the fractional remainder as
-    a Fourier phase shift, so the data sit at the exact offsets (--skip_align: the only translation is 0)."""
+    edge filled with the outside mean (--zero_mask) or, given ``noise_sigma2`` (shells 0..N/2, one spectrum or
+    one per particle (I, shells)), with coloured Gaussian noise of that spectrum, drawn per particle from
+    (``seed``, ``particle_ids``) (default 0..I-1) so that it does not depend on the batch. ``subpixel``:
+    afterwards also apply the fractional remainder as a Fourier phase shift, so the data sit at the exact
+    offsets (--skip_align: the only translation is 0)."""
     xp = get_array_module(images)
     I, N = images.shape[0], images.shape[-1]
     rounded = np.sign(offsets_px) * np.floor(np.abs(offsets_px) + 0.5)
@@ -87,10 +90,11 @@ def prepare_batch(images, norm_factor, offsets_px, mask_radius_px: float, mask_e
     background = None
     if noise_sigma2 is not None:
         shells = xp.minimum(shell_grid(N, 2, xp), N // 2)
-        s2 = xp.asarray(noise_sigma2, dtype=np.float64)[shells]
-        rs = xp.random.RandomState(seed) if xp is not np else np.random.RandomState(seed)
-        g = rs.standard_normal((2, I, N, N // 2 + 1))
-        noise_F = (g[0] + 1j * g[1]) * xp.sqrt(s2)
+        s2 = xp.asarray(noise_sigma2, dtype=np.float64)
+        s2 = s2[:, shells] if s2.ndim == 2 else s2[shells][None]  # (I or 1, N, N/2+1)
+        ids = np.arange(I) if particle_ids is None else np.asarray(particle_ids)
+        g = counter_normal(seed, xp.asarray(ids), (2, N, N // 2 + 1), xp)
+        noise_F = (g[:, 0] + 1j * g[:, 1]) * xp.sqrt(s2)
         background = irfft_centered(noise_F, N, 2).astype(np.float32)
     xm = soft_mask_outside(xs, mask_radius_px, mask_edge_px, 2, background=background)
     Fm = rfft_centered(xm.astype(np.float32), 2)

@@ -53,9 +53,9 @@ class Params(em.EMParams):
     sort_classes: bool = param(False, "--sort_classes", "Number the classes by decreasing class distribution")
 
     def __post_init__(self):
+        self.check(needs_ref=False)
         if self.continue_from is not None:
             return
-        self.check(needs_ref=False)
         em_classification.check_classification(self)
         if not 0 < self.psi_step <= 180:
             raise InputError(f"--psi_step must be in (0, 180] degrees, got {self.psi_step}")

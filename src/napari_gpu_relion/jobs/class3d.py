@@ -63,9 +63,9 @@ class Params(em.EMParams):
     trust_ref_size: bool = param(False, "--trust_ref_size", "Rescale a reference of another box/pixel size")
 
     def __post_init__(self):
+        self.check(needs_ref=True, healpix_order=self.healpix_order)
         if self.continue_from is not None:
             return
-        self.check(needs_ref=True, healpix_order=self.healpix_order)
         symmetry_group(self.sym)
         em_classification.check_classification(self)
 

@@ -87,7 +87,13 @@ class EMParams:
     RUNTIME = ("continue_from", "cpu", "gpu", "batch")
 
     def check(self, needs_ref: bool, healpix_order: int = 0) -> None:
-        """Clear errors before any work (called by each job's __post_init__ for a new run)."""
+        """Clear errors before any work (called by each job's __post_init__); a --continue checks its runtime
+        options here and the rest when it reads the optimiser STAR."""
+        if self.batch < 0:
+            raise InputError(f"--batch must be at least 1 particle (or 0: from the free memory), got {self.batch}")
+        if self.continue_from is not None:
+            require_file(self.continue_from, "--continue optimiser STAR", (".star",))
+            return
         require_file(self.i, "--i particles STAR", (".star",))
         if needs_ref:
             require_file(getattr(self, "ref", None), "--ref reference map", (".mrc", ".map", ".star"))
@@ -101,8 +107,6 @@ class EMParams:
                              f"{self.offset_step}, {self.offset_range}")
         if self.pad < 1:
             raise InputError(f"--pad must be >= 1, got {self.pad}")
-        if self.batch < 0:
-            raise InputError(f"--batch must be >= 1 (or 0 = from free memory), got {self.batch}")
 
 
 def saved_options(params_cls) -> tuple[str, ...]:
@@ -444,9 +448,9 @@ def run_estep(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, sums: EStepS
         r = rows[i0:i1]
         imgs = be.asarray(ps.images(r))
         nf = (norm_average / ps.norm[r]) if do_norm else np.ones(r.size)
-        noise = None if zero_mask else sig2_host[ps.optics_group[r][0]]
+        noise = None if zero_mask else sig2_host[ps.optics_group[r]]  # each particle's own optics group
         prep = prepare_batch(imgs, nf, ps.offsets_px[r], mask_radius_px, MASK_EDGE, noise_sigma2=noise,
-                             seed=seed + int(r[0]), subpixel=own_orientation)
+                             seed=seed, particle_ids=r, subpixel=own_orientation)
         cand = lpc = None
         if local_sigma is not None:
             cand, lpc = local_candidates(ps.angles[r], setup.sampling, local_sigma, sym, K)
