@@ -74,7 +74,8 @@ def main():
     wrap(em, "write_optimiser_star", be, "write_optimiser_star")
     t0 = time.time()
     marks = []
-    for ev in class2d.run(class2d.Params(i=data / "particles.star", o=data / "prof" / "run", K=a.K, iter=a.iter, ctf=True,
+    for ev in class2d.run(class2d.Params(i=data / "particles.star", o=data / "prof" / "run", K=a.K, iter=a.iter,
+                                         ctf=True,
                                          particle_diameter=150.0, flatten_solvent=True, zero_mask=True,
                                          center_classes=True, batch=a.batch, cpu=a.cpu)):
         if isinstance(ev, IterationFinished):

@@ -99,7 +99,8 @@ def test_refine3d_cupy_and_numpy_give_the_same_angles(tmp_path, zero_mask):
     angles = {}
     for cpu in (True, False):
         o = tmp_path / ("cpu" if cpu else "gpu")
-        for _ in refine3d.run(refine3d.Params(i=data / "particles.star", ref=data / "reference.mrc", o=o / "run", ctf=True,
+        for _ in refine3d.run(refine3d.Params(i=data / "particles.star", ref=data / "reference.mrc", o=o / "run",
+                                              ctf=True,
                                               particle_diameter=160.0, healpix_order=1, zero_mask=zero_mask,
                                               auto_iter_max=3, cpu=cpu, gpu=None if cpu else 0)):
             pass

@@ -184,6 +184,19 @@ def fine_bytes_per_sample(fine_translations: int, fine_pixels: int) -> int:
     return fine_translations * 40 + fine_pixels * 24
 
 
+#: Fraction of the free memory that one batch of template-matching FFTs (autopick) may use, and most micrograph
+#: crops per batch.
+PICK_BATCH_FRACTION = 0.25
+MAX_PICK_BATCH = 512
+
+
+def template_pick_batch(free_bytes: int, width: int, total: int) -> int:
+    """(reference, psi) pairs per template-matching batch on a ``width`` working grid: each needs its complex
+    half-grid spectrum and products (8 bytes x 4) and its real FOM maps (4 bytes x 4)."""
+    per = width * (width // 2 + 1) * 8 * 4 + width * width * 4 * 4
+    return int(max(1, min(total, PICK_BATCH_FRACTION * free_bytes // per, MAX_PICK_BATCH)))
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """What an E-step iteration holds and how it is cut: the free memory, the references and accumulators, the

@@ -115,6 +115,15 @@ def data_for_classes_stack(stack: str | os.PathLike) -> Path | None:
     return files.data(it)
 
 
+def model_for_data(data_star: str | os.PathLike) -> Path | None:
+    """The model STAR written beside a data STAR (``run_it025_data.star`` -> ``run_it025_model.star``,
+    ``run_data.star`` -> ``run_model.star``); None if the name does not end in ``_data.star``."""
+    p = Path(data_star)
+    if not p.name.endswith("_data.star"):
+        return None
+    return p.with_name(p.name[: -len("_data.star")] + "_model.star")
+
+
 def project_path(name: str | os.PathLike, star: str | os.PathLike | None = None,
                  project_dir: str | os.PathLike | None = None) -> tuple[Path | None, list[Path]]:
     """Resolve a path written in a STAR file (RELION's rule: relative to the project folder) and say where it

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ..compute import picking as pk
-from ..compute.backend import free_cached_memory, is_out_of_memory, to_host
+from ..compute.backend import free_cached_memory, is_out_of_memory, template_pick_batch, to_host
 from ..compute.ctf import CtfParams, ctf_from_frequencies
 from ..compute.fourier import fourier_resize, half_grid_indices, irfft_centered, round_half_away
 from ..compute.geometry import euler_to_matrix
@@ -348,7 +348,8 @@ def run(p: Params) -> Iterator:
                         results.append((e, X, Y, v, z.astype(int), z))
                 else:
                     e, r = items[0]
-                    tb = p.batch or _template_batch(st.grid.w, be, len(refs.refs) * len(st.extra["psi"]))
+                    n_pairs = len(refs.refs) * len(st.extra["psi"])
+                    tb = p.batch or template_pick_batch(be.free_bytes(), st.grid.w, n_pairs)
                     X, Y, v, k, psi = _template_one(np.asarray(r), st, refs, p, apix, _ctf_of(ml, e.row), xp,
                                                     p.random_seed + e.row, tb)
                     results.append((e, X, Y, v, k, psi))
@@ -380,7 +381,3 @@ def run(p: Params) -> Iterator:
         summary += f"; {len(failures)} failed: " + ", ".join(f.split(":")[0] for f in failures)
     yield Finished({"coordinates": out}, summary)
 
-
-def _template_batch(w: int, be, total: int) -> int:
-    per = w * (w // 2 + 1) * 8 * 4 + w * w * 4 * 4
-    return int(max(1, min(total, 0.25 * be.free_bytes() // per, 512)))

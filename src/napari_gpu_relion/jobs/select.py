@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..io.atomic import ensure_not_input
+from ..io.jobdir import model_for_data
 from ..io.particle_images import image_names_for
 from ..io.star import ParticleTable, read_particles, read_star, write_particles
 from .common import param, require_file, write_note
@@ -59,11 +60,11 @@ def parse_classes(text: str) -> list[int]:
 
 
 def model_path_for(data_star: Path) -> Path:
-    name = Path(data_star).name
-    if not name.endswith("_data.star"):
+    model = model_for_data(data_star)
+    if model is None:
         raise InputError("cannot find the model STAR of this file (its name does not end in _data.star): give "
                          "--model", path=str(data_star))
-    return Path(data_star).with_name(name[: -len("_data.star")] + "_model.star")
+    return model
 
 
 def classes_passing(model_star: Path, min_distribution: float = -1.0, max_resolution: float = -1.0) -> list[int]:
