@@ -103,6 +103,13 @@ def run_job(module, params, out=sys.stdout) -> Finished | None:
     return last
 
 
+def os_error_line(exc: OSError) -> str:
+    """One line for an operating-system error: what went wrong and the path(s) it concerns."""
+    what = exc.strerror or str(exc)
+    paths = [str(q) for q in (exc.filename, exc.filename2) if q is not None]
+    return f"{what}: {' -> '.join(paths)}" if paths else what
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -117,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         run_job(module, params)
     except InputError as exc:
         print(f"napari-gpu-relion {args.job}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # read-only folder, a file where a folder should be, disk full, ...: one line, the path
+        print(f"napari-gpu-relion {args.job}: error: {os_error_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\ninterrupted; files already written are complete", file=sys.stderr)

@@ -132,7 +132,7 @@ def select_backend(cpu: bool = False, gpu: int | None = None) -> Backend:
         cp = _try_cupy()
         if cp is None:
             if gpu is not None:
-                raise RuntimeError(
+                raise ValueError(
                     f"--gpu {gpu} was asked for, but no usable CUDA GPU with CuPy was found "
                     "(install napari-gpu-relion[cuda12] or [cuda13], or run with --cpu)")
             be = Backend(np, None, f"CPU (NumPy, {os.cpu_count()} cores; no usable GPU found)")
@@ -140,7 +140,7 @@ def select_backend(cpu: bool = False, gpu: int | None = None) -> Backend:
             n = cp.cuda.runtime.getDeviceCount()
             dev = 0 if gpu is None else int(gpu)
             if not 0 <= dev < n:
-                raise RuntimeError(f"--gpu {dev}: there are {n} GPU(s), numbered 0..{n - 1}")
+                raise ValueError(f"--gpu {dev}: there are {n} GPU(s), numbered 0..{n - 1}")
             props = cp.cuda.runtime.getDeviceProperties(dev)
             name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
             total = props["totalGlobalMem"] / 1024**3

@@ -57,7 +57,11 @@ def write_note(out_dir: Path, job: str, params) -> Path:
 
 
 def backend_for(params) -> Backend:
-    return select_backend(cpu=bool(getattr(params, "cpu", False)), gpu=getattr(params, "gpu", None))
+    """The backend --cpu / --gpu N ask for; an InputError when that GPU is not there (never a silent CPU run)."""
+    try:
+        return select_backend(cpu=bool(getattr(params, "cpu", False)), gpu=getattr(params, "gpu", None))
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
 
 
 def require_file(path: Path | None, what: str, suffixes: tuple[str, ...] | None = None) -> None:

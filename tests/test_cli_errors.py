@@ -1,0 +1,53 @@
+"""The command line turns bad surroundings into one line naming what is wrong and where, exit code 2, no
+traceback: output paths inside a file or onto an existing file, and a GPU that is not there."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from napari_gpu_relion import cli
+from napari_gpu_relion.compute.backend import gpu_available
+from napari_gpu_relion.io.mrc import write_mrc
+
+
+def _run(capsys, argv):
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    return code, err
+
+
+@pytest.fixture
+def volume(tmp_path):
+    v = np.zeros((16, 16, 16), np.float32)
+    v[5:11, 5:11, 5:11] = 1.0
+    return write_mrc(tmp_path / "map.mrc", v, 2.0)
+
+
+def test_output_inside_a_file_is_one_line_with_the_path(volume, tmp_path, capsys):
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    code, err = _run(capsys, ["mask_create", "--i", str(volume), "--o", str(blocker / "sub" / "mask.mrc"),
+                              "--ini_threshold", "0.5"])
+    assert code == 2
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "error:" in err and str(blocker) in err
+
+
+def test_output_onto_an_existing_folder_is_one_line(volume, tmp_path, capsys):
+    folder = tmp_path / "mask.mrc"
+    folder.mkdir()
+    code, err = _run(capsys, ["mask_create", "--i", str(volume), "--o", str(folder), "--ini_threshold", "0.5"])
+    assert code == 2
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert str(folder) in err
+
+
+@pytest.mark.skipif(gpu_available(), reason="checks the message on a machine without a GPU")
+def test_a_gpu_that_is_not_there_is_refused_not_replaced_by_the_cpu(tmp_path, capsys):
+    sample = Path(__file__).resolve().parents[1] / "sample_data"
+    code, err = _run(capsys, ["refine3d", "--i", str(sample / "particles.star"), "--ref", str(sample / "reference.mrc"),
+                              "--o", str(tmp_path / "Refine3D" / "run"), "--gpu", "5"])
+    assert code == 2 and "--gpu 5" in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "Refine3D").exists()  # refused before any file was written
