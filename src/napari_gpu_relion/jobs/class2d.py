@@ -43,7 +43,9 @@ INITIAL_PARTICLES = 1000
 
 
 @dataclass(frozen=True)
-class Params(em.EMParams):
+class Class2DOptions:
+    """The options of this job beyond the shared ones."""
+
     K: int = param(50, "--K", "Number of classes")
     iter: int = param(25, "--iter", "Number of iterations")
     tau2_fudge: float = param(2.0, "--tau2_fudge", "Regularisation parameter T")
@@ -52,6 +54,9 @@ class Params(em.EMParams):
     center_classes: bool = param(False, "--center_classes", "Centre the class averages on their mass each iteration")
     sort_classes: bool = param(False, "--sort_classes", "Number the classes by decreasing class distribution")
 
+
+@dataclass(frozen=True)
+class Params(em.EMParams, em.EMOptions, Class2DOptions, em.EMInputs):
     def __post_init__(self):
         self.check(needs_ref=False)
         if self.continue_from is not None:
@@ -76,10 +81,6 @@ class Class2D(em_classification.Classification):
         self.ini_high = self.p.ini_high if self.p.ini_high > 0 else self.apix / 0.07
         self.circle = soft_spherical_mask(self.N, self.mask_r, em.MASK_EDGE, 2).astype(np.float64)
 
-    def describe(self) -> str:
-        return (f"classifying {len(self.ps)} particles into {self.K} 2D classes"
-                + (f", continuing after iteration {self.state.iteration}" if self.continued else ""))
-
     def initial_model(self) -> em.EMModel:
         ps = self.ps
         rng = np.random.default_rng(self.p.random_seed + 11)
@@ -94,7 +95,7 @@ class Class2D(em_classification.Classification):
     def restore(self) -> em.EMModel:
         model = self.restore_state()[0]
         refs = np.stack(em.reference_images(model.path))
-        scales = model.scales if model.scales is not None else np.ones(len(self.ps.scale_group_names))
+        scales = self.saved_scales(model)
         return em.EMModel([refs], [model.sigma2], [model.class_distribution], [np.ones((self.K, 1))], scales,
                           model.prior_offsets_A())
 

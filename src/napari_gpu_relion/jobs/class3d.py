@@ -47,7 +47,9 @@ SEEDING = "rlnGpuRelionClassSeeding"
 
 
 @dataclass(frozen=True)
-class Params(em.EMParams):
+class Class3DOptions:
+    """The options of this job beyond the shared ones."""
+
     ref: Path | None = param(None, "--ref", "Initial reference map (.mrc), or a STAR listing one map per class "
                              "(rlnReferenceImage, e.g. a previous run's _model.star; then K = their number)")
     K: int = param(2, "--K", "Number of classes")
@@ -62,6 +64,9 @@ class Params(em.EMParams):
     firstiter_cc: bool = param(False, "--firstiter_cc", "Cross-correlation against class 1 in the first iteration")
     trust_ref_size: bool = param(False, "--trust_ref_size", "Rescale a reference of another box/pixel size")
 
+
+@dataclass(frozen=True)
+class Params(em.EMParams, em.EMOptions, Class3DOptions, em.EMInputs):
     def __post_init__(self):
         self.check(needs_ref=True, healpix_order=self.healpix_order)
         if self.continue_from is not None:
@@ -96,10 +101,6 @@ class Class3D(em_classification.Classification):
     def optimiser_entries(self, it: em.Iteration, data, models) -> dict:
         return super().optimiser_entries(it, data, models) | {SEEDING: int(self.seeding)}
 
-    def describe(self) -> str:
-        return (f"classifying {len(self.ps)} particles into {self.K} classes"
-                + (f", continuing after iteration {self.state.iteration}" if self.continued else ""))
-
     def initial_model(self) -> em.EMModel:
         refs = [self.load_reference(q) for q in self.ref_paths]
         if self.p.ini_high > 0:
@@ -113,7 +114,7 @@ class Class3D(em_classification.Classification):
     def restore(self) -> em.EMModel:
         model = self.restore_state()[0]
         refs = np.stack(em.reference_images(model.path))
-        scales = model.scales if model.scales is not None else np.ones(len(self.ps.scale_group_names))
+        scales = self.saved_scales(model)
         pdf_dir = np.stack(model.pdf_orient) if model.pdf_orient and not self.p.skip_align else None
         return em.EMModel([refs], [model.sigma2], [model.class_distribution], [pdf_dir], scales)
 

@@ -61,14 +61,25 @@ MASK_EDGE = 5.0
 # ----------------------------------------------------------------------------------------------------------
 
 
+# A job's Params is ``class Params(em.EMParams, em.EMOptions, Options, em.EMInputs)`` with its own options in
+# ``Options``: dataclass fields come in reverse MRO order, so forms and --help list the inputs, the job's own
+# options, the shared options, then how to run it.
+
+
 @dataclass(frozen=True)
-class EMParams:
-    """The options of relion_refine that refine3d, class3d and class2d share (RELION's names and defaults)."""
+class EMInputs:
+    """Inputs and output of every relion_refine-style job."""
 
     i: Path | None = param(None, "--i", "Particles STAR file")
     o: Path | None = param(None, "--o", "Output rootname, as RELION's (Class3D/job001/run writes "
                            "Class3D/job001/run_it001_data.star, ...); an existing folder means <folder>/run",
                            mode="root")
+
+
+@dataclass(frozen=True)
+class EMOptions:
+    """The options of relion_refine that refine3d, class3d and class2d share (RELION's names and defaults)."""
+
     particle_diameter: float = param(-1.0, "--particle_diameter", "Mask diameter (Å); -1 = (box - 5) x pixel size")
     offset_range: float = param(5.0, "--offset_range", "Translation search range (pixels)")
     offset_step: float = param(2.0, "--offset_step", "Coarse translation step (pixels)")
@@ -78,6 +89,12 @@ class EMParams:
     pad: int = param(2, "--pad", "Padding factor of the Fourier grids")
     offset: float = param(10.0, "--offset", "Initial sigma of the offset prior (Å)")
     random_seed: int = param(0, "--random_seed", "Random seed (halves, seeding, perturbation, noise)")
+
+
+@dataclass(frozen=True)
+class EMParams:
+    """How an EM job runs (--continue, --batch, --cpu, --gpu) and the checks every EM job's Params share."""
+
     continue_from: Path | None = param(None, "--continue", "Continue from a run_itNNN_optimiser.star")
     batch: int = param(0, "--batch", "Particles per batch; 0 = from free memory")
     cpu: bool = param(False, "--cpu", "Run on the CPU (NumPy) even if a GPU is present")
@@ -184,6 +201,7 @@ class EMJob:
     name = "em"
     ndim = 3  # of the references
     needs_halves = False  # gold-standard auto-refine
+    own_orientation = False  # --skip_align: each particle only at its own orientation
 
     def __init__(self, p):
         self.p = p
@@ -203,6 +221,8 @@ class EMJob:
         self.state = EMState(order=getattr(self.p, "healpix_order", 0), offset_range=self.p.offset_range,
                              offset_step=self.p.offset_step, sigma_offset_A=self.p.offset)
         self.model: EMModel | None = None
+        self._plan_shown = False
+        self._prepared: tuple | None = None  # (iteration, image size, prepared references per half)
 
     # ---- the job-specific steps ----
     def describe(self) -> str:
@@ -268,17 +288,15 @@ class EMJob:
         it.old_angles, it.old_offsets = self.ps.angles.copy(), self.ps.offsets_px.copy()
         it.old_classes = self.ps.classes.copy()
         n_dirs = getattr(smp, "n_dirs", 1)
-        frefs = [[prepare_reference(self.be.asarray(v), self.p.pad, r_max=it.current_size / 2) for v in refs]
-                 for refs in self.model.refs]
-        it.references = frefs
-        rows = (1 if getattr(self, "own_orientation", False) else
+        frefs = it.references = self.prepared_references(it.current_size)
+        rows = (1 if self.own_orientation else
                 smp.n_orient if it.local_sigma is None else local_search_rows(smp.angular_step, it.local_sigma))
         it.plan = plan_memory(self.be.free_bytes(), box=N, ndim=self.ndim, pad=self.p.pad,
                               n_references=K * len(self.halves), rows_per_particle=K * rows,
                               translations=smp.translations.shape[0], coarse_pixels=pix_c.npix,
                               requested_batch=self.p.batch)
-        if self._first_plan:  # once per run, at its first iteration
-            self._first_plan = False
+        if not self._plan_shown:  # once per run, at its first iteration
+            self._plan_shown = True
             yield Message(it.plan.describe())
         t0 = time.time()
         for h, rows_h in enumerate(self.halves):
@@ -300,9 +318,26 @@ class EMJob:
                                  local_sigma=it.local_sigma, sym=getattr(self.p, "sym", "C1"), **opts)
             it.sums.append(sums)
             it.accumulators.append(acc)
+        self._prepared = None  # it.references keeps them for the M-step; nothing else holds them after it
         it.seconds_estep = time.time() - t0
 
-    _first_plan = True
+    def prepared_references(self, current_size: int) -> list[list]:
+        """The padded Fourier references of every half at this iteration's image size, prepared once per
+        iteration (the accuracy estimate and the E-step share them)."""
+        key = (self.state.iteration, current_size)
+        if self._prepared is None or self._prepared[0] != key:
+            refs = [[prepare_reference(self.be.asarray(v), self.p.pad, r_max=current_size / 2) for v in half]
+                    for half in self.model.refs]
+            self._prepared = (key, refs)
+        return self._prepared[1]
+
+    def files_iteration(self, it: Iteration) -> int | None:
+        """The iteration number in this iteration's file names (auto-refine's final files have none)."""
+        return self.state.iteration
+
+    def saved_scales(self, model) -> np.ndarray:
+        """The group scale corrections of a model STAR (1 for every group when it has none)."""
+        return model.scales if model.scales is not None else np.ones(len(self.ps.scale_group_names))
 
     def optimiser_entries(self, it: Iteration, data: Path, models: list[Path]) -> dict:
         """The optimiser STAR of an iteration: RELION's labels, the saved options and the EMState."""
@@ -318,8 +353,7 @@ class EMJob:
         return opt
 
     def write_optimiser(self, it: Iteration, data: Path, models: list[Path]) -> Path:
-        final_name = it.final and self.needs_halves  # auto-refine's last files have no _itNNN
-        return write_optimiser_star(self.files.optimiser(None if final_name else self.state.iteration),
+        return write_optimiser_star(self.files.optimiser(self.files_iteration(it)),
                                     self.optimiser_entries(it, data, models))
 
     def restore_state(self) -> list:

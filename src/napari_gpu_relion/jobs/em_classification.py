@@ -40,6 +40,11 @@ class Classification(em.EMJob):
             raise InputError(f"nothing to continue: the run already has {int(self.opt['rlnCurrentIteration'])} "
                              f"iterations; give --iter larger than that", path=str(self.p.continue_from))
 
+    def describe(self) -> str:
+        kind = "2D classes" if self.ndim == 2 else "classes"
+        return (f"classifying {len(self.ps)} particles into {self.K} {kind}"
+                + (f", continuing after iteration {self.state.iteration}" if self.continued else ""))
+
     def update_resolution(self, it: em.Iteration) -> None:
         """Resolution of each class from its SSNR_MAP; the image size follows the best class."""
         N = self.N

@@ -40,7 +40,6 @@ from ..compute.maximization import (
     update_sigma2,
     update_sigma_offset,
 )
-from ..compute.projector import prepare_reference
 from ..compute.sampling import Sampling
 from ..errors import InputError
 from ..io.model_star import write_model_star
@@ -54,7 +53,9 @@ JOB_NAME = "refine3d"
 
 
 @dataclass(frozen=True)
-class Params(em.EMParams):
+class Refine3DOptions:
+    """The options of this job beyond the shared ones."""
+
     ref: Path | None = param(None, "--ref", "Initial reference map (.mrc)")
     ini_high: float = param(60.0, "--ini_high", "Low-pass filter of the initial reference (Å)")
     healpix_order: int = param(2, "--healpix_order", "Initial HEALPix order (2 = 15° coarse, 7.5° fine)")
@@ -69,6 +70,9 @@ class Params(em.EMParams):
     auto_iter_max: int = param(999, "--auto_iter_max", "Stop after this many iterations at most")
     trust_ref_size: bool = param(False, "--trust_ref_size", "Rescale a reference of another box/pixel size")
 
+
+@dataclass(frozen=True)
+class Params(em.EMParams, em.EMOptions, Refine3DOptions, em.EMInputs):
     def __post_init__(self):
         self.check(needs_ref=True, healpix_order=self.healpix_order)
         if self.continue_from is not None:
@@ -105,11 +109,14 @@ class Refine3D(em.EMJob):
     def restore(self) -> em.EMModel:
         models = self.restore_state()
         refs = [np.stack(em.reference_images(m.path)) for m in models]
-        scales = models[0].scales if models[0].scales is not None else np.ones(len(self.ps.scale_group_names))
+        scales = self.saved_scales(models[0])
         pdfs = [np.stack(m.pdf_orient) if m.pdf_orient else None for m in models]
         if any(x is None for x in pdfs):
             pdfs = [None, None]
         return em.EMModel(refs, [m.sigma2 for m in models], [np.ones(1)] * 2, pdfs, scales)
+
+    def files_iteration(self, it: em.Iteration) -> int | None:
+        return None if it.final else self.state.iteration
 
     def accumulators(self, current_size: int):
         return BackProjector(self.N, self.p.pad, current_size / 2, ndim=3, xp=self.be.xp, dtype=np.float64)
@@ -121,7 +128,7 @@ class Refine3D(em.EMJob):
         cc = self.p.firstiter_cc and st.iteration == 1 and not self.continued
         size = st.current_size(N, final)
         if st.iteration > 1 and not final:
-            fref = prepare_reference(self.be.asarray(self.model.refs[0][0]), self.p.pad, r_max=size / 2)
+            fref = self.prepared_references(size)[0][0]
             pix = pixel_set(N, size, self.be.xp)
             rows = self.halves[0][:100]
             s2r = self.model.sigma2[0][self.ps.optics_group[rows]][:, to_host(pix.shell)]
@@ -216,7 +223,7 @@ class Refine3D(em.EMJob):
     # ---- files and events ----
     def write(self, it: em.Iteration) -> Iterator:
         st, N, apix, f = self.state, self.N, self.apix, self.files
-        i = None if it.final else st.iteration
+        i = self.files_iteration(it)
         maps = [f.class_map(1)] if it.final else [f.class_map(1, i, half=h) for h in (1, 2)]
         models = [f.model()] if it.final else [f.model(i, half=h) for h in (1, 2)]
         for h, path in enumerate(maps):
