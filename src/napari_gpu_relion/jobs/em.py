@@ -191,7 +191,6 @@ class Iteration:
     fsc: np.ndarray | None = None
     references: list = field(default_factory=list)  # the prepared (padded Fourier) references per half
     seconds_estep: float = 0.0
-    outputs: dict = field(default_factory=dict)
 
 
 class EMJob:
@@ -222,7 +221,7 @@ class EMJob:
                              offset_step=self.p.offset_step, sigma_offset_A=self.p.offset)
         self.model: EMModel | None = None
         self._plan_shown = False
-        self._prepared: tuple | None = None  # (iteration, image size, prepared references per half)
+        self._prepared: tuple | None = None  # ((iteration, image size), prepared references per half)
 
     # ---- the job-specific steps ----
     def describe(self) -> str:
