@@ -17,7 +17,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from napari_gpu_relion import cli
-from napari_gpu_relion.compute import backprojector, estep, expectation, maximization
+from napari_gpu_relion.compute import backend, backprojector, estep, expectation, maximization
 from napari_gpu_relion.compute.backend import select_backend
 from napari_gpu_relion.jobs import em
 from napari_gpu_relion.jobs.events import IterationFinished, Message
@@ -48,7 +48,10 @@ def main():
     split = argv.index("--") if "--" in argv else len(argv)
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--fine_chunk_mib", type=int, default=0, help="override the fine-pass chunk budget (MiB)")
     a = ap.parse_args(argv[:split])
+    if a.fine_chunk_mib:
+        backend.CHUNK_BYTES = a.fine_chunk_mib << 20
     args = cli.build_parser().parse_args(argv[split + 1:])
     module = importlib.import_module(args._module)
     params = module.Params(**{f.name: getattr(args, f.name) for f in fields(module.Params)})
@@ -83,7 +86,8 @@ def main():
             print(f"iteration {ev.iteration}: {per_it[-1]['wall_s']:.1f} s  {ev.summary}", flush=True)
             for k, v in per_it[-1]["steps_s"].items():
                 print(f"    {k:<40} {v:8.2f} s  ({COUNTS[k]} calls so far)")
-    res = {"hardware": be.name, "argv": argv, "total_s": time.time() - t0, "iterations": per_it}
+    res = {"hardware": be.name, "argv": argv, "fine_chunk_bytes": backend.CHUNK_BYTES, "total_s": time.time() - t0,
+           "iterations": per_it}
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
 
