@@ -16,9 +16,11 @@ import typing
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from .errors import InputError
+from .errors import InputError, os_error_line, user_error_line
 from .jobs.common import flag_of
 from .jobs.events import Finished, FscUpdated, IterationFinished, Message, Progress, Started
+
+__all__ = ["JOBS", "build_parser", "main", "os_error_line", "run_job"]
 
 JOBS = {
     "simulate": ("napari_gpu_relion.jobs.simulate", "simulate particles, micrographs and maps with ground truth"),
@@ -66,9 +68,17 @@ def add_params_arguments(parser: argparse.ArgumentParser, params_cls) -> None:
                                 metavar=tp.__name__.upper() if hasattr(tp, "__name__") else "X")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors (unknown option, a value of the wrong type, a missing option) as one line, like
+    every other error of the command line: what is wrong, the option, the value, and where the help is."""
+
+    def error(self, message: str):  # noqa: D102 - see the class docstring
+        self.exit(2, f"{self.prog}: error: {' '.join(message.splitlines())} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="napari-gpu-relion",
-                                description="RELION-style cryo-EM processing on the GPU (CPU fallback).")
+    p = _Parser(prog="napari-gpu-relion",
+                description="RELION-style cryo-EM processing on the GPU (CPU fallback).")
     p.add_argument("--verbose", action="store_true", help="more log output")
     sub = p.add_subparsers(dest="job", metavar="<job>")
     for name, (mod, desc) in JOBS.items():
@@ -78,8 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_job(module, params, out=sys.stdout) -> Finished | None:
-    """Iterate a job, printing progress bars and messages; returns the Finished event."""
+def run_job(module, params, out=None) -> Finished | None:
+    """Iterate a job, printing progress bars and messages (to ``out``, by default the current sys.stdout);
+    returns the Finished event."""
+    out = sys.stdout if out is None else out
     t0 = time.time()
     last = None
     for ev in module.run(params):
@@ -103,13 +115,6 @@ def run_job(module, params, out=sys.stdout) -> Finished | None:
     return last
 
 
-def os_error_line(exc: OSError) -> str:
-    """One line for an operating-system error: what went wrong and the path(s) it concerns."""
-    what = exc.strerror or str(exc)
-    paths = [str(q) for q in (exc.filename, exc.filename2) if q is not None]
-    return f"{what}: {' -> '.join(paths)}" if paths else what
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -122,11 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         params = module.Params(**kw)
         run_job(module, params)
-    except InputError as exc:
-        print(f"napari-gpu-relion {args.job}: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # read-only folder, a file where a folder should be, disk full, ...: one line, the path
-        print(f"napari-gpu-relion {args.job}: error: {os_error_line(exc)}", file=sys.stderr)
+    except (InputError, OSError) as exc:  # bad input, or a read-only folder, a full disk, ...: one line, the path
+        print(f"napari-gpu-relion {args.job}: error: {user_error_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\ninterrupted; files already written are complete", file=sys.stderr)
