@@ -50,8 +50,8 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--fine_chunk_mib", type=int, default=0, help="override the fine-pass chunk budget (MiB)")
     a = ap.parse_args(argv[:split])
-    if a.fine_chunk_mib:
-        backend.CHUNK_BYTES = a.fine_chunk_mib << 20
+    if a.fine_chunk_mib:  # the plan's chunk is clamped to [CHUNK_BYTES, MAX_FINE_CHUNK_BYTES]: pin both
+        backend.CHUNK_BYTES = backend.MAX_FINE_CHUNK_BYTES = a.fine_chunk_mib << 20
     args = cli.build_parser().parse_args(argv[split + 1:])
     module = importlib.import_module(args._module)
     params = module.Params(**{f.name: getattr(args, f.name) for f in fields(module.Params)})
