@@ -5,7 +5,7 @@ widgets (values typed into their fields, buttons clicked), the layer list and la
 2D class grid (delivered through napari's own mouse-callback dispatch, as a click on the canvas would be). The
 jobs run on the CPU on the sample data. Run with a display or under Xvfb:
 
-    xvfb-run -a -s "-screen 0 1600x1000x24" .venv/bin/python docs/screenshots.py [--out docs/images] [--work DIR]
+    xvfb-run -a -s "-screen 0 1366x768x24" .venv/bin/python docs/screenshots.py [--out docs/images] [--work DIR]
 
 One screenshot of the whole window (dock widgets and live display) per step goes to
 <out>/tutorial_<n>_<name>.png; the job folders go to --work (default: a new temporary folder). The script prints
@@ -27,11 +27,8 @@ import numpy as np
 from napari_gpu_relion.io.jobdir import RunFiles
 
 PLUGIN = "napari-gpu-relion"
-#: Window size (pixels), the same for every screenshot: tall enough for the tallest dock widget (Auto-picking, about
-#: 1140 px) and for 3D auto-refine with the result docks below the canvas; under Xvfb it is taller than the screen.
-WINDOW_SIZE = (1500, 1410)
-#: Height (pixels) of the result docks (FSC, Angular distribution) when moved below the canvas.
-RESULT_DOCK_HEIGHT = 330
+#: Window size (pixels), the same for every screenshot: a laptop screen (the docks fit it, issue 18).
+WINDOW_SIZE = (1366, 768)
 
 
 def _pump(seconds: float = 0.5) -> None:
@@ -103,23 +100,6 @@ class Walkthrough:
         _pump(0.3)
         return widget
 
-    def move_below_canvas(self, names: list[str]) -> None:
-        """Drag result docks (FSC, Angular distribution) from the right-hand tabs to below the canvas, side by
-        side, so that the job widget stays visible next to them."""
-        from qtpy.QtCore import Qt
-
-        window = self.viewer.window
-        qt_window = window._qt_window
-        docks = [window._wrapped_dock_widgets[n] for n in names if n in window._wrapped_dock_widgets]
-        for i, dock in enumerate(docks):
-            if i == 0:
-                qt_window.addDockWidget(Qt.DockWidgetArea.BottomDockWidgetArea, dock)
-            else:
-                qt_window.splitDockWidget(docks[0], dock, Qt.Orientation.Horizontal)
-            dock.setMinimumHeight(RESULT_DOCK_HEIGHT)
-            dock.show()
-        _pump(0.3)
-
     # -- jobs --------------------------------------------------------------------------------------------
 
     def run(self, widget, label: str, during=None) -> float:
@@ -135,7 +115,7 @@ class Walkthrough:
         elapsed = time.time() - t0
         _pump(1.0)
         state = widget.job.state
-        status = str(widget.status.value)
+        status = widget.status_text
         print(f"[{label}] {state} in {elapsed:.1f} s: {status}", flush=True)
         if state is not JobState.FINISHED or widget.last_error:
             raise SystemExit(f"{label} did not finish cleanly: {widget.last_error or status}")
@@ -197,7 +177,7 @@ def tile_centre(grid, class_number: int) -> tuple[float, float]:
     tile = order.index(class_number - 1)
     N = int(grid.metadata["tile_size"])
     r, c = divmod(tile, grid_shape(len(order))[1])
-    return ((r + 0.5) * N * grid.scale[0], (c + 0.5) * N * grid.scale[1])
+    return ((r + 0.5) * N * grid.scale[0] + grid.translate[0], (c + 0.5) * N * grid.scale[1] + grid.translate[1])
 
 
 def class_labels(viewer, grid_name: str = "classes") -> dict[int, tuple[float, float]]:
@@ -260,7 +240,6 @@ def main() -> None:
     pick.set_values(i=data / "micrographs.star", odir=pick_dir, LoG=True, LoG_diam_min=120.0, LoG_diam_max=180.0,
                     LoG_adjust_threshold=3.0, LoG_robust_stats=True, cpu=True)
     viewer.reset_view()  # the docked widget narrowed the canvas: fit the micrograph again (Home button)
-    viewer.layers["true picks"].border_color = "lime"  # layer controls: tell the true positions apart
     w.run(pick, "autopick")
     picks = viewer.layers["picks"]
     fom = picks.features["fom"].to_numpy()
@@ -291,7 +270,7 @@ def main() -> None:
     _pump(0.5)
     if pick.last_error or pick.last_saved is None:
         raise SystemExit(f"Save picks failed: {pick.last_error}")
-    w.note(f"save picks: {pick.status.value}")
+    w.note(f"save picks: {pick.status_text}")
     saved_list = pick.picks_path() / "autopick.star"
 
     # 4. Particle extraction from the saved picks; File > Open Files shows the extracted particles
@@ -300,7 +279,7 @@ def main() -> None:
     ext.set_values(i=data / "micrographs.star", coord_list=saved_list, o=ext_dir, extract_size=76, norm=True,
                    invert_contrast=True, cpu=True)
     w.run(ext, "extract")
-    w.note(f"extract: {ext.status.value}")
+    w.note(f"extract: {ext.status_text}")
     viewer.layers.clear()  # the picks are saved; the layer list's delete button
     viewer.open(str(ext_dir / "particles.star"), plugin=PLUGIN)
     viewer.reset_view()
@@ -308,13 +287,15 @@ def main() -> None:
     w.shot(4, "extract")
 
     # 5. 2D classification of the sample particle stack (the 34 extracted picks are too few to classify)
-    viewer.layers.clear()
+    viewer.layers.remove(viewer.layers[-1])  # the extracted particles; the micrographs stay, beside the classes
+    if "micrographs" not in viewer.layers:
+        viewer.open_sample(PLUGIN, "micrographs")
+    viewer.dims.set_point(0, 0)  # the first micrograph (the particle slider had moved on)
     c2_dir = w.job_folder("Class2D")
     c2 = w.dock("2D classification")
     c2.set_values(i=data / "particles.star", o=c2_dir, K=6, iter=10, ctf=True, particle_diameter=160.0,
                   flatten_solvent=True, zero_mask=True, center_classes=True, cpu=True)
     w.run(c2, "class2d")
-    viewer.reset_view()
     labels = class_labels(viewer)
     w.note("class2d: " + ", ".join(f"class {k}: {d:.1f}% {r:.0f} A" for k, (d, r) in labels.items()))
     w.shot(5, "class2d")
@@ -332,7 +313,7 @@ def main() -> None:
     if c2.last_error or c2.last_saved is None:
         raise SystemExit(f"Save selection failed: {c2.last_error}")
     selection_star, n_selected = c2.last_saved
-    w.note(f"save selection: {c2.status.value}")
+    w.note(f"save selection: {c2.status_text}")
     w.shot(6, "class_selection_clicks")
 
     # 7. the same selection with the Class selection widget (the Select job)
@@ -341,65 +322,57 @@ def main() -> None:
     sel = w.dock("Class selection")
     sel.set_values(i=data_star, o=sel_dir / "particles.star", classes=",".join(map(str, sorted(good))))
     w.run(sel, "select")
-    w.note(f"select: {sel.status.value}")
+    w.note(f"select: {sel.status_text}")
     w.shot(7, "select_widget")
 
-    # 8. 3D auto-refine of the saved selection from the reference; the maps and FSC update live
-    viewer.layers.clear()
+    # 8. 3D auto-refine of the saved selection from the reference; the maps and FSC update live (micrographs and
+    # class grid stay loaded: the maps switch the viewer to 3D, the 2D/3D button shows the 2D layers again)
     ref_dir = w.job_folder("Refine3D")
     r3 = w.dock("3D auto-refine")
     r3.set_values(i=selection_star, ref=data / "reference.mrc", o=ref_dir, ini_high=60.0, ctf=True,
                   flatten_solvent=True, particle_diameter=160.0, healpix_order=1, auto_local_healpix_order=3,
                   cpu=True)
-    live = {"moved": False, "shot": False}
+    live = {"shot": False}
 
     def during_refine() -> None:
-        display = r3.display
-        if not live["moved"] and display.fsc is not None:
-            w.move_below_canvas(["FSC"])
-            live["moved"] = True
-        if not live["shot"] and live["moved"] and re.search(r"iteration [3-9]\b", str(r3.status.value)):
-            w.note(f"refine3d while running: {r3.status.value}")
+        if not live["shot"] and r3.display.fsc is not None and re.search(r"iteration [3-9]\b", r3.status_text):
+            w.note(f"refine3d while running: {r3.status_text}")
             w.shot(8, "refine3d_live")
             live["shot"] = True
 
     w.run(r3, "refine3d", during=during_refine)
-    w.note(f"refine3d: {r3.status.value}")
+    w.note(f"refine3d: {r3.status_text}")
     if not live["shot"]:
         w.shot(8, "refine3d_live")
 
-    # 9. the Angular distribution dock opened when the job finished
-    w.move_below_canvas(["FSC", "Angular distribution"])
+    # 9. the Angular distribution dock opened when the job finished (below the FSC, beside the job dock)
     viewer.layers.selection.active = viewer.layers["class001"]
     w.shot(9, "refine3d_angular_distribution")
 
-    # 10. Mask creation from the refined map, threshold read from the map's iso threshold (layer controls)
+    # 10. Mask creation from the refined map, threshold = the level of its surface (in the job's status line)
     mask_dir = w.job_folder("MaskCreate")
-    iso = float(viewer.layers["class001"].iso_threshold)
+    iso = float(viewer.layers["class001"].metadata["iso_level"])
     threshold = float(f"{iso:.3g}")
-    w.note(f"class001 iso threshold shown in the layer controls: {iso:.4f} -> --ini_threshold {threshold}")
+    w.note(f"class001 surface level: {iso:.4f} -> --ini_threshold {threshold}")
     mk = w.dock("Mask creation")
-    w.move_below_canvas(["FSC", "Angular distribution"])
     mk.set_values(i=RunFiles(ref_dir / "run").class_map(1), o=mask_dir / "mask.mrc", ini_threshold=threshold,
                   extend_inimask=2.0, width_soft_edge=4.0, lowpass=15.0)
     w.run(mk, "mask_create")
-    w.note(f"mask: {mk.status.value}")
+    w.note(f"mask: {mk.status_text}")
     for name in ("half1", "half2"):
         viewer.layers[name].visible = False
     mask_layer = viewer.layers["mask"]
-    mask_layer.opacity = 0.35
-    mask_layer.colormap = "cyan"
+    mask_layer.opacity = 0.35  # layer controls: see the map through its mask
     viewer.layers.selection.active = mask_layer
     w.shot(10, "mask_create")
 
     # 11. Post-process the half maps with the mask; the FSC dock shows the masked / corrected curves
     pp_dir = w.job_folder("PostProcess")
     pp = w.dock("Post-process")
-    w.move_below_canvas(["FSC", "Angular distribution"])
     pp.set_values(i=RunFiles(ref_dir / "run").unfiltered_half_map(1), o=pp_dir, mask=mask_dir / "mask.mrc",
                   adhoc_bfac=-200.0, low_pass=-1.0)
     w.run(pp, "postprocess")
-    w.note(f"postprocess: {pp.status.value}")
+    w.note(f"postprocess: {pp.status_text}")
     for layer in viewer.layers:
         layer.visible = layer.name == "postprocess"
     viewer.layers.selection.active = viewer.layers["postprocess"]

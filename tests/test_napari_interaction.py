@@ -140,7 +140,7 @@ def _tile_centre(grid, tile: int) -> tuple[float, float]:
     N = grid.metadata["tile_size"]
     ncol = grid_shape(len(grid.metadata["order"]))[1]
     r, c = divmod(tile, ncol)
-    return ((r + 0.5) * N * grid.scale[0], (c + 0.5) * N * grid.scale[1])
+    return ((r + 0.5) * N * grid.scale[0] + grid.translate[0], (c + 0.5) * N * grid.scale[1] + grid.translate[1])
 
 
 def _outlined_tiles(selection_layer, N: int = 16) -> list[tuple[int, int]]:
@@ -166,11 +166,12 @@ def test_class_grid_selection_by_clicks_survives_redraws_and_saves(make_napari_v
         y, x = grid.world_to_data(_tile_centre(grid, tile))
         assert grid.data[int(y), int(x)] == pytest.approx(grid.data[int(y), int(x) + 1])
         assert class_at(*_tile_centre(grid, tile), order, 16, 3.0) == k + 1
+    assert tuple(str(u) for u in grid.units) == ("angstrom", "angstrom")  # like every other layer
     active = viewer.layers.selection.active
-    assert active.name == "classes labels"  # the labels layer is on top; clicks on it reach the grid
-
-    _click(active, _tile_centre(grid, 0))  # class 4
-    _click(viewer.layers.selection.active, _tile_centre(grid, 4))  # class 3 (the selection layer is active now)
+    assert active.name == "classes"  # the grid stays active (pan/zoom: clicks select, nothing is edited)
+    _click(viewer.layers["classes labels"], _tile_centre(grid, 0))  # class 4, clicked with the labels active
+    assert viewer.layers.selection.active is grid  # drawing the outline did not activate the Shapes layer
+    _click(viewer.layers.selection.active, _tile_centre(grid, 4))  # class 3
     assert grid.metadata["selected"] == {4, 3}
     sel = viewer.layers["classes selection"]
     assert sel.nshapes == 2
@@ -205,7 +206,7 @@ def test_class_grid_selection_by_clicks_survives_redraws_and_saves(make_napari_v
     keep = np.flatnonzero(np.isin(classes, [1, 3]))
     assert list(parts["rlnImageName"]) == [f"{i + 1:06d}@Extract/particles.mrcs" for i in keep]
     assert w.last_saved == (out, 16)
-    assert "wrote 16 of 40 particles" in w.status.value and "2 class(es): 1, 3" in w.selection_info.value
+    assert "wrote 16 of 40 particles" in w.status_text and "2 class(es): 1, 3" in w.selection_info.value
     assert not list(folder.glob(".*tmp*"))  # written through a temporary file, nothing left behind
 
     # a chosen file; a new job (another folder) starts with no selection
@@ -320,14 +321,14 @@ def test_picks_edited_by_hand_are_saved_per_micrograph(make_napari_viewer, tmp_p
                                np.sort(x_auto))  # pixels, not Å
     listed = read_coordinate_list(tmp_path / "ManualPick" / "autopick.star")
     assert list(listed) == NAMES and listed[NAMES[1]] == out / "mic002_autopick.star"
-    assert "wrote 7 picks of 3 micrograph(s)" in w.status.value
+    assert "wrote 7 picks of 3 micrograph(s)" in w.status_text
 
 
 # ----------------------------------------------------------------------------------------------------------
 # (e) angular distribution of a refinement
 
 
-def test_refine3d_finished_shows_the_angular_distribution(make_napari_viewer, tmp_path, errors):
+def test_refine3d_finished_shows_the_angular_distribution(make_napari_viewer, qtbot, tmp_path, errors):
     rng = np.random.default_rng(3)
     n = 500
     v = rng.normal(size=(n, 3))
@@ -343,6 +344,8 @@ def test_refine3d_finished_shows_the_angular_distribution(make_napari_viewer, tm
     viewer = make_napari_viewer()
     _, w = viewer.window.add_plugin_dock_widget(PLUGIN, "3D auto-refine")
     w._on_finished(Finished({"map": folder / "run_class001.mrc", "data": data}, "final resolution 12 Å"))
+    # read, binned and drawn in a background thread; the dock shows the picture when it is ready
+    qtbot.waitUntil(lambda: w.display.angdist is not None and w.display.angdist.draw_count == 1, timeout=20_000)
     assert not errors, errors
     plot = w.display.angdist
     assert plot is not None and "Angular distribution" in viewer.window.dock_widgets
@@ -352,4 +355,5 @@ def test_refine3d_finished_shows_the_angular_distribution(make_napari_viewer, tm
     # the button redraws from the job folder, in the same dock
     w.folder.value = str(folder)
     w.angdist_button.native.click()
-    assert w.display.angdist is plot and plot.draw_count == 2
+    qtbot.waitUntil(lambda: plot.draw_count == 2, timeout=20_000)
+    assert w.display.angdist is plot

@@ -57,8 +57,22 @@ def test_get_reader_accepts_and_refuses(sample_dir, tmp_path):
     assert _reader.get_reader(str(other)) is None  # leaves model/optimiser STARs to other plugins
 
 
-def test_postprocess_star_is_not_taken():
-    assert _reader.get_reader(str(_shared("relion_postprocess.star"))) is None
+def test_postprocess_star_opens_its_fsc_plot(make_napari_viewer):
+    """RELION's postprocess.star (and ours, same labels) opens as the FSC plot a RELION user expects, no layer."""
+    from napari_gpu_relion.widgets.display import LiveDisplay
+
+    path = _shared("relion_postprocess.star")
+    assert _reader.star_kind(path) == "postprocess"
+    event = _reader.postprocess_fsc(path)
+    assert event.resolution_A == pytest.approx(16.363636)
+    assert set(event.curves) == {"corrected", "unmasked", "masked", "phase randomised"}
+    assert all(len(c) == len(event.resolution_inv_A) for c in event.curves.values())
+    viewer = make_napari_viewer()
+    layers = viewer.open(str(path), plugin=PLUGIN)
+    assert layers == [] and len(viewer.layers) == 0
+    plot = LiveDisplay.for_viewer(viewer).fsc
+    assert plot is not None and "16.36 Å" in plot.axes.get_title()
+    assert {ln.get_label() for ln in plot.axes.get_lines()} >= {"corrected", "unmasked", "masked"}
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -118,11 +118,22 @@ def sample_dir() -> Path:
 
 
 def _wait_done(qtbot, widget, timeout=20_000):
-    qtbot.waitUntil(lambda: widget.job is not None and widget.job.done, timeout=timeout)
+    """Until the job is done and the display has shown its last results (one per event-loop turn)."""
+    qtbot.waitUntil(lambda: widget.job is not None and widget.job.done and not widget.display.pending,
+                    timeout=timeout)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Building widgets from Params
+
+
+def _assert_mesh_on_level(vertices: np.ndarray, volume: np.ndarray, level: float) -> None:
+    """The mesh is the iso-surface: the volume, interpolated at its vertices (voxels), equals the level."""
+    from scipy.ndimage import map_coordinates
+
+    assert len(vertices) > 100
+    values = map_coordinates(volume, vertices.T, order=1)
+    np.testing.assert_allclose(values, level, atol=0.02 * (volume.max() - volume.min()))
 
 
 def test_widget_built_from_params(make_napari_viewer):
@@ -135,8 +146,8 @@ def test_widget_built_from_params(make_napari_viewer):
     assert isinstance(w.inputs["maps"], CheckBox)
     assert isinstance(w.inputs["sym"], LineEdit)
     assert isinstance(w.inputs["fail_at"], LineEdit) and w.inputs["fail_at"].value == ""  # int | None
-    assert w.inputs["steps"].label == "--steps"
-    assert "Number of steps" in w.inputs["steps"].tooltip
+    assert w.inputs["steps"].label == "--steps"  # a flag the form table does not know: itself, folded
+    assert "Number of steps" in w.inputs["steps"].tooltip and "--steps" in w.inputs["steps"].tooltip
     assert w.inputs["angpix"].value == pytest.approx(2.5)
     for name in ("run_button", "cancel_button", "progress", "status", "folder", "open_button"):
         assert getattr(w, name) is not None
@@ -164,7 +175,9 @@ def test_plugin_widgets_dock(make_napari_viewer):
                          ("Class selection", select)):
         _, w = viewer.window.add_plugin_dock_widget(PLUGIN, name)
         assert w.job_module is module
-        assert w.inputs["i"].label == "--i"
+        label = w.inputs["i"].label
+        assert not label.startswith("--") and label[0].isupper()  # words, not the flag
+        assert "--i " in w.inputs["i"].tooltip  # the RELION flag is in the tooltip
     rec = viewer.window.add_plugin_dock_widget(PLUGIN, "Reconstruct")[1]
     assert rec.inputs["o"].mode.value == "w" and rec.inputs["gpu"].value == ""
     post = viewer.window.add_plugin_dock_widget(PLUGIN, "Post-process")[1]
@@ -203,19 +216,19 @@ def test_bad_parameter_shows_error_and_starts_nothing(make_napari_viewer, tmp_pa
     w.inputs["steps"].value = 0
     w.run_button.native.click()
     assert w.job is None
-    assert "--steps must be at least 1" in w.status.value
+    assert "--steps must be at least 1" in w.status_text
     assert errors and "--steps must be at least 1" in errors[-1]
     assert not (tmp_path / "job").exists()
 
     w.inputs["steps"].value = 2
     w.inputs["fail_at"].value = "two"  # unparsable optional int
     w.run_button.native.click()
-    assert w.job is None and "--fail_at" in w.status.value
+    assert w.job is None and "--fail_at" in w.status_text
 
     w.inputs["fail_at"].value = ""
     w.inputs["o"].line_edit.value = ""  # missing required output
     w.run_button.native.click()
-    assert w.job is None and "--o output folder is required" in w.status.value
+    assert w.job is None and "--o output folder is required" in w.status_text
 
 
 def test_runtime_error_in_job_is_reported(make_napari_viewer, qtbot, tmp_path, errors):
@@ -227,7 +240,7 @@ def test_runtime_error_in_job_is_reported(make_napari_viewer, qtbot, tmp_path, e
     _wait_done(qtbot, w)
     assert w.job.state is JobState.FAILED
     assert isinstance(w.job.error, rn.JobError)
-    assert "illegal memory access" in w.status.value
+    assert "illegal memory access" in w.status_text
     assert any("illegal memory access" in e for e in errors)
     assert w.run_button.enabled and not w.cancel_button.enabled
     assert sorted(p.name for p in (tmp_path / "job").glob("step*.bin")) == ["step000.bin", "step001.bin"]
@@ -246,14 +259,17 @@ def test_toy_job_updates_layers_in_place(make_napari_viewer, qtbot, tmp_path, er
     w.run_button.native.click()
     assert w.cancel_button.enabled and not w.run_button.enabled
     _wait_done(qtbot, w)
-    assert w.job.state is JobState.FINISHED, w.status.value
+    assert w.job.state is JobState.FINISHED, w.status_text
     assert not errors
     assert added.count("toy_map") == 1 and added.count("picks") == 1  # created once, then updated
     layer = viewer.layers["toy_map"]
-    np.testing.assert_array_equal(layer.data, _blob(24, 3))  # the last iteration's map
+    assert type(layer).__name__ == "Surface"  # the iso-surface as a mesh (computed in the worker thread)
+    np.testing.assert_array_equal(layer.metadata["volume"], _blob(24, 3))  # the last iteration's map
     np.testing.assert_allclose(layer.scale, [2.5] * 3)
     assert tuple(str(u) for u in layer.units) == ("angstrom",) * 3
-    assert str(layer.rendering) == "iso" and 0 < layer.iso_threshold < 4
+    level = layer.metadata["iso_level"]
+    assert 0 < level < 4
+    _assert_mesh_on_level(layer.data[0], _blob(24, 3), level)
     display = LiveDisplay.for_viewer(viewer)
     assert 1 <= display.map_updates["toy_map"] <= 4  # coalesced: at most one refresh per event
     assert display.fsc is not None and display.fsc.draw_count >= 1
@@ -265,7 +281,7 @@ def test_toy_job_updates_layers_in_place(make_napari_viewer, qtbot, tmp_path, er
     display.set_pick_threshold(0.5)
     assert picks.shown.sum() == (picks.features["fom"] >= 0.5).sum() < len(picks.data)
     assert w.progress.value == w.progress.max == 4
-    assert "finished" in w.status.value
+    assert "finished" in w.status_text
     assert w.folder.value == str(tmp_path / "job")
 
 
@@ -284,7 +300,7 @@ def test_cancel_keeps_viewer_usable_and_files_complete(make_napari_viewer, qtbot
     w.cancel_button.native.click()
     _wait_done(qtbot, w, timeout=5_000)
     assert w.job.state is JobState.CANCELLED
-    assert "cancelled" in w.status.value
+    assert "cancelled" in w.status_text
     assert not errors
     files = sorted(out.iterdir())
     steps = [f for f in files if f.name.startswith("step")]
@@ -332,7 +348,7 @@ def test_open_folder_button(make_napari_viewer, tmp_path, monkeypatch):
     w.set_values(o=tmp_path / "job")
     assert w.folder.value == str(tmp_path / "job")
     w.open_button.native.click()
-    assert opened == [] and "does not exist yet" in w.status.value
+    assert opened == [] and "does not exist yet" in w.status_text
     (tmp_path / "job").mkdir()
     w.open_button.native.click()
     assert opened == [tmp_path / "job"]
@@ -350,7 +366,7 @@ def test_jobs_queue_one_at_a_time(make_napari_viewer, qtbot, tmp_path, errors):
     w1.run_button.native.click()
     w2.run_button.native.click()
     assert w1.job.state is JobState.RUNNING and w2.job.state is JobState.QUEUED
-    assert "queued" in w2.status.value
+    assert "queued" in w2.status_text
     qtbot.waitUntil(lambda: w2.job.done, timeout=10_000)
     assert w1.job.state is JobState.FINISHED and w2.job.state is JobState.FINISHED
     assert started == ["a", "b"]
@@ -380,7 +396,9 @@ def test_ui_stays_responsive_while_a_job_runs(make_napari_viewer, qtbot, tmp_pat
     w.set_values(o=tmp_path / "warmup", steps=2, box=48, picks=True)
     w.run_button.native.click()
     _wait_done(qtbot, w)
-    assert {"toy_map", "picks"} <= {la.name for la in viewer.layers}
+    display = LiveDisplay.for_viewer(viewer)
+    # the new picks layer brought the 2D view back (maps are kept aside there, in the 3D view they come back)
+    assert "picks" in viewer.layers and display.map_layer("toy_map") is not None
 
     w.set_values(o=tmp_path / "job", steps=30, delay=0.02, box=48, picks=True)
     lateness: list[float] = []
@@ -403,9 +421,8 @@ def test_ui_stays_responsive_while_a_job_runs(make_napari_viewer, qtbot, tmp_pat
     assert w.job.state is JobState.FINISHED
     assert len(lateness) > 20
     assert max(lateness) < 0.200, f"GUI timer late by up to {max(lateness) * 1000:.0f} ms"
-    display = LiveDisplay.for_viewer(viewer)
     assert display.map_updates["toy_map"] >= 3  # the map kept changing while the job ran
-    np.testing.assert_array_equal(viewer.layers["toy_map"].data, _blob(48, 29))
+    np.testing.assert_array_equal(display.map_layer("toy_map").metadata["volume"], _blob(48, 29))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -427,12 +444,12 @@ def test_reconstruct_widget_shows_map(make_napari_viewer, qtbot, tmp_path, sampl
     w.inputs["cpu"].value = True
     w.run_button.native.click()
     _wait_done(qtbot, w, timeout=60_000)
-    assert w.job.state is JobState.FINISHED, w.status.value
+    assert w.job.state is JobState.FINISHED, w.status_text
     assert not errors
     layer = viewer.layers[out.stem]
     written = read_mrc(out)
-    assert layer.data.shape == written.data.shape
-    np.testing.assert_allclose(layer.data, written.data)
+    assert layer.metadata["volume"].shape == written.data.shape
+    np.testing.assert_allclose(layer.metadata["volume"], written.data)
     np.testing.assert_allclose(layer.scale, [written.pixel_size] * 3)
     assert w.folder.value == str(out.parent)
     assert (out.parent / "note.txt").is_file()
@@ -456,14 +473,14 @@ def test_postprocess_and_mask_widgets(make_napari_viewer, qtbot, tmp_path, sampl
     mask_w.set_values(i=sample_dir / "reference.mrc", o=mask, ini_threshold=0.3, width_soft_edge=3.0)
     mask_w.run_button.native.click()
     _wait_done(qtbot, mask_w)
-    assert mask_w.job.state is JobState.FINISHED, mask_w.status.value
+    assert mask_w.job.state is JobState.FINISHED, mask_w.status_text
     assert "mask" in viewer.layers
 
     _, post_w = viewer.window.add_plugin_dock_widget(PLUGIN, "Post-process")
     post_w.set_values(i=halves[0], o=tmp_path / "PostProcess", mask=mask)
     post_w.run_button.native.click()
     _wait_done(qtbot, post_w)
-    assert post_w.job.state is JobState.FINISHED, post_w.status.value
+    assert post_w.job.state is JobState.FINISHED, post_w.status_text
     assert not errors
     assert "postprocess" in viewer.layers
     display = LiveDisplay.for_viewer(viewer)
@@ -483,13 +500,14 @@ def test_refine3d_widget_shows_half_maps_each_iteration_and_fsc(make_napari_view
                  particle_diameter=160.0, healpix_order=1, auto_iter_max=2, cpu=True)
     w.run_button.native.click()
     _wait_done(qtbot, w, timeout=240_000)
-    assert w.job.state is JobState.FINISHED, w.status.value
+    assert w.job.state is JobState.FINISHED, w.status_text
     assert not errors
     display = LiveDisplay.for_viewer(viewer)
     assert display.map_updates.get("half1", 0) >= 2 and display.map_updates.get("half2", 0) >= 2
     assert display.map_updates.get("class001", 0) == 1  # the final joined map
     assert display.fsc is not None and display.fsc.draw_count >= 3
-    assert viewer.layers["half1"].data.shape == (32, 32, 32)
+    assert viewer.layers["half1"].metadata["volume"].shape == (32, 32, 32)
+    assert viewer.layers["half1"].visible and not viewer.layers["half2"].visible  # the halves lie on each other
 
 
 def test_class3d_widget_shows_one_map_per_class_each_iteration(make_napari_viewer, qtbot, tmp_path, errors):
@@ -503,12 +521,12 @@ def test_class3d_widget_shows_one_map_per_class_each_iteration(make_napari_viewe
                  ctf=True, skip_align=True, particle_diameter=150.0, cpu=True)
     w.run_button.native.click()
     _wait_done(qtbot, w, timeout=240_000)
-    assert w.job.state is JobState.FINISHED, w.status.value
+    assert w.job.state is JobState.FINISHED, w.status_text
     assert not errors
     display = LiveDisplay.for_viewer(viewer)
     # updated in place during the run (the display coalesces updates that arrive faster than it draws)
     assert display.map_updates.get("class001", 0) >= 2 and display.map_updates.get("class002", 0) >= 2
-    a, b = viewer.layers["class001"].data, viewer.layers["class002"].data
+    a, b = viewer.layers["class001"].metadata["volume"], viewer.layers["class002"].metadata["volume"]
     assert a.shape == (32, 32, 32) and not np.allclose(a, b)
     np.testing.assert_allclose(a, read_mrc(tmp_path / "Class3D" / "run_it006_class001.mrc").data, atol=1e-6)
 
@@ -524,7 +542,7 @@ def test_autopick_and_extract_widgets(make_napari_viewer, qtbot, tmp_path, sampl
                     LoG_diam_max=180.0, cpu=True)
     pick.run_button.native.click()
     _wait_done(qtbot, pick, timeout=120_000)
-    assert pick.job.state is JobState.FINISHED, pick.status.value
+    assert pick.job.state is JobState.FINISHED, pick.status_text
     LiveDisplay.for_viewer(viewer).flush()
     picks = viewer.layers["picks"]
     assert len(picks.data) > 10
@@ -534,7 +552,7 @@ def test_autopick_and_extract_widgets(make_napari_viewer, qtbot, tmp_path, sampl
                    o=tmp_path / "Extract", extract_size=64, norm=True, invert_contrast=True, cpu=True)
     ext.run_button.native.click()
     _wait_done(qtbot, ext, timeout=120_000)
-    assert ext.job.state is JobState.FINISHED, ext.status.value
+    assert ext.job.state is JobState.FINISHED, ext.status_text
     parts = starfile.read(tmp_path / "Extract" / "particles.star")["particles"]
     assert len(parts) == len(picks.data)
     assert not errors
@@ -547,7 +565,7 @@ def test_class2d_widget_shows_a_labelled_class_grid(make_napari_viewer, qtbot, t
                  particle_diameter=160.0, cpu=True)
     w.run_button.native.click()
     _wait_done(qtbot, w, timeout=240_000)
-    assert w.job.state is JobState.FINISHED, w.status.value
+    assert w.job.state is JobState.FINISHED, w.status_text
     assert not errors
     LiveDisplay.for_viewer(viewer).flush()
     grid = viewer.layers["classes"]

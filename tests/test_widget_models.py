@@ -184,6 +184,7 @@ def test_selection_is_kept_across_iterations_of_one_job():
 
 
 def test_models_import_without_qt_or_napari():
+    """The models, the forms, the colours and the display preparation (run in job threads) load no GUI."""
     code = textwrap.dedent("""
         import sys
         from napari_gpu_relion.widgets.class_grid_model import ClassGrid
@@ -197,9 +198,186 @@ def test_models_import_without_qt_or_napari():
         model.set_micrograph(0, "a.mrc", [[1.0, 2.0]], [0.5])
         model.add(0, 3.0, 4.0)
         model.coordinate_tables()
+        import numpy as np
+        from napari_gpu_relion.jobs.events import MapUpdated
+        from napari_gpu_relion.widgets.display_model import prepare_map
+        from napari_gpu_relion.widgets.form_model import form_layout
+        from napari_gpu_relion.widgets.style import PICK_COLORS
+        z = np.mgrid[:16, :16, :16][0].astype(np.float32)
+        assert len(prepare_map(MapUpdated("m", z, 1.0)).faces) > 10  # marching cubes in the worker: no GUI
+        form_layout("refine3d", [("i", "--i")])
         gui = ("qtpy", "PyQt5", "PyQt6", "PySide2", "PySide6", "napari", "magicgui", "vispy", "superqt")
         print(sorted(m for m in sys.modules if m.split(".")[0] in gui))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_slider_range_ignores_one_outlier_but_not_a_spread():
+    model = PickModel()
+    foms = np.array([0.15, 0.2, 0.22, 0.25, 0.3, 0.31, 0.35, 0.4, 0.42, 0.5, 0.55, 0.6])
+    model.set_micrograph(0, MIC[0], _xy(13, 0), np.append(foms, 5.0))  # one pick on contamination, FOM 5
+    lo, hi = model.slider_range()
+    assert lo == pytest.approx(0.15) and hi == pytest.approx(0.6)  # the outlier does not stretch the slider
+    model.threshold = hi
+    assert model.shown[-1]  # ... and stays shown at the slider's top
+    model.set_micrograph(0, MIC[0], _xy(13, 0), np.append(foms, 0.9))  # a high FOM within the spread counts
+    assert model.slider_range() == (pytest.approx(0.15), pytest.approx(0.9))
+    few = PickModel()
+    few.set_micrograph(0, MIC[0], _xy(3, 0), [0.1, 0.2, 5.0])  # too few picks to call anything an outlier
+    assert few.slider_range() == (pytest.approx(0.1), pytest.approx(5.0))
+    assert PickModel().slider_range() is None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The option forms (tabs, labels in words, basic / advanced)
+
+
+def _all_jobs():
+    from napari_gpu_relion.jobs import (
+        autopick,
+        class2d,
+        class3d,
+        extract,
+        mask_create,
+        postprocess,
+        reconstruct,
+        refine3d,
+        select,
+    )
+
+    return (autopick, extract, class2d, class3d, refine3d, select, reconstruct, postprocess, mask_create)
+
+
+def _flags(module) -> list[tuple[str, str, str]]:
+    """(name, flag, help) of every Params field of a job module."""
+    import dataclasses
+
+    return [(f.name, f.metadata.get("flag") or f"--{f.name}", f.metadata.get("help", ""))
+            for f in dataclasses.fields(module.Params) if f.init]
+
+
+def test_every_option_of_every_job_has_a_label_in_words_and_a_tab():
+    from napari_gpu_relion.widgets.form_model import TAB_ORDER, form_of, known
+
+    for module in _all_jobs():
+        for _name, flag, help_text in _flags(module):
+            assert known(module.JOB_NAME, flag), f"{module.JOB_NAME} {flag}: add it to widgets/form_model.py"
+            form = form_of(module.JOB_NAME, flag)
+            assert form.tab in TAB_ORDER and form.tab != "Other"
+            assert not form.label.startswith("-") and form.label[0].isupper(), (flag, form.label)
+            # a unit the help text gives (Å, px, degrees, %) is in the label too
+            for unit, spelled in (("(Å)", "Å"), ("(pixels", "px"), ("(degrees)", "°")):
+                if unit in help_text and flag not in ("--lowpass",):
+                    assert spelled in form.label, (module.JOB_NAME, flag, form.label, help_text)
+
+
+def test_form_layout_groups_options_in_relion_like_tabs_basic_first():
+    from napari_gpu_relion.jobs import autopick, refine3d
+    from napari_gpu_relion.widgets.form_model import form_layout
+
+    tabs = {t.name: t for t in form_layout("refine3d", [(n, f) for n, f, _ in _flags(refine3d)])}
+    assert list(tabs) == ["I/O", "Reference", "CTF", "Optimisation", "Sampling", "Compute"]  # RELION's order
+    assert tabs["I/O"].basic == ("i", "o") and tabs["I/O"].advanced == ("continue_from",)
+    assert "ref" in tabs["Reference"].basic and "ctf" in tabs["CTF"].basic
+    assert "healpix_order" in tabs["Sampling"].basic and "batch" in tabs["Compute"].advanced
+    pick = {t.name: t for t in form_layout("autopick", [(n, f) for n, f, _ in _flags(autopick)])}
+    assert {"LoG", "Templates"} <= set(pick)  # LoG and template options no longer mixed
+    assert "LoG_diam_min" in pick["LoG"].basic and "ref" in pick["Templates"].basic
+    assert not set(pick["LoG"].basic + pick["LoG"].advanced) & set(pick["Templates"].basic + pick["Templates"].advanced)
+    # every field lands in exactly one tab
+    names = [n for n, _, _ in _flags(autopick)]
+    placed = [n for t in pick.values() for n in t.basic + t.advanced]
+    assert sorted(placed) == sorted(names)
+    # an unknown flag is kept, folded, under its own name
+    other = form_layout("toy", [("x", "--new_option")])
+    assert [(t.name, t.basic, t.advanced) for t in other] == [("Other", (), ("x",))]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Display preparation (done in the worker thread) and colours
+
+
+def test_bin_volume_averages_blocks_and_prepare_map_keeps_the_map_in_place():
+    from napari_gpu_relion.jobs.events import MapUpdated
+    from napari_gpu_relion.widgets.display_model import bin_volume, prepare_map
+
+    vol = np.arange(6 * 6 * 6, dtype=np.float32).reshape(6, 6, 6)
+    binned = bin_volume(vol, 2)
+    assert binned.shape == (3, 3, 3)
+    assert binned[1, 2, 0] == pytest.approx(vol[2:4, 4:6, 0:2].mean())
+    ev = prepare_map(MapUpdated("m", np.zeros((200, 200, 200), np.float32), 1.0), max_box=100)
+    assert ev.bin_factor == 2 and ev.display_volume.shape == (100, 100, 100)
+    assert ev.display_scale == (2.0, 2.0, 2.0) and ev.display_translate == (0.5, 0.5, 0.5)
+    # a flat map has no surface: one degenerate triangle, nothing drawn
+    assert len(ev.faces) == 1 and not np.ptp(ev.vertices)
+
+
+def test_iso_mesh_is_the_surface_at_the_level():
+    from napari_gpu_relion.widgets.display_model import iso_mesh
+
+    z, y, x = np.mgrid[:40, :40, :40] - 19.5
+    r = np.sqrt(x * x + y * y + z * z)
+    vol = (r < 10).astype(np.float32) * 0 + np.clip(15 - r, 0, None).astype(np.float32)  # 5 at radius 10
+    verts, faces = iso_mesh(vol, 5.0)
+    assert verts.dtype == np.float32 and faces.dtype == np.int32 and faces.max() < len(verts)
+    radius = np.linalg.norm(verts - 19.5, axis=1)
+    np.testing.assert_allclose(radius, 10.0, atol=0.3)  # a sphere of radius 10 voxels
+    assert len(faces) > 500
+
+
+def test_prepare_classes_composes_the_grid_off_the_gui_thread():
+    from napari_gpu_relion.jobs.events import ClassAveragesUpdated
+    from napari_gpu_relion.widgets.display_model import prepare_classes, prepare_event
+
+    imgs = np.stack([np.full((8, 8), k, np.float32) + np.eye(8, dtype=np.float32) for k in range(3)])
+    ev = ClassAveragesUpdated("classes", imgs, np.array([0.2, 0.5, 0.3]), np.full(3, 10.0), 2.0)
+    prepared = prepare_event(ev)
+    assert prepared == prepare_classes(prepared) or prepared is prepare_classes(prepared)
+    assert isinstance(prepared, ClassAveragesUpdated)  # handlers of the job event still receive it
+    assert list(prepared.grid.order) == [1, 2, 0] and prepared.grid_image.shape == (16, 16)
+    np.testing.assert_allclose(prepared.grid_image, prepared.grid.compose(imgs))
+
+
+# Machado et al. (2009) colour-vision-deficiency matrices (severity 1) in linear RGB
+_CVD = {
+    "normal": np.eye(3),
+    "protanopia": np.array([[0.152286, 1.052583, -0.204868], [0.114503, 0.786281, 0.099216],
+                            [-0.003882, -0.048116, 1.051998]]),
+    "deuteranopia": np.array([[0.367322, 0.860646, -0.227968], [0.280085, 0.672501, 0.047413],
+                              [-0.011820, 0.042940, 0.968881]]),
+    "tritanopia": np.array([[1.255528, -0.076749, -0.178779], [-0.078411, 0.930809, 0.147602],
+                            [0.004733, 0.691367, 0.303900]]),
+}
+
+
+def _lab(rgb: np.ndarray, vision: str) -> np.ndarray:
+    """CIELAB of an sRGB colour as seen with ``vision``."""
+    c = np.asarray(rgb, dtype=np.float64)
+    lin = np.where(c <= 0.04045, c / 12.92, ((c + 0.055) / 1.055) ** 2.4)
+    lin = np.clip(_CVD[vision] @ lin, 0, 1)
+    xyz = np.array([[0.4124, 0.3576, 0.1805], [0.2126, 0.7152, 0.0722], [0.0193, 0.1192, 0.9505]]) @ lin
+    t = xyz / np.array([0.95047, 1.0, 1.08883])
+    f = np.where(t > 0.008856, np.cbrt(t), 7.787 * t + 16 / 116)
+    return np.array([116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])])
+
+
+def test_pick_colours_stand_out_for_colour_blind_viewers():
+    """Low and high FOM are told apart, no pick colour is near the true picks' yellow, and every pick colour is
+    bright and saturated enough to be seen on a grey micrograph, with normal vision and under simulated
+    protanopia, deuteranopia and tritanopia (the former 'plasma' ramp ended in near-black purple and yellow)."""
+    from napari_gpu_relion.widgets.style import PICK_COLORS, TRUE_PICK_COLOR, hex_to_rgb
+
+    ramp = [np.array(hex_to_rgb(c)) for c in PICK_COLORS]
+    samples = [ramp[0] + t * (ramp[1] - ramp[0]) for t in np.linspace(0, 1, 5)] + \
+              [ramp[1] + t * (ramp[2] - ramp[1]) for t in np.linspace(0, 1, 5)]
+    true = np.array(hex_to_rgb(TRUE_PICK_COLOR))
+    for vision in _CVD:
+        low, high = _lab(ramp[0], vision), _lab(ramp[-1], vision)
+        assert np.linalg.norm(low - high) > 40, vision
+        for c in samples:
+            lab = _lab(c, vision)
+            assert np.linalg.norm(lab - _lab(true, vision)) > 25, (vision, c)
+            if vision == "normal":
+                assert 45 < lab[0] < 80 and np.hypot(lab[1], lab[2]) > 50, c  # mid lightness, saturated

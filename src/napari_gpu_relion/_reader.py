@@ -74,8 +74,8 @@ _PIXEL = "pixel"
 def get_reader(path: str | Sequence[str]) -> ReaderFunction | None:
     """Return a function that reads ``path`` (or every path of a list), or None if we cannot read it.
 
-    Decided from suffixes; a STAR file is accepted only if it holds coordinates, particles or micrographs
-    (sniffed from its labels), so other plugins may take model/optimiser STAR files.
+    Decided from suffixes; a STAR file is accepted only if it holds coordinates, particles, micrographs or the
+    FSC curves of a post-processing (sniffed from its labels), so other plugins may take model/optimiser STARs.
     """
     paths = [path] if isinstance(path, str | os.PathLike) else list(path)
     if not paths:
@@ -328,8 +328,16 @@ def _sniff_labels(path: str | os.PathLike) -> set[str]:
     return labels
 
 
+#: FSC columns of a post-processing STAR (RELION's and ours) and their names in the plot.
+FSC_COLUMNS = {"rlnFourierShellCorrelationCorrected": "corrected",
+               "rlnFourierShellCorrelationUnmaskedMaps": "unmasked",
+               "rlnFourierShellCorrelationMaskedMaps": "masked",
+               "rlnCorrectedFourierShellCorrelationPhaseRandomizedMaskedMaps": "phase randomised"}
+
+
 def star_kind(path: str | os.PathLike) -> str | None:
-    """'particles' (rlnImageName), 'coordinates' (rlnCoordinateX/Y), 'micrographs' (rlnMicrographName), or None."""
+    """'particles' (rlnImageName), 'coordinates' (rlnCoordinateX/Y), 'micrographs' (rlnMicrographName),
+    'postprocess' (FSC curves of a post-processing: rlnResolution and an FSC column), or None."""
     labels = _sniff_labels(path)
     if "rlnImageName" in labels:
         return "particles"
@@ -337,11 +345,43 @@ def star_kind(path: str | os.PathLike) -> str | None:
         return "coordinates"
     if "rlnMicrographName" in labels:
         return "micrographs"
+    if "rlnResolution" in labels and labels & set(FSC_COLUMNS):
+        return "postprocess"
     return None
 
 
+def postprocess_fsc(path: str | os.PathLike) -> Any:
+    """The FSC curves of a post-processing STAR (RELION's postprocess.star or ours) as an FscUpdated event:
+    curves against rlnResolution (1/Å), the resolution from rlnFinalResolution (FSC 0.143)."""
+    from .jobs.events import FscUpdated
+
+    blocks = read_star(path)
+    fsc = blocks.get("fsc")
+    if not isinstance(fsc, pd.DataFrame) or "rlnResolution" not in fsc.columns:
+        raise InputError("no data_fsc block with rlnResolution", path=str(path))
+    curves = {name: fsc[col].to_numpy(dtype=np.float64) for col, name in FSC_COLUMNS.items() if col in fsc.columns}
+    general = blocks.get("general")
+    final = float(general.get("rlnFinalResolution", np.nan)) if isinstance(general, dict) else float("nan")
+    return FscUpdated(fsc["rlnResolution"].to_numpy(dtype=np.float64), curves, final, 0.143)
+
+
+def open_fsc_plot(path: str | os.PathLike) -> list[LayerData]:
+    """Show a post-processing STAR's FSC curves in the current viewer's FSC dock (the plugin's live display);
+    no layer (napari's "nothing to add" answer)."""
+    import napari
+
+    from .widgets.display import LiveDisplay
+
+    event = postprocess_fsc(path)
+    viewer = napari.current_viewer()
+    if viewer is not None:
+        LiveDisplay.for_viewer(viewer).show_fsc(event)
+    return [(None,)]  # type: ignore[list-item]
+
+
 def read_star_layers(path: str | os.PathLike) -> list[LayerData]:
-    """Layers of a coordinate, particle or micrograph STAR file (see :func:`star_kind`)."""
+    """Layers of a coordinate, particle or micrograph STAR file (see :func:`star_kind`); a post-processing STAR
+    opens its FSC plot instead."""
     kind = star_kind(path)
     if kind == "particles":
         return [particles_layer(path)]
@@ -349,6 +389,8 @@ def read_star_layers(path: str | os.PathLike) -> list[LayerData]:
         return [coordinate_layer(path)]
     if kind == "micrographs":
         return micrographs_layers(path)
+    if kind == "postprocess":
+        return open_fsc_plot(path)
     raise InputError("STAR file holds no coordinates (rlnCoordinateX/Y), particles (rlnImageName) or "
                      "micrographs (rlnMicrographName)", path=str(path))
 

@@ -18,11 +18,12 @@ import numpy as np
 from magicgui.widgets import FileEdit, FloatSlider, Label, PushButton
 from napari.utils.notifications import show_info
 
+from .._reader import micrographs_table
 from ..errors import InputError
 from ..io.micrographs import output_root, write_coordinate_list
 from ..io.star import write_coordinates
 from ..jobs import autopick
-from .job_widget import JobWidget
+from .job_widget import JobWidget, wrapping
 from .pick_model import PickModel
 from .runner import error_message
 
@@ -60,6 +61,24 @@ def write_pick_files(model: PickModel, folder: Path) -> tuple[list[Path], int]:
     return files, n_written
 
 
+def _set_decimals(slider: FloatSlider, span: float) -> None:
+    """Enough decimals in the slider's number to tell about 100 positions apart (at least 2)."""
+    decimals = int(np.clip(2 - np.floor(np.log10(span)) if span > 0 else 3, 2, 6))
+    set_decimals = getattr(slider.native, "setDecimals", None)
+    if set_decimals is not None:
+        set_decimals(decimals)
+
+
+def _pixel_size_of(params: Any) -> float | None:
+    """The micrographs' pixel size (Å) of auto-picking parameters: --angpix, else the micrographs STAR's."""
+    if getattr(params, "angpix", -1) and params.angpix > 0:
+        return float(params.angpix)
+    try:
+        return micrographs_table(params.i)[1]
+    except (InputError, OSError, ValueError, KeyError):
+        return None
+
+
 class AutopickWidget(JobWidget):
     """The auto-picking job widget with a FOM threshold slider and "Save picks" (see the module docstring)."""
 
@@ -68,26 +87,35 @@ class AutopickWidget(JobWidget):
         self.fom_slider = FloatSlider(value=0.0, min=0.0, max=1.0, name="pick_threshold", label="Threshold (FOM)",
                                      enabled=False)
         self.fom_slider.tooltip = ("Hide picks with a figure of merit below this (no re-picking; hidden picks are "
-                                  "not saved). Points added by hand are always shown.")
+                                  "not saved). Points added by hand are always shown. The slider ends at the "
+                                  "highest FOM, or below an outlier at the top (which stays shown).")
         self.picks_info = Label(value="no picks yet", name="picks_info", label="picks")
+        wrapping(self.picks_info)
         self.picks_folder = FileEdit(mode="d", nullable=True, name="picks_folder", label="picks folder")
         self.picks_folder.line_edit.value = ""
         self.picks_folder.tooltip = f"Folder for the saved coordinate files; empty: <job folder>/{EDITED_FOLDER}"
         self.save_picks_button = PushButton(text="Save picks", name="save_picks_button", label="")
         self.save_picks_button.tooltip = ("Write the shown picks (edited by hand or not) as one coordinate STAR "
                                           "per micrograph plus autopick.star")
-        self.extend([self.fom_slider, self.picks_info, self.picks_folder, self.save_picks_button])
+        self.add_results_tab("Picks", [self.fom_slider, self.picks_info, self.picks_folder, self.save_picks_button])
         self.last_saved: tuple[list[Path], int] | None = None
         self.fom_slider.changed.connect(self._on_threshold)
         self.save_picks_button.changed.connect(self.save_picks)
-        display, callback = self.display, self._on_picks
-        display.connect("picks", callback)
-        self.native.destroyed.connect(lambda *_: display.disconnect("picks", callback))
+        self.display.connect("picks", self._on_picks)  # held weakly by the display: nothing to undo at close
         self._on_picks(None)
 
     def picks_layer(self) -> Any:
         """The live picks layer, or None."""
         return self.display.picks_layer()
+
+    def start_job(self, *args: Any) -> Any:
+        """Start picking; the picks layer gets the micrographs' pixel size (Å, like the micrographs), from
+        --angpix or from the micrographs STAR, when no micrograph layer tells it."""
+        job = super().start_job(*args)
+        params = self.last_params
+        if job is not None and params is not None and not self.display.micrograph_pixel_size:
+            self.display.micrograph_pixel_size = _pixel_size_of(params)
+        return job
 
     # -- threshold ---------------------------------------------------------------------------------------
 
@@ -109,6 +137,7 @@ class AutopickWidget(JobWidget):
             slider.min, slider.max = min(lo, slider.min), max(hi, slider.max)  # never an empty range meanwhile
             slider.min, slider.max = lo, hi
             slider.step = (hi - lo) / SLIDER_STEPS
+            _set_decimals(slider, hi - lo)
             slider.value = target
         slider.enabled = True
         self._on_threshold(slider.value)

@@ -20,7 +20,7 @@ from ..io.jobdir import RunFiles, data_for_classes_stack
 from ..io.star import read_particles
 from ..jobs import class2d
 from ..jobs.select import write_selection
-from .job_widget import JobWidget
+from .job_widget import JobWidget, wrapping
 from .runner import error_message
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class Class2DWidget(JobWidget):
         super().__init__(viewer, class2d)
         self.selection_info = Label(value="click class tiles in the grid to select them", name="selection_info",
                                     label="selection")
-        self.selection_info.native.setWordWrap(True)
+        wrapping(self.selection_info)
         self.selection_file = FileEdit(mode="w", filter="*.star", nullable=True, name="selection_file",
                                        label="selection file")
         self.selection_file.line_edit.value = ""
@@ -65,12 +65,10 @@ class Class2DWidget(JobWidget):
                                        f"{SELECTION_FILE}")
         self.save_selection_button = PushButton(text="Save selection", name="save_selection_button", label="")
         self.save_selection_button.tooltip = "Write the particles of the selected classes (as the Select job)"
-        self.extend([self.selection_info, self.selection_file, self.save_selection_button])
+        self.add_results_tab("Selection", [self.selection_info, self.selection_file, self.save_selection_button])
         self.last_saved: tuple[Path, int] | None = None
         self.save_selection_button.changed.connect(self.save_selection)
-        display, callback = self.display, self._on_selection
-        display.connect("selection", callback)
-        self.native.destroyed.connect(lambda *_: display.disconnect("selection", callback))
+        self.display.connect("selection", self._on_selection)  # held weakly: nothing to undo at close
         grid = self.grid_layer()
         if grid is not None:
             self._on_selection(grid)

@@ -4,35 +4,49 @@ A thin view. The pick and class-selection state lives in plain models (no Qt, no
 :class:`~napari_gpu_relion.widgets.pick_model.PickModel` and
 :class:`~napari_gpu_relion.widgets.class_grid_model.ClassGrid`; the plots are in widgets/plots.py. Here:
 
-* :class:`~napari_gpu_relion.jobs.events.MapUpdated`: one 3D Image layer per ``event.name``, created once
-  (Å scale, iso-surface rendering, threshold by Otsu's method), then ``layer.data = volume``.
-* :class:`~napari_gpu_relion.jobs.events.FscUpdated`: one matplotlib dock widget "FSC", redrawn.
+* :class:`~napari_gpu_relion.jobs.events.MapUpdated`: one Surface layer per ``event.name``, created once: the
+  map's iso-surface mesh (Å scale; level, mesh and binning of maps larger than 128 voxels a side computed in the
+  worker thread by widgets/display_model.py), then updated in place. Maps are always shown in
+  3D, where they can be seen: a new map switches the viewer to 3D, frames the maps, and hides the 2D layers
+  (micrographs, picks, class grids), which would otherwise lie over it; the 2D view (napari's 2D/3D button)
+  shows them again and takes the maps out of the layer list meanwhile (kept, still updated, and put back in 3D),
+  so that the map's z axis does not lengthen the micrograph slider. A new 2D result (picks, class grid) switches
+  back to 2D. The second half map of a refinement starts hidden (it lies on the first).
+* :class:`~napari_gpu_relion.jobs.events.FscUpdated`: one dock "FSC" showing the plot that
+  :meth:`LiveDisplay.prepare_event` drew in the worker thread (widgets/plots.py).
 * :class:`~napari_gpu_relion.jobs.events.MicrographPicked`: into the PickModel, shown as one Points layer "picks"
   (mic, y, x; row i of the model is point i), features fom, class, psi, mic and manual, ``shown`` from the
   model's threshold. Points added by hand get RELION's manual-pick markers (fom, class, psi = -999), ``manual``
   True and ``mic`` from their slice; the user's edits of the layer are read back into the model before it is
   used again, so they survive later picks of the job.
-* :class:`~napari_gpu_relion.jobs.events.ClassAveragesUpdated`: a ClassGrid drawn as one image, a Points layer
-  "<name> labels" and a Shapes layer "<name> selection" outlining the selected classes. A click on a tile (grid,
+* :class:`~napari_gpu_relion.jobs.events.ClassAveragesUpdated`: a ClassGrid drawn as one image (in Å, placed
+  to the right of the micrographs so that neither hides the other), a Points layer "<name> labels" and a Shapes
+  layer "<name> selection" outlining the selected classes. A click on a tile (grid,
   labels or selection layer active, pan/zoom mode) toggles its class. The model lives in the grid layer's
   ``metadata['class_grid']``, mirrored for widgets as ``order``, ``tile_size``, ``selected`` (1-based class
   numbers) and ``path``; the selection is kept when the same job's grid is redrawn.
-* :meth:`LiveDisplay.show_angular_distribution`: a matplotlib dock "Angular distribution".
+* :meth:`LiveDisplay.show_angular_histogram`: a dock "Angular distribution" (drawn off the GUI thread too).
+
+Result plots (FSC, angular distribution) dock beside the dock of the job that produced them (:meth:`anchor`),
+never as a tab over it. Every layer is in Å and the scale bar is on.
 
 Widgets follow changes through :meth:`LiveDisplay.connect` ("picks": picks shown or edited, "selection":
 class selection toggled).
 
 Updates are coalesced (newest map per name, newest FSC, all new picks) and applied one item per event-loop
-turn, at most every MIN_REFRESH_INTERVAL seconds and at most about a third of the GUI thread's time, so a
-fast job cannot flood the GUI thread. All methods run in the GUI thread
-(the runner dispatches events there).
+turn (a new layer and its follow-up, e.g. a grid's labels, in separate turns), at most every MIN_REFRESH_INTERVAL
+seconds and at most about a third of the GUI thread's time, so a fast job cannot flood the GUI thread. All
+methods but :meth:`LiveDisplay.prepare_event` run in the GUI thread (the runner dispatches events there).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,13 +55,16 @@ import numpy as np
 import pandas as pd
 from qtpy.QtCore import QTimer
 
-from .._reader import map_kwargs, points_kwargs
+from .._reader import points_kwargs
 from ..compute.angular_distribution import angular_histogram
 from ..jobs.events import ClassAveragesUpdated, FscUpdated, MapUpdated, MicrographPicked
 from . import plots
 from .class_grid_model import ClassGrid, class_at, grid_shape, tile_at, tile_corners
+from .display_model import PreparedClasses, PreparedFsc, PreparedMap, prepare_classes, prepare_event, prepare_map
 from .pick_model import MANUAL_PICK_VALUE, PickModel
 from .plots import AngularDistributionPlot, FscPlot
+from .runner import frozen_gc
+from .style import LABEL_COLOR, PICK_BORDER_WIDTH, PICK_COLORS, SELECTION_COLOR
 
 if TYPE_CHECKING:
     import napari
@@ -64,7 +81,15 @@ ANGDIST_DOCK = "Angular distribution"
 GRID_MODEL = "class_grid"
 #: Canvas pixels the mouse may move between press and release for a click (more is a pan).
 CLICK_TOLERANCE = 5.0
-SELECTION_COLOR = "cyan"
+#: Maps of these names start hidden: they lie on a map of the same job (a refinement's two halves agree).
+HIDDEN_AT_FIRST = ("half2",)
+#: Width (pixels) of the column of result plots beside the job dock.
+PLOT_DOCK_WIDTH = 320
+#: Colour of map surfaces (one value per vertex; light grey, shaded).
+MAP_COLORMAP = "gray"
+#: Gap (Å, at least one tile) between the micrographs and a class grid placed beside them.
+GRID_GAP_TILES = 1
+_ANGSTROM = "angstrom"
 #: Seconds between two display refreshes while a job streams results.
 MIN_REFRESH_INTERVAL = 0.1
 #: Smallest pause (s) between two items of one refresh, so that queued GUI events get their turn.
@@ -88,7 +113,7 @@ class LiveDisplay:
         self._watched_picks: weakref.WeakSet = weakref.WeakSet()
         self.angdist: AngularDistributionPlot | None = None
         self._angdist_dock: Any = None
-        self._listeners: dict[str, list[Callable[..., None]]] = {}
+        self._listeners: dict[str, list[Callable[[], Any]]] = {}
         self.map_updates: dict[str, int] = {}
         self.min_interval = MIN_REFRESH_INTERVAL
         self._pending_maps: dict[str, MapUpdated] = {}
@@ -97,6 +122,19 @@ class LiveDisplay:
         self._timer: Any = None
         self._next_allowed = 0.0
         self._turn = 0
+        self._later: deque[tuple[Callable[..., Any], tuple]] = deque()
+        self._parked: dict[str, Any] = {}  # maps taken out of the layer list while the 2D view is shown
+        self._hidden_for_maps: list[weakref.ref] = []  # 2D layers the 3D view of the maps hid
+        self._swapping = False
+        self._anchor: weakref.ref | None = None
+        self._plot_column: Any = None
+        real = _unwrap(viewer)
+        self._plot_colors = plots.theme_colors(real)
+        # before napari's own handlers: the 2D layers are hidden before napari re-slices them in 3D (a micrograph
+        # stack would be read whole and drawn as a volume)
+        real.dims.events.ndisplay.connect(self._on_ndisplay, position="first")
+        real.layers.events.removed.connect(self._on_layer_removed)
+        _scale_bar_on(real)
 
     @classmethod
     def for_viewer(cls, viewer: napari.viewer.Viewer) -> LiveDisplay:
@@ -114,23 +152,37 @@ class LiveDisplay:
 
     @property
     def viewer(self) -> napari.viewer.Viewer | None:
-        return self._viewer_ref()
+        """The viewer; None once it is gone or closed (updates still pending then are dropped)."""
+        viewer = self._viewer_ref()
+        open_viewers = getattr(type(viewer), "_instances", None)
+        if viewer is None or (open_viewers is not None and viewer not in open_viewers):
+            return None
+        return viewer
 
     # -- listeners ---------------------------------------------------------------------------------------
 
     def connect(self, kind: str, callback: Callable[..., None]) -> None:
         """Call ``callback(layer)`` after changes of ``kind``: "picks" (picks shown, added or deleted) or
-        "selection" (a class of a grid toggled, or the grid redrawn; the grid layer is passed)."""
-        self._listeners.setdefault(kind, []).append(callback)
+        "selection" (a class of a grid toggled, or the grid redrawn; the grid layer is passed).
+
+        A bound method is held weakly: a widget that is gone is simply not called any more, so widgets need no
+        clean-up (and no closure that could outlive them) when they close."""
+        ref = weakref.WeakMethod(callback) if inspect.ismethod(callback) else _Strong(callback)
+        self._listeners.setdefault(kind, []).append(ref)
 
     def disconnect(self, kind: str, callback: Callable[..., None]) -> None:
         """Stop calling ``callback`` (no error if it was not connected)."""
-        callbacks = self._listeners.get(kind, [])
-        if callback in callbacks:
-            callbacks.remove(callback)
+        self._listeners[kind] = [r for r in self._listeners.get(kind, []) if r() not in (None, callback)]
 
     def _emit(self, kind: str, *args: Any) -> None:
-        for callback in list(self._listeners.get(kind, ())):
+        refs = self._listeners.get(kind, [])
+        alive = [r for r in refs if r() is not None]
+        if len(alive) != len(refs):
+            self._listeners[kind] = alive
+        for ref in alive:
+            callback = ref()
+            if callback is None:
+                continue
             try:
                 callback(*args)
             except Exception:  # noqa: BLE001 - a widget's bug must not break the display
@@ -171,10 +223,16 @@ class LiveDisplay:
     @property
     def pending(self) -> bool:
         """True while updates wait for the next refresh."""
-        return bool(self._pending_maps) or self._pending_fsc is not None or self._picks_dirty
+        return bool(self._pending_maps) or self._pending_fsc is not None or self._picks_dirty or bool(self._later)
 
     def _apply_one(self) -> None:
-        """Apply one pending item, taking maps, FSC and picks in turn (none starves the others)."""
+        """Apply one pending item: a deferred step of a previous item first, then maps, FSC and picks in turn
+        (none starves the others). Creating a layer costs napari 0.1-0.5 s of GUI time, so each turn creates at
+        most one."""
+        if self._later:
+            method, args = self._later.popleft()
+            method(*args)
+            return
         for _ in range(3):
             kind = self._turn
             self._turn = (self._turn + 1) % 3
@@ -205,82 +263,275 @@ class LiveDisplay:
             self._schedule(max(MIN_TICK_GAP, 2.0 * cost))
 
     def flush(self) -> None:
-        """Apply all pending updates now (e.g. when a job finished)."""
+        """Apply all pending updates now, in one go (tests, scripts; a job's end uses :meth:`drain`)."""
         if self._timer is not None:
             self._timer.stop()
         while self.viewer is not None and self.pending:
             self._apply_one()
         self._next_allowed = time.monotonic() + self.min_interval
 
+    def drain(self) -> None:
+        """Apply the pending updates soon, one per event-loop turn (a job's end: its last results appear at once,
+        but the window keeps answering in between)."""
+        if self.pending:
+            self._next_allowed = 0.0
+            self._schedule(0.0)
+
+    def later(self, method: Callable[..., Any], *args: Any) -> None:
+        """Run ``method(*args)`` at a later turn of the display's refresh (a bound method of the display: no
+        closure that could outlive a widget)."""
+        self._later.append((method, args))
+        self._schedule(MIN_TICK_GAP)
+
     @staticmethod
     def prepare() -> None:
         """Import the plotting modules now rather than at the first FSC (see widgets/plots.py)."""
         plots.prepare()
 
+    def prepare_event(self, event: Any) -> Any:
+        """What the runner calls in the job's worker thread on every event: maps, class grids
+        (widgets/display_model.py) and FSC plots (drawn to an image in the theme's colours) made ready, so that
+        the GUI thread only shows them. Reads nothing of the viewer but the colours taken at construction."""
+        if isinstance(event, FscUpdated) and not isinstance(event, PreparedFsc):
+            base = {f.name: getattr(event, f.name) for f in dataclasses.fields(FscUpdated)}
+            return PreparedFsc(**base, rendered=plots.render_fsc(event, self._plot_colors))
+        return prepare_event(event)
+
     # -- maps --------------------------------------------------------------------------------------------
 
     def show_map(self, event: MapUpdated) -> Any:
-        """Create the map layer on the first event of a name, then update its data in place."""
+        """Create the map's layer on the first event of a name (switching to the 3D view), then update it in
+        place. A 3D map is drawn as its iso-surface mesh (a Surface layer; the display volume, its level and the
+        mesh come prepared from the worker thread, see widgets/display_model.py; an event that was not prepared
+        is prepared here). The layer's metadata keep the display volume ("volume"), the level ("iso_level"), the
+        binning ("display_bin"), the file ("path") and the pixel size. Returns the layer, or None when the first
+        map switched to the 3D view and its layer comes at the next refresh (:meth:`flush` applies both)."""
         viewer = self.viewer
-        vol = np.asarray(event.volume, dtype=np.float32)
-        pixel_size = float(event.pixel_size) if event.pixel_size else None
-        kwargs = map_kwargs(vol, pixel_size, event.name, event.path)
-        layer = _find_layer(viewer, event.name, "Image")
-        if layer is not None and layer.ndim != vol.ndim:
-            viewer.layers.remove(layer)
+        ev = event if isinstance(event, PreparedMap) else prepare_map(event)
+        vol = ev.display_volume
+        kind = "Surface" if vol.ndim == 3 else "Image"
+        layer = self.map_layer(ev.name)
+        if layer is not None and type(layer).__name__ != kind:
+            self._forget_map(layer)
             layer = None
+        metadata = {"path": None if ev.path is None else str(ev.path), "pixel_size": ev.pixel_size, "kind": "map",
+                    "display_bin": ev.bin_factor, "iso_level": ev.iso_threshold, "volume": vol}
+        common = {"scale": ev.display_scale, "translate": ev.display_translate}
+        if layer is None and kind == "Surface" and viewer.dims.ndisplay == 2 and viewer.dims.ndim >= 3:
+            # first the 3D view (2D layers hidden), at the next turn the new layer: two shorter GUI stalls
+            self._enter_maps_view()
+            self._pending_maps = {ev.name: ev, **self._pending_maps}
+            return None
         if layer is None:
-            first_map = not any(getattr(la, "metadata", {}).get("kind") == "map" for la in viewer.layers)
-            layer = viewer.add_image(vol, **kwargs)
-            if first_map and vol.ndim == 3 and viewer.dims.ndisplay == 2 and len(viewer.layers) == 1:
-                viewer.dims.ndisplay = 3
+            kwargs = {"name": ev.name, **common, "units": (_ANGSTROM,) * vol.ndim,
+                      "axis_labels": ("z", "y", "x")[-vol.ndim:], "metadata": metadata,
+                      "visible": ev.name not in HIDDEN_AT_FIRST}
+            if kind == "Surface":
+                layer = viewer.add_surface(_surface_data(ev), colormap=MAP_COLORMAP, contrast_limits=(0.0, 1.0),
+                                           shading="smooth", **kwargs)
+                if viewer.dims.ndisplay == 2:  # a viewer without 3D data could not switch before
+                    viewer.dims.ndisplay = 3
+                else:
+                    self._on_ndisplay()  # the 3D view: hide 2D layers shown meanwhile, frame the maps
+            else:
+                layer = viewer.add_image(vol, contrast_limits=ev.contrast_limits, colormap="gray", **kwargs)
         else:
-            layer.data = vol
-            if tuple(layer.scale) != tuple(kwargs["scale"]):
-                layer.scale = kwargs["scale"]
-            lo, hi = kwargs["contrast_limits"]
-            layer.contrast_limits_range = (lo, hi)
-            layer.contrast_limits = (lo, hi)
-            layer.iso_threshold = kwargs["iso_threshold"]
-            layer.metadata.update(kwargs["metadata"])
-        self.map_updates[event.name] = self.map_updates.get(event.name, 0) + 1
+            if tuple(layer.scale) != tuple(ev.display_scale) or tuple(layer.translate) != tuple(ev.display_translate):
+                layer.scale, layer.translate = common["scale"], common["translate"]
+            if kind == "Surface":
+                layer.data = _surface_data(ev)
+            else:
+                layer.data = vol
+                layer.contrast_limits_range = ev.contrast_limits
+                layer.contrast_limits = ev.contrast_limits
+            layer.metadata.update(metadata)
+        self.map_updates[ev.name] = self.map_updates.get(ev.name, 0) + 1
         return layer
 
-    def show_classes(self, event: ClassAveragesUpdated) -> Any:
-        """One 2D image: the class averages in a grid, largest class first (each scaled to its own mean and
-        std), with a Points layer "<name> labels" that writes "class: distribution, resolution" on each tile.
-        Clicks toggle classes (see :meth:`toggle_class_at`); the selection of the same job is kept."""
+    def map_layer(self, name: str) -> Any:
+        """The map layer ``name``: in the viewer, or kept aside while the 2D view is shown; None if neither."""
         viewer = self.viewer
-        imgs = np.asarray(event.images, dtype=np.float32)
-        model = ClassGrid(event.distribution, event.resolution_A, imgs.shape[-1], event.path)
-        image = model.compose(imgs)
-        scale = (float(event.pixel_size or 1.0),) * 2
-        layer = _find_layer(viewer, event.name, "Image")
+        if viewer is not None and name in viewer.layers and type(viewer.layers[name]).__name__ in ("Surface", "Image"):
+            return viewer.layers[name]
+        return self._parked.get(name)
+
+    def _forget_map(self, layer: Any) -> None:
+        self._parked.pop(layer.name, None)
+        viewer = self.viewer
+        if viewer is not None and layer in viewer.layers:
+            with frozen_gc():
+                viewer.layers.remove(layer)
+
+    def frame_layer(self, name: str) -> None:
+        """Point the camera at layer ``name`` (a new class grid beside the micrographs: its tiles and labels
+        readable; pan left for the micrographs, or napari's home button for everything)."""
+        viewer = self.viewer
+        if viewer is None or name not in viewer.layers or viewer.dims.ndisplay != 2:
+            return
+        # napari's reset_view(layers=...) needs layers of the viewer's dimensionality; a 2D grid beside a
+        # micrograph stack is framed here: its centre, the zoom that fits it (5 % margin)
+        extent = np.asarray(viewer.layers[name].extent.world, dtype=np.float64)[:, -2:]
+        size = np.maximum(extent[1] - extent[0], 1e-6)
+        canvas = np.asarray(getattr(viewer.canvas, "size", (0, 0)), dtype=np.float64)[-2:]
+        if not np.all(canvas > 0):
+            viewer.reset_view()
+            return
+        viewer.camera.center = tuple(viewer.camera.center[:-2]) + tuple((extent[0] + extent[1]) / 2)
+        viewer.camera.zoom = 0.95 * float(np.min(canvas / size))
+
+    def frame_maps(self) -> None:
+        """Point the 3D camera at the visible maps (all of them, nothing else)."""
+        viewer = self.viewer
+        maps = [la for la in viewer.layers if _is_map(la) and la.visible] if viewer is not None else []
+        if maps and viewer.dims.ndisplay == 3:
+            viewer.reset_view(layers=maps)
+
+    # -- 2D view and 3D view -----------------------------------------------------------------------------
+
+    def _on_ndisplay(self, event: Any = None) -> None:
+        """napari's 2D/3D switch: the 3D view shows the maps (2D layers hidden), the 2D view the 2D layers (maps
+        kept aside, out of the layer list, so that their z axis does not join the micrograph slider)."""
+        viewer = self.viewer
+        if viewer is None or self._swapping:
+            return
+        self._swapping = True
+        try:
+            if viewer.dims.ndisplay == 3:
+                self._show_maps_view(viewer)
+            else:
+                self._show_2d_view(viewer)
+        finally:
+            self._swapping = False
+
+    def _enter_maps_view(self) -> None:
+        """Switch to the 3D view for a map that is about to be added (2D layers hidden even before it is)."""
+        viewer = self.viewer
+        self._swapping = True
+        try:
+            self._show_maps_view(viewer, force=True)  # 2D layers hidden first: napari does not slice them in 3D
+            viewer.dims.ndisplay = 3
+        finally:
+            self._swapping = False
+
+    def _show_maps_view(self, viewer: Any, force: bool = False) -> None:
+        for name in list(self._parked):
+            layer = self._parked.pop(name)
+            if name not in viewer.layers:
+                viewer.layers.append(layer)
+        maps = [la for la in viewer.layers if _is_map(la)]
+        if not maps and not force:
+            return
+        for layer in list(viewer.layers):
+            if not _is_map(layer) and layer.visible:
+                layer.visible = False
+                self._hidden_for_maps.append(weakref.ref(layer))
+        self.frame_maps()
+
+    def _show_2d_view(self, viewer: Any) -> None:
+        hidden = [la for la in (ref() for ref in self._hidden_for_maps) if la is not None and la in viewer.layers]
+        self._hidden_for_maps = []
+        flat = [la for la in viewer.layers if not _is_map(la)]
+        if not flat:
+            return  # only maps: napari's 2D view of their slices, as without this display
+        with frozen_gc():
+            for layer in [la for la in viewer.layers if _is_map(la)]:
+                self._parked[layer.name] = layer
+                viewer.layers.remove(layer)
+        for layer in hidden:
+            layer.visible = True
+        viewer.reset_view()
+
+    def _to_2d_view(self) -> None:
+        """A new 2D result (picks, class grid) is shown in the 2D view."""
+        viewer = self.viewer
+        if viewer is not None and viewer.dims.ndisplay == 3 and (
+                self._hidden_for_maps or any(_is_map(la) for la in viewer.layers)):
+            viewer.dims.ndisplay = 2
+
+    def _on_layer_removed(self, event: Any) -> None:
+        """A layer the user deleted is forgotten (not put back by the next 2D/3D switch)."""
+        if self._swapping:
+            return
+        layer = getattr(event, "value", None)
+        self._hidden_for_maps = [r for r in self._hidden_for_maps if r() is not None and r() is not layer]
+
+    def show_classes(self, event: ClassAveragesUpdated) -> Any:
+        """One 2D image in Å: the class averages in a grid, largest class first (each scaled to its own mean and
+        std; composed in the worker thread), with a Points layer "<name> labels" that writes "class:
+        distribution, resolution" on each tile. A new grid is placed to the right of the micrographs. Clicks
+        toggle classes (see :meth:`toggle_class_at`); the selection of the same job is kept."""
+        viewer = self.viewer
+        ev = event if isinstance(event, PreparedClasses) else prepare_classes(event)
+        model, image = ev.grid, ev.grid_image
+        scale = (float(ev.pixel_size or 1.0),) * 2
+        units = (_ANGSTROM,) * 2 if ev.pixel_size else ("pixel",) * 2
+        layer = _find_layer(viewer, ev.name, "Image")
         model.keep_selection_of(_grid_model(layer))
         if layer is not None and layer.data.shape != image.shape:
-            viewer.layers.remove(layer)
+            with frozen_gc():
+                viewer.layers.remove(layer)
             layer = None
         if layer is None:
-            layer = viewer.add_image(image, name=event.name, scale=scale, colormap="gray",
-                                     metadata={"kind": "classes"})
+            self._to_2d_view()
+            translate = (0.0, self._right_of_2d_layers(exclude=ev.name, gap=GRID_GAP_TILES * model.tile_size
+                                                       * scale[1]))
+            layer = viewer.add_image(image, name=ev.name, scale=scale, translate=translate, units=units,
+                                     axis_labels=("y", "x"), colormap="gray", metadata={"kind": "classes"})
+            if translate[1]:
+                self.later(self.frame_layer, ev.name)  # the new grid fills the canvas (next turn)
         else:
             layer.data = image
         layer.metadata[GRID_MODEL] = model
         _publish_grid(layer)
         self._listen_for_clicks(layer)
-        lname = f"{event.name} labels"
-        labels = _find_layer(viewer, lname, "Points")
-        if labels is not None:
-            viewer.layers.remove(labels)
-        labels = viewer.add_points(model.label_positions(), name=lname, scale=scale, size=0,
-                                   features={"label": model.labels()},
-                                   text={"string": "{label}", "anchor": "upper_left", "size": 8, "color": "yellow"},
-                                   metadata={"kind": "class_labels", "grid": event.name})
-        self._listen_for_clicks(labels)
+        if not self._update_labels(ev.name):
+            self.later(self._update_labels, ev.name, True)  # a new layer: at the next turn
         self._draw_selection(layer)
         self._emit("selection", layer)
-        self.map_updates[event.name] = self.map_updates.get(event.name, 0) + 1
+        self.map_updates[ev.name] = self.map_updates.get(ev.name, 0) + 1
         return layer
+
+    def _update_labels(self, grid_name: str, create: bool = False) -> bool:
+        """Write "class: distribution, resolution" on the tiles of grid ``grid_name``: in place in its Points layer
+        "<name> labels", or (``create``) in a new one; False if the layer would have to be made first."""
+        viewer = self.viewer
+        grid = _find_layer(viewer, grid_name, "Image")
+        model = _grid_model(grid)
+        if model is None:
+            return True
+        lname = f"{grid_name} labels"
+        labels = _find_layer(viewer, lname, "Points")
+        positions, features = model.label_positions(), pd.DataFrame({"label": model.labels()})
+        if labels is not None and len(labels.data) == len(positions) and \
+                tuple(labels.translate) == tuple(grid.translate) and tuple(labels.scale) == tuple(grid.scale):
+            labels.features = features  # in place: the text follows the features
+            labels.refresh()
+            return True
+        if not create:
+            return False
+        if labels is not None:
+            with frozen_gc():
+                viewer.layers.remove(labels)
+        labels = viewer.add_points(positions, name=lname, scale=grid.scale, translate=grid.translate,
+                                   units=grid.units, axis_labels=("y", "x"), size=0, features=features,
+                                   text={"string": "{label}", "anchor": "upper_left", "size": 8, "color": LABEL_COLOR},
+                                   metadata={"kind": "class_labels", "grid": grid_name}, visible=grid.visible)
+        viewer.layers.selection.active = grid  # clicks select classes; no editing tools of the labels layer
+        self._listen_for_clicks(labels)
+        return True
+
+    def _right_of_2d_layers(self, exclude: str, gap: float) -> float:
+        """x (Å) where a new 2D layer starts so that it lies right of the visible 2D layers (0 without any)."""
+        right = None
+        for layer in self.viewer.layers:
+            md = getattr(layer, "metadata", None) or {}
+            if _is_map(layer) or not layer.visible or layer.name == exclude or md.get("grid") == exclude:
+                continue
+            extent = np.asarray(layer.extent.world, dtype=np.float64)
+            if extent.shape[-1] >= 2 and np.all(np.isfinite(extent[:, -1])) and len(layer.data):
+                x_max = float(extent[1, -1])
+                right = x_max if right is None else max(right, x_max)
+        return 0.0 if right is None else right + gap
 
     # -- class selection ---------------------------------------------------------------------------------
 
@@ -349,11 +600,13 @@ class LiveDisplay:
         if layer is None and not rects:
             return None
         if layer is None:
-            layer = self.viewer.add_shapes(name=name, scale=grid.scale, metadata={"kind": "class_selection",
-                                                                                 "grid": grid.name})
+            layer = self.viewer.add_shapes(name=name, scale=grid.scale, translate=grid.translate, units=grid.units,
+                                           axis_labels=("y", "x"),
+                                           metadata={"kind": "class_selection", "grid": grid.name})
             self._listen_for_clicks(layer)
-        elif tuple(layer.scale) != tuple(grid.scale):
-            layer.scale = grid.scale
+            self.viewer.layers.selection.active = grid  # keep pan/zoom: a click selects a class, draws nothing
+        elif tuple(layer.scale) != tuple(grid.scale) or tuple(layer.translate) != tuple(grid.translate):
+            layer.scale, layer.translate = grid.scale, grid.translate
         layer.data = []
         if rects:
             layer.add_rectangles(rects, edge_width=model.outline_width, edge_color=SELECTION_COLOR,
@@ -366,10 +619,63 @@ class LiveDisplay:
         """Redraw the FSC dock (created on first use, re-created if the user closed it)."""
         if self.fsc is None or not _alive(self.fsc.widget):
             self.fsc = FscPlot(self.viewer)
-            self._fsc_dock = self.viewer.window.add_dock_widget(self.fsc.widget, name=FSC_DOCK, area="right",
-                                                                tabify=True)
-        self.fsc.update(event)
+            self._fsc_dock = self._dock_plot(self.fsc.widget, FSC_DOCK)
+        self.fsc.update(event, getattr(event, "rendered", None))
         return self.fsc
+
+    def anchor(self, widget: Any) -> None:
+        """Result plots go beside the dock of ``widget`` (a job widget's QWidget; held weakly); plot docks that
+        are already open move there (a new job's dock would otherwise be stacked under them)."""
+        self._anchor = weakref.ref(widget)
+        self._arrange_plots()
+
+    def _arrange_plots(self) -> None:
+        """The open plot docks as one column right of the job dock (FSC on top, angular distribution below)."""
+        from qtpy.QtCore import Qt
+        from qtpy.QtWidgets import QDockWidget
+
+        job_dock = _dock_of(self._anchor() if self._anchor is not None else None, QDockWidget)
+        docks = [d for d in (self._fsc_dock, self._angdist_dock)
+                 if d is not None and _alive(d) and d.isVisible() and not d.isFloating()]
+        if job_dock is None or job_dock.isFloating() or not docks:
+            return
+        main = job_dock.parentWidget()
+        if any(d.parentWidget() is not main or d is job_dock for d in docks):
+            return
+        main.splitDockWidget(job_dock, docks[0], Qt.Orientation.Horizontal)
+        for dock in docks[1:]:
+            main.splitDockWidget(docks[0], dock, Qt.Orientation.Vertical)
+        self._plot_column = weakref.ref(docks[0])
+        self.later(self._size_plot_column)  # once the split is laid out
+
+    def _size_plot_column(self) -> None:
+        """The plot column PLOT_DOCK_WIDTH pixels wide (Qt gives a new split half of the job dock's width)."""
+        from qtpy.QtCore import Qt
+
+        column = self._plot_column() if self._plot_column is not None else None
+        if column is not None and _alive(column) and not column.isFloating() and column.parentWidget() is not None:
+            column.parentWidget().resizeDocks([column], [PLOT_DOCK_WIDTH], Qt.Orientation.Horizontal)
+
+    def _dock_plot(self, widget: Any, name: str) -> Any:
+        """Dock a result plot beside the job dock (right of it), the second plot below the first: never as a tab
+        over the job dock, whose progress and Cancel must stay visible."""
+        from qtpy.QtCore import Qt
+        from qtpy.QtWidgets import QDockWidget
+
+        dock = self.viewer.window.add_dock_widget(widget, name=name, area="right", tabify=False)
+        main = dock.parentWidget()
+        column = self._plot_column() if self._plot_column is not None else None
+        if column is not None and _alive(column) and column is not dock and column.isVisible() \
+                and main.dockWidgetArea(column) == main.dockWidgetArea(dock):
+            main.splitDockWidget(column, dock, Qt.Orientation.Vertical)
+        else:
+            job_dock = _dock_of(self._anchor() if self._anchor is not None else None, QDockWidget)
+            if job_dock is not None and job_dock is not dock and job_dock.parentWidget() is main \
+                    and not job_dock.isFloating():
+                main.splitDockWidget(job_dock, dock, Qt.Orientation.Horizontal)
+                self.later(self._size_plot_column)  # once the split is laid out
+            self._plot_column = weakref.ref(dock)
+        return dock
 
     # -- picks -------------------------------------------------------------------------------------------
 
@@ -417,7 +723,9 @@ class LiveDisplay:
                 kwargs = points_kwargs(3, self._micrograph_pixel_size(), features, PICKS_LAYER, self.pick_size,
                                        {"micrograph_names": names})
                 kwargs["border_color"] = "fom"
-                kwargs["border_colormap"] = "plasma"
+                kwargs["border_colormap"] = _pick_colormap()
+                kwargs["border_width"] = PICK_BORDER_WIDTH
+                self._to_2d_view()
                 layer = self.viewer.add_points(data, **kwargs)
             else:
                 layer.data = data  # features are padded here; the full table is assigned right after
@@ -487,8 +795,8 @@ class LiveDisplay:
         return _find_layer(self.viewer, PICKS_LAYER, "Points")
 
     def pick_fom_range(self) -> tuple[float, float] | None:
-        """(lowest, highest) figure of merit of the automatic picks; None without any."""
-        return self.pick_model().fom_range()
+        """(lowest, upper end) of the FOM threshold slider (PickModel.slider_range); None without picks."""
+        return self.pick_model().slider_range()
 
     def reset_picks(self) -> None:
         """Forget picks of a previous run (the layer is emptied in place)."""
@@ -510,13 +818,60 @@ class LiveDisplay:
                                   weights: np.ndarray | None = None) -> AngularDistributionPlot:
         """Histogram the viewing directions (RELION rot/tilt, degrees) on an equal-area grid and draw it in
         the "Angular distribution" dock (created on first use, re-created if the user closed it)."""
-        hist = angular_histogram(rot, tilt, weights)
+        return self.show_angular_histogram(angular_histogram(rot, tilt, weights), source)
+
+    def show_angular_histogram(self, hist: Any, source: Path | None = None, rendered: Any = None) -> Any:
+        """Show an angular histogram (drawn to ``rendered`` off the GUI thread, else here) in the "Angular
+        distribution" dock (created on first use, re-created if the user closed it)."""
         if self.angdist is None or not _alive(self.angdist.widget):
             self.angdist = AngularDistributionPlot(self.viewer)
-            self._angdist_dock = self.viewer.window.add_dock_widget(self.angdist.widget, name=ANGDIST_DOCK,
-                                                                    area="right", tabify=True)
-        self.angdist.update(hist, source)
+            self._angdist_dock = self._dock_plot(self.angdist.widget, ANGDIST_DOCK)
+        self.angdist.update(hist, source, rendered)
         return self.angdist
+
+    @property
+    def plot_colors(self) -> tuple[str, str]:
+        """(foreground, background) of the plots: the viewer's theme when the display was made."""
+        return self._plot_colors
+
+
+class _Strong:
+    """A strong reference with the call signature of a weak one (for plain functions)."""
+
+    def __init__(self, obj: Any) -> None:
+        self._obj = obj
+
+    def __call__(self) -> Any:
+        return self._obj
+
+
+def _surface_data(ev: PreparedMap) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(vertices, faces, values) of a map's iso-surface layer: one value, one colour."""
+    return ev.vertices, ev.faces, np.ones(len(ev.vertices), np.float32)
+
+
+def _is_map(layer: Any) -> bool:
+    """A 3D map (ours, or one the plugin's reader opened)."""
+    md = getattr(layer, "metadata", None) or {}
+    return md.get("kind") == "map" and getattr(layer, "ndim", 0) == 3
+
+
+def _scale_bar_on(viewer: Any) -> None:
+    """Show napari's scale bar (every layer of the plugin is in Å, so it reads in Å)."""
+    try:
+        viewer.canvas.overlays.scale_bar.visible = True
+    except AttributeError:  # napari before 0.9
+        viewer.scale_bar.visible = True
+
+
+def _pick_colormap() -> Any:
+    """The picks' FOM colour ramp (widgets/style.py) as a napari colormap."""
+    from napari.utils.colormaps import Colormap
+
+    from .style import hex_to_rgb
+
+    colors = np.array([(*hex_to_rgb(c), 1.0) for c in PICK_COLORS])
+    return Colormap(colors=colors, name="gpu_relion_picks", display_name="picks (azure-magenta-vermillion)")
 
 
 def _unwrap(viewer: Any) -> Any:
@@ -573,6 +928,17 @@ def _find_layer(viewer: Any, name: str, kind: str) -> Any:
         return None
     layer = viewer.layers[name]
     return layer if type(layer).__name__ == kind else None
+
+
+def _dock_of(widget: Any, dock_type: type) -> Any:
+    """The QDockWidget that holds ``widget`` (None if it is not docked)."""
+    try:
+        w = widget
+        while w is not None and not isinstance(w, dock_type):
+            w = w.parentWidget()
+        return w
+    except RuntimeError:  # deleted by Qt
+        return None
 
 
 def _alive(widget: Any) -> bool:

@@ -5,9 +5,12 @@ A job module defines ``JOB_NAME``, a frozen dataclass ``Params`` whose fields ca
 turns it into a magicgui Container:
 
 * one input widget per field, chosen from the field type (Path: file/folder chooser, int/float: spin boxes,
-  bool: check box, str: line edit, ``X | None``: a line edit where empty means None), labelled with the
-  RELION flag and with the help text as tooltip;
-* Run / Cancel, a progress bar, a status line (errors stay there), the job folder and "Open folder";
+  bool: check box, str: line edit, ``X | None``: a line edit where empty means None), labelled in words with
+  its unit, the help text and the RELION flag in its tooltip, laid out in RELION-like tabs with the advanced
+  options folded (widgets/form_model.py); a job widget may add a results tab (:meth:`JobWidget.add_results_tab`);
+* Run / Cancel (acknowledged at once: "cancelling..."), a progress bar, a status line that wraps (errors stay
+  there), the map levels of the job's maps, the job folder and "Open folder"; closing the dock cancels the job;
+* the dock fits a 1366 x 768 screen (tabs scroll; labels wrap; it starts DOCK_WIDTH_HINT pixels wide);
 * the last values are remembered in ``~/.config/napari-gpu-relion/<job>.json`` (directory overridable with
   the NAPARI_GPU_RELION_CONFIG_DIR environment variable).
 
@@ -27,6 +30,7 @@ import math
 import os
 import types
 import typing
+import weakref
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
@@ -42,10 +46,22 @@ from magicgui.widgets import (
     PushButton,
     SpinBox,
 )
-from napari.utils.notifications import show_error, show_warning
-from qtpy.QtCore import Qt, QUrl
+from napari.utils.notifications import show_error, show_info, show_warning
+from qtpy.QtCore import QEvent, QObject, Qt, QTimer, QUrl
 from qtpy.QtGui import QDesktopServices
+from qtpy.QtWidgets import (
+    QDockWidget,
+    QLabel,
+    QMainWindow,
+    QScrollArea,
+    QSizePolicy,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+from superqt import QCollapsible
 
+from ..compute.backend import gpu_available
 from ..errors import InputError
 from ..jobs.events import (
     ClassAveragesUpdated,
@@ -59,6 +75,7 @@ from ..jobs.events import (
     Started,
 )
 from .display import LiveDisplay
+from .form_model import form_layout, form_of
 from .runner import Job, JobRunner, JobState, error_message, get_runner
 
 if TYPE_CHECKING:
@@ -69,6 +86,18 @@ __all__ = ["make_job_widget", "job_widget_class", "JobWidget", "config_dir", "fi
 log = logging.getLogger(__name__)
 
 CONFIG_ENV = "NAPARI_GPU_RELION_CONFIG_DIR"
+#: Narrowest the dock widget may become (pixels): labels and fields stay readable.
+MIN_DOCK_WIDTH = 300
+#: Widest an option label may be (pixels); longer labels wrap.
+LABEL_MAX_WIDTH = 150
+#: Labels up to this width (pixels) never wrap.
+LABEL_MIN_WIDTH = 120
+#: Narrowest a number field may become (pixels).
+SPIN_BOX_MIN_WIDTH = 90
+#: Width (pixels) the dock widget asks for.
+DOCK_WIDTH_HINT = 340
+#: Zero-width space: where a wrapped status line may break inside a long path.
+_BREAK = "\u200b"
 _INT_LIMIT = 2**31 - 1
 _FLOAT_LIMIT = 1e12
 
@@ -172,39 +201,53 @@ def _path_mode(spec: FieldSpec) -> str:
 
 
 def _tooltip(spec: FieldSpec) -> str:
+    """The help text, then the RELION flag and the default (the label says it in words)."""
     parts = [spec.help] if spec.help else []
     if spec.optional:
         parts.append("Leave empty for none.")
     default = "none" if spec.default is None else spec.default
-    parts.append(f"({spec.flag}, default: {default})")
+    parts.append(f"RELION option {spec.flag} (default: {default})")
     return "\n".join(parts)
 
 
-def _make_input(spec: FieldSpec) -> Any:
-    common = {"name": spec.name, "label": spec.flag, "tooltip": _tooltip(spec)}
+def _make_input(spec: FieldSpec, label: str | None = None) -> Any:
+    """The input widget of one field, labelled ``label`` (default: the flag), the flag in its tooltip."""
+    label = label or spec.flag
+    common = {"name": spec.name, "label": label, "tooltip": _tooltip(spec)}
     md = spec.metadata
     if spec.kind == "path":
         mode = _path_mode(spec)
         w = FileEdit(mode="d" if mode == ROOT else mode, filter=md.get("filter"), nullable=True, **common)
         w.line_edit.value = "" if spec.default is None else str(spec.default)
+        w.line_edit.native.setMinimumWidth(60)  # the path scrolls; the dock stays narrow
+        w.choose_btn.text = "Browse..."  # not "Choose directory": a narrower dock
+        w.choose_btn.tooltip = "Choose a folder" if mode in ("d", ROOT) else "Choose a file"
         return w
     if spec.optional and spec.kind in ("int", "float", "str"):
         return LineEdit(value="" if spec.default is None else str(spec.default), **common)
     if spec.kind == "bool":
-        return CheckBox(value=bool(spec.default), text=spec.flag, **common)
+        common["label"] = ""
+        return CheckBox(value=bool(spec.default), text=label, **common)
     if spec.kind == "int":
-        return SpinBox(value=int(spec.default or 0), min=int(md.get("min", -_INT_LIMIT)),
-                       max=int(md.get("max", _INT_LIMIT)), step=int(md.get("step", 1)), **common)
+        return _narrow(SpinBox(value=int(spec.default or 0), min=int(md.get("min", -_INT_LIMIT)),
+                       max=int(md.get("max", _INT_LIMIT)), step=int(md.get("step", 1)), **common))
     if spec.kind == "float":
         w = FloatSpinBox(min=float(md.get("min", -_FLOAT_LIMIT)), max=float(md.get("max", _FLOAT_LIMIT)),
                          step=float(md.get("step", 0.1)), **common)
         w.native.setDecimals(int(md.get("decimals", _decimals(spec.default))))
         w.value = float(spec.default or 0.0)
-        return w
+        return _narrow(w)
     if spec.kind == "choice":
         choices = list(spec.choices)
         return ComboBox(choices=choices, value=spec.default if spec.default in choices else choices[0], **common)
     return LineEdit(value="" if spec.default is None else str(spec.default), **common)
+
+
+def _narrow(widget: Any) -> Any:
+    """A spin box no wider than its numbers need: Qt sizes it for its largest allowed value (2^31, 1e12),
+    which would make every dock wide."""
+    widget.native.setMinimumWidth(SPIN_BOX_MIN_WIDTH)
+    return widget
 
 
 def _read_input(spec: FieldSpec, widget: Any) -> Any:
@@ -254,12 +297,131 @@ def _from_json(spec: FieldSpec, widget: Any, value: Any) -> None:
 
 
 def _device_of(params: Any) -> str:
-    """Runner key: jobs on the same device run one after another."""
-    if getattr(params, "cpu", False):
+    """Runner key: jobs on the same device run one after another. The device is the one the job will really
+    use: a job that may use a GPU runs on the CPU where there is none, so it queues with the CPU jobs."""
+    if getattr(params, "cpu", False) or not hasattr(params, "gpu") or not gpu_available():
         return "cpu"
-    if hasattr(params, "gpu"):
-        return f"gpu{getattr(params, 'gpu', None) or 0}"
-    return "cpu"
+    return f"gpu{getattr(params, 'gpu', None) or 0}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Layout: option tabs, wrapping status, dock close
+
+
+def breakable(text: str) -> str:
+    """``text`` with a zero-width space after every slash, so that a wrapped label can break long paths."""
+    return text.replace("/", "/" + _BREAK)
+
+
+def wrapping(label: Label) -> None:
+    """A status label that wraps (and can be selected), never wider than the dock."""
+    native = label.native
+    native.setWordWrap(True)
+    native.setAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter)
+    native.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+    native.setMinimumWidth(40)
+    native.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+
+
+def _option_tabs(job: str, specs: list[FieldSpec], inputs: dict[str, Any]) -> QTabWidget:
+    """The options in RELION-like tabs (widgets/form_model.py): per tab the basic options, then the advanced
+    ones folded in a collapsible "More options". Each tab scrolls, so the dock's height stays small."""
+    tabs = _OptionTabs()
+    tabs.setObjectName("job_option_tabs")
+    tabs.setUsesScrollButtons(True)
+    tabs.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Expanding)
+    for tab in form_layout(job, [(s.name, s.flag) for s in specs]):
+        page = QWidget()
+        page.setObjectName(f"job_tab_{tab.name}")
+        layout = QVBoxLayout(page)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.setSpacing(2)
+        if tab.basic:
+            basic = Container(widgets=[inputs[n] for n in tab.basic], labels=True, name=f"basic_{tab.name}")
+            basic.margins = (0, 0, 0, 0)
+            _wrap_labels(basic)
+            layout.addWidget(basic.native)
+        if tab.advanced:
+            more = QCollapsible(f"More {tab.name} options" if tab.basic else f"{tab.name} options")
+            more.setObjectName(f"job_more_{tab.name}")
+            advanced = Container(widgets=[inputs[n] for n in tab.advanced], labels=True,
+                                 name=f"advanced_{tab.name}")
+            advanced.margins = (0, 0, 0, 0)
+            _wrap_labels(advanced)
+            more.addWidget(advanced.native)
+            layout.addWidget(more)
+            if not tab.basic:
+                more.expand(animate=False)
+        layout.addStretch(1)
+        scroll = QScrollArea()
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QScrollArea.Shape.NoFrame)
+        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        scroll.setWidget(page)
+        scroll.setMinimumHeight(120)
+        # never narrower than the page (no horizontal scrolling: labels and buttons are never cut off)
+        scroll.setMinimumWidth(page.minimumSizeHint().width() + scroll.verticalScrollBar().sizeHint().width())
+        tabs.addTab(scroll, tab.name)
+    return tabs
+
+
+def _wrap_labels(container: Container) -> None:
+    """Option labels wrap onto a second line rather than widen the dock (at most LABEL_MAX_WIDTH pixels)."""
+    for label in container.native.findChildren(QLabel):
+        if label.text():
+            text_width = label.fontMetrics().horizontalAdvance(label.text()) + 4
+            label.setWordWrap(True)
+            label.setMinimumWidth(min(text_width, LABEL_MIN_WIDTH))  # short labels stay on one line
+            label.setMaximumWidth(LABEL_MAX_WIDTH)
+
+
+class _OptionTabs(QTabWidget):
+    """The option tabs, asking for no more than DOCK_WIDTH_HINT pixels of width (the tab bar scrolls), so that
+    napari docks the widget narrow enough to leave the canvas room on a laptop screen."""
+
+    def sizeHint(self):  # noqa: N802 - Qt's name
+        hint = super().sizeHint()
+        hint.setWidth(min(hint.width(), DOCK_WIDTH_HINT))
+        return hint
+
+
+class _DockCloseWatcher(QObject):
+    """Calls ``on_close()`` when ``widget`` is taken out of its napari dock (the dock's close button): napari
+    removes the dock and sets the inner widget's parent to None, without deleting it, so ``destroyed`` does not
+    come. The callback is held weakly (a bound method), so the watcher never keeps a closed widget alive."""
+
+    def __init__(self, widget: QWidget, on_close: Any) -> None:
+        super().__init__(widget)
+        self._callback = weakref.WeakMethod(on_close)
+        self._docked = widget.parent() is not None
+        widget.installEventFilter(self)
+
+    def eventFilter(self, obj: QObject, event: QEvent) -> bool:  # noqa: N802 - Qt's name
+        if event.type() == QEvent.Type.ParentChange:
+            if obj.parent() is not None:
+                self._docked = True
+                QTimer.singleShot(0, self._narrow_dock)
+            elif self._docked:
+                self._docked = False
+                callback = self._callback()
+                if callback is not None:
+                    callback()
+        return False
+
+    def _narrow_dock(self) -> None:
+        """A newly docked job widget starts DOCK_WIDTH_HINT pixels wide (napari would give it its full size hint,
+        leaving the canvas little room on a laptop screen); the user can widen it."""
+        try:
+            widget = self.parent()
+        except RuntimeError:  # the widget was deleted before this turn came
+            return
+        dock = widget
+        while dock is not None and not isinstance(dock, QDockWidget):
+            dock = dock.parentWidget()
+        main = dock.parentWidget() if dock is not None else None
+        if isinstance(main, QMainWindow) and not dock.isFloating() and dock.width() > DOCK_WIDTH_HINT:
+            main.resizeDocks([dock], [max(DOCK_WIDTH_HINT, widget.minimumSizeHint().width())],
+                             Qt.Orientation.Horizontal)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -274,38 +436,51 @@ class JobWidget(Container):
         self.job_module = job_module
         self.job_name: str = getattr(job_module, "JOB_NAME", job_module.__name__.rsplit(".", 1)[-1])
         self.specs = field_specs(job_module.Params)
-        self.inputs: dict[str, Any] = {s.name: _make_input(s) for s in self.specs}
+        self.inputs: dict[str, Any] = {
+            s.name: _make_input(s, form_of(self.job_name, s.flag).label) for s in self.specs}
         self._runner = runner
         self.display = LiveDisplay.for_viewer(viewer)
         LiveDisplay.prepare()
         self.job: Job | None = None
         self.last_params: Any = None
         self.last_error: str | None = None
+        self.status_text = "ready"
         self._closed = False
         self._loading = False
+        self._results_tab: QWidget | None = None
 
-        self.run_button = PushButton(text="Run", name="job_run_button", label="")
+        self.run_button = PushButton(text="Run", name="job_run_button")
         self.run_button.tooltip = f"Start {self.job_name} with these parameters (queued if the device is busy)"
-        self.cancel_button = PushButton(text="Cancel", name="job_cancel_button", label="", enabled=False)
+        self.cancel_button = PushButton(text="Cancel", name="job_cancel_button", enabled=False)
         self.cancel_button.tooltip = "Stop the job at its next step; files already written stay valid"
         buttons = Container(widgets=[self.run_button, self.cancel_button], layout="horizontal", labels=False,
                             name="job_buttons", label="")
         buttons.margins = (0, 0, 0, 0)
-        buttons.label = " "
         self.progress = ProgressBar(value=0, min=0, max=1, name="job_progress", label="progress")
         self.status = Label(value="ready", name="job_status", label="status")
-        self.status.native.setWordWrap(True)
-        self.status.native.setAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter)
-        self.status.native.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        wrapping(self.status)
         self.folder = LineEdit(value="", name="job_folder", label="job folder")
         self.folder.native.setReadOnly(True)
-        self.open_button = PushButton(text="Open folder", name="job_open_folder", label="")
+        self.folder.native.setMinimumWidth(60)
+        self.open_button = PushButton(text="Open folder", name="job_open_folder")
         folder_row = Container(widgets=[self.folder, self.open_button], layout="horizontal", labels=False,
                                name="job_folder_row", label="job folder")
         folder_row.margins = (0, 0, 0, 0)
+        self.maps_info = Label(value="", name="job_maps", label="map level")
+        self.maps_info.tooltip = ("The level (map units) at which each map of this job is drawn as a surface: "
+                                  "Otsu's threshold, above the noise (use it e.g. as the mask's initial threshold)")
+        wrapping(self.maps_info)
+        self.maps_info.visible = False
+        self._map_levels: dict[str, float] = {}
+        #: how the job runs: progress, status, folder (always shown, under the option tabs)
+        self.panel = Container(widgets=[self.progress, self.status, self.maps_info, folder_row], labels=True,
+                               name="job_panel")
+        self.panel.margins = (0, 0, 0, 0)
 
-        super().__init__(widgets=[*self.inputs.values(), buttons, self.progress, self.status, folder_row],
-                         labels=True, scrollable=True, name=f"{self.job_name}_widget")  # tall docks scroll
+        super().__init__(widgets=[buttons, self.panel], labels=False, name=f"{self.job_name}_widget")
+        self.tabs = _option_tabs(self.job_name, self.specs, self.inputs)
+        self.native.layout().insertWidget(0, self.tabs, 1)
+        self.native.setMinimumWidth(MIN_DOCK_WIDTH)
 
         self._load_settings()
         self._update_folder_from_params()
@@ -315,6 +490,33 @@ class JobWidget(Container):
         for spec in self.specs:
             self.inputs[spec.name].changed.connect(self._on_input_changed)
         self.native.destroyed.connect(self._on_destroyed)
+        self._close_watch = _DockCloseWatcher(self.native, self._on_dock_closed)
+
+    def add_results_tab(self, name: str, widgets: list[Any]) -> Container:
+        """A tab after the option tabs for what the job produced (picks threshold, class selection, ...): a
+        labelled Container of ``widgets``; :meth:`show_results_tab` brings it to the front."""
+        box = Container(widgets=widgets, labels=True, name=f"results_{name}")
+        box.margins = (4, 4, 4, 4)
+        page = QWidget()
+        layout = QVBoxLayout(page)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(box.native)
+        layout.addStretch(1)
+        scroll = QScrollArea()
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QScrollArea.Shape.NoFrame)
+        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        scroll.setWidget(page)
+        scroll.setMinimumHeight(120)
+        scroll.setMinimumWidth(page.minimumSizeHint().width() + scroll.verticalScrollBar().sizeHint().width())
+        self.tabs.addTab(scroll, name)
+        self._results_tab = scroll
+        return box
+
+    def show_results_tab(self) -> None:
+        """Bring the results tab (if any) to the front."""
+        if self._results_tab is not None and not self._closed:
+            self.tabs.setCurrentWidget(self._results_tab)
 
     # -- parameters --------------------------------------------------------------------------------------
 
@@ -400,9 +602,11 @@ class JobWidget(Container):
     # -- running -----------------------------------------------------------------------------------------
 
     def _set_status(self, text: str, error: bool = False) -> None:
+        """The status line (``status_text``); shown wrapped, long paths broken after their slashes."""
         if self._closed:
             return
-        self.status.value = text
+        self.status_text = text
+        self.status.value = breakable(text)
         self.status.native.setStyleSheet("color: #ff6464;" if error else "")
 
     def _report_error(self, message: str) -> None:
@@ -428,6 +632,7 @@ class JobWidget(Container):
             runner = self._runner
         self.progress.max = 1
         self.progress.value = 0
+        self._map_levels.clear()
         self._set_status(f"{self.job_name}: submitted")
         module = self.job_module
         handlers = {
@@ -435,14 +640,15 @@ class JobWidget(Container):
             Progress: self._on_progress,
             Message: self._on_message,
             Finished: self._on_finished,
-            MapUpdated: self.display.handle,
+            MapUpdated: self._on_map,
             ClassAveragesUpdated: self.display.handle,
             FscUpdated: self.display.handle,
             MicrographPicked: self.display.handle,
             IterationFinished: self._on_iteration,
         }
+        self.display.anchor(self.native)  # its result plots dock beside this widget
         self.job = runner.submit(self.job_name, lambda: module.run(params), handlers=handlers,
-                                 on_state=self._on_state)
+                                 on_state=self._on_state, prepare=self.display.prepare_event)
         self._on_state(self.job)  # submit() may have started it before self.job was set
         return self.job
 
@@ -455,13 +661,18 @@ class JobWidget(Container):
         if self._closed or job is not self.job:
             return
         active = job.state in (JobState.QUEUED, JobState.RUNNING)
-        if job.done and self.display.pending:
-            self.display.flush()
+        if job.done:
+            self.display.drain()
         self.run_button.enabled = job.done
         self.cancel_button.enabled = active
         if job.state is JobState.QUEUED:
             current = job.runner.current
             self._set_status(f"{self.job_name}: queued" + (f" (waiting for {current.name})" if current else ""))
+        elif job.state is JobState.RUNNING and self.status_text.startswith(f"{self.job_name}: queued"):
+            self._set_status(f"{self.job_name}: starting")
+        elif job.state is JobState.CANCELLING:
+            self.progress.max = 0  # busy indicator until the job has stopped
+            self._set_status(f"{self.job_name}: cancelling... (stops at the job's next step)")
         elif job.state is JobState.CANCELLED:
             self._set_status(f"{self.job_name}: cancelled; files already written are kept")
         elif job.state is JobState.FAILED:
@@ -469,6 +680,7 @@ class JobWidget(Container):
             self._set_status(self.last_error, error=True)
 
     def _on_started(self, ev: Started) -> None:
+        self.show_results_tab()  # what the job produces is what to look at now
         if ev.output_dir is not None:
             self.folder.value = str(ev.output_dir)
         self._set_status(f"{self.job_name}: running on {ev.backend}" + (f" — {ev.message}" if ev.message else ""))
@@ -485,13 +697,22 @@ class JobWidget(Container):
         if ev.level == "warning":
             show_warning(f"{self.job_name}: {ev.text}")
 
+    def _on_map(self, ev: MapUpdated) -> None:
+        """A map of this job: to the display, and its surface level (prepared in the worker) to the panel."""
+        self.display.handle(ev)
+        level = getattr(ev, "iso_threshold", None)
+        if level is not None and not self._closed:
+            self._map_levels[ev.name] = float(level)
+            self.maps_info.value = ", ".join(f"{n} {v:.3g}" for n, v in self._map_levels.items())
+            self.maps_info.visible = True
+
     def _on_iteration(self, ev: IterationFinished) -> None:
         self.display.handle(ev)
         if ev.summary:
             self._set_status(f"{self.job_name}: iteration {ev.iteration}: {ev.summary}")
 
     def _on_finished(self, ev: Finished) -> None:
-        self.display.flush()
+        self.display.drain()
         if self.progress.max > 0:
             self.progress.value = self.progress.max
         else:
@@ -517,6 +738,16 @@ class JobWidget(Container):
         job = self.job
         if job is not None and not job.done:
             job.cancel()
+
+    def _on_dock_closed(self) -> None:
+        """The user closed this widget's dock (napari takes the widget out of it): cancel a running or queued
+        job, say so, and stop reacting to the display."""
+        job = self.job
+        if job is not None and not job.done:
+            job.cancel()
+            show_info(f"{self.job_name}: its dock was closed, so the job was cancelled (files already written "
+                      "are kept)")
+        self._closed = True
 
 
 def _open_in_file_browser(path: Path) -> bool:

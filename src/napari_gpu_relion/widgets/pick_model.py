@@ -121,6 +121,23 @@ class PickModel:
         fom = self.fom[~self.manual & np.isfinite(self.fom)]
         return (float(fom.min()), float(fom.max())) if len(fom) else None
 
+    def slider_range(self) -> tuple[float, float] | None:
+        """(lowest, upper end) of the FOM threshold slider over the automatic picks: the highest FOM, except that
+        an outlier at the top (further above the next FOM than the rest of the picks span; at most 1 % of the
+        picks, from 8 picks on) does not stretch the slider and squeeze every other pick into its first steps.
+        Picks above the upper end are never hidden by the slider."""
+        fom = np.sort(self.fom[~self.manual & np.isfinite(self.fom)])
+        if not len(fom):
+            return None
+        top = len(fom) - 1
+        if len(fom) >= 8:
+            for _ in range(max(1, len(fom) // 100)):
+                if top >= 2 and fom[top] - fom[top - 1] > fom[top - 1] - fom[0]:
+                    top -= 1
+                else:
+                    break
+        return float(fom[0]), float(fom[top])
+
     def micrograph_indices(self) -> list[int]:
         """Micrographs with a name or with picks, ascending."""
         return sorted({m for m, nm in self.names.items() if nm} | set(self.mic.tolist()))

@@ -1,17 +1,25 @@
-"""The matplotlib docks of the live display (widgets/display.py): the FSC plot and the angular distribution.
+"""The plot docks of the live display (widgets/display.py): the FSC plot and the angular distribution.
 
-matplotlib's Qt backend is imported on first use (:func:`prepare` imports it ahead, when a job widget is built),
-so that importing this module stays cheap and matplotlib follows the Qt binding that qtpy already loaded.
+A matplotlib figure takes 0.05-0.3 s to draw with Agg on a 2-core machine (the angular distribution with its
+colour bar the most), so the GUI thread never draws one (issue 18: no freezes). :func:`render_fsc` and
+:func:`render_angular_distribution` draw a figure to an RGBA image with matplotlib's Agg canvas in any thread
+(the job's worker thread through the runner's ``prepare``, or a short-lived worker); a dock only shows that
+image, scaled to its size. One lock serialises the drawing (matplotlib's font cache is shared between threads).
+The figure and its axes are kept with the image (titles, labels and curves can be read back).
 """
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from napari.utils.theme import get_theme
-from qtpy.QtWidgets import QVBoxLayout, QWidget
+from qtpy.QtCore import Qt
+from qtpy.QtGui import QImage, QPixmap
+from qtpy.QtWidgets import QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from ..compute.angular_distribution import AngularHistogram
 from ..jobs.events import FscUpdated
@@ -19,49 +27,61 @@ from ..jobs.events import FscUpdated
 if TYPE_CHECKING:
     import napari
 
-__all__ = ["FscPlot", "AngularDistributionPlot", "prepare"]
+__all__ = ["FscPlot", "AngularDistributionPlot", "RenderedPlot", "render_fsc", "render_angular_distribution",
+           "theme_colors", "prepare"]
+
+#: Pixel size of a rendered plot (it is scaled to the dock, keeping its aspect).
+PLOT_SIZE_PX = (400, 300)
+PLOT_DPI = 100
+_DRAW_LOCK = threading.Lock()
 
 
 def prepare() -> None:
-    """Import the plotting modules now (about 0.15 s the first time) rather than at the first FSC."""
-    import matplotlib.backends.backend_qtagg  # noqa: F401
+    """Import matplotlib's Agg canvas now (about 0.15 s the first time) rather than at the first plot."""
+    import matplotlib.backends.backend_agg  # noqa: F401
     import matplotlib.figure  # noqa: F401
 
 
-def _matplotlib_dock(object_name: str, figsize: tuple[float, float]) -> tuple[Any, Any, Any]:
-    """(QWidget, Figure, canvas): an empty matplotlib figure filling a widget for a napari dock."""
-    from matplotlib.backends.backend_qtagg import FigureCanvasQTAgg  # lazy: see the module docstring
+@dataclass(frozen=True)
+class RenderedPlot:
+    """A figure drawn to an RGBA image (height, width, 4) uint8, with the figure and its main axes."""
+
+    image: np.ndarray
+    figure: Any
+    axes: Any
+    colorbar: Any = None
+
+
+def _figure(colors: tuple[str, str]) -> tuple[Any, Any]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    widget = QWidget()
-    widget.setObjectName(object_name)
-    figure = Figure(figsize=figsize)
-    canvas = FigureCanvasQTAgg(figure)
-    canvas.setMinimumHeight(200)
-    layout = QVBoxLayout(widget)
-    layout.setContentsMargins(0, 0, 0, 0)
-    layout.addWidget(canvas)
-    return widget, figure, canvas
+    figure = Figure(figsize=(PLOT_SIZE_PX[0] / PLOT_DPI, PLOT_SIZE_PX[1] / PLOT_DPI), dpi=PLOT_DPI)
+    FigureCanvasAgg(figure)
+    figure.set_facecolor(colors[1])
+    return figure, figure.canvas
 
 
-class FscPlot:
-    """A matplotlib FSC plot in a napari dock widget: curves against resolution (1/Å), threshold line,
-    resolution in the title. Build once, call :meth:`update` for every new FscUpdated."""
+def _style(ax: Any, fg: str, bg: str) -> None:
+    ax.set_facecolor(bg)
+    ax.tick_params(colors=fg)
+    for spine in ax.spines.values():
+        spine.set_color(fg)
 
-    def __init__(self, viewer: napari.viewer.Viewer):
-        self.widget, self.figure, self.canvas = _matplotlib_dock("gpu_relion_fsc_plot", (4, 3))
-        self.figure.subplots_adjust(left=0.16, right=0.97, bottom=0.16, top=0.88)
-        self.axes = self.figure.add_subplot(111)
-        self._colors = _theme_colors(viewer)
-        self.last_event: FscUpdated | None = None
-        self.draw_count = 0
 
-    def update(self, event: FscUpdated) -> None:
-        fg, bg = self._colors
-        ax = self.axes
-        ax.clear()
-        self.figure.set_facecolor(bg)
-        ax.set_facecolor(bg)
+def _draw(figure: Any) -> np.ndarray:
+    figure.canvas.draw()
+    return np.array(figure.canvas.buffer_rgba(), dtype=np.uint8)
+
+
+def render_fsc(event: FscUpdated, colors: tuple[str, str] = ("black", "white")) -> RenderedPlot:
+    """FSC curves against resolution (1/Å), the threshold line, the resolution in the title; any thread."""
+    fg, bg = colors
+    with _DRAW_LOCK:
+        figure, _ = _figure(colors)
+        figure.subplots_adjust(left=0.15, right=0.97, bottom=0.16, top=0.9)
+        ax = figure.add_subplot(111)
+        _style(ax, fg, bg)
         x = np.asarray(event.resolution_inv_A, dtype=float)
         for name, curve in event.curves.items():
             y = np.asarray(curve, dtype=float)
@@ -80,46 +100,21 @@ class FscPlot:
         ax.set_ylim(-0.1, 1.05)
         if len(x):
             ax.set_xlim(0, float(np.nanmax(x)))
-        ax.tick_params(colors=fg)
-        for spine in ax.spines.values():
-            spine.set_color(fg)
         if event.curves:
             ax.legend(fontsize=8, frameon=False, labelcolor=fg)
-        self.canvas.draw_idle()
-        self.last_event = event
-        self.draw_count += 1
+        return RenderedPlot(_draw(figure), figure, ax)
 
 
-def _theme_colors(viewer: Any) -> tuple[str, str]:
-    """(foreground, background) colours of the viewer's theme, so the plot matches the dark/light UI."""
-    try:
-        theme = get_theme(viewer.theme)
-        return theme.text.as_hex(), theme.background.as_hex()
-    except Exception:  # noqa: BLE001 - cosmetic only
-        return "black", "white"
-
-
-class AngularDistributionPlot:
-    """A matplotlib dock: particles per equal-area bin of viewing direction, rot (°) across, tilt (°) down,
-    with a colour bar. Build once, call :meth:`update` with each new histogram."""
-
-    def __init__(self, viewer: napari.viewer.Viewer):
-        self.widget, self.figure, self.canvas = _matplotlib_dock("gpu_relion_angular_distribution", (4.5, 3))
-        self._colors = _theme_colors(viewer)
-        self.axes: Any = None
-        self.colorbar: Any = None
-        self.histogram: AngularHistogram | None = None
-        self.source: Path | None = None
-        self.draw_count = 0
-
-    def update(self, hist: AngularHistogram, source: Path | None = None) -> None:
-        """Redraw with ``hist`` (bins drawn at their true tilt edges, so equal-area bins look taller near
-        the poles); ``source`` names the STAR file in the title."""
-        fg, bg = self._colors
-        self.figure.clear()
-        self.figure.set_facecolor(bg)
-        ax = self.figure.add_subplot(111)
-        ax.set_facecolor(bg)
+def render_angular_distribution(hist: AngularHistogram, source: Path | None = None,
+                                colors: tuple[str, str] = ("black", "white")) -> RenderedPlot:
+    """Particles per equal-area bin of viewing direction, rot (°) across, tilt (°) down, with a colour bar (bins
+    drawn at their true tilt edges, so equal-area bins look taller near the poles); any thread."""
+    fg, bg = colors
+    with _DRAW_LOCK:
+        figure, _ = _figure(colors)
+        figure.subplots_adjust(left=0.15, right=0.98, bottom=0.16, top=0.9)
+        ax = figure.add_subplot(111)
+        _style(ax, fg, bg)
         mesh = ax.pcolormesh(hist.rot_edges, hist.tilt_edges, hist.counts, cmap="viridis", shading="flat")
         ax.set_xlim(-180, 180)
         ax.set_ylim(180, 0)  # tilt 0 (top view) at the top
@@ -130,13 +125,100 @@ class AngularDistributionPlot:
         total = float(hist.counts.sum())
         name = f" — {Path(source).name}" if source else ""
         ax.set_title(f"{total:.0f} particles{name}", color=fg, fontsize=10)
-        ax.tick_params(colors=fg)
-        for spine in ax.spines.values():
-            spine.set_color(fg)
-        cbar = self.figure.colorbar(mesh, ax=ax)
+        cbar = figure.colorbar(mesh, ax=ax)
         cbar.set_label("particles", color=fg)
         cbar.ax.tick_params(colors=fg)
-        self.figure.tight_layout()
-        self.canvas.draw_idle()
-        self.axes, self.colorbar, self.histogram, self.source = ax, cbar, hist, source
+        return RenderedPlot(_draw(figure), figure, ax, cbar)
+
+
+def theme_colors(viewer: Any) -> tuple[str, str]:
+    """(foreground, background) colours of the viewer's theme, so that plots match the dark/light UI."""
+    try:
+        theme = get_theme(viewer.theme)
+        return theme.text.as_hex(), theme.background.as_hex()
+    except Exception:  # noqa: BLE001 - cosmetic only
+        return "black", "white"
+
+
+class _ImageLabel(QLabel):
+    """Shows an image scaled to its size, keeping the aspect ratio (smooth scaling)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pixmap: QPixmap | None = None
+        self.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Ignored)
+        self.setMinimumSize(220, 160)
+
+    def set_image(self, rgba: np.ndarray) -> None:
+        h, w = rgba.shape[:2]
+        data = np.ascontiguousarray(rgba)
+        image = QImage(data.data, w, h, 4 * w, QImage.Format.Format_RGBA8888).copy()  # owns its pixels
+        self._pixmap = QPixmap.fromImage(image)
+        self._rescale()
+
+    def _rescale(self) -> None:
+        if self._pixmap is not None:
+            self.setPixmap(self._pixmap.scaled(self.size(), Qt.AspectRatioMode.KeepAspectRatio,
+                                               Qt.TransformationMode.SmoothTransformation))
+
+    def resizeEvent(self, event: Any) -> None:  # noqa: N802 - Qt's name
+        super().resizeEvent(event)
+        self._rescale()
+
+    def sizeHint(self):  # noqa: N802 - Qt's name
+        from qtpy.QtCore import QSize
+
+        return QSize(*PLOT_SIZE_PX) * 0.7
+
+
+def _image_dock(object_name: str) -> tuple[QWidget, _ImageLabel]:
+    widget = QWidget()
+    widget.setObjectName(object_name)
+    label = _ImageLabel()
+    layout = QVBoxLayout(widget)
+    layout.setContentsMargins(0, 0, 0, 0)
+    layout.addWidget(label)
+    return widget, label
+
+
+class FscPlot:
+    """The FSC dock. :meth:`show` takes a figure rendered elsewhere (:func:`render_fsc`); :meth:`update` renders
+    one here (for callers outside a job)."""
+
+    def __init__(self, viewer: napari.viewer.Viewer):
+        self.widget, self._label = _image_dock("gpu_relion_fsc_plot")
+        self.colors = theme_colors(viewer)
+        self.figure: Any = None
+        self.axes: Any = None
+        self.last_event: FscUpdated | None = None
+        self.draw_count = 0
+
+    def update(self, event: FscUpdated, rendered: RenderedPlot | None = None) -> None:
+        rendered = rendered or render_fsc(event, self.colors)
+        self._label.set_image(rendered.image)
+        self.figure, self.axes = rendered.figure, rendered.axes
+        self.last_event = event
+        self.draw_count += 1
+
+
+class AngularDistributionPlot:
+    """The angular distribution dock; :meth:`update` shows a histogram (rendered here unless given)."""
+
+    def __init__(self, viewer: napari.viewer.Viewer):
+        self.widget, self._label = _image_dock("gpu_relion_angular_distribution")
+        self.colors = theme_colors(viewer)
+        self.figure: Any = None
+        self.axes: Any = None
+        self.colorbar: Any = None
+        self.histogram: AngularHistogram | None = None
+        self.source: Path | None = None
+        self.draw_count = 0
+
+    def update(self, hist: AngularHistogram, source: Path | None = None,
+               rendered: RenderedPlot | None = None) -> None:
+        rendered = rendered or render_angular_distribution(hist, source, self.colors)
+        self._label.set_image(rendered.image)
+        self.figure, self.axes, self.colorbar = rendered.figure, rendered.axes, rendered.colorbar
+        self.histogram, self.source = hist, source
         self.draw_count += 1

@@ -1,0 +1,32 @@
+"""Colours and marks of the live display (no Qt, no napari), chosen for contrast on grey micrographs and for
+colour-blind viewers (tests/test_widget_models.py checks them under simulated protanopia, deuteranopia and
+tritanopia).
+
+Picks are rings coloured by figure of merit from azure (low) through magenta to vermillion (high): every colour
+is saturated and of middle lightness, so that rings stand out on a grey micrograph whatever its contrast (the
+former "plasma" map ended in near-black purple), and none is yellow. The true positions of the sample data are
+yellow crosses: another colour and another shape than any pick.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PICK_COLORS", "TRUE_PICK_COLOR", "TRUE_PICK_SYMBOL", "TRUE_PICK_SIZE_FRACTION", "SELECTION_COLOR",
+           "LABEL_COLOR", "PICK_BORDER_WIDTH", "hex_to_rgb"]
+
+#: Pick ring colours from the lowest to the highest figure of merit (interpolated in between).
+PICK_COLORS = ("#00A0FF", "#FF00FF", "#D55E00")
+#: Relative border width of pick rings (fraction of the ring's diameter).
+PICK_BORDER_WIDTH = 0.08
+#: True particle positions (sample data): Okabe-Ito yellow crosses, smaller than a particle.
+TRUE_PICK_COLOR = "#F0E442"
+TRUE_PICK_SYMBOL = "cross"
+TRUE_PICK_SIZE_FRACTION = 0.4
+#: Outline of selected class tiles, and the text on the class grid.
+SELECTION_COLOR = "#00FFFF"
+LABEL_COLOR = "#F0E442"
+
+
+def hex_to_rgb(color: str) -> tuple[float, float, float]:
+    """'#RRGGBB' as (r, g, b) in [0, 1]."""
+    text = color.lstrip("#")
+    return tuple(int(text[i:i + 2], 16) / 255.0 for i in (0, 2, 4))  # type: ignore[return-value]
