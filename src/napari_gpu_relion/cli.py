@@ -11,6 +11,7 @@ import importlib
 import logging
 import sys
 import time
+import traceback
 import types
 import typing
 from dataclasses import MISSING, fields
@@ -19,6 +20,7 @@ from pathlib import Path
 from .errors import InputError
 from .jobs.common import flag_of
 from .jobs.events import Finished, FscUpdated, IterationFinished, Message, Progress, Started
+from .parallel import launched_by_mpi, launcher_rank, rank_error, rank_prefix
 
 JOBS = {
     "simulate": ("napari_gpu_relion.jobs.simulate", "simulate particles, micrographs and maps with ground truth"),
@@ -113,7 +115,9 @@ def os_error_line(exc: OSError) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    quiet = launcher_rank() not in (None, 0)  # MPI: the other ranks log warnings only (rank 0 prints the job)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
+                        format="%(message)s")
     if not args.job:
         parser.print_help()
         return 0
@@ -123,11 +127,15 @@ def main(argv: list[str] | None = None) -> int:
         params = module.Params(**kw)
         run_job(module, params)
     except InputError as exc:
-        print(f"napari-gpu-relion {args.job}: error: {exc}", file=sys.stderr)
-        return 2
+        return rank_error(f"napari-gpu-relion {args.job}: error: {rank_prefix()}{exc}", 2)
     except OSError as exc:  # read-only folder, a file where a folder should be, disk full, ...: one line, the path
-        print(f"napari-gpu-relion {args.job}: error: {os_error_line(exc)}", file=sys.stderr)
-        return 2
+        return rank_error(f"napari-gpu-relion {args.job}: error: {rank_prefix()}{os_error_line(exc)}", 2)
+    except Exception as exc:  # under MPI: name the rank and host, stop every rank (never a hang in a collective)
+        if not launched_by_mpi():
+            raise
+        traceback.print_exc()
+        return rank_error(f"napari-gpu-relion {args.job}: {rank_prefix()}failed: {type(exc).__name__}: {exc}; "
+                          "stopping all ranks", 1)
     except KeyboardInterrupt:
         print("\ninterrupted; files already written are complete", file=sys.stderr)
         return 130

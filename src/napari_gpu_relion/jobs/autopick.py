@@ -83,7 +83,7 @@ class Params:
     random_seed: int = param(1, "--random_seed", "Seed (noise fill of non-square micrographs)")
     batch: int = param(0, "--batch", "Micrographs (LoG; 0 = 1) or templates (0 = from free memory) per batch")
     cpu: bool = param(False, "--cpu", "Run on the CPU (NumPy) even if a GPU is present")
-    gpu: int | None = param(None, "--gpu", "GPU index to use")
+    gpu: str | None = param(None, "--gpu", "GPU index; MPI: RELION's 0:1:2:3, ranks take them in turn")
 
     def __post_init__(self):
         if self.i is None:

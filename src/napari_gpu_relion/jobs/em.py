@@ -48,7 +48,9 @@ from ..io.model_star import (
 from ..io.mrc import read_mrc
 from ..io.particle_images import parse_image_name
 from ..io.star import read_star
+from ..parallel import world
 from .common import backend_for, batched_with_oom_retry, param, require_file, write_note
+from .distributed import merge_particles, root_events, sum_estep
 from .events import Finished, Message, Progress, Started
 from .particles import ParticleSet, load_particle_set
 
@@ -98,7 +100,7 @@ class EMParams:
     continue_from: Path | None = param(None, "--continue", "Continue from a run_itNNN_optimiser.star")
     batch: int = param(0, "--batch", "Particles per batch; 0 = from free memory")
     cpu: bool = param(False, "--cpu", "Run on the CPU (NumPy) even if a GPU is present")
-    gpu: int | None = param(None, "--gpu", "GPU index to use")
+    gpu: str | None = param(None, "--gpu", "GPU index; MPI: RELION's 0:1:2:3, ranks take them in turn")
 
     #: Options that --continue takes from the command line, not from the optimiser STAR.
     RUNTIME = ("continue_from", "cpu", "gpu", "batch")
@@ -204,6 +206,7 @@ class EMJob:
 
     def __init__(self, p):
         self.p = p
+        self.comm = world()  # MPI ranks share the particles of each half; size 1 without MPI
         self.t_start = time.time()
         self.continued = p.continue_from is not None
         self.opt: dict | None = None
@@ -310,11 +313,14 @@ class EMJob:
                                class_offset_prior_A=opts.pop("class_offset_prior_A", None),
                                max_fine_bytes=it.plan.fine_chunk_bytes)
             stage = f"it {self.state.iteration:03d}" + (f" half {h + 1}" if len(self.halves) > 1 else "")
-            yield from run_estep(self.ps, rows_h, setup, sums, self.be, mask_radius_px=self.mask_r,
+            mine = self.comm.share(rows_h)  # this rank's block of the half
+            yield from run_estep(self.ps, mine, setup, sums, self.be, mask_radius_px=self.mask_r,
                                  zero_mask=self.p.zero_mask, do_norm=getattr(self.p, "norm", False),
                                  norm_average=self.state.norm_average, scales=self.model.scales,
                                  batch=it.plan.batch, stage=stage, seed=self.p.random_seed + self.state.iteration,
                                  local_sigma=it.local_sigma, sym=getattr(self.p, "sym", "C1"), **opts)
+            sum_estep(self.comm, sums, acc)  # every rank: the sums over all ranks
+            merge_particles(self.comm, self.ps, mine)
             it.sums.append(sums)
             it.accumulators.append(acc)
         self._prepared = None  # it.references keeps them for the M-step; nothing else holds them after it
@@ -368,11 +374,18 @@ class EMJob:
 
 
 def run(job: EMJob) -> Iterator:
-    """The iteration driver: RELION's steps in RELION's order, for any EMJob."""
+    """The iteration driver: RELION's steps in RELION's order, for any EMJob. Under MPI every rank runs it (the
+    M-step too, on the summed accumulators); rank 0 alone writes the files and yields the events."""
+    yield from root_events(job.comm, _run(job))
+
+
+def _run(job: EMJob) -> Iterator:
+    root = job.comm.is_root
     job.model = job.restore() if job.continued else job.initial_model()
     yield Started(job.name, job.files.folder, job.be.name, job.describe())
-    job.files.folder.mkdir(parents=True, exist_ok=True)
-    write_note(job.files.folder, job.name, job.p)
+    if root:
+        job.files.folder.mkdir(parents=True, exist_ok=True)
+        write_note(job.files.folder, job.name, job.p)
     while True:
         job.state.iteration += 1
         it = yield from job.update_sampling()
@@ -380,11 +393,13 @@ def run(job: EMJob) -> Iterator:
         job.maximization(it)
         job.update_resolution(it)
         last = job.check_convergence(it)
-        yield from job.write(it)
+        if root:
+            yield from job.write(it)
         if last:
             break
     free_cached_memory(job.be)
-    yield job.finished()
+    if root:
+        yield job.finished()
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ class Params:
     random_seed: int = param(0, "--random_seed", "Seed for dust replacement noise")
     batch: int = param(0, "--batch", "Particles per batch; 0 = from free memory")
     cpu: bool = param(False, "--cpu", "Run on the CPU (NumPy) even if a GPU is present")
-    gpu: int | None = param(None, "--gpu", "GPU index to use")
+    gpu: str | None = param(None, "--gpu", "GPU index; MPI: RELION's 0:1:2:3, ranks take them in turn")
 
     def __post_init__(self):
         if self.i is None or self.o is None:

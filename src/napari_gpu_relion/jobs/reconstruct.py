@@ -45,7 +45,7 @@ class Params:
     angpix: float = param(-1.0, "--angpix", "Pixel size (Å); -1 = from the STAR optics table")
     batch: int = param(0, "--batch", "Particles per batch; 0 = from free memory")
     cpu: bool = param(False, "--cpu", "Run on the CPU (NumPy) even if a GPU is present")
-    gpu: int | None = param(None, "--gpu", "GPU index to use")
+    gpu: str | None = param(None, "--gpu", "GPU index; MPI: RELION's 0:1:2:3, ranks take them in turn")
 
     def __post_init__(self):
         require_file(self.i, "--i particles STAR", (".star",))
