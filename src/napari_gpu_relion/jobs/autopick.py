@@ -36,7 +36,9 @@ from ..io.micrographs import (
 )
 from ..io.mrc import is_stack, read_mrc, write_mrc
 from ..io.star import write_coordinates
+from ..parallel import world
 from .common import backend_for, param, write_note
+from .distributed import root_events
 from .events import Finished, Message, MicrographPicked, Progress, Started
 
 JOB_NAME = "autopick"
@@ -154,7 +156,8 @@ def load_references(p: Params, apix: float, odir: Path) -> tuple[References, lis
         F = project(prepare_reference(data.astype(np.float64), 2, r_max), A)
         data = irfft_centered(F, s, 2).astype(np.float32)
         angles = np.stack([rot, tilt, np.zeros_like(rot)], 1)
-        write_mrc(odir / "reference_projections.mrcs", data, ref_px)
+        if world().is_root:
+            write_mrc(odir / "reference_projections.mrcs", data, ref_px)
         notes.append(f"projected the 3D reference in {len(rot)} directions (HEALPix order {p.healpix_order}, "
                      f"{p.sym}) into {odir / 'reference_projections.mrcs'}")
     if data.ndim == 2:
@@ -292,6 +295,13 @@ def _ctf_of(ml: MicrographList, row: int) -> CtfParams | None:
 
 
 def run(p: Params) -> Iterator:
+    """Under MPI every rank picks its block of the micrographs; after each round rank 0 gathers the picks, writes
+    every file and yields the events."""
+    yield from root_events(world(), _run(p))
+
+
+def _run(p: Params) -> Iterator:
+    comm = world()
     ml = micrograph_list(p.i, p.angpix)
     apix = ml.pixel_size
     if p.ctf and not ml.has_ctf:
@@ -303,8 +313,9 @@ def run(p: Params) -> Iterator:
     n = len(ml.entries)
     mode = "LoG" if p.LoG else "templates"
     yield Started(JOB_NAME, odir, be.name, f"picking {n} micrographs ({mode}, {apix:.3f} Å/px)")
-    odir.mkdir(parents=True, exist_ok=True)
-    write_note(odir, JOB_NAME, p)
+    if comm.is_root:
+        odir.mkdir(parents=True, exist_ok=True)
+        write_note(odir, JOB_NAME, p)
     refs = None
     if not p.LoG:
         refs, notes = load_references(p, apix, odir)
@@ -313,7 +324,8 @@ def run(p: Params) -> Iterator:
         yield Message(f"{len(refs.refs)} references of {refs.refs.shape[-1]} px, particle diameter "
                       f"{refs.diameter_A:.1f} Å (disc radius {refs.radius_px} px)")
     setups: dict[tuple[int, int], Setup] = {}
-    failures: list[str] = []
+    failures: list[str] = []  # of this rank, since the last round
+    all_failures: list[str] = []
     done_names: list[str] = []
     done_files: list[str] = []
     n_picks = 0
@@ -321,9 +333,11 @@ def run(p: Params) -> Iterator:
     # one LoG micrograph at a time unless --batch says otherwise: on the H100 batches of 4 were 4x slower than
     # single micrographs at 4096 px (benchmarks/results/picking_h100.json)
     mic_batch = max(1, p.batch) if (p.LoG and p.batch) else 1
-    i = 0
-    while i < n:
-        chunk = ml.entries[i:i + mic_batch]
+    block = comm.share(n)  # this rank's micrographs: [i, stop)
+    i, stop = (int(block[0]), int(block[-1]) + 1) if block.size else (n, n)
+    done = 0
+    while comm.any(i < stop):  # one round: every rank picks its next chunk (or none), rank 0 writes them all
+        chunk = ml.entries[i:min(i + mic_batch, stop)]
         raws: dict[tuple[int, int], list] = {}
         for e in chunk:
             try:
@@ -331,9 +345,8 @@ def run(p: Params) -> Iterator:
                 raws.setdefault(raw.shape, []).append((e, raw))
             except (InputError, OSError, ValueError) as exc:
                 failures.append(f"{e.name}: {exc}")
-                yield Message(f"skipping micrograph {e.name}: {exc}", "warning")
+        results = []
         try:
-            results = []
             for shape, items in raws.items():
                 if shape not in setups:
                     setups[shape] = _setup(shape, p, apix, xp, refs, be)
@@ -358,8 +371,19 @@ def run(p: Params) -> Iterator:
                 free_cached_memory(be)
                 mic_batch = max(1, mic_batch // 2)
                 yield Message(f"out of memory; retrying with {mic_batch} micrographs per batch", "warning")
-                continue
-            raise
+                results, chunk = [], []  # the same micrographs again in the next round
+            else:
+                raise
+        rounds = comm.gather((results, len(chunk), failures))
+        failures = []
+        if not comm.is_root:
+            i += len(chunk)
+            continue
+        results = [r for res, _, _ in rounds for r in res]
+        for _, _, fails in rounds:
+            all_failures += fails
+            for f in fails:
+                yield Message(f"skipping micrograph {f}", "warning")
         for e, X, Y, v, k, psi in results:
             f = odir / (output_root(e.name) + "_autopick.star")
             write_coordinates(f, X, Y, fom=v, class_number=k, psi=psi)
@@ -369,7 +393,11 @@ def run(p: Params) -> Iterator:
             yield MicrographPicked(e.name, e.row, np.stack([X, Y], 1).astype(np.float64) if len(X) else
                                    np.zeros((0, 2)), np.asarray(v, np.float64))
         i += len(chunk)
-        yield Progress(i, n, "picking")
+        done += sum(c for _, c, _ in rounds)
+        yield Progress(done, n, "picking")
+    if not comm.is_root:
+        return
+    failures = all_failures
     # keep STAR order; write the list even when some micrographs failed
     order = {e.name: e.row for e in ml.entries}
     idx = np.argsort([order[nm] for nm in done_names], kind="stable")
