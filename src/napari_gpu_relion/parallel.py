@@ -175,6 +175,7 @@ class MPICommunicator(SingleProcess):
         """Stop every rank: print ``message`` and MPI_Abort (the launcher ends the others)."""
         print(message, file=sys.stderr, flush=True)
         self.comm.Abort(code)
+        os._exit(code)  # MPI_Abort may return after notifying the launcher; this rank must not go on
 
 
 def _store(a, host: np.ndarray) -> None:

@@ -9,6 +9,7 @@ With one process (``SingleProcess``) each of them is a no-op.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import Counter
 from collections.abc import Iterator
 
@@ -16,7 +17,7 @@ import numpy as np
 
 from ..compute.estep import EStepSums
 from ..parallel import SingleProcess
-from .events import Started
+from .events import Message, Started
 
 #: EStepSums fields that are sums over particles (arrays, then scalars); the others describe the shapes.
 SUMMED_ARRAYS = ("sigma2", "sumw_group", "pdf_class", "pdf_direction", "offset_sum", "xa", "aa")
@@ -61,12 +62,16 @@ def describe_backends(names: list[str]) -> str:
 
 
 def root_events(comm: SingleProcess, events: Iterator) -> Iterator:
-    """Run a job's event generator on every rank and pass on rank 0's events only. The Started event (which
-    every rank reaches) names the backend of every rank."""
+    """Run a job's event generator on every rank and pass on rank 0's events only. At the Started event (which
+    every rank reaches) rank 0 names the backends of all ranks and, in a Message, each rank's host and process
+    id (what a launcher's report of a killed process names)."""
     for ev in events:
         if isinstance(ev, Started) and comm.size > 1:
-            names = comm.gather(ev.backend)
+            ranks = comm.gather((ev.backend, comm.host, os.getpid()))
             if comm.is_root:
-                ev = dataclasses.replace(ev, backend=describe_backends(names))
+                yield dataclasses.replace(ev, backend=describe_backends([b for b, _, _ in ranks]))
+                yield Message("MPI ranks (host:pid): " + ", ".join(f"{r} {h}:{pid}" for r, (_, h, pid)
+                                                                    in enumerate(ranks)))
+            continue
         if comm.is_root:
             yield ev
