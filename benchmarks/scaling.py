@@ -120,7 +120,9 @@ def main() -> None:
         if r.returncode:
             sys.exit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
         backend = re.search(r"^\[\w+\] .* on (.*)$", r.stdout, re.M)
-        estep = [float(x) for x in re.findall(r"E-step ([\d.]+) s", r.stdout)]
+        # each iteration's summary (printed twice by class2d/class3d: the event and a message) has its E-step time
+        estep = list({int(i): float(x) for i, x in re.findall(r"iteration (\d+): .*E-step ([\d.]+) s",
+                                                               r.stdout)}.values())
         t = sum(estep) if estep else wall
         iters = len(estep) or a.iter
         row = {"ranks": n, "backend": backend.group(1) if backend else "?", "wall_s": round(wall, 2),
