@@ -327,3 +327,41 @@ def test_a_failing_rank_stops_the_job_naming_rank_and_host(data, tmp_path, how):
         assert pid is not None and socket.gethostname() in text, text[-2000:]
         table = re.search(r"MPI ranks \(host:pid\): (.*)", text)
         assert table is not None and f"{socket.gethostname()}:{pid.group(1)}" in table.group(1), text[-2000:]
+
+
+@needs_mpi
+def test_a_job_under_mpiexec_as_a_child_sends_the_events_of_one_in_process(data):
+    """What the napari widgets do for "MPI ranks" > 1: class2d on 2 ranks in a child process; its events arrive
+    (Started naming 2 ranks, the class averages as arrays, the iteration, Finished) and equal the job's files."""
+    from napari_gpu_relion import mpi_child  # noqa: PLC0415
+    from napari_gpu_relion.jobs import class2d  # noqa: PLC0415
+    from napari_gpu_relion.jobs.events import ClassAveragesUpdated, Finished, IterationFinished, Started  # noqa: PLC0415
+
+    p = class2d.Params(i=data / "particles.star", o=data / "W2/run", K=4, iter=1, ctf=True, particle_diameter=150.0,
+                       cpu=True)
+    events = list(mpi_child.run_under_mpi("class2d", p, 2))
+    assert isinstance(events[0], Started) and events[0].backend.startswith("2 MPI ranks")
+    assert isinstance(events[-1], Finished) and sum(isinstance(e, IterationFinished) for e in events) == 1
+    (avg,) = [e for e in events if isinstance(e, ClassAveragesUpdated)]
+    np.testing.assert_array_equal(avg.images, mrcfile.read(data / "W2/run_it001_classes.mrcs"))
+
+
+@needs_mpi
+def test_cancelling_a_child_mpi_job_ends_every_rank(data):
+    from napari_gpu_relion import mpi_child  # noqa: PLC0415
+    from napari_gpu_relion.jobs import class2d  # noqa: PLC0415
+    from napari_gpu_relion.jobs.events import Progress  # noqa: PLC0415
+
+    out = data / "Wcancel"
+    p = class2d.Params(i=data / "particles.star", o=out / "run", K=4, iter=20, ctf=True, particle_diameter=150.0,
+                       cpu=True)
+    procs: list = []
+    gen = mpi_child.run_under_mpi("class2d", p, 2, on_start=procs.append)
+    for ev in gen:
+        if isinstance(ev, Progress):
+            break
+    gen.close()
+    assert procs[0].poll() is not None
+    left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert not left, f"ranks still running: {left}"
+    assert not (out / "run_it020_data.star").exists()

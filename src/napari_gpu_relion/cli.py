@@ -20,6 +20,7 @@ from pathlib import Path
 from .errors import InputError
 from .jobs.common import flag_of
 from .jobs.events import Finished, FscUpdated, IterationFinished, Message, Progress, Started
+from .mpi_child import event_sender
 from .parallel import launched_by_mpi, launcher_rank, rank_error, rank_prefix
 
 JOBS = {
@@ -72,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="napari-gpu-relion",
                                 description="RELION-style cryo-EM processing on the GPU (CPU fallback).")
     p.add_argument("--verbose", action="store_true", help="more log output")
+    p.add_argument("--events", metavar="SOCKET", help="also send the job's events to this Unix socket (the napari "
+                   "widgets run MPI jobs so)")
     sub = p.add_subparsers(dest="job", metavar="<job>")
     for name, (mod, desc) in JOBS.items():
         sp = sub.add_parser(name, help=_escape(desc), description=desc)
@@ -80,11 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_job(module, params, out=sys.stdout) -> Finished | None:
-    """Iterate a job, printing progress bars and messages; returns the Finished event."""
+def run_job(module, params, out=sys.stdout, sink=None) -> Finished | None:
+    """Iterate a job, printing progress bars and messages (and passing each event to ``sink``, if given);
+    returns the Finished event."""
     t0 = time.time()
     last = None
     for ev in module.run(params):
+        if sink is not None:
+            sink(ev)
         if isinstance(ev, Started):
             print(f"[{ev.job}] {ev.message} on {ev.backend}", file=out)
         elif isinstance(ev, Progress):
@@ -125,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     kw = {f.name: getattr(args, f.name) for f in fields(module.Params)}
     try:
         params = module.Params(**kw)
-        run_job(module, params)
+        run_job(module, params, sink=event_sender(args.events) if args.events else None)
     except InputError as exc:
         return rank_error(f"napari-gpu-relion {args.job}: error: {rank_prefix()}{exc}", 2)
     except OSError as exc:  # read-only folder, a file where a folder should be, disk full, ...: one line, the path
