@@ -365,3 +365,40 @@ def test_cancelling_a_child_mpi_job_ends_every_rank(data):
     left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
     assert not left, f"ranks still running: {left}"
     assert not (out / "run_it020_data.star").exists()
+
+
+@needs_mpi
+def test_the_class2d_widget_runs_on_two_mpi_ranks_and_shows_the_classes(make_napari_viewer, qtbot, data, errors,
+                                                                         config_dir, monkeypatch):
+    """The 2D classification dock with "MPI ranks" 2: the job runs under mpiexec in a child process and the class
+    grid appears in the viewer as for a job in this process, equal to the averages the job wrote."""
+    pytest.importorskip("napari")
+    from napari_gpu_relion import mpi_child  # noqa: PLC0415
+    from napari_gpu_relion.io.mrc import read_mrc  # noqa: PLC0415
+    from napari_gpu_relion.widgets import job_widget  # noqa: PLC0415
+    from napari_gpu_relion.widgets.display import LiveDisplay  # noqa: PLC0415
+    from napari_gpu_relion.widgets.runner import JobState  # noqa: PLC0415
+
+    calls = []
+
+    def recorded(job, params, ranks, **kw):
+        calls.append((job, ranks))
+        yield from mpi_child.run_under_mpi(job, params, ranks, **kw)
+
+    monkeypatch.setattr(job_widget, "run_under_mpi", recorded)
+    viewer = make_napari_viewer()
+    _, w = viewer.window.add_plugin_dock_widget("napari-gpu-relion", "2D classification")
+    w.set_values(i=data / "particles.star", o=data / "Wwidget", K=4, iter=1, ctf=True, particle_diameter=150.0,
+                 cpu=True)
+    assert w.mpi_ranks is not None and w.mpi_ranks.enabled
+    w.mpi_ranks.value = 2
+    w.run_button.native.click()
+    qtbot.waitUntil(lambda: w.job is not None and w.job.done, timeout=120_000)
+    assert w.job.state is JobState.FINISHED, w.status.value
+    assert not errors and calls == [("class2d", 2)]
+    LiveDisplay.for_viewer(viewer).flush()
+    grid = viewer.layers["classes"]
+    assert grid.data.shape == (64, 64)  # 4 classes of 32 px
+    tiles = read_mrc(data / "Wwidget" / "run_it001_classes.mrcs").data
+    t = tiles[grid.metadata["order"][0]]
+    np.testing.assert_allclose(grid.data[:32, :32], (t - t.mean()) / t.std(), atol=1e-4)

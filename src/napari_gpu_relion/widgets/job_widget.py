@@ -58,6 +58,7 @@ from ..jobs.events import (
     Progress,
     Started,
 )
+from ..mpi_child import MPI_JOBS, mpi_available, run_under_mpi
 from .display import LiveDisplay
 from .runner import Job, JobRunner, JobState, error_message, get_runner
 
@@ -253,6 +254,20 @@ def _from_json(spec: FieldSpec, widget: Any, value: Any) -> None:
         widget.value = value
 
 
+def mpi_ranks_input(job_name: str) -> SpinBox | None:
+    """The "MPI ranks" field of a job that runs under MPI (enabled where mpi4py and mpiexec are installed)."""
+    if job_name not in MPI_JOBS:
+        return None
+    box = SpinBox(value=1, min=1, max=256, name="job_mpi_ranks", label="MPI ranks")
+    if mpi_available():
+        box.tooltip = ("Run the job on this many MPI ranks (mpiexec in a child process; results appear as they "
+                       "come). With --gpu 0:1:2:3 the ranks take these GPUs in turn; several may share one.")
+    else:
+        box.enabled = False
+        box.tooltip = "MPI is not installed: pip install 'napari-gpu-relion[mpi]'"
+    return box
+
+
 def _device_of(params: Any) -> str:
     """Runner key: jobs on the same device run one after another."""
     if getattr(params, "cpu", False):
@@ -303,8 +318,10 @@ class JobWidget(Container):
         folder_row = Container(widgets=[self.folder, self.open_button], layout="horizontal", labels=False,
                                name="job_folder_row", label="job folder")
         folder_row.margins = (0, 0, 0, 0)
+        self.mpi_ranks = mpi_ranks_input(self.job_name)  # None for jobs that do not run under MPI
+        extra = [self.mpi_ranks] if self.mpi_ranks is not None else []
 
-        super().__init__(widgets=[*self.inputs.values(), buttons, self.progress, self.status, folder_row],
+        super().__init__(widgets=[*self.inputs.values(), *extra, buttons, self.progress, self.status, folder_row],
                          labels=True, scrollable=True, name=f"{self.job_name}_widget")  # tall docks scroll
 
         self._load_settings()
@@ -441,8 +458,10 @@ class JobWidget(Container):
             MicrographPicked: self.display.handle,
             IterationFinished: self._on_iteration,
         }
-        self.job = runner.submit(self.job_name, lambda: module.run(params), handlers=handlers,
-                                 on_state=self._on_state)
+        ranks = self.mpi_ranks.value if self.mpi_ranks is not None else 1
+        factory = ((lambda: run_under_mpi(self.job_name, params, ranks)) if ranks > 1  # a child mpiexec
+                   else (lambda: module.run(params)))
+        self.job = runner.submit(self.job_name, factory, handlers=handlers, on_state=self._on_state)
         self._on_state(self.job)  # submit() may have started it before self.job was set
         return self.job
 
