@@ -9,7 +9,7 @@ fraction of particles with the same class and orientation as with the first N (r
 
 GPUs: ``--gpu 0:1:2:3`` is passed on (RELION's syntax: ranks take the GPUs in turn; ``--gpu 0`` puts every rank
 on GPU 0, to see whether ranks sharing one GPU help). Without --gpu and with --cpu the ranks run NumPy
-(OMP_NUM_THREADS = cores / ranks each).
+(OMP_NUM_THREADS = cores / ranks each, or --threads).
 
 Run: python benchmarks/scaling.py [--job class3d] [--ranks 1,2,4] [--n_particles 2000] [--box 64] [--K 4]
      [--iter 3] [--cpu | --gpu 0:1:2:3] [--mpiexec PATH] [--out benchmarks/results/scaling_<hardware>.json]
@@ -89,6 +89,8 @@ def main() -> None:
     ap.add_argument("--healpix_order", type=int, default=2)
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--gpu", default="")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="OMP_NUM_THREADS per rank with --cpu (0: cores / ranks; 1 compares ranks, not threads)")
     ap.add_argument("--mpiexec", default="")
     ap.add_argument("--work", default="", help="folder for the data and runs (default: a temporary one)")
     ap.add_argument("--out", default="")
@@ -111,8 +113,9 @@ def main() -> None:
         out = work / f"{a.job}_n{n}"
         shutil.rmtree(out, ignore_errors=True)
         env = dict(os.environ)
+        threads = a.threads or max(1, cores // n)
         if a.cpu:
-            env["OMP_NUM_THREADS"] = str(max(1, cores // n))
+            env["OMP_NUM_THREADS"] = str(threads)
         cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "napari_gpu_relion.cli", *job_args(a, data, out)]
         t0 = time.time()
         r = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -125,7 +128,8 @@ def main() -> None:
                                                                r.stdout)}.values())
         t = sum(estep) if estep else wall
         iters = len(estep) or a.iter
-        row = {"ranks": n, "backend": backend.group(1) if backend else "?", "wall_s": round(wall, 2),
+        row = {"ranks": n, "threads_per_rank": threads if a.cpu else None,
+               "backend": backend.group(1) if backend else "?", "wall_s": round(wall, 2),
                "estep_s": round(sum(estep), 2) if estep else None,
                "particle_iterations_per_s": round(a.n_particles * iters / t, 1)}
         if first is None:
