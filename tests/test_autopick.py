@@ -275,7 +275,7 @@ def test_unreadable_micrograph_is_reported_and_the_rest_picked(tmp_path):
     (tmp_path / "b.mrc").write_bytes(b"not an mrc file at all" * 10)
     write_mrc(tmp_path / "c.mrc", m.image, APIX)
     p = autopick.Params(i=Path(f"{tmp_path}/*.mrc"), odir=tmp_path / "out", angpix=APIX, LoG=True,
-                        LoG_diam_min=120, LoG_diam_max=180, cpu=True)
+                        LoG_diam_min=120, LoG_diam_max=180, cpu=True, skip_bad_micrographs=True)
     events = _run(p)
     names = [Path(e.name).name for e in events if isinstance(e, MicrographPicked)]
     assert names == ["a.mrc", "c.mrc"]

@@ -258,3 +258,23 @@ def test_class_offset_priors_split_identical_classes_as_the_priors_say():
     np.testing.assert_allclose(sums.offset_sum / sums.pdf_class[:, None], np.tile(child, (2, 1)), atol=0.01)
     want = I * float((p_want * ((child - mu) ** 2).sum(1)).sum())
     np.testing.assert_allclose(sums.sigma_offset, want, rtol=2e-3)
+
+
+@pytest.mark.parametrize("sharpness", [0.0, 0.05, 1.0, 5.0, 40.0])
+def test_significance_threshold_equals_the_full_sort(sharpness):
+    """The candidate-only threshold gives exactly the k and w_sig of sorting every sample (flat to sharp
+    posteriors, invalid samples, rows with one dominant sample)."""
+    from napari_gpu_relion.compute.expectation import _threshold_by_sort, significance_threshold
+
+    rng = np.random.default_rng()
+    I, n = 30, 20000
+    lw = -sharpness * rng.gamma(2.0, 1.0, (I, n)) * rng.uniform(0.2, 3.0, (I, 1))
+    lw[rng.random((I, n)) < 0.1] = -np.inf
+    lw[0, 5] = 1e3  # one sample takes all
+    e = np.exp(lw - lw.max(axis=1, keepdims=True))
+    p = (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
+    for f in (0.999, 0.5, 0.9999):
+        k, w = significance_threshold(p, f)
+        k_ref, w_ref = _threshold_by_sort(p, f)
+        assert np.array_equal(k, k_ref)
+        assert np.array_equal(w, w_ref)

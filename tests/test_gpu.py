@@ -137,3 +137,19 @@ def test_class3d_global_then_local_searches_separate_two_states(tmp_path):
     got = starfile.read(data / "Local" / "run_it008_data.star")["particles"]["rlnClassNumber"].to_numpy() - 1
     rep = class_assignment_report(got, truth, 2)
     assert rep.accuracy >= 0.95, rep
+
+
+def test_local_candidates_on_the_gpu_equal_numpy():
+    """The local-search candidate rows and priors made on the device (jobs pass xp=cupy) are those of NumPy."""
+    from napari_gpu_relion.compute.sampling import Sampling, local_candidates
+
+    rng = np.random.default_rng()
+    angles = rng.uniform([-180, 0, -180], [180, 180, 180], (300, 3))
+    for order, sym, sigma in ((4, "C1", 1.5), (3, "D7", 3.0)):
+        smp = Sampling(order, sym)
+        c_cpu, l_cpu = local_candidates(angles, smp, sigma, sym, n_classes=2)
+        c_gpu, l_gpu = local_candidates(angles, smp, sigma, sym, n_classes=2, xp=cp)
+        assert np.array_equal(c_gpu.get(), c_cpu)
+        ok = c_cpu >= 0
+        assert np.all(np.isneginf(l_gpu.get()[~ok]))
+        assert np.allclose(l_gpu.get()[ok], l_cpu[ok], atol=1e-9)

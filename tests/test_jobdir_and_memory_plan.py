@@ -58,3 +58,16 @@ def test_memory_plan_batch_follows_the_free_memory_and_honours_batch():
     assert plan_memory(0, **kw).batch == 1  # never 0: one particle at a time, halving on out-of-memory after
     assert plan_memory(free, requested_batch=7, **kw).batch == 7
     assert "batch 100 particles x 4608 orientations x 21 translations" in plan.describe()
+
+
+def test_fine_chunk_budget_grows_with_free_memory_within_its_bounds():
+    from napari_gpu_relion.compute.backend import CHUNK_BYTES, FINE_CHUNK_FRACTION, MAX_FINE_CHUNK_BYTES, plan_memory
+
+    kw = dict(box=128, ndim=3, pad=2, n_references=2, rows_per_particle=4608, translations=21, coarse_pixels=400)
+    small = plan_memory(2 << 30, **kw)
+    large = plan_memory(80 << 30, **kw)
+    middle = plan_memory(30 << 30, **kw)
+    assert small.fine_chunk_bytes == CHUNK_BYTES
+    assert large.fine_chunk_bytes == MAX_FINE_CHUNK_BYTES
+    left = (30 << 30) - middle.reference_bytes - middle.accumulator_bytes
+    assert middle.fine_chunk_bytes == int(FINE_CHUNK_FRACTION * left)

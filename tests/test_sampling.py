@@ -369,3 +369,18 @@ def test_local_search_with_symmetry():
     ls2 = local_search(rot_q, tilt_q, 0.0, 3.75, 4, sym="D7")
     np.testing.assert_allclose(ls2.dir_distance, ls.dir_distance[0], atol=1e-6)
     assert 15 < ls.dir_mask.sum(1).mean() < 40
+
+
+def test_kept_first_lists_each_rows_true_columns_in_order():
+    """_kept_first (positions by a running count) against a direct per-row loop, on random masks with empty rows."""
+    from napari_gpu_relion.compute.sampling import _kept_first
+
+    rng = np.random.default_rng()
+    mask = rng.random((40, 300)) < rng.random((40, 1)) * 0.1
+    mask[3] = False
+    idx, ok = _kept_first(mask)
+    assert idx.shape[1] == max(1, mask.sum(1).max())
+    for i in range(mask.shape[0]):
+        cols = np.flatnonzero(mask[i])
+        assert ok[i].sum() == cols.size
+        assert np.array_equal(idx[i, : cols.size], cols)

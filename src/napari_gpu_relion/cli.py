@@ -17,11 +17,13 @@ import typing
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from .errors import InputError
+from .errors import InputError, os_error_line, user_error_line
 from .jobs.common import flag_of
 from .jobs.events import Finished, FscUpdated, IterationFinished, Message, Progress, Started
 from .mpi_child import event_sender
 from .parallel import launched_by_mpi, launcher_rank, rank_error, rank_prefix
+
+__all__ = ["JOBS", "build_parser", "main", "os_error_line", "run_job"]
 
 JOBS = {
     "simulate": ("napari_gpu_relion.jobs.simulate", "simulate particles, micrographs and maps with ground truth"),
@@ -69,9 +71,17 @@ def add_params_arguments(parser: argparse.ArgumentParser, params_cls) -> None:
                                 metavar=tp.__name__.upper() if hasattr(tp, "__name__") else "X")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors (unknown option, a value of the wrong type, a missing option) as one line, like
+    every other error of the command line: what is wrong, the option, the value, and where the help is."""
+
+    def error(self, message: str):  # noqa: D102 - see the class docstring
+        self.exit(2, f"{self.prog}: error: {' '.join(message.splitlines())} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="napari-gpu-relion",
-                                description="RELION-style cryo-EM processing on the GPU (CPU fallback).")
+    p = _Parser(prog="napari-gpu-relion",
+                description="RELION-style cryo-EM processing on the GPU (CPU fallback).")
     p.add_argument("--verbose", action="store_true", help="more log output")
     p.add_argument("--events", metavar="SOCKET", help="also send the job's events to this Unix socket (the napari "
                    "widgets run MPI jobs so)")
@@ -83,9 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_job(module, params, out=sys.stdout, sink=None) -> Finished | None:
-    """Iterate a job, printing progress bars and messages (and passing each event to ``sink``, if given);
-    returns the Finished event."""
+def run_job(module, params, out=None, sink=None) -> Finished | None:
+    """Iterate a job, printing progress bars and messages (to ``out``, by default the current sys.stdout) and
+    passing each event to ``sink``, if given; returns the Finished event."""
+    out = sys.stdout if out is None else out
     t0 = time.time()
     last = None
     for ev in module.run(params):
@@ -111,13 +122,6 @@ def run_job(module, params, out=sys.stdout, sink=None) -> Finished | None:
     return last
 
 
-def os_error_line(exc: OSError) -> str:
-    """One line for an operating-system error: what went wrong and the path(s) it concerns."""
-    what = exc.strerror or str(exc)
-    paths = [str(q) for q in (exc.filename, exc.filename2) if q is not None]
-    return f"{what}: {' -> '.join(paths)}" if paths else what
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -132,10 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         params = module.Params(**kw)
         run_job(module, params, sink=event_sender(args.events) if args.events else None)
-    except InputError as exc:
-        return rank_error(f"napari-gpu-relion {args.job}: error: {rank_prefix()}{exc}", 2)
-    except OSError as exc:  # read-only folder, a file where a folder should be, disk full, ...: one line, the path
-        return rank_error(f"napari-gpu-relion {args.job}: error: {rank_prefix()}{os_error_line(exc)}", 2)
+    except (InputError, OSError) as exc:  # bad input, or a read-only folder, a full disk, ...: one line, the path
+        return rank_error(f"napari-gpu-relion {args.job}: error: {rank_prefix()}{user_error_line(exc)}", 2)
     except Exception as exc:  # under MPI: name the rank and host, stop every rank (never a hang in a collective)
         if not launched_by_mpi():
             raise

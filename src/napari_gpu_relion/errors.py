@@ -21,3 +21,24 @@ class InputError(ValueError):
 
 class JobCancelled(Exception):
     """A job stopped at a batch boundary because the user asked; files already written stay valid."""
+
+
+def os_error_line(exc: OSError) -> str:
+    """One line for an operating-system error (read-only folder, a file where a folder should be, disk full,
+    ...): what went wrong and the path(s) it concerns, without Python's ``[Errno N]`` prefix."""
+    what = exc.strerror or str(exc) or type(exc).__name__
+    paths = [str(q) for q in (exc.filename, exc.filename2) if q is not None]
+    return f"{what}: {' -> '.join(paths)}" if paths else what
+
+
+def user_error_line(exc: BaseException) -> str | None:
+    """The one line a user reads for an error they can act on (bad input or bad surroundings): the message of an
+    InputError, :func:`os_error_line` of an OSError; None for anything else (a bug: keep its traceback).
+    The command line and the widgets' error notifications both show this line."""
+    if isinstance(exc, InputError):
+        text = str(exc)
+    elif isinstance(exc, OSError):
+        text = os_error_line(exc)
+    else:
+        return None
+    return " ".join(text.splitlines())  # a message quoting a tool's multi-line text still prints as one line

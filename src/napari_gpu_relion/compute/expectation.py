@@ -185,6 +185,7 @@ def posterior_weights(diff2, log_prior, adaptive_fraction: float = 0.999, cc: bo
     samples until the running sum first exceeds ``adaptive_fraction`` x S (``maxsig`` caps the count).
     CC mode: a hard assignment to the best (lowest) score.
 
+    The threshold: :func:`significance_threshold`.
     (A sort-free threshold by bisection over the float32 values was tried: 32 masked reductions with a host
     check each made the 2D E-step 1.5x slower on the H100, results/estep_class2d_bisect_rejected_h100.json.)"""
     xp = get_array_module(diff2)
@@ -204,16 +205,60 @@ def posterior_weights(diff2, log_prior, adaptive_fraction: float = 0.999, cc: bo
     S = e.sum(axis=1)
     p = (e / S[:, None]).astype(np.float32)
     del e
-    srt = -xp.sort(-p, axis=1)
-    csum = xp.cumsum(srt, axis=1, dtype=np.float64)
-    k = (csum < adaptive_fraction).sum(axis=1)  # samples before the crossing
-    k = xp.minimum(k, lw.shape[1] - 1)
-    if maxsig > 0:
-        k = xp.minimum(k, maxsig - 1)
-    wsig = srt[rows, k]
+    k, wsig = significance_threshold(p, adaptive_fraction, maxsig)
     sig = (p >= wsig[:, None]) & (p > 0)
     wn = xp.where(sig, p, np.float32(0.0))
     return Weights(wn, sig, best, p[rows, best].astype(np.float64), k + 1, top[:, 0] + xp.log(S))
+
+
+def _threshold_by_sort(p, adaptive_fraction: float, maxsig: int = -1):
+    """RELION's significance by a full sort of each row of p (I, n): the index k of the sample (descending)
+    where the running sum first reaches ``adaptive_fraction`` (capped by ``maxsig``) and its weight."""
+    xp = get_array_module(p)
+    srt = -xp.sort(-p, axis=1)
+    csum = xp.cumsum(srt, axis=1, dtype=np.float64)
+    k = (csum < adaptive_fraction).sum(axis=1)  # samples before the crossing
+    k = xp.minimum(k, p.shape[1] - 1)
+    if maxsig > 0:
+        k = xp.minimum(k, maxsig - 1)
+    return k, srt[xp.arange(p.shape[0]), k]
+
+
+def significance_threshold(p, adaptive_fraction: float, maxsig: int = -1):
+    """(k, w_sig) per row of the normalised weights p (I, n) float32: the samples sorted descending are
+    significant up to and including index k, where their running sum (float64) first reaches
+    ``adaptive_fraction`` (RELION's significant_weight); w_sig = the k-th largest weight.
+
+    Only samples with p >= eps = (1 - f) / (2 n) can lie before or at the crossing: all the others together
+    weigh less than (1 - f) / 2, so the mass above any one of them exceeds f. So only those candidates are
+    sorted (a few thousand of hundreds of thousands once the posteriors have sharpened), and the running sums
+    over them are the same float64 additions in the same order as over the full sort: the result is identical.
+    Falls back to the full sort where the candidates are most of the samples (flat posteriors), with a
+    ``maxsig`` cap, and for rows whose candidates never reach f (rounding)."""
+    xp = get_array_module(p)
+    I, n = p.shape
+    eps = 0.5 * (1.0 - adaptive_fraction) / n
+    if maxsig > 0 or eps <= 0:
+        return _threshold_by_sort(p, adaptive_fraction, maxsig)
+    cand = p >= np.float32(eps)
+    counts = cand.sum(axis=1)
+    m = int(counts.max())
+    if m == 0 or m > n // 4:
+        return _threshold_by_sort(p, adaptive_fraction)
+    rows, cols = xp.nonzero(cand)
+    pos = xp.arange(rows.size) - (xp.cumsum(counts) - counts)[rows]
+    vals = xp.full((I, m), -1.0, dtype=p.dtype)
+    vals[rows, pos] = p[rows, cols]
+    srt = -xp.sort(-vals, axis=1)
+    csum = xp.cumsum(xp.maximum(srt, 0), axis=1, dtype=np.float64)
+    k = (csum < adaptive_fraction).sum(axis=1)
+    found = k < counts
+    k = xp.minimum(k, m - 1)
+    wsig = srt[xp.arange(I), k]
+    if not bool(found.all()):
+        bad = xp.flatnonzero(~found)
+        k[bad], wsig[bad] = _threshold_by_sort(p[bad], adaptive_fraction)
+    return k, wsig
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from functools import lru_cache
 import numpy as np
 
 from ..errors import InputError
+from .backend import get_array_module
 from .geometry import (
     _canonical_name,
     euler_to_matrix,
@@ -493,23 +494,25 @@ class LocalSearch:
     psi_distance: np.ndarray
 
 
-def _gaussian_log_prior(dist: np.ndarray, sigma: np.ndarray, cutoff: float) -> tuple[np.ndarray, np.ndarray]:
-    """Mask ``dist < cutoff·σ`` (at least the closest entry per row) and log-prior −d²/2σ² normalised."""
+def _gaussian_log_prior(dist, sigma, cutoff: float):
+    """Mask ``dist < cutoff·σ`` (at least the closest entry per row) and log-prior −d²/2σ² normalised
+    (NumPy or CuPy arrays)."""
+    xp = get_array_module(dist)
     mask = dist < cutoff * sigma
     empty = ~mask.any(axis=-1)
-    if empty.any():
-        closest = np.argmin(dist, axis=-1)
-        rows = np.flatnonzero(empty)
+    if bool(empty.any()):
+        closest = xp.argmin(dist, axis=-1)
+        rows = xp.flatnonzero(empty)
         mask[rows, closest[rows]] = True
-    logit = np.where(mask, -0.5 * (dist / sigma) ** 2, -np.inf)
+    logit = xp.where(mask, -0.5 * (dist / sigma) ** 2, -np.inf)
     top = logit.max(axis=-1, keepdims=True)
-    lse = top + np.log(np.exp(logit - top).sum(axis=-1, keepdims=True))
+    lse = top + xp.log(xp.exp(logit - top).sum(axis=-1, keepdims=True))
     return mask, logit - lse
 
 
 def local_search(prior_rot, prior_tilt, prior_psi, sigma_deg, order: int, sym: str = "C1",
                  psi_step: float | None = None, *, sigma_psi_deg=None, sigma_cutoff: float = 3.0,
-                 bimodal_psi: bool = False) -> LocalSearch:
+                 bimodal_psi: bool = False, xp=np) -> LocalSearch:
     """Directions and psi angles of the coarse grid near prior poses (RELION's local searches, degrees).
 
     Priors are scalars or arrays of one shape ``P`` (a batch of particles); ``sigma_deg`` is a scalar or
@@ -517,7 +520,8 @@ def local_search(prior_rot, prior_tilt, prior_psi, sigma_deg, order: int, sym: s
     angle ``d`` between the prior viewing direction and the closest symmetry mate of the direction is
     ``< sigma_cutoff·σ``; its prior is ∝ exp(−d²/2σ²), normalised over the kept directions. psi likewise
     with ``|Δψ|`` wrapped to ≤ 180 (``bimodal_psi``: folded to ≤ 90). Where nothing survives, the closest
-    single direction / psi is kept with prior 1. Vectorised over particles and directions.
+    single direction / psi is kept with prior 1. Vectorised over particles and directions; ``xp`` (NumPy or
+    CuPy) holds the per-particle arrays (the grids stay NumPy).
     """
     order = _check_order(order)
     pix, rot, tilt = direction_grid(order, sym)
@@ -530,21 +534,22 @@ def local_search(prior_rot, prior_tilt, prior_psi, sigma_deg, order: int, sym: s
     if np.any(sig <= 0) or np.any(sig_psi <= 0):
         raise InputError("local search: sigma must be positive (degrees)")
     n = pr.size
+    sig, sig_psi = xp.asarray(sig), xp.asarray(sig_psi)
     # Directions: closest mate. max_g p·(g d) = max_g (gᵀ p)·d, so rotate the (few) priors, not the grid.
-    ops = symmetry_group(sym).direction_operators
-    dirs = view_direction(rot, tilt)                                       # (n_dirs, 3)
-    prior_dir = view_direction(pr.ravel(), pt.ravel())                     # (n, 3)
-    best = np.empty((n, dirs.shape[0]))
+    ops = xp.asarray(symmetry_group(sym).direction_operators)
+    dirs = xp.asarray(view_direction(rot, tilt))                           # (n_dirs, 3)
+    prior_dir = xp.asarray(view_direction(pr.ravel(), pt.ravel()))         # (n, 3)
+    best = xp.empty((n, dirs.shape[0]))
     chunk = max(1, (1 << 23) // max(1, ops.shape[0] * dirs.shape[0]))
     for s in range(0, n, chunk):
-        pm = np.einsum("gji,nj->ngi", ops, prior_dir[s:s + chunk])         # (c, m, 3)
-        best[s:s + chunk] = np.einsum("ngi,di->ngd", pm, dirs).max(axis=1)
-    dist = np.rad2deg(np.arccos(np.clip(best, -1.0, 1.0)))
+        pm = xp.einsum("gji,nj->ngi", ops, prior_dir[s:s + chunk])         # (c, m, 3)
+        best[s:s + chunk] = xp.einsum("ngi,di->ngd", pm, dirs).max(axis=1)
+    dist = xp.rad2deg(xp.arccos(xp.clip(best, -1.0, 1.0)))
     dmask, dlog = _gaussian_log_prior(dist, sig, sigma_cutoff)
     # psi: wrapped difference, no symmetry (as in RELION).
-    dpsi = np.abs(np.mod(psi[None, :] - pp.reshape(-1, 1) + 180.0, 360.0) - 180.0)
+    dpsi = xp.abs(xp.mod(xp.asarray(psi)[None, :] - xp.asarray(pp.reshape(-1, 1)) + 180.0, 360.0) - 180.0)
     if bimodal_psi:
-        dpsi = np.where(dpsi > 90.0, 180.0 - dpsi, dpsi)
+        dpsi = xp.where(dpsi > 90.0, 180.0 - dpsi, dpsi)
     pmask, plog = _gaussian_log_prior(dpsi, sig_psi, sigma_cutoff)
     nd, npsi = dirs.shape[0], psi.size
     return LocalSearch(
@@ -556,34 +561,45 @@ def local_search(prior_rot, prior_tilt, prior_psi, sigma_deg, order: int, sym: s
     )
 
 
-def local_candidates(angles: np.ndarray, sampling, sigma_deg: float, sym: str = "C1", n_classes: int = 1
-                     ) -> tuple[np.ndarray, np.ndarray]:
+def local_candidates(angles: np.ndarray, sampling, sigma_deg: float, sym: str = "C1", n_classes: int = 1,
+                     xp=np) -> tuple[np.ndarray, np.ndarray]:
     """Per-particle coarse candidate rows and log priors (I, n) of RELION's local searches: every (direction,
     psi) of ``sampling`` inside the 3-sigma window around each particle's angles (I, 3) (rot, tilt, psi in
     degrees), with the Gaussian log prior of direction and psi, rows direction x n_psi + psi; the same window
-    in every class (rows are class-major, class k adds k x n_orient); -1 pads (log prior -inf)."""
-    ls = local_search(angles[:, 0], angles[:, 1], angles[:, 2], sigma_deg, sampling.order, sym, sampling.psi_step)
+    in every class (rows are class-major, class k adds k x n_orient); -1 pads (log prior -inf). ``xp``: where
+    the (I, n_dirs) distance tables are made and the results live (CuPy: on the GPU, where a batch of 512
+    particles against the 12,288 directions of HEALPix order 5 costs milliseconds instead of seconds)."""
+    ls = local_search(angles[:, 0], angles[:, 1], angles[:, 2], sigma_deg, sampling.order, sym, sampling.psi_step,
+                      xp=xp)
     n_psi = ls.psi_mask.shape[1]
     d_idx, d_ok = _kept_first(ls.dir_mask)  # (I, nd), few directions per particle
     p_idx, p_ok = _kept_first(ls.psi_mask)  # (I, np)
     ok = (d_ok[:, :, None] & p_ok[:, None, :]).reshape(len(angles), -1)
-    cand = np.where(ok, (d_idx[:, :, None] * n_psi + p_idx[:, None, :]).reshape(len(angles), -1), -1)
-    lp = (np.take_along_axis(ls.dir_log_prior, d_idx, axis=1)[:, :, None]
-          + np.take_along_axis(ls.psi_log_prior, p_idx, axis=1)[:, None, :]).reshape(len(angles), -1)
-    lpc = np.where(ok, lp, -np.inf)
+    cand = xp.where(ok, (d_idx[:, :, None] * n_psi + p_idx[:, None, :]).reshape(len(angles), -1), -1)
+    lp = (xp.take_along_axis(ls.dir_log_prior, d_idx, axis=1)[:, :, None]
+          + xp.take_along_axis(ls.psi_log_prior, p_idx, axis=1)[:, None, :]).reshape(len(angles), -1)
+    lpc = xp.where(ok, lp, -np.inf)
     if n_classes > 1:
         R = sampling.n_orient
-        cand = np.concatenate([np.where(cand >= 0, cand + k * R, -1) for k in range(n_classes)], axis=1)
-        lpc = np.concatenate([lpc] * n_classes, axis=1)
+        cand = xp.concatenate([xp.where(cand >= 0, cand + k * R, -1) for k in range(n_classes)], axis=1)
+        lpc = xp.concatenate([lpc] * n_classes, axis=1)
     return cand, lpc
 
 
-def _kept_first(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _kept_first(mask):
     """Indices of the True entries of each row of ``mask`` (I, M), first and in order, padded to the largest
-    count: (I, n) indices and (I, n) validity."""
-    n = max(1, int(mask.sum(axis=1).max()))
-    idx = np.argsort(~mask, axis=1, kind="stable")[:, :n]
-    return idx, np.take_along_axis(mask, idx, axis=1)
+    count: (I, n) indices (0 in the padding) and (I, n) validity. One pass (positions by a running count), no
+    sort."""
+    xp = get_array_module(mask)
+    counts = mask.sum(axis=1)
+    n = max(1, int(counts.max()))
+    rows, cols = xp.nonzero(mask)  # row-major order: each row's entries in ascending column order
+    first = xp.cumsum(counts) - counts
+    pos = xp.arange(rows.size) - first[rows]
+    idx = xp.zeros((mask.shape[0], n), dtype=np.int64)
+    idx[rows, pos] = cols
+    ok = xp.arange(n)[None, :] < counts[:, None]
+    return idx, ok
 
 
 # ---------------------------------------------------------------------------------------------------------

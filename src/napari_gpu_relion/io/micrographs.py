@@ -22,7 +22,10 @@ from .mrc import mrc_header_info, read_mrc
 from .star import ParticleTable, read_micrographs, read_star, write_star_blocks
 
 __all__ = ["MicrographEntry", "MicrographList", "micrograph_list", "output_root", "read_micrograph",
-           "write_coordinate_list", "read_coordinate_list"]
+           "write_coordinate_list", "read_coordinate_list", "check_micrographs", "SKIP_FLAG"]
+
+#: The option of autopick and extract that skips unusable micrographs instead of stopping before any work.
+SKIP_FLAG = "--skip_bad_micrographs"
 
 _JOB_PREFIX = re.compile(r"^(?:.*?/)?[A-Za-z0-9_]+/job\d{3}/")
 
@@ -90,6 +93,33 @@ def micrograph_shape(path: Path) -> tuple[int, int]:
     if len(shape) != 2:
         raise InputError(f"expected a 2D micrograph, got data of shape {shape}", path=str(path))
     return int(shape[0]), int(shape[1])
+
+
+def check_micrographs(ml: MicrographList, entries: list[MicrographEntry], skip: bool
+                      ) -> tuple[list[MicrographEntry], dict[str, tuple[int, int]], list[str]]:
+    """Before any work, from the headers: which of ``entries`` are readable 2D micrographs. Returns those, their
+    (ny, nx) by name, and one line per micrograph left out. Unless ``skip``, the first unusable one is an
+    InputError naming the STAR file, its line and the micrograph (a job never silently picks fewer)."""
+    good: list[MicrographEntry] = []
+    shapes: dict[str, tuple[int, int]] = {}
+    failures: list[str] = []
+    first: tuple[MicrographEntry, Exception] | None = None
+    for e in entries:
+        try:
+            shapes[e.name] = micrograph_shape(e.path)
+        except (InputError, OSError) as exc:
+            failures.append(f"{e.name}: {' '.join(str(exc).splitlines())}")
+            first = first or (e, exc)
+            continue
+        good.append(e)
+    if first is not None and not skip:
+        e, exc = first
+        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+        raise InputError(f"micrograph {e.name!r} cannot be used ({' '.join(str(exc).splitlines())}){more}; nothing "
+                         f"was done: fix or remove it, or give {SKIP_FLAG} to go on without it",
+                         path=None if ml.source is None else str(ml.source), line=e.line,
+                         column="rlnMicrographName" if ml.source is not None else None)
+    return good, shapes, failures
 
 
 def read_micrograph(path: Path) -> np.ndarray:

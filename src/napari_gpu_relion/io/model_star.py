@@ -55,28 +55,42 @@ class ModelFile:
 
 
 def _numbered(blocks: dict, prefix: str) -> list[str]:
-    return sorted((k for k in blocks if k.startswith(prefix)), key=lambda s: int(s.rsplit("_", 1)[1]))
+    return sorted((k for k in blocks if k.startswith(prefix) and k[len(prefix):].isdigit()),
+                  key=lambda s: int(s[len(prefix):]))
+
+
+def _column(blocks: dict, name: str, label: str, path: Path) -> np.ndarray:
+    """Column ``label`` of block ``name`` as floats; InputError naming the file, block and label otherwise."""
+    table = pd.DataFrame(blocks[name]) if isinstance(blocks[name], pd.DataFrame) else pd.DataFrame([blocks[name]])
+    if label not in table.columns:
+        raise InputError(f"data_{name} has no {label} column (damaged, or not a model STAR of this program)",
+                         path=str(path), column=label)
+    try:
+        return np.asarray(table[label], float)
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"data_{name} has a value of {label} that is not a number", path=str(path),
+                         column=label) from exc
 
 
 def read_model_star(path: Path) -> ModelFile:
     """The class table, noise spectra, group scales and orientation distributions of a model STAR; a clear
-    error naming the file and block when one that --continue needs is missing."""
+    error naming the file, block and label when one that --continue needs is missing."""
     blocks = read_star(path)
     if "model_classes" not in blocks:
         raise InputError("not a model STAR file (no data_model_classes block)", path=str(path))
+    classes = blocks["model_classes"]
+    classes = pd.DataFrame(classes) if isinstance(classes, pd.DataFrame) else pd.DataFrame([classes])
+    for label in ("rlnReferenceImage", "rlnClassDistribution"):
+        if label not in classes.columns:
+            raise InputError(f"data_model_classes has no {label} column", path=str(path), column=label)
     names = _numbered(blocks, "model_optics_group_")
     if not names:
         raise InputError("no model_optics_group_N block with rlnSigma2Noise", path=str(path))
-    try:
-        sigma2 = np.stack([np.asarray(pd.DataFrame(blocks[k])["rlnSigma2Noise"], float) for k in names])
-    except KeyError as exc:
-        raise InputError("a model_optics_group_N block has no rlnSigma2Noise column", path=str(path),
-                         column="rlnSigma2Noise") from exc
-    groups = blocks.get("model_groups")
-    scales = np.asarray(pd.DataFrame(groups)["rlnGroupScaleCorrection"], float) if groups is not None else None
-    pdfs = [np.asarray(pd.DataFrame(blocks[k])["rlnOrientationDistribution"], float)
+    sigma2 = np.stack([_column(blocks, k, "rlnSigma2Noise", path) for k in names])
+    scales = _column(blocks, "model_groups", "rlnGroupScaleCorrection", path) if "model_groups" in blocks else None
+    pdfs = [_column(blocks, k, "rlnOrientationDistribution", path)
             for k in _numbered(blocks, "model_pdf_orient_class_")]
-    return ModelFile(Path(path), pd.DataFrame(blocks["model_classes"]), sigma2, scales, pdfs)
+    return ModelFile(Path(path), classes, sigma2, scales, pdfs)
 
 
 def write_optimiser_star(path: Path, state: dict) -> Path:
@@ -94,6 +108,8 @@ def read_optimiser_star(path: Path, require: tuple[str, ...] = ()) -> dict:
     if missing:
         raise InputError(f"the optimiser STAR lacks {', '.join(missing)} (not written by this program, or "
                          "damaged)", path=str(path), column=missing[0])
+    if "rlnCurrentIteration" in opt:
+        opt["rlnCurrentIteration"] = _typed(opt["rlnCurrentIteration"], 0, "rlnCurrentIteration", path)
     return opt
 
 
@@ -110,25 +126,40 @@ def params_to_optimiser(params, names) -> dict:
     return out
 
 
-def params_from_optimiser(params_cls, opt: dict, **given):
+def params_from_optimiser(params_cls, opt: dict, *, source: str | Path | None = None, **given):
     """A job's Params from the rlnGpuRelionParam_<name> entries of an optimiser STAR (types from the field
-    defaults), with ``given`` on top (e.g. --continue, --cpu, --gpu, the output rootname)."""
+    defaults), with ``given`` on top (e.g. --continue, --cpu, --gpu, the output rootname). Every option not
+    given must be there: a damaged file is an InputError naming ``source`` and the label, never a run with other
+    options than the one it continues."""
     kw = {}
+    missing = []
     for f, fld in params_cls.__dataclass_fields__.items():
         key = f"{PARAM_PREFIX}{f}"
-        if key not in opt or f in given:
+        if f in given:
             continue
-        kw[f] = _typed(opt[key], fld.default)
+        if key not in opt:
+            missing.append(key)
+            continue
+        kw[f] = _typed(opt[key], fld.default, key, source)
+    if missing:
+        raise InputError(f"the optimiser STAR lacks the saved option(s) {', '.join(missing)} (not written by this "
+                         "program, or damaged)", path=None if source is None else str(source), column=missing[0])
     return params_cls(**kw, **given)
 
 
-def _typed(v, like):
-    if isinstance(like, bool):
-        return bool(int(v))
-    if isinstance(like, int):
-        return int(v)
-    if isinstance(like, float):
-        return float(v)
+def _typed(v, like, label: str = "", source: str | Path | None = None):
+    """``v`` as the type of ``like``; InputError naming the label and value when it is not one."""
+    try:
+        if isinstance(like, bool):
+            return bool(int(v))
+        if isinstance(like, int):
+            return int(v)
+        if isinstance(like, float):
+            return float(v)
+    except (TypeError, ValueError) as exc:
+        kind = "0 or 1" if isinstance(like, bool) else "a whole number" if isinstance(like, int) else "a number"
+        raise InputError(f"value {v!r} of {label or 'an entry'} is not {kind}",
+                         path=None if source is None else str(source), column=label or None) from exc
     return str(v)
 
 
@@ -144,5 +175,5 @@ def state_from_optimiser(state, opt: dict):
         if k.startswith(STATE_PREFIX) and not k.startswith(PARAM_PREFIX):
             name = k[len(STATE_PREFIX):]
             if hasattr(state, name):
-                setattr(state, name, _typed(v, getattr(state, name)))
+                setattr(state, name, _typed(v, getattr(state, name), k))
     return state

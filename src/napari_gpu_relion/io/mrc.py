@@ -23,7 +23,8 @@ import numpy as np
 from ..errors import InputError
 from .atomic import atomic_path
 
-__all__ = ["MrcData", "MrcHeaderInfo", "LazyStack", "read_mrc", "write_mrc", "is_stack", "mrc_header_info"]
+__all__ = ["MrcData", "MrcHeaderInfo", "LazyStack", "read_mrc", "write_mrc", "is_stack", "mrc_header_info",
+           "unusable_image", "map_problem", "require_usable_map"]
 
 _HEADER_BYTES = 1024
 
@@ -38,6 +39,13 @@ class MrcHeaderInfo:
     pixel_size: float | None
     ispg: int
     nz: int
+    mz: int = 0
+
+    @property
+    def is_volume(self) -> bool:
+        """The header says a 3D map, not a stack of images: a space group other than 0 (MRC2014: 0 = images,
+        1 = a volume) with more than one section and sampling mz = nz along z (stacks have mz = 1)."""
+        return self.ispg != 0 and self.nz > 1 and self.mz == self.nz
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,7 +122,7 @@ def mrc_header_info(path: str | os.PathLike) -> MrcHeaderInfo:
                          f"({offset + nbytes} bytes) but the file has {size} bytes", path=str(p))
     pixel_size = _header_pixel_size(header)
     return MrcHeaderInfo(dtype=dtype, shape=shape, offset=offset, pixel_size=pixel_size,
-                         ispg=int(header.ispg), nz=nz)
+                         ispg=int(header.ispg), nz=nz, mz=int(header.mz))
 
 
 def _header_pixel_size(header: np.recarray) -> float | None:
@@ -157,6 +165,50 @@ def is_stack(path: str | os.PathLike) -> bool:
         return True
     info = mrc_header_info(p)
     return info.ispg == 0 and info.nz > 1
+
+
+def unusable_image(images: np.ndarray) -> tuple[int, str] | None:
+    """The first image of a stack (n, y, x), or section of a map, that no job can use, and why: NaN or infinite
+    pixels, or every pixel the same value (a blank image: nothing to align, and a zero variance). None when every
+    image is usable."""
+    arr = np.asarray(images)
+    if arr.ndim < 2 or arr.size == 0:
+        return None
+    flat = arr.reshape(arr.shape[0] if arr.ndim > 2 else 1, -1)
+    if np.issubdtype(flat.dtype, np.floating):
+        finite = np.isfinite(flat)
+        if not finite.all():
+            bad = ~finite.all(axis=1)
+            k = int(np.argmax(bad))
+            n_bad = int((~finite[k]).sum())
+            kinds = "NaN" if np.isnan(flat[k]).any() else "infinite"
+            return k, f"{n_bad} of {flat.shape[1]} pixels are {kinds}"
+    lo, hi = flat.min(axis=1), flat.max(axis=1)
+    blank = lo == hi
+    if blank.any():
+        k = int(np.argmax(blank))
+        return k, f"every pixel is {lo[k]:g} (blank)"
+    return None
+
+
+def map_problem(data: np.ndarray) -> str | None:
+    """Why a whole map (or one image) cannot be used: NaN or infinite values, or one value everywhere (blank);
+    None when it can."""
+    arr = np.asarray(data)
+    if arr.size == 0:
+        return f"it is empty (shape {arr.shape})"
+    problem = unusable_image(arr.reshape((1,) + arr.shape))
+    if problem is None:
+        return None
+    return problem[1].replace("pixels", "values").replace("every pixel", "every value")
+
+
+def require_usable_map(data: np.ndarray, path: str | os.PathLike, what: str = "map") -> None:
+    """InputError naming the file when a map (or image) holds NaN or infinite values or is blank (one value
+    everywhere): such a map gives NaN or meaningless results, so it is refused before any work."""
+    problem = map_problem(data)
+    if problem is not None:
+        raise InputError(f"the {what} cannot be used: {problem}", path=str(path))
 
 
 def _dtype_for_writing(data: np.ndarray) -> np.dtype:
@@ -223,7 +275,7 @@ class LazyStack:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        info = mrc_header_info(self.path)
+        self.info = info = mrc_header_info(self.path)
         if len(info.shape) == 4:
             raise InputError(f"expected an image stack but the file is a stack of volumes {info.shape}",
                              path=str(self.path))

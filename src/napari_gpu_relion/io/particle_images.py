@@ -17,12 +17,12 @@ import pandas as pd
 
 from ..errors import InputError
 from .jobdir import project_path
-from .mrc import LazyStack
+from .mrc import LazyStack, MrcHeaderInfo, mrc_header_info, unusable_image
 
 if TYPE_CHECKING:  # star.py imports parse_image_name from here (box size of RELION 3.0 files)
     from .star import ParticleTable
 
-__all__ = ["parse_image_name", "image_locations", "image_names_for", "load_images"]
+__all__ = ["parse_image_name", "image_locations", "image_names_for", "load_images", "check_image_stacks"]
 
 
 def _s(path: Path | None) -> str | None:
@@ -107,8 +107,8 @@ def _locations(parts: pd.DataFrame, table: ParticleTable, project_dir: str | os.
     if base is None:
         first = _first_relative(stacks)
         looked = ", ".join(str(t) for t in tried)
-        raise InputError(f"cannot find image stack {first!r}; looked in {looked}. "
-                         "Pass project_dir (the RELION project folder that stack paths are relative to)",
+        raise InputError(f"cannot find image stack {first!r}; looked in {looked}. Run the command in the RELION "
+                         "project folder (the folder that the stack paths in rlnImageName start from)",
                          path=_s(table.path), line=table.line_of(parts.index[stacks.index(first)]),
                          column="rlnImageName")
     cache: dict[str, Path] = {}
@@ -151,13 +151,79 @@ def image_names_for(table: ParticleTable, out_path: str | os.PathLike) -> pd.Ser
     return pd.Series([f"{i + 1:06d}@{q.resolve()}" for i, q in zip(idx, paths, strict=True)], index=names.index)
 
 
+def _volume_problem(stack_path: Path, info: MrcHeaderInfo) -> str | None:
+    """Why a file named as a particle stack is a 3D map instead (None when it can be a stack of images): not .mrcs,
+    its header says a volume, and it is a cube. The extension counts first (RELION's .mrcs stacks are 3D arrays
+    of images), and the shape second: real stacks saved as .mrc with a volume header exist (EMPIAR-10076's
+    7 images of 320 px), but they are not cubes, while a map given by mistake is."""
+    if len(info.shape) == 4:
+        return f"{stack_path} holds a stack of volumes {info.shape}, not particle images"
+    if stack_path.suffix.lower() == ".mrcs" or not info.is_volume or len(set(info.shape)) != 1:
+        return None
+    n = info.shape[0]
+    return (f"{stack_path} is a 3D map ({n} x {n} x {n}, MRC header: space group {info.ispg}), not a stack of "
+            f"particle images; particle stacks are .mrcs files (if it really holds {n} images, save it as .mrcs)")
+
+
+def check_image_stacks(table: ParticleTable, project_dir: str | os.PathLike | None = None) -> None:
+    """Before any work: every stack the table names exists, is a stack of images (not a 3D map), holds the image
+    numbers asked for, and holds images of the table's rlnImageSize. Reads one header per stack, no pixels.
+    InputError naming the STAR file, the line of the first row concerned, the stack and the image otherwise."""
+    parts = table.particles
+    if not len(parts):
+        return
+    star = _s(table.path)
+    paths, idx = _locations(parts, table, project_dir)
+    codes, stacks = pd.factorize(pd.Series(paths, dtype=object))
+    by = pd.DataFrame({"code": codes, "index": idx})
+    first = by.groupby("code").head(1).index.to_numpy()  # row position of each stack's first row
+    highest = by.groupby("code")["index"].idxmax().to_numpy()  # row position of its highest image number
+    expected = parts["rlnImageSize"].to_numpy() if "rlnImageSize" in parts.columns else None
+    sizes = np.zeros((len(stacks), 2), dtype=np.int64)
+    for k, stack_path in enumerate(stacks):
+        pos = int(first[k])
+        line = table.line_of(parts.index[pos])
+        if not stack_path.is_file():
+            raise InputError(f"image stack {stack_path} not found (named in rlnImageName "
+                             f"{parts['rlnImageName'].iloc[pos]!r})", path=star, line=line, column="rlnImageName")
+        try:
+            info = mrc_header_info(stack_path)
+        except InputError as exc:
+            raise InputError(f"image stack {exc}", path=star, line=line, column="rlnImageName") from exc
+        problem = _volume_problem(stack_path, info)
+        if problem is not None:
+            raise InputError(problem, path=star, line=line, column="rlnImageName")
+        n = info.shape[0] if len(info.shape) == 3 else 1
+        top = int(highest[k])
+        if idx[top] >= n:
+            raise InputError(f"image {idx[top] + 1} of stack {stack_path} is asked for "
+                             f"({parts['rlnImageName'].iloc[top]!r}) but the stack has only {n} images",
+                             path=star, line=table.line_of(parts.index[top]), column="rlnImageName")
+        sizes[k] = info.shape[-2:]
+    if expected is not None:
+        ny, nx = sizes[codes, 0], sizes[codes, 1]
+        wrong = (expected != nx) | (expected != ny)
+        if wrong.any():
+            pos = int(np.argmax(wrong))
+            raise InputError(f"images in {stacks[codes[pos]]} are {ny[pos]} x {nx[pos]} px but rlnImageSize is "
+                             f"{expected[pos]}", path=star, line=table.line_of(parts.index[pos]), column="rlnImageSize")
+    else:
+        other = np.flatnonzero((sizes != sizes[0]).any(axis=1))
+        if other.size:
+            k = int(other[0])
+            raise InputError(f"images in {stacks[k]} are {sizes[k, 0]} x {sizes[k, 1]} px but those in {stacks[0]} "
+                             f"are {sizes[0, 0]} x {sizes[0, 1]} px", path=star,
+                             line=table.line_of(parts.index[int(first[k])]), column="rlnImageName")
+
+
 def load_images(table: ParticleTable, rows: Iterable[int] | None = None,
-                project_dir: str | os.PathLike | None = None) -> np.ndarray:
+                project_dir: str | os.PathLike | None = None, check_values: bool = False) -> np.ndarray:
     """Particle images as float32 (n, N, N), in row order; ``rows`` are 0-based positions (default: all).
 
     Each stack file is opened once and only the needed images are read. InputError (naming the STAR file,
-    the row's line, the stack and the index) for a missing stack, an image number beyond the stack, or
-    images whose size disagrees with rlnImageSize.
+    the row's line, the stack and the index) for a missing stack, a 3D map named as a stack, an image number
+    beyond the stack, or images whose size disagrees with rlnImageSize; with ``check_values`` (the jobs) also for
+    an image with NaN or infinite pixels or a blank one (every pixel equal), which no job can use.
     """
     parts = table.particles
     if rows is not None:
@@ -181,6 +247,9 @@ def load_images(table: ParticleTable, rows: Iterable[int] | None = None,
                              f"{parts['rlnImageName'].iloc[sel[0]]!r})", path=star, line=first_line,
                              column="rlnImageName")
         with LazyStack(stack_path) as stack:
+            problem = _volume_problem(stack_path, stack.info)
+            if problem is not None:
+                raise InputError(problem, path=star, line=first_line, column="rlnImageName")
             n = len(stack)
             beyond = idx[sel] >= n
             if beyond.any():
@@ -202,7 +271,14 @@ def load_images(table: ParticleTable, rows: Iterable[int] | None = None,
                 raise InputError(f"images in {stack_path} are {ny} x {nx} px but earlier stacks have "
                                  f"{out.shape[1]} x {out.shape[2]} px", path=star, line=first_line,
                                  column="rlnImageName")
-            out[sel] = stack.read(idx[sel])
+            images = stack.read(idx[sel])
+            bad = unusable_image(images) if check_values else None
+            if bad is not None:
+                pos = int(sel[bad[0]])
+                raise InputError(f"image {idx[pos] + 1} of stack {stack_path} ({parts['rlnImageName'].iloc[pos]!r}) "
+                                 f"cannot be used: {bad[1]}", path=star, line=table.line_of(parts.index[pos]),
+                                 column="rlnImageName")
+            out[sel] = images
     if out is None:
         box = int(expected[0]) if expected is not None and len(expected) else 0
         out = np.empty((0, box, box), dtype=np.float32)

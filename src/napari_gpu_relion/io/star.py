@@ -88,6 +88,8 @@ class _BlockLayout:
     is_loop: bool = False
     label_lines: dict[str, int] = field(default_factory=dict)
     row_lines: list[int] = field(default_factory=list)
+    duplicate: tuple[str, int] | None = None  # the first label given twice, and the line of its second use
+    no_value: tuple[str, int] | None = None  # key-value block: the first label line without a value
 
 
 def _scan_layout(text: str) -> dict[str, _BlockLayout]:
@@ -108,7 +110,13 @@ def _scan_layout(text: str) -> dict[str, _BlockLayout]:
         if line.startswith("loop_"):
             current.is_loop = True
         elif line.startswith("_"):
-            current.label_lines.setdefault(line.split()[0][1:], lineno)
+            words = line.split()
+            label = words[0][1:]
+            if label in current.label_lines and current.duplicate is None:
+                current.duplicate = (label, lineno)
+            current.label_lines.setdefault(label, lineno)
+            if not current.is_loop and len(words) < 2 and current.no_value is None:
+                current.no_value = (label, lineno)
         elif current.is_loop:
             current.row_lines.append(lineno)
     return layouts
@@ -144,6 +152,16 @@ def _parse_blocks(path: Path, text: str, layout: dict[str, _BlockLayout]) -> dic
     as_string = sorted(lab for lab in labels if _is_string_label(lab))
     if not text.strip():
         raise InputError("STAR file is empty", path=str(path))
+    for name, blk in layout.items():  # pandas/starfile would fail on these with unrelated messages
+        if blk.duplicate is not None:
+            label, line = blk.duplicate
+            raise InputError(f"label _{label} appears twice in data_{name} (first on line "
+                             f"{blk.label_lines[label]}); each column label may be given once", path=str(path),
+                             line=line, column=label)
+        if blk.no_value is not None:
+            label, line = blk.no_value
+            raise InputError(f"_{label} in data_{name} has no value (the file may be cut short)", path=str(path),
+                             line=line, column=label)
     try:
         blocks = starfile.read(path, always_dict=True, parse_as_string=as_string)
     except Exception as exc:  # pandas/starfile raise many types on malformed text
@@ -481,8 +499,10 @@ def _check_uniform(optics: pd.DataFrame, used: np.ndarray, label: str, tol: floa
     if off.any():
         row = int(rows[np.argmax(off)])
         described = _describe_groups(optics.iloc[rows], label)
-        raise InputError(f"optics groups differ in {label}: {described}; all groups must match "
-                         "(pass uniform_optics=False to allow this)", path=str(path),
+        what = "pixel size" if "PixelSize" in label else "box size"
+        raise InputError(f"optics groups differ in {label}: {described}; this job needs one {what} for all "
+                         f"particles: select the particles of one optics group, or re-extract them all at one "
+                         f"{what}", path=str(path),
                          line=_row_line(optics_lines, row), column=label)
 
 
@@ -541,8 +561,8 @@ def _read_table(path: str | os.PathLike, kind: str, require: Sequence[str], unif
         if odd.any():
             row = int(np.argmax(odd))
             raise InputError(f"box size rlnImageSize = {optics['rlnImageSize'].iloc[row]} px is odd "
-                             f"(optics group {optics['rlnOpticsGroup'].iloc[row]}); an even box is needed "
-                             "(pass even_box=False to allow it)", path=str(p),
+                             f"(optics group {optics['rlnOpticsGroup'].iloc[row]}); an even box is needed: "
+                             "re-extract the particles with an even --extract_size", path=str(p),
                              line=_row_line(optics_lines, row), column="rlnImageSize")
 
     extra = {k: v for k, v in blocks.items() if k not in (name, "optics")}

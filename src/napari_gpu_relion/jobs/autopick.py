@@ -28,16 +28,18 @@ from ..compute.projector import prepare_reference, project
 from ..compute.sampling import direction_grid
 from ..errors import InputError
 from ..io.micrographs import (
+    SKIP_FLAG,
     MicrographList,
+    check_micrographs,
     micrograph_list,
     output_root,
     read_micrograph,
     write_coordinate_list,
 )
-from ..io.mrc import is_stack, read_mrc, write_mrc
+from ..io.mrc import is_stack, read_mrc, require_usable_map, write_mrc
 from ..io.star import write_coordinates
 from ..parallel import world
-from .common import backend_for, param, write_note
+from .common import backend_for, check_output_folder, check_pixel_size, param, prepare_output, write_note
 from .distributed import root_events
 from .events import Finished, Message, MicrographPicked, Progress, Started
 
@@ -82,6 +84,8 @@ class Params:
     skip_side: int = param(0, "--skip_side", "Keep this many micrograph pixels from the edges free of picks")
     pad: int = param(2, "--pad", "Padding factor of the template Fourier grids")
     outlier_removal_zscore: float = param(8.0, "--outlier_removal_zscore", "Outlier pixels set to the mean")
+    skip_bad_micrographs: bool = param(False, SKIP_FLAG, "Skip micrographs that are missing or not readable 2D "
+                                       "images (with a warning) instead of stopping before any work")
     random_seed: int = param(1, "--random_seed", "Seed (noise fill of non-square micrographs)")
     batch: int = param(0, "--batch", "Micrographs (LoG; 0 = 1) or templates (0 = from free memory) per batch")
     cpu: bool = param(False, "--cpu", "Run on the CPU (NumPy) even if a GPU is present")
@@ -92,6 +96,11 @@ class Params:
             raise InputError("--i (micrographs STAR or MRC glob) is required")
         if self.odir is None:
             raise InputError("--odir (output folder) is required")
+        check_output_folder(self.odir, "--odir")
+        check_pixel_size(self.angpix, "--angpix", "the micrographs STAR file")
+        check_pixel_size(self.angpix_ref, "--angpix_ref", "the reference header")
+        if self.batch < 0:
+            raise InputError(f"--batch must be >= 0 (0: from free memory), got {self.batch}")
         if self.LoG == (self.ref is not None):
             raise InputError("give either --LoG or --ref (templates), not both or neither")
         if self.LoG:
@@ -127,10 +136,13 @@ class References:
     radius_px: int  # particle disc radius (micrograph pixels)
     diameter_A: float
     angles: np.ndarray | None  # (K, 3) projection angles for a 3D reference
+    projections: tuple[np.ndarray, float] | None = None  # a 3D reference's projections and their pixel size (Å)
 
 
-def load_references(p: Params, apix: float, odir: Path) -> tuple[References, list[str]]:
-    """Read, project (3D), rescale to ``apix``, mask and invert the references; notes for the log."""
+def load_references(p: Params, apix: float, odir: Path | None) -> tuple[References, list[str]]:
+    """Read, project (3D), rescale to ``apix``, mask and invert the references; notes for the log. A 3D reference's
+    projections are written to ``odir``/reference_projections.mrcs (with ``odir`` None, kept in ``projections``
+    for the caller to write once the job has started)."""
     notes = []
     m = read_mrc(p.ref)
     header_px = m.pixel_size
@@ -144,8 +156,9 @@ def load_references(p: Params, apix: float, odir: Path) -> tuple[References, lis
                              "give --angpix_ref to confirm the reference pixel size (they are then rescaled)",
                              path=str(p.ref))
         ref_px = header_px
+    require_usable_map(m.data, p.ref, "reference")
     data = np.asarray(m.data, np.float32)
-    angles = None
+    angles = projections = None
     if data.ndim == 3 and not is_stack(p.ref):
         s = data.shape[-1]
         if data.shape != (s, s, s) or s % 2:
@@ -156,10 +169,11 @@ def load_references(p: Params, apix: float, odir: Path) -> tuple[References, lis
         F = project(prepare_reference(data.astype(np.float64), 2, r_max), A)
         data = irfft_centered(F, s, 2).astype(np.float32)
         angles = np.stack([rot, tilt, np.zeros_like(rot)], 1)
-        if world().is_root:
+        projections = (data, ref_px)
+        if odir is not None:
             write_mrc(odir / "reference_projections.mrcs", data, ref_px)
         notes.append(f"projected the 3D reference in {len(rot)} directions (HEALPix order {p.healpix_order}, "
-                     f"{p.sym}) into {odir / 'reference_projections.mrcs'}")
+                     f"{p.sym}){'' if odir is None else ' into ' + str(odir / 'reference_projections.mrcs')}")
     if data.ndim == 2:
         data = data[None]
     s = data.shape[-1]
@@ -182,7 +196,7 @@ def load_references(p: Params, apix: float, odir: Path) -> tuple[References, lis
     refs = data * disc
     if p.invert:
         refs = -refs
-    return References(refs.astype(np.float32), disc, R, float(diam), angles), notes
+    return References(refs.astype(np.float32), disc, R, float(diam), angles, projections), notes
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -310,22 +324,34 @@ def _run(p: Params) -> Iterator:
     odir = Path(p.odir)
     be = backend_for(p)
     xp = be.xp
-    n = len(ml.entries)
+    # headers, before any work (every rank: a bad micrograph or reference stops them all alike)
+    entries, _, failures = check_micrographs(ml, ml.entries, p.skip_bad_micrographs)
+    if not entries:
+        raise InputError(f"none of the {len(ml.entries)} micrographs can be used: {'; '.join(failures[:3])}",
+                         path=str(p.i))
+    n = len(entries)
     mode = "LoG" if p.LoG else "templates"
+    refs, ref_notes = load_references(p, apix, None) if not p.LoG else (None, [])  # bad references: before work
+    # per micrograph a coordinate STAR (about 100 bytes a pick; a few hundred picks) and its line in autopick.star
+    need = n * 64 * 1024 + (0 if refs is None or refs.projections is None else refs.projections[0].nbytes + 1024)
+    notes = prepare_output(odir, need, "the coordinate files", "--odir") if comm.is_root else []  # rank 0 writes
     yield Started(JOB_NAME, odir, be.name, f"picking {n} micrographs ({mode}, {apix:.3f} Å/px)")
+    yield from notes
+    for f in failures:
+        yield Message(f"skipping micrograph {f}", "warning")
     if comm.is_root:
         odir.mkdir(parents=True, exist_ok=True)
         write_note(odir, JOB_NAME, p)
-    refs = None
-    if not p.LoG:
-        refs, notes = load_references(p, apix, odir)
-        for t in notes:
+        if refs is not None and refs.projections is not None:
+            write_mrc(odir / "reference_projections.mrcs", *refs.projections)
+            ref_notes.append(f"the projections are in {odir / 'reference_projections.mrcs'}")
+    if refs is not None:
+        for t in ref_notes:
             yield Message(t)
         yield Message(f"{len(refs.refs)} references of {refs.refs.shape[-1]} px, particle diameter "
                       f"{refs.diameter_A:.1f} Å (disc radius {refs.radius_px} px)")
     setups: dict[tuple[int, int], Setup] = {}
-    failures: list[str] = []  # of this rank, since the last round
-    all_failures: list[str] = []
+    read_failures: list[str] = []  # of this rank, since the last round (rank 0 adds every rank's to failures)
     done_names: list[str] = []
     done_files: list[str] = []
     n_picks = 0
@@ -337,14 +363,16 @@ def _run(p: Params) -> Iterator:
     i, stop = (int(block[0]), int(block[-1]) + 1) if block.size else (n, n)
     done = 0
     while comm.any(i < stop):  # one round: every rank picks its next chunk (or none), rank 0 writes them all
-        chunk = ml.entries[i:min(i + mic_batch, stop)]
+        chunk = entries[i:min(i + mic_batch, stop)]
         raws: dict[tuple[int, int], list] = {}
         for e in chunk:
             try:
                 raw = read_micrograph(e.path)
                 raws.setdefault(raw.shape, []).append((e, raw))
             except (InputError, OSError, ValueError) as exc:
-                failures.append(f"{e.name}: {exc}")
+                if not p.skip_bad_micrographs:
+                    raise
+                read_failures.append(f"{e.name}: {exc}")
         results = []
         try:
             for shape, items in raws.items():
@@ -374,14 +402,14 @@ def _run(p: Params) -> Iterator:
                 results, chunk = [], []  # the same micrographs again in the next round
             else:
                 raise
-        rounds = comm.gather((results, len(chunk), failures))
-        failures = []
+        rounds = comm.gather((results, len(chunk), read_failures))
+        read_failures = []
         if not comm.is_root:
             i += len(chunk)
             continue
         results = [r for res, _, _ in rounds for r in res]
         for _, _, fails in rounds:
-            all_failures += fails
+            failures += fails
             for f in fails:
                 yield Message(f"skipping micrograph {f}", "warning")
         for e, X, Y, v, k, psi in results:
@@ -397,13 +425,12 @@ def _run(p: Params) -> Iterator:
         yield Progress(done, n, "picking")
     if not comm.is_root:
         return
-    failures = all_failures
     # keep STAR order; write the list even when some micrographs failed
     order = {e.name: e.row for e in ml.entries}
     idx = np.argsort([order[nm] for nm in done_names], kind="stable")
     out = write_coordinate_list(odir / "autopick.star", [done_names[j] for j in idx], [done_files[j] for j in idx])
     free_cached_memory(be)
-    summary = f"{n_picks} particles picked from {len(done_names)} of {n} micrographs ({mode})"
+    summary = f"{n_picks} particles picked from {len(done_names)} of {len(ml.entries)} micrographs ({mode})"
     if failures:
         yield Message(f"{len(failures)} micrograph(s) could not be read:\n  " + "\n  ".join(failures), "warning")
         summary += f"; {len(failures)} failed: " + ", ".join(f.split(":")[0] for f in failures)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shlex
+import shutil
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import MISSING, field, fields
@@ -10,9 +12,16 @@ from pathlib import Path
 from typing import Any
 
 from ..compute.backend import Backend, free_cached_memory, is_out_of_memory, select_backend
-from ..errors import InputError
+from ..errors import InputError, os_error_line
+from ..io.atomic import remove_stale_temporaries
 from ..parallel import gpu_for_rank, world
 from .events import Message
+
+#: Bytes of an MRC header, and a margin for the small files of a job (note.txt, STAR headers).
+_MRC_HEADER = 1024
+_SMALL_FILES = 64 * 1024
+#: A data STAR row gains about this many bytes of refined columns (angles, offsets, class, norm, ...).
+_DATA_STAR_ROW = 256
 
 
 def param(default: Any = MISSING, flag: str | None = None, help: str = "", mode: str | None = None,  # noqa: A002
@@ -109,3 +118,92 @@ def batched_with_oom_retry(n: int, batch: int, work: Callable[[int, int], None],
             continue
         i = j
         yield (i, n)
+
+
+def check_pixel_size(value: float, flag: str, source: str) -> None:
+    """A pixel size option is a positive number of Å, or -1 (its default): take it from ``source``. Zero or
+    another negative value is a typo, not a request, so it is refused rather than read as "not given"."""
+    if value == -1:
+        return
+    if not value > 0:  # also NaN
+        raise InputError(f"{flag} must be a positive pixel size in Å, or -1 to take it from {source}; got {value:g}")
+
+
+def check_output_folder(folder: str | os.PathLike, flag: str) -> None:
+    """The output folder can be made and written: no file stands where it or one of its parent folders should
+    be, and the nearest existing folder on its path is writable (not read-only, not on a read-only file system).
+    Cheap (a few stat calls): the Params checks call it, so a front end hears of it before anything starts."""
+    target = Path(folder)
+    for q in (target, *target.parents):
+        try:
+            exists = q.exists()
+        except OSError as exc:  # e.g. a parent folder without permission to look inside
+            raise InputError(f"{flag}: cannot look at this path ({os_error_line(exc)})", path=str(q)) from exc
+        if exists:
+            if not q.is_dir():
+                if q == target:
+                    raise InputError(f"{flag} names an existing file, not a folder", path=str(q))
+                raise InputError(f"{flag} {target} needs a folder here, but this is an existing file", path=str(q))
+            if not os.access(q, os.W_OK | os.X_OK):
+                raise InputError(f"{flag}: cannot write in this folder (read-only: its permissions or a read-only "
+                                 "file system)", path=str(q))
+            return
+
+
+def check_output_file(path: str | os.PathLike, flag: str) -> None:
+    """An output file can be written there: it is not an existing folder, and its folder can be made and written
+    (:func:`check_output_folder`)."""
+    p = Path(path)
+    if p.is_dir():
+        raise InputError(f"{flag}: the output file is an existing folder; give a file name", path=str(p))
+    check_output_folder(p.parent, flag)
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'; for messages about disk space."""
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover - the loop returns
+
+
+def mrc_bytes(*shape: int, itemsize: int = 4) -> int:
+    """Bytes of one MRC file of this shape (float32 unless told): the header and the data."""
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return _MRC_HEADER + n * itemsize
+
+
+def em_iteration_bytes(n_maps: int, box: int, ndim: int, n_particles: int, input_star: str | os.PathLike,
+                       n_models: int = 1) -> int:
+    """Bytes of one relion_refine iteration's files: ``n_maps`` references (box^ndim float32), the data STAR
+    (the input's rows plus the refined columns), ``n_models`` model STARs (per-class curves and spectra) and the
+    optimiser STAR."""
+    try:
+        star = Path(input_star).stat().st_size
+    except OSError:
+        star = 0
+    maps = n_maps * mrc_bytes(*([box] * ndim))
+    models = n_models * (_SMALL_FILES + n_maps * (box // 2 + 1) * 128)
+    return maps + star + n_particles * _DATA_STAR_ROW + models + _SMALL_FILES
+
+
+def prepare_output(folder: str | os.PathLike, needed_bytes: int, what: str, flag: str = "--o") -> list[Message]:
+    """Just before a job starts: its output folder can be written (:func:`check_output_folder`), the disk has room
+    for ``needed_bytes`` (an estimate of ``what``: the first iteration's files, or all of a job's outputs), and
+    temporary files that a job killed while writing left there are removed. Returns messages for the log."""
+    target = Path(folder)
+    check_output_folder(target, flag)
+    existing = next(q for q in (target, *target.parents) if q.exists())
+    free = shutil.disk_usage(existing).free
+    if needed_bytes > free:
+        raise InputError(f"not enough free disk space: {what} need about {format_bytes(needed_bytes)} "
+                         f"({needed_bytes} bytes) but only {format_bytes(free)} ({free} bytes) is free",
+                         path=str(existing))
+    removed = remove_stale_temporaries(target)
+    if not removed:
+        return []
+    names = ", ".join(q.name for q in removed[:3]) + (f" and {len(removed) - 3} more" if len(removed) > 3 else "")
+    return [Message(f"removed {len(removed)} temporary file(s) left by an interrupted job in {target}: {names}")]

@@ -45,11 +45,20 @@ from ..io.model_star import (
     state_to_optimiser,
     write_optimiser_star,
 )
-from ..io.mrc import read_mrc
+from ..io.mrc import read_mrc, require_usable_map
 from ..io.particle_images import parse_image_name
 from ..io.star import read_star
 from ..parallel import world
-from .common import backend_for, batched_with_oom_retry, param, require_file, write_note
+from .common import (
+    backend_for,
+    batched_with_oom_retry,
+    check_output_folder,
+    em_iteration_bytes,
+    param,
+    prepare_output,
+    require_file,
+    write_note,
+)
 from .distributed import merge_particles, root_events, sum_estep
 from .events import Finished, Message, Progress, Started
 from .particles import ParticleSet, load_particle_set
@@ -118,7 +127,11 @@ class EMParams:
             require_file(getattr(self, "ref", None), "--ref reference map", (".mrc", ".map", ".star"))
         if self.o is None:
             raise InputError("--o (output rootname, e.g. Refine3D/job001/run) is required")
+        check_output_folder(RunFiles.from_output(self.o).folder, "--o")
         ensure_not_input(RunFiles.from_output(self.o).data(1), self.i)
+        if self.particle_diameter <= 0 and self.particle_diameter != -1:
+            raise InputError(f"--particle_diameter must be > 0 Å, or -1 for (box - 5) x pixel size; got "
+                             f"{self.particle_diameter:g}")
         if healpix_order < 0 or healpix_order > 8:
             raise InputError(f"--healpix_order must be in 0..8, got {healpix_order}")
         if self.offset_step <= 0 or self.offset_range < 0:
@@ -147,7 +160,7 @@ def continued_params(params_cls, p):
         given["ref"] = None
     if "iter" in params_cls.__dataclass_fields__ and p.iter != params_cls.__dataclass_fields__["iter"].default:
         given["iter"] = p.iter
-    return params_from_optimiser(params_cls, opt, **given), opt
+    return params_from_optimiser(params_cls, opt, source=p.continue_from, **given), opt
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -382,7 +395,12 @@ def run(job: EMJob) -> Iterator:
 def _run(job: EMJob) -> Iterator:
     root = job.comm.is_root
     job.model = job.restore() if job.continued else job.initial_model()
+    refs = job.model.refs  # K maps per half: the first iteration's files must fit on the disk before it starts
+    notes = prepare_output(job.files.folder, em_iteration_bytes(sum(len(r) for r in refs), job.N, job.ndim,
+                                                                len(job.ps), job.p.i, len(refs)),
+                           "one iteration's files") if root else []  # rank 0 alone writes (and cleans up)
     yield Started(job.name, job.files.folder, job.be.name, job.describe())
+    yield from notes
     if root:
         job.files.folder.mkdir(parents=True, exist_ok=True)
         write_note(job.files.folder, job.name, job.p)
@@ -426,12 +444,14 @@ def load_reference(path: Path, box: int, apix: float, trust_ref_size: bool) -> n
     if vol.ndim != 3 or len(set(vol.shape)) != 1:
         raise InputError(f"the reference must be a cubic 3D map, got shape {vol.shape}", path=str(path))
     ref_apix = float(m.pixel_size) if m.pixel_size else apix
-    if vol.shape[0] == box and abs(ref_apix - apix) <= 1e-3 * apix:
-        return vol
-    if not trust_ref_size:
+    matches = vol.shape[0] == box and abs(ref_apix - apix) <= 1e-3 * apix
+    if not matches and not trust_ref_size:
         raise InputError(f"the reference has box {vol.shape[0]} at {ref_apix:.4f} Å/px but the particles have box "
                          f"{box} at {apix:.4f} Å/px; give --trust_ref_size to rescale it, or a matching map",
                          path=str(path))
+    require_usable_map(vol, path, "reference map")  # NaN or blank: refused before any work, not a NaN result
+    if matches:
+        return vol
     n_new = int(round(vol.shape[0] * ref_apix / apix / 2)) * 2
     vol = fourier_resize(vol, n_new, 3) if n_new != vol.shape[0] else vol
     return fit_box(vol.astype(np.float32), box).astype(np.float64)
@@ -501,7 +521,7 @@ def run_estep(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, sums: EStepS
                              seed=seed, particle_ids=r, subpixel=own_orientation)
         cand = lpc = None
         if local_sigma is not None:
-            cand, lpc = local_candidates(ps.angles[r], setup.sampling, local_sigma, sym, K)
+            cand, lpc = local_candidates(ps.angles[r], setup.sampling, local_sigma, sym, K, xp=be.xp)
         elif own_orientation:
             R = setup.sampling.n_orient
             cand = r[:, None] + R * np.arange(K)[None, :]

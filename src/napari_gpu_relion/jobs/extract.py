@@ -20,11 +20,27 @@ from ..compute import extraction as ex
 from ..compute.backend import free_cached_memory, to_host
 from ..compute.geometry import euler_to_matrix
 from ..errors import InputError
-from ..io.micrographs import micrograph_list, micrograph_shape, output_root, read_coordinate_list, read_micrograph
+from ..io.micrographs import (
+    SKIP_FLAG,
+    check_micrographs,
+    micrograph_list,
+    output_root,
+    read_coordinate_list,
+    read_micrograph,
+)
 from ..io.mrc import write_mrc
 from ..io.star import read_coordinates, read_particles, write_particles
 from ..parallel import world
-from .common import backend_for, batched_with_oom_retry, param, write_note
+from .common import (
+    backend_for,
+    batched_with_oom_retry,
+    check_output_folder,
+    check_pixel_size,
+    mrc_bytes,
+    param,
+    prepare_output,
+    write_note,
+)
 from .distributed import root_events
 from .events import Finished, Message, Progress, Started
 
@@ -58,6 +74,8 @@ class Params:
     skip_edge: bool = param(False, "--skip_edge", "Skip particles whose box leaves the micrograph (RELION keeps "
                             "them, with edge pixels repeated)")
     float16: bool = param(False, "--float16", "Write stacks in float16 (MRC mode 12)")
+    skip_bad_micrographs: bool = param(False, SKIP_FLAG, "Skip micrographs that are missing or not readable 2D "
+                                       "images (with a warning) instead of stopping before any work")
     angpix: float = param(-1.0, "--angpix", "Micrograph pixel size (Å) for MRC globs")
     random_seed: int = param(0, "--random_seed", "Seed for dust replacement noise")
     batch: int = param(0, "--batch", "Particles per batch; 0 = from free memory")
@@ -67,6 +85,10 @@ class Params:
     def __post_init__(self):
         if self.i is None or self.o is None:
             raise InputError("--i (micrographs) and --o (output folder) are required")
+        check_output_folder(self.o, "--o")
+        check_pixel_size(self.angpix, "--angpix", "the micrographs STAR file")
+        if self.batch < 0:
+            raise InputError(f"--batch must be >= 0 (0: from free memory), got {self.batch}")
         if (self.coord_list is None) == (self.reextract_data_star is None):
             raise InputError("give either --coord_list or --reextract_data_star")
         for f, what in ((self.coord_list, "--coord_list"), (self.reextract_data_star, "--reextract_data_star")):
@@ -153,23 +175,18 @@ def _run(p: Params) -> Iterator:
     else:
         coords, notes = _coordinates_from_particles(p, apix)
     todo = [e for e in ml.entries if e.name in coords]
-    yield Started(JOB_NAME, out_dir, be.name, f"extracting from {len(todo)} micrographs, box {B} -> {b} px")
-    for t in notes:
-        yield Message(t)
     if not todo:
         raise InputError("no micrograph of --i has coordinates (names must match rlnMicrographName)",
                          path=str(p.coord_list or p.reextract_data_star), column="rlnMicrographName")
-    # check every coordinate against its micrograph's size before writing anything (headers only)
-    failures: list[str] = []
-    shapes: dict[str, tuple[int, int]] = {}
+    # every micrograph readable and every coordinate inside it, from the headers, before anything is written
+    todo, shapes, failures = check_micrographs(ml, todo, p.skip_bad_micrographs)
+    if not todo:
+        raise InputError(f"none of the micrographs with coordinates can be used: {'; '.join(failures[:3])}",
+                         path=str(p.i))
+    n_boxes = 0
     for e in todo:
-        try:
-            shapes[e.name] = micrograph_shape(e.path)
-        except (InputError, OSError) as exc:
-            failures.append(f"{e.name}: {exc}")
-            yield Message(f"skipping micrograph {e.name}: {exc}", "warning")
-            continue
         df, src = coords[e.name]
+        n_boxes += len(df)
         xi, yi = ex.truncate_coordinates(df["rlnCoordinateX"], df["rlnCoordinateY"])
         ny, nx = shapes[e.name]
         bad = ~ex.box_touches(xi, yi, B, ny, nx)
@@ -180,6 +197,16 @@ def _run(p: Params) -> Iterator:
             raise InputError(f"particle {r + 1} at ({df['rlnCoordinateX'].iloc[r]}, {df['rlnCoordinateY'].iloc[r]})"
                              f" is outside micrograph {e.name} ({nx} x {ny} px): {col} = {val}; the box of "
                              f"{B} px would be entirely outside", path=str(src), column=col)
+    stacks = n_boxes * b * b * (2 if p.float16 else 4) + len(todo) * mrc_bytes(0)
+    out_notes = (prepare_output(out_dir, stacks + n_boxes * 600, "the particle stacks and STAR file")
+                 if comm.is_root else [])  # rank 0 alone checks the disk and removes stale temporaries
+    yield Started(JOB_NAME, out_dir, be.name, f"extracting from {len(todo)} micrographs, box {B} -> {b} px")
+    yield from out_notes
+    for t in notes:
+        yield Message(t)
+    for f in failures:
+        yield Message(f"skipping micrograph {f}", "warning")
+    comm.barrier()  # every rank writes stacks: none before rank 0's checks have passed (else it stops them all)
     out_dir.mkdir(parents=True, exist_ok=True)
     if comm.is_root:
         write_note(out_dir, JOB_NAME, p)
@@ -205,6 +232,8 @@ def _run(p: Params) -> Iterator:
         try:
             mic = xp.asarray(np.asarray(read_micrograph(e.path)))
         except (InputError, OSError, ValueError) as exc:
+            if not p.skip_bad_micrographs:
+                raise
             failures.append(f"{e.name}: {exc}")
             yield Message(f"skipping micrograph {e.name}: {exc}", "warning")
             continue

@@ -11,8 +11,8 @@ import numpy as np
 from ..compute.masks import create_mask
 from ..errors import InputError
 from ..io.atomic import ensure_not_input
-from ..io.mrc import read_mrc, write_mrc
-from .common import param, require_file, write_note
+from ..io.mrc import read_mrc, require_usable_map, write_mrc
+from .common import check_output_file, check_pixel_size, mrc_bytes, param, prepare_output, require_file, write_note
 from .events import Finished, MapUpdated, Started
 
 JOB_NAME = "mask_create"
@@ -33,8 +33,12 @@ class Params:
         if self.o is None or Path(self.o).suffix.lower() not in (".mrc", ".map"):
             raise InputError(f"--o must be an .mrc file, got '{self.o}'")
         ensure_not_input(self.o, self.i)
+        check_output_file(self.o, "--o")
+        check_pixel_size(self.angpix, "--angpix", "the map header")
         if self.width_soft_edge < 0:
             raise InputError(f"--width_soft_edge must be >= 0, got {self.width_soft_edge}")
+        if self.lowpass < 0:
+            raise InputError(f"--lowpass must be a resolution in Å (> 0), or 0 for none; got {self.lowpass:g}")
 
 
 def run(p: Params) -> Iterator:
@@ -42,11 +46,14 @@ def run(p: Params) -> Iterator:
     vol = np.asarray(m.data, np.float32)
     if vol.ndim != 3:
         raise InputError(f"expected a 3D map, got shape {vol.shape}", path=str(p.i))
+    require_usable_map(vol, p.i, "map")
     apix = p.angpix if p.angpix > 0 else (m.pixel_size or 0)
     if p.lowpass > 0 and not apix:
         raise InputError("--lowpass needs a pixel size: the header has none, give --angpix", path=str(p.i))
     out = Path(p.o)
+    notes = prepare_output(out.parent, mrc_bytes(*vol.shape), "the mask")
     yield Started(JOB_NAME, out.parent, "CPU (NumPy + SciPy)", f"mask from {p.i}")
+    yield from notes
     write_note(out.parent, JOB_NAME, p)
     mask = create_mask(vol, apix or 1.0, p.ini_threshold, p.extend_inimask, p.width_soft_edge,
                        p.lowpass if p.lowpass > 0 else None)

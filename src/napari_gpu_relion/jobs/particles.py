@@ -12,7 +12,7 @@ import pandas as pd
 
 from ..compute.ctf import CtfParams
 from ..errors import InputError
-from ..io.particle_images import image_names_for, load_images
+from ..io.particle_images import check_image_stacks, image_names_for, load_images
 from ..io.star import ParticleTable, read_particles, write_particles
 
 ANGLES = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")
@@ -40,11 +40,12 @@ class ParticleSet:
     nr_significant: np.ndarray = None
     log_likelihood: np.ndarray = None
     residual_power: np.ndarray = None
+    checked: np.ndarray = None  # (n,) bool: the row's image has been read once and found usable
 
     def __post_init__(self):
         n = len(self.table)
         for name, dt in (("classes", np.int64), ("pmax", float), ("nr_significant", np.int64),
-                         ("log_likelihood", float), ("residual_power", float)):
+                         ("log_likelihood", float), ("residual_power", float), ("checked", bool)):
             if getattr(self, name) is None:
                 setattr(self, name, np.zeros(n, dtype=dt))
 
@@ -56,7 +57,13 @@ class ParticleSet:
         return int(self.optics_group.max()) + 1
 
     def images(self, rows) -> np.ndarray:
-        return load_images(self.table, rows=np.asarray(rows)).astype(np.float32)
+        """The images of ``rows``; the first time a row is read its image is checked (InputError naming the stack,
+        the image and the STAR line for NaN or infinite pixels or a blank image, which give NaN results)."""
+        rows = np.asarray(rows)
+        check = not self.checked[rows].all()
+        out = load_images(self.table, rows=rows, check_values=check).astype(np.float32, copy=False)
+        self.checked[rows] = True
+        return out
 
     def ctf_rows(self, rows) -> CtfParams | None:
         return None if self.ctf is None else self.ctf.subset(np.asarray(rows))
@@ -66,6 +73,7 @@ def load_particle_set(path: Path, ctf: bool, seed: int = 0, halves: bool = True)
     """Read a particles STAR for refinement; clear errors (file, column) for what is missing. Particles
     without rlnRandomSubset are split into random halves (kept when present, as RELION does)."""
     table = read_particles(path, require=("rlnImageName",))
+    check_image_stacks(table)  # every stack there, an image stack, long enough, of the box size: before any work
     df = table.particles
     n = len(df)
     if ctf:

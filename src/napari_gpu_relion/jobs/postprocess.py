@@ -17,9 +17,9 @@ import pandas as pd
 from ..compute import fsc as F
 from ..errors import InputError
 from ..io.atomic import ensure_not_input
-from ..io.mrc import read_mrc, write_mrc
+from ..io.mrc import read_mrc, require_usable_map, write_mrc
 from ..io.star import write_star_blocks
-from .common import param, require_file, write_note
+from .common import check_output_folder, check_pixel_size, mrc_bytes, param, prepare_output, require_file, write_note
 from .events import Finished, FscUpdated, MapUpdated, Message, Progress, Started
 
 JOB_NAME = "postprocess"
@@ -57,6 +57,8 @@ class Params:
             require_file(self.mask, "--mask", (".mrc", ".map"))
         if self.o is None:
             raise InputError("--o output folder is required")
+        check_output_folder(self.o, "--o")
+        check_pixel_size(self.angpix, "--angpix", "the map header")
         for name in ("postprocess.mrc", "postprocess_masked.mrc"):
             ensure_not_input(Path(self.o) / name, self.i, self.half2(), self.mask)
 
@@ -69,6 +71,8 @@ def _load_inputs(p: Params):
         raise InputError(f"half maps differ in size or are not 3D: {v1.shape} ({p.i}) vs {v2.shape} ({p.half2()})")
     if v1.shape[0] % 2 or len(set(v1.shape)) != 1:
         raise InputError(f"half maps must be cubic with an even box, got {v1.shape}", path=str(p.i))
+    require_usable_map(v1, p.i, "half map")
+    require_usable_map(v2, p.half2(), "half map")
     if p.angpix > 0:
         apix = p.angpix
     else:
@@ -83,7 +87,12 @@ def _load_inputs(p: Params):
         m = np.asarray(read_mrc(p.mask).data, np.float64)
         if m.shape != v1.shape:
             raise InputError(f"mask shape {m.shape} differs from the half maps {v1.shape}", path=str(p.mask))
+        if not np.isfinite(m).all():
+            raise InputError(f"the mask cannot be used: {int((~np.isfinite(m)).sum())} values are NaN or infinite",
+                             path=str(p.mask))
         lo, hi = float(m.min()), float(m.max())
+        if hi <= 0:
+            raise InputError(f"the mask is empty (no value above 0; maximum {hi:g})", path=str(p.mask))
         if lo < -1e-6 or hi > 1 + 1e-6:
             raise InputError(f"mask values must lie in [0, 1]; found min {lo:g}, max {hi:g}", path=str(p.mask))
         mask = np.clip(m, 0, 1)
@@ -94,7 +103,9 @@ def run(p: Params) -> Iterator:
     v1, v2, apix, mask = _load_inputs(p)
     N = v1.shape[0]
     out = Path(p.o)
+    notes = prepare_output(out, 2 * mrc_bytes(N, N, N) + 64 * 1024, "the post-processed maps")
     yield Started(JOB_NAME, out, "CPU (NumPy)", f"post-processing {N}³ half maps at {apix:.3f} Å/px")
+    yield from notes
     out.mkdir(parents=True, exist_ok=True)
     write_note(out, JOB_NAME, p)
     nsh = N // 2 + 1

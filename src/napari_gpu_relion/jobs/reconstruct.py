@@ -20,11 +20,21 @@ from ..compute.fourier import phase_shift_2d, rfft_centered
 from ..compute.geometry import euler_to_matrix, symmetry_group
 from ..errors import InputError
 from ..io.atomic import ensure_not_input
-from ..io.mrc import write_mrc
-from ..io.particle_images import load_images
+from ..io.mrc import map_problem, write_mrc
+from ..io.particle_images import check_image_stacks, load_images
 from ..io.star import ParticleTable, read_particles
 from ..parallel import world
-from .common import backend_for, batched_with_oom_retry, param, require_file, write_note
+from .common import (
+    backend_for,
+    batched_with_oom_retry,
+    check_output_file,
+    check_pixel_size,
+    mrc_bytes,
+    param,
+    prepare_output,
+    require_file,
+    write_note,
+)
 from .distributed import accumulator_grids, root_events
 from .events import Finished, MapUpdated, Message, Progress, Started
 
@@ -54,6 +64,12 @@ class Params:
         if self.o is None or Path(self.o).suffix.lower() not in (".mrc", ".map"):
             raise InputError(f"--o must be an .mrc or .map file, got '{self.o}'")
         ensure_not_input(self.o, self.i)
+        check_output_file(self.o, "--o")
+        check_pixel_size(self.angpix, "--angpix", "the STAR file's optics table")
+        if self.maxres <= 0 and self.maxres != -1:
+            raise InputError(f"--maxres must be a resolution in Å (> 0), or -1 for Nyquist; got {self.maxres:g}")
+        if self.batch < 0:
+            raise InputError(f"--batch must be at least 1 particle (or 0: from the free memory), got {self.batch}")
         symmetry_group(self.sym)  # raises InputError for unknown names
         if self.subset not in (0, 1, 2):
             raise InputError(f"--subset must be 1 or 2 (or 0 for all), got {self.subset}")
@@ -100,13 +116,16 @@ def _run(p: Params) -> Iterator:
     table = load_for_reconstruction(Path(p.i), p.ctf, p.subset)
     apix = p.angpix if p.angpix > 0 else table.pixel_size
     offsets = particle_offsets_px(table, apix)
+    check_image_stacks(table)  # every stack there, an image stack, long enough, of the box size: before any work
     df = table.particles
     n = len(df)
     N = table.box_size
     be = backend_for(p)
     xp = be.xp
     out = Path(p.o)
+    notes = prepare_output(out.parent, mrc_bytes(N, N, N), "the map", "--o") if comm.is_root else []  # rank 0 writes
     yield Started(JOB_NAME, out.parent, be.name, f"reconstructing {n} particles, box {N}, {apix:.3f} Å/px")
+    yield from notes
     if comm.is_root:
         write_note(out.parent, JOB_NAME, p)
     r_max = N / 2 if p.maxres <= 0 else min(N / 2, N * apix / p.maxres)
@@ -121,7 +140,7 @@ def _run(p: Params) -> Iterator:
 
     def work(j0: int, j1: int) -> None:
         i0, i1 = int(mine[j0]), int(mine[j1 - 1]) + 1
-        imgs = xp.asarray(load_images(table, rows=np.arange(i0, i1)))
+        imgs = xp.asarray(load_images(table, rows=np.arange(i0, i1), check_values=True))
         F = rfft_centered(imgs.astype(np.float32), 2)
         F = phase_shift_2d(F, xp.asarray(offsets[i0:i1]), N)  # shifting by +origin centres the particle
         A = xp.asarray(euler_to_matrix(ang[i0:i1, 0], ang[i0:i1, 1], ang[i0:i1, 2]))
@@ -144,6 +163,9 @@ def _run(p: Params) -> Iterator:
         yield Message(f"symmetrising with {sym.name} ({sym.order} operators)")
         bp.symmetrise(sym.matrices)
     vol = to_host(bp.reconstruct())
+    problem = map_problem(vol)
+    if problem is not None:  # never a NaN map on disk
+        raise InputError(f"the reconstruction cannot be used ({problem}); nothing written", path=str(out))
     write_mrc(out, vol, apix)
     free_cached_memory(be)
     yield MapUpdated(out.stem, vol, apix, out)

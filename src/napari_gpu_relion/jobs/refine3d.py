@@ -19,13 +19,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..compute.accuracy import estimate_accuracy
+from ..compute.accuracy import accuracy_particles, estimate_accuracy
 from ..compute.backend import to_host
 from ..compute.backprojector import BackProjector
 from ..compute.expectation import pixel_set
 from ..compute.fourier import lowpass_map
 from ..compute.fsc import resolution_shell, shell_to_angstrom
-from ..compute.geometry import angular_distance_deg, euler_to_matrix, symmetry_group
+from ..compute.geometry import euler_to_matrix, symmetry_group
 from ..compute.masks import soft_spherical_mask
 from ..compute.maximization import (
     coarse_image_size,
@@ -41,6 +41,7 @@ from ..compute.maximization import (
     update_sigma_offset,
 )
 from ..compute.sampling import Sampling
+from ..compute.schedule import orientation_change_deg
 from ..errors import InputError
 from ..io.model_star import write_model_star
 from ..io.mrc import write_mrc
@@ -101,7 +102,7 @@ class Refine3D(em.EMJob):
     def initial_model(self) -> em.EMModel:
         ref0 = lowpass_map(self.load_reference(Path(self.p.ref)), self.apix, self.p.ini_high)
         s2 = self.initial_sigma2()
-        self.state.res_shell = int(round(self.N * self.apix / self.p.ini_high))
+        self.state.start_auto_refine(self.N, self.apix, self.p.ini_high, self.p.auto_local_healpix_order)
         self.state.norm_average = float(self.ps.norm.mean())
         return em.EMModel([ref0[None].copy(), ref0[None].copy()], [s2.copy(), s2.copy()], [np.ones(1)] * 2,
                           [None, None], np.ones(len(self.ps.scale_group_names)))
@@ -122,21 +123,25 @@ class Refine3D(em.EMJob):
         return BackProjector(self.N, self.p.pad, current_size / 2, ndim=3, xp=self.be.xp, dtype=np.float64)
 
     # ---- sampling: accuracy estimates and RELION's auto-refine schedule ----
+    def accuracy(self, size: int) -> tuple[float, float]:
+        """RELION calculateExpectedAngularErrors at image size ``size``: (degrees, Å) from RELION's 100
+        particles against half 1's reference and noise (compute/accuracy.py)."""
+        pix = pixel_set(self.N, size, self.be.xp)
+        rows = accuracy_particles(self.ps.subset, self.ps.optics_group, self.p.random_seed)
+        s2r = self.model.sigma2[0][self.ps.optics_group[rows]][:, to_host(pix.shell)]
+        return estimate_accuracy(self.prepared_references(size)[0][0], pix, self.ps.angles[rows],
+                                 self.ps.ctf_rows(rows), s2r, self.apix, seed=self.p.random_seed, particle_ids=rows)
+
     def update_sampling(self) -> Iterator:
         st, N, apix = self.state, self.N, self.apix
-        final = st.converged or st.iteration > self.p.auto_iter_max
         cc = self.p.firstiter_cc and st.iteration == 1 and not self.continued
-        size = st.current_size(N, final)
-        if st.iteration > 1 and not final:
-            fref = self.prepared_references(size)[0][0]
-            pix = pixel_set(N, size, self.be.xp)
-            rows = self.halves[0][:100]
-            s2r = self.model.sigma2[0][self.ps.optics_group[rows]][:, to_host(pix.shell)]
-            st.acc_rot, st.acc_trans_A = estimate_accuracy(fref, pix, self.ps.angles[rows], self.ps.ctf_rows(rows),
-                                                           s2r, apix, seed=self.p.random_seed)
-            msg = st.update_angular_sampling(apix, self.p.auto_local_healpix_order)
-            if msg:
-                yield Message(msg)
+        # RELION's order (compute/schedule.py): checkConvergence, image size, accuracy (not in a CC iteration),
+        # updateAngularSampling (from iteration 2, the final one included)
+        plan = st.plan_auto_refine_iteration(N, apix, self.p.auto_local_healpix_order, None if cc else self.accuracy,
+                                             self.p.auto_iter_max)
+        final, size = plan.final, plan.current_size
+        if plan.message:
+            yield Message(plan.message)
         st.perturb_sampling(self.p.random_seed)
         smp = Sampling(st.order, self.p.sym, None, st.offset_range, st.offset_step, perturb=st.perturb)
         for h in range(2):  # a new HEALPix order: uniform direction priors
@@ -202,22 +207,23 @@ class Refine3D(em.EMJob):
 
     def update_resolution(self, it: em.Iteration) -> None:
         st = self.state
-        st.ave_pmax = float(self.ps.pmax.mean())
-        st.update_resolution(st.res_shell if it.cc else min(resolution_shell_from_ssnr(it.ssnr[0]), self.N // 2))
-        st.update_image_size_increment(it.fsc, it.current_size, self.N)
         A_old = euler_to_matrix(*it.old_angles.T)
         A_new = euler_to_matrix(*self.ps.angles.T)
-        self.angle_change = float(np.mean(angular_distance_deg(A_old, A_new, self.p.sym)))
+        self.angle_change = float(np.mean(orientation_change_deg(A_old, A_new, self.sym.matrices)))
         self.offset_change = float(np.sqrt(((self.ps.offsets_px - it.old_offsets) ** 2).sum() / (2 * len(self.ps))))
         self.offset_change *= self.apix
-        if st.iteration > 1 and not it.cc:
-            st.update_changes(self.angle_change, self.offset_change, it.sampling.fine_angular_step,
-                              it.sampling.fine_offset_step * self.apix)
-        st.last_offset_change_A = self.offset_change
+        # RELION updateCurrentResolution: at most shell N/2 - 1; unchanged after a CC iteration
+        res_shell = st.res_shell if it.cc else min(resolution_shell_from_ssnr(it.ssnr[0]), self.N // 2 - 1)
+        # incr_size, the change monitor (every iteration), the resolution counter and checkConvergence; RELION's
+        # <Pmax> for the image size is half 1's (rank 1 broadcasts it)
+        st.finish_auto_refine_iteration(res_shell, it.fsc, it.current_size, float(self.ps.pmax[self.halves[0]].mean()),
+                                        self.angle_change, self.offset_change, it.sampling.fine_angular_step,
+                                        it.sampling.fine_offset_step * self.apix)
         self.res_A = shell_to_angstrom(max(resolution_shell(it.fsc, 0.143), 1), self.N, self.apix)
 
     def check_convergence(self, it: em.Iteration) -> bool:
-        self.state.check_convergence()  # decides whether the next iteration is the final one
+        # RELION checkConvergence ran in finish_auto_refine_iteration: state.converged makes the next iteration
+        # the final one
         return it.final
 
     # ---- files and events ----

@@ -19,7 +19,7 @@ from ..io.atomic import ensure_not_input
 from ..io.jobdir import model_for_data
 from ..io.particle_images import image_names_for
 from ..io.star import ParticleTable, read_particles, read_star, write_particles
-from .common import param, require_file, write_note
+from .common import check_output_file, param, prepare_output, require_file, write_note
 from .events import Finished, Started
 
 JOB_NAME = "select"
@@ -42,6 +42,7 @@ class Params:
         if self.o is None or Path(self.o).suffix != ".star":
             raise InputError(f"--o must be a .star file, got '{self.o}'")
         ensure_not_input(self.o, self.i)
+        check_output_file(self.o, "--o")
         parse_classes(self.classes)
         if self.min_class_distribution > 1:
             raise InputError(f"--min_class_distribution is a fraction (0-1), got {self.min_class_distribution}")
@@ -116,7 +117,9 @@ def run(p: Params) -> Iterator:
         by_model = classes_passing(p.model or model_path_for(p.i), p.min_class_distribution, p.max_class_resolution)
         chosen = [c for c in chosen if c in by_model]
     out = Path(p.o)
+    notes = prepare_output(out.parent, Path(p.i).stat().st_size, "the selected particles' STAR file")
     yield Started(JOB_NAME, out.parent, "CPU", f"selecting classes {chosen} of {p.i}")
+    yield from notes
     out.parent.mkdir(parents=True, exist_ok=True)
     write_note(out.parent, JOB_NAME, p)
     sel = write_selection(table, chosen, out)

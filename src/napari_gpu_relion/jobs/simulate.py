@@ -2,7 +2,8 @@
 micrographs + micrographs STAR + coordinate STARs of the truth, reference and truth maps.
 
 ``napari-gpu-relion simulate --o DIR`` writes one; the repository's sample_data/ is made by
-``napari-gpu-relion simulate --o sample_data`` with the defaults below (deterministic for the seed).
+``napari-gpu-relion simulate --o sample_data --overwrite`` with the defaults below (deterministic for the seed;
+without ``--overwrite`` a folder that already holds a data set is refused).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from ..compute.fourier import irfft_centered, lowpass_map, phase_shift_2d
 from ..compute.geometry import euler_to_matrix
 from ..compute.projector import prepare_reference, project
 from ..errors import InputError
-from ..io.mrc import read_mrc, write_mrc
+from ..io.atomic import ensure_not_input
+from ..io.mrc import read_mrc, require_usable_map, write_mrc
 from ..io.star import write_coordinates, write_particles
-from .common import param, write_note
+from .common import check_output_folder, mrc_bytes, param, prepare_output, require_file, write_note
 from .events import Finished, Progress, Started
 
 JOB_NAME = "simulate"
@@ -44,6 +46,19 @@ class Params:
     conformations: int = param(1, "--conformations", "Number of conformations (states >= 2 each lack one domain); "
                                "particles are split evenly, the truth in particles_truth.star (rlnClassNumber)")
     seed: int = param(0, "--seed", "Random seed")
+    overwrite: bool = param(False, "--overwrite", "Replace a data set already in --o (otherwise refused)")
+
+    def outputs(self) -> list[Path]:
+        """The files a run writes (note.txt, which is appended to, aside)."""
+        out = Path(self.o)
+        files = [out / "particles.star", out / "particles" / "particles.mrcs", out / "micrographs.star",
+                 out / "truth.mrc", out / "reference.mrc"]
+        if self.conformations > 1:
+            files += [out / "particles_truth.star"] + [out / f"truth_state{s}.mrc"
+                                                       for s in range(2, self.conformations + 1)]
+        for k in range(self.n_micrographs):
+            files += [out / "micrographs" / f"mic{k + 1:03d}.mrc", out / "coords" / f"mic{k + 1:03d}_truth.star"]
+        return files
 
     def __post_init__(self):
         if self.box % 2 or self.box < 16:
@@ -58,6 +73,28 @@ class Params:
             raise InputError(f"--conformations must be >= 1, got {self.conformations}")
         if self.conformations > 1 and self.map is not None:
             raise InputError("--conformations > 1 needs the pseudo-atomic phantom (not --map)")
+        for flag, value in (("--n_micrographs", self.n_micrographs), ("--particles_per_micrograph",
+                                                                      self.particles_per_micrograph)):
+            if value < 0:
+                raise InputError(f"{flag} must be >= 0, got {value}")
+        if self.n_micrographs and self.micrograph_size <= self.box:
+            raise InputError(f"--micrograph_size must be larger than the box ({self.box} px), got "
+                             f"{self.micrograph_size}")
+        if self.diameter <= 0:
+            raise InputError(f"--particle_diameter must be > 0 Å, got {self.diameter:g}")
+        if self.o is None:
+            raise InputError("--o (output folder) is required")
+        check_output_folder(self.o, "--o")
+        if self.map is not None:
+            require_file(self.map, "--map", (".mrc", ".map"))
+            for f in self.outputs():
+                ensure_not_input(f, self.map)
+        present = [f for f in self.outputs() if f.exists()]
+        if present and not self.overwrite:
+            names = ", ".join(str(f.relative_to(self.o)) for f in present[:3])
+            more = f" and {len(present) - 3} more" if len(present) > 3 else ""
+            raise InputError(f"--o already holds a data set ({names}{more}); give --overwrite to replace it, or "
+                             "another folder", path=str(self.o))
 
 
 def _optics(box: int, angpix: float, name_col: str) -> pd.DataFrame:
@@ -77,11 +114,18 @@ def _optics(box: int, angpix: float, name_col: str) -> pd.DataFrame:
 
 def run(p: Params) -> Iterator:
     out = Path(p.o)
+    need = (2 * mrc_bytes(p.box, p.box, p.box) * p.conformations + mrc_bytes(p.n_particles, p.box, p.box)
+            + p.n_micrographs * mrc_bytes(p.micrograph_size, p.micrograph_size) + p.n_particles * 600 * 2)
+    notes = prepare_output(out, need, "the simulated data set")
     yield Started(JOB_NAME, out, "CPU (NumPy)", "simulating")
+    yield from notes
     out.mkdir(parents=True, exist_ok=True)
     write_note(out, JOB_NAME, p)
     if p.map is not None:
         m = read_mrc(p.map)
+        if m.data.ndim != 3:
+            raise InputError(f"--map must be a 3D map, got shape {m.data.shape}", path=str(p.map))
+        require_usable_map(m.data, p.map, "--map phantom")
         vol = sim.fit_box(np.asarray(m.data, np.float32), p.box)
         phantom = None
         ref = prepare_reference(vol.astype(np.float64), pad=2)
@@ -181,7 +225,9 @@ def _simulate_states(p: Params, phantom: sim.Phantom, out: Path) -> tuple[sim.Si
 
 
 def make_sample_data(out_dir: Path, **overrides) -> Path:
-    """Write the standard sample set (defaults of Params) into ``out_dir``; returns it."""
+    """Write the standard sample set (defaults of Params) into ``out_dir``, replacing one already there (the
+    caller asked for it); returns it."""
+    overrides.setdefault("overwrite", True)
     for _ in run(Params(o=Path(out_dir), **overrides)):
         pass
     return Path(out_dir)

@@ -1,0 +1,96 @@
+"""Where a whole EM job's time goes, per iteration: wraps the steps of jobs/em.py and compute/estep.py with
+synchronised timers (so the sum is slower than a plain run by the synchronisations) and runs any job from its
+command line. Timers nest: expectation_batch includes the estep steps below it.
+
+Run: python benchmarks/profile_job.py [--out results/x.json] -- class3d --i particles.star --ref ref.mrc ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from collections import defaultdict
+from dataclasses import fields
+from pathlib import Path
+
+from napari_gpu_relion import cli
+from napari_gpu_relion.compute import backend, backprojector, estep, expectation, maximization
+from napari_gpu_relion.compute.backend import select_backend
+from napari_gpu_relion.jobs import em
+from napari_gpu_relion.jobs.events import IterationFinished, Message
+
+TIMES: dict = defaultdict(float)
+COUNTS: dict = defaultdict(int)
+
+
+def wrap(owner, name, be, label):
+    if not hasattr(owner, name):
+        return
+    fn = getattr(owner, name)
+
+    def timed(*a, **k):
+        be.synchronize()
+        t = time.perf_counter()
+        r = fn(*a, **k)
+        be.synchronize()
+        TIMES[label] += time.perf_counter() - t
+        COUNTS[label] += 1
+        return r
+
+    setattr(owner, name, timed)
+
+
+def main():
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--fine_chunk_mib", type=int, default=0, help="override the fine-pass chunk budget (MiB)")
+    a = ap.parse_args(argv[:split])
+    if a.fine_chunk_mib:  # the plan's chunk is clamped to [CHUNK_BYTES, MAX_FINE_CHUNK_BYTES]: pin both
+        backend.CHUNK_BYTES = backend.MAX_FINE_CHUNK_BYTES = a.fine_chunk_mib << 20
+    args = cli.build_parser().parse_args(argv[split + 1:])
+    module = importlib.import_module(args._module)
+    params = module.Params(**{f.name: getattr(args, f.name) for f in fields(module.Params)})
+    be = select_backend(cpu=getattr(params, "cpu", False))
+    wrap(em.ParticleSet, "images", be, "read images (disk)")
+    wrap(em, "prepare_batch", be, "prepare_batch")
+    wrap(em, "expectation_batch", be, "expectation_batch")
+    for name in ("_coarse_pass", "_significant_rows", "_fine_data", "_fine_chunk", "_add_power_beyond_fine",
+                 "_insert_summed_slices", "_best_poses", "_add_mstep_sums"):
+        wrap(estep, name, be, f"  {name}")
+    for name in ("scores_shared", "scores_gathered", "posterior_weights", "fine_sums", "_project_rows",
+                 "particle_terms", "segment_sum"):
+        wrap(estep, name, be, f"    {name}")
+    wrap(expectation, "significance_threshold", be, "      significance_threshold")
+    wrap(backprojector.BackProjector, "reconstruct", be, "BackProjector.reconstruct")
+    for name in dir(maximization):
+        if name.startswith(("reconstruct", "initial_noise", "update_")):
+            wrap(maximization, name, be, f"maximization.{name}")
+    for name in ("write_data_star", "write_optimiser_star", "write_mrc"):
+        wrap(em, name, be, f"write: {name}")
+    t0 = time.time()
+    per_it, marks, last = [], [], dict()
+    for ev in module.run(params):
+        if isinstance(ev, Message):
+            print(" ", ev.text, flush=True)
+        if isinstance(ev, IterationFinished):
+            marks.append(time.time() - t0)
+            snap = {k: v - last.get(k, 0.0) for k, v in TIMES.items() if v - last.get(k, 0.0) > 1e-3}
+            last = dict(TIMES)
+            per_it.append({"iteration": ev.iteration, "wall_s": marks[-1] - (marks[-2] if len(marks) > 1 else 0),
+                           "steps_s": dict(sorted(snap.items(), key=lambda kv: -kv[1]))})
+            print(f"iteration {ev.iteration}: {per_it[-1]['wall_s']:.1f} s  {ev.summary}", flush=True)
+            for k, v in per_it[-1]["steps_s"].items():
+                print(f"    {k:<40} {v:8.2f} s  ({COUNTS[k]} calls so far)")
+    res = {"hardware": be.name, "argv": argv, "fine_chunk_bytes": backend.CHUNK_BYTES, "total_s": time.time() - t0,
+           "iterations": per_it}
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
