@@ -11,6 +11,7 @@ import importlib
 import logging
 import sys
 import time
+import traceback
 import types
 import typing
 from dataclasses import MISSING, fields
@@ -19,6 +20,8 @@ from pathlib import Path
 from .errors import InputError, os_error_line, user_error_line
 from .jobs.common import flag_of
 from .jobs.events import Finished, FscUpdated, IterationFinished, Message, Progress, Started
+from .mpi_child import event_sender
+from .parallel import launched_by_mpi, launcher_rank, rank_error, rank_prefix
 
 __all__ = ["JOBS", "build_parser", "main", "os_error_line", "run_job"]
 
@@ -80,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="napari-gpu-relion",
                 description="RELION-style cryo-EM processing on the GPU (CPU fallback).")
     p.add_argument("--verbose", action="store_true", help="more log output")
+    p.add_argument("--events", metavar="SOCKET", help="also send the job's events to this Unix socket (the napari "
+                   "widgets run MPI jobs so)")
     sub = p.add_subparsers(dest="job", metavar="<job>")
     for name, (mod, desc) in JOBS.items():
         sp = sub.add_parser(name, help=_escape(desc), description=desc)
@@ -88,13 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_job(module, params, out=None) -> Finished | None:
-    """Iterate a job, printing progress bars and messages (to ``out``, by default the current sys.stdout);
-    returns the Finished event."""
+def run_job(module, params, out=None, sink=None) -> Finished | None:
+    """Iterate a job, printing progress bars and messages (to ``out``, by default the current sys.stdout) and
+    passing each event to ``sink``, if given; returns the Finished event."""
     out = sys.stdout if out is None else out
     t0 = time.time()
     last = None
     for ev in module.run(params):
+        if sink is not None:
+            sink(ev)
         if isinstance(ev, Started):
             print(f"[{ev.job}] {ev.message} on {ev.backend}", file=out)
         elif isinstance(ev, Progress):
@@ -118,7 +125,9 @@ def run_job(module, params, out=None) -> Finished | None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    quiet = launcher_rank() not in (None, 0)  # MPI: the other ranks log warnings only (rank 0 prints the job)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
+                        format="%(message)s")
     if not args.job:
         parser.print_help()
         return 0
@@ -126,10 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     kw = {f.name: getattr(args, f.name) for f in fields(module.Params)}
     try:
         params = module.Params(**kw)
-        run_job(module, params)
+        run_job(module, params, sink=event_sender(args.events) if args.events else None)
     except (InputError, OSError) as exc:  # bad input, or a read-only folder, a full disk, ...: one line, the path
-        print(f"napari-gpu-relion {args.job}: error: {user_error_line(exc)}", file=sys.stderr)
-        return 2
+        return rank_error(f"napari-gpu-relion {args.job}: error: {rank_prefix()}{user_error_line(exc)}", 2)
+    except Exception as exc:  # under MPI: name the rank and host, stop every rank (never a hang in a collective)
+        if not launched_by_mpi():
+            raise
+        traceback.print_exc()
+        return rank_error(f"napari-gpu-relion {args.job}: {rank_prefix()}failed: {type(exc).__name__}: {exc}; "
+                          "stopping all ranks", 1)
     except KeyboardInterrupt:
         print("\ninterrupted; files already written are complete", file=sys.stderr)
         return 130

@@ -38,7 +38,9 @@ from ..io.micrographs import (
 )
 from ..io.mrc import is_stack, read_mrc, require_usable_map, write_mrc
 from ..io.star import write_coordinates
+from ..parallel import world
 from .common import backend_for, check_output_folder, check_pixel_size, param, prepare_output, write_note
+from .distributed import root_events
 from .events import Finished, Message, MicrographPicked, Progress, Started
 
 JOB_NAME = "autopick"
@@ -87,7 +89,7 @@ class Params:
     random_seed: int = param(1, "--random_seed", "Seed (noise fill of non-square micrographs)")
     batch: int = param(0, "--batch", "Micrographs (LoG; 0 = 1) or templates (0 = from free memory) per batch")
     cpu: bool = param(False, "--cpu", "Run on the CPU (NumPy) even if a GPU is present")
-    gpu: int | None = param(None, "--gpu", "GPU index to use")
+    gpu: str | None = param(None, "--gpu", "GPU index; MPI: RELION's 0:1:2:3, ranks take them in turn")
 
     def __post_init__(self):
         if self.i is None:
@@ -307,6 +309,13 @@ def _ctf_of(ml: MicrographList, row: int) -> CtfParams | None:
 
 
 def run(p: Params) -> Iterator:
+    """Under MPI every rank picks its block of the micrographs; after each round rank 0 gathers the picks, writes
+    every file and yields the events."""
+    yield from root_events(world(), _run(p))
+
+
+def _run(p: Params) -> Iterator:
+    comm = world()
     ml = micrograph_list(p.i, p.angpix)
     apix = ml.pixel_size
     if p.ctf and not ml.has_ctf:
@@ -315,7 +324,8 @@ def run(p: Params) -> Iterator:
     odir = Path(p.odir)
     be = backend_for(p)
     xp = be.xp
-    entries, _, failures = check_micrographs(ml, ml.entries, p.skip_bad_micrographs)  # headers, before any work
+    # headers, before any work (every rank: a bad micrograph or reference stops them all alike)
+    entries, _, failures = check_micrographs(ml, ml.entries, p.skip_bad_micrographs)
     if not entries:
         raise InputError(f"none of the {len(ml.entries)} micrographs can be used: {'; '.join(failures[:3])}",
                          path=str(p.i))
@@ -324,22 +334,24 @@ def run(p: Params) -> Iterator:
     refs, ref_notes = load_references(p, apix, None) if not p.LoG else (None, [])  # bad references: before work
     # per micrograph a coordinate STAR (about 100 bytes a pick; a few hundred picks) and its line in autopick.star
     need = n * 64 * 1024 + (0 if refs is None or refs.projections is None else refs.projections[0].nbytes + 1024)
-    notes = prepare_output(odir, need, "the coordinate files", "--odir")
+    notes = prepare_output(odir, need, "the coordinate files", "--odir") if comm.is_root else []  # rank 0 writes
     yield Started(JOB_NAME, odir, be.name, f"picking {n} micrographs ({mode}, {apix:.3f} Å/px)")
     yield from notes
     for f in failures:
         yield Message(f"skipping micrograph {f}", "warning")
-    odir.mkdir(parents=True, exist_ok=True)
-    write_note(odir, JOB_NAME, p)
-    if refs is not None:
-        if refs.projections is not None:
+    if comm.is_root:
+        odir.mkdir(parents=True, exist_ok=True)
+        write_note(odir, JOB_NAME, p)
+        if refs is not None and refs.projections is not None:
             write_mrc(odir / "reference_projections.mrcs", *refs.projections)
             ref_notes.append(f"the projections are in {odir / 'reference_projections.mrcs'}")
+    if refs is not None:
         for t in ref_notes:
             yield Message(t)
         yield Message(f"{len(refs.refs)} references of {refs.refs.shape[-1]} px, particle diameter "
                       f"{refs.diameter_A:.1f} Å (disc radius {refs.radius_px} px)")
     setups: dict[tuple[int, int], Setup] = {}
+    read_failures: list[str] = []  # of this rank, since the last round (rank 0 adds every rank's to failures)
     done_names: list[str] = []
     done_files: list[str] = []
     n_picks = 0
@@ -347,9 +359,11 @@ def run(p: Params) -> Iterator:
     # one LoG micrograph at a time unless --batch says otherwise: on the H100 batches of 4 were 4x slower than
     # single micrographs at 4096 px (benchmarks/results/picking_h100.json)
     mic_batch = max(1, p.batch) if (p.LoG and p.batch) else 1
-    i = 0
-    while i < n:
-        chunk = entries[i:i + mic_batch]
+    block = comm.share(n)  # this rank's micrographs: [i, stop)
+    i, stop = (int(block[0]), int(block[-1]) + 1) if block.size else (n, n)
+    done = 0
+    while comm.any(i < stop):  # one round: every rank picks its next chunk (or none), rank 0 writes them all
+        chunk = entries[i:min(i + mic_batch, stop)]
         raws: dict[tuple[int, int], list] = {}
         for e in chunk:
             try:
@@ -358,10 +372,9 @@ def run(p: Params) -> Iterator:
             except (InputError, OSError, ValueError) as exc:
                 if not p.skip_bad_micrographs:
                     raise
-                failures.append(f"{e.name}: {exc}")
-                yield Message(f"skipping micrograph {e.name}: {exc}", "warning")
+                read_failures.append(f"{e.name}: {exc}")
+        results = []
         try:
-            results = []
             for shape, items in raws.items():
                 if shape not in setups:
                     setups[shape] = _setup(shape, p, apix, xp, refs, be)
@@ -386,8 +399,19 @@ def run(p: Params) -> Iterator:
                 free_cached_memory(be)
                 mic_batch = max(1, mic_batch // 2)
                 yield Message(f"out of memory; retrying with {mic_batch} micrographs per batch", "warning")
-                continue
-            raise
+                results, chunk = [], []  # the same micrographs again in the next round
+            else:
+                raise
+        rounds = comm.gather((results, len(chunk), read_failures))
+        read_failures = []
+        if not comm.is_root:
+            i += len(chunk)
+            continue
+        results = [r for res, _, _ in rounds for r in res]
+        for _, _, fails in rounds:
+            failures += fails
+            for f in fails:
+                yield Message(f"skipping micrograph {f}", "warning")
         for e, X, Y, v, k, psi in results:
             f = odir / (output_root(e.name) + "_autopick.star")
             write_coordinates(f, X, Y, fom=v, class_number=k, psi=psi)
@@ -397,7 +421,10 @@ def run(p: Params) -> Iterator:
             yield MicrographPicked(e.name, e.row, np.stack([X, Y], 1).astype(np.float64) if len(X) else
                                    np.zeros((0, 2)), np.asarray(v, np.float64))
         i += len(chunk)
-        yield Progress(i, n, "picking")
+        done += sum(c for _, c, _ in rounds)
+        yield Progress(done, n, "picking")
+    if not comm.is_root:
+        return
     # keep STAR order; write the list even when some micrographs failed
     order = {e.name: e.row for e in ml.entries}
     idx = np.argsort([order[nm] for nm in done_names], kind="stable")

@@ -14,6 +14,7 @@ from typing import Any
 from ..compute.backend import Backend, free_cached_memory, is_out_of_memory, select_backend
 from ..errors import InputError, os_error_line
 from ..io.atomic import remove_stale_temporaries
+from ..parallel import gpu_for_rank, world
 from .events import Message
 
 #: Bytes of an MRC header, and a margin for the small files of a job (note.txt, STAR headers).
@@ -66,11 +67,24 @@ def write_note(out_dir: Path, job: str, params) -> Path:
 
 
 def backend_for(params) -> Backend:
-    """The backend --cpu / --gpu N ask for; an InputError when that GPU is not there (never a silent CPU run)."""
+    """The backend --cpu / --gpu ask for; an InputError when that GPU is not there (never a silent CPU run).
+    --gpu takes RELION's syntax: "0:1:2:3" maps the MPI ranks of a host to these GPUs in turn (several ranks
+    may share one); without --gpu the ranks of a host take its GPUs in turn. The chosen GPU becomes the
+    current CUDA device of this process."""
+    cpu, spec = bool(getattr(params, "cpu", False)), getattr(params, "gpu", None)
     try:
-        return select_backend(cpu=bool(getattr(params, "cpu", False)), gpu=getattr(params, "gpu", None))
+        comm = world()
+        gpu = gpu_for_rank(spec, comm.local_rank)
+        if gpu is None and comm.size > 1 and not cpu:
+            be = select_backend(cpu=False, gpu=None)
+            if be.is_gpu:
+                gpu = gpu_for_rank(None, comm.local_rank, be.xp.cuda.runtime.getDeviceCount())
+        be = select_backend(cpu=cpu, gpu=gpu)
     except ValueError as exc:
         raise InputError(str(exc)) from exc
+    if be.is_gpu:
+        be.xp.cuda.Device(be.device).use()
+    return be
 
 
 def require_file(path: Path | None, what: str, suffixes: tuple[str, ...] | None = None) -> None:

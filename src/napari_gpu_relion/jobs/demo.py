@@ -39,7 +39,7 @@ class Params:
     particle_diameter: float = param(150.0, "--particle_diameter", "Particle diameter of the data (Å): picking "
                                      "searches 0.8-1.2 x this")
     cpu: bool = param(False, "--cpu", "Run on the CPU even if a GPU is present")
-    gpu: int | None = param(None, "--gpu", "GPU index to use")
+    gpu: str | None = param(None, "--gpu", "GPU index; MPI: RELION's 0:1:2:3, ranks take them in turn")
 
 
 def _forward(gen, sink: list):

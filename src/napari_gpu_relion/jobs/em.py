@@ -48,6 +48,7 @@ from ..io.model_star import (
 from ..io.mrc import read_mrc, require_usable_map
 from ..io.particle_images import parse_image_name
 from ..io.star import read_star
+from ..parallel import world
 from .common import (
     backend_for,
     batched_with_oom_retry,
@@ -58,6 +59,7 @@ from .common import (
     require_file,
     write_note,
 )
+from .distributed import merge_particles, root_events, sum_estep
 from .events import Finished, Message, Progress, Started
 from .particles import ParticleSet, load_particle_set
 
@@ -107,7 +109,7 @@ class EMParams:
     continue_from: Path | None = param(None, "--continue", "Continue from a run_itNNN_optimiser.star")
     batch: int = param(0, "--batch", "Particles per batch; 0 = from free memory")
     cpu: bool = param(False, "--cpu", "Run on the CPU (NumPy) even if a GPU is present")
-    gpu: int | None = param(None, "--gpu", "GPU index to use")
+    gpu: str | None = param(None, "--gpu", "GPU index; MPI: RELION's 0:1:2:3, ranks take them in turn")
 
     #: Options that --continue takes from the command line, not from the optimiser STAR.
     RUNTIME = ("continue_from", "cpu", "gpu", "batch")
@@ -217,6 +219,7 @@ class EMJob:
 
     def __init__(self, p):
         self.p = p
+        self.comm = world()  # MPI ranks share the particles of each half; size 1 without MPI
         self.t_start = time.time()
         self.continued = p.continue_from is not None
         self.opt: dict | None = None
@@ -323,11 +326,14 @@ class EMJob:
                                class_offset_prior_A=opts.pop("class_offset_prior_A", None),
                                max_fine_bytes=it.plan.fine_chunk_bytes)
             stage = f"it {self.state.iteration:03d}" + (f" half {h + 1}" if len(self.halves) > 1 else "")
-            yield from run_estep(self.ps, rows_h, setup, sums, self.be, mask_radius_px=self.mask_r,
+            mine = self.comm.share(rows_h)  # this rank's block of the half
+            yield from run_estep(self.ps, mine, setup, sums, self.be, mask_radius_px=self.mask_r,
                                  zero_mask=self.p.zero_mask, do_norm=getattr(self.p, "norm", False),
                                  norm_average=self.state.norm_average, scales=self.model.scales,
                                  batch=it.plan.batch, stage=stage, seed=self.p.random_seed + self.state.iteration,
                                  local_sigma=it.local_sigma, sym=getattr(self.p, "sym", "C1"), **opts)
+            sum_estep(self.comm, sums, acc)  # every rank: the sums over all ranks
+            merge_particles(self.comm, self.ps, mine)
             it.sums.append(sums)
             it.accumulators.append(acc)
         self._prepared = None  # it.references keeps them for the M-step; nothing else holds them after it
@@ -381,16 +387,23 @@ class EMJob:
 
 
 def run(job: EMJob) -> Iterator:
-    """The iteration driver: RELION's steps in RELION's order, for any EMJob."""
+    """The iteration driver: RELION's steps in RELION's order, for any EMJob. Under MPI every rank runs it (the
+    M-step too, on the summed accumulators); rank 0 alone writes the files and yields the events."""
+    yield from root_events(job.comm, _run(job))
+
+
+def _run(job: EMJob) -> Iterator:
+    root = job.comm.is_root
     job.model = job.restore() if job.continued else job.initial_model()
     refs = job.model.refs  # K maps per half: the first iteration's files must fit on the disk before it starts
     notes = prepare_output(job.files.folder, em_iteration_bytes(sum(len(r) for r in refs), job.N, job.ndim,
                                                                 len(job.ps), job.p.i, len(refs)),
-                           "one iteration's files")
+                           "one iteration's files") if root else []  # rank 0 alone writes (and cleans up)
     yield Started(job.name, job.files.folder, job.be.name, job.describe())
     yield from notes
-    job.files.folder.mkdir(parents=True, exist_ok=True)
-    write_note(job.files.folder, job.name, job.p)
+    if root:
+        job.files.folder.mkdir(parents=True, exist_ok=True)
+        write_note(job.files.folder, job.name, job.p)
     while True:
         job.state.iteration += 1
         it = yield from job.update_sampling()
@@ -398,11 +411,13 @@ def run(job: EMJob) -> Iterator:
         job.maximization(it)
         job.update_resolution(it)
         last = job.check_convergence(it)
-        yield from job.write(it)
+        if root:
+            yield from job.write(it)
         if last:
             break
     free_cached_memory(job.be)
-    yield job.finished()
+    if root:
+        yield job.finished()
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from ..io.micrographs import (
 )
 from ..io.mrc import write_mrc
 from ..io.star import read_coordinates, read_particles, write_particles
+from ..parallel import world
 from .common import (
     backend_for,
     batched_with_oom_retry,
@@ -40,6 +41,7 @@ from .common import (
     prepare_output,
     write_note,
 )
+from .distributed import root_events
 from .events import Finished, Message, Progress, Started
 
 JOB_NAME = "extract"
@@ -78,7 +80,7 @@ class Params:
     random_seed: int = param(0, "--random_seed", "Seed for dust replacement noise")
     batch: int = param(0, "--batch", "Particles per batch; 0 = from free memory")
     cpu: bool = param(False, "--cpu", "Run on the CPU (NumPy) even if a GPU is present")
-    gpu: int | None = param(None, "--gpu", "GPU index to use")
+    gpu: str | None = param(None, "--gpu", "GPU index; MPI: RELION's 0:1:2:3, ranks take them in turn")
 
     def __post_init__(self):
         if self.i is None or self.o is None:
@@ -153,6 +155,13 @@ def _coordinates_from_particles(p: Params, apix_mic: float) -> tuple[dict[str, t
 
 
 def run(p: Params) -> Iterator:
+    """Under MPI every rank extracts its block of the micrographs and writes their particle stacks (as
+    relion_preprocess_mpi); rank 0 gathers the particle rows, writes particles.star and yields the events."""
+    yield from root_events(world(), _run(p))
+
+
+def _run(p: Params) -> Iterator:
+    comm = world()
     ml = micrograph_list(p.i, p.angpix)
     apix = ml.pixel_size
     B, b = p.extract_size, p.out_size
@@ -189,19 +198,24 @@ def run(p: Params) -> Iterator:
                              f" is outside micrograph {e.name} ({nx} x {ny} px): {col} = {val}; the box of "
                              f"{B} px would be entirely outside", path=str(src), column=col)
     stacks = n_boxes * b * b * (2 if p.float16 else 4) + len(todo) * mrc_bytes(0)
-    out_notes = prepare_output(out_dir, stacks + n_boxes * 600, "the particle stacks and STAR file")
+    out_notes = (prepare_output(out_dir, stacks + n_boxes * 600, "the particle stacks and STAR file")
+                 if comm.is_root else [])  # rank 0 alone checks the disk and removes stale temporaries
     yield Started(JOB_NAME, out_dir, be.name, f"extracting from {len(todo)} micrographs, box {B} -> {b} px")
     yield from out_notes
     for t in notes:
         yield Message(t)
     for f in failures:
         yield Message(f"skipping micrograph {f}", "warning")
+    comm.barrier()  # every rank writes stacks: none before rank 0's checks have passed (else it stops them all)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_note(out_dir, JOB_NAME, p)
+    if comm.is_root:
+        write_note(out_dir, JOB_NAME, p)
     rows: list[pd.DataFrame] = []
     n_total, n_edge = 0, 0
+    n_header_failures = len(failures)  # found by every rank
     todo = [e for e in todo if e.name in shapes]
-    for k, e in enumerate(todo):
+    for k in comm.share(len(todo)):  # this rank's micrographs (k: the index in todo, as without MPI)
+        k, e = int(k), todo[k]
         df, _src = coords[e.name]
         df = df.reset_index(drop=True)
         if p.minimum_pick_fom > -9999 and "rlnAutopickFigureOfMerit" in df:
@@ -250,6 +264,13 @@ def run(p: Params) -> Iterator:
         rows.append(part)
         n_total += len(df)
         yield Progress(k + 1, len(todo), "extracting")
+    gathered = comm.gather((rows, n_total, n_edge, failures[n_header_failures:]))
+    if not comm.is_root:
+        return
+    for other in gathered[1:]:  # the other ranks' micrographs come after rank 0's (blocks in todo order)
+        rows += other[0]
+        n_total, n_edge = n_total + other[1], n_edge + other[2]
+        failures += other[3]
     if not rows:
         raise InputError("no particles were extracted" + (f"; failures: {'; '.join(failures)}" if failures else ""))
     parts = pd.concat(rows, ignore_index=True)

@@ -23,6 +23,7 @@ from ..io.atomic import ensure_not_input
 from ..io.mrc import map_problem, write_mrc
 from ..io.particle_images import check_image_stacks, load_images
 from ..io.star import ParticleTable, read_particles
+from ..parallel import world
 from .common import (
     backend_for,
     batched_with_oom_retry,
@@ -34,6 +35,7 @@ from .common import (
     require_file,
     write_note,
 )
+from .distributed import accumulator_grids, root_events
 from .events import Finished, MapUpdated, Message, Progress, Started
 
 JOB_NAME = "reconstruct"
@@ -55,7 +57,7 @@ class Params:
     angpix: float = param(-1.0, "--angpix", "Pixel size (Å); -1 = from the STAR optics table")
     batch: int = param(0, "--batch", "Particles per batch; 0 = from free memory")
     cpu: bool = param(False, "--cpu", "Run on the CPU (NumPy) even if a GPU is present")
-    gpu: int | None = param(None, "--gpu", "GPU index to use")
+    gpu: str | None = param(None, "--gpu", "GPU index; MPI: RELION's 0:1:2:3, ranks take them in turn")
 
     def __post_init__(self):
         require_file(self.i, "--i particles STAR", (".star",))
@@ -104,6 +106,13 @@ def load_for_reconstruction(path: Path, ctf: bool, subset: int) -> ParticleTable
 
 
 def run(p: Params) -> Iterator:
+    """Under MPI every rank back-projects its block of the particles; the grids are summed and rank 0
+    reconstructs, writes and yields the events."""
+    yield from root_events(world(), _run(p))
+
+
+def _run(p: Params) -> Iterator:
+    comm = world()
     table = load_for_reconstruction(Path(p.i), p.ctf, p.subset)
     apix = p.angpix if p.angpix > 0 else table.pixel_size
     offsets = particle_offsets_px(table, apix)
@@ -114,10 +123,11 @@ def run(p: Params) -> Iterator:
     be = backend_for(p)
     xp = be.xp
     out = Path(p.o)
-    notes = prepare_output(out.parent, mrc_bytes(N, N, N), "the map", "--o")
+    notes = prepare_output(out.parent, mrc_bytes(N, N, N), "the map", "--o") if comm.is_root else []  # rank 0 writes
     yield Started(JOB_NAME, out.parent, be.name, f"reconstructing {n} particles, box {N}, {apix:.3f} Å/px")
     yield from notes
-    write_note(out.parent, JOB_NAME, p)
+    if comm.is_root:
+        write_note(out.parent, JOB_NAME, p)
     r_max = N / 2 if p.maxres <= 0 else min(N / 2, N * apix / p.maxres)
     sym = symmetry_group(p.sym)
     ang = df[list(ANGLE_COLUMNS)].to_numpy(np.float64)
@@ -126,7 +136,10 @@ def run(p: Params) -> Iterator:
     per_image = 700 * N * N + 8 * N * N
     batch = p.batch or int(max(1, min(4096, 0.25 * be.free_bytes() // per_image)))
 
-    def work(i0: int, i1: int) -> None:
+    mine = comm.share(n)  # this rank's particles (all of them without MPI)
+
+    def work(j0: int, j1: int) -> None:
+        i0, i1 = int(mine[j0]), int(mine[j1 - 1]) + 1
         imgs = xp.asarray(load_images(table, rows=np.arange(i0, i1), check_values=True))
         F = rfft_centered(imgs.astype(np.float32), 2)
         F = phase_shift_2d(F, xp.asarray(offsets[i0:i1]), N)  # shifting by +origin centres the particle
@@ -137,11 +150,14 @@ def run(p: Params) -> Iterator:
         else:
             bp.insert_images(A, F, xp.ones(F.shape, dtype=np.float32))
 
-    for item in batched_with_oom_retry(n, batch, work, be):
+    for item in batched_with_oom_retry(mine.size, batch, work, be):
         if isinstance(item, Message):
             yield item
         else:
             yield Progress(item[0], item[1], "back-projecting")
+    comm.sum_arrays(accumulator_grids(bp))
+    if not comm.is_root:
+        return
     bp.enforce_hermitian()
     if sym.order > 1:
         yield Message(f"symmetrising with {sym.name} ({sym.order} operators)")

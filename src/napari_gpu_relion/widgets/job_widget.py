@@ -74,6 +74,7 @@ from ..jobs.events import (
     Progress,
     Started,
 )
+from ..mpi_child import MPI_JOBS, mpi_available, run_under_mpi
 from .display import LiveDisplay
 from .form_model import form_layout, form_of
 from .runner import Job, JobRunner, JobState, error_message, get_runner
@@ -296,6 +297,20 @@ def _from_json(spec: FieldSpec, widget: Any, value: Any) -> None:
         widget.value = value
 
 
+def mpi_ranks_input(job_name: str) -> SpinBox | None:
+    """The "MPI ranks" field of a job that runs under MPI (enabled where mpi4py and mpiexec are installed)."""
+    if job_name not in MPI_JOBS:
+        return None
+    box = SpinBox(value=1, min=1, max=256, name="job_mpi_ranks", label="MPI ranks")
+    if mpi_available():
+        box.tooltip = ("Run the job on this many MPI ranks (mpiexec in a child process; results appear as they "
+                       "come). With --gpu 0:1:2:3 the ranks take these GPUs in turn; several may share one.")
+    else:
+        box.enabled = False
+        box.tooltip = "MPI is not installed: pip install 'napari-gpu-relion[mpi]'"
+    return box
+
+
 def _device_of(params: Any) -> str:
     """Runner key: jobs on the same device run one after another. The device is the one the job will really
     use: a job that may use a GPU runs on the CPU where there is none, so it queues with the CPU jobs."""
@@ -473,7 +488,9 @@ class JobWidget(Container):
         self.maps_info.visible = False
         self._map_levels: dict[str, float] = {}
         #: how the job runs: progress, status, folder (always shown, under the option tabs)
-        self.panel = Container(widgets=[self.progress, self.status, self.maps_info, folder_row], labels=True,
+        self.mpi_ranks = mpi_ranks_input(self.job_name)  # None for jobs that do not run under MPI
+        extra = [self.mpi_ranks] if self.mpi_ranks is not None else []
+        self.panel = Container(widgets=[*extra, self.progress, self.status, self.maps_info, folder_row], labels=True,
                                name="job_panel")
         self.panel.margins = (0, 0, 0, 0)
 
@@ -647,8 +664,11 @@ class JobWidget(Container):
             IterationFinished: self._on_iteration,
         }
         self.display.anchor(self.native)  # its result plots dock beside this widget
-        self.job = runner.submit(self.job_name, lambda: module.run(params), handlers=handlers,
-                                 on_state=self._on_state, prepare=self.display.prepare_event)
+        ranks = self.mpi_ranks.value if self.mpi_ranks is not None else 1
+        factory = ((lambda: run_under_mpi(self.job_name, params, ranks)) if ranks > 1  # a child mpiexec
+                   else (lambda: module.run(params)))
+        self.job = runner.submit(self.job_name, factory, handlers=handlers, on_state=self._on_state,
+                                 prepare=self.display.prepare_event)
         self._on_state(self.job)  # submit() may have started it before self.job was set
         return self.job
 

