@@ -338,6 +338,19 @@ def wrapping(label: Label) -> None:
     native.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
 
 
+def _scroll_page(page: QWidget) -> QScrollArea:
+    """A tab page in a vertical scroll area, never narrower than the page (no horizontal scrolling: labels and
+    buttons are never cut off)."""
+    scroll = QScrollArea()
+    scroll.setWidgetResizable(True)
+    scroll.setFrameShape(QScrollArea.Shape.NoFrame)
+    scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+    scroll.setWidget(page)
+    scroll.setMinimumHeight(120)
+    scroll.setMinimumWidth(page.minimumSizeHint().width() + scroll.verticalScrollBar().sizeHint().width())
+    return scroll
+
+
 def _option_tabs(job: str, specs: list[FieldSpec], inputs: dict[str, Any]) -> QTabWidget:
     """The options in RELION-like tabs (widgets/form_model.py): per tab the basic options, then the advanced
     ones folded in a collapsible "More options". Each tab scrolls, so the dock's height stays small."""
@@ -368,15 +381,7 @@ def _option_tabs(job: str, specs: list[FieldSpec], inputs: dict[str, Any]) -> QT
             if not tab.basic:
                 more.expand(animate=False)
         layout.addStretch(1)
-        scroll = QScrollArea()
-        scroll.setWidgetResizable(True)
-        scroll.setFrameShape(QScrollArea.Shape.NoFrame)
-        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        scroll.setWidget(page)
-        scroll.setMinimumHeight(120)
-        # never narrower than the page (no horizontal scrolling: labels and buttons are never cut off)
-        scroll.setMinimumWidth(page.minimumSizeHint().width() + scroll.verticalScrollBar().sizeHint().width())
-        tabs.addTab(scroll, tab.name)
+        tabs.addTab(_scroll_page(page), tab.name)
     return tabs
 
 
@@ -519,13 +524,7 @@ class JobWidget(Container):
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(box.native)
         layout.addStretch(1)
-        scroll = QScrollArea()
-        scroll.setWidgetResizable(True)
-        scroll.setFrameShape(QScrollArea.Shape.NoFrame)
-        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        scroll.setWidget(page)
-        scroll.setMinimumHeight(120)
-        scroll.setMinimumWidth(page.minimumSizeHint().width() + scroll.verticalScrollBar().sizeHint().width())
+        scroll = _scroll_page(page)
         self.tabs.addTab(scroll, name)
         self._results_tab = scroll
         return box
