@@ -251,7 +251,7 @@ def relion_command(a, job: str, root: str) -> str:
 
 
 def our_command(a, job: str, root: str) -> list[str]:
-    opts = common_options(a, job).replace("--random_seed", "--random_seed") + f" --o {root}"
+    opts = common_options(a, job) + f" --o {root}"
     if job == "class2d":
         opts += " --center_classes"
     extra = a.ours_extra.split() if a.ours_extra else []
