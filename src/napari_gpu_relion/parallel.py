@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_
 #: Arrays larger than this are summed on their own, in chunks of this size (bytes); smaller ones are packed into
 #: one buffer per dtype, so one E-step's many small sums cost one collective.
 CHUNK_BYTES = 1 << 28
+ABORT_GRACE_S = 1.0  # seconds a failing rank waits after its message before MPI_Abort (see World.abort)
 
 
 def launched_by_mpi(environ: dict | None = None) -> bool:
@@ -172,8 +174,13 @@ class MPICommunicator(SingleProcess):
         self.comm.Barrier()
 
     def abort(self, message: str, code: int = 1) -> None:
-        """Stop every rank: print ``message`` and MPI_Abort (the launcher ends the others)."""
+        """Stop every rank: print ``message`` and MPI_Abort (the launcher ends the others).
+
+        The launcher forwards a rank's output through a pipe that it stops reading once it kills the job, so an
+        abort right after the print loses the message about one time in five (MPICH's Hydra): wait
+        ``ABORT_GRACE_S`` before aborting."""
         print(message, file=sys.stderr, flush=True)
+        time.sleep(ABORT_GRACE_S)
         self.comm.Abort(code)
         os._exit(code)  # MPI_Abort may return after notifying the launcher; this rank must not go on
 
