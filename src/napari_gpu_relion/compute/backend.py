@@ -252,6 +252,20 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return type(exc).__name__ in ("OutOfMemoryError", "CUFFT_ALLOC_FAILED") or "out of memory" in str(exc).lower()
 
 
+def device_pool_line(be: Backend) -> str:
+    """CuPy's memory pool after an iteration ("" on the CPU): the bytes arrays use, the bytes the pool holds
+    from the device (used + cached), and the device's free memory, in GiB. Flat from iteration 2 on means no
+    creeping memory."""
+    if not be.is_gpu:
+        return ""
+    with be.xp.cuda.Device(be.device):
+        pool = be.xp.get_default_memory_pool()
+        free, total = be.xp.cuda.runtime.memGetInfo()
+        g = 1024.0**3
+        return (f"device memory: arrays {pool.used_bytes() / g:.2f} GiB, pool {pool.total_bytes() / g:.2f} GiB, "
+                f"device free {free / g:.2f} of {total / g:.1f} GiB")
+
+
 def free_cached_memory(be: Backend) -> None:
     """Give CuPy's cached blocks back to the driver (at job end)."""
     if be.is_gpu:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from .backend import CHUNK_BYTES, INSERT_CHUNK_POINTS, get_array_module, is_out_of_memory, to_host
-from .fourier import half_grid_indices, irfft_centered, round_half_away
-from .masks import soft_mask_outside
-from .projector import _corner_indices, interpolate, pixel_list, rotated_frequencies, sinc2_gridding, stack_offsets
+from .fourier import _fft_module, half_grid_indices, round_half_away
+from .masks import soft_edge_weight
+from .projector import _corner_indices, interpolate, pixel_list, rotated_frequencies, stack_offsets
 
 
 def _scatter_add(target_flat, idx, vals):
@@ -52,47 +52,127 @@ def _enforce_hermitian(re, im, w, ndim: int) -> None:
     re[sl], im[sl], w[sl] = new
 
 
-def reconstruct_grids(data, weight, size: int, pad: int, ndim: int, r_max: float, tau2=None,
-                      tau2_fudge: float = 1.0, minres_map: int = 5, soft_edge: bool = True):
-    """BackProjector.reconstruct for B grids at once: data (B, *half grid) complex, weight (B, *half grid),
-    tau2 (B, shells) or None -> (B, N, ...) float32 maps (one batched inverse FFT)."""
+def reconstruct_grids(data_re, data_im, weight, size: int, pad: int, ndim: int, r_max: float, tau2=None,
+                      tau2_fudge: float = 1.0, minres_map: int = 5, soft_edge: bool = True,
+                      max_bytes: int = CHUNK_BYTES):
+    """BackProjector.reconstruct for B grids at once: data (B, *half grid) as real and imaginary parts, weight
+    (B, *half grid), tau2 (B, shells) or None -> (B, N, ...) float32 maps.
+
+    Worked in slabs of the half grid (rows of its second-to-last axis, about ``max_bytes`` of temporaries each)
+    and, in 3D, inverted one axis at a time keeping only the N central real-space rows of each axis (the padded
+    box is never formed), so the transient is ~12 bytes per grid voxel at pad 2 instead of ~115 for whole-grid
+    arrays (memory_plan.RECONSTRUCT_BYTES_PER_VOXEL): what lets box 512 reconstruct with pad 2."""
     xp = get_array_module(weight)
     N, pf = size, pad
     B = weight.shape[0]
     P = pf * N
-    ks = half_grid_indices(P, ndim, xp)
-    q2 = sum(k.astype(np.float64) ** 2 for k in ks)
-    shells = round_half_away(xp.sqrt(q2) / pf).astype(np.int64)
+    H = P // 2 + 1
     lim2 = float(round_half_away(np.float64(pf * r_max))) ** 2
-    inside = q2 < lim2
-    W = weight.astype(np.float64, copy=True)
-    if tau2 is not None:
-        t2 = xp.asarray(tau2, dtype=np.float64).reshape(B, -1)
-        L = t2.shape[1]
-        t = t2[:, xp.clip(shells, 0, L - 1)]
-        prior_ok = (inside & (shells >= minres_map) & (shells < L))[None]
-        add = xp.where(prior_ok & (t > 0), 1.0 / xp.maximum(pf**ndim * tau2_fudge * t, 1e-300), 0.0)
-        add = xp.where(prior_ok & (t <= 0) & (W > 0), 1.0 / xp.maximum(0.001 * W, 1e-300), add)
-        W = W + add
-    # floor: shell mean of W / 1000, shells r' = FLOOR(|q|/pf)
     nsh = int(r_max) + 2
-    rf = xp.where(inside, xp.floor(xp.sqrt(q2) / pf).astype(np.int64), nsh)
-    idx = (xp.arange(B)[:, None] * (nsh + 1) + rf.reshape(1, -1)).reshape(-1)
-    sums = xp.bincount(idx, weights=xp.where(inside[None], W, 0).reshape(-1), minlength=B * (nsh + 1))
-    cnts = xp.bincount(rf.reshape(-1), minlength=nsh + 1)
-    wbar = sums.reshape(B, nsh + 1) / xp.maximum(cnts, 1)[None] / 1000.0
-    denom = xp.maximum(W, wbar[:, xp.minimum(rf, nsh)])
-    ok = inside[None] & (denom > 0)
-    Vhat = xp.where(ok, data / xp.where(denom > 0, denom, 1.0), 0)
-    del W, denom, ok
-    vol_pad = irfft_centered(Vhat, P, ndim)
-    lo = P // 2 - N // 2
-    sl = (slice(None),) + tuple(slice(lo, lo + N) for _ in range(ndim))
-    vol = vol_pad[sl] * (1.0 / (pf**3 * N) if ndim == 3 else 1.0 / pf**2)
+    t2 = None if tau2 is None else xp.asarray(tau2, dtype=np.float64).reshape(B, -1)
+    rows = P if ndim == 3 else H  # slabs: rows of axis -2 (3D) or columns of axis -1 (2D)
+    per_row = B * (P * H if ndim == 3 else P) * 96  # bytes of the float64/complex128 temporaries of one row
+    step = int(max(1, min(rows, max_bytes // per_row)))
+
+    def geometry(a: int, b: int):
+        """'inside' (the reconstructed sphere) and the shells ROUND(|q|/pf) and FLOOR(|q|/pf) of slab a:b."""
+        ks = list(half_grid_indices(P, ndim, xp))
+        ks[1] = ks[1][:, a:b]  # 3D: y rows (axis 1 of the grid); 2D: x columns (its last axis)
+        q2 = sum(k.astype(np.float64) ** 2 for k in ks)
+        inside = q2 < lim2
+        r = xp.sqrt(q2) / pf
+        return inside, round_half_away(r).astype(np.int64), xp.where(inside, xp.floor(r).astype(np.int64), nsh)
+
+    def regularised_weight(a: int, b: int, inside, shells):
+        """W of slab a:b with the MAP prior 1/(pf^ndim T tau2) added, and the slab's index in (B, *grid)."""
+        sl = (slice(None), slice(None), slice(a, b))
+        W = weight[sl].astype(np.float64)
+        if t2 is not None:
+            L = t2.shape[1]
+            t = t2[:, xp.clip(shells, 0, L - 1)]
+            prior_ok = (inside & (shells >= minres_map) & (shells < L))[None]
+            add = xp.where(prior_ok & (t > 0), 1.0 / xp.maximum(pf**ndim * tau2_fudge * t, 1e-300), 0.0)
+            add = xp.where(prior_ok & (t <= 0) & (W > 0), 1.0 / xp.maximum(0.001 * W, 1e-300), add)
+            W = W + add
+        return W, sl
+
+    # pass 1: the floor, shell mean of W / 1000 over shells FLOOR(|q|/pf) inside the sphere
+    sums = xp.zeros((B, nsh + 1))
+    cnts = xp.zeros(nsh + 1)
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        inside, shells, rf = geometry(a, b)
+        W, _ = regularised_weight(a, b, inside, shells)
+        idx = (xp.arange(B)[:, None] * (nsh + 1) + rf.reshape(1, -1)).reshape(-1)
+        sums += xp.bincount(idx, weights=xp.where(inside[None], W, 0).reshape(-1),
+                            minlength=B * (nsh + 1)).reshape(B, nsh + 1)
+        cnts += xp.bincount(rf.reshape(-1), minlength=nsh + 1)
+    wbar = sums / xp.maximum(cnts, 1)[None] / 1000.0
+
+    def vhat(a: int, b: int):
+        """The regularised Fourier map of slab a:b: data / max(W, floor) inside the sphere, 0 elsewhere."""
+        inside, shells, rf = geometry(a, b)
+        W, sl = regularised_weight(a, b, inside, shells)
+        denom = xp.maximum(W, wbar[:, xp.minimum(rf, nsh)])
+        ok = inside[None] & (denom > 0)
+        return xp.where(ok, (data_re[sl] + 1j * data_im[sl]) / xp.where(denom > 0, denom, 1.0), 0)
+
+    crop = (xp.arange(N) - N // 2) % P  # the N central rows of a centred padded axis, in the FFT's order
+    fft, kw = _fft_module(xp)
+    if ndim == 2:  # small grids: one inverse transform of the whole padded image, then the central N x N
+        V = xp.concatenate([vhat(a, min(rows, a + step)) for a in range(0, rows, step)], axis=-1)
+        x = fft.irfftn(V, s=(P, P), axes=(-2, -1), norm="forward", **kw)
+        vol = x[:, crop][:, :, crop]
+    else:  # z then y (complex, per slab of y rows, then per slab of the kept z rows), then x (real)
+        A = xp.empty((B, N, P, H), dtype=np.complex128)
+        for a in range(0, rows, step):
+            b = min(rows, a + step)
+            A[:, :, a:b] = fft.ifft(vhat(a, b), axis=1, norm="forward", **kw)[:, crop]
+        zstep = int(max(1, min(N, max_bytes // (B * P * H * 32))))
+        C = xp.empty((B, N, N, H), dtype=np.complex128)
+        for a in range(0, N, zstep):
+            C[:, a:a + zstep] = fft.ifft(A[:, a:a + zstep], axis=2, norm="forward", **kw)[:, :, crop]
+        del A
+        vol = xp.empty((B, N, N, N), dtype=np.float64)
+        for a in range(0, N, zstep):
+            vol[:, a:a + zstep] = fft.irfft(C[:, a:a + zstep], n=P, axis=3, norm="forward", **kw)[..., crop]
+        del C
+    vol *= 1.0 / (pf**3 * N) if ndim == 3 else 1.0 / pf**2
+    return _soft_edge_and_gridding(vol, N, pf, ndim, soft_edge, max_bytes).astype(np.float32)
+
+
+def _soft_edge_and_gridding(vol, N: int, pf: int, ndim: int, soft_edge: bool, max_bytes: int):
+    """In place on (B, N, ...) float64 maps, in slabs of their first spatial axis: RELION's soft edge at N/2
+    (3 px wide, the outside filled with the edge-weighted mean) and the division by the sinc^2 gridding
+    kernel (projector.sinc2_gridding) -- the same as masks.soft_mask_outside and that division on the whole box,
+    without box-sized temporaries (a 1024^3 float64 box is 8 GiB)."""
+    xp = get_array_module(vol)
+    B = vol.shape[0]
+    c0 = (xp.arange(N) - N // 2).astype(np.float64)
+    step = int(max(1, min(N, max_bytes // (B * N ** (ndim - 1) * 8 * 6))))
+    axes = tuple(range(1, ndim + 1))
+
+    def radius(a: int, b: int):
+        if ndim == 2:
+            return xp.sqrt(c0[a:b, None] ** 2 + c0[None, :] ** 2)
+        return xp.sqrt(c0[a:b, None, None] ** 2 + c0[None, :, None] ** 2 + c0[None, None, :] ** 2)
+
+    spans = [(a, min(N, a + step)) for a in range(0, N, step)]
     if soft_edge:
-        vol = soft_mask_outside(vol, N / 2, 3.0, ndim)
-    vol = vol / sinc2_gridding(N, pf, ndim, xp)
-    return vol.astype(np.float32)
+        num, wsum = xp.zeros(B), 0.0
+        for a, b in spans:
+            c = soft_edge_weight(radius(a, b), N / 2, 3.0, xp)
+            num += (vol[:, a:b] * c[None]).sum(axis=axes)
+            wsum += float(c.sum())
+        bg = (num / max(wsum, 1e-12)).reshape((B,) + (1,) * ndim)
+    for a, b in spans:
+        r = radius(a, b)
+        if soft_edge:
+            c = soft_edge_weight(r, N / 2, 3.0, xp)[None]
+            vol[:, a:b] = (1 - c) * vol[:, a:b] + c * bg
+        sinc = xp.sinc(r / (pf * N))
+        vol[:, a:b] /= (sinc * sinc)[None]
+    return vol
 
 
 def _chunk_contributions(A, kx, ky, v, w, pad: int, P: int, rmp2: float, base=None):
@@ -257,8 +337,8 @@ class BackProjector:
         weight / 1000 avoids division by tiny weights. Then inverse FFT, crop, /(pf^3 N) (3D) or /pf^2 (2D),
         soft edge at N/2 (3 px) and the sinc^2 gridding correction."""
         t2 = None if tau2 is None else self.xp.asarray(tau2, dtype=np.float64)[None]
-        return reconstruct_grids(self.data[None], self.weight[None], self.size, self.pad, self.ndim, self.r_max,
-                                 t2, tau2_fudge, minres_map, soft_edge)[0]
+        return reconstruct_grids(self.data_re[None], self.data_im[None], self.weight[None], self.size, self.pad,
+                                 self.ndim, self.r_max, t2, tau2_fudge, minres_map, soft_edge)[0]
 
 
 class BackProjectorStack:
@@ -292,7 +372,7 @@ class BackProjectorStack:
         for k0 in range(0, K, step):  # ceil(K / step) batched reconstructions
             re, im, w = (a[k0:k0 + step] for a in self.arrays)
             t2 = None if tau2 is None else xp.asarray(tau2, dtype=np.float64)[k0:k0 + step]
-            out.append(reconstruct_grids(re + 1j * im, w, self.size, self.pad, self.ndim, self.r_max, t2,
+            out.append(reconstruct_grids(re, im, w, self.size, self.pad, self.ndim, self.r_max, t2,
                                          tau2_fudge))
         return xp.concatenate(out)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .backend import get_array_module
-from .fourier import half_grid_indices, real_radius_grid, rfft_centered
+from .fourier import _fft_module, half_grid_indices, real_radius_grid, rfft_centered
 
 
 def sinc2_gridding(size: int, pad: int, ndim: int = 3, xp=np):
@@ -62,32 +62,69 @@ def stack_references(refs: list[FourierReference]) -> FourierReference:
     return FourierReference(stack, first.size, first.pad, max(r.r_max for r in refs), stacked=True)
 
 
-def prepare_reference(vol, pad: int = 2, r_max: float | None = None, gridding: bool = True) -> FourierReference:
+def prepare_reference(vol, pad: int = 2, r_max: float | None = None, gridding: bool = True,
+                      max_bytes: int = 1 << 28) -> FourierReference:
     """Real-space map (N,)*ndim (3D map or 2D image) -> padded Fourier reference.
 
     Steps (RELION computeFourierTransformMap): divide by sinc^2 (gridding pre-correction), zero-pad centred
     to pf N, forward FFT / (pf N)^ndim with centred phases, keep |q| <= pf r_max, multiply by pf^3 N (3D:
-    slices then equal projection FTs in image normalisation) or pf^2 (2D references)."""
+    slices then equal projection FTs in image normalisation) or pf^2 (2D references).
+
+    3D maps are transformed one axis at a time in slabs of about ``max_bytes`` (x, keeping only the columns
+    within pf r_max, then y, then z), so the padded box is never formed: the transient is a few bytes per
+    padded voxel instead of ~60 (memory_plan.PREPARE_BYTES_PER_VOXEL), what a 1024 box needs."""
     xp = get_array_module(vol)
     ndim = vol.ndim
     N = vol.shape[-1]
     if any(n != N for n in vol.shape):
         raise ValueError(f"reference must be a square/cubic box, got shape {vol.shape}")
     P = pad * N
-    v = vol.astype(np.float64)
-    if gridding:
-        v = v / sinc2_gridding(N, pad, ndim, xp)
-    padded = xp.zeros((P,) * ndim, dtype=np.float64)
-    lo = P // 2 - N // 2
-    sl = tuple(slice(lo, lo + N) for _ in range(ndim))
-    padded[sl] = v
-    F = rfft_centered(padded, ndim)
     rmax = N / 2 if r_max is None else float(r_max)
-    ks = half_grid_indices(P, ndim, xp)
-    q2 = sum(k.astype(np.float64) ** 2 for k in ks)
-    F = xp.where(q2 <= (pad * rmax) ** 2, F, 0)
-    F = F * (pad**3 * N if ndim == 3 else pad**2)
-    return FourierReference(F.astype(np.complex64), N, pad, rmax)
+    scale = pad**3 * N if ndim == 3 else pad**2
+    if ndim == 2:  # small: the whole padded image
+        v = vol.astype(np.float64)
+        if gridding:
+            v = v / sinc2_gridding(N, pad, ndim, xp)
+        padded = xp.zeros((P, P), dtype=np.float64)
+        lo = P // 2 - N // 2
+        padded[lo:lo + N, lo:lo + N] = v
+        F = rfft_centered(padded, 2)
+        ky, kx = half_grid_indices(P, 2, xp)
+        F = xp.where(ky.astype(np.float64) ** 2 + kx.astype(np.float64) ** 2 <= (pad * rmax) ** 2, F, 0)
+        return FourierReference((F * scale).astype(np.complex64), N, pad, rmax)
+    fft, kw = _fft_module(xp)
+    H = P // 2 + 1
+    Hk = int(min(H, np.floor(pad * rmax) + 1))  # x columns that can be within pf r_max
+    at = (xp.arange(N) - N // 2) % P  # where the centred box's rows sit on a padded axis, in the FFT's order
+    rows = int(max(1, min(N, max_bytes // (N * P * 24))))
+    c = (xp.arange(N) - N // 2).astype(np.float64)
+    S1 = xp.empty((N, N, Hk), dtype=np.complex128)  # x transformed
+    for a in range(0, N, rows):
+        b = min(N, a + rows)
+        line = xp.zeros((b - a, N, P))
+        line[..., at] = vol[a:b]
+        if gridding:  # sinc2_gridding of these rows
+            s = xp.sinc(xp.sqrt(c[a:b, None, None] ** 2 + c[None, :, None] ** 2 + c[None, None, :] ** 2) / P)
+            line[..., at] /= s * s
+        S1[a:b] = fft.rfft(line, axis=2, norm="forward", **kw)[..., :Hk]
+    S2 = xp.empty((N, P, Hk), dtype=np.complex128)  # y transformed
+    for a in range(0, N, rows):
+        b = min(N, a + rows)
+        line = xp.zeros((b - a, P, Hk), dtype=np.complex128)
+        line[:, at] = S1[a:b]
+        S2[a:b] = fft.fft(line, axis=1, norm="forward", **kw)
+    del S1
+    out = xp.zeros((P, P, H), dtype=np.complex64)
+    kz, ky, kx = (k.astype(np.float64) for k in half_grid_indices(P, 3, xp))
+    cols = int(max(1, min(P, max_bytes // (P * Hk * 48))))
+    for a in range(0, P, cols):  # z transformed, per slab of y rows; the sphere |q| <= pf r_max kept
+        b = min(P, a + cols)
+        line = xp.zeros((P, b - a, Hk), dtype=np.complex128)
+        line[at] = S2[:, a:b]
+        F = fft.fft(line, axis=0, norm="forward", **kw)
+        keep = kz**2 + ky[:, a:b] ** 2 + kx[..., :Hk] ** 2 <= (pad * rmax) ** 2
+        out[:, a:b, :Hk] = xp.where(keep, F * scale, 0)
+    return FourierReference(out, N, pad, rmax)
 
 
 def _corner_indices(q, P: int):

@@ -16,19 +16,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from ..compute.backend import Backend, MemoryPlan, free_cached_memory, plan_memory, to_host
+from ..compute.backend import Backend, MemoryPlan, device_pool_line, free_cached_memory, plan_memory, to_host
 from ..compute.backprojector import BackProjectorStack
 from ..compute.estep import EStepSetup, EStepSums, expectation_batch, prepare_batch
 from ..compute.expectation import pixel_set
 from ..compute.fourier import fourier_resize
 from ..compute.geometry import matrix_to_euler
 from ..compute.maximization import initial_noise_spectrum
+from ..compute.memory_plan import JobMemory, choose_padding, refusal
 from ..compute.projector import prepare_reference
 from ..compute.sampling import local_candidates, local_search_rows
 from ..compute.schedule import EMState
@@ -110,15 +111,19 @@ class EMParams:
     batch: int = param(0, "--batch", "Particles per batch; 0 = from free memory")
     cpu: bool = param(False, "--cpu", "Run on the CPU (NumPy) even if a GPU is present")
     gpu: str | None = param(None, "--gpu", "GPU index; MPI: RELION's 0:1:2:3, ranks take them in turn")
+    memory_limit: float = param(0.0, "--memory_limit", "Most memory (GiB) the job may plan with on its device; "
+                                "0 = all free memory. A job that cannot fit is refused before it starts")
 
     #: Options that --continue takes from the command line, not from the optimiser STAR.
-    RUNTIME = ("continue_from", "cpu", "gpu", "batch")
+    RUNTIME = ("continue_from", "cpu", "gpu", "batch", "memory_limit")
 
     def check(self, needs_ref: bool, healpix_order: int = 0) -> None:
         """Clear errors before any work (called by each job's __post_init__); a --continue checks its runtime
         options here and the rest when it reads the optimiser STAR."""
         if self.batch < 0:
             raise InputError(f"--batch must be at least 1 particle (or 0: from the free memory), got {self.batch}")
+        if not self.memory_limit >= 0:
+            raise InputError(f"--memory_limit must be >= 0 GiB (0: all free memory), got {self.memory_limit}")
         if self.continue_from is not None:
             require_file(self.continue_from, "--continue optimiser STAR", (".star",))
             return
@@ -237,6 +242,7 @@ class EMJob:
                              offset_step=self.p.offset_step, sigma_offset_A=self.p.offset)
         self.model: EMModel | None = None
         self._plan_shown = False
+        self.job_memory: JobMemory | None = None
         self._prepared: tuple | None = None  # ((iteration, image size), prepared references per half)
 
     # ---- the job-specific steps ----
@@ -277,6 +283,27 @@ class EMJob:
         raise NotImplementedError
 
     # ---- shared machinery ----
+    def budget_bytes(self) -> int:
+        """The memory this job may plan with: the device's free memory, at most --memory_limit, the least over
+        the MPI ranks (so that every rank makes the same choices)."""
+        free = self.be.free_bytes()
+        if self.p.memory_limit > 0:
+            free = min(free, int(self.p.memory_limit * 1024**3))
+        return int(min(self.comm.allgather(int(free))))
+
+    def plan_job_memory(self) -> Iterator:
+        """Before iteration 1: the whole run's memory plan at the full image size. A padding that cannot fit
+        falls back to --pad 1 (said); a job that cannot fit at all is refused with the numbers."""
+        budget = self.budget_bytes()
+        self.job_memory, note = choose_padding(
+            self.p.pad, box=self.N, ndim=self.ndim, n_classes=self.model.n_classes, n_halves=len(self.halves),
+            budget_bytes=budget, rows_per_particle=self.model.n_classes)
+        if not self.job_memory.fits:
+            raise InputError(refusal(self.job_memory, self.name))
+        if note is not None:
+            self.p = replace(self.p, pad=self.job_memory.pad)
+            yield Message(note, "warning")
+
     def load_reference(self, path: Path) -> np.ndarray:
         return load_reference(path, self.N, self.apix, getattr(self.p, "trust_ref_size", False))
 
@@ -306,12 +333,13 @@ class EMJob:
         frefs = it.references = self.prepared_references(it.current_size)
         rows = (1 if self.own_orientation else
                 smp.n_orient if it.local_sigma is None else local_search_rows(smp.angular_step, it.local_sigma))
-        it.plan = plan_memory(self.be.free_bytes(), box=N, ndim=self.ndim, pad=self.p.pad,
+        it.plan = plan_memory(self.budget_bytes(), box=N, ndim=self.ndim, pad=self.p.pad,
                               n_references=K * len(self.halves), rows_per_particle=K * rows,
                               translations=smp.translations.shape[0], coarse_pixels=pix_c.npix,
                               requested_batch=self.p.batch)
         if not self._plan_shown:  # once per run, at its first iteration
             self._plan_shown = True
+            yield Message("memory plan of the whole run (full image size):\n" + self.job_memory.table())
             yield Message(it.plan.describe())
         t0 = time.time()
         for h, rows_h in enumerate(self.halves):
@@ -395,12 +423,14 @@ def run(job: EMJob) -> Iterator:
 def _run(job: EMJob) -> Iterator:
     root = job.comm.is_root
     job.model = job.restore() if job.continued else job.initial_model()
+    pad_notes = list(job.plan_job_memory())  # refused here, before any file is written, when it cannot fit
     refs = job.model.refs  # K maps per half: the first iteration's files must fit on the disk before it starts
     notes = prepare_output(job.files.folder, em_iteration_bytes(sum(len(r) for r in refs), job.N, job.ndim,
                                                                 len(job.ps), job.p.i, len(refs)),
                            "one iteration's files") if root else []  # rank 0 alone writes (and cleans up)
     yield Started(job.name, job.files.folder, job.be.name, job.describe())
     yield from notes
+    yield from pad_notes
     if root:
         job.files.folder.mkdir(parents=True, exist_ok=True)
         write_note(job.files.folder, job.name, job.p)
@@ -413,6 +443,9 @@ def _run(job: EMJob) -> Iterator:
         last = job.check_convergence(it)
         if root:
             yield from job.write(it)
+            pool = device_pool_line(job.be)
+            if pool:
+                yield Message(f"  iteration {job.state.iteration}: {pool}")
         if last:
             break
     free_cached_memory(job.be)

@@ -1,0 +1,130 @@
+"""The whole-run memory plan (compute/memory_plan.py, issue 21): its bytes per voxel are the real peaks of the
+code (measured with tracemalloc on NumPy), its arithmetic matches hand sums for large boxes, a padding that does
+not fit falls back to --pad 1 and says so, and a job that cannot fit is refused before it writes anything."""
+
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from napari_gpu_relion import cli
+from napari_gpu_relion.compute.backprojector import BackProjector, reconstruct_grids
+from napari_gpu_relion.compute.maximization import reference_sigma2, ssnr_map
+from napari_gpu_relion.compute.memory_plan import (
+    GIB,
+    choose_padding,
+    job_memory,
+    mstep_bytes,
+    prepare_bytes,
+    refusal,
+)
+from napari_gpu_relion.compute.projector import prepare_reference
+from napari_gpu_relion.jobs import em, refine3d
+from napari_gpu_relion.jobs.events import Message
+from napari_gpu_relion.jobs.simulate import make_sample_data
+
+
+def _peak(fn) -> int:
+    """Peak bytes NumPy allocated while ``fn`` ran (tracemalloc sees NumPy's data buffers)."""
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        fn()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("pad", [1, 2])
+def test_transient_bytes_are_the_measured_peaks(pad):
+    """The plan's transients bound the real peaks of the code, and not loosely (measured >= half the plan)."""
+    box, slab = 64, 1 << 20
+    rng = np.random.default_rng(0)
+    vol = rng.normal(size=(box,) * 3)
+    prep = _peak(lambda: prepare_reference(vol, pad, r_max=box / 2, max_bytes=slab))
+    bp = BackProjector(box, pad, box / 2)
+    for a in (bp.data_re, bp.data_im, bp.weight):
+        a[:] = rng.random(a.shape)
+    tau2 = np.ones((1, box // 2 + 1))
+    rec = _peak(lambda: reconstruct_grids(bp.data_re[None], bp.data_im[None], bp.weight[None], box, pad, 3,
+                                          box / 2, tau2, 4.0, max_bytes=slab))
+    shells = _peak(lambda: (reference_sigma2(bp), ssnr_map(bp, tau2[0], 4.0)))
+    assert 0.5 * prepare_bytes(box, pad, slab_bytes=slab) <= prep <= prepare_bytes(box, pad, slab_bytes=slab)
+    assert 0.5 * mstep_bytes(box, pad, slab_bytes=slab) <= max(rec, shells) <= mstep_bytes(box, pad, slab_bytes=slab)
+
+
+def test_slab_wise_reconstruction_equals_the_whole_grid_one():
+    """backprojector.reconstruct_grids in slabs of a few rows gives the map of one slab (to float32 rounding):
+    independent of its slab budget, as results must be of batch and chunk sizes."""
+    rng = np.random.default_rng(2)
+    for ndim, box, pad in ((3, 32, 2), (3, 24, 1), (2, 48, 2)):
+        bp = BackProjector(box, pad, box / 2 - 3, ndim=ndim)
+        for a in (bp.data_re, bp.data_im, bp.weight):
+            a[:] = rng.normal(size=a.shape)
+        bp.weight[:] = np.abs(bp.weight) * (rng.random(bp.weight.shape) > 0.2)
+        tau2 = rng.random((1, box // 2 + 1)) + 0.1
+        args = (bp.data_re[None], bp.data_im[None], bp.weight[None], box, pad, ndim, bp.r_max, tau2, 4.0)
+        whole = reconstruct_grids(*args, max_bytes=1 << 40)
+        slabs = reconstruct_grids(*args, max_bytes=1)
+        np.testing.assert_allclose(slabs, whole, rtol=0, atol=1e-6 * np.abs(whole).max())
+
+
+def test_plan_of_large_boxes_by_hand():
+    """Box 1024, pad 2, auto-refine (2 halves, 1 class): the half grid is 2048 x 2048 x 1025 voxels; a complex64
+    reference is 8 bytes per voxel = 32.03 GiB per half, the accumulators 3 x 8 bytes = 96.09 GiB per half.
+    Pad 1: 1024 x 1024 x 513 voxels, 4.01 and 12.02 GiB per half."""
+    two = job_memory(box=1024, ndim=3, pad=2, n_classes=1, n_halves=2, budget_bytes=int(80 * GIB))
+    assert two.references / GIB == pytest.approx(2 * 32.031, abs=0.01)
+    assert two.accumulators / GIB == pytest.approx(2 * 96.094, abs=0.01)
+    assert not two.fits
+    one = job_memory(box=1024, ndim=3, pad=1, n_classes=1, n_halves=2, budget_bytes=int(80 * GIB))
+    assert one.references / GIB == pytest.approx(2 * 4.008, abs=0.01)
+    assert one.accumulators / GIB == pytest.approx(2 * 12.023, abs=0.01)
+
+
+def test_padding_falls_back_to_one_and_says_so():
+    kw = dict(box=512, ndim=3, n_classes=1, n_halves=2)
+    one = job_memory(pad=1, budget_bytes=0, **kw)
+    plan, note = choose_padding(2, budget_bytes=one.peak + 1, **kw)
+    assert plan.pad == 1 and plan.fits and "running with --pad 1" in note
+    plan, note = choose_padding(2, budget_bytes=int(1e15), **kw)
+    assert plan.pad == 2 and note is None
+    plan, note = choose_padding(2, budget_bytes=one.peak - 1, **kw)  # neither fits: the pad-2 plan, refused
+    assert plan.pad == 2 and not plan.fits and note is None
+    line = refusal(job_memory(pad=2, box=256, ndim=3, n_classes=4, n_halves=1, budget_bytes=int(2 * GIB)),
+                   "class3d")
+    assert "\n" not in line and "--pad 1 needs" in line and "--K " in line and "2.0 GiB are available" in line
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return make_sample_data(tmp_path_factory.mktemp("mem"), box=64, angpix=4.0, n_particles=8, snr=0.2,
+                            diameter=200.0, ini_high=60.0, n_micrographs=0)
+
+
+def test_a_job_that_cannot_fit_is_refused_before_it_writes(data, tmp_path, capsys):
+    out = tmp_path / "Refine3D" / "run"
+    code = cli.main(["refine3d", "--i", str(data / "particles.star"), "--ref", str(data / "reference.mrc"),
+                     "--o", str(out), "--cpu", "--memory_limit", "0.05"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "cannot fit" in err[0] and "0.1 GiB are available" not in err[0] and "0.0 GiB are available" in err[0]
+    assert "--pad 1 needs" in err[0]
+    assert not out.parent.exists()  # nothing written
+
+
+def test_a_budget_for_pad_one_only_runs_with_pad_one(data, tmp_path):
+    """The job-level fallback: with a budget that holds the pad-1 plan but not pad 2, the job says so and runs
+    its grids with pad 1 (checked on the job object before iteration 1: no EM work needed)."""
+    one = job_memory(box=64, ndim=3, pad=1, n_classes=1, n_halves=2, budget_bytes=0, rows_per_particle=1)
+    two = job_memory(box=64, ndim=3, pad=2, n_classes=1, n_halves=2, budget_bytes=0, rows_per_particle=1)
+    assert two.peak > one.peak
+    p = refine3d.Params(i=data / "particles.star", ref=data / "reference.mrc", o=tmp_path / "r" / "run", cpu=True,
+                        memory_limit=(one.peak + 1) / GIB)
+    job = refine3d.Refine3D(p)
+    job.model = job.initial_model()
+    msgs = list(job.plan_job_memory())
+    assert job.p.pad == 1 and job.job_memory.pad == 1
+    assert len(msgs) == 1 and isinstance(msgs[0], Message) and "--pad 1" in msgs[0].text
+    assert isinstance(job, em.EMJob)
