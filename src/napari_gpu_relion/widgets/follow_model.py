@@ -39,7 +39,7 @@ from ..io.mrc import mrc_header_info, read_mrc
 from ..io.star import read_star
 from ..jobs.events import ClassAveragesUpdated, FscUpdated, MapUpdated
 
-__all__ = ["SETTLE_S", "Snapshot", "FolderFollower", "is_job_folder", "snapshot_events"]
+__all__ = ["SETTLE_S", "Snapshot", "FolderFollower", "is_job_folder", "model_snapshot", "snapshot_events"]
 
 #: Seconds a file must be left unchanged before it is read (a file RELION is still writing changes).
 SETTLE_S = 1.0
@@ -202,6 +202,26 @@ class FolderFollower:
         """The events of the newest complete state not shown yet ([] when there is none)."""
         snap = self.scan(now)
         return [] if snap is None else snapshot_events(snap, self.label)
+
+
+def model_snapshot(path: str | os.PathLike) -> Snapshot:
+    """The state one model STAR stands for (``run_it025_model.star``; ``run_it025_half1_model.star`` with its
+    other half when it is there; a final ``run_model.star``); InputError when it or an image it names is missing
+    or incomplete."""
+    p = Path(path)
+    follower = FolderFollower(p.parent, settle_s=0.0)
+    m = _MODEL.match(p.name)
+    if m and m.group("half"):
+        stars = [p.parent / f"{m.group('root')}_it{m.group('it')}_{h}_model.star" for h in ("half1", "half2")]
+        snap = follower.complete("refine3d", int(m.group("it")), [s for s in stars if s.is_file()], ())
+    elif m:
+        snap = follower.complete("class", int(m.group("it")), [p], ())
+    else:
+        snap = follower.complete("refine3d", None, [p], ())
+    if snap is None:
+        raise InputError("not a readable model STAR, or an image it names (rlnReferenceImage, looked for beside it) "
+                         "is missing or incomplete", path=str(p))
+    return snap
 
 
 # ----------------------------------------------------------------------------------------------------------
