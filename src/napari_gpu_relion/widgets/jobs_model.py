@@ -206,13 +206,15 @@ def note_arguments(folder: Path) -> tuple[str | None, dict[str, str]]:
 
 def _input_path(value: str, folder: Path) -> Path:
     """A path from a note.txt: absolute stands; relative is relative to the project (two levels above a
-    ``<Type>/jobNNN`` folder), else to the folder itself."""
+    ``<Type>/jobNNN`` folder), else to the folder itself, else to the current folder (the first that exists)."""
     p = Path(value)
     if p.is_absolute():
         return p
-    if _JOB_DIR.match(folder.name):
-        return folder.parent.parent / p
-    return folder / p
+    project = folder.parent.parent if _JOB_DIR.match(folder.name) else folder
+    for base in (project, folder, Path.cwd()):  # RELION runs in the project; a command line may have run elsewhere
+        if (base / p).exists():
+            return base / p
+    return project / p
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -553,9 +555,9 @@ class SessionJobs:
             outputs = disk.outputs if disk is not None else ()
             inputs = {f"--{k}": str(v) for k, v in vars(e.params).items() if v is not None} if hasattr(
                 e.params, "__dict__") else {}
-            if e.job == "autopick" and getattr(e.params, "i", None) is not None \
-                    and not any(o.kind == MICROGRAPHS for o in outputs):
-                outputs = outputs + (Output(MICROGRAPHS, Path(e.params.i), "micrographs (its input)"),)
+            if e.job == "autopick" and getattr(e.params, "i", None) is not None:  # as given, not as the note says
+                outputs = tuple(o for o in outputs if o.kind != MICROGRAPHS) + (
+                    Output(MICROGRAPHS, Path(e.params.i).expanduser().absolute(), "micrographs (its input)"),)
             iteration = e.iteration if e.iteration is not None else (disk.iteration if disk is not None else None)
             out.append(JobRecord(e.job, e.folder, _status_of(e.runner_job), iteration, outputs, inputs, True))
         return out

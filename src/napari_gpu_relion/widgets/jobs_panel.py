@@ -113,13 +113,13 @@ class FolderFollow:
         self.folder, self.shown, self.error = folder, "", None
         stop = self._stop = threading.Event()
         follower = FolderFollower(folder, self.settle_s)
-        worker = create_worker(_follow, follower, self.display.prepare_event, self.interval, stop,
-                               _start_thread=False)
+        worker = create_worker(_follow, follower, self.display, self.interval, stop, _start_thread=False)
         worker.yielded.connect(self._on_yielded)
         worker.errored.connect(self._on_errored)
         worker.finished.connect(self._on_finished)
         self._worker = worker
         worker.start()
+        _stop_on_quit(self)
         self._notify()
 
     def stop(self) -> None:
@@ -152,12 +152,23 @@ class FolderFollow:
         self._notify()
 
 
-def _follow(follower: FolderFollower, prepare: Any, interval: float, stop: threading.Event):
-    """The follow loop (worker thread): scan, read and prepare a new iteration's events, wait, again."""
-    while not stop.is_set():
+def _stop_on_quit(follow: FolderFollow) -> None:
+    """Stop ``follow`` when Qt quits (its thread would otherwise keep the application waiting)."""
+    from qtpy.QtWidgets import QApplication
+
+    app = QApplication.instance()
+    if app is not None and not getattr(follow, "_quit_hooked", False):
+        app.aboutToQuit.connect(follow.stop)
+        follow._quit_hooked = True  # noqa: SLF001
+
+
+def _follow(follower: FolderFollower, display: LiveDisplay, interval: float, stop: threading.Event):
+    """The follow loop (worker thread): scan, read and prepare a new iteration's events, wait, again; it ends when
+    stopped or when the viewer is closed."""
+    while not stop.is_set() and display.viewer is not None:
         try:
             events = follower.poll()
-            prepared = [prepare(ev) for ev in events]
+            prepared = [display.prepare_event(ev) for ev in events]
         except (InputError, OSError, ValueError) as exc:
             yield ("error", f"{follower.folder}: {error_message(exc)}")
             prepared = []
