@@ -1,4 +1,5 @@
-"""napari reader for RELION files: MRC maps, stacks and micrographs; coordinate, particle and micrograph STARs.
+"""napari reader for RELION files: MRC maps, stacks and micrographs; coordinate, particle and micrograph STARs;
+post-processing and model STARs (shown through the live display); job folders (followed live).
 
 ``get_reader(path)`` only looks at the suffix (and, for STAR files, at the labels in the file's first lines)
 and returns a reading function or None; the pixels are read when napari calls that function.
@@ -74,14 +75,22 @@ _PIXEL = "pixel"
 def get_reader(path: str | Sequence[str]) -> ReaderFunction | None:
     """Return a function that reads ``path`` (or every path of a list), or None if we cannot read it.
 
-    Decided from suffixes; a STAR file is accepted only if it holds coordinates, particles, micrographs or the
-    FSC curves of a post-processing (sniffed from its labels), so other plugins may take model/optimiser STARs.
+    Decided from suffixes; a STAR file is accepted only if it holds coordinates, particles, micrographs, the
+    FSC curves of a post-processing or a model's class table (sniffed from its labels), so other plugins may take
+    other STARs (optimiser, sampling); a folder only if it is a job folder (a model STAR of an iteration, or a
+    postprocess.star).
     """
     paths = [path] if isinstance(path, str | os.PathLike) else list(path)
     if not paths:
         return None
     for p in paths:
         if not isinstance(p, str | os.PathLike):
+            return None
+        if Path(p).is_dir():
+            from .widgets.follow_model import is_job_folder  # no Qt
+
+            if is_job_folder(p):
+                continue
             return None
         suffix = Path(p).suffix.lower()
         if suffix in MRC_SUFFIXES:
@@ -98,7 +107,9 @@ def read_paths(path: str | Sequence[str]) -> list[LayerData]:
     layers: list[LayerData] = []
     for p in paths:
         suffix = Path(p).suffix.lower()
-        if suffix in MRC_SUFFIXES:
+        if Path(p).is_dir():
+            layers.extend(follow_job_folder(p))
+        elif suffix in MRC_SUFFIXES:
             layers.extend(read_mrc_layers(p))
         elif suffix in STAR_SUFFIXES:
             layers.extend(read_star_layers(p))
@@ -337,7 +348,8 @@ FSC_COLUMNS = {"rlnFourierShellCorrelationCorrected": "corrected",
 
 def star_kind(path: str | os.PathLike) -> str | None:
     """'particles' (rlnImageName), 'coordinates' (rlnCoordinateX/Y), 'micrographs' (rlnMicrographName),
-    'postprocess' (FSC curves of a post-processing: rlnResolution and an FSC column), or None."""
+    'postprocess' (FSC curves of a post-processing: rlnResolution and an FSC column), 'model' (the model STAR of a
+    relion_refine-style job: rlnReferenceImage, rlnClassDistribution), or None."""
     labels = _sniff_labels(path)
     if "rlnImageName" in labels:
         return "particles"
@@ -347,6 +359,8 @@ def star_kind(path: str | os.PathLike) -> str | None:
         return "micrographs"
     if "rlnResolution" in labels and labels & set(FSC_COLUMNS):
         return "postprocess"
+    if {"rlnReferenceImage", "rlnClassDistribution"} <= labels:
+        return "model"
     return None
 
 
@@ -379,6 +393,40 @@ def open_fsc_plot(path: str | os.PathLike) -> list[LayerData]:
     return [(None,)]  # type: ignore[list-item]
 
 
+def open_model_star(path: str | os.PathLike) -> list[LayerData]:
+    """Show the iteration a model STAR stands for (run_itNNN_model.star: the class grid or the class maps;
+    run_itNNN_half1_model.star: both half maps and the FSC; run_model.star: the final map) in the current viewer,
+    through the plugin's live display, as a running job's results; no layer (napari's "nothing to add" answer)."""
+    import napari
+
+    from .widgets.display import LiveDisplay
+    from .widgets.follow_model import model_snapshot, snapshot_events
+
+    snap = model_snapshot(path)
+    events = snapshot_events(snap, Path(path).parent.name)
+    viewer = napari.current_viewer()
+    if viewer is not None:
+        display = LiveDisplay.for_viewer(viewer)
+        for event in events:
+            display.handle(display.prepare_event(event))
+        display.flush()
+    return [(None,)]  # type: ignore[list-item]
+
+
+def follow_job_folder(path: str | os.PathLike) -> list[LayerData]:
+    """Follow a RELION job folder live in the current viewer (the Jobs dock opens and says what it shows): its
+    newest complete iteration now, each new one as its files appear (widgets/jobs_panel.py); no layer."""
+    import napari
+
+    from .widgets.jobs_panel import PLUGIN
+
+    viewer = napari.current_viewer()
+    if viewer is not None:
+        _, panel = viewer.window.add_plugin_dock_widget(PLUGIN, "Jobs")
+        panel.follow_folder(path)
+    return [(None,)]  # type: ignore[list-item]
+
+
 def read_star_layers(path: str | os.PathLike) -> list[LayerData]:
     """Layers of a coordinate, particle or micrograph STAR file (see :func:`star_kind`); a post-processing STAR
     opens its FSC plot instead."""
@@ -391,6 +439,8 @@ def read_star_layers(path: str | os.PathLike) -> list[LayerData]:
         return micrographs_layers(path)
     if kind == "postprocess":
         return open_fsc_plot(path)
+    if kind == "model":
+        return open_model_star(path)
     raise InputError("STAR file holds no coordinates (rlnCoordinateX/Y), particles (rlnImageName) or "
                      "micrographs (rlnMicrographName)", path=str(path))
 

@@ -81,7 +81,8 @@ ANGDIST_DOCK = "Angular distribution"
 GRID_MODEL = "class_grid"
 #: Canvas pixels the mouse may move between press and release for a click (more is a pan).
 CLICK_TOLERANCE = 5.0
-#: Maps of these names start hidden: they lie on a map of the same job (a refinement's two halves agree).
+#: Maps of these names (or ending in " <name>": a followed folder's "job012 half2") start hidden: they lie on a map
+#: of the same job (a refinement's two halves agree).
 HIDDEN_AT_FIRST = ("half2",)
 #: Width (pixels) of the column of result plots beside the job dock.
 PLOT_DOCK_WIDTH = 320
@@ -325,7 +326,7 @@ class LiveDisplay:
         if layer is None:
             kwargs = {"name": ev.name, **common, "units": (_ANGSTROM,) * vol.ndim,
                       "axis_labels": ("z", "y", "x")[-vol.ndim:], "metadata": metadata,
-                      "visible": ev.name not in HIDDEN_AT_FIRST}
+                      "visible": ev.name.split()[-1] not in HIDDEN_AT_FIRST}
             if kind == "Surface":
                 layer = viewer.add_surface(_surface_data(ev), colormap=MAP_COLORMAP, contrast_limits=(0.0, 1.0),
                                            shading="smooth", **kwargs)

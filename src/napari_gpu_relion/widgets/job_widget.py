@@ -77,6 +77,7 @@ from ..jobs.events import (
 from ..mpi_child import MPI_JOBS, mpi_available, run_under_mpi
 from .display import LiveDisplay
 from .form_model import form_layout, form_of
+from .jobs_model import SESSION
 from .runner import Job, JobRunner, JobState, error_message, get_runner
 
 if TYPE_CHECKING:
@@ -669,6 +670,7 @@ class JobWidget(Container):
         self.job = runner.submit(self.job_name, factory, handlers=handlers, on_state=self._on_state,
                                  prepare=self.display.prepare_event)
         self._on_state(self.job)  # submit() may have started it before self.job was set
+        SESSION.started(self, params, self.job)  # the jobs panel lists it (widgets/jobs_model.py)
         return self.job
 
     def cancel_job(self, *_: Any) -> None:

@@ -1,0 +1,300 @@
+"""Following a RELION job folder live (no Qt, no napari): which iteration is new and complete, and its events.
+
+Any relion_refine-style job folder (ours, or one RELION itself is writing on a cluster: Class2D/job010,
+Class3D/..., Refine3D/...) or a post-processing folder. :class:`FolderFollower` is given the folder and scanned
+again and again (widgets/jobs_panel.py does it in a worker thread); :meth:`FolderFollower.poll` returns the job
+events (widgets/display.py draws them, as it draws a running job's) of the newest *complete* state it has not
+shown yet, or nothing:
+
+* 2D classification: ``<root>_itNNN_classes.mrcs`` + ``_model.star`` -> ClassAveragesUpdated (the class grid);
+* 3D classification: ``<root>_itNNN_class00K.mrc`` + ``_model.star`` -> one MapUpdated per class;
+* 3D auto-refine: ``<root>_itNNN_half{1,2}_class001.mrc`` + ``_half{1,2}_model.star`` -> both half maps and the
+  gold-standard FSC (``rlnGoldStandardFsc`` of the model STAR); after convergence ``<root>_class001.mrc`` +
+  ``<root>_model.star``;
+* post-processing: ``postprocess.star`` (its FSC curves) and ``postprocess_masked.mrc`` (else ``postprocess.mrc``).
+
+Complete means: the model STAR(s) of the iteration exist (RELION writes an iteration's maps before its model STAR,
+and so does this plugin), parse, and every image they name (``rlnReferenceImage``, looked for in the followed
+folder) has all the bytes its MRC header promises; and no file of the iteration changed in the last ``settle_s``
+seconds (RELION writes in place, not through a temporary file: a STAR being written may already parse). An
+incomplete iteration is simply looked at again at the next scan. When several iterations are complete at once
+(a folder opened late), only the newest is shown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ..errors import InputError
+from ..io.mrc import mrc_header_info, read_mrc
+from ..io.star import read_star
+from ..jobs.events import ClassAveragesUpdated, FscUpdated, MapUpdated
+
+__all__ = ["SETTLE_S", "Snapshot", "FolderFollower", "is_job_folder", "model_snapshot", "snapshot_events"]
+
+#: Seconds a file must be left unchanged before it is read (a file RELION is still writing changes).
+SETTLE_S = 1.0
+_MODEL = re.compile(r"^(?P<root>.+?)_it(?P<it>\d{3,})_(?:(?P<half>half[12])_)?model\.star$")
+_FINAL_MODEL = re.compile(r"^(?P<root>.+)_model\.star$")
+#: Order key of final files: after every iteration.
+_FINAL = 10**9
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One complete state of a job folder: its kind ("class2d", "class3d", "refine3d", "postprocess"), the
+    iteration (None: the final files of an auto-refine, or a post-processing), its STAR files and its images."""
+
+    kind: str
+    iteration: int | None
+    stars: tuple[Path, ...]
+    images: tuple[Path, ...]
+    key: tuple = ()
+
+    @property
+    def description(self) -> str:
+        if self.kind == "postprocess":
+            return "post-processing"
+        return "final" if self.iteration is None else f"iteration {self.iteration}"
+
+
+def is_job_folder(folder: str | os.PathLike) -> bool:
+    """True if ``folder`` holds a model STAR of an iteration (or a final one) or a postprocess.star."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    return any(_MODEL.match(n) for n in names) or "postprocess.star" in names or any(
+        n.endswith("_model.star") for n in names)
+
+
+def _complete_mrc(path: Path) -> bool:
+    """The MRC file exists and holds every byte its header promises."""
+    try:
+        info = mrc_header_info(path)
+        need = info.offset + int(np.prod(info.shape, dtype=np.int64)) * info.dtype.itemsize
+        return path.stat().st_size >= need
+    except (InputError, OSError, ValueError):
+        return False
+
+
+def _image_file(name: str, folder: Path) -> Path:
+    """The file of an ``rlnReferenceImage`` (``000001@Class2D/job010/run_it025_classes.mrcs`` or a map path), looked
+    for in the followed folder (the images of an iteration lie beside its model STAR)."""
+    return folder / Path(str(name).split("@")[-1]).name
+
+
+def _classes_table(blocks: dict) -> pd.DataFrame:
+    table = blocks.get("model_classes")
+    if table is None:
+        raise InputError("no data_model_classes block")
+    return table if isinstance(table, pd.DataFrame) else pd.DataFrame([table])
+
+
+def _general(blocks: dict) -> dict:
+    general = blocks.get("model_general", {})
+    if isinstance(general, pd.DataFrame):
+        return general.iloc[0].to_dict() if len(general) else {}
+    return dict(general)
+
+
+class FolderFollower:
+    """Scans one job folder for its newest complete state (see the module docstring).
+
+    ``settle_s``: seconds a file must be unchanged before it is read. ``label`` names the layers (default: the
+    folder's name, e.g. ``job010``)."""
+
+    def __init__(self, folder: str | os.PathLike, settle_s: float = SETTLE_S, label: str | None = None):
+        self.folder = Path(folder)
+        self.settle_s = float(settle_s)
+        self.label = label or self.folder.name
+        self.shown: Snapshot | None = None
+
+    # -- scanning ------------------------------------------------------------------------------------------
+
+    def _settled(self, paths: list[Path], now: float) -> bool:
+        try:
+            return all(now - p.stat().st_mtime >= self.settle_s for p in paths)
+        except OSError:
+            return False
+
+    def candidates(self) -> list[tuple[tuple, str, int | None, list[Path]]]:
+        """(order key, kind hint, iteration, model STARs) of every state the folder's names announce, newest
+        first."""
+        try:
+            names = set(os.listdir(self.folder))
+        except OSError:
+            return []
+        found: list[tuple[tuple, str, int | None, list[Path]]] = []
+        if "postprocess.star" in names:
+            star = self.folder / "postprocess.star"
+            with contextlib.suppress(OSError):
+                found.append(((_FINAL, star.stat().st_mtime_ns), "postprocess", None, [star]))
+        iterations: dict[tuple[str, int], set[str]] = {}
+        for name in names:
+            m = _MODEL.match(name)
+            if m:
+                iterations.setdefault((m.group("root"), int(m.group("it"))), set()).add(m.group("half") or "")
+        for (root, it), halves in iterations.items():
+            if halves & {"half1", "half2"}:
+                stars = [self.folder / f"{root}_it{it:03d}_{h}_model.star" for h in ("half1", "half2")]
+                found.append(((it,), "refine3d", it, stars))
+            else:
+                found.append(((it,), "class", it, [self.folder / f"{root}_it{it:03d}_model.star"]))
+        roots = {root for root, _ in iterations}
+        for name in names:
+            m = _FINAL_MODEL.match(name)
+            if m and not _MODEL.match(name) and (not roots or m.group("root") in roots) \
+                    and f"{m.group('root')}_class001.mrc" in names:
+                found.append(((_FINAL - 1,), "refine3d", None, [self.folder / name]))
+        return sorted(found, key=lambda c: c[0], reverse=True)
+
+    def complete(self, kind: str, iteration: int | None, stars: list[Path], key: tuple,
+                 now: float | None = None) -> Snapshot | None:
+        """The snapshot of one candidate if all its files are there, whole and settled; else None."""
+        now = time.time() if now is None else now
+        if not all(s.is_file() for s in stars):
+            return None
+        try:
+            if kind == "postprocess":
+                images = [self.folder / n for n in ("postprocess_masked.mrc", "postprocess.mrc")
+                          if (self.folder / n).is_file()][:1]
+                blocks = read_star(stars[0])
+                if "fsc" not in blocks:
+                    return None
+            else:
+                images = []
+                for star in stars:
+                    blocks = read_star(star)
+                    names = _classes_table(blocks)["rlnReferenceImage"]
+                    images.extend(dict.fromkeys(_image_file(n, self.folder) for n in names))
+                if kind == "class":
+                    dim = int(float(_general(blocks).get("rlnReferenceDimensionality", 0)))
+                    kind = "class2d" if dim == 2 or any(p.suffix == ".mrcs" for p in images) else "class3d"
+        except (InputError, OSError, ValueError, KeyError):
+            return None  # not written through yet: looked at again at the next scan
+        if not all(_complete_mrc(p) for p in images) or not self._settled([*stars, *images], now):
+            return None
+        return Snapshot(kind, iteration, tuple(stars), tuple(images), key)
+
+    def scan(self, now: float | None = None) -> Snapshot | None:
+        """The newest complete state not shown yet (and remember it as shown); None when there is none."""
+        shown_key = self.shown.key if self.shown is not None else None
+        for key, kind, iteration, stars in self.candidates():
+            if shown_key is not None and key <= shown_key:
+                return None
+            snap = self.complete(kind, iteration, stars, key, now)
+            if snap is not None:
+                self.shown = snap
+                return snap
+        return None
+
+    def poll(self, now: float | None = None) -> list[Any]:
+        """The events of the newest complete state not shown yet ([] when there is none)."""
+        snap = self.scan(now)
+        return [] if snap is None else snapshot_events(snap, self.label)
+
+
+def model_snapshot(path: str | os.PathLike) -> Snapshot:
+    """The state one model STAR stands for (``run_it025_model.star``; ``run_it025_half1_model.star`` with its
+    other half when it is there; a final ``run_model.star``); InputError when it or an image it names is missing
+    or incomplete."""
+    p = Path(path)
+    follower = FolderFollower(p.parent, settle_s=0.0)
+    m = _MODEL.match(p.name)
+    if m and m.group("half"):
+        stars = [p.parent / f"{m.group('root')}_it{m.group('it')}_{h}_model.star" for h in ("half1", "half2")]
+        snap = follower.complete("refine3d", int(m.group("it")), [s for s in stars if s.is_file()], ())
+    elif m:
+        snap = follower.complete("class", int(m.group("it")), [p], ())
+    else:
+        snap = follower.complete("refine3d", None, [p], ())
+    if snap is None:
+        raise InputError("not a readable model STAR, or an image it names (rlnReferenceImage, looked for beside it) "
+                         "is missing or incomplete", path=str(p))
+    return snap
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Snapshot -> job events
+
+
+def _pixel_size(header_pixel: float | None, general: dict) -> float:
+    if header_pixel:
+        return float(header_pixel)
+    value = general.get("rlnPixelSize")
+    with contextlib.suppress(TypeError, ValueError):
+        if value is not None and float(value) > 0:
+            return float(value)
+    return 1.0
+
+
+def _column(table: pd.DataFrame, label: str, n: int, default: float) -> np.ndarray:
+    if label in table.columns:
+        return pd.to_numeric(table[label], errors="coerce").fillna(default).to_numpy(np.float64)
+    return np.full(n, default)
+
+
+def _gold_standard_fsc(blocks: dict, general: dict) -> FscUpdated | None:
+    curve = blocks.get("model_class_1")
+    if not isinstance(curve, pd.DataFrame) or not {"rlnResolution", "rlnGoldStandardFsc"} <= set(curve.columns):
+        return None
+    res = general.get("rlnCurrentResolution")
+    with contextlib.suppress(TypeError, ValueError):
+        res = float(res)
+    return FscUpdated(curve["rlnResolution"].to_numpy(np.float64),
+                      {"gold-standard FSC": curve["rlnGoldStandardFsc"].to_numpy(np.float64)},
+                      res if isinstance(res, float) else float("nan"))
+
+
+def snapshot_events(snap: Snapshot, label: str) -> list[Any]:
+    """The events that show ``snap`` (read from its files): class grid, maps, FSC. Layer names start with
+    ``label``."""
+    if snap.kind == "postprocess":
+        from .._reader import postprocess_fsc
+
+        events: list[Any] = [postprocess_fsc(snap.stars[0])]
+        for image in snap.images:
+            mrc = read_mrc(image)
+            events.append(MapUpdated(f"{label} postprocess", np.asarray(mrc.data, np.float32),
+                                     _pixel_size(mrc.pixel_size, {}), image))
+        return events
+    blocks = read_star(snap.stars[0])
+    general = _general(blocks)
+    if snap.kind == "class2d":
+        table = _classes_table(blocks)
+        stack = snap.images[0]
+        mrc = read_mrc(stack)
+        images = np.asarray(mrc.data, np.float32).reshape(-1, *mrc.data.shape[-2:])
+        k = len(images)
+        dist = _column(table, "rlnClassDistribution", k, 0.0)[:k]
+        res = _column(table, "rlnEstimatedResolution", k, 999.0)[:k]
+        return [ClassAveragesUpdated(f"{label} classes", images, dist, res, _pixel_size(mrc.pixel_size, general),
+                                     stack)]
+    events = []
+    if snap.kind == "class3d":
+        for image in snap.images:
+            mrc = read_mrc(image)
+            name = image.stem.rsplit("_", 1)[-1]  # class001
+            events.append(MapUpdated(f"{label} {name}", np.asarray(mrc.data, np.float32),
+                                     _pixel_size(mrc.pixel_size, general), image))
+        return events
+    # refine3d: both half maps of an iteration, or the final map
+    names = ["half1", "half2"] if snap.iteration is not None else ["map"]
+    for name, image in zip(names, snap.images, strict=False):
+        mrc = read_mrc(image)
+        events.append(MapUpdated(f"{label} {name}", np.asarray(mrc.data, np.float32),
+                                 _pixel_size(mrc.pixel_size, general), image))
+    fsc = _gold_standard_fsc(blocks, general)
+    if fsc is not None:
+        events.append(fsc)
+    return events

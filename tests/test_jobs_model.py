@@ -1,0 +1,156 @@
+"""The jobs panel's model (widgets/jobs_model.py, no Qt): a project's job folders with their status, last iteration
+and outputs, read from the files; the jobs of this session from the runner's Job; which next job takes which
+output, with a new job folder numbered as RELION does."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from relion_files import class2d_iteration, refine_iteration
+
+from napari_gpu_relion.jobs.events import Finished, IterationFinished
+from napari_gpu_relion.widgets import jobs_model as jm
+
+
+def _project(tmp_path: Path) -> Path:
+    p = tmp_path / "project"
+    pick = p / "AutoPick" / "job001"
+    pick.mkdir(parents=True)
+    (pick / "autopick.star").write_text("data_coordinate_files\nloop_\n_rlnMicrographName\n_rlnMicrographCoordinates\n")
+    (pick / "note.txt").write_text("++++ with the following command(s):\nnapari-gpu-relion autopick --i "
+                                   "Import/micrographs.star --odir AutoPick/job001 --LoG\n")
+    ext = p / "Extract" / "job002"
+    ext.mkdir(parents=True)
+    (ext / "particles.star").write_text("x")
+    for it in (1, 2):
+        class2d_iteration(p, "Class2D/job003", it, np.zeros((2, 8, 8), np.float32), [0.5, 0.5])
+        (p / "Class2D" / "job003" / f"run_it{it:03d}_data.star").write_text("x")
+    (p / "Class2D" / "job003" / "note.txt").write_text(
+        " ++++ Executing new job on Mon\n ++++ with the following command(s): \n`which relion_refine` --o "
+        "Class2D/job003/run --iter 2 --i Extract/job002/particles.star --K 2\n ++++ \n")
+    refine_iteration(p, "Refine3D/job005", 1, (np.ones((8, 8, 8)), np.ones((8, 8, 8))), np.ones(5))
+    (p / "Refine3D" / "job005" / "RELION_JOB_EXIT_FAILURE").write_text("")
+    ref = p / "Refine3D" / "job007"
+    ref.mkdir(parents=True)
+    for name in ("run_model.star", "run_class001.mrc", "run_half1_class001_unfil.mrc", "run_data.star"):
+        (ref / name).write_text("x")
+    (ref / "RELION_JOB_EXIT_SUCCESS").write_text("")
+    return p
+
+
+def test_project_jobs_from_disk(tmp_path):
+    p = _project(tmp_path)
+    records = jm.scan_project(p)
+    assert [(r.job_type, r.number) for r in records] == [("AutoPick", 1), ("Extract", 2), ("Class2D", 3),
+                                                         ("Refine3D", 5), ("Refine3D", 7)]
+    by = {r.number: r for r in records}
+    assert by[1].status == "finished" and by[1].display_folder(p) == "AutoPick/job001"
+    assert {o.kind: o.path for o in by[1].outputs} == {jm.COORDINATES: p / "AutoPick/job001/autopick.star",
+                                                       jm.MICROGRAPHS: p / "Import/micrographs.star"}
+    assert by[3].iteration == 2 and by[3].status == "finished"  # --iter 2 of RELION's note reached
+    assert [o.path.name for o in by[3].outputs if o.kind == jm.CLASSIFIED] == ["run_it002_data.star"]
+    assert by[5].status == "failed" and by[5].iteration == 1
+    assert by[7].status == "finished"
+    assert {o.kind for o in by[7].outputs} == {jm.HALF_MAP, jm.MAP, jm.PARTICLES}
+    # a job without an exit file and without its final output: running while its files change
+    assert jm.scan_job_folder(p / "Refine3D/job005", now=time.time()).status == "failed"
+    (p / "Refine3D/job005/RELION_JOB_EXIT_FAILURE").unlink()
+    assert jm.scan_job_folder(p / "Refine3D/job005", now=time.time()).status == "running"
+    assert jm.scan_job_folder(p / "Refine3D/job005", now=time.time() + 2 * jm.RUNNING_WINDOW).status == "unknown"
+
+
+def test_offers_chain_outputs_into_the_next_jobs(tmp_path):
+    p = _project(tmp_path)
+    by = {r.number: r for r in jm.scan_project(p)}
+    (extract,) = [o for o in jm.offers(by[1], p) if o.job == "extract" and o.output.kind == jm.COORDINATES]
+    assert extract.values == {"coord_list": str(p / "AutoPick/job001/autopick.star"),
+                              "i": str(p / "Import/micrographs.star"), "o": str(p / "Extract/job008")}
+    select = [o for o in jm.offers(by[3], p) if o.job == "select"]
+    assert select[0].values == {"i": str(p / "Class2D/job003/run_it002_data.star"),
+                                "o": str(p / "Select/job008/particles.star")}
+    post = [o for o in jm.offers(by[7], p) if o.job == "postprocess"]
+    assert post[0].values["i"] == str(p / "Refine3D/job007/run_half1_class001_unfil.mrc")
+    assert {o.job for o in jm.offers(by[7], p)} == {"postprocess", "refine3d", "class3d", "mask_create",
+                                                    "class2d", "reconstruct"}
+    assert jm.next_job_folder(p, "class2d", taken=[p / "Select/job011"]) == p / "Class2D/job012"
+
+
+@dataclass
+class FakeJob:
+    """The part of the runner's Job the registry uses."""
+
+    state: str = "running"
+
+    def __post_init__(self):
+        self.state_callbacks, self.handlers = [], {}
+
+    def on(self, etype, cb):
+        self.handlers.setdefault(etype, []).append(cb)
+
+    def emit(self, event):
+        for cb in self.handlers.get(type(event), []):
+            cb(event)
+
+    def set_state(self, state):
+        self.state = state
+        for cb in self.state_callbacks:
+            cb(self)
+
+
+@dataclass(frozen=True)
+class Params:
+    i: Path
+    o: Path
+
+
+class Widget:
+    job_name = "class2d"
+
+
+class Listener:
+    def __init__(self):
+        self.calls = 0
+
+    def changed(self):
+        self.calls += 1
+
+
+def test_session_jobs_follow_the_runner(tmp_path):
+    p = _project(tmp_path)
+    session = jm.SessionJobs()
+    listener = Listener()
+    session.connect(listener.changed)
+    job, widget = FakeJob(), Widget()
+    session.started(widget, Params(p / "Extract/job002/particles.star", p / "Class2D/job003/run"), job)
+    assert listener.calls == 1
+    (rec,) = session.records()
+    assert (rec.job, rec.folder, rec.status, rec.session) == ("class2d", p / "Class2D/job003", "running", True)
+    job.emit(IterationFinished(7))
+    assert session.records()[0].iteration == 7 and listener.calls == 2
+    job.set_state("finished")
+    job.emit(Finished({"data": p / "Class2D/job003/run_it002_data.star"}))
+    assert session.records()[0].status == "finished" and listener.calls >= 3
+    assert session.widget_of(p / "Class2D/job003") is widget
+    merged = jm.merge_records(jm.scan_project(p), session.records())
+    assert len(merged) == 5
+    (c2d,) = [r for r in merged if r.job == "class2d"]
+    assert c2d.session and c2d.iteration == 7 and any(o.kind == jm.CLASSIFIED for o in c2d.outputs)
+    del listener  # held weakly: a listener that is gone is not called
+    job.set_state("cancelled")
+    assert session.records()[0].status == "cancelled"
+
+
+def test_note_of_relion_and_of_the_plugin(tmp_path):
+    (tmp_path / "note.txt").write_text(" ++++ with the following command(s): \n`which relion_refine_mpi` --o "
+                                       "Refine3D/job009/run --auto_refine --split_random_halves --i x.star\n")
+    job, args = jm.note_arguments(tmp_path)
+    assert job is None and args["--auto_refine"] == "" and args["--i"] == "x.star"
+    folder = tmp_path / "Some" / "job004"
+    folder.mkdir(parents=True)
+    (folder / "note.txt").write_text("++++ with the following command(s):\nnapari-gpu-relion postprocess --i "
+                                     "'a b/half1.mrc' --o Some/job004\n")
+    assert jm.note_arguments(folder) == ("postprocess", {"--i": "a b/half1.mrc", "--o": "Some/job004"})
+    assert jm.scan_job_folder(folder).job == "postprocess"
