@@ -71,3 +71,6 @@ def test_fine_chunk_budget_grows_with_free_memory_within_its_bounds():
     assert large.fine_chunk_bytes == MAX_FINE_CHUNK_BYTES
     left = (30 << 30) - middle.reference_bytes - middle.accumulator_bytes
     assert middle.fine_chunk_bytes == int(FINE_CHUNK_FRACTION * left)
+    # on the CPU the chunk is fixed: the order of the sums, and so the numbers, do not depend on the host's memory
+    fixed = {plan_memory(f, adaptive_chunks=False, **kw).fine_chunk_bytes for f in (2 << 30, 30 << 30, 80 << 30)}
+    assert fixed == {CHUNK_BYTES}

@@ -225,11 +225,15 @@ class MemoryPlan:
 
 
 def plan_memory(free_bytes: int, *, box: int, ndim: int, pad: int, n_references: int, rows_per_particle: int,
-                translations: int, coarse_pixels: int, requested_batch: int = 0) -> MemoryPlan:
+                translations: int, coarse_pixels: int, requested_batch: int = 0,
+                adaptive_chunks: bool = True) -> MemoryPlan:
     """The memory plan of one E-step iteration. ``n_references`` counts every padded Fourier reference held
     (classes x halves); each has an accumulator of the same grid (complex128 data + float64 weight) beside its
     complex64 reference. ``requested_batch`` (--batch) wins when positive; otherwise the batch is what
-    BATCH_FRACTION of the memory left after the references and accumulators holds, at most MAX_BATCH_2D/3D."""
+    BATCH_FRACTION of the memory left after the references and accumulators holds, at most MAX_BATCH_2D/3D.
+    ``adaptive_chunks=False`` (the CPU) fixes the fine-pass chunk at CHUNK_BYTES instead of a fraction of the
+    free memory: the chunks set the order of the sums, so a fixed chunk gives the same numbers on any host
+    however busy (a GPU's atomics make the order vary anyway; there larger chunks are faster)."""
     grid = (pad * box) ** (ndim - 1) * (pad * box // 2 + 1)
     ref_bytes = n_references * grid * 8
     acc_bytes = n_references * grid * (16 + 8)
@@ -241,7 +245,8 @@ def plan_memory(free_bytes: int, *, box: int, ndim: int, pad: int, n_references:
         cap = MAX_BATCH_2D if ndim == 2 else MAX_BATCH_3D
         batch = int(max(1, min(cap, BATCH_FRACTION * left // max(per, 1))))
     left = max(0, free_bytes - ref_bytes - acc_bytes)
-    fine = int(min(MAX_FINE_CHUNK_BYTES, max(CHUNK_BYTES, FINE_CHUNK_FRACTION * left)))
+    fine = int(min(MAX_FINE_CHUNK_BYTES, max(CHUNK_BYTES, FINE_CHUNK_FRACTION * left))) if adaptive_chunks \
+        else CHUNK_BYTES
     return MemoryPlan(int(free_bytes), ref_bytes, acc_bytes, per, batch, fine, rows_per_particle, translations)
 
 

@@ -336,7 +336,7 @@ class EMJob:
         it.plan = plan_memory(self.budget_bytes(), box=N, ndim=self.ndim, pad=self.p.pad,
                               n_references=K * len(self.halves), rows_per_particle=K * rows,
                               translations=smp.translations.shape[0], coarse_pixels=pix_c.npix,
-                              requested_batch=self.p.batch)
+                              requested_batch=self.p.batch, adaptive_chunks=self.be.is_gpu)
         if not self._plan_shown:  # once per run, at its first iteration
             self._plan_shown = True
             yield Message("memory plan of the whole run (full image size):\n" + self.job_memory.table())
