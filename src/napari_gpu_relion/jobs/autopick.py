@@ -79,7 +79,7 @@ class Params:
     shrink_particle_mask: int = param(2, "--shrink_particle_mask", "Shrink the particle disc by this (pixels)")
     fom: str = param("zscore", "--fom", "Template figure of merit: zscore (matched filter on the whitened "
                      "micrograph, in noise standard deviations) or relion (RELION's probability ratio)")
-    threshold: float = param(4.0, "--threshold", "Template FOM threshold: picks need FOM >= this (zscore: noise "
+    threshold: float = param(6.0, "--threshold", "Template FOM threshold: picks need FOM >= this (zscore: noise "
                              "standard deviations; relion: RELION's ratio, its GUI default 0.05)")
     no_local_sigma: bool = param(False, "--no_local_sigma", "zscore: do not divide by the local standard "
                                  "deviation around each pixel (which damps contamination edges)")
