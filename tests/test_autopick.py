@@ -216,7 +216,8 @@ def test_log_picking_recall_and_precision(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_template_picking_recall_precision_and_psi(tmp_path, monkeypatch):
+@pytest.mark.parametrize(("fom", "threshold"), [("relion", 0.2), ("zscore", 6.0)])
+def test_template_picking_recall_precision_and_psi(tmp_path, monkeypatch, fom, threshold):
     monkeypatch.chdir(tmp_path)
     ph, mics, star = _dataset(tmp_path, 2, 512, 20, seed0=10)
     # templates: the true projections at psi = 0 (the picker must find psi), in normalised micrograph units
@@ -225,7 +226,7 @@ def test_template_picking_recall_precision_and_psi(tmp_path, monkeypatch):
     refs = sim.phantom_projections(ph, A, BOX, APIX) / float(np.mean([m.image.std() for m in mics]))
     write_mrc(tmp_path / "refs.mrcs", refs.astype(np.float32), APIX)
     p = autopick.Params(i=Path("micrographs.star"), odir=Path("AutoPick/job003"), ref=Path("refs.mrcs"), ctf=True,
-                        invert=True, particle_diameter=DIAM, threshold=0.2, cpu=True)
+                        invert=True, particle_diameter=DIAM, fom=fom, threshold=threshold, cpu=True)
     events = _run(p)
     assert isinstance(events[-1], Finished)
     tot = np.zeros(4)
@@ -263,6 +264,8 @@ def test_bad_parameters_are_input_errors(tmp_path):
         _run(autopick.Params(i=mic, odir=tmp_path / "o", LoG=True, LoG_diam_min=50, LoG_diam_max=60, cpu=True))
     ref = tmp_path / "refs.mrcs"
     write_mrc(ref, np.ones((2, 32, 32), np.float32), 1.5)
+    with pytest.raises(InputError, match="--fom must be one of zscore, relion, got 'cc'"):
+        autopick.Params(i=mic, odir=tmp_path / "o", angpix=2.0, ref=ref, fom="cc")
     p = autopick.Params(i=mic, odir=tmp_path / "o", angpix=2.0, ref=ref, particle_diameter=40, cpu=True)
     with pytest.raises(InputError, match=r"1\.5 Å/px .*--angpix_ref") as exc:
         _run(p)

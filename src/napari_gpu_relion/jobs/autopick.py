@@ -86,7 +86,7 @@ class Params:
     min_distance: float = param(100.0, "--min_distance", "Minimum distance between template picks (Å); -1 = "
                                 "half the reference box")
     max_stddev_noise: float = param(1.1, "--max_stddev_noise", "Reject picks where the local std exceeds "
-                                    "this (micrograph std units); -1 = off")
+                                    "this (micrograph std units; zscore: of the whitened micrograph); -1 = off")
     min_avg_noise: float = param(-999.0, "--min_avg_noise", "Reject picks where the local mean is below this")
     skip_side: int = param(0, "--skip_side", "Keep this many micrograph pixels from the edges free of picks")
     pad: int = param(2, "--pad", "Padding factor of the template Fourier grids")
