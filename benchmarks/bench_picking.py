@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from napari_gpu_relion.compute.backend import free_cached_memory, select_backend
+from napari_gpu_relion.compute.backend import free_cached_memory, select_backend, template_pick_batch
 from napari_gpu_relion.compute.ctf import CtfParams
 from napari_gpu_relion.jobs import autopick as ap
 
@@ -92,7 +92,7 @@ def main():
     st = ap._setup((size, size), pt, apix, xp, refs, be)
     ctf = CtfParams(np.array([15000.0]), np.array([14500.0]), np.array([30.0]))
     n_t = len(refs.refs) * len(st.extra["psi"])
-    tb = ap._template_batch(st.grid.w, be, n_t)
+    tb = template_pick_batch(be.free_bytes(), st.grid.w, n_t)
     t0 = time.perf_counter()
     ap._template_one(mics[0], st, refs, pt, apix, ctf, xp, 0, tb)  # warm-up; fills the rotated-template cache
     be.synchronize()

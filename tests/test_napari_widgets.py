@@ -547,6 +547,15 @@ def test_autopick_and_extract_widgets(make_napari_viewer, qtbot, tmp_path, sampl
     picks = viewer.layers["picks"]
     assert len(picks.data) > 10
     assert set(np.unique(picks.data[:, 0]).astype(int)) == {0, 1}  # both micrographs
+    hist = pick.fom_histogram.histogram  # the FOM histogram follows the picks and the threshold slider
+    assert hist is not None and int(hist.counts.sum()) == len(picks.data) and hist.threshold_position is None
+    lo, hi = pick.fom_slider.min, pick.fom_slider.max
+    pick.fom_slider.value = lo + 0.5 * (hi - lo)
+    hist = pick.fom_histogram.histogram
+    assert hist.threshold_position == pytest.approx(0.5 * (hi - lo) / (hist.edges[-1] - hist.edges[0]), abs=0.01)
+    assert int(hist.shown.sum()) == int(pick.display.pick_model().n_shown)
+    pick.fom_slider.value = lo  # everything shown again for the extraction below
+    assert not pick.fom_histogram.grab().isNull() and pick.fom_histogram.draw_count > 0  # it paints
     _, ext = viewer.window.add_plugin_dock_widget(PLUGIN, "Particle extraction")
     ext.set_values(i=sample_dir / "micrographs.star", coord_list=tmp_path / "AutoPick" / "autopick.star",
                    o=tmp_path / "Extract", extract_size=64, norm=True, invert_contrast=True, cpu=True)

@@ -52,6 +52,27 @@ def test_picks_are_grouped_by_micrograph_and_filtered_by_threshold():
     assert model.micrograph_names() == MIC[:2]
 
 
+def test_fom_histogram_bins_and_threshold_line():
+    """The picking dock's FOM histogram: equal bins from the lowest to the highest automatic FOM, hand picks
+    left out, the shown part of each bin and the threshold line's place along the axis."""
+    model = _two_micrographs()  # FOMs 0.1 0.2 0.45 0.6 0.7 0.8 0.9
+    model.add(0, 5.0, 5.0)  # FOM -999: not in the histogram
+    h = model.fom_histogram(bins=5)
+    np.testing.assert_allclose(h.edges, [0.1, 0.26, 0.42, 0.58, 0.74, 0.9])
+    np.testing.assert_array_equal(h.counts, [2, 0, 1, 2, 2])  # 0.9 (the top edge) in the last bin
+    np.testing.assert_array_equal(h.shown, h.counts)
+    assert h.threshold_position is None  # threshold -inf: no line
+    model.threshold = 0.6
+    h = model.fom_histogram(bins=5)
+    np.testing.assert_array_equal(h.shown, [0, 0, 0, 2, 2])  # 0.45 hidden, 0.6 shown
+    assert h.threshold_position == pytest.approx(0.625)  # (0.6 - 0.1) / (0.9 - 0.1)
+    assert int(h.shown.sum()) == int((~model.manual & model.shown).sum())
+    model.threshold = 5.0  # above every pick: the line at the right edge, nothing shown
+    h = model.fom_histogram(bins=5)
+    assert h.threshold_position == 1.0 and h.shown.sum() == 0
+    assert PickModel().fom_histogram() is None
+
+
 def test_hand_edits_survive_threshold_and_later_picks():
     model = _two_micrographs()
     model.threshold = 0.5

@@ -466,6 +466,94 @@ def probability_ratio_fom(C, mu, sigma, a_mean, a2_mean):
     return (xp.expm1(xp.minimum(-0.5 * D, np.float32(80.0))) / e1).astype(np.float32)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Matched filter (not RELION): whitened, CTF-weighted correlation in units of its noise standard deviation
+
+
+def half_grid_weights(w: int, xp=np):
+    """(w, w//2+1) multiplicity of each half-grid pixel in the full w x w spectrum: 1 on the kx = 0 and
+    kx = w/2 columns, 2 elsewhere (so Σ_full |F|² = Σ_half weight |F|²)."""
+    wt = xp.full((w, w // 2 + 1), 2.0, dtype=np.float32)
+    wt[:, 0] = 1.0
+    wt[:, -1] = 1.0
+    return wt
+
+
+def whitening_filter(F_w):
+    """1/sqrt(P(|k|)) on the (w, w//2+1) half grid of a cropped micrograph spectrum, P the mean power of the
+    spectrum in each shell ROUND(|k|) (n-grid units; at low SNR this is the noise spectrum, contamination
+    included). DC is set to 0 (a constant carries no position). A matched filter needs noise of one power at
+    every frequency: multiplying the micrograph by this filter whitens it."""
+    xp = get_array_module(F_w)
+    w = F_w.shape[-2]
+    shell = round_half_away(radius_grid(w, 2, xp)).astype(np.int64).ravel()
+    wt = half_grid_weights(w, xp).ravel().astype(np.float64)
+    p = (xp.abs(F_w.reshape(-1)) ** 2).astype(np.float64)
+    n_sh = int(shell.max()) + 1
+    num = xp.bincount(shell, weights=wt * p, minlength=n_sh)
+    den = xp.bincount(shell, weights=wt, minlength=n_sh)
+    ps = num / xp.maximum(den, 1e-30)
+    ps = xp.where(ps > 1e-30 * float(ps.max()), ps, float(ps.max()))
+    f = (1.0 / xp.sqrt(ps))[shell].reshape(w, w // 2 + 1)
+    f[0, 0] = 0.0
+    return f.astype(np.float32)
+
+
+def ring_on_grid(w: int, box_w: int, radius_w: float, xp=np):
+    """Spectrum (w, w//2+1) (1/w² normalised) of the ring = a ``box_w`` square minus the disc of
+    ``radius_w`` pixels, centred at the origin of a w x w grid, and its pixel count."""
+    ring = ~particle_disc(box_w, radius_w, np)
+    return box_spectrum(xp.asarray(ring, np.float64), w, w), int(ring.sum())
+
+
+@dataclass
+class WhitenedMicrograph:
+    """A micrograph whitened and low-passed on the working grid: spectrum X (w, w//2+1), 1/w² normalised on
+    the w grid; the whitening filter used (:func:`whitening_filter`, applied to the templates too); its global
+    standard deviation; the local mean (mu) and standard deviation (sigma_rel) under the ring around every
+    pixel, both in units of the global standard deviation ((w, w) each)."""
+
+    X: object
+    filt: object
+    sd: float
+    mu: object
+    sigma_rel: object
+
+
+def whiten_micrograph(F_w, ring_w, n_ring: int, lowpass_radius: float | None = None
+                      ) -> WhitenedMicrograph:
+    """Whiten a cropped micrograph spectrum (:func:`whitening_filter`), cut it at ``lowpass_radius`` (n-grid
+    Fourier pixels, None = no cut) and measure its local statistics under the ring (``ring_w`` from
+    :func:`ring_on_grid`)."""
+    xp = get_array_module(F_w)
+    w = F_w.shape[-2]
+    filt = whitening_filter(F_w)
+    Xw = F_w * filt
+    if lowpass_radius is not None:
+        Xw = xp.where(radius_grid(w, 2, xp) <= lowpass_radius, Xw, 0)
+    x = inverse_on_grid(Xw, w).astype(np.float32)
+    sd = float(xp.sqrt(xp.mean(x.astype(np.float64) ** 2)))
+    sd = sd if sd > 0 else 1.0
+    X2 = micrograph_spectrum(x * x)
+    mu, sig = local_background(Xw.astype(np.complex64), X2, ring_w, w, n_ring)
+    s = np.float32(1.0 / sd)
+    return WhitenedMicrograph(Xw.astype(np.complex64), filt, sd, mu * s, sig * s)
+
+
+def zscore_fom(Xw, T, filt, sd: float):
+    """Matched-filter FOM for template spectra T (b, w, w//2+1) (n-grid frequencies, CTF applied) on a
+    whitened micrograph Xw: the correlation of the whitened template with the whitened micrograph, divided by
+    its standard deviation under noise, sd ||t||, so that on noise alone each map is N(0, 1) (a z-score).
+    ``filt`` is the whitening filter (applied to the templates too). Returns (b, w, w) float32."""
+    xp = get_array_module(Xw)
+    w = Xw.shape[-2]
+    Tw = T * filt[None]
+    norm2 = (half_grid_weights(w, xp)[None] * (Tw.real**2 + Tw.imag**2)).sum(axis=(-2, -1))
+    norm = xp.sqrt(xp.maximum(norm2, 1e-30)).astype(np.float32)
+    c = inverse_on_grid(Xw[None] * xp.conj(Tw), w).astype(np.float32)
+    return c * (np.float32(w / sd) / norm)[:, None, None]
+
+
 def template_candidates(fom, sigma, mu, threshold: float, inside, max_stddev_noise: float = -1.0,
                         min_avg_noise: float = -999.0, scale: float = 1.0):
     """Candidate peaks of best-over-ψ FOM maps (K, w, w): FOM >= threshold inside ``inside``, local σ and μ
@@ -585,18 +673,60 @@ def template_fom_maps(X_w, X2_w, bank: TemplateBank, psi_deg, pixels, ring_w, n_
         if ctf_w is not None:
             T = T * ctf_w[None]
         C = template_correlation(X_w, T, n, n_disc)
-        fom = probability_ratio_fom(C, mu, sd, am[kk], a2[kk])
+        _keep_best(best, which, probability_ratio_fom(C, mu, sd, am[kk], a2[kk]), kk, pp)
         del C
-        # running best per reference over its ψ (strictly greater replaces; first ψ wins ties)
-        for k in np.unique(kk):  # the few references of this batch
-            sel = np.flatnonzero(kk == k)
-            f = fom[sel[0]:sel[-1] + 1]
-            j = xp.argmax(f, axis=0)
-            v = xp.take_along_axis(f, j[None], axis=0)[0]
-            better = v > best[k]
-            best[k] = xp.where(better, v, best[k])
-            which[k] = xp.where(better, (j + int(pp[sel[0]])).astype(np.int16), which[k])
     return TemplateMaps(best, which, mu, sd)
+
+
+def _keep_best(best, which, fom, kk: np.ndarray, pp: np.ndarray) -> None:
+    """Running best per reference over its ψ, in place: ``fom`` (b, w, w) of the (reference ``kk``, ψ index
+    ``pp``) pairs of one batch (a reference's ψ contiguous); strictly greater replaces, the first ψ wins ties."""
+    xp = get_array_module(fom)
+    for k in np.unique(kk):  # the few references of this batch
+        sel = np.flatnonzero(kk == k)
+        f = fom[sel[0]:sel[-1] + 1]
+        j = xp.argmax(f, axis=0)
+        v = xp.take_along_axis(f, j[None], axis=0)[0]
+        better = v > best[k]
+        best[k] = xp.where(better, v, best[k])
+        which[k] = xp.where(better, (j + int(pp[sel[0]])).astype(np.int16), which[k])
+
+
+def template_zscore_maps(mic: WhitenedMicrograph, bank: TemplateBank, psi_deg, pixels, n: int,
+                         ctf_w=None, local_sigma: bool = True, batch: int = 64, cache: dict | None = None
+                         ) -> TemplateMaps:
+    """Matched-filter FOM maps (:func:`zscore_fom`) of one whitened micrograph: per reference the best z over
+    the in-plane angles and its ψ index; with ``local_sigma`` each z is divided by the local standard deviation
+    under the ring (relative to the global one; RELION's local normalisation, which damps edges of
+    contamination). Batching and ``cache`` as in :func:`template_fom_maps`. The returned sigma is that relative
+    local standard deviation."""
+    xp = get_array_module(mic.X)
+    w = mic.X.shape[-2]
+    K = bank.n_refs
+    psi = np.asarray(psi_deg, np.float64)
+    n_psi = psi.size
+    best = xp.full((K, w, w), -np.inf, dtype=np.float32)
+    which = xp.zeros((K, w, w), dtype=np.int16)
+    inv_sig = (np.float32(1.0) / mic.sigma_rel) if local_sigma else None
+    pairs_k = np.repeat(np.arange(K), n_psi)
+    pairs_p = np.tile(np.arange(n_psi), K)
+    b = max(1, int(batch))
+    for i0 in range(0, K * n_psi, b):
+        kk, pp = pairs_k[i0:i0 + b], pairs_p[i0:i0 + b]
+        key = (i0, b, w, n)
+        T = None if cache is None else cache.get(key)
+        if T is None:
+            T = rotated_templates(bank, kk, psi[pp], pixels, n, w)
+            if cache is not None:
+                cache[key] = T
+        if ctf_w is not None:
+            T = T * ctf_w[None]
+        z = zscore_fom(mic.X, T, mic.filt, mic.sd)
+        if inv_sig is not None:
+            z *= inv_sig[None]
+        _keep_best(best, which, z, kk, pp)
+        del z
+    return TemplateMaps(best, which, mic.mu, mic.sigma_rel)
 
 
 def template_picks(maps: TemplateMaps, inside, threshold: float, link_radius: float, min_distance: float,

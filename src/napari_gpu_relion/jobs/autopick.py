@@ -44,6 +44,8 @@ from .distributed import root_events
 from .events import Finished, Message, MicrographPicked, Progress, Started
 
 JOB_NAME = "autopick"
+#: Template figures of merit (--fom): the matched-filter z-score (default) and RELION's probability ratio.
+FOM_KINDS = ("zscore", "relion")
 
 
 @dataclass(frozen=True)
@@ -75,11 +77,16 @@ class Params:
     shrink: float = param(0.0, "--shrink", "Working size: 0 = from --lowpass, <=1 = fraction, >1 = pixels")
     particle_diameter: float = param(-1.0, "--particle_diameter", "Particle diameter (Å); -1 = from references")
     shrink_particle_mask: int = param(2, "--shrink_particle_mask", "Shrink the particle disc by this (pixels)")
-    threshold: float = param(0.05, "--threshold", "Template FOM threshold")
+    fom: str = param("zscore", "--fom", "Template figure of merit: zscore (matched filter on the whitened "
+                     "micrograph, in noise standard deviations) or relion (RELION's probability ratio)")
+    threshold: float = param(6.0, "--threshold", "Template FOM threshold: picks need FOM >= this (zscore: noise "
+                             "standard deviations; relion: RELION's ratio, its GUI default 0.05)")
+    no_local_sigma: bool = param(False, "--no_local_sigma", "zscore: do not divide by the local standard "
+                                 "deviation around each pixel (which damps contamination edges)")
     min_distance: float = param(100.0, "--min_distance", "Minimum distance between template picks (Å); -1 = "
                                 "half the reference box")
     max_stddev_noise: float = param(1.1, "--max_stddev_noise", "Reject picks where the local std exceeds "
-                                    "this (micrograph std units); -1 = off")
+                                    "this (micrograph std units; zscore: of the whitened micrograph); -1 = off")
     min_avg_noise: float = param(-999.0, "--min_avg_noise", "Reject picks where the local mean is below this")
     skip_side: int = param(0, "--skip_side", "Keep this many micrograph pixels from the edges free of picks")
     pad: int = param(2, "--pad", "Padding factor of the template Fourier grids")
@@ -121,6 +128,8 @@ class Params:
                 raise InputError(f"--ang must be in (0, 360] degrees, got {self.ang}")
             if self.pad < 1:
                 raise InputError(f"--pad must be >= 1, got {self.pad}")
+            if self.fom not in FOM_KINDS:
+                raise InputError(f"--fom must be one of {', '.join(FOM_KINDS)}, got {self.fom!r}")
         if self.shrink < 0:
             raise InputError(f"--shrink must be >= 0, got {self.shrink}")
 
@@ -257,16 +266,20 @@ def _template_one(raw: np.ndarray, setup: Setup, refs: References, p: Params, ap
     e = setup.extra
     x = _prepare([raw], g, p, xp, invert=False, seed=seed)[0]
     X = pk.crop_spectrum(pk.micrograph_spectrum(x), g.w)
-    X2 = pk.crop_spectrum(pk.micrograph_spectrum(x * x), g.w)
-    del x
     s = refs.refs.shape[-1]
-    c_w = c_ps = None
-    if ctf is not None:
-        c_w = _ctf_on(ctf, g.n, g.w, apix, xp)
-        c_ps = _ctf_on(ctf, s, s, apix, xp)
-    am, a2 = pk.template_means(e["refs_dev"], e["disc_dev"], c_ps, setup.downsize / 2 * s / g.n)
-    maps = pk.template_fom_maps(X, X2, e["bank"], e["psi"], e["pixels"], e["ring_w"], e["n_ring"], e["n_disc"],
-                                am, a2, g.n, c_w, batch=batch, cache=e["cache"])
+    c_w = None if ctf is None else _ctf_on(ctf, g.n, g.w, apix, xp)
+    if p.fom == "zscore":
+        del x
+        mic = pk.whiten_micrograph(X, e["ring_ww"], e["n_ring_w"], setup.downsize / 2)
+        maps = pk.template_zscore_maps(mic, e["bank"], e["psi"], e["pixels"], g.n, c_w, not p.no_local_sigma,
+                                       batch=batch, cache=e["cache"])
+    else:
+        X2 = pk.crop_spectrum(pk.micrograph_spectrum(x * x), g.w)
+        del x
+        c_ps = None if ctf is None else _ctf_on(ctf, s, s, apix, xp)
+        am, a2 = pk.template_means(e["refs_dev"], e["disc_dev"], c_ps, setup.downsize / 2 * s / g.n)
+        maps = pk.template_fom_maps(X, X2, e["bank"], e["psi"], e["pixels"], e["ring_w"], e["n_ring"],
+                                    e["n_disc"], am, a2, g.n, c_w, batch=batch, cache=e["cache"])
     min_d = p.min_distance if p.min_distance > 0 else s / 2 * apix
     py, px, f, k, pi = pk.template_picks(maps, setup.inside, p.threshold, refs.radius_px * g.scale,
                                          float(round_half_away(np.float64(min_d / apix))) * g.scale,
@@ -294,6 +307,8 @@ def _setup(shape: tuple[int, int], p: Params, apix: float, xp, refs: References 
             bank=pk.prepare_templates(refs_dev, p.pad), pixels=pk.template_pixels(g.w, down / 2, xp),
             ring_w=pk.box_spectrum(xp.asarray(ring, np.float64), g.n, g.w),
             n_ring=int(ring.sum()), n_disc=int(refs.disc.sum()))
+        box_w = max(2, int(round_half_away(np.float64(s * g.scale / 2))) * 2)
+        extra["ring_ww"], extra["n_ring_w"] = pk.ring_on_grid(g.w, box_w, refs.radius_px * g.scale, xp)
         cache_bytes = len(refs.refs) * len(psi) * g.w * (g.w // 2 + 1) * 8
         extra["cache"] = {} if cache_bytes < 0.3 * be.free_bytes() else None
     return Setup(g, down, g.inside(skip, xp), extra)

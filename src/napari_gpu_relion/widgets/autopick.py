@@ -3,9 +3,10 @@ saving of edited picks.
 
 Each micrograph's picks arrive as MicrographPicked (one Points layer "picks" over the micrographs, FOM in
 features; widgets/display.py, state in widgets/pick_model.py). The "Threshold (FOM)" slider hides picks below it
-without re-picking; its range follows the FOMs of the automatic picks. Points can be added, moved and deleted by
-hand in the picks layer (napari's point tools); "Save picks" writes one coordinate STAR per micrograph
-(<micrograph>_autopick.star, shown picks only, as the plugin's writer does) and an autopick.star list to a
+without re-picking; its range follows the FOMs of the automatic picks, and a histogram of those FOMs under it
+shows the threshold as a line (PickModel.fom_histogram, drawn by plots.FomHistogramView). Points can be added,
+moved and deleted by hand in the picks layer (napari's point tools); "Save picks" writes one coordinate STAR per
+micrograph (<micrograph>_autopick.star, shown picks only, as the plugin's writer does) and an autopick.star list to a
 folder, ready for particle extraction.
 """
 
@@ -25,6 +26,7 @@ from ..io.star import write_coordinates
 from ..jobs import autopick
 from .job_widget import JobWidget, wrapping
 from .pick_model import PickModel
+from .plots import FomHistogramView
 from .runner import error_message
 
 if TYPE_CHECKING:
@@ -97,7 +99,13 @@ class AutopickWidget(JobWidget):
         self.save_picks_button = PushButton(text="Save picks", name="save_picks_button", label="")
         self.save_picks_button.tooltip = ("Write the shown picks (edited by hand or not) as one coordinate STAR "
                                           "per micrograph plus autopick.star")
-        self.add_results_tab("Picks", [self.fom_slider, self.picks_info, self.picks_folder, self.save_picks_button])
+        box = self.add_results_tab("Picks", [self.fom_slider, self.picks_info, self.picks_folder,
+                                             self.save_picks_button])
+        self.fom_histogram = FomHistogramView()
+        self.fom_histogram.setToolTip("Figures of merit of the automatic picks (grey: all, blue: shown) and the "
+                                      "threshold (red line). Template picks (--fom zscore): noise standard "
+                                      "deviations; LoG: RELION's LoG response")
+        box.native.layout().insertWidget(1, self.fom_histogram)
         self.last_saved: tuple[list[Path], int] | None = None
         self.fom_slider.changed.connect(self._on_threshold)
         self.save_picks_button.changed.connect(self.save_picks)
@@ -153,6 +161,7 @@ class AutopickWidget(JobWidget):
         model = self.display.pick_model()
         above = f" (FOM ≥ {model.threshold:.4g})" if np.isfinite(model.threshold) else ""
         self.picks_info.value = f"{model.n_shown} of {len(model)} picks shown{above}"
+        self.fom_histogram.set_histogram(model.fom_histogram())
 
     # -- saving ------------------------------------------------------------------------------------------
 

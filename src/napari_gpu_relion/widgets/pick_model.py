@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PickModel", "CoordinateTable", "MANUAL_PICK_VALUE"]
+__all__ = ["PickModel", "CoordinateTable", "FomHistogram", "MANUAL_PICK_VALUE"]
 
 #: RELION's "not given" value of FOM, class and psi (what its manual picker writes).
 MANUAL_PICK_VALUE = -999
@@ -34,6 +34,23 @@ class CoordinateTable:
 
     def __len__(self) -> int:
         return len(self.x)
+
+
+@dataclass(frozen=True)
+class FomHistogram:
+    """What the picking dock's FOM histogram draws: equal bins over the automatic picks' FOMs (edges (n+1,),
+    counts (n,)), how many of each bin are shown (FOM >= threshold), and the threshold line's position as a
+    fraction of the axis (0 = left edge, 1 = right edge; None when everything is shown)."""
+
+    edges: np.ndarray
+    counts: np.ndarray
+    shown: np.ndarray
+    threshold: float
+    threshold_position: float | None
+
+    @property
+    def n_bins(self) -> int:
+        return len(self.counts)
 
 
 class PickModel:
@@ -137,6 +154,22 @@ class PickModel:
                 else:
                     break
         return float(fom[0]), float(fom[top])
+
+    def fom_histogram(self, bins: int = 40) -> FomHistogram | None:
+        """Histogram of the automatic picks' FOMs over [lowest, highest] in ``bins`` equal bins (the highest
+        FOM in the last bin), with the threshold line; None without automatic picks."""
+        fom = self.fom[~self.manual & np.isfinite(self.fom)]
+        if not len(fom):
+            return None
+        lo, hi = float(fom.min()), float(fom.max())
+        if hi <= lo:
+            hi = lo + max(abs(lo), 1.0) * 1e-3
+        edges = np.linspace(lo, hi, int(bins) + 1)
+        counts, _ = np.histogram(fom, edges)
+        shown, _ = np.histogram(fom[fom >= self.threshold], edges)
+        t = self.threshold
+        pos = None if not np.isfinite(t) or t <= lo else float(np.clip((t - lo) / (hi - lo), 0.0, 1.0))
+        return FomHistogram(edges, counts.astype(np.int64), shown.astype(np.int64), float(t), pos)
 
     def micrograph_indices(self) -> list[int]:
         """Micrographs with a name or with picks, ascending."""

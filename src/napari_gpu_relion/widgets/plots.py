@@ -1,4 +1,5 @@
-"""The plot docks of the live display (widgets/display.py): the FSC plot and the angular distribution.
+"""The plot docks of the live display (widgets/display.py): the FSC plot and the angular distribution; and the
+picking dock's FOM histogram (:class:`FomHistogramView`, drawn with QPainter, not matplotlib).
 
 A matplotlib figure takes 0.05-0.3 s to draw with Agg on a 2-core machine (the angular distribution with its
 colour bar the most), so the GUI thread never draws one (issue 18: no freezes). :func:`render_fsc` and
@@ -27,8 +28,8 @@ from ..jobs.events import FscUpdated
 if TYPE_CHECKING:
     import napari
 
-__all__ = ["FscPlot", "AngularDistributionPlot", "RenderedPlot", "render_fsc", "render_angular_distribution",
-           "theme_colors", "prepare"]
+__all__ = ["FscPlot", "AngularDistributionPlot", "FomHistogramView", "RenderedPlot", "render_fsc",
+           "render_angular_distribution", "theme_colors", "prepare"]
 
 #: Pixel size of a rendered plot (it is scaled to the dock, keeping its aspect).
 PLOT_SIZE_PX = (400, 300)
@@ -222,3 +223,62 @@ class AngularDistributionPlot:
         self.figure, self.axes, self.colorbar = rendered.figure, rendered.axes, rendered.colorbar
         self.histogram, self.source = hist, source
         self.draw_count += 1
+
+
+class FomHistogramView(QWidget):
+    """The picking dock's FOM histogram (model: :meth:`PickModel.fom_histogram`), drawn with QPainter (cheap
+    enough to follow the threshold slider in the GUI thread): every pick's bin in grey, the shown part of each
+    bin in the accent colour, the threshold as a vertical line, the FOM range under the axis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setObjectName("gpu_relion_fom_histogram")
+        self.setMinimumSize(200, 90)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.setFixedHeight(110)
+        self.histogram: Any = None
+        self.draw_count = 0
+
+    def set_histogram(self, hist: Any) -> None:
+        """Show ``hist`` (a FomHistogram, or None for "no picks yet")."""
+        self.histogram = hist
+        self.update()
+
+    def paintEvent(self, event: Any) -> None:  # noqa: N802 - Qt's name
+        from qtpy.QtGui import QColor, QPainter, QPen
+
+        painter = QPainter(self)
+        try:
+            fg = self.palette().windowText().color()
+            w, h = self.width(), self.height()
+            text_h = painter.fontMetrics().height()
+            left, right, top, bottom = 4, w - 4, 4, h - text_h - 4
+            hist = self.histogram
+            if hist is None:
+                painter.setPen(fg)
+                painter.drawText(left, top, right - left, bottom - top, int(Qt.AlignmentFlag.AlignCenter),
+                                 "FOM histogram: no picks yet")
+                return
+            n = hist.n_bins
+            peak = max(int(hist.counts.max()), 1)
+            bw = (right - left) / n
+            for i in range(n):
+                x0 = left + i * bw
+                for value, color in ((hist.counts[i], QColor(128, 128, 128)), (hist.shown[i], QColor(70, 160, 240))):
+                    bh = (bottom - top) * float(value) / peak
+                    painter.fillRect(int(x0), int(bottom - bh), max(1, int(bw) - 1), int(bh), color)
+            painter.setPen(QPen(fg, 1))
+            painter.drawLine(left, bottom, right, bottom)
+            if hist.threshold_position is not None:
+                x = int(left + hist.threshold_position * (right - left))
+                painter.setPen(QPen(QColor(230, 60, 60), 2))
+                painter.drawLine(x, top, x, bottom)
+            painter.setPen(fg)
+            lo, hi = float(hist.edges[0]), float(hist.edges[-1])
+            painter.drawText(left, bottom + 2, right - left, text_h, int(Qt.AlignmentFlag.AlignLeft), f"{lo:.3g}")
+            painter.drawText(left, bottom + 2, right - left, text_h, int(Qt.AlignmentFlag.AlignRight), f"{hi:.3g}")
+            painter.drawText(left, bottom + 2, right - left, text_h, int(Qt.AlignmentFlag.AlignHCenter),
+                             "FOM" if hist.threshold_position is None else f"threshold {hist.threshold:.3g}")
+        finally:
+            painter.end()
+            self.draw_count += 1
