@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from napari_gpu_relion import cli
+from napari_gpu_relion.compute import fourier
 from napari_gpu_relion.compute.backprojector import BackProjector, reconstruct_grids
-from napari_gpu_relion.compute.maximization import reference_sigma2, ssnr_map
+from napari_gpu_relion.compute.maximization import fsc_from_backprojectors, reference_sigma2, ssnr_map
 from napari_gpu_relion.compute.memory_plan import (
     GIB,
     choose_padding,
@@ -37,9 +38,10 @@ def _peak(fn) -> int:
 
 
 @pytest.mark.parametrize("pad", [1, 2])
-def test_transient_bytes_are_the_measured_peaks(pad):
+def test_transient_bytes_are_the_measured_peaks(pad, monkeypatch):
     """The plan's transients bound the real peaks of the code, and not loosely (measured >= half the plan)."""
     box, slab = 64, 1 << 20
+    monkeypatch.setattr(fourier, "SLAB_BYTES", slab)
     rng = np.random.default_rng(0)
     vol = rng.normal(size=(box,) * 3)
     prep = _peak(lambda: prepare_reference(vol, pad, r_max=box / 2, max_bytes=slab))
@@ -49,9 +51,13 @@ def test_transient_bytes_are_the_measured_peaks(pad):
     tau2 = np.ones((1, box // 2 + 1))
     rec = _peak(lambda: reconstruct_grids(bp.data_re[None], bp.data_im[None], bp.weight[None], box, pad, 3,
                                           box / 2, tau2, 4.0, max_bytes=slab))
+    fsc = _peak(lambda: fsc_from_backprojectors(bp, bp))
     shells = _peak(lambda: (reference_sigma2(bp), ssnr_map(bp, tau2[0], 4.0)))
     assert 0.5 * prepare_bytes(box, pad, slab_bytes=slab) <= prep <= prepare_bytes(box, pad, slab_bytes=slab)
-    assert 0.5 * mstep_bytes(box, pad, slab_bytes=slab) <= max(rec, shells) <= mstep_bytes(box, pad, slab_bytes=slab)
+    assert 0.5 * mstep_bytes(box, pad, slab_bytes=slab) <= rec <= mstep_bytes(box, pad, slab_bytes=slab)
+    gold = mstep_bytes(box, pad, slab_bytes=slab, n_halves=2)
+    assert 0.5 * gold <= max(rec, fsc) <= gold
+    assert shells <= 2 * slab  # the shell sums are slab-wise: bounded by the slab budget, not the grid
 
 
 def test_slab_wise_reconstruction_equals_the_whole_grid_one():

@@ -70,6 +70,22 @@ def half_grid_indices(size: int, ndim: int = 2, xp=np):
     raise ValueError("ndim must be 2 or 3")
 
 
+#: Bytes of temporaries one slab of half_grid_slabs may make.
+SLAB_BYTES = 1 << 28
+
+
+def half_grid_slabs(size: int, ndim: int = 3, xp=np, bytes_per_voxel: int = 64):
+    """The half grid of edge ``size`` in slabs of rows of its first axis: (slice of those rows, their frequency
+    components as half_grid_indices gives them), each slab about SLAB_BYTES of temporaries at
+    ``bytes_per_voxel``. For functions over a whole padded grid that must not make grid-sized temporaries."""
+    ks = half_grid_indices(size, ndim, xp)
+    row = size ** (ndim - 2) * (size // 2 + 1)
+    step = int(max(1, min(size, SLAB_BYTES // (row * bytes_per_voxel))))
+    for a in range(0, size, step):
+        b = min(size, a + step)
+        yield slice(a, b), (ks[0][a:b],) + tuple(ks[1:])
+
+
 def round_half_away(x):
     """ROUND as RELION does: half away from zero (numpy's round is half-to-even)."""
     xp = get_array_module(x)

@@ -12,7 +12,7 @@ import numpy as np
 from .backend import get_array_module, to_host
 from .backprojector import BackProjector
 from .fourier import (
-    half_grid_indices,
+    half_grid_slabs,
     hermitian_unique_mask,
     radial_average,
     rfft_centered,
@@ -55,23 +55,27 @@ def initial_sigma2(power_each: np.ndarray, power_of_mean: np.ndarray) -> np.ndar
     return s
 
 
-def _shells_within_rmax(bp: BackProjector):
-    """Flat shell index ROUND(|q|/pf) of each padded voxel, with voxels beyond pf r_max (or beyond N/2) sent
-    to an overflow shell n = N/2 + 1; and n."""
-    shells, q2 = bp.padded_shells()
+def _shell_sums(bp: BackProjector, values=None) -> tuple:
+    """Per shell ROUND(|q|/pf), shells 0..N/2, over the padded voxels within pf r_max: the voxel count and, for
+    ``values(slab)`` (an array over those grid rows), its sum. Slab by slab: no grid-sized temporaries."""
+    xp, n = bp.xp, bp.size // 2 + 1
     lim2 = float(round_half_away(np.float64(bp.pad * bp.r_max))) ** 2
-    n = bp.size // 2 + 1
-    ok = (q2 < lim2) & (shells < n)
-    return bp.xp.where(ok, shells, n).reshape(-1), n
+    cnt, tot = xp.zeros(n + 1), xp.zeros(n + 1)
+    for sl, ks in half_grid_slabs(bp.padded_size, bp.ndim, xp):
+        q2 = sum(k.astype(np.float64) ** 2 for k in ks)
+        shells = round_half_away(xp.sqrt(q2) / bp.pad).astype(np.int64)
+        sh = xp.where((q2 < lim2) & (shells < n), shells, n).reshape(-1)
+        cnt += xp.bincount(sh, minlength=n + 1)
+        if values is not None:
+            tot += xp.bincount(sh, weights=xp.broadcast_to(values(sl), q2.shape).reshape(-1), minlength=n + 1)
+    return cnt[:n], tot[:n]
 
 
 def reference_sigma2(bp: BackProjector) -> np.ndarray:
     """sigma2_ref(r) = n_r / sum_{voxels in r} pf^ndim weight (shells 0..N/2) over the padded grid within
     pf r_max; 0 where the shell has no weight."""
     xp = bp.xp
-    sh, n = _shells_within_rmax(bp)
-    wsum = xp.bincount(sh, weights=(bp.weight * bp.pad**bp.ndim).reshape(-1), minlength=n + 1)[:n]
-    cnt = xp.bincount(sh, minlength=n + 1)[:n]
+    cnt, wsum = _shell_sums(bp, lambda sl: bp.weight[sl] * bp.pad**bp.ndim)
     out = xp.where(wsum > 0, cnt / xp.where(wsum > 0, wsum, 1.0), 0.0)
     return np.asarray(to_host(out), dtype=np.float64)
 
@@ -90,22 +94,21 @@ def tau2_from_fsc(fsc: np.ndarray, sigma2_ref: np.ndarray, tau2_fudge: float = 1
 
 def _pooled(bp: BackProjector):
     """sum data / sum weight per voxel of the unpadded N grid, pooling padded voxels at ROUND(q/pf)
-    (RELION compareTwoHalves): an unregularised estimate on the (N, N, N//2+1) half grid."""
+    (RELION compareTwoHalves): an unregularised estimate on the (N, N, N//2+1) half grid. Slab by slab."""
     xp = bp.xp
     N, pf = bp.size, bp.pad
-    P = bp.padded_size
-    kz, ky, kx = half_grid_indices(P, 3, xp)
-    rz = round_half_away(kz / pf).astype(np.int64)
-    ry = round_half_away(ky / pf).astype(np.int64)
-    rx = round_half_away(kx / pf).astype(np.int64)
-    rz, ry, rx = xp.broadcast_arrays(rz, ry, rx)
-    ok = (rx <= N // 2) & (xp.abs(ry) <= N // 2) & (xp.abs(rz) <= N // 2)
-    flat = ((rz % N) * N + (ry % N)) * (N // 2 + 1) + rx
     size = N * N * (N // 2 + 1)
-    flat = xp.where(ok, flat, size).reshape(-1)
-    d_re = xp.bincount(flat, weights=bp.data_re.reshape(-1), minlength=size + 1)[:size]
-    d_im = xp.bincount(flat, weights=bp.data_im.reshape(-1), minlength=size + 1)[:size]
-    w = xp.bincount(flat, weights=bp.weight.reshape(-1), minlength=size + 1)[:size]
+    d_re, d_im, w = xp.zeros(size + 1), xp.zeros(size + 1), xp.zeros(size + 1)
+    for sl, (kz, ky, kx) in half_grid_slabs(bp.padded_size, 3, xp):
+        rz = round_half_away(kz / pf).astype(np.int64)
+        ry = round_half_away(ky / pf).astype(np.int64)
+        rx = round_half_away(kx / pf).astype(np.int64)
+        ok = (rx <= N // 2) & (xp.abs(ry) <= N // 2) & (xp.abs(rz) <= N // 2)
+        flat = xp.where(ok, ((rz % N) * N + (ry % N)) * (N // 2 + 1) + rx, size).reshape(-1)
+        d_re += xp.bincount(flat, weights=bp.data_re[sl].reshape(-1), minlength=size + 1)
+        d_im += xp.bincount(flat, weights=bp.data_im[sl].reshape(-1), minlength=size + 1)
+        w += xp.bincount(flat, weights=bp.weight[sl].reshape(-1), minlength=size + 1)
+    d_re, d_im, w = d_re[:size], d_im[:size], w[:size]
     z = xp.where(w > 0, (d_re + 1j * d_im) / xp.where(w > 0, w, 1.0), 0)
     return z.reshape(N, N, N // 2 + 1)
 
@@ -124,14 +127,15 @@ def fsc_from_backprojectors(bp1: BackProjector, bp2: BackProjector) -> np.ndarra
 def join_low_resolution(bp1: BackProjector, bp2: BackProjector, r_join: float) -> None:
     """Average data and weight of both halves for padded voxels with |q|^2 <= ROUND(pf r_join)^2 and write
     the average back to both (RELION --low_resol_join_halves)."""
-    _, q2 = bp1.padded_shells()
+    xp = bp1.xp
     lim = float(round_half_away(np.float64(bp1.pad * r_join))) ** 2
-    sel = q2 <= lim
-    for a in ("data_re", "data_im", "weight"):
-        x1, x2 = getattr(bp1, a), getattr(bp2, a)
-        avg = 0.5 * (x1 + x2)
-        x1[sel] = avg[sel]
-        x2[sel] = avg[sel]
+    for sl, ks in half_grid_slabs(bp1.padded_size, bp1.ndim, xp):
+        sel = xp.broadcast_to(sum(k.astype(np.float64) ** 2 for k in ks) <= lim, bp1.weight[sl].shape)
+        for a in ("data_re", "data_im", "weight"):
+            x1, x2 = getattr(bp1, a)[sl], getattr(bp2, a)[sl]
+            avg = 0.5 * (x1 + x2)
+            x1[sel] = avg[sel]
+            x2[sel] = avg[sel]
 
 
 def update_sigma_offset(wsum: float, sum_weight: float, min_sigma2: float = 2.0, ndim: int = 2) -> float:
@@ -181,17 +185,19 @@ def coarse_image_size(box: int, pixel_size: float, angular_step_deg: float, diam
 
 def reference_tau2(ref) -> np.ndarray:
     """Classification tau2 (relion_algorithm.md 5.1): tau2(r) = <|data(q)|^2> / 2 over the padded voxels of the
-    prepared reference (projector.FourierReference) in shell r = ROUND(|q|/pf), shells 0..N/2."""
+    prepared reference (projector.FourierReference) in shell r = ROUND(|q|/pf), shells 0..N/2. Slab by slab."""
     xp = get_array_module(ref.data)
-    P = ref.data.shape[0]
-    ks = half_grid_indices(P, ref.ndim, xp)
-    q = xp.sqrt(sum(k.astype(np.float64) ** 2 for k in ks))
-    shells = round_half_away(q / ref.pad).astype(np.int64)
     n = ref.size // 2 + 1
-    sh = xp.where(shells < n, shells, n).reshape(-1)
-    p2 = (ref.data.real.astype(np.float64) ** 2 + ref.data.imag.astype(np.float64) ** 2).reshape(-1)
-    tot = xp.bincount(sh, weights=p2, minlength=n + 1)[:n]
-    cnt = xp.bincount(sh, minlength=n + 1)[:n]
+    tot, cnt = xp.zeros(n + 1), xp.zeros(n + 1)
+    for sl, ks in half_grid_slabs(ref.data.shape[0], ref.ndim, xp):
+        q = xp.sqrt(sum(k.astype(np.float64) ** 2 for k in ks))
+        shells = round_half_away(q / ref.pad).astype(np.int64)
+        sh = xp.where(shells < n, shells, n).reshape(-1)
+        d = ref.data[sl]
+        tot += xp.bincount(sh, weights=(d.real.astype(np.float64) ** 2 + d.imag.astype(np.float64) ** 2).reshape(-1),
+                           minlength=n + 1)
+        cnt += xp.bincount(sh, minlength=n + 1)
+    tot, cnt = tot[:n], cnt[:n]
     out = xp.where(cnt > 0, tot / (2.0 * xp.maximum(cnt, 1)), 0.0)
     return np.asarray(to_host(out), dtype=np.float64)
 
@@ -199,13 +205,12 @@ def reference_tau2(ref) -> np.ndarray:
 def ssnr_map(bp, tau2: np.ndarray, tau2_fudge: float) -> np.ndarray:
     """Classification SSNR_MAP ("data_vs_prior", relion_algorithm.md 4.3): the shell average of
     pf^ndim T tau2(r) weight over the padded voxels within pf r_max; 0 beyond r_max, 999 in empty shells."""
-    xp = bp.xp
-    sh, n = _shells_within_rmax(bp)
-    t2 = xp.asarray(np.concatenate([np.asarray(tau2, np.float64)[:n], [0.0]]))
-    val = (bp.pad**bp.ndim * tau2_fudge) * t2[sh] * bp.weight.reshape(-1)
-    tot = xp.bincount(sh, weights=val, minlength=n + 1)[:n]
-    cnt = xp.bincount(sh, minlength=n + 1)[:n]
-    out = xp.where(cnt > 0, tot / xp.maximum(cnt, 1), 999.0)
+    xp, n = bp.xp, bp.size // 2 + 1
+    t2 = np.asarray(tau2, np.float64)[:n]
+    # sum over shell r of pf^ndim T tau2(r) weight = pf^ndim T tau2(r) x (sum of the weights in shell r)
+    cnt, wsum = _shell_sums(bp, lambda sl: bp.weight[sl])
+    val = (bp.pad**bp.ndim * tau2_fudge) * xp.asarray(t2) * wsum
+    out = xp.where(cnt > 0, val / xp.maximum(cnt, 1), 999.0)
     out = np.asarray(to_host(out), dtype=np.float64)
     out[np.arange(n) > bp.r_max] = 0.0
     return out

@@ -22,12 +22,12 @@ ACCUMULATOR_BYTES_PER_VOXEL = 24
 #: Peak transient bytes per half-grid voxel, by padding factor (measured peaks of the NumPy code in brackets):
 #: preparing one reference (projector.prepare_reference, slab-wise, one axis at a time: 17 at pad 2, 38 at pad 1,
 #: the returned reference included), reconstructing one class (backprojector.reconstruct_grids, slab-wise with
-#: cropped inverse FFTs: 12 at pad 2, 34-42 at pad 1, plus about twice its slab budget) and the M-step's shell
-#: sums over the whole grid (maximization.reference_sigma2 / ssnr_map / reference_tau2: 40 at either pad; the
-#: largest transient left, not yet slab-wise).
+#: cropped inverse FFTs: 12 at pad 2, 34-42 at pad 1, plus about twice its slab budget) and, in auto-refine, the
+#: half-map FSC from the accumulators (maximization.fsc_from_backprojectors: both halves pooled onto the N grid;
+#: 9.3 at pad 2, 73 at pad 1). The shell sums (sigma2_ref, SSNR, tau2) are slab-wise: under 1.
 PREPARE_BYTES_PER_VOXEL = {1: 40, 2: 20}
 RECONSTRUCT_BYTES_PER_VOXEL = {1: 48, 2: 16}
-SHELL_SUM_BYTES_PER_VOXEL = 42
+FSC_BYTES_PER_VOXEL = {1: 76, 2: 10}
 
 
 def _by_pad(table: dict[int, int], pad: int) -> int:
@@ -40,11 +40,12 @@ def prepare_bytes(box: int, pad: int, ndim: int = 3, slab_bytes: int = CHUNK_BYT
     return grid_voxels(box, pad, ndim) * _by_pad(PREPARE_BYTES_PER_VOXEL, pad) + 2 * slab_bytes
 
 
-def mstep_bytes(box: int, pad: int, ndim: int = 3, slab_bytes: int = CHUNK_BYTES) -> int:
-    """Peak transient of the M-step of one class (bytes): the larger of its reconstruction (grid part plus
-    twice the slab budget ``slab_bytes``) and its shell sums."""
+def mstep_bytes(box: int, pad: int, ndim: int = 3, slab_bytes: int = CHUNK_BYTES, n_halves: int = 1) -> int:
+    """Peak transient of the M-step of one class (bytes): its reconstruction (grid part plus twice the slab
+    budget ``slab_bytes``) or, with gold-standard halves, the half-map FSC if larger."""
     v = grid_voxels(box, pad, ndim)
-    return max(v * _by_pad(RECONSTRUCT_BYTES_PER_VOXEL, pad) + 2 * slab_bytes, v * SHELL_SUM_BYTES_PER_VOXEL)
+    fsc = v * _by_pad(FSC_BYTES_PER_VOXEL, pad) + 2 * slab_bytes if n_halves == 2 else 0
+    return max(v * _by_pad(RECONSTRUCT_BYTES_PER_VOXEL, pad) + 2 * slab_bytes, fsc)
 
 
 GIB = 1024.0**3
@@ -108,7 +109,8 @@ def job_memory(*, box: int, ndim: int, pad: int, n_classes: int, n_halves: int, 
     n = n_classes * n_halves
     pixels = box * (box // 2 + 1)  # the Fourier half-plane of one image at the full size
     return JobMemory(box, ndim, pad, n_classes, n_halves, int(budget_bytes), n * v * REFERENCE_BYTES_PER_VOXEL,
-                     n * v * ACCUMULATOR_BYTES_PER_VOXEL, prepare_bytes(box, pad, ndim), mstep_bytes(box, pad, ndim),
+                     n * v * ACCUMULATOR_BYTES_PER_VOXEL, prepare_bytes(box, pad, ndim),
+                     mstep_bytes(box, pad, ndim, n_halves=n_halves),
                      estep_bytes_per_particle(rows_per_particle, translations, box, pixels) + CHUNK_BYTES)
 
 
