@@ -28,6 +28,8 @@ from .projector import sinc2_gridding
 #: RELION's initial value of the second moment (per voxel noise-to-signal ratio) and momentum of the updates.
 MOM2_INIT = 1.0
 MU = 0.9
+#: Floor of sqrt(second moment) in the step (this project's guard, not RELION's; see ``vdam_update``).
+MOM2_SQRT_FLOOR = 0.05
 
 
 def default_subset_sizes(n_particles: int) -> tuple[int, int]:
@@ -176,7 +178,7 @@ def vdam_update(ref_grid, halves: list, moments: Moments, step: float, tau2_fudg
     (new reference grid, fsc estimate per shell).
 
     g_h = reweighted gradient of half h; m1_h <- mu m1_h + (1 - mu) g_h (m1_h = g_h at the first step);
-    m2 <- mu m2 + (1 - mu) |g_2 - g_1|^2 / |(g_1 + g_2) / 2|^2; G = (m1_1 + m1_2) / 2 / sqrt(m2);
+    m2 <- mu m2 + (1 - mu) |g_2 - g_1|^2 / |(g_1 + g_2) / 2|^2; G = (m1_1 + m1_2) / 2 / max(sqrt(m2), 0.05);
     fsc = snr / (1 + snr) per shell with snr = 2 T <|V|> / <|m1_1 - m1_2|> (T = tau2_fudge);
     V <- V + step (fsc G - (1 - fsc) V)."""
     xp = get_array_module(ref_grid)
@@ -191,7 +193,9 @@ def vdam_update(ref_grid, halves: list, moments: Moments, step: float, tau2_fudg
     ratio = (n.real**2 + n.imag**2) / (s.real**2 + s.imag**2 + 1e-12)
     moments.mom2 = xp.where(inside, mu * moments.mom2 + (1 - mu) * ratio, moments.mom2)
     moments.started = True
-    G = (moments.mom1[0] + moments.mom1[1]) / 2 / (xp.sqrt(moments.mom2) + 1e-12)
+    # RELION divides by sqrt(m2) + 1e-12; a floor keeps the heavy ball stable where the half-sets agree almost
+    # exactly (m2 -> 0 at very high SNR: gain s (1 - mu) / sqrt(m2) must stay below 2 (1 + mu))
+    G = (moments.mom1[0] + moments.mom1[1]) / 2 / xp.maximum(xp.sqrt(moments.mom2), MOM2_SQRT_FLOOR)
     nsh = size // 2 + 1
     sh = xp.where(inside, xp.minimum(shells, nsh - 1), nsh)  # outside r_max: a discarded bin
     cnt = xp.bincount(sh.ravel(), minlength=nsh + 1)[:nsh]
@@ -200,7 +204,8 @@ def vdam_update(ref_grid, halves: list, moments: Moments, step: float, tau2_fudg
                         minlength=nsh + 1)[:nsh]
     prev, noise = prev / xp.maximum(cnt, 1), noise / xp.maximum(cnt, 1)
     snr = xp.where(noise > 0, 2 * tau2_fudge * prev / xp.where(noise > 0, noise, 1), 0.0)
-    fsc = xp.clip(snr / (1 + snr), 0, 1)
+    # no difference between the half-sets at all (noise-free data): infinite SNR where there is signal
+    fsc = xp.where(noise > 0, xp.clip(snr / (1 + snr), 0, 1), xp.where(prev > 0, 1.0, 0.0))
     f = fsc[xp.minimum(shells, nsh - 1)]
     new = xp.where(inside, ref_grid + step * (f * G - (1 - f) * ref_grid), 0)
     return new, fsc
