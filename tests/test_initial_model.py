@@ -120,7 +120,7 @@ def test_initial_model_from_particles_alone_correlates_with_the_truth(particles,
     """No reference: 20 mini-batch iterations from the random-angle average reach cc >= 0.8 with the truth at
     30 Å after the best rotation, shift and hand. The floor: another phantom of the same size scores below 0.85
     and a sphere below 0.6 with the same helper (test_aligned_map_correlation_...). RELION's files and the
-    viewer's events are there. About 60 s on an idle 2-core machine (133 s measured under load): over the ~30 s
+    viewer's events are there. 133 s measured on a 2-core machine under load (load average ~5): over the ~30 s
     a test should take; the E-step on the CPU is the cost."""
     p = _params(particles, tmp_path, iter=20, grad_ini_subset=80, grad_fin_subset=200, random_seed=1)
     events = list(initial_model.run(p))
