@@ -160,6 +160,7 @@ def test_plugin_widgets_dock(make_napari_viewer):
         class2d,
         class3d,
         extract,
+        initial_model,
         mask_create,
         postprocess,
         reconstruct,
@@ -172,7 +173,7 @@ def test_plugin_widgets_dock(make_napari_viewer):
                          ("Mask creation", mask_create), ("3D auto-refine", refine3d),
                          ("3D classification", class3d), ("Auto-picking", autopick),
                          ("Particle extraction", extract), ("2D classification", class2d),
-                         ("Class selection", select)):
+                         ("Class selection", select), ("3D initial model", initial_model)):
         _, w = viewer.window.add_plugin_dock_widget(PLUGIN, name)
         assert w.job_module is module
         label = w.inputs["i"].label

@@ -261,6 +261,7 @@ def _all_jobs():
         class2d,
         class3d,
         extract,
+        initial_model,
         mask_create,
         postprocess,
         reconstruct,
@@ -268,7 +269,8 @@ def _all_jobs():
         select,
     )
 
-    return (autopick, extract, class2d, class3d, refine3d, select, reconstruct, postprocess, mask_create)
+    return (autopick, extract, class2d, initial_model, class3d, refine3d, select, reconstruct, postprocess,
+            mask_create)
 
 
 def _flags(module) -> list[tuple[str, str, str]]:

@@ -31,6 +31,8 @@ JOBS = {
     "postprocess": ("napari_gpu_relion.jobs.postprocess", "FSC, masking correction and sharpening of half maps"),
     "mask_create": ("napari_gpu_relion.jobs.mask_create", "make a soft mask from a map"),
     "refine3d": ("napari_gpu_relion.jobs.refine3d", "3D auto-refine with gold-standard FSC (relion_refine)"),
+    "initial_model": ("napari_gpu_relion.jobs.initial_model", "3D initial model from the particles alone "
+                      "(relion_refine --grad --denovo_3dref)"),
     "class3d": ("napari_gpu_relion.jobs.class3d", "3D classification into K classes (relion_refine, no halves)"),
     "class2d": ("napari_gpu_relion.jobs.class2d", "2D classification into K classes (relion_refine, 2D)"),
     "select": ("napari_gpu_relion.jobs.select", "keep the particles of chosen classes (RELION's Select job)"),

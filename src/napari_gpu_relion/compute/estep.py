@@ -180,6 +180,7 @@ class EStepSetup:
     sigma_offset_A: float = 10.0
     class_offset_prior_A: np.ndarray | None = None  # (K, 2) prior mean of the offsets per class (Å; 2D), else 0
     adaptive_fraction: float = 0.999
+    max_significants: int = -1  # cap on the significant coarse samples per particle (RELION --maxsig; -1 = none)
     cc: bool = False
     scale_shells: object = None  # (K,) per pixel of the fine set: True where SSNR_MAP > 3 (group scale sums)
     max_fine_bytes: int = CHUNK_BYTES  # budget of one fine-pass chunk (plan_fine_chunks)
@@ -344,7 +345,7 @@ def _coarse_pass(b: _Batch, candidates, candidate_log_prior) -> _CoarseResult:
         if class_prior is not None:
             lp_orient = lp_orient + xp.take_along_axis(class_prior, xp.maximum(cand, 0) // R, axis=1)
         log_prior = b.trans_prior_of_rows(b.log_trans_prior, xp.maximum(cand, 0)) + lp_orient[:, None, :]
-    W = posterior_weights(diff2, log_prior, setup.adaptive_fraction, cc=setup.cc)
+    W = posterior_weights(diff2, log_prior, setup.adaptive_fraction, cc=setup.cc, maxsig=setup.max_significants)
     return _CoarseResult(W.significant.reshape(I, -1, diff2.shape[2]), cand, W.nr_significant)
 
 

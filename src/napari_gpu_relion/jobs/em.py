@@ -352,6 +352,7 @@ class EMJob:
                                log_pdf_direction=opts.pop("log_pdf_direction", None),
                                sigma_offset_A=self.state.sigma_offset_A, cc=it.cc,
                                class_offset_prior_A=opts.pop("class_offset_prior_A", None),
+                               max_significants=opts.pop("max_significants", -1),
                                max_fine_bytes=it.plan.fine_chunk_bytes)
             stage = f"it {self.state.iteration:03d}" + (f" half {h + 1}" if len(self.halves) > 1 else "")
             mine = self.comm.share(rows_h)  # this rank's block of the half

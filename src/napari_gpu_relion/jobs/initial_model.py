@@ -1,0 +1,276 @@
+"""3D initial model from the particles alone (relion_refine --grad --denovo_3dref, RELION's "3D initial model").
+
+The shared EM driver (jobs/em.py) with K classes and no reference: the first references are the particles
+back-projected at random orientations (a blob; a different random subset per class), then every iteration aligns
+a random mini-batch split into two pseudo half-sets (the driver's two "halves", both against the same
+references) and moves each class along RELION's VDAM gradient (compute/initial_model.py). The mini-batch grows
+and the resolution limit rises over the iterations (``GradSchedule``). With K > 1 the last iteration aligns every
+particle, so that each particle's class in the final data STAR is its best class.
+
+Symmetry: the run is in C1, as RELION's; ``--sym`` other than C1 is refused (aligning the C1 map to the symmetry
+axes and applying the symmetry at the end, as relion_align_symmetry does, is not built yet).
+
+Handedness: a map made from projections alone has either hand; check it against known structure (an alpha helix
+turns right-handed) and flip it (reverse one axis) if needed.
+
+Files (RELION's names under the --o rootname): run_itNNN_class001.mrc, run_itNNN_model.star,
+run_itNNN_data.star, run_itNNN_optimiser.star every ``--write_iter`` iterations and at the last one, and the final
+run_class001.mrc (+ run_model.star, run_data.star) when done.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..compute.backend import to_host
+from ..compute.class_similarity import class_report
+from ..compute.geometry import euler_to_matrix, symmetry_group
+from ..compute.initial_model import (
+    MU,
+    GradSchedule,
+    Moments,
+    class_stepsize,
+    default_subset_sizes,
+    grid_to_reference,
+    random_angle_average,
+    reference_to_grid,
+    vdam_update,
+)
+from ..compute.masks import soft_spherical_mask
+from ..compute.maximization import update_sigma2, update_sigma_offset
+from ..compute.sampling import Sampling
+from ..compute.simulate import random_rotations
+from ..errors import InputError
+from ..io.atomic import atomic_path
+from ..io.mrc import write_mrc
+from . import em, em_classification
+from .common import param
+from .events import Finished, IterationFinished, MapUpdated, Message
+
+JOB_NAME = "initial_model"
+#: RELION's --maxsig in gradient iterations of a 3D job: 100 significant coarse samples per class and particle.
+MAX_SIGNIFICANTS_PER_CLASS = 100
+
+
+@dataclass(frozen=True)
+class InitialModelOptions:
+    """The options of this job beyond the shared ones (RELION's names; defaults of RELION's 3D initial model)."""
+
+    K: int = param(1, "--K", "Number of classes")
+    iter: int = param(200, "--iter", "Number of iterations (mini-batches)")
+    sym: str = param("C1", "--sym", "Point-group symmetry (only C1 for now: the run is in C1, as RELION's)")
+    tau2_fudge: float = param(4.0, "--tau2_fudge", "Regularisation parameter T")
+    healpix_order: int = param(1, "--healpix_order", "HEALPix order (1 = 30° coarse, 15° fine)")
+    grad_ini_subset: int = param(-1, "--grad_ini_subset", "Mini-batch size at the start (-1 = 0.5 % of the "
+                                 "particles, 200-5000)")
+    grad_fin_subset: int = param(-1, "--grad_fin_subset", "Mini-batch size at the end (-1 = 10 % of the "
+                                 "particles, 1000-50000)")
+    grad_ini_resol: float = param(35.0, "--grad_ini_resol", "Resolution limit at the start (Å)")
+    grad_fin_resol: float = param(15.0, "--grad_fin_resol", "Resolution limit at the end (Å)")
+    grad_ini_frac: float = param(0.3, "--grad_ini_frac", "Fraction of the iterations in the initial phase")
+    grad_fin_frac: float = param(0.2, "--grad_fin_frac", "Fraction of the iterations in the final phase")
+    grad_stepsize: float = param(0.5, "--grad_stepsize", "Step size of the gradient updates")
+    write_iter: int = param(10, "--grad_write_iter", "Write the iteration's files every this many iterations")
+
+
+@dataclass(frozen=True)
+class Params(em.EMParams, em.EMOptions, InitialModelOptions, em.EMInputs):
+    def __post_init__(self):
+        self.check(needs_ref=False, healpix_order=self.healpix_order)
+        if self.continue_from is not None:
+            raise InputError("--continue is not supported by initial_model yet; start a new run")
+        symmetry_group(self.sym)
+        if symmetry_group(self.sym).matrices.shape[0] != 1:
+            raise InputError(f"--sym {self.sym}: only C1 is supported by initial_model for now (make the model in C1, "
+                             f"then refine3d --sym {self.sym} from it)")
+        em_classification.check_classification(self)
+        if not 0 < self.grad_ini_frac < 1 or not 0 < self.grad_fin_frac < 1:
+            raise InputError(f"--grad_ini_frac and --grad_fin_frac must be in (0, 1), got {self.grad_ini_frac:g}, "
+                             f"{self.grad_fin_frac:g}")
+        if self.grad_stepsize <= 0:
+            raise InputError(f"--grad_stepsize must be > 0, got {self.grad_stepsize:g}")
+        if self.grad_ini_resol <= 0 or self.grad_fin_resol <= 0:
+            raise InputError(f"--grad_ini_resol and --grad_fin_resol must be > 0 Å, got {self.grad_ini_resol:g}, "
+                             f"{self.grad_fin_resol:g}")
+        for flag, v in (("--grad_ini_subset", self.grad_ini_subset), ("--grad_fin_subset", self.grad_fin_subset)):
+            if v == 0 or v < -1:
+                raise InputError(f"{flag} must be >= 1 particles (or -1: RELION's default), got {v}")
+        if self.write_iter < 1:
+            raise InputError(f"--grad_write_iter must be >= 1, got {self.write_iter}")
+
+
+def run(p: Params) -> Iterator:
+    yield from em.run(InitialModel(p))
+
+
+class InitialModel(em_classification.Classification):
+    name = JOB_NAME
+    ndim = 3
+
+    def __init__(self, p: Params):
+        super().__init__(p)
+        self.K = self.p.K
+        self.check_k()
+        n = len(self.ps)
+        ini, fin = default_subset_sizes(n)
+        ini = self.p.grad_ini_subset if self.p.grad_ini_subset > 0 else ini
+        fin = self.p.grad_fin_subset if self.p.grad_fin_subset > 0 else fin
+        self.schedule = GradSchedule(self.p.iter, min(ini, n), min(max(fin, ini), n), self.p.grad_ini_resol,
+                                     self.p.grad_fin_resol, self.p.grad_ini_frac, self.p.grad_fin_frac,
+                                     self.p.grad_stepsize)
+        self.rng = np.random.default_rng(self.p.random_seed)
+        self.moments: list[Moments] = []
+        self.mask = soft_spherical_mask(self.N, self.mask_r, em.MASK_EDGE, 3)
+        self.outputs: dict = {}
+        self.report = ""
+
+    def describe(self) -> str:
+        s = self.schedule
+        return (f"initial model from {len(self.ps)} particles, {self.K} class(es), {self.p.iter} iterations; "
+                f"mini-batch {s.ini_subset} -> {s.fin_subset}, resolution {s.ini_resol:g} -> {s.fin_resol:g} Å")
+
+    # ---- model: one reference set shared by the two pseudo half-sets ----
+    def _share(self, m: em.EMModel) -> None:
+        for a in ("refs", "sigma2", "pdf_class", "pdf_dir"):
+            v = getattr(m, a)
+            v[1:] = [v[0]] * (len(v) - 1)
+
+    def initial_model(self) -> em.EMModel:
+        N, n = self.N, len(self.ps)
+        refs = []
+        for _k in range(self.K):
+            rows = np.sort(self.rng.choice(n, size=min(n, max(200, self.schedule.ini_subset)), replace=False))
+            A = random_rotations(rows.size, self.rng)
+            A = euler_to_matrix(A[:, 0], A[:, 1], A[:, 2])
+            v = random_angle_average(self.be.asarray(self.ps.images(rows)), self.be.asarray(A),
+                                     self.ps.ctf_rows(rows), self.apix, self.p.pad, self.p.grad_ini_resol)
+            refs.append(to_host(v) * self.mask)
+        self.moments = [Moments.zeros(N, self.p.pad, self.be.xp) for _ in range(self.K)]
+        s2 = self.initial_sigma2()
+        m = em.EMModel([np.stack(refs)] * 2, [s2] * 2, [np.full(self.K, 1.0 / self.K)] * 2, [None] * 2,
+                       np.ones(len(self.ps.scale_group_names)))
+        return m
+
+    def restore(self) -> em.EMModel:  # Params refuses --continue
+        raise InputError("--continue is not supported by initial_model yet")
+
+    def update_sampling(self) -> Iterator:
+        st, N, p, s = self.state, self.N, self.p, self.schedule
+        i = st.iteration
+        res = s.resolution_A(i)
+        st.res_shell = int(min(N // 2, round(N * self.apix / res)))
+        size = int(min(N, 2 * (st.res_shell + 2)))
+        everyone = i == p.iter and self.K > 1
+        n = len(self.ps)
+        batch = np.arange(n) if everyone or s.subset(i) >= n else np.sort(self.rng.choice(n, s.subset(i), False))
+        order = self.rng.permutation(batch.size)
+        self.halves = [np.sort(batch[order[0::2]]), np.sort(batch[order[1::2]])]
+        st.perturb_sampling(p.random_seed)
+        smp = Sampling(p.healpix_order, "C1", None, p.offset_range, p.offset_step, perturb=st.perturb)
+        if self.model.pdf_dir[0] is None:
+            self.model.pdf_dir[0] = np.full((self.K, smp.n_dirs), 1.0 / smp.n_dirs)
+            self._share(self.model)
+        self.step = s.step(i)
+        if i == 1 or i % 10 == 0 or i == p.iter:
+            yield Message(f"iteration {i}: mini-batch {batch.size}, image size {size}, {res:.1f} Å, step size "
+                          f"{self.step:.2f}, {self.K} class(es) x {smp.n_orient} orientations, "
+                          f"{smp.translations.shape[0]} translations")
+        return em.Iteration(i == p.iter, False, size, smp, size, None)
+
+    def expectation_options(self, it: em.Iteration, h: int) -> dict:
+        m = self.model
+        with np.errstate(divide="ignore"):
+            lp = self.be.asarray(np.log(m.pdf_class[0])[:, None] + np.log(m.pdf_dir[0]))
+        # RELION's cap on the significant coarse samples of a gradient iteration: 100 per class (3D)
+        return {"log_pdf_direction": lp, "max_significants": MAX_SIGNIFICANTS_PER_CLASS * self.K}
+
+    def maximization(self, it: em.Iteration) -> None:
+        m, p, N, xp = self.model, self.p, self.N, self.be.xp
+        s1, s2 = it.sums
+        for acc in it.accumulators:
+            acc.enforce_hermitian()
+        # the scalars and spectra: RELION's running averages with momentum mu over the mini-batches
+        wsum_s2 = s1.sigma2 + s2.sigma2
+        sumw = s1.sumw_group + s2.sumw_group
+        new_s2 = update_sigma2(wsum_s2, sumw, N)
+        got = sumw > 0
+        m.sigma2[0] = np.where(got[:, None], MU * m.sigma2[0] + (1 - MU) * new_s2, m.sigma2[0])
+        pdf = s1.pdf_class + s2.pdf_class
+        m.pdf_class[0] = MU * m.pdf_class[0] + (1 - MU) * pdf / max(pdf.sum(), 1e-300)
+        sw = s1.sum_weight + s2.sum_weight
+        self.state.sigma_offset_A = (MU * self.state.sigma_offset_A
+                                     + (1 - MU) * update_sigma_offset(s1.sigma_offset + s2.sigma_offset, sw))
+        # the references: one VDAM step per class
+        r_max = self.state.res_shell
+        new_refs = []
+        self.fsc_est = []
+        for k in range(self.K):
+            ref_g = reference_to_grid(xp.asarray(m.refs[0][k]), p.pad)
+            halves = [(acc.members[k].data, acc.members[k].weight) for acc in it.accumulators]
+            step = class_stepsize(self.step, float(m.pdf_class[0][k]), self.K)
+            g, fsc = vdam_update(ref_g, halves, self.moments[k], step, p.tau2_fudge, r_max, p.pad)
+            v = to_host(grid_to_reference(g, N, p.pad)) * self.mask  # solvent flattening, as RELION's job
+            new_refs.append(v)
+            self.fsc_est.append(to_host(fsc))
+        m.refs[0] = np.stack(new_refs)
+        self._share(m)
+        it.ssnr = [f / np.maximum(1 - f, 1e-6) for f in self.fsc_est]
+
+    def update_resolution(self, it: em.Iteration) -> None:
+        res = self.schedule.resolution_A(self.state.iteration)
+        self.res_shells = [self.state.res_shell] * self.K
+        self.res_A = [res] * self.K
+        rows = np.concatenate(self.halves)
+        self.changed = float((self.ps.classes[rows] != it.old_classes[rows]).mean()) if self.K > 1 else 0.0
+
+    def write(self, it: em.Iteration) -> Iterator:
+        f, i, K, apix = self.files, self.state.iteration, self.K, self.apix
+        refs = self.model.refs[0]
+        maps = {f"class{k + 1:03d}": refs[k].astype(np.float32) for k in range(K)}
+        if i % self.p.write_iter == 0 or it.final or i == 1:
+            paths = [write_mrc(f.class_map(k + 1, i), maps[f"class{k + 1:03d}"], apix) for k in range(K)]
+            model = self.write_model(it, [q.name for q in paths], list(self.model.pdf_dir[0]))
+            data = self.write_data()
+            self.write_optimiser(it, data, [model])
+            self.outputs = {f"class{k + 1:03d}": paths[k] for k in range(K)} | {"model": model, "data": data}
+        else:
+            paths = [None] * K
+        for k in range(K):
+            yield MapUpdated(f"class{k + 1:03d}", maps[f"class{k + 1:03d}"], apix, paths[k])
+        dist = ", ".join(f"{100 * d:.1f}%" for d in self.model.pdf_class[0])
+        summary = (f"mini-batch {sum(h.size for h in self.halves)}, {self.res_A[0]:.1f} Å, step {self.step:.2f}; "
+                   f"class distribution {dist}; E-step {it.seconds_estep:.1f} s")
+        yield IterationFinished(i, maps, self.model.pdf_class[0].copy(), float(self.res_A[0]), None, summary)
+        if i % 10 == 0 or it.final:
+            yield Message(f"  iteration {i}: {summary}")
+        if it.final:
+            self.write_final()
+            self.report = class_report(list(refs), self.model.pdf_class[0], self.mask) if K > 1 else ""
+            if self.report:
+                yield Message(self.report)
+            yield Message("The initial model's hand is arbitrary: check it (e.g. the twist of helices) and flip the "
+                          "map if needed before building a model into the refined map.")
+
+    def write_final(self) -> None:
+        """The final files without iteration number: run_class001.mrc, ..., run_model.star, run_data.star (copies
+        of the last iteration's, written atomically)."""
+        f, i = self.files, self.state.iteration
+        final = {}
+        for k in range(self.K):
+            final[f"class{k + 1:03d}"] = (f.class_map(k + 1, i), f.class_map(k + 1, None))
+        final["model"] = (f.model(i), f.model(None))
+        final["data"] = (f.data(i), f.data(None))
+        for key, (src, dst) in final.items():
+            with atomic_path(dst) as tmp:
+                shutil.copyfile(src, tmp)
+            self.outputs[key] = dst
+
+    def finished(self) -> Finished:
+        dist = ", ".join(f"class {k + 1}: {100 * d:.1f}%" for k, d in enumerate(self.model.pdf_class[0]))
+        return Finished(self.outputs, f"{self.p.iter} iterations in {time.time() - self.t_start:.0f} s; {dist}. "
+                                      f"{self.report}")
