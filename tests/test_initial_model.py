@@ -115,7 +115,7 @@ def test_initial_model_rejects_bad_input_before_work(particles, tmp_path):
         _params(particles, tmp_path, i=tmp_path / "missing.star")
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_initial_model_from_particles_alone_correlates_with_the_truth(particles, tmp_path):
     """No reference: 20 mini-batch iterations from the random-angle average reach cc >= 0.8 with the truth at
     30 Å after the best rotation, shift and hand. The floor: another phantom of the same size scores below 0.85

@@ -74,7 +74,16 @@ def test_offers_chain_outputs_into_the_next_jobs(tmp_path):
     post = [o for o in jm.offers(by[7], p) if o.job == "postprocess"]
     assert post[0].values["i"] == str(p / "Refine3D/job007/run_half1_class001_unfil.mrc")
     assert {o.job for o in jm.offers(by[7], p)} == {"postprocess", "refine3d", "class3d", "mask_create",
-                                                    "class2d", "reconstruct"}
+                                                    "class2d", "reconstruct", "initial_model"}
+    # a 3D initial model's final map is the next refinement's reference
+    im = p / "InitialModel" / "job009"
+    im.mkdir(parents=True)
+    for name in ("run_it010_model.star", "run_it010_class001.mrc", "run_class001.mrc"):
+        (im / name).write_text("x")
+    rec = jm.scan_job_folder(im, now=time.time())
+    assert rec.job == "initial_model" and rec.status == "finished"
+    (ref,) = [o for o in jm.offers(rec, p) if o.job == "refine3d"]
+    assert ref.values["ref"] == str(im / "run_class001.mrc") and ref.values["o"] == str(p / "Refine3D/job010")
     assert jm.next_job_folder(p, "class2d", taken=[p / "Select/job011"]) == p / "Class2D/job012"
 
 

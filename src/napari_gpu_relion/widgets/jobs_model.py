@@ -53,12 +53,13 @@ __all__ = [
 #: Our job name -> RELION's job-type folder (``<project>/<Type>/jobNNN``).
 JOB_TYPES = {"autopick": "AutoPick", "extract": "Extract", "class2d": "Class2D", "select": "Select",
              "class3d": "Class3D", "refine3d": "Refine3D", "mask_create": "MaskCreate", "postprocess": "PostProcess",
-             "reconstruct": "Reconstruct"}
+             "reconstruct": "Reconstruct", "initial_model": "InitialModel"}
 _JOB_OF_TYPE = {v.lower(): k for k, v in JOB_TYPES.items()}
 #: Our job name -> its dock's name in napari.yaml (what *Plugins > GPU RELION* lists).
 WIDGET_NAMES = {"autopick": "Auto-picking", "extract": "Particle extraction", "class2d": "2D classification",
                 "select": "Class selection", "class3d": "3D classification", "refine3d": "3D auto-refine",
-                "mask_create": "Mask creation", "postprocess": "Post-process", "reconstruct": "Reconstruct"}
+                "mask_create": "Mask creation", "postprocess": "Post-process", "reconstruct": "Reconstruct",
+                "initial_model": "3D initial model"}
 #: RELION's program names (in a note.txt) -> our job name.
 _PROGRAMS = {"relion_autopick": "autopick", "relion_preprocess": "extract", "relion_refine": None,
              "relion_postprocess": "postprocess", "relion_mask_create": "mask_create",
@@ -88,6 +89,7 @@ CONSUMERS: tuple[tuple[str, str, str], ...] = (
     (PARTICLES, "class3d", "i"),
     (PARTICLES, "refine3d", "i"),
     (PARTICLES, "reconstruct", "i"),
+    (PARTICLES, "initial_model", "i"),
     (CLASSIFIED, "select", "i"),
     (CLASSIFIED, "class3d", "i"),
     (CLASSIFIED, "refine3d", "i"),
@@ -101,7 +103,8 @@ CONSUMERS: tuple[tuple[str, str, str], ...] = (
 #: How each job's output field is filled for a new job folder: a folder, or a file in it.
 _OUTPUT_FIELD = {"autopick": ("odir", None), "extract": ("o", None), "class2d": ("o", None), "class3d": ("o", None),
                  "refine3d": ("o", None), "postprocess": ("o", None), "select": ("o", "particles.star"),
-                 "mask_create": ("o", "mask.mrc"), "reconstruct": ("o", "reconstruct.mrc")}
+                 "mask_create": ("o", "mask.mrc"), "reconstruct": ("o", "reconstruct.mrc"),
+                 "initial_model": ("o", None)}
 
 _JOB_DIR = re.compile(r"^job(\d+)$")
 _ITER_MODEL = re.compile(r"^(?P<root>.+?)_it(?P<it>\d{3,})_(?:half[12]_)?model\.star$")
@@ -282,6 +285,12 @@ def _outputs(job: str, folder: Path, names: list[str], inputs: dict[str, str]) -
     elif job == "extract":
         add(PARTICLES, "particles.star", "particles (particles.star)")
         final = "particles.star" in have
+    elif job == "initial_model":
+        root, its = _iterations(folder, names)
+        iteration = its[-1] if its else None
+        if root is not None:
+            final = f"{root}_class001.mrc" in have
+            add(MAP, f"{root}_class001.mrc", "initial model")
     elif job in ("class2d", "class3d", "refine3d"):
         root, its = _iterations(folder, names)
         iteration = its[-1] if its else None
