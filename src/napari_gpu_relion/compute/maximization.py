@@ -185,14 +185,17 @@ def coarse_image_size(box: int, pixel_size: float, angular_step_deg: float, diam
 
 def reference_tau2(ref) -> np.ndarray:
     """Classification tau2 (relion_algorithm.md 5.1): tau2(r) = <|data(q)|^2> / 2 over the padded voxels of the
-    prepared reference (projector.FourierReference) in shell r = ROUND(|q|/pf), shells 0..N/2. Slab by slab."""
+    prepared reference (projector.FourierReference) in shell r = ROUND(|q|/pf), shells 0..N/2, counting only the
+    voxels the reference holds, |q|^2 <= ROUND(pf r_max)^2, as RELION's computeFourierTransformMap does (the
+    outermost shell is half outside: averaging its zeros too would halve its tau2). Slab by slab."""
     xp = get_array_module(ref.data)
     n = ref.size // 2 + 1
+    lim2 = float(round_half_away(np.float64(ref.pad * ref.r_max))) ** 2
     tot, cnt = xp.zeros(n + 1), xp.zeros(n + 1)
     for sl, ks in half_grid_slabs(ref.data.shape[0], ref.ndim, xp):
-        q = xp.sqrt(sum(k.astype(np.float64) ** 2 for k in ks))
-        shells = round_half_away(q / ref.pad).astype(np.int64)
-        sh = xp.where(shells < n, shells, n).reshape(-1)
+        q2 = sum(k.astype(np.float64) ** 2 for k in ks)
+        shells = round_half_away(xp.sqrt(q2) / ref.pad).astype(np.int64)
+        sh = xp.where((shells < n) & (q2 <= lim2), shells, n).reshape(-1)
         d = ref.data[sl]
         tot += xp.bincount(sh, weights=(d.real.astype(np.float64) ** 2 + d.imag.astype(np.float64) ** 2).reshape(-1),
                            minlength=n + 1)

@@ -1,0 +1,49 @@
+"""The M-step's shell sums over the padded grid (compute/maximization.py), slab by slab, against direct float64
+sums over the whole grid written out here: tau2 of a prepared reference (only the voxels it holds, as RELION's
+computeFourierTransformMap counts them), sigma2_ref and the classification SSNR_MAP of an accumulator; and the
+same values for any slab size."""
+
+import numpy as np
+import pytest
+
+from napari_gpu_relion.compute import fourier
+from napari_gpu_relion.compute.backprojector import BackProjector
+from napari_gpu_relion.compute.maximization import reference_sigma2, reference_tau2, ssnr_map
+from napari_gpu_relion.compute.projector import prepare_reference
+
+N, PAD = 24, 2
+
+
+def _q2_and_shells(P: int, pad: int):
+    i = np.arange(P)
+    s = np.where(i <= P // 2, i, i - P).astype(float)  # integer frequencies, Nyquist +P/2
+    q2 = s[:, None, None] ** 2 + s[None, :, None] ** 2 + np.arange(P // 2 + 1)[None, None, :] ** 2
+    return q2, np.floor(np.sqrt(q2) / pad + 0.5).astype(int)
+
+
+def _shell_mean(values, mask, shells, n):
+    return np.array([values[mask & (shells == r)].mean() if (mask & (shells == r)).any() else np.nan
+                     for r in range(n)])
+
+
+@pytest.mark.parametrize("slab", [1 << 28, 1 << 12])
+def test_shell_sums_equal_direct_sums(slab, monkeypatch):
+    monkeypatch.setattr(fourier, "SLAB_BYTES", slab)
+    rng = np.random.default_rng(0)
+    n = N // 2 + 1
+    q2, shells = _q2_and_shells(PAD * N, PAD)
+    for r_max in (7.0, N / 2):
+        ref = prepare_reference(rng.normal(size=(N,) * 3), PAD, r_max)
+        power = np.abs(ref.data.astype(np.complex128)) ** 2 / 2
+        want = np.nan_to_num(_shell_mean(power, q2 <= (PAD * r_max) ** 2, shells, n))
+        np.testing.assert_allclose(reference_tau2(ref), want, rtol=1e-12, atol=0)
+        assert want[int(r_max)] > 0.5 * want[int(r_max) - 1]  # the half-outside edge shell is not halved
+    bp = BackProjector(N, PAD, 9.0)
+    bp.weight[:] = rng.random(bp.weight.shape)
+    inside = (q2 < (PAD * 9.0) ** 2) & (shells < n)
+    mean_w = _shell_mean(bp.weight * PAD**3, inside, shells, n)
+    np.testing.assert_allclose(reference_sigma2(bp), np.nan_to_num(1.0 / mean_w), rtol=1e-12)
+    tau2 = rng.random(n) + 0.1
+    want = np.where(np.isnan(mean_w), 999.0, PAD**3 * 4.0 * tau2 * _shell_mean(bp.weight, inside, shells, n))
+    want[np.arange(n) > 9.0] = 0.0
+    np.testing.assert_allclose(ssnr_map(bp, tau2, 4.0), want, rtol=1e-12)
