@@ -653,12 +653,23 @@ def template_fom_maps(X_w, X2_w, bank: TemplateBank, psi_deg, pixels, ring_w, n_
     w = X_w.shape[-2]
     K = bank.n_refs
     psi = np.asarray(psi_deg, np.float64)
-    n_psi = psi.size
     mu, sd = local_background(X_w, X2_w, ring_w, n, n_ring)
     best = xp.full((K, w, w), -np.inf, dtype=np.float32)
     which = xp.zeros((K, w, w), dtype=np.int16)
     am = np.asarray(to_host(a_mean), np.float64)
     a2 = np.asarray(to_host(a2_mean), np.float64)
+    for kk, pp, T in _template_batches(bank, psi, pixels, n, w, batch, cache, ctf_w):
+        C = template_correlation(X_w, T, n, n_disc)
+        _keep_best(best, which, probability_ratio_fom(C, mu, sd, am[kk], a2[kk]), kk, pp)
+        del C
+    return TemplateMaps(best, which, mu, sd)
+
+
+def _template_batches(bank, psi: np.ndarray, pixels, n: int, w: int, batch: int, cache: dict | None, ctf_w):
+    """(reference indices, ψ indices, rotated templates (b, w, w) times ``ctf_w``) for every (reference, ψ)
+    pair, ``batch`` pairs at a time, a reference's ψ contiguous; the rotated templates are taken from / kept in
+    ``cache`` (they do not depend on the micrograph)."""
+    K, n_psi = bank.n_refs, psi.size
     pairs_k = np.repeat(np.arange(K), n_psi)
     pairs_p = np.tile(np.arange(n_psi), K)
     b = max(1, int(batch))
@@ -670,12 +681,7 @@ def template_fom_maps(X_w, X2_w, bank: TemplateBank, psi_deg, pixels, ring_w, n_
             T = rotated_templates(bank, kk, psi[pp], pixels, n, w)
             if cache is not None:
                 cache[key] = T
-        if ctf_w is not None:
-            T = T * ctf_w[None]
-        C = template_correlation(X_w, T, n, n_disc)
-        _keep_best(best, which, probability_ratio_fom(C, mu, sd, am[kk], a2[kk]), kk, pp)
-        del C
-    return TemplateMaps(best, which, mu, sd)
+        yield kk, pp, (T if ctf_w is None else T * ctf_w[None])
 
 
 def _keep_best(best, which, fom, kk: np.ndarray, pp: np.ndarray) -> None:
@@ -704,23 +710,10 @@ def template_zscore_maps(mic: WhitenedMicrograph, bank: TemplateBank, psi_deg, p
     w = mic.X.shape[-2]
     K = bank.n_refs
     psi = np.asarray(psi_deg, np.float64)
-    n_psi = psi.size
     best = xp.full((K, w, w), -np.inf, dtype=np.float32)
     which = xp.zeros((K, w, w), dtype=np.int16)
     inv_sig = (np.float32(1.0) / mic.sigma_rel) if local_sigma else None
-    pairs_k = np.repeat(np.arange(K), n_psi)
-    pairs_p = np.tile(np.arange(n_psi), K)
-    b = max(1, int(batch))
-    for i0 in range(0, K * n_psi, b):
-        kk, pp = pairs_k[i0:i0 + b], pairs_p[i0:i0 + b]
-        key = (i0, b, w, n)
-        T = None if cache is None else cache.get(key)
-        if T is None:
-            T = rotated_templates(bank, kk, psi[pp], pixels, n, w)
-            if cache is not None:
-                cache[key] = T
-        if ctf_w is not None:
-            T = T * ctf_w[None]
+    for kk, pp, T in _template_batches(bank, psi, pixels, n, w, batch, cache, ctf_w):
         z = zscore_fom(mic.X, T, mic.filt, mic.sd)
         if inv_sig is not None:
             z *= inv_sig[None]

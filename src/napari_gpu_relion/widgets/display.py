@@ -61,6 +61,7 @@ from ..jobs.events import ClassAveragesUpdated, FscUpdated, MapUpdated, Microgra
 from . import plots
 from .class_grid_model import ClassGrid, class_at, grid_shape, tile_at, tile_corners
 from .display_model import PreparedClasses, PreparedFsc, PreparedMap, prepare_classes, prepare_event, prepare_map
+from .per_viewer import one_per_viewer
 from .pick_model import MANUAL_PICK_VALUE, PickModel
 from .plots import AngularDistributionPlot, FscPlot
 from .runner import frozen_gc
@@ -140,16 +141,7 @@ class LiveDisplay:
     @classmethod
     def for_viewer(cls, viewer: napari.viewer.Viewer) -> LiveDisplay:
         """The display shared by all job widgets of ``viewer`` (one FSC dock, one picks layer)."""
-        real = _unwrap(viewer)
-        for key, (ref, _) in list(cls._instances.items()):
-            if ref() is None:
-                del cls._instances[key]
-        entry = cls._instances.get(id(real))
-        if entry is not None and entry[0]() is real:
-            return entry[1]
-        display = cls(real)
-        cls._instances[id(real)] = (weakref.ref(real), display)
-        return display
+        return one_per_viewer(cls._instances, viewer, cls)
 
     @property
     def viewer(self) -> napari.viewer.Viewer | None:

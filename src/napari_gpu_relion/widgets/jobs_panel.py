@@ -34,6 +34,7 @@ from .display import LiveDisplay
 from .follow_model import SETTLE_S, FolderFollower
 from .job_widget import wrapping
 from .jobs_model import SESSION, WIDGET_NAMES, JobRecord, Offer, merge_records, offers, scan_project
+from .per_viewer import one_per_viewer
 from .runner import error_message
 
 if TYPE_CHECKING:
@@ -75,16 +76,7 @@ class FolderFollow:
 
     @classmethod
     def for_viewer(cls, viewer: Any) -> FolderFollow:
-        real = getattr(viewer, "__wrapped__", viewer)
-        for key, (ref, _) in list(cls._instances.items()):
-            if ref() is None:
-                del cls._instances[key]
-        entry = cls._instances.get(id(real))
-        if entry is not None and entry[0]() is real:
-            return entry[1]
-        follow = cls(real)
-        cls._instances[id(real)] = (weakref.ref(real), follow)
-        return follow
+        return one_per_viewer(cls._instances, viewer, cls)
 
     @property
     def active(self) -> bool:
