@@ -141,6 +141,7 @@ _FORMS: dict[str, FieldForm] = {
     "--cpu": _b("Run on the CPU", "Compute"),
     "--gpu": _b("GPU index (empty = first)", "Compute"),
     "--batch": _a("Batch size (0 = from free memory)", "Compute"),
+    "--memory_limit": _a("Memory limit (GiB; 0 = all free memory)", "Compute"),
     "--pad": _a("Padding factor", "Compute"),
     "--random_seed": _a("Random seed", "Compute"),
 }
