@@ -52,6 +52,7 @@ from ..parallel import world
 from .common import (
     backend_for,
     batched_with_oom_retry,
+    check_cancel,
     check_output_folder,
     em_iteration_bytes,
     param,
@@ -324,7 +325,7 @@ class EMJob:
                                log_pdf_direction=opts.pop("log_pdf_direction", None),
                                sigma_offset_A=self.state.sigma_offset_A, cc=it.cc,
                                class_offset_prior_A=opts.pop("class_offset_prior_A", None),
-                               max_fine_bytes=it.plan.fine_chunk_bytes)
+                               max_fine_bytes=it.plan.fine_chunk_bytes, check_cancel=check_cancel)
             stage = f"it {self.state.iteration:03d}" + (f" half {h + 1}" if len(self.halves) > 1 else "")
             mine = self.comm.share(rows_h)  # this rank's block of the half
             yield from run_estep(self.ps, mine, setup, sums, self.be, mask_radius_px=self.mask_r,
@@ -408,7 +409,9 @@ def _run(job: EMJob) -> Iterator:
         job.state.iteration += 1
         it = yield from job.update_sampling()
         yield from job.expectation(it)
+        check_cancel()  # cancel points between the steps, never inside write(): its files stay whole
         job.maximization(it)
+        check_cancel()
         job.update_resolution(it)
         last = job.check_convergence(it)
         if root:
