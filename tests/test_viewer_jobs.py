@@ -97,6 +97,33 @@ def test_cancel_is_acknowledged_at_once_and_stops_the_job_within_2_s(make_napari
     assert not errors
 
 
+def test_cancel_stops_a_cpu_refine3d_within_2_s_in_iteration_1(make_napari_viewer, qtbot, tmp_path, errors):
+    """The tutorial's 3D auto-refine on the CPU, cancelled 1 s into iteration 1's E-step (one batch of 200
+    particles per half, 10-40 s on 2 cores): the worker's finished signal comes within 2 s of the click."""
+    from test_cancel import tutorial_refine3d
+
+    from napari_gpu_relion.jobs import refine3d
+
+    viewer = make_napari_viewer()
+    w = make_job_widget(viewer, refine3d)
+    p = tutorial_refine3d(tmp_path / "Refine3D")
+    w.set_values(i=p.i, o=tmp_path / "Refine3D", ref=p.ref, ctf=True, particle_diameter=160.0, flatten_solvent=True,
+                 healpix_order=1, auto_local_healpix_order=3, cpu=True)
+    w.run_button.native.click()
+    _wait(qtbot, lambda: "memory plan" in w.status_text, 60_000)  # the E-step of iteration 1 has begun
+    qtbot.wait(1000)
+    assert w.job.last_progress is None  # inside half 1's only batch
+    with qtbot.waitSignal(w.job.worker.finished, timeout=10_000):
+        t0 = time.perf_counter()
+        w.cancel_button.native.click()
+        assert w.status_text.startswith("refine3d: cancelling")
+    assert time.perf_counter() - t0 < 2.0
+    _wait(qtbot, lambda: w.job.done, 2_000)
+    assert w.job.state is JobState.CANCELLED
+    assert sorted(q.name for q in (tmp_path / "Refine3D").iterdir()) == ["note.txt"]
+    assert not errors
+
+
 def test_a_queued_job_says_when_it_starts(make_napari_viewer, qtbot, tmp_path, errors):
     from napari_gpu_relion.widgets.runner import JobRunner
 

@@ -338,9 +338,10 @@ CPU_BLOCK_FLOPS = 4e9
 
 
 def batched_matmul(a, b, check: Callable[[], None] | None = None):
-    """``matmul(a, b)`` of an (I, m, k) stack and an (I, k, n) stack or one (k, n) matrix. On the CPU it runs in blocks of particles with
-    ``check()`` between them; NumPy computes each particle's product alone, so the result is bit-identical to one
-    call whatever the blocks (tests/test_expectation.py checks it). On the GPU: one batched GEMM."""
+    """``matmul(a, b)`` of an (I, m, k) stack and an (I, k, n) stack or one (k, n) matrix. On the CPU it runs
+    in blocks of particles with ``check()`` between them; NumPy computes each particle's product alone, so the
+    result is bit-identical to one call whatever the blocks (tests/test_cancel.py checks it). On the GPU: one
+    batched GEMM."""
     xp = get_array_module(a)
     I = a.shape[0]
     if xp is not np or I < 2:
