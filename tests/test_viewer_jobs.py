@@ -162,12 +162,58 @@ def test_closing_the_dock_of_a_running_job_cancels_it(make_napari_viewer, qtbot,
     w.set_values(o=tmp_path / "job", delay=0.05)
     job = w.start_job()
     _wait(qtbot, lambda: (tmp_path / "job" / "step002.txt").exists())
-    t0 = time.perf_counter()
+    questions: list[str] = []
+    w.ask = lambda question: questions.append(question) or False  # the user answers No ...
     dock.title.close_button.click()  # the dock's ✕, as a user closes it
+    qtbot.wait(200)
+    assert questions == [jw.CLOSE_QUESTION] == ["A job is running: cancel it and close?"]
+    assert job.state is JobState.RUNNING and dock.widget() is w.native and "slow job" in viewer.window.dock_widgets
+    w.ask = lambda question: questions.append(question) or True  # ... then Yes
+    t0 = time.perf_counter()
+    dock.title.close_button.click()
     _wait(qtbot, lambda: job.done, 5_000)
     assert time.perf_counter() - t0 < 2.0
-    assert job.state is JobState.CANCELLED
+    assert job.state is JobState.CANCELLED and len(questions) == 2
+    assert "slow job" not in viewer.window.dock_widgets
     assert infos and "dock was closed" in infos[-1] and "cancelled" in infos[-1]
+    assert not errors
+
+
+def test_the_close_question_is_a_message_box_and_idle_docks_close_without_it(make_napari_viewer, qtbot, tmp_path,
+                                                                              errors):
+    """The default question is a modal message box (answered here by clicking its Yes button); a dock without a
+    running job closes without a question."""
+    from qtpy.QtCore import QTimer
+    from qtpy.QtWidgets import QMessageBox
+
+    viewer = make_napari_viewer()
+    idle = make_job_widget(viewer, slow)
+    idle_dock = viewer.window.add_dock_widget(idle, name="idle job")
+    qtbot.wait(50)
+    idle.ask = lambda question: pytest.fail(f"asked {question!r} without a running job")
+    idle_dock.title.close_button.click()
+    assert "idle job" not in viewer.window.dock_widgets
+
+    w = make_job_widget(viewer, slow)
+    dock = viewer.window.add_dock_widget(w, name="slow job")
+    w.set_values(o=tmp_path / "job", delay=0.05)
+    job = w.start_job()
+    _wait(qtbot, lambda: (tmp_path / "job" / "step001.txt").exists())
+    seen: list[str] = []
+
+    def answer_yes() -> None:
+        box = QApplication.activeModalWidget()
+        if not isinstance(box, QMessageBox):
+            QTimer.singleShot(20, answer_yes)
+            return
+        seen.append(box.text())
+        box.button(QMessageBox.StandardButton.Yes).click()
+
+    QTimer.singleShot(20, answer_yes)
+    dock.title.close_button.click()  # returns when the box was answered
+    assert seen == [jw.CLOSE_QUESTION]
+    _wait(qtbot, lambda: job.done, 5_000)
+    assert job.state is JobState.CANCELLED and "slow job" not in viewer.window.dock_widgets
     assert not errors
 
 

@@ -53,6 +53,7 @@ from qtpy.QtWidgets import (
     QDockWidget,
     QLabel,
     QMainWindow,
+    QMessageBox,
     QScrollArea,
     QSizePolicy,
     QTabWidget,
@@ -405,14 +406,28 @@ class _OptionTabs(QTabWidget):
         return hint
 
 
+#: The question a dock's close button asks while its job runs or waits.
+CLOSE_QUESTION = "A job is running: cancel it and close?"
+
+
+def ask_yes_no(parent: QWidget | None, question: str) -> bool:
+    """Ask ``question`` in a modal message box; True for Yes (the default answer is No)."""
+    answer = QMessageBox.question(parent, "napari-gpu-relion", question,
+                                  QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No,
+                                  QMessageBox.StandardButton.No)
+    return answer == QMessageBox.StandardButton.Yes
+
+
 class _DockCloseWatcher(QObject):
     """Calls ``on_close()`` when ``widget`` is taken out of its napari dock (the dock's close button): napari
     removes the dock and sets the inner widget's parent to None, without deleting it, so ``destroyed`` does not
-    come. The callback is held weakly (a bound method), so the watcher never keeps a closed widget alive."""
+    come. Before that, ``may_close()`` is asked when the dock's close button is clicked (False keeps the dock).
+    Both callbacks are held weakly (bound methods), so the watcher never keeps a closed widget alive."""
 
-    def __init__(self, widget: QWidget, on_close: Any) -> None:
+    def __init__(self, widget: QWidget, on_close: Any, may_close: Any = None) -> None:
         super().__init__(widget)
         self._callback = weakref.WeakMethod(on_close)
+        self._may_close = None if may_close is None else weakref.WeakMethod(may_close)
         self._docked = widget.parent() is not None
         widget.installEventFilter(self)
 
@@ -421,12 +436,45 @@ class _DockCloseWatcher(QObject):
             if obj.parent() is not None:
                 self._docked = True
                 QTimer.singleShot(0, self._narrow_dock)
+                QTimer.singleShot(0, self._guard_close_button)
             elif self._docked:
                 self._docked = False
                 callback = self._callback()
                 if callback is not None:
                     callback()
         return False
+
+    def _guard_close_button(self) -> None:
+        """Ask ``may_close()`` before napari's dock closes: its close button calls the dock's ``destroyOnClose``,
+        which is wrapped here once per dock. The wrapper holds this watcher weakly: when the widget is gone, the
+        dock closes as napari would close it."""
+        try:
+            widget = self.parent()
+        except RuntimeError:
+            return
+        dock = widget
+        while dock is not None and not isinstance(dock, QDockWidget):
+            dock = dock.parentWidget()
+        original = getattr(dock, "destroyOnClose", None)
+        if dock is None or original is None or getattr(original, "_asks_first", False):
+            return
+        watcher = weakref.ref(self)
+
+        def destroy_on_close() -> None:
+            w = watcher()
+            try:
+                allowed = w is None or w.may_close()
+            except RuntimeError:  # the widget was deleted meanwhile
+                allowed = True
+            if allowed:
+                original()
+
+        destroy_on_close._asks_first = True  # type: ignore[attr-defined]
+        dock.destroyOnClose = destroy_on_close
+
+    def may_close(self) -> bool:
+        callback = self._may_close() if self._may_close is not None else None
+        return True if callback is None else bool(callback())
 
     def _narrow_dock(self) -> None:
         """A newly docked job widget starts DOCK_WIDTH_HINT pixels wide (napari would give it its full size hint,
@@ -512,7 +560,7 @@ class JobWidget(Container):
         for spec in self.specs:
             self.inputs[spec.name].changed.connect(self._on_input_changed)
         self.native.destroyed.connect(self._on_destroyed)
-        self._close_watch = _DockCloseWatcher(self.native, self._on_dock_closed)
+        self._close_watch = _DockCloseWatcher(self.native, self._on_dock_closed, self.may_close)
 
     def add_results_tab(self, name: str, widgets: list[Any]) -> Container:
         """A tab after the option tabs for what the job produced (picks threshold, class selection, ...): a
@@ -757,6 +805,22 @@ class JobWidget(Container):
         job = self.job
         if job is not None and not job.done:
             job.cancel()
+
+    def ask(self, question: str) -> bool:
+        """A yes/no question to the user (True: Yes), in a message box over this widget. Tests (or a front end
+        that asks elsewhere) replace it on the instance: ``widget.ask = lambda question: True``."""
+        return ask_yes_no(self.native, question)
+
+    def may_close(self) -> bool:
+        """The dock's close button was clicked: with a running or queued job, ask whether to cancel it and close
+        (:data:`CLOSE_QUESTION`); Yes cancels the job (the dock then closes), No keeps both. True to close."""
+        job = self.job
+        if self._closed or job is None or job.done:
+            return True
+        if not self.ask(CLOSE_QUESTION):
+            return False
+        job.cancel()
+        return True
 
     def _on_dock_closed(self) -> None:
         """The user closed this widget's dock (napari takes the widget out of it): cancel a running or queued
