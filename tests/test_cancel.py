@@ -68,8 +68,11 @@ def test_class2d_results_are_bit_identical_with_the_cancel_points(tmp_path):
     list(class2d.run(class2d.Params(o=tmp_path / "plain" / "run", **params)))
     calls = []
     with cancel_scope(lambda: bool(calls.append(1))):  # checked, never cancelled
-        list(class2d.run(class2d.Params(o=tmp_path / "checked" / "run", **params)))
+        events = list(class2d.run(class2d.Params(o=tmp_path / "checked" / "run", **params)))
     assert len(calls) > 10  # the cancel points were reached inside the E-step
+    progress = [e for e in events if isinstance(e, Progress)]  # and the progress says "iteration 1 of 1"
+    assert progress and all((e.iteration, e.iterations) == (1, 1) for e in progress)
+    assert progress[-1].iteration_fraction == 1.0
     plain, checked = _files(tmp_path / "plain"), _files(tmp_path / "checked")
     assert sorted(plain) == sorted(checked) and any(n.endswith(".mrcs") for n in plain)
     for name in plain:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -244,6 +244,10 @@ class EMJob:
     def describe(self) -> str:
         raise NotImplementedError
 
+    def max_iterations(self) -> int:
+        """The iteration the job stops at the latest (--iter); 0 where it stops when it has converged."""
+        return int(getattr(self.p, "iter", 0) or 0)
+
     def initial_model(self) -> EMModel:
         raise NotImplementedError
 
@@ -328,11 +332,16 @@ class EMJob:
                                max_fine_bytes=it.plan.fine_chunk_bytes, check_cancel=check_cancel)
             stage = f"it {self.state.iteration:03d}" + (f" half {h + 1}" if len(self.halves) > 1 else "")
             mine = self.comm.share(rows_h)  # this rank's block of the half
-            yield from run_estep(self.ps, mine, setup, sums, self.be, mask_radius_px=self.mask_r,
-                                 zero_mask=self.p.zero_mask, do_norm=getattr(self.p, "norm", False),
-                                 norm_average=self.state.norm_average, scales=self.model.scales,
-                                 batch=it.plan.batch, stage=stage, seed=self.p.random_seed + self.state.iteration,
-                                 local_sigma=it.local_sigma, sym=getattr(self.p, "sym", "C1"), **opts)
+            n_halves = len(self.halves)
+            for ev in run_estep(self.ps, mine, setup, sums, self.be, mask_radius_px=self.mask_r,
+                                zero_mask=self.p.zero_mask, do_norm=getattr(self.p, "norm", False),
+                                norm_average=self.state.norm_average, scales=self.model.scales,
+                                batch=it.plan.batch, stage=stage, seed=self.p.random_seed + self.state.iteration,
+                                local_sigma=it.local_sigma, sym=getattr(self.p, "sym", "C1"), **opts):
+                if isinstance(ev, Progress):  # the E-step is nearly all of an iteration's time
+                    ev = replace(ev, iteration=self.state.iteration, iterations=self.max_iterations(),
+                                             iteration_fraction=(h + ev.done / max(ev.total, 1)) / n_halves)
+                yield ev
             sum_estep(self.comm, sums, acc)  # every rank: the sums over all ranks
             merge_particles(self.comm, self.ps, mine)
             it.sums.append(sums)

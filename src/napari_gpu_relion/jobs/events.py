@@ -28,9 +28,16 @@ class Started(Event):
 
 @dataclass(frozen=True)
 class Progress(Event):
+    """``done`` of ``total`` items of ``stage``. An iterative job also says which ``iteration`` it is in (from 1),
+    of how many (``iterations``; 0 where it stops at convergence, as auto-refine) and the fraction of that
+    iteration's work done (``iteration_fraction``, 0..1): a front end shows "iteration n of max" and an ETA."""
+
     done: int
     total: int
     stage: str = ""
+    iteration: int = 0
+    iterations: int = 0
+    iteration_fraction: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import os
+import time
 import types
 import typing
 import weakref
@@ -78,6 +79,7 @@ from ..jobs.events import (
 from ..mpi_child import MPI_JOBS, mpi_available, run_under_mpi
 from .display import LiveDisplay
 from .form_model import form_layout, form_of
+from .progress_model import ProgressClock
 from .runner import Job, JobRunner, JobState, error_message, get_runner
 
 if TYPE_CHECKING:
@@ -516,6 +518,7 @@ class JobWidget(Container):
         self._closed = False
         self._loading = False
         self._results_tab: QWidget | None = None
+        self._clock = ProgressClock()
 
         self.run_button = PushButton(text="Run", name="job_run_button")
         self.run_button.tooltip = f"Start {self.job_name} with these parameters (queued if the device is busy)"
@@ -696,6 +699,7 @@ class JobWidget(Container):
             runner = self._runner
         self.progress.max = 1
         self.progress.value = 0
+        self._clock = ProgressClock()
         self._map_levels.clear()
         self._set_status(f"{self.job_name}: submitted")
         module = self.job_module
@@ -753,11 +757,11 @@ class JobWidget(Container):
         self._set_status(f"{self.job_name}: running on {ev.backend}" + (f" — {ev.message}" if ev.message else ""))
 
     def _on_progress(self, ev: Progress) -> None:
-        total = max(int(ev.total), 0)
-        self.progress.max = total if total > 0 else 0
-        self.progress.value = min(int(ev.done), total) if total > 0 else 0
-        stage = f"{ev.stage} " if ev.stage else ""
-        self._set_status(f"{self.job_name}: {stage}{ev.done}/{ev.total}")
+        """The bar and the status line: "iteration n of max" and the time left where the job knows them."""
+        report = self._clock.report(self.job_name, ev, time.monotonic())
+        self.progress.max = report.maximum
+        self.progress.value = report.value
+        self._set_status(report.text)
 
     def _on_message(self, ev: Message) -> None:
         self._set_status(f"{self.job_name}: {ev.text}")
