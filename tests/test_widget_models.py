@@ -381,3 +381,45 @@ def test_pick_colours_stand_out_for_colour_blind_viewers():
             assert np.linalg.norm(lab - _lab(true, vision)) > 25, (vision, c)
             if vision == "normal":
                 assert 45 < lab[0] < 80 and np.hypot(lab[1], lab[2]) > 50, c  # mid lightness, saturated
+
+
+def test_extraction_boxes_cover_exactly_the_pixels_extraction_cut():
+    """A square of side B at the drawn centre holds the centres of exactly the pixels cut_boxes takes."""
+    from napari_gpu_relion.compute.extraction import cut_boxes
+    from napari_gpu_relion.widgets.display_model import extraction_boxes
+
+    ny, nx, B = 40, 50, 8
+    rows, cols = np.mgrid[0:ny, 0:nx]
+    xy = np.array([[20, 15], [31, 9]])
+    centres = extraction_boxes(3, xy)
+    assert np.all(centres[:, 0] == 3)
+    for k, (x, y) in enumerate(xy):
+        cut_cols = cut_boxes(cols.astype(np.float32), [x], [y], B)[0]
+        cut_rows = cut_boxes(rows.astype(np.float32), [x], [y], B)[0]
+        cy, cx = centres[k, 1:]
+        inside = (np.abs(rows - cy) < B / 2) & (np.abs(cols - cx) < B / 2)
+        assert set(zip(rows[inside], cols[inside], strict=True)) == \
+            set(zip(cut_rows.ravel().astype(int), cut_cols.ravel().astype(int), strict=True))
+
+
+def test_extraction_gallery_is_composed_like_the_class_grid():
+    from napari_gpu_relion.jobs.events import ParticlesExtracted
+    from napari_gpu_relion.widgets.class_grid_model import ClassGrid
+    from napari_gpu_relion.widgets.display_model import prepare_extraction
+
+    imgs = np.random.default_rng(0).standard_normal((5, 8, 8)).astype(np.float32)
+    ev = prepare_extraction(ParticlesExtracted("m.mrc", 0, np.zeros((5, 2)), 16, 1.0, imgs, 2.0))
+    assert ev.gallery_image.shape == (16, 24)  # 5 tiles in 3 columns, 2 rows
+    same_order = ClassGrid(np.full(5, 0.2), np.zeros(5), 8).compose(imgs)  # equal classes keep their order
+    np.testing.assert_array_equal(ev.gallery_image, same_order)
+
+
+def test_extraction_boxes_colour_differs_from_picks_and_true_picks_for_colour_blind_viewers():
+    from napari_gpu_relion.widgets.style import EXTRACTION_BOX_COLOR, PICK_COLORS, TRUE_PICK_COLOR, hex_to_rgb
+
+    ramp = [np.array(hex_to_rgb(c)) for c in PICK_COLORS]
+    others = [ramp[0] + t * (ramp[1] - ramp[0]) for t in np.linspace(0, 1, 5)] + \
+             [ramp[1] + t * (ramp[2] - ramp[1]) for t in np.linspace(0, 1, 5)] + [np.array(hex_to_rgb(TRUE_PICK_COLOR))]
+    box = np.array(hex_to_rgb(EXTRACTION_BOX_COLOR))
+    for vision in _CVD:
+        assert min(np.linalg.norm(_lab(box, vision) - _lab(c, vision)) for c in others) > 20, vision

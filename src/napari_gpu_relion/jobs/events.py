@@ -90,6 +90,23 @@ class MicrographPicked(Event):
 
 
 @dataclass(frozen=True)
+class ParticlesExtracted(Event):
+    """The particles of one micrograph were extracted (their stack ``path`` is written): the integer coordinates
+    (n, 2) x, y in pixels of micrograph ``index`` (row of the micrographs STAR; box j covers pixels x - B/2 ..
+    x + B/2 - 1 of side B = ``box_size``), and the first few extracted images (m, b, b) (m <= n) for a gallery,
+    with their pixel size (Å, after rescaling)."""
+
+    name: str
+    index: int
+    coords: np.ndarray
+    box_size: int
+    micrograph_pixel_size: float
+    images: np.ndarray
+    pixel_size: float
+    path: Path | None = None
+
+
+@dataclass(frozen=True)
 class IterationFinished(Event):
     iteration: int
     references: dict[str, np.ndarray] = field(default_factory=dict)

@@ -73,6 +73,7 @@ from ..jobs.events import (
     MapUpdated,
     Message,
     MicrographPicked,
+    ParticlesExtracted,
     Progress,
     Started,
 )
@@ -712,6 +713,7 @@ class JobWidget(Container):
             ClassAveragesUpdated: self.display.handle,
             FscUpdated: self.display.handle,
             MicrographPicked: self.display.handle,
+            ParticlesExtracted: self.display.handle,
             IterationFinished: self._on_iteration,
         }
         self.display.anchor(self.native)  # its result plots dock beside this widget
