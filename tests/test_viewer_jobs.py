@@ -321,3 +321,52 @@ def test_every_dock_fits_a_1366x768_screen(make_napari_viewer):
     QApplication.processEvents()
     hint = main.minimumSizeHint()
     assert hint.width() <= SCREEN[0] and hint.height() <= SCREEN[1], hint
+
+
+def test_display_binning_and_lowpass_keep_the_picks_on_their_particles(make_napari_viewer, qtbot, monkeypatch,
+                                                                       errors):
+    """The picking dock's display controls re-render the micrographs binned 4x and low-passed at 30 Å, in a
+    worker thread: every particle's displayed centre lies under its pick (in Å), the picks layer and the
+    micrographs' original data are untouched, and binning 1 / low-pass 0 shows the original again."""
+    import threading
+
+    from napari_gpu_relion.widgets import micrograph_view as mv
+
+    threads: list[str] = []
+    real = mv.display_micrograph
+    monkeypatch.setattr(mv, "display_micrograph",
+                        lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k))
+    apix = 2.0
+    yy, xx = np.mgrid[0:200, 0:240]
+    centres = [(0, 53, 71), (0, 140, 180), (1, 101, 37), (1, 30, 200)]  # (micrograph, y, x) pixels
+    mics = np.zeros((2, 200, 240), np.float32)
+    for m, y, x in centres:
+        mics[m] += np.exp(-((yy - y) ** 2 + (xx - x) ** 2) / (2 * 6.0**2))
+    viewer = make_napari_viewer()
+    layer = viewer.add_image(mics, name="micrographs", scale=(1, apix, apix),
+                             metadata={"kind": "micrographs", "pixel_size": apix})
+    picks = viewer.add_points(np.array([(m, y * apix, x * apix) for m, y, x in centres], float), name="picks")
+    before = picks.data.copy()
+    _, w = viewer.window.add_plugin_dock_widget(PLUGIN, "Auto-picking")
+    w.micrograph_display.bin_factor.value = 4
+    w.micrograph_display.lowpass.value = 30.0
+    _wait(qtbot, lambda: w.micrograph_display.renders == 1 and not w.micrograph_display.busy)
+    assert threads and threading.main_thread().name not in threads  # rendered off the GUI thread
+    assert layer.data.shape == (2, 50, 60) and tuple(layer.scale) == (1.0, 8.0, 8.0)
+    assert layer.metadata[mv.SOURCE_KEY]["data"] is mics  # the data the picker would read is not changed
+    np.testing.assert_array_equal(picks.data, before)
+    for m, y, x in centres:
+        world = np.array([m, y * apix, x * apix])  # the pick
+        _, dy, dx = np.round(layer.world_to_data(world)).astype(int)  # the displayed pixel under it
+        y0, x0 = max(dy - 5, 0), max(dx - 5, 0)
+        window = np.clip(layer.data[m, y0:dy + 6, x0:dx + 6], 0, None)
+        jj, ii = np.mgrid[0:window.shape[0], 0:window.shape[1]]
+        cy, cx = (window * jj).sum() / window.sum() + y0, (window * ii).sum() / window.sum() + x0
+        centre = np.asarray(layer.data_to_world([m, cy, cx]))  # the displayed particle's centre, in Å
+        # within 0.5 Å: a binned layer drawn without its 3 Å shift (half a binned pixel less one pixel) would miss
+        assert np.all(np.abs(centre[1:] - world[1:]) < 0.5), (m, y, x, centre)
+    w.micrograph_display.bin_factor.value = 1
+    w.micrograph_display.lowpass.value = 0.0
+    _wait(qtbot, lambda: w.micrograph_display.renders >= 2 and not w.micrograph_display.busy)
+    assert layer.data is mics and tuple(layer.scale) == (1.0, apix, apix) and tuple(layer.translate) == (0, 0, 0)
+    assert not errors

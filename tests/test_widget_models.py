@@ -423,3 +423,48 @@ def test_extraction_boxes_colour_differs_from_picks_and_true_picks_for_colour_bl
     box = np.array(hex_to_rgb(EXTRACTION_BOX_COLOR))
     for vision in _CVD:
         assert min(np.linalg.norm(_lab(box, vision) - _lab(c, vision)) for c in others) > 20, vision
+
+
+def _direct_display(img: np.ndarray, apix: float, f: int, res: float) -> np.ndarray:
+    """Binning by explicit block means and a raised-cosine low-pass (none for res 0) through the full complex FFT,
+    in float64."""
+    img = np.asarray(img, np.float64)
+    ny, nx = img.shape[0] // f, img.shape[1] // f
+    binned = np.zeros((ny, nx))
+    for j in range(ny):
+        for i in range(nx):
+            binned[j, i] = img[j * f:(j + 1) * f, i * f:(i + 1) * f].mean()
+    if res <= 0:
+        return binned
+    a = apix * f
+    ky = np.array([min(k, ny - k) for k in range(ny)], float) / (ny * a)
+    kx = np.array([min(k, nx - k) for k in range(nx)], float) / (nx * a)
+    s = np.hypot(ky[:, None], kx[None, :])
+    width = 2.0 / (max(ny, nx) * a)
+    lo = 1.0 / res - width / 2
+    w = np.clip((s - lo) / width, 0.0, 1.0)
+    filt = 0.5 + 0.5 * np.cos(np.pi * w)
+    return np.real(np.fft.ifft2(np.fft.fft2(binned) * filt))
+
+
+@pytest.mark.parametrize(("f", "res"), [(1, 9.0), (2, 0.0), (3, 25.0), (2, 14.0)])
+def test_display_micrograph_equals_a_direct_float64_computation(f, res):
+    from napari_gpu_relion.widgets.display_model import display_micrograph
+
+    img = np.random.default_rng(1).standard_normal((62, 90)).astype(np.float32) * 5 + 100
+    shown, apix, shift = display_micrograph(img, 2.0, f, res)
+    direct = _direct_display(img, 2.0, f, res)
+    assert shown.dtype == np.float32 and shown.shape == (62 // f, 90 // f)
+    np.testing.assert_allclose(shown, direct, rtol=0, atol=1e-4)
+    assert apix == 2.0 * f and shift == 2.0 * (f - 1) / 2
+
+
+def test_binned_micrograph_keeps_a_particle_at_its_place_in_angstrom():
+    """A bright 3 x 3 block whose binned pixel is fully inside: its centroid in Å is unchanged by binning."""
+    from napari_gpu_relion.widgets.display_model import display_micrograph
+
+    img = np.zeros((30, 33), np.float32)
+    img[9:12, 15:18] = 1.0  # centre pixel (10, 16): at (20, 32) Å with 2 Å pixels
+    shown, apix, shift = display_micrograph(img, 2.0, 3)
+    j, i = np.unravel_index(np.argmax(shown), shown.shape)
+    assert (j * apix + shift, i * apix + shift) == (20.0, 32.0)

@@ -24,6 +24,7 @@ from ..io.micrographs import output_root, write_coordinate_list
 from ..io.star import write_coordinates
 from ..jobs import autopick
 from .job_widget import JobWidget, wrapping
+from .micrograph_view import MicrographDisplay
 from .pick_model import PickModel
 from .runner import error_message
 
@@ -98,6 +99,8 @@ class AutopickWidget(JobWidget):
         self.save_picks_button.tooltip = ("Write the shown picks (edited by hand or not) as one coordinate STAR "
                                           "per micrograph plus autopick.star")
         self.add_results_tab("Picks", [self.fom_slider, self.picks_info, self.picks_folder, self.save_picks_button])
+        self.micrograph_display = MicrographDisplay(viewer)  # display-only binning and low-pass of the micrographs
+        self.add_results_tab("Display", [self.micrograph_display], front=False)
         self.last_saved: tuple[list[Path], int] | None = None
         self.fom_slider.changed.connect(self._on_threshold)
         self.save_picks_button.changed.connect(self.save_picks)

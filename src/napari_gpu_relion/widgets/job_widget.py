@@ -566,9 +566,10 @@ class JobWidget(Container):
         self.native.destroyed.connect(self._on_destroyed)
         self._close_watch = _DockCloseWatcher(self.native, self._on_dock_closed, self.may_close)
 
-    def add_results_tab(self, name: str, widgets: list[Any]) -> Container:
+    def add_results_tab(self, name: str, widgets: list[Any], front: bool = True) -> Container:
         """A tab after the option tabs for what the job produced (picks threshold, class selection, ...): a
-        labelled Container of ``widgets``; :meth:`show_results_tab` brings it to the front."""
+        labelled Container of ``widgets``; :meth:`show_results_tab` brings it (``front``; else the first
+        results tab) to the front."""
         box = Container(widgets=widgets, labels=True, name=f"results_{name}")
         box.margins = (4, 4, 4, 4)
         page = QWidget()
@@ -578,7 +579,8 @@ class JobWidget(Container):
         layout.addStretch(1)
         scroll = _scroll_page(page)
         self.tabs.addTab(scroll, name)
-        self._results_tab = scroll
+        if front or self._results_tab is None:
+            self._results_tab = scroll
         return box
 
     def show_results_tab(self) -> None:
