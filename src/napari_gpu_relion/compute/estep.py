@@ -250,6 +250,7 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
         _fine_chunk(batch, rows, fine, acc, a0, a1)
     check()
     _add_power_beyond_fine(batch, acc, sums.n_shells)
+    check()
     _insert_summed_slices(batch, rows, fine, acc, sums)
     result = _best_poses(batch, fine, acc, coarse)
     _add_mstep_sums(batch, rows, acc, sums, groups, scale_group_index)
@@ -638,7 +639,7 @@ def _insert_summed_slices(b: _Batch, rows: _SignificantRows, fine: _FineData, ac
         kd, Kf = xp.asarray(keep), pix.npix
         vals = acc.slices[kd, :Kf].astype(np.complex64) + 1j * acc.slices[kd, Kf:]
         insert_by_class(sums.backprojectors, xp.asarray(cls_rows[keep]), fine.matrices[kd], pix.kx, pix.ky, vals,
-                        acc.slice_weights[kd])
+                        acc.slice_weights[kd], check=b.setup.check_cancel)
 
 
 def _best_poses(b: _Batch, fine: _FineData, acc: _FineSums, coarse: _CoarseResult) -> BatchResult:
