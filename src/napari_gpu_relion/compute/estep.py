@@ -358,7 +358,7 @@ def _coarse_pass(b: _Batch, candidates, candidate_log_prior) -> _CoarseResult:
         if class_prior is not None:
             lp_orient = lp_orient + xp.take_along_axis(class_prior, xp.maximum(cand, 0) // R, axis=1)
         log_prior = b.trans_prior_of_rows(b.log_trans_prior, xp.maximum(cand, 0)) + lp_orient[:, None, :]
-    W = posterior_weights(diff2, log_prior, setup.adaptive_fraction, cc=setup.cc)
+    W = posterior_weights(diff2, log_prior, setup.adaptive_fraction, cc=setup.cc, check=setup.check_cancel)
     return _CoarseResult(W.significant.reshape(I, -1, diff2.shape[2]), cand, W.nr_significant)
 
 
@@ -567,7 +567,8 @@ def _fine_chunk(b: _Batch, rows: _SignificantRows, fine: _FineData, acc: _FineSu
     diff2 = scores_shared(P, terms, check) if lay.shared else scores_gathered(P, terms, check)  # (ni, T*4, nn)
     check()
     lp_fine = xp.broadcast_to(lp_parent[:, :, None, :, None], (ni, T, ntov, n_par, nover))
-    W = posterior_weights(diff2, lp_fine.reshape(ni, T * ntov, nn), setup.adaptive_fraction, cc=setup.cc)
+    W = posterior_weights(diff2, lp_fine.reshape(ni, T * ntov, nn), setup.adaptive_fraction, cc=setup.cc,
+                          check=check)
     del diff2, lp_fine, lp_parent, sig_parent
     check()
     best_pos = W.best % nn

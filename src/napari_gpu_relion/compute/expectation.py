@@ -185,13 +185,13 @@ class Weights:
 
 
 def posterior_weights(diff2, log_prior, adaptive_fraction: float = 0.999, cc: bool = False,
-                      maxsig: int = -1) -> Weights:
+                      maxsig: int = -1, check: Callable[[], None] | None = None) -> Weights:
     """Log-domain weights exp(log_prior - diff2) per particle over the last axis (invalid samples carry
     log_prior = -inf), normalised by their full sum S, then RELION's significance: sort descending, keep the
     samples until the running sum first exceeds ``adaptive_fraction`` x S (``maxsig`` caps the count).
     CC mode: a hard assignment to the best (lowest) score.
 
-    The threshold: :func:`significance_threshold`.
+    The threshold: :func:`significance_threshold`. ``check()`` (a cancel point) is called between the steps.
     (A sort-free threshold by bisection over the float32 values was tried: 32 masked reductions with a host
     check each made the 2D E-step 1.5x slower on the H100, results/estep_class2d_bisect_rejected_h100.json.)"""
     xp = get_array_module(diff2)
@@ -205,13 +205,18 @@ def posterior_weights(diff2, log_prior, adaptive_fraction: float = 0.999, cc: bo
         w[rows, best] = 1.0
         ones = xp.ones(I, dtype=np.int64)
         return Weights(w, w > 0, best, xp.ones(I), ones, -diff2.reshape(I, -1)[rows, best].astype(np.float64))
+    check = check or _no_check
+    check()
     best = xp.argmax(lw, axis=1)
     top = lw[rows, best][:, None]
     e = xp.exp(lw - top)  # exp(-inf) = 0
+    check()
     S = e.sum(axis=1)
     p = (e / S[:, None]).astype(np.float32)
     del e
+    check()
     k, wsig = significance_threshold(p, adaptive_fraction, maxsig)
+    check()
     sig = (p >= wsig[:, None]) & (p > 0)
     wn = xp.where(sig, p, np.float32(0.0))
     return Weights(wn, sig, best, p[rows, best].astype(np.float64), k + 1, top[:, 0] + xp.log(S))
@@ -317,7 +322,7 @@ def fine_sums(w, P, X, Xu, ctf, m, ramps, check: Callable[[], None] | None = Non
         slices = batched_matmul(w.transpose(0, 2, 1), Z, check)  # (I, n, 2K)
         slice_w = row_w[:, :, None] * c2m[:, None, :]
     check()
-    a = xp.matmul(row_w[:, None, :], S.power)[:, 0, :].astype(np.float64)  # (I, K): sum_r W_r |P_r|^2
+    a = batched_matmul(row_w[:, None, :], S.power, check)[:, 0, :].astype(np.float64)  # (I, K): sum_r W_r |P_r|^2
     check()
     U = batched_matmul(w, S.stacked, check)  # (I, T, 2K): sum_r w [Re P, Im P]
     check()
@@ -332,9 +337,9 @@ def fine_sums(w, P, X, Xu, ctf, m, ramps, check: Callable[[], None] | None = Non
     return FineSums(slices, slice_w, row_w, trans_w, noise, xa, aa)
 
 
-#: Floating-point operations of one block of a batched product on the CPU (about 0.1 s): the cancel point
+#: Floating-point operations of one block of a batched product on the CPU (0.02-0.1 s): the cancel point
 #: between two blocks stops a job within a second even while one product would take many seconds.
-CPU_BLOCK_FLOPS = 4e9
+CPU_BLOCK_FLOPS = 1e9
 
 
 def batched_matmul(a, b, check: Callable[[], None] | None = None):
