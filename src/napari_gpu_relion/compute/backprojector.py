@@ -95,9 +95,9 @@ def reconstruct_grids(data, weight, size: int, pad: int, ndim: int, r_max: float
     return vol.astype(np.float32)
 
 
-def _chunk_contributions(A, kx, ky, v, w, pad: int, P: int, rmp2: float, base=None):
+def _chunk_contributions(A, kx, ky, v, w, pad: int, P: int, rmp2: float, base=None, check=None):
     """Flat grid indices and the real, imaginary and weight contributions of one chunk of slices; ``base``
-    (R, 1) adds each slice's flat offset in a stack of grids."""
+    (R, 1) adds each slice's flat offset in a stack of grids. ``check()``: a cancel point per corner."""
     xp = get_array_module(v)
     q = rotated_frequencies(A, kx, ky, pad)
     neg = q[..., 0] < 0
@@ -108,6 +108,8 @@ def _chunk_contributions(A, kx, ky, v, w, pad: int, P: int, rmp2: float, base=No
     b = None if base is None else xp.broadcast_to(base, inside.shape)[inside]
     idx_all, vr, vi, ww = [], [], [], []
     for idx, cw, valid in _corner_indices(q, P):
+        if check is not None:
+            check()
         cw = cw if valid is True else xp.where(valid, cw, np.float32(0))
         idx_all.append(idx if b is None else idx + b)
         vr.append(cw * v.real)
@@ -137,13 +139,15 @@ def _insert_chunks(targets: tuple, pad: int, r_max: float, A, kx, ky, values, we
         try:  # everything that allocates comes before the first add, so a chunk is added whole or not at all
             base = None if index is None else stack_offsets(index[r0:r0 + step], grid_size, targets[0].size, xp)
             idx, vr, vi, ww = _chunk_contributions(A[r0:r0 + step], kx, ky, values[r0:r0 + step],
-                                                   weights[r0:r0 + step], pad, P, rmp2, base)
+                                                   weights[r0:r0 + step], pad, P, rmp2, base, check)
         except Exception as exc:  # noqa: BLE001 - out of memory: a smaller chunk; anything else: raise
             if not is_out_of_memory(exc) or step == 1:
                 raise
             step = max(1, step // 2)
             continue
         for flat, contrib in zip(flats, (vr, vi, ww), strict=True):
+            if check is not None:  # a cancelled job's accumulators are dropped: stopping between the adds is safe
+                check()
             _scatter_add(flat, idx, contrib)
         r0 += step
 

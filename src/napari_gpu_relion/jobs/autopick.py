@@ -39,15 +39,7 @@ from ..io.micrographs import (
 from ..io.mrc import is_stack, read_mrc, require_usable_map, write_mrc
 from ..io.star import write_coordinates
 from ..parallel import world
-from .common import (
-    backend_for,
-    check_cancel,
-    check_output_folder,
-    check_pixel_size,
-    param,
-    prepare_output,
-    write_note,
-)
+from .common import backend_for, check_cancel, check_output_folder, check_pixel_size, param, prepare_output, write_note
 from .distributed import root_events
 from .events import Finished, Message, MicrographPicked, Progress, Started
 
