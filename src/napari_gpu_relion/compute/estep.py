@@ -241,6 +241,7 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
     coarse = _coarse_pass(batch, candidates, candidate_log_prior)
     check()
     rows = _significant_rows(batch, coarse, candidate_log_prior)
+    check()
     fine = _fine_data(batch, rows.union_rows_host)
     acc = _FineSums.zeros(batch, rows.n_union * fine.n_children, rows.n_union, setup.pix_fine.npix, sums.n_shells)
     n_fine_translations = fine.translations.shape[0] * fine.translations.shape[1]

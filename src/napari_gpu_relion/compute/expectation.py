@@ -152,6 +152,8 @@ def scores_shared(P, terms: ParticleTerms, check: Callable[[], None] | None = No
     if check is not None:
         check()
     pnorm = (terms.wc2 @ S.power.T)[:, None, :]  # (I, 1, R)
+    if check is not None:
+        check()
     return _finish_scores(cross, pnorm, terms).astype(np.float32, copy=False)
 
 
