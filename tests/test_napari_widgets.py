@@ -565,6 +565,25 @@ def test_autopick_and_extract_widgets(make_napari_viewer, qtbot, tmp_path, sampl
     assert ext.job.state is JobState.FINISHED, ext.status_text
     parts = starfile.read(tmp_path / "Extract" / "particles.star")["particles"]
     assert len(parts) == len(picks.data)
+    # the extraction shows its boxes over the micrographs (white squares of the box size, in Å like the picks) ...
+    boxes = viewer.layers["extraction boxes"]
+    assert len(boxes.data) == len(parts) and tuple(boxes.scale) == tuple(picks.scale)
+    assert np.all(boxes.size == 64) and str(boxes.symbol[0]) == "square"
+    np.testing.assert_array_equal(boxes.border_color[0], [1.0, 1.0, 1.0, 1.0])
+    mine = picks.data[np.lexsort(picks.data.T[::-1])]
+    drawn = boxes.data[np.lexsort(boxes.data.T[::-1])]
+    np.testing.assert_array_equal(drawn[:, 0], mine[:, 0])  # the same micrographs
+    assert np.all(np.abs(drawn[:, 1:] - mine[:, 1:]) <= 1.5)  # box centre: the truncated coordinate - 0.5 px
+    # ... and a gallery of the particles of the micrograph extracted last, tile 0 its first particle
+    gallery = viewer.layers["extracted particles"]
+    last = Path(parts["rlnImageName"].iloc[-1].split("@")[1])
+    stack = read_mrc(last).data
+    n = min(len(stack), 64)
+    ncol = int(np.ceil(np.sqrt(n)))
+    assert gallery.data.shape == (int(np.ceil(n / ncol)) * 64, ncol * 64)
+    first = stack[0].astype(np.float64)
+    np.testing.assert_allclose(gallery.data[:64, :64], (first - first.mean()) / first.std(), atol=1e-4)
+    assert gallery.translate[1] > 0  # beside the micrographs, not over them
     assert not errors
 
 

@@ -97,6 +97,33 @@ def test_cancel_is_acknowledged_at_once_and_stops_the_job_within_2_s(make_napari
     assert not errors
 
 
+def test_cancel_stops_a_cpu_refine3d_within_2_s_in_iteration_1(make_napari_viewer, qtbot, tmp_path, errors):
+    """The tutorial's 3D auto-refine on the CPU, cancelled 1 s into iteration 1's E-step (one batch of 200
+    particles per half, 10-40 s on 2 cores): the worker's finished signal comes within 2 s of the click."""
+    from test_cancel import tutorial_refine3d
+
+    from napari_gpu_relion.jobs import refine3d
+
+    viewer = make_napari_viewer()
+    w = make_job_widget(viewer, refine3d)
+    p = tutorial_refine3d(tmp_path / "Refine3D")
+    w.set_values(i=p.i, o=tmp_path / "Refine3D", ref=p.ref, ctf=True, particle_diameter=160.0, flatten_solvent=True,
+                 healpix_order=1, auto_local_healpix_order=3, cpu=True)
+    w.run_button.native.click()
+    _wait(qtbot, lambda: "memory plan" in w.status_text, 60_000)  # the E-step of iteration 1 has begun
+    qtbot.wait(1000)
+    assert w.job.last_progress is None  # inside half 1's only batch
+    with qtbot.waitSignal(w.job.worker.finished, timeout=10_000):
+        t0 = time.perf_counter()
+        w.cancel_button.native.click()
+        assert w.status_text.startswith("refine3d: cancelling")
+    assert time.perf_counter() - t0 < 2.0
+    _wait(qtbot, lambda: w.job.done, 2_000)
+    assert w.job.state is JobState.CANCELLED
+    assert sorted(q.name for q in (tmp_path / "Refine3D").iterdir()) == ["note.txt"]
+    assert not errors
+
+
 def test_a_queued_job_says_when_it_starts(make_napari_viewer, qtbot, tmp_path, errors):
     from napari_gpu_relion.widgets.runner import JobRunner
 
@@ -135,12 +162,58 @@ def test_closing_the_dock_of_a_running_job_cancels_it(make_napari_viewer, qtbot,
     w.set_values(o=tmp_path / "job", delay=0.05)
     job = w.start_job()
     _wait(qtbot, lambda: (tmp_path / "job" / "step002.txt").exists())
-    t0 = time.perf_counter()
+    questions: list[str] = []
+    w.ask = lambda question: questions.append(question) or False  # the user answers No ...
     dock.title.close_button.click()  # the dock's ✕, as a user closes it
+    qtbot.wait(200)
+    assert questions == [jw.CLOSE_QUESTION] == ["A job is running: cancel it and close?"]
+    assert job.state is JobState.RUNNING and dock.widget() is w.native and "slow job" in viewer.window.dock_widgets
+    w.ask = lambda question: questions.append(question) or True  # ... then Yes
+    t0 = time.perf_counter()
+    dock.title.close_button.click()
     _wait(qtbot, lambda: job.done, 5_000)
     assert time.perf_counter() - t0 < 2.0
-    assert job.state is JobState.CANCELLED
+    assert job.state is JobState.CANCELLED and len(questions) == 2
+    assert "slow job" not in viewer.window.dock_widgets
     assert infos and "dock was closed" in infos[-1] and "cancelled" in infos[-1]
+    assert not errors
+
+
+def test_the_close_question_is_a_message_box_and_idle_docks_close_without_it(make_napari_viewer, qtbot, tmp_path,
+                                                                              errors):
+    """The default question is a modal message box (answered here by clicking its Yes button); a dock without a
+    running job closes without a question."""
+    from qtpy.QtCore import QTimer
+    from qtpy.QtWidgets import QMessageBox
+
+    viewer = make_napari_viewer()
+    idle = make_job_widget(viewer, slow)
+    idle_dock = viewer.window.add_dock_widget(idle, name="idle job")
+    qtbot.wait(50)
+    idle.ask = lambda question: pytest.fail(f"asked {question!r} without a running job")
+    idle_dock.title.close_button.click()
+    assert "idle job" not in viewer.window.dock_widgets
+
+    w = make_job_widget(viewer, slow)
+    dock = viewer.window.add_dock_widget(w, name="slow job")
+    w.set_values(o=tmp_path / "job", delay=0.05)
+    job = w.start_job()
+    _wait(qtbot, lambda: (tmp_path / "job" / "step001.txt").exists())
+    seen: list[str] = []
+
+    def answer_yes() -> None:
+        box = QApplication.activeModalWidget()
+        if not isinstance(box, QMessageBox):
+            QTimer.singleShot(20, answer_yes)
+            return
+        seen.append(box.text())
+        box.button(QMessageBox.StandardButton.Yes).click()
+
+    QTimer.singleShot(20, answer_yes)
+    dock.title.close_button.click()  # returns when the box was answered
+    assert seen == [jw.CLOSE_QUESTION]
+    _wait(qtbot, lambda: job.done, 5_000)
+    assert job.state is JobState.CANCELLED and "slow job" not in viewer.window.dock_widgets
     assert not errors
 
 
@@ -248,3 +321,52 @@ def test_every_dock_fits_a_1366x768_screen(make_napari_viewer):
     QApplication.processEvents()
     hint = main.minimumSizeHint()
     assert hint.width() <= SCREEN[0] and hint.height() <= SCREEN[1], hint
+
+
+def test_display_binning_and_lowpass_keep_the_picks_on_their_particles(make_napari_viewer, qtbot, monkeypatch,
+                                                                       errors):
+    """The picking dock's display controls re-render the micrographs binned 4x and low-passed at 30 Å, in a
+    worker thread: every particle's displayed centre lies under its pick (in Å), the picks layer and the
+    micrographs' original data are untouched, and binning 1 / low-pass 0 shows the original again."""
+    import threading
+
+    from napari_gpu_relion.widgets import micrograph_view as mv
+
+    threads: list[str] = []
+    real = mv.display_micrograph
+    monkeypatch.setattr(mv, "display_micrograph",
+                        lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k))
+    apix = 2.0
+    yy, xx = np.mgrid[0:200, 0:240]
+    centres = [(0, 53, 71), (0, 140, 180), (1, 101, 37), (1, 30, 200)]  # (micrograph, y, x) pixels
+    mics = np.zeros((2, 200, 240), np.float32)
+    for m, y, x in centres:
+        mics[m] += np.exp(-((yy - y) ** 2 + (xx - x) ** 2) / (2 * 6.0**2))
+    viewer = make_napari_viewer()
+    layer = viewer.add_image(mics, name="micrographs", scale=(1, apix, apix),
+                             metadata={"kind": "micrographs", "pixel_size": apix})
+    picks = viewer.add_points(np.array([(m, y * apix, x * apix) for m, y, x in centres], float), name="picks")
+    before = picks.data.copy()
+    _, w = viewer.window.add_plugin_dock_widget(PLUGIN, "Auto-picking")
+    w.micrograph_display.bin_factor.value = 4
+    w.micrograph_display.lowpass.value = 30.0
+    _wait(qtbot, lambda: w.micrograph_display.renders == 1 and not w.micrograph_display.busy)
+    assert threads and threading.main_thread().name not in threads  # rendered off the GUI thread
+    assert layer.data.shape == (2, 50, 60) and tuple(layer.scale) == (1.0, 8.0, 8.0)
+    assert layer.metadata[mv.SOURCE_KEY]["data"] is mics  # the data the picker would read is not changed
+    np.testing.assert_array_equal(picks.data, before)
+    for m, y, x in centres:
+        world = np.array([m, y * apix, x * apix])  # the pick
+        _, dy, dx = np.round(layer.world_to_data(world)).astype(int)  # the displayed pixel under it
+        y0, x0 = max(dy - 5, 0), max(dx - 5, 0)
+        window = np.clip(layer.data[m, y0:dy + 6, x0:dx + 6], 0, None)
+        jj, ii = np.mgrid[0:window.shape[0], 0:window.shape[1]]
+        cy, cx = (window * jj).sum() / window.sum() + y0, (window * ii).sum() / window.sum() + x0
+        centre = np.asarray(layer.data_to_world([m, cy, cx]))  # the displayed particle's centre, in Å
+        # within 0.5 Å: a binned layer drawn without its 3 Å shift (half a binned pixel less one pixel) would miss
+        assert np.all(np.abs(centre[1:] - world[1:]) < 0.5), (m, y, x, centre)
+    w.micrograph_display.bin_factor.value = 1
+    w.micrograph_display.lowpass.value = 0.0
+    _wait(qtbot, lambda: w.micrograph_display.renders >= 2 and not w.micrograph_display.busy)
+    assert layer.data is mics and tuple(layer.scale) == (1.0, apix, apix) and tuple(layer.translate) == (0, 0, 0)
+    assert not errors

@@ -404,3 +404,90 @@ def test_pick_colours_stand_out_for_colour_blind_viewers():
             assert np.linalg.norm(lab - _lab(true, vision)) > 25, (vision, c)
             if vision == "normal":
                 assert 45 < lab[0] < 80 and np.hypot(lab[1], lab[2]) > 50, c  # mid lightness, saturated
+
+
+def test_extraction_boxes_cover_exactly_the_pixels_extraction_cut():
+    """A square of side B at the drawn centre holds the centres of exactly the pixels cut_boxes takes."""
+    from napari_gpu_relion.compute.extraction import cut_boxes
+    from napari_gpu_relion.widgets.display_model import extraction_boxes
+
+    ny, nx, B = 40, 50, 8
+    rows, cols = np.mgrid[0:ny, 0:nx]
+    xy = np.array([[20, 15], [31, 9]])
+    centres = extraction_boxes(3, xy)
+    assert np.all(centres[:, 0] == 3)
+    for k, (x, y) in enumerate(xy):
+        cut_cols = cut_boxes(cols.astype(np.float32), [x], [y], B)[0]
+        cut_rows = cut_boxes(rows.astype(np.float32), [x], [y], B)[0]
+        cy, cx = centres[k, 1:]
+        inside = (np.abs(rows - cy) < B / 2) & (np.abs(cols - cx) < B / 2)
+        assert set(zip(rows[inside], cols[inside], strict=True)) == \
+            set(zip(cut_rows.ravel().astype(int), cut_cols.ravel().astype(int), strict=True))
+
+
+def test_extraction_gallery_is_composed_like_the_class_grid():
+    from napari_gpu_relion.jobs.events import ParticlesExtracted
+    from napari_gpu_relion.widgets.class_grid_model import ClassGrid
+    from napari_gpu_relion.widgets.display_model import prepare_extraction
+
+    imgs = np.random.default_rng(0).standard_normal((5, 8, 8)).astype(np.float32)
+    ev = prepare_extraction(ParticlesExtracted("m.mrc", 0, np.zeros((5, 2)), 16, 1.0, imgs, 2.0))
+    assert ev.gallery_image.shape == (16, 24)  # 5 tiles in 3 columns, 2 rows
+    same_order = ClassGrid(np.full(5, 0.2), np.zeros(5), 8).compose(imgs)  # equal classes keep their order
+    np.testing.assert_array_equal(ev.gallery_image, same_order)
+
+
+def test_extraction_boxes_colour_differs_from_picks_and_true_picks_for_colour_blind_viewers():
+    from napari_gpu_relion.widgets.style import EXTRACTION_BOX_COLOR, PICK_COLORS, TRUE_PICK_COLOR, hex_to_rgb
+
+    ramp = [np.array(hex_to_rgb(c)) for c in PICK_COLORS]
+    others = [ramp[0] + t * (ramp[1] - ramp[0]) for t in np.linspace(0, 1, 5)] + \
+             [ramp[1] + t * (ramp[2] - ramp[1]) for t in np.linspace(0, 1, 5)] + [np.array(hex_to_rgb(TRUE_PICK_COLOR))]
+    box = np.array(hex_to_rgb(EXTRACTION_BOX_COLOR))
+    for vision in _CVD:
+        assert min(np.linalg.norm(_lab(box, vision) - _lab(c, vision)) for c in others) > 20, vision
+
+
+def _direct_display(img: np.ndarray, apix: float, f: int, res: float) -> np.ndarray:
+    """Binning by explicit block means and a raised-cosine low-pass (none for res 0) through the full complex FFT,
+    in float64."""
+    img = np.asarray(img, np.float64)
+    ny, nx = img.shape[0] // f, img.shape[1] // f
+    binned = np.zeros((ny, nx))
+    for j in range(ny):
+        for i in range(nx):
+            binned[j, i] = img[j * f:(j + 1) * f, i * f:(i + 1) * f].mean()
+    if res <= 0:
+        return binned
+    a = apix * f
+    ky = np.array([min(k, ny - k) for k in range(ny)], float) / (ny * a)
+    kx = np.array([min(k, nx - k) for k in range(nx)], float) / (nx * a)
+    s = np.hypot(ky[:, None], kx[None, :])
+    width = 2.0 / (max(ny, nx) * a)
+    lo = 1.0 / res - width / 2
+    w = np.clip((s - lo) / width, 0.0, 1.0)
+    filt = 0.5 + 0.5 * np.cos(np.pi * w)
+    return np.real(np.fft.ifft2(np.fft.fft2(binned) * filt))
+
+
+@pytest.mark.parametrize(("f", "res"), [(1, 9.0), (2, 0.0), (3, 25.0), (2, 14.0)])
+def test_display_micrograph_equals_a_direct_float64_computation(f, res):
+    from napari_gpu_relion.widgets.display_model import display_micrograph
+
+    img = np.random.default_rng(1).standard_normal((62, 90)).astype(np.float32) * 5 + 100
+    shown, apix, shift = display_micrograph(img, 2.0, f, res)
+    direct = _direct_display(img, 2.0, f, res)
+    assert shown.dtype == np.float32 and shown.shape == (62 // f, 90 // f)
+    np.testing.assert_allclose(shown, direct, rtol=0, atol=1e-4)
+    assert apix == 2.0 * f and shift == 2.0 * (f - 1) / 2
+
+
+def test_binned_micrograph_keeps_a_particle_at_its_place_in_angstrom():
+    """A bright 3 x 3 block whose binned pixel is fully inside: its centroid in Å is unchanged by binning."""
+    from napari_gpu_relion.widgets.display_model import display_micrograph
+
+    img = np.zeros((30, 33), np.float32)
+    img[9:12, 15:18] = 1.0  # centre pixel (10, 16): at (20, 32) Å with 2 Å pixels
+    shown, apix, shift = display_micrograph(img, 2.0, 3)
+    j, i = np.unravel_index(np.argmax(shown), shown.shape)
+    assert (j * apix + shift, i * apix + shift) == (20.0, 32.0)

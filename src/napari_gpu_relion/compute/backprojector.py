@@ -175,9 +175,9 @@ def _soft_edge_and_gridding(vol, N: int, pf: int, ndim: int, soft_edge: bool, ma
     return vol
 
 
-def _chunk_contributions(A, kx, ky, v, w, pad: int, P: int, rmp2: float, base=None):
+def _chunk_contributions(A, kx, ky, v, w, pad: int, P: int, rmp2: float, base=None, check=None):
     """Flat grid indices and the real, imaginary and weight contributions of one chunk of slices; ``base``
-    (R, 1) adds each slice's flat offset in a stack of grids."""
+    (R, 1) adds each slice's flat offset in a stack of grids. ``check()``: a cancel point per corner."""
     xp = get_array_module(v)
     q = rotated_frequencies(A, kx, ky, pad)
     neg = q[..., 0] < 0
@@ -188,6 +188,8 @@ def _chunk_contributions(A, kx, ky, v, w, pad: int, P: int, rmp2: float, base=No
     b = None if base is None else xp.broadcast_to(base, inside.shape)[inside]
     idx_all, vr, vi, ww = [], [], [], []
     for idx, cw, valid in _corner_indices(q, P):
+        if check is not None:
+            check()
         cw = cw if valid is True else xp.where(valid, cw, np.float32(0))
         idx_all.append(idx if b is None else idx + b)
         vr.append(cw * v.real)
@@ -197,10 +199,10 @@ def _chunk_contributions(A, kx, ky, v, w, pad: int, P: int, rmp2: float, base=No
 
 
 def _insert_chunks(targets: tuple, pad: int, r_max: float, A, kx, ky, values, weights, chunk_points: int,
-                   index=None) -> None:
+                   index=None, check=None) -> None:
     """Splat slices into ``targets`` (data_re, data_im, weight) in chunks of about ``chunk_points`` points;
     out of memory halves the chunk. With ``index`` (R,), the targets are stacks (K, *grid) and slice r goes
-    into grid index[r]."""
+    into grid index[r]. ``check()`` (a cancel point that raises to stop) is called before every chunk."""
     xp = get_array_module(targets[0])
     values = xp.asarray(values)
     weights = xp.asarray(weights, dtype=np.float64)
@@ -212,16 +214,20 @@ def _insert_chunks(targets: tuple, pad: int, r_max: float, A, kx, ky, values, we
     rmp2 = float(round_half_away(np.float64(pad * r_max))) ** 2
     r0 = 0
     while r0 < R:
+        if check is not None:
+            check()
         try:  # everything that allocates comes before the first add, so a chunk is added whole or not at all
             base = None if index is None else stack_offsets(index[r0:r0 + step], grid_size, targets[0].size, xp)
             idx, vr, vi, ww = _chunk_contributions(A[r0:r0 + step], kx, ky, values[r0:r0 + step],
-                                                   weights[r0:r0 + step], pad, P, rmp2, base)
+                                                   weights[r0:r0 + step], pad, P, rmp2, base, check)
         except Exception as exc:  # noqa: BLE001 - out of memory: a smaller chunk; anything else: raise
             if not is_out_of_memory(exc) or step == 1:
                 raise
             step = max(1, step // 2)
             continue
         for flat, contrib in zip(flats, (vr, vi, ww), strict=True):
+            if check is not None:  # a cancelled job's accumulators are dropped: stopping between the adds is safe
+                check()
             _scatter_add(flat, idx, contrib)
         r0 += step
 
@@ -251,21 +257,22 @@ class BackProjector:
     def data(self):
         return self.data_re + 1j * self.data_im
 
-    def insert_pixels(self, A, kx, ky, values, weights, chunk_points: int = INSERT_CHUNK_POINTS):
+    def insert_pixels(self, A, kx, ky, values, weights, chunk_points: int = INSERT_CHUNK_POINTS, check=None):
         """Insert, for R orientations, the values (R, Npix) complex and weights (R, Npix) real given at image
-        pixels (kx, ky) (Fourier pixels of the N box). A: (R, 3, 3) (or 2x2 for 2D)."""
+        pixels (kx, ky) (Fourier pixels of the N box). A: (R, 3, 3) (or 2x2 for 2D). ``check()``: a cancel point
+        before every chunk."""
         xp = self.xp
         A = xp.asarray(A, dtype=np.float64)
         if self.ndim == 2:
             A = A[:, :2, :2]
         _insert_chunks((self.data_re, self.data_im, self.weight), self.pad, self.r_max, A, kx, ky, values, weights,
-                       chunk_points)
+                       chunk_points, check=check)
 
-    def insert_images(self, A, F, W, r_max: float | None = None):
+    def insert_images(self, A, F, W, r_max: float | None = None, check=None):
         """Insert half-grid slices F (R, s, s//2+1) complex with weights W (same shape, real or broadcastable).
 
         Only pixels with |k| <= r_max (default this projector's r_max) are used; the redundant kx=0, ky<0
-        half column is skipped (it would count twice)."""
+        half column is skipped (it would count twice). ``check()``: a cancel point before every chunk."""
         xp = self.xp
         s = F.shape[-2]
         rm = self.r_max if r_max is None else min(self.r_max, float(r_max))
@@ -274,7 +281,7 @@ class BackProjector:
         R = F.shape[0]
         Fv = F.reshape(R, -1)[:, flat]
         Wv = xp.broadcast_to(xp.asarray(W), F.shape).reshape(R, -1)[:, flat]
-        self.insert_pixels(A, kx, ky, Fv, Wv)
+        self.insert_pixels(A, kx, ky, Fv, Wv, check=check)
 
     def add(self, other: BackProjector) -> None:
         self.data_re += other.data_re
@@ -386,9 +393,9 @@ class BackProjectorStack:
                        index=xp.asarray(index))
 
 
-def insert_by_class(backprojectors: list, index, A, kx, ky, values, weights) -> None:
+def insert_by_class(backprojectors: list, index, A, kx, ky, values, weights, check=None) -> None:
     """Insert slice r into ``backprojectors[index[r]]``: one call when they are the members of one
-    BackProjectorStack in order, else one call per class."""
+    BackProjectorStack in order, else one call per class. ``check()``: a cancel point before every chunk."""
     xp = get_array_module(values)
     first = backprojectors[0]
     one_stack = first.stack is not None and first.stack[0][0].shape[0] == len(backprojectors) and all(
@@ -398,11 +405,11 @@ def insert_by_class(backprojectors: list, index, A, kx, ky, values, weights) -> 
         A = xp.asarray(A, dtype=np.float64)
         A = A[:, :2, :2] if first.ndim == 2 else A
         _insert_chunks(first.stack[0], first.pad, first.r_max, A, kx, ky, values, weights, INSERT_CHUNK_POINTS,
-                       index=xp.asarray(index))
+                       index=xp.asarray(index), check=check)
         return
     index_h = to_host(index)
     for c, bp in enumerate(backprojectors):
         keep = np.flatnonzero(index_h == c)
         if keep.size:
             kd = xp.asarray(keep)
-            bp.insert_pixels(A[kd], kx, ky, values[kd], weights[kd])
+            bp.insert_pixels(A[kd], kx, ky, values[kd], weights[kd], check=check)

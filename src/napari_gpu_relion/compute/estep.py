@@ -21,6 +21,7 @@ each significant coarse sample; non-candidates are masked with a log-prior of -i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -185,6 +186,9 @@ class EStepSetup:
     scale_shells: object = None  # (K,) per pixel of the fine set: True where SSNR_MAP > 3 (group scale sums)
     max_fine_bytes: int = CHUNK_BYTES  # budget of one fine-pass chunk (plan_fine_chunks)
     P_coarse: object = None  # SliceSet (K * R, Kc) of the coarse slices for global searches (made once)
+    #: Called between the steps of a batch and before every fine chunk; it raises (the jobs' JobCancelled) to stop
+    #: the E-step when the user cancels. It must not change anything: results are the same with and without it.
+    check_cancel: Callable[[], None] | None = None
     ref_stack: FourierReference = field(init=False)  # all classes in one stack: one projection call for any rows
 
     def __post_init__(self):
@@ -232,20 +236,31 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
     a global search over every row with the direction prior ``setup.log_pdf_direction``. ``class_log_prior``
     (I, K) adds a per-particle class prior (-inf restricts a particle to some classes: 3D classification's
     random class seeding)."""
+    check = setup.check_cancel or _no_cancel
+    check()
     batch = _Batch.make(setup, prep, ctf, groups, scale, class_log_prior)
     coarse = _coarse_pass(batch, candidates, candidate_log_prior)
+    check()
     rows = _significant_rows(batch, coarse, candidate_log_prior)
+    check()
     fine = _fine_data(batch, rows.union_rows_host)
     acc = _FineSums.zeros(batch, rows.n_union * fine.n_children, rows.n_union, setup.pix_fine.npix, sums.n_shells)
     n_fine_translations = fine.translations.shape[0] * fine.translations.shape[1]
     for a0, a1 in plan_fine_chunks(rows.counts[rows.order], fine.n_children, n_fine_translations,
                                    setup.pix_fine.npix, setup.max_fine_bytes):
+        check()  # sums are only added to ``sums`` after the last chunk: a cancel here leaves them untouched
         _fine_chunk(batch, rows, fine, acc, a0, a1)
+    check()
     _add_power_beyond_fine(batch, acc, sums.n_shells)
+    check()
     _insert_summed_slices(batch, rows, fine, acc, sums)
     result = _best_poses(batch, fine, acc, coarse)
     _add_mstep_sums(batch, rows, acc, sums, groups, scale_group_index)
     return result
+
+
+def _no_cancel() -> None:
+    """The cancel check of an E-step nobody can cancel."""
 
 
 @dataclass
@@ -327,7 +342,7 @@ def _coarse_pass(b: _Batch, candidates, candidate_log_prior) -> _CoarseResult:
     terms = particle_terms(X, b.ctf_at(pix), w, ramps, cc=setup.cc)
     class_prior = b.class_prior()
     if candidates is None:
-        diff2 = scores_shared(setup.coarse_slices(), terms)  # (I, T, K R)
+        diff2 = scores_shared(setup.coarse_slices(), terms, setup.check_cancel)  # (I, T, K R)
         lp_orient = xp.zeros(K * R) if setup.log_pdf_direction is None else \
             xp.repeat(xp.asarray(setup.log_pdf_direction).reshape(-1), smp.n_psi)
         log_prior = b.trans_prior_of_rows(b.log_trans_prior, xp.arange(K * R)[None, :]) + lp_orient[None, None, :]
@@ -340,12 +355,13 @@ def _coarse_pass(b: _Batch, candidates, candidate_log_prior) -> _CoarseResult:
         urows, pos = xp.unique(xp.where(valid, cand, 0), return_inverse=True)
         pos = pos.reshape(cand.shape)
         slices = _project_rows(setup, to_host(urows), pix, fine=False)
-        diff2 = scores_gathered(as_slices(slices).take(pos), terms)
+        diff2 = scores_gathered(as_slices(slices).take(pos), terms, setup.check_cancel)
         lp_orient = xp.where(valid, xp.asarray(candidate_log_prior), -np.inf)
         if class_prior is not None:
             lp_orient = lp_orient + xp.take_along_axis(class_prior, xp.maximum(cand, 0) // R, axis=1)
         log_prior = b.trans_prior_of_rows(b.log_trans_prior, xp.maximum(cand, 0)) + lp_orient[:, None, :]
-    W = posterior_weights(diff2, log_prior, setup.adaptive_fraction, cc=setup.cc, maxsig=setup.max_significants)
+    W = posterior_weights(diff2, log_prior, setup.adaptive_fraction, cc=setup.cc, maxsig=setup.max_significants,
+                          check=setup.check_cancel)
     return _CoarseResult(W.significant.reshape(I, -1, diff2.shape[2]), cand, W.nr_significant)
 
 
@@ -532,6 +548,7 @@ def _fine_chunk(b: _Batch, rows: _SignificantRows, fine: _FineData, acc: _FineSu
     their significant coarse samples, with the log priors of the coarse parents (non-significant parents
     masked), posterior weights and significance, the best sample, and the weighted sums."""
     xp, setup = b.xp, b.setup
+    check = setup.check_cancel or _no_cancel
     lay = _chunk_layout(b, rows, a0, a1, fine.n_children)
     ni, n_par, nover = a1 - a0, lay.n_parents, fine.n_children
     T, ntov = fine.translations.shape[0], fine.translations.shape[1]
@@ -549,10 +566,14 @@ def _fine_chunk(b: _Batch, rows: _SignificantRows, fine: _FineData, acc: _FineSu
     P = fine.slices.take(lay.fine_rows)
     nn = n_par * nover
     terms = particle_terms(fine.X[pidx], fine.ctf[pidx], fine.w[pidx], fine.ramps, cc=setup.cc)
-    diff2 = scores_shared(P, terms) if lay.shared else scores_gathered(P, terms)  # (ni, T*4, nn)
+    check()
+    diff2 = scores_shared(P, terms, check) if lay.shared else scores_gathered(P, terms, check)  # (ni, T*4, nn)
+    check()
     lp_fine = xp.broadcast_to(lp_parent[:, :, None, :, None], (ni, T, ntov, n_par, nover))
-    W = posterior_weights(diff2, lp_fine.reshape(ni, T * ntov, nn), setup.adaptive_fraction, cc=setup.cc)
+    W = posterior_weights(diff2, lp_fine.reshape(ni, T * ntov, nn), setup.adaptive_fraction, cc=setup.cc,
+                          check=check)
     del diff2, lp_fine, lp_parent, sig_parent
+    check()
     best_pos = W.best % nn
     best_parent = xp.take_along_axis(lay.parents, (best_pos // nover)[:, None], axis=1)[:, 0]
     acc.best_row[pidx_h] = rows.union_rows_host[to_host(best_parent)]
@@ -571,7 +592,9 @@ def _accumulate_chunk(b: _Batch, fine: _FineData, acc: _FineSums, lay: _ChunkLay
     xp, setup = b.xp, b.setup
     ni, n_par, nover = w.shape[0], lay.n_parents, fine.n_children
     n_fine_rows, n_pixels = acc.slice_weights.shape
-    fs = fine_sums(w, P, fine.X[pidx], fine.X_unmasked[pidx], fine.ctf[pidx], fine.m[pidx], fine.ramps)
+    check = setup.check_cancel or _no_cancel
+    fs = fine_sums(w, P, fine.X[pidx], fine.X_unmasked[pidx], fine.ctf[pidx], fine.m[pidx], fine.ramps, check)
+    check()
     rw_parent = fs.row_weight.reshape(ni, n_par, nover).sum(-1)  # (ni, n_par) per coarse parent
     if lay.shared:
         acc.slices[lay.fine_rows] += fs.slices
@@ -620,7 +643,7 @@ def _insert_summed_slices(b: _Batch, rows: _SignificantRows, fine: _FineData, ac
         kd, Kf = xp.asarray(keep), pix.npix
         vals = acc.slices[kd, :Kf].astype(np.complex64) + 1j * acc.slices[kd, Kf:]
         insert_by_class(sums.backprojectors, xp.asarray(cls_rows[keep]), fine.matrices[kd], pix.kx, pix.ky, vals,
-                        acc.slice_weights[kd])
+                        acc.slice_weights[kd], check=b.setup.check_cancel)
 
 
 def _best_poses(b: _Batch, fine: _FineData, acc: _FineSums, coarse: _CoarseResult) -> BatchResult:

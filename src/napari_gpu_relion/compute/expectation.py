@@ -18,6 +18,7 @@ orientations in Python.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -142,21 +143,28 @@ def _finish_scores(cross, pnorm, terms: ParticleTerms):
     return pnorm - 2.0 * cross
 
 
-def scores_shared(P, terms: ParticleTerms):
+def scores_shared(P, terms: ParticleTerms, check: Callable[[], None] | None = None):
     """Scores (I, T, R) float32 for orientation slices P (R, K) complex or SliceSet, shared by every
-    particle: two GEMMs."""
+    particle: two GEMMs. ``check()`` (a cancel point) is called between them."""
     S = as_slices(P)
     I, T, K2 = terms.Yt.shape
     cross = (terms.Yt.reshape(I * T, K2) @ S.stacked.T).reshape(I, T, -1)
+    if check is not None:
+        check()
     pnorm = (terms.wc2 @ S.power.T)[:, None, :]  # (I, 1, R)
+    if check is not None:
+        check()
     return _finish_scores(cross, pnorm, terms).astype(np.float32, copy=False)
 
 
-def scores_gathered(Pg, terms: ParticleTerms):
-    """Scores (I, T, n) for per-particle slices Pg (I, n, K) complex or SliceSet: batched GEMMs."""
+def scores_gathered(Pg, terms: ParticleTerms, check: Callable[[], None] | None = None):
+    """Scores (I, T, n) for per-particle slices Pg (I, n, K) complex or SliceSet: batched GEMMs. ``check()`` (a
+    cancel point) is called between them."""
     S = as_slices(Pg)
     xp = get_array_module(S.stacked)
-    cross = xp.matmul(terms.Yt, S.stacked.transpose(0, 2, 1))  # (I, T, n)
+    cross = batched_matmul(terms.Yt, S.stacked.transpose(0, 2, 1), check)  # (I, T, n)
+    if check is not None:
+        check()
     pnorm = xp.matmul(S.power, terms.wc2[:, :, None]).transpose(0, 2, 1)  # (I, 1, n)
     return _finish_scores(cross, pnorm, terms).astype(np.float32, copy=False)
 
@@ -179,13 +187,13 @@ class Weights:
 
 
 def posterior_weights(diff2, log_prior, adaptive_fraction: float = 0.999, cc: bool = False,
-                      maxsig: int = -1) -> Weights:
+                      maxsig: int = -1, check: Callable[[], None] | None = None) -> Weights:
     """Log-domain weights exp(log_prior - diff2) per particle over the last axis (invalid samples carry
     log_prior = -inf), normalised by their full sum S, then RELION's significance: sort descending, keep the
     samples until the running sum first exceeds ``adaptive_fraction`` x S (``maxsig`` caps the count).
     CC mode: a hard assignment to the best (lowest) score.
 
-    The threshold: :func:`significance_threshold`.
+    The threshold: :func:`significance_threshold`. ``check()`` (a cancel point) is called between the steps.
     (A sort-free threshold by bisection over the float32 values was tried: 32 masked reductions with a host
     check each made the 2D E-step 1.5x slower on the H100, results/estep_class2d_bisect_rejected_h100.json.)"""
     xp = get_array_module(diff2)
@@ -199,13 +207,18 @@ def posterior_weights(diff2, log_prior, adaptive_fraction: float = 0.999, cc: bo
         w[rows, best] = 1.0
         ones = xp.ones(I, dtype=np.int64)
         return Weights(w, w > 0, best, xp.ones(I), ones, -diff2.reshape(I, -1)[rows, best].astype(np.float64))
+    check = check or _no_check
+    check()
     best = xp.argmax(lw, axis=1)
     top = lw[rows, best][:, None]
     e = xp.exp(lw - top)  # exp(-inf) = 0
+    check()
     S = e.sum(axis=1)
     p = (e / S[:, None]).astype(np.float32)
     del e
+    check()
     k, wsig = significance_threshold(p, adaptive_fraction, maxsig)
+    check()
     sig = (p >= wsig[:, None]) & (p > 0)
     wn = xp.where(sig, p, np.float32(0.0))
     return Weights(wn, sig, best, p[rows, best].astype(np.float64), k + 1, top[:, 0] + xp.log(S))
@@ -283,7 +296,7 @@ class FineSums:
     aa: object  # (I, K) float64: sum w |C P|^2 per pixel
 
 
-def fine_sums(w, P, X, Xu, ctf, m, ramps) -> FineSums:
+def fine_sums(w, P, X, Xu, ctf, m, ramps, check: Callable[[], None] | None = None) -> FineSums:
     """Weighted sums of a batch. w (I, T, n) normalised weights (0 where not significant); P the reference
     slices (complex or SliceSet), shared (n, K) or gathered per particle (I, n, K); X (I, K) masked and
     Xu (I, K) unmasked particle pixels; ctf (I, K) or None; m (I, K) = 1/sigma2 for the back-projection
@@ -291,7 +304,8 @@ def fine_sums(w, P, X, Xu, ctf, m, ramps) -> FineSums:
 
     Every product is a GEMM (batched over particles for gathered slices): slices = w^T Z with
     Z = C Xu e_t m; the noise per pixel C^2 sum_r W_r |P_r|^2 - 2 Re(C X sum_t e_t sum_r w conj(P_r))
-    + sum w |X|^2."""
+    + sum w |X|^2. ``check()`` (a cancel point that raises to stop) is called between the GEMMs."""
+    check = check or _no_check
     S = as_slices(P)
     xp = get_array_module(S.stacked)
     I, T, n = w.shape
@@ -302,14 +316,18 @@ def fine_sums(w, P, X, Xu, ctf, m, ramps) -> FineSums:
     row_w = w.sum(axis=1)  # (I, n)
     trans_w = w.sum(axis=2)  # (I, T)
     c2m = (c * c * m).astype(np.float32)
+    check()
     if shared:
         slices = w.reshape(I * T, n).T @ Z.reshape(I * T, 2 * K)  # (n, 2K), summed over the batch
         slice_w = row_w.T @ c2m  # (n, K)
     else:
-        slices = xp.matmul(w.transpose(0, 2, 1), Z)  # (I, n, 2K)
+        slices = batched_matmul(w.transpose(0, 2, 1), Z, check)  # (I, n, 2K)
         slice_w = row_w[:, :, None] * c2m[:, None, :]
-    a = xp.matmul(row_w[:, None, :], S.power)[:, 0, :].astype(np.float64)  # (I, K): sum_r W_r |P_r|^2
-    U = xp.matmul(w, S.stacked)  # (I, T, 2K): sum_r w [Re P, Im P]
+    check()
+    a = batched_matmul(row_w[:, None, :], S.power, check)[:, 0, :].astype(np.float64)  # (I, K): sum_r W_r |P_r|^2
+    check()
+    U = batched_matmul(w, S.stacked, check)  # (I, T, 2K): sum_r w [Re P, Im P]
+    check()
     Uc = U[..., :K].astype(np.complex64) - 1j * U[..., K:]  # sum_r w conj(P)
     b = (Uc * ramps[None]).sum(axis=1) * X  # (I, K): sum_{r,t} w conj(P) X e_t
     c64 = c.astype(np.float64)
@@ -319,6 +337,36 @@ def fine_sums(w, P, X, Xu, ctf, m, ramps) -> FineSums:
     x2 = X.real.astype(np.float64) ** 2 + X.imag.astype(np.float64) ** 2
     noise = aa - 2.0 * xa + wsum * x2
     return FineSums(slices, slice_w, row_w, trans_w, noise, xa, aa)
+
+
+#: Floating-point operations of one block of a batched product on the CPU (0.02-0.1 s): the cancel point
+#: between two blocks stops a job within a second even while one product would take many seconds.
+CPU_BLOCK_FLOPS = 1e9
+
+
+def batched_matmul(a, b, check: Callable[[], None] | None = None):
+    """``matmul(a, b)`` of an (I, m, k) stack and an (I, k, n) stack or one (k, n) matrix. On the CPU it runs
+    in blocks of particles with ``check()`` between them; NumPy computes each particle's product alone, so the
+    result is bit-identical to one call whatever the blocks (tests/test_cancel.py checks it). On the GPU: one
+    batched GEMM."""
+    xp = get_array_module(a)
+    I = a.shape[0]
+    if xp is not np or I < 2:
+        return xp.matmul(a, b)
+    flops = 2.0 * a.shape[1] * a.shape[2] * b.shape[-1]
+    step = max(1, int(CPU_BLOCK_FLOPS // max(flops, 1.0)))
+    if step >= I:
+        return np.matmul(a, b)
+    out = np.empty((I, a.shape[1], b.shape[-1]), dtype=np.result_type(a, b))
+    for i0 in range(0, I, step):
+        if check is not None and i0:
+            check()
+        np.matmul(a[i0:i0 + step], b if b.ndim == 2 else b[i0:i0 + step], out=out[i0:i0 + step])
+    return out
+
+
+def _no_check() -> None:
+    """The cancel check of a computation nobody can cancel."""
 
 
 def segment_sum(rows, values, n: int):

@@ -39,7 +39,7 @@ from ..io.micrographs import (
 from ..io.mrc import is_stack, read_mrc, require_usable_map, write_mrc
 from ..io.star import write_coordinates
 from ..parallel import world
-from .common import backend_for, check_output_folder, check_pixel_size, param, prepare_output, write_note
+from .common import backend_for, check_cancel, check_output_folder, check_pixel_size, param, prepare_output, write_note
 from .distributed import root_events
 from .events import Finished, Message, MicrographPicked, Progress, Started
 
@@ -378,6 +378,7 @@ def _run(p: Params) -> Iterator:
     i, stop = (int(block[0]), int(block[-1]) + 1) if block.size else (n, n)
     done = 0
     while comm.any(i < stop):  # one round: every rank picks its next chunk (or none), rank 0 writes them all
+        check_cancel()  # before a micrograph (a cancel point; never between writing its files)
         chunk = entries[i:min(i + mic_batch, stop)]
         raws: dict[tuple[int, int], list] = {}
         for e in chunk:

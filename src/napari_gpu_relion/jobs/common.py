@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import MISSING, field, fields
 from pathlib import Path
 from typing import Any
 
 from ..compute.backend import Backend, free_cached_memory, is_out_of_memory, select_backend
-from ..errors import InputError, os_error_line
+from ..errors import InputError, JobCancelled, os_error_line
 from ..io.atomic import remove_stale_temporaries
 from ..parallel import gpu_for_rank, world
 from .events import Message
@@ -97,6 +99,34 @@ def require_file(path: Path | None, what: str, suffixes: tuple[str, ...] | None 
         raise InputError(f"{what} should end in {' or '.join(suffixes)}, got '{p.suffix}'", path=str(p))
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Cancel points: a front end asks a job running in one of its threads to stop; the job (and the compute
+# functions it calls, which take a plain ``check_cancel`` callable) raise JobCancelled at the next cancel point.
+# A cancel point never lies inside the writing of a file, so what a job already wrote stays complete.
+
+_cancel = threading.local()
+
+
+@contextlib.contextmanager
+def cancel_scope(is_cancelled: Callable[[], bool]) -> Iterator[None]:
+    """While the block runs, :func:`check_cancel` called in this thread raises JobCancelled once
+    ``is_cancelled()`` is true (the widgets' job runner wraps every job it runs in one)."""
+    previous = getattr(_cancel, "is_cancelled", None)
+    _cancel.is_cancelled = is_cancelled
+    try:
+        yield
+    finally:
+        _cancel.is_cancelled = previous
+
+
+def check_cancel() -> None:
+    """A cancel point: raise JobCancelled if the front end running this job in this thread asked it to stop
+    (a no-op outside a :func:`cancel_scope`, e.g. on the command line). Cheap enough to call per chunk."""
+    is_cancelled = getattr(_cancel, "is_cancelled", None)
+    if is_cancelled is not None and is_cancelled():
+        raise JobCancelled("cancelled")
+
+
 def batched_with_oom_retry(n: int, batch: int, work: Callable[[int, int], None],
                            backend: Backend) -> Iterator[tuple[int, int] | Message]:
     """Call ``work(start, stop)`` over [0, n) in batches; on out-of-memory, free cached blocks, halve the batch
@@ -106,6 +136,7 @@ def batched_with_oom_retry(n: int, batch: int, work: Callable[[int, int], None],
     i = 0
     b = max(1, int(batch))
     while i < n:
+        check_cancel()
         j = min(n, i + b)
         try:
             work(i, j)

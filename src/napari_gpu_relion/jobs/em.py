@@ -53,6 +53,7 @@ from ..parallel import world
 from .common import (
     backend_for,
     batched_with_oom_retry,
+    check_cancel,
     check_output_folder,
     em_iteration_bytes,
     param,
@@ -249,6 +250,10 @@ class EMJob:
     def describe(self) -> str:
         raise NotImplementedError
 
+    def max_iterations(self) -> int:
+        """The iteration the job stops at the latest (--iter); 0 where it stops when it has converged."""
+        return int(getattr(self.p, "iter", 0) or 0)
+
     def initial_model(self) -> EMModel:
         raise NotImplementedError
 
@@ -353,14 +358,19 @@ class EMJob:
                                sigma_offset_A=self.state.sigma_offset_A, cc=it.cc,
                                class_offset_prior_A=opts.pop("class_offset_prior_A", None),
                                max_significants=opts.pop("max_significants", -1),
-                               max_fine_bytes=it.plan.fine_chunk_bytes)
+                               max_fine_bytes=it.plan.fine_chunk_bytes, check_cancel=check_cancel)
             stage = f"it {self.state.iteration:03d}" + (f" half {h + 1}" if len(self.halves) > 1 else "")
             mine = self.comm.share(rows_h)  # this rank's block of the half
-            yield from run_estep(self.ps, mine, setup, sums, self.be, mask_radius_px=self.mask_r,
-                                 zero_mask=self.p.zero_mask, do_norm=getattr(self.p, "norm", False),
-                                 norm_average=self.state.norm_average, scales=self.model.scales,
-                                 batch=it.plan.batch, stage=stage, seed=self.p.random_seed + self.state.iteration,
-                                 local_sigma=it.local_sigma, sym=getattr(self.p, "sym", "C1"), **opts)
+            n_halves = len(self.halves)
+            for ev in run_estep(self.ps, mine, setup, sums, self.be, mask_radius_px=self.mask_r,
+                                zero_mask=self.p.zero_mask, do_norm=getattr(self.p, "norm", False),
+                                norm_average=self.state.norm_average, scales=self.model.scales,
+                                batch=it.plan.batch, stage=stage, seed=self.p.random_seed + self.state.iteration,
+                                local_sigma=it.local_sigma, sym=getattr(self.p, "sym", "C1"), **opts):
+                if isinstance(ev, Progress):  # the E-step is nearly all of an iteration's time
+                    ev = replace(ev, iteration=self.state.iteration, iterations=self.max_iterations(),
+                                             iteration_fraction=(h + ev.done / max(ev.total, 1)) / n_halves)
+                yield ev
             sum_estep(self.comm, sums, acc)  # every rank: the sums over all ranks
             merge_particles(self.comm, self.ps, mine)
             it.sums.append(sums)
@@ -439,7 +449,9 @@ def _run(job: EMJob) -> Iterator:
         job.state.iteration += 1
         it = yield from job.update_sampling()
         yield from job.expectation(it)
+        check_cancel()  # cancel points between the steps, never inside write(): its files stay whole
         job.maximization(it)
+        check_cancel()
         job.update_resolution(it)
         last = job.check_convergence(it)
         if root:

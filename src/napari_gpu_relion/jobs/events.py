@@ -28,9 +28,16 @@ class Started(Event):
 
 @dataclass(frozen=True)
 class Progress(Event):
+    """``done`` of ``total`` items of ``stage``. An iterative job also says which ``iteration`` it is in (from 1),
+    of how many (``iterations``; 0 where it stops at convergence, as auto-refine) and the fraction of that
+    iteration's work done (``iteration_fraction``, 0..1): a front end shows "iteration n of max" and an ETA."""
+
     done: int
     total: int
     stage: str = ""
+    iteration: int = 0
+    iterations: int = 0
+    iteration_fraction: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,23 @@ class MicrographPicked(Event):
     index: int
     coords: np.ndarray  # (n, 2) x, y pixels
     scores: np.ndarray  # (n,)
+
+
+@dataclass(frozen=True)
+class ParticlesExtracted(Event):
+    """The particles of one micrograph were extracted (their stack ``path`` is written): the integer coordinates
+    (n, 2) x, y in pixels of micrograph ``index`` (row of the micrographs STAR; box j covers pixels x - B/2 ..
+    x + B/2 - 1 of side B = ``box_size``), and the first few extracted images (m, b, b) (m <= n) for a gallery,
+    with their pixel size (Å, after rescaling)."""
+
+    name: str
+    index: int
+    coords: np.ndarray
+    box_size: int
+    micrograph_pixel_size: float
+    images: np.ndarray
+    pixel_size: float
+    path: Path | None = None
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,11 @@ from .common import (
     write_note,
 )
 from .distributed import root_events
-from .events import Finished, Message, Progress, Started
+from .events import Finished, Message, ParticlesExtracted, Progress, Started
 
 JOB_NAME = "extract"
+#: Extracted images per micrograph sent to the viewer's gallery (ParticlesExtracted); the stack has them all.
+GALLERY_IMAGES = 64
 
 _CTF_COLUMNS = ("rlnCtfMaxResolution", "rlnCtfFigureOfMerit", "rlnDefocusU", "rlnDefocusV", "rlnDefocusAngle",
                 "rlnCtfBfactor", "rlnCtfScalefactor", "rlnPhaseShift", "rlnBeamTiltX", "rlnBeamTiltY")
@@ -253,6 +255,8 @@ def _run(p: Params) -> Iterator:
         del mic
         stack_path = out_dir / "Particles" / (output_root(e.name) + ".mrcs")
         write_mrc(stack_path, stack, apix * B / b, stack=True)
+        yield ParticlesExtracted(e.name, e.row, np.stack([xi, yi], 1).astype(np.float64), B, apix,
+                                 stack[:GALLERY_IMAGES].astype(np.float32), apix * B / b, stack_path)
         part = df.copy()
         part["rlnImageName"] = [f"{j + 1:06d}@{stack_path}" for j in range(len(df))]
         part["rlnMicrographName"] = e.name

@@ -27,6 +27,7 @@ from ..parallel import world
 from .common import (
     backend_for,
     batched_with_oom_retry,
+    check_cancel,
     check_output_file,
     check_pixel_size,
     mrc_bytes,
@@ -146,9 +147,9 @@ def _run(p: Params) -> Iterator:
         A = xp.asarray(euler_to_matrix(ang[i0:i1, 0], ang[i0:i1, 1], ang[i0:i1, 2]))
         if ctfp is not None:
             c = ctf_half_grid(ctfp.subset(slice(i0, i1)), N, apix, xp=xp)
-            bp.insert_images(A, F * c, c * c)
+            bp.insert_images(A, F * c, c * c, check=check_cancel)
         else:
-            bp.insert_images(A, F, xp.ones(F.shape, dtype=np.float32))
+            bp.insert_images(A, F, xp.ones(F.shape, dtype=np.float32), check=check_cancel)
 
     for item in batched_with_oom_retry(mine.size, batch, work, be):
         if isinstance(item, Message):

@@ -116,6 +116,11 @@ class Refine3D(em.EMJob):
             pdfs = [None, None]
         return em.EMModel(refs, [m.sigma2 for m in models], [np.ones(1)] * 2, pdfs, scales)
 
+    def max_iterations(self) -> int:
+        """--auto_iter_max where it was lowered from its default (999, "until converged"), else 0."""
+        default = Params.__dataclass_fields__["auto_iter_max"].default
+        return int(self.p.auto_iter_max) if self.p.auto_iter_max < default else 0
+
     def files_iteration(self, it: em.Iteration) -> int | None:
         return None if it.final else self.state.iteration
 

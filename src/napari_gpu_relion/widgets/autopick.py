@@ -25,6 +25,7 @@ from ..io.micrographs import output_root, write_coordinate_list
 from ..io.star import write_coordinates
 from ..jobs import autopick
 from .job_widget import JobWidget, wrapping
+from .micrograph_view import MicrographDisplay
 from .pick_model import PickModel
 from .plots import FomHistogramView
 from .runner import error_message
@@ -106,6 +107,8 @@ class AutopickWidget(JobWidget):
                                       "threshold (red line). Template picks (--fom zscore): noise standard "
                                       "deviations; LoG: RELION's LoG response")
         box.native.layout().insertWidget(1, self.fom_histogram)
+        self.micrograph_display = MicrographDisplay(viewer)  # display-only binning and low-pass of the micrographs
+        self.add_results_tab("Display", [self.micrograph_display], front=False)
         self.last_saved: tuple[list[Path], int] | None = None
         self.fom_slider.changed.connect(self._on_threshold)
         self.save_picks_button.changed.connect(self.save_picks)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ClassGrid", "grid_shape", "tile_at", "class_at", "tile_corners"]
+__all__ = ["ClassGrid", "grid_shape", "tile_at", "class_at", "tile_corners", "compose_tiles"]
 
 
 def grid_shape(K: int) -> tuple[int, int]:
@@ -49,6 +49,21 @@ def tile_corners(tile: int, ncol: int, N: int, inset: float = 0.0) -> np.ndarray
     y0, x0 = r * N - 0.5 + inset, c * N - 0.5 + inset
     size = N - 2 * inset
     return np.array([[y0, x0], [y0, x0 + size], [y0 + size, x0 + size], [y0 + size, x0]], dtype=np.float64)
+
+
+def compose_tiles(images: Any, order: Any = None) -> np.ndarray:
+    """One image of the (K, N, N) ``images`` in a :func:`grid_shape` grid, tile i showing ``images[order[i]]``
+    (default: in their order), each scaled to its own mean and std (the class grid, the particle gallery)."""
+    imgs = np.asarray(images, dtype=np.float32)
+    K, N = imgs.shape[0], imgs.shape[-1]
+    order = np.arange(K) if order is None else np.asarray(order)
+    nrow, ncol = grid_shape(K)
+    grid = np.zeros((nrow * N, ncol * N), np.float32)
+    for tile, k in enumerate(order):  # K tiles (a display copy, not a hot path)
+        r, c = divmod(tile, ncol)
+        im = imgs[k]
+        grid[r * N:(r + 1) * N, c * N:(c + 1) * N] = (im - im.mean()) / (im.std() or 1.0)
+    return grid
 
 
 class ClassGrid:
@@ -110,13 +125,7 @@ class ClassGrid:
         imgs = np.asarray(images, dtype=np.float32)
         if imgs.shape != (self.K, self.tile_size, self.tile_size):
             raise ValueError(f"expected {self.K} images of {self.tile_size} x {self.tile_size}, got {imgs.shape}")
-        grid = np.zeros(self.image_shape, np.float32)
-        N = self.tile_size
-        for tile, k in enumerate(self.order):  # K tiles (a display copy, not a hot path)
-            y0, x0 = self.tile_origin(tile)
-            im = imgs[k]
-            grid[y0:y0 + N, x0:x0 + N] = (im - im.mean()) / (im.std() or 1.0)
-        return grid
+        return compose_tiles(imgs, self.order)
 
     def label_positions(self) -> np.ndarray:
         """(K, 2) (y, x) pixels of each tile's label, 1 px inside its top-left corner, in tile order."""

@@ -57,15 +57,32 @@ from qtpy.QtCore import QTimer
 
 from .._reader import points_kwargs
 from ..compute.angular_distribution import angular_histogram
-from ..jobs.events import ClassAveragesUpdated, FscUpdated, MapUpdated, MicrographPicked
+from ..jobs.events import ClassAveragesUpdated, FscUpdated, MapUpdated, MicrographPicked, ParticlesExtracted
 from . import plots
 from .class_grid_model import ClassGrid, class_at, grid_shape, tile_at, tile_corners
-from .display_model import PreparedClasses, PreparedFsc, PreparedMap, prepare_classes, prepare_event, prepare_map
+from .display_model import (
+    PreparedClasses,
+    PreparedFsc,
+    PreparedMap,
+    extraction_boxes,
+    prepare_classes,
+    prepare_event,
+    prepare_extraction,
+    prepare_map,
+)
 from .per_viewer import one_per_viewer
 from .pick_model import MANUAL_PICK_VALUE, PickModel
 from .plots import AngularDistributionPlot, FscPlot
 from .runner import frozen_gc
-from .style import LABEL_COLOR, PICK_BORDER_WIDTH, PICK_COLORS, SELECTION_COLOR
+from .style import (
+    EXTRACTION_BOX_BORDER_WIDTH,
+    EXTRACTION_BOX_COLOR,
+    EXTRACTION_BOX_SYMBOL,
+    LABEL_COLOR,
+    PICK_BORDER_WIDTH,
+    PICK_COLORS,
+    SELECTION_COLOR,
+)
 
 if TYPE_CHECKING:
     import napari
@@ -76,6 +93,9 @@ __all__ = ["LiveDisplay", "grid_shape", "tile_at", "class_at", "tile_corners"]
 log = logging.getLogger(__name__)
 
 PICKS_LAYER = "picks"
+#: The boxes particle extraction cut (Points, squares of the box size over the micrographs) and its gallery.
+BOXES_LAYER = "extraction boxes"
+GALLERY_LAYER = "extracted particles"
 FSC_DOCK = "FSC"
 ANGDIST_DOCK = "Angular distribution"
 #: Key of a class grid layer's metadata that holds its ClassGrid.
@@ -121,6 +141,10 @@ class LiveDisplay:
         self._pending_maps: dict[str, MapUpdated] = {}
         self._pending_fsc: FscUpdated | None = None
         self._picks_dirty = False
+        self._boxes: dict[int, tuple[np.ndarray, int, float]] = {}  # micrograph -> (coords, box, pixel size)
+        self._boxes_dirty = False
+        self._boxes_folder: Path | None = None
+        self._pending_gallery: ParticlesExtracted | None = None
         self._timer: Any = None
         self._next_allowed = 0.0
         self._turn = 0
@@ -198,6 +222,15 @@ class LiveDisplay:
         elif isinstance(event, MicrographPicked):
             self._store_picks(event)
             self._picks_dirty = True
+        elif isinstance(event, ParticlesExtracted):
+            folder = None if event.path is None else Path(event.path).parent
+            if folder != self._boxes_folder:  # another extraction job: its boxes replace the former job's
+                self._boxes_folder = folder
+                self._boxes.clear()
+            self._boxes[int(event.index)] = (np.asarray(event.coords), int(event.box_size),
+                                             float(event.micrograph_pixel_size))
+            self._boxes_dirty = True
+            self._pending_gallery = event
         else:
             return  # IterationFinished: references arrive as MapUpdated; class averages come with class2d
         self._schedule()
@@ -216,7 +249,8 @@ class LiveDisplay:
     @property
     def pending(self) -> bool:
         """True while updates wait for the next refresh."""
-        return bool(self._pending_maps) or self._pending_fsc is not None or self._picks_dirty or bool(self._later)
+        return (bool(self._pending_maps) or self._pending_fsc is not None or self._picks_dirty or self._boxes_dirty
+                or self._pending_gallery is not None or bool(self._later))
 
     def _apply_one(self) -> None:
         """Apply one pending item: a deferred step of a previous item first, then maps, FSC and picks in turn
@@ -226,9 +260,9 @@ class LiveDisplay:
             method, args = self._later.popleft()
             method(*args)
             return
-        for _ in range(3):
+        for _ in range(4):
             kind = self._turn
-            self._turn = (self._turn + 1) % 3
+            self._turn = (self._turn + 1) % 4
             if kind == 0 and self._pending_maps:
                 name = next(iter(self._pending_maps))
                 ev = self._pending_maps.pop(name)
@@ -241,6 +275,15 @@ class LiveDisplay:
             if kind == 2 and self._picks_dirty:
                 self._picks_dirty = False
                 self._apply_picks()
+                return
+            if kind == 3 and self._boxes_dirty:
+                self._boxes_dirty = False
+                self.show_extraction_boxes()
+                if self._pending_gallery is not None:
+                    self.later(self._show_pending_gallery)  # a new layer at most per turn
+                return
+            if kind == 3 and self._pending_gallery is not None:
+                self._show_pending_gallery()
                 return
 
     def _tick(self) -> None:
@@ -525,6 +568,63 @@ class LiveDisplay:
                 x_max = float(extent[1, -1])
                 right = x_max if right is None else max(right, x_max)
         return 0.0 if right is None else right + gap
+
+    # -- extraction ----------------------------------------------------------------------------------------
+
+    def show_extraction_boxes(self) -> Any:
+        """The boxes of every micrograph extracted so far as white squares of the box size over the micrographs
+        (Points (mic, y, x) in Å, like the picks; none of the pick colours), replaced in place."""
+        if not self._boxes:
+            return None
+        items = sorted(self._boxes.items())
+        data = np.concatenate([extraction_boxes(i, c) for i, (c, _, _) in items]).reshape(-1, 3)
+        sizes = np.concatenate([np.full(len(c), float(b)) for _, (c, b, _) in items])
+        apix = items[-1][1][2] or self._micrograph_pixel_size()
+        layer = _find_layer(self.viewer, BOXES_LAYER, "Points")
+        if layer is None:
+            kwargs = points_kwargs(3, apix, {}, BOXES_LAYER, None)
+            kwargs.update(symbol=EXTRACTION_BOX_SYMBOL, border_color=EXTRACTION_BOX_COLOR,
+                          border_width=EXTRACTION_BOX_BORDER_WIDTH, size=sizes,
+                          metadata={"kind": "extraction_boxes", "pixel_size": apix})
+            kwargs.pop("feature_defaults", None)
+            self._to_2d_view()
+            layer = self.viewer.add_points(data, **kwargs)
+            picks = self.picks_layer()
+            if picks is not None:
+                self.viewer.layers.selection.active = picks  # the picks stay the layer one edits
+        else:
+            layer.data = data
+            layer.size = sizes
+        return layer
+
+    def _show_pending_gallery(self) -> None:
+        ev, self._pending_gallery = self._pending_gallery, None
+        if ev is not None:
+            self.show_gallery(ev)
+
+    def show_gallery(self, event: ParticlesExtracted) -> Any:
+        """The first particles of the micrograph extracted last as a gallery (tiles like the class grid's, in Å at
+        the particles' pixel size), placed to the right of the micrographs when it is new; updated in place."""
+        viewer = self.viewer
+        ev = prepare_extraction(event)
+        image = ev.gallery_image
+        scale = (float(ev.pixel_size or 1.0),) * 2
+        layer = _find_layer(viewer, GALLERY_LAYER, "Image")
+        if layer is not None and layer.data.shape != image.shape:
+            with frozen_gc():
+                viewer.layers.remove(layer)
+            layer = None
+        if layer is None:
+            self._to_2d_view()
+            tile = image.shape[-1] / max(1, grid_shape(len(ev.images))[1])
+            translate = (0.0, self._right_of_2d_layers(exclude=GALLERY_LAYER, gap=GRID_GAP_TILES * tile * scale[1]))
+            layer = viewer.add_image(image, name=GALLERY_LAYER, scale=scale, translate=translate,
+                                     units=(_ANGSTROM,) * 2, axis_labels=("y", "x"), colormap="gray",
+                                     metadata={"kind": "particle_gallery", "micrograph": ev.name})
+        else:
+            layer.data = image
+            layer.metadata["micrograph"] = ev.name
+        return layer
 
     # -- class selection ---------------------------------------------------------------------------------
 

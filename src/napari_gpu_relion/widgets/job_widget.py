@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import os
+import time
 import types
 import typing
 import weakref
@@ -53,6 +54,7 @@ from qtpy.QtWidgets import (
     QDockWidget,
     QLabel,
     QMainWindow,
+    QMessageBox,
     QScrollArea,
     QSizePolicy,
     QTabWidget,
@@ -71,6 +73,7 @@ from ..jobs.events import (
     MapUpdated,
     Message,
     MicrographPicked,
+    ParticlesExtracted,
     Progress,
     Started,
 )
@@ -78,6 +81,7 @@ from ..mpi_child import MPI_JOBS, mpi_available, run_under_mpi
 from .display import LiveDisplay
 from .form_model import form_layout, form_of
 from .jobs_model import SESSION
+from .progress_model import ProgressClock
 from .runner import Job, JobRunner, JobState, error_message, get_runner
 
 if TYPE_CHECKING:
@@ -406,14 +410,28 @@ class _OptionTabs(QTabWidget):
         return hint
 
 
+#: The question a dock's close button asks while its job runs or waits.
+CLOSE_QUESTION = "A job is running: cancel it and close?"
+
+
+def ask_yes_no(parent: QWidget | None, question: str) -> bool:
+    """Ask ``question`` in a modal message box; True for Yes (the default answer is No)."""
+    answer = QMessageBox.question(parent, "napari-gpu-relion", question,
+                                  QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No,
+                                  QMessageBox.StandardButton.No)
+    return answer == QMessageBox.StandardButton.Yes
+
+
 class _DockCloseWatcher(QObject):
     """Calls ``on_close()`` when ``widget`` is taken out of its napari dock (the dock's close button): napari
     removes the dock and sets the inner widget's parent to None, without deleting it, so ``destroyed`` does not
-    come. The callback is held weakly (a bound method), so the watcher never keeps a closed widget alive."""
+    come. Before that, ``may_close()`` is asked when the dock's close button is clicked (False keeps the dock).
+    Both callbacks are held weakly (bound methods), so the watcher never keeps a closed widget alive."""
 
-    def __init__(self, widget: QWidget, on_close: Any) -> None:
+    def __init__(self, widget: QWidget, on_close: Any, may_close: Any = None) -> None:
         super().__init__(widget)
         self._callback = weakref.WeakMethod(on_close)
+        self._may_close = None if may_close is None else weakref.WeakMethod(may_close)
         self._docked = widget.parent() is not None
         widget.installEventFilter(self)
 
@@ -422,12 +440,45 @@ class _DockCloseWatcher(QObject):
             if obj.parent() is not None:
                 self._docked = True
                 QTimer.singleShot(0, self._narrow_dock)
+                QTimer.singleShot(0, self._guard_close_button)
             elif self._docked:
                 self._docked = False
                 callback = self._callback()
                 if callback is not None:
                     callback()
         return False
+
+    def _guard_close_button(self) -> None:
+        """Ask ``may_close()`` before napari's dock closes: its close button calls the dock's ``destroyOnClose``,
+        which is wrapped here once per dock. The wrapper holds this watcher weakly: when the widget is gone, the
+        dock closes as napari would close it."""
+        try:
+            widget = self.parent()
+        except RuntimeError:
+            return
+        dock = widget
+        while dock is not None and not isinstance(dock, QDockWidget):
+            dock = dock.parentWidget()
+        original = getattr(dock, "destroyOnClose", None)
+        if dock is None or original is None or getattr(original, "_asks_first", False):
+            return
+        watcher = weakref.ref(self)
+
+        def destroy_on_close() -> None:
+            w = watcher()
+            try:
+                allowed = w is None or w.may_close()
+            except RuntimeError:  # the widget was deleted meanwhile
+                allowed = True
+            if allowed:
+                original()
+
+        destroy_on_close._asks_first = True  # type: ignore[attr-defined]
+        dock.destroyOnClose = destroy_on_close
+
+    def may_close(self) -> bool:
+        callback = self._may_close() if self._may_close is not None else None
+        return True if callback is None else bool(callback())
 
     def _narrow_dock(self) -> None:
         """A newly docked job widget starts DOCK_WIDTH_HINT pixels wide (napari would give it its full size hint,
@@ -469,6 +520,7 @@ class JobWidget(Container):
         self._closed = False
         self._loading = False
         self._results_tab: QWidget | None = None
+        self._clock = ProgressClock()
 
         self.run_button = PushButton(text="Run", name="job_run_button")
         self.run_button.tooltip = f"Start {self.job_name} with these parameters (queued if the device is busy)"
@@ -513,11 +565,12 @@ class JobWidget(Container):
         for spec in self.specs:
             self.inputs[spec.name].changed.connect(self._on_input_changed)
         self.native.destroyed.connect(self._on_destroyed)
-        self._close_watch = _DockCloseWatcher(self.native, self._on_dock_closed)
+        self._close_watch = _DockCloseWatcher(self.native, self._on_dock_closed, self.may_close)
 
-    def add_results_tab(self, name: str, widgets: list[Any]) -> Container:
+    def add_results_tab(self, name: str, widgets: list[Any], front: bool = True) -> Container:
         """A tab after the option tabs for what the job produced (picks threshold, class selection, ...): a
-        labelled Container of ``widgets``; :meth:`show_results_tab` brings it to the front."""
+        labelled Container of ``widgets``; :meth:`show_results_tab` brings it (``front``; else the first
+        results tab) to the front."""
         box = Container(widgets=widgets, labels=True, name=f"results_{name}")
         box.margins = (4, 4, 4, 4)
         page = QWidget()
@@ -527,7 +580,8 @@ class JobWidget(Container):
         layout.addStretch(1)
         scroll = _scroll_page(page)
         self.tabs.addTab(scroll, name)
-        self._results_tab = scroll
+        if front or self._results_tab is None:
+            self._results_tab = scroll
         return box
 
     def show_results_tab(self) -> None:
@@ -649,6 +703,7 @@ class JobWidget(Container):
             runner = self._runner
         self.progress.max = 1
         self.progress.value = 0
+        self._clock = ProgressClock()
         self._map_levels.clear()
         self._set_status(f"{self.job_name}: submitted")
         module = self.job_module
@@ -661,6 +716,7 @@ class JobWidget(Container):
             ClassAveragesUpdated: self.display.handle,
             FscUpdated: self.display.handle,
             MicrographPicked: self.display.handle,
+            ParticlesExtracted: self.display.handle,
             IterationFinished: self._on_iteration,
         }
         self.display.anchor(self.native)  # its result plots dock beside this widget
@@ -707,11 +763,11 @@ class JobWidget(Container):
         self._set_status(f"{self.job_name}: running on {ev.backend}" + (f" — {ev.message}" if ev.message else ""))
 
     def _on_progress(self, ev: Progress) -> None:
-        total = max(int(ev.total), 0)
-        self.progress.max = total if total > 0 else 0
-        self.progress.value = min(int(ev.done), total) if total > 0 else 0
-        stage = f"{ev.stage} " if ev.stage else ""
-        self._set_status(f"{self.job_name}: {stage}{ev.done}/{ev.total}")
+        """The bar and the status line: "iteration n of max" and the time left where the job knows them."""
+        report = self._clock.report(self.job_name, ev, time.monotonic())
+        self.progress.max = report.maximum
+        self.progress.value = report.value
+        self._set_status(report.text)
 
     def _on_message(self, ev: Message) -> None:
         self._set_status(f"{self.job_name}: {ev.text}")
@@ -759,6 +815,22 @@ class JobWidget(Container):
         job = self.job
         if job is not None and not job.done:
             job.cancel()
+
+    def ask(self, question: str) -> bool:
+        """A yes/no question to the user (True: Yes), in a message box over this widget. Tests (or a front end
+        that asks elsewhere) replace it on the instance: ``widget.ask = lambda question: True``."""
+        return ask_yes_no(self.native, question)
+
+    def may_close(self) -> bool:
+        """The dock's close button was clicked: with a running or queued job, ask whether to cancel it and close
+        (:data:`CLOSE_QUESTION`); Yes cancels the job (the dock then closes), No keeps both. True to close."""
+        job = self.job
+        if self._closed or job is None or job.done:
+            return True
+        if not self.ask(CLOSE_QUESTION):
+            return False
+        job.cancel()
+        return True
 
     def _on_dock_closed(self) -> None:
         """The user closed this widget's dock (napari takes the widget out of it): cancel a running or queued

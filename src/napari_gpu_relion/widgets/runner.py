@@ -4,9 +4,12 @@ A job is any callable returning an iterator of :mod:`~napari_gpu_relion.jobs.eve
 :class:`JobRunner` wraps it in a napari generator worker and:
 
 * dispatches each event to callbacks registered per event type, in the GUI thread (queued Qt signals);
-* cancels at the next event: ``Job.cancel()`` sets a flag that the wrapper checks after every event the job
-  yields (it then closes the job generator in the worker thread, so the job's ``finally`` clean-up runs
-  there) and calls ``worker.quit()``; files a job already wrote stay valid (jobs write atomically);
+* cancels within a second or two: ``Job.cancel()`` sets a flag that the wrapper checks after every event the job
+  yields, and that the job's own cancel points check inside its long loops (the job runs in
+  :func:`~napari_gpu_relion.jobs.common.cancel_scope`; ``check_cancel()`` raises JobCancelled inside the
+  E-step's chunks, between micrographs, ...); the job generator is then closed in the worker thread, so the
+  job's ``finally`` clean-up runs there, and ``worker.quit()`` is called; files a job already wrote stay valid
+  (jobs write atomically, and no cancel point lies inside the writing of a file);
 * turns ``RuntimeError`` (CuPy's CUDA and cuFFT errors are RuntimeErrors, which superqt would swallow from
   generator workers, leaving the UI "running" forever) into :class:`JobError`, connects ``errored`` itself,
   and reports every failure with ``show_error`` and a persistent status line;
@@ -39,6 +42,7 @@ from napari.utils.notifications import show_error
 from qtpy.QtWidgets import QApplication
 
 from ..errors import InputError, JobCancelled, os_error_line
+from ..jobs.common import cancel_scope
 from ..jobs.events import Finished, Message, Progress, Started
 
 __all__ = ["JobError", "JobState", "Job", "JobRunner", "get_runner", "close_all_runners", "error_message", "frozen_gc"]
@@ -292,7 +296,12 @@ class JobRunner:
         worker.start()
 
     def _events(self, job: Job) -> Iterator[Any]:
-        """The generator run in the worker thread: guarded, cancellable, throttled, with back-pressure."""
+        """The generator run in the worker thread: guarded, cancellable (the job's cancel points raise
+        JobCancelled once Cancel was asked for), throttled, with back-pressure."""
+        with cancel_scope(lambda: job.cancel_requested):
+            yield from self._cancellable_events(job)
+
+    def _cancellable_events(self, job: Job) -> Iterator[Any]:
         slots = job._slots
         assert slots is not None
         interval = self.progress_interval

@@ -5,13 +5,15 @@ tritanopia).
 Picks are rings coloured by figure of merit from azure (low) through magenta to vermillion (high): every colour
 is saturated and of middle lightness, so that rings stand out on a grey micrograph whatever its contrast (the
 former "plasma" map ended in near-black purple), and none is yellow. The true positions of the sample data are
-yellow crosses: another colour and another shape than any pick.
+yellow crosses: another colour and another shape than any pick. Extraction boxes are white squares of the box
+size: neither a pick colour nor yellow, for every kind of colour vision.
 """
 
 from __future__ import annotations
 
 __all__ = ["PICK_COLORS", "TRUE_PICK_COLOR", "TRUE_PICK_SYMBOL", "TRUE_PICK_SIZE_FRACTION", "SELECTION_COLOR",
-           "LABEL_COLOR", "PICK_BORDER_WIDTH", "hex_to_rgb"]
+           "LABEL_COLOR", "PICK_BORDER_WIDTH", "EXTRACTION_BOX_COLOR", "EXTRACTION_BOX_SYMBOL",
+           "EXTRACTION_BOX_BORDER_WIDTH", "hex_to_rgb"]
 
 #: Pick ring colours from the lowest to the highest figure of merit (interpolated in between).
 PICK_COLORS = ("#00A0FF", "#FF00FF", "#D55E00")
@@ -21,6 +23,10 @@ PICK_BORDER_WIDTH = 0.08
 TRUE_PICK_COLOR = "#F0E442"
 TRUE_PICK_SYMBOL = "cross"
 TRUE_PICK_SIZE_FRACTION = 0.4
+#: The boxes particle extraction cut, drawn on the micrographs: white squares with a thin border.
+EXTRACTION_BOX_COLOR = "#FFFFFF"
+EXTRACTION_BOX_SYMBOL = "square"
+EXTRACTION_BOX_BORDER_WIDTH = 0.03
 #: Outline of selected class tiles, and the text on the class grid.
 SELECTION_COLOR = "#00FFFF"
 LABEL_COLOR = "#F0E442"
