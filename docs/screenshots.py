@@ -378,6 +378,14 @@ def main() -> None:
     viewer.layers.selection.active = viewer.layers["postprocess"]
     w.shot(11, "postprocess")
 
+    # 12. the Jobs dock: every job of this session with its status and outputs, offered as the next job's inputs
+    jobs = w.dock("Jobs")
+    _pump(4.0)  # its first scan of the project folder runs in a worker thread
+    jobs.select_job(ref_dir)  # the refinement: its outputs offered to the next jobs
+    _pump(1.0)
+    w.note(f"jobs dock: {jobs.table.rowCount()} jobs listed")
+    w.shot(12, "jobs_panel")
+
     total = time.time() - t_start
     truth_check(w, ref_dir)
     print("\nsummary", flush=True)

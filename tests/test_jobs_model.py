@@ -163,3 +163,10 @@ def test_note_of_relion_and_of_the_plugin(tmp_path):
                                      "'a b/half1.mrc' --o Some/job004\n")
     assert jm.note_arguments(folder) == ("postprocess", {"--i": "a b/half1.mrc", "--o": "Some/job004"})
     assert jm.scan_job_folder(folder).job == "postprocess"
+
+
+def test_project_of_a_job_folder():
+    assert jm.project_of("/data/proj/Class2D/job003") == Path("/data/proj")
+    assert jm.project_of("/data/proj/InitialModel/job012/") == Path("/data/proj")
+    assert jm.project_of("/data/proj/class2d_out") is None  # not <Type>/jobNNN
+    assert jm.project_of("/data/proj/out/job003") is None  # "out" is no job type

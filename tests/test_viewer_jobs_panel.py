@@ -59,13 +59,14 @@ def test_the_jobs_panel_chains_a_jobs_output_into_the_next(make_napari_viewer, q
     project = tmp_path / "project"
     project.mkdir()
     viewer = make_napari_viewer()
-    panel = _panel(viewer, project)
+    _, panel = viewer.window.add_plugin_dock_widget(PLUGIN, "Jobs")  # its project: the current folder, until ...
     _, pick = viewer.window.add_plugin_dock_widget(PLUGIN, "Auto-picking")
     pick.set_values(i=sample_dir / "micrographs.star", odir=project / "AutoPick" / "job001", LoG=True,
                     LoG_diam_min=120.0, LoG_diam_max=180.0, cpu=True)
     job = pick.start_job()
     # the panel knows the job at once, from the dock that started it (before any file is written)
     qtbot.waitUntil(lambda: _listed(panel, project / "AutoPick/job001") is not None, timeout=5_000)
+    assert panel.project_folder() == project  # ... a job of this session starts in <project>/<Type>/jobNNN
     assert _listed(panel, project / "AutoPick/job001").session  # a job of this session, not just a folder
     qtbot.waitUntil(lambda: job.done, timeout=60_000)
     assert job.state is JobState.FINISHED, pick.status_text

@@ -46,6 +46,7 @@ __all__ = [
     "scan_project",
     "merge_records",
     "next_job_folder",
+    "project_of",
     "offers",
     "note_arguments",
 ]
@@ -408,6 +409,15 @@ def merge_records(disk: Iterable[JobRecord], session: Iterable[JobRecord]) -> li
 # Chaining
 
 
+def project_of(folder: str | os.PathLike) -> Path | None:
+    """``<project>`` of a job folder ``<project>/<Type>/jobNNN`` (a job type of ours or RELION's: a capitalised
+    name), None for a folder not laid out that way."""
+    folder = Path(folder).expanduser().absolute()
+    if _JOB_DIR.match(folder.name) and folder.parent.name[:1].isupper():
+        return folder.parent.parent
+    return None
+
+
 def next_job_folder(project: str | os.PathLike, job: str, taken: Iterable[Path] = ()) -> Path:
     """``<project>/<Type>/jobNNN`` for a new ``job``: NNN one above the highest job number in the project (RELION
     numbers jobs across all types) and above those of ``taken`` folders."""
@@ -548,6 +558,14 @@ class SessionJobs:
             with contextlib.suppress(Exception):
                 callback()
         self._listeners = alive
+
+    def latest_project(self) -> Path | None:
+        """The project folder of the newest session job laid out as ``<project>/<Type>/jobNNN`` (None if none)."""
+        for e in reversed(self._jobs):
+            project = project_of(e.folder)
+            if project is not None:
+                return project
+        return None
 
     def widget_of(self, folder: Path) -> Any:
         """The dock widget that ran the job of ``folder`` (None when it is gone)."""

@@ -187,7 +187,8 @@ class JobsPanel(Container):
         self._rescan = False
 
         self.project = FileEdit(mode="d", nullable=True, name="project", label="project")
-        self.project.line_edit.value = os.getcwd()
+        self.project.line_edit.value = str(SESSION.latest_project() or os.getcwd())
+        self._project_is_default = True  # until the user picks a folder
         self.project.line_edit.native.setMinimumWidth(60)
         self.project.choose_btn.text = "Browse..."
         self.project.tooltip = "The project folder: its <Type>/jobNNN folders are listed (RELION's layout)"
@@ -238,7 +239,7 @@ class JobsPanel(Container):
         self.follow_button.changed.connect(self.follow_selected)
         self.follow_folder_button.changed.connect(self.choose_folder_to_follow)
         self.stop_button.changed.connect(self.stop_following)
-        self.project.changed.connect(self.refresh)
+        self.project.changed.connect(self._on_project_changed)
         SESSION.connect(self._on_session)
         self.follow.connect(self._on_follow)
         self.native.destroyed.connect(self._on_destroyed)
@@ -249,6 +250,11 @@ class JobsPanel(Container):
         self.refresh()
 
     # -- the list ----------------------------------------------------------------------------------------
+
+    def _on_project_changed(self, *_: Any) -> None:
+        if self.project_folder() != SESSION.latest_project():
+            self._project_is_default = False  # the user's choice: no longer follows the session's jobs
+        self.refresh()
 
     def project_folder(self) -> Path | None:
         text = self.project.line_edit.value.strip()
@@ -276,7 +282,17 @@ class JobsPanel(Container):
             self.refresh()
 
     def _on_session(self) -> None:
+        """A job started, changed or finished: while the project is still the default (the current folder), it
+        becomes the project of the newest session job; then rescan."""
+        project = SESSION.latest_project()
+        if project is not None and self._project_is_default and self.project_folder() != project:
+            self._set_project(project)  # its change signal rescans
+            return
         self.refresh()
+
+    def _set_project(self, folder: Path) -> None:
+        self.project.line_edit.value = str(folder)
+        self._project_is_default = True
 
     def _show_records(self, records: list[JobRecord]) -> None:
         if self._closed:
