@@ -280,6 +280,7 @@ def main() -> None:
                    invert_contrast=True, cpu=True)
     w.run(ext, "extract")
     w.note(f"extract: {ext.status_text}")
+    w.shot(4, "extract_boxes")  # the extraction boxes over the micrographs and the gallery of extracted particles
     viewer.layers.clear()  # the picks are saved; the layer list's delete button
     viewer.open(str(ext_dir / "particles.star"), plugin=PLUGIN)
     viewer.reset_view()
