@@ -584,6 +584,11 @@ def test_autopick_and_extract_widgets(make_napari_viewer, qtbot, tmp_path, sampl
     first = stack[0].astype(np.float64)
     np.testing.assert_allclose(gallery.data[:64, :64], (first - first.mean()) / first.std(), atol=1e-4)
     assert gallery.translate[1] > 0  # beside the micrographs, not over them
+    # ... and framed: the camera's view holds the gallery (it appeared off screen before)
+    half = np.asarray(viewer.canvas.size, float)[-2:] / (2 * viewer.camera.zoom)
+    centre = np.asarray(viewer.camera.center, float)[-2:]
+    lo, hi = np.asarray(gallery.extent.world, float)[:, -2:]
+    assert np.all(lo >= centre - half - 1e-6) and np.all(hi <= centre + half + 1e-6), (lo, hi, centre, half)
     assert not errors
 
 

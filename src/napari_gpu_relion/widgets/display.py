@@ -621,6 +621,8 @@ class LiveDisplay:
             layer = viewer.add_image(image, name=GALLERY_LAYER, scale=scale, translate=translate,
                                      units=(_ANGSTROM,) * 2, axis_labels=("y", "x"), colormap="gray",
                                      metadata={"kind": "particle_gallery", "micrograph": ev.name})
+            if viewer.dims.ndisplay == 2:
+                viewer.reset_view()  # the new gallery beside the micrographs: frame both (it was off screen)
         else:
             layer.data = image
             layer.metadata["micrograph"] = ev.name
