@@ -501,22 +501,10 @@ class LiveDisplay:
         model, image = ev.grid, ev.grid_image
         scale = (float(ev.pixel_size or 1.0),) * 2
         units = (_ANGSTROM,) * 2 if ev.pixel_size else ("pixel",) * 2
-        layer = _find_layer(viewer, ev.name, "Image")
-        model.keep_selection_of(_grid_model(layer))
-        if layer is not None and layer.data.shape != image.shape:
-            with frozen_gc():
-                viewer.layers.remove(layer)
-            layer = None
-        if layer is None:
-            self._to_2d_view()
-            translate = (0.0, self._right_of_2d_layers(exclude=ev.name, gap=GRID_GAP_TILES * model.tile_size
-                                                       * scale[1]))
-            layer = viewer.add_image(image, name=ev.name, scale=scale, translate=translate, units=units,
-                                     axis_labels=("y", "x"), colormap="gray", metadata={"kind": "classes"})
-            if translate[1]:
-                self.later(self.frame_layer, ev.name)  # the new grid fills the canvas (next turn)
-        else:
-            layer.data = image
+        model.keep_selection_of(_grid_model(_find_layer(viewer, ev.name, "Image")))
+        layer, translate = self._tile_image(ev.name, image, scale, units, model.tile_size, {"kind": "classes"})
+        if translate:
+            self.later(self.frame_layer, ev.name)  # the new grid fills the canvas (next turn)
         layer.metadata[GRID_MODEL] = model
         _publish_grid(layer)
         self._listen_for_clicks(layer)
@@ -609,24 +597,32 @@ class LiveDisplay:
         ev = prepare_extraction(event)
         image = ev.gallery_image
         scale = (float(ev.pixel_size or 1.0),) * 2
-        layer = _find_layer(viewer, GALLERY_LAYER, "Image")
+        tile = image.shape[-1] / max(1, grid_shape(len(ev.images))[1])
+        layer, translate = self._tile_image(GALLERY_LAYER, image, scale, (_ANGSTROM,) * 2, tile,
+                                            {"kind": "particle_gallery"})
+        if translate is not None and viewer.dims.ndisplay == 2:
+            viewer.reset_view()  # the new gallery beside the micrographs: frame both (it was off screen)
+        layer.metadata["micrograph"] = ev.name
+        return layer
+
+    def _tile_image(self, name: str, image, scale, units, tile_size: float, metadata: dict) -> tuple[Any, Any]:
+        """The 2D Image layer ``name`` (class grid, particle gallery) showing ``image``: updated in place, or made
+        anew (when missing or of another shape) to the right of the 2D layers, a gap of GRID_GAP_TILES tiles of
+        ``tile_size`` pixels. Returns the layer and, for a new one, its x offset in Å (else None)."""
+        viewer = self.viewer
+        layer = _find_layer(viewer, name, "Image")
         if layer is not None and layer.data.shape != image.shape:
             with frozen_gc():
                 viewer.layers.remove(layer)
             layer = None
-        if layer is None:
-            self._to_2d_view()
-            tile = image.shape[-1] / max(1, grid_shape(len(ev.images))[1])
-            translate = (0.0, self._right_of_2d_layers(exclude=GALLERY_LAYER, gap=GRID_GAP_TILES * tile * scale[1]))
-            layer = viewer.add_image(image, name=GALLERY_LAYER, scale=scale, translate=translate,
-                                     units=(_ANGSTROM,) * 2, axis_labels=("y", "x"), colormap="gray",
-                                     metadata={"kind": "particle_gallery", "micrograph": ev.name})
-            if viewer.dims.ndisplay == 2:
-                viewer.reset_view()  # the new gallery beside the micrographs: frame both (it was off screen)
-        else:
+        if layer is not None:
             layer.data = image
-            layer.metadata["micrograph"] = ev.name
-        return layer
+            return layer, None
+        self._to_2d_view()
+        translate = (0.0, self._right_of_2d_layers(exclude=name, gap=GRID_GAP_TILES * tile_size * scale[1]))
+        layer = viewer.add_image(image, name=name, scale=scale, translate=translate, units=units,
+                                 axis_labels=("y", "x"), colormap="gray", metadata=dict(metadata))
+        return layer, translate[1]
 
     # -- class selection ---------------------------------------------------------------------------------
 
