@@ -70,6 +70,19 @@ def result_star(a, out: Path) -> Path:
     return out / ("run_data.star" if a.job == "refine3d" else f"run_it{a.iter:03d}_data.star")
 
 
+def model_resolution(a, out: Path) -> float | None:
+    """rlnCurrentResolution (Å) of the run's last model STAR."""
+    path = out / ("run_model.star" if a.job == "refine3d" else f"run_it{a.iter:03d}_model.star")
+    if not path.is_file():
+        return None
+    general = starfile.read(path)["model_general"]
+    return float(general["rlnCurrentResolution"])
+
+
+TIMING = re.compile(r"iteration (\d+) timing: E-step ([\d.]+) s(?: \(waiting for the slowest rank ([\d.]+) s, "
+                    r"sums over ranks ([\d.]+) s through ([^)]*\)?)\))?, M-step ([\d.]+) s")
+
+
 def agreement(x: Path, y: Path) -> tuple[float, float]:
     p, q = starfile.read(x)["particles"], starfile.read(y)["particles"]
     A = euler_to_matrix(*(p[c].to_numpy() for c in ANG))
@@ -123,19 +136,24 @@ def main() -> None:
         if r.returncode:
             sys.exit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
         backend = re.search(r"^\[\w+\] .* on (.*)$", r.stdout, re.M)
-        # each iteration's summary (printed twice by class2d/class3d: the event and a message) has its E-step time
-        estep = list({int(i): float(x) for i, x in re.findall(r"iteration (\d+): .*E-step ([\d.]+) s",
-                                                               r.stdout)}.values())
-        t = sum(estep) if estep else wall
-        iters = len(estep) or a.iter
+        timing = {int(m[0]): m for m in TIMING.findall(r.stdout)}  # iteration -> (it, E, wait, sum, path, M)
+        estep = sum(float(m[1]) for m in timing.values())
+        iters = len(timing) or a.iter
         row = {"ranks": n, "threads_per_rank": threads if a.cpu else None,
                "backend": backend.group(1) if backend else "?", "wall_s": round(wall, 2),
-               "estep_s": round(sum(estep), 2) if estep else None,
-               "particle_iterations_per_s": round(a.n_particles * iters / t, 1)}
+               "iterations": iters, "estep_s": round(estep, 2),
+               "waiting_s": round(sum(float(m[2] or 0) for m in timing.values()), 2),
+               "summing_s": round(sum(float(m[3] or 0) for m in timing.values()), 2),
+               "summing_per_iteration_s": [float(m[3] or 0) for m in timing.values()],
+               "reduction_path": next((m[4] for m in timing.values() if m[4]), None),
+               "mstep_s": round(sum(float(m[5]) for m in timing.values()), 2),
+               "particle_iterations_per_s": round(a.n_particles * iters / (estep or wall), 1),
+               "resolution_A": model_resolution(a, out)}
         if first is None:
             first = (out, row)
         else:
             row["speedup"] = round(row["particle_iterations_per_s"] / first[1]["particle_iterations_per_s"], 2)
+            row["wall_speedup"] = round(first[1]["wall_s"] / row["wall_s"], 2)
             same_angle, same_class = agreement(result_star(a, first[0]), result_star(a, out))
             row["same_orientation_as_first"], row["same_class_as_first"] = same_angle, same_class
         res["results"].append(row)

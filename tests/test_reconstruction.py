@@ -183,3 +183,32 @@ def test_stacked_classes_project_and_insert_as_one_class_at_a_time(ndim):
     for k, c in enumerate(copies):
         np.testing.assert_array_equal(stack.members[k].weight, c.weight)
         np.testing.assert_allclose(maps[k], c.reconstruct(tau2[k], 2.0), rtol=1e-5, atol=1e-6 * np.abs(maps[k]).max())
+
+
+@pytest.mark.parametrize("ndim,N,pad,r_max", [(3, 24, 2, 5.0), (3, 24, 1, 7.3), (2, 32, 2, 9.5), (3, 16, 2, 8.0)])
+def test_insertion_stays_inside_the_block_that_mpi_sums(ndim, N, pad, r_max):
+    """The sums over MPI ranks carry only support_index's block of the accumulators (jobs/distributed.sum_estep):
+    slices in every direction, inserted up to r_max, leave every voxel outside it exactly zero, and the block
+    holds all the inserted weight."""
+    from napari_gpu_relion.compute.backprojector import insertion_reach, support_index
+
+    rng = np.random.default_rng(5)
+    R = 300
+    A = euler_to_matrix(*(rng.uniform(-180, 180, (3, R)) * np.array([[1], [0.5], [1]])))
+    ky, kx, _ = pixel_list(N, r_max, unique=True)
+    bp = BackProjector(N, pad, r_max, ndim=ndim)
+    vals = rng.standard_normal((R, kx.size)) + 1j * rng.standard_normal((R, kx.size))
+    bp.insert_pixels(A, kx, ky, vals, np.ones((R, kx.size)))
+    ix = support_index(bp.weight.shape, insertion_reach(pad, r_max))
+    if 2 * r_max * pad + 3 >= pad * N:
+        assert ix is None  # the block is the whole grid: nothing to crop
+        return
+    outside = np.ones(bp.weight.shape, bool)
+    outside[ix] = False
+    assert outside.sum() > 0.5 * outside.size  # a real saving at this r_max
+    for g in (bp.data_re, bp.data_im, bp.weight):
+        assert np.count_nonzero(g[outside]) == 0
+    assert bp.weight[ix].sum() == pytest.approx(bp.weight.sum(), rel=1e-12)
+    # the block reaches its own edge (insertion_reach is not larger than needed by more than a voxel)
+    r = np.sqrt(sum(np.minimum(i, bp.padded_size - i).astype(float) ** 2 for i in np.nonzero(bp.weight)))
+    assert r.max() > pad * r_max - 1

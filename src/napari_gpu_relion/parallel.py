@@ -7,6 +7,10 @@ its accumulators with the other ranks (``sum_arrays``, through host buffers), ga
 neither needs nor loads MPI. MPI is used when a launcher's variables are present (``OMPI_COMM_WORLD_SIZE``,
 ``PMI_SIZE``, ``PMIX_RANK``, ``MV2_COMM_WORLD_SIZE``, or a SLURM step of several tasks) or when
 ``NAPARI_GPU_RELION_MPI=1``; ``NAPARI_GPU_RELION_MPI=0`` turns it off.
+
+Sums of device (CuPy) arrays go through NCCL, GPU to GPU, when every rank has a GPU of its own (NCCL refuses two
+ranks on one GPU) and CuPy finds NCCL; through host buffers otherwise, or when ``NAPARI_GPU_RELION_NCCL=0``.
+``reduction_path`` says which, and ``seconds_summing`` counts the time spent in sums over ranks.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_
 #: Arrays larger than this are summed on their own, in chunks of this size (bytes); smaller ones are packed into
 #: one buffer per dtype, so one E-step's many small sums cost one collective.
 CHUNK_BYTES = 1 << 28
+#: Array types that NCCL sums on the device (complex as pairs of reals); others go through host buffers.
+NCCL_DTYPES = ("float64", "float32", "int64", "int32", "complex128", "complex64")
 ABORT_GRACE_S = 1.0  # seconds a failing rank waits after its message before MPI_Abort (see World.abort)
 
 
@@ -84,6 +90,9 @@ class SingleProcess:
         items = np.arange(items) if np.isscalar(items) else np.asarray(items)
         return np.array_split(items, self.size)[self.rank]
 
+    seconds_summing = 0.0  # wall time spent in sum_arrays / sum_scalars (always 0 here)
+    reduction_path = "none (one process)"
+
     def sum_arrays(self, arrays: list) -> None:
         """Sum each NumPy/CuPy array over the ranks, in place (every rank gets the same sums)."""
 
@@ -125,6 +134,8 @@ class MPICommunicator(SingleProcess):
         self.host = MPI.Get_processor_name()
         lr = local_rank()
         self._local = lr if lr is not None else self.comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+        self._nccl_comm = False  # not decided yet (see _nccl)
+        self.reduction_path = "host buffers (MPI)"
 
     @property
     def local_rank(self) -> int:
@@ -137,6 +148,12 @@ class MPICommunicator(SingleProcess):
             self.comm.Allreduce(self.MPI.IN_PLACE, flat[i:i + step], op=self.MPI.SUM)
 
     def sum_arrays(self, arrays: list) -> None:
+        t0 = time.time()
+        on_device = [a for a in arrays if get_array_module(a) is not np and np.dtype(a.dtype).name in NCCL_DTYPES]
+        nccl = self._nccl() if on_device else None  # collective: every rank passes the same kinds of arrays
+        if nccl is not None:
+            _nccl_sum(nccl, on_device)
+            arrays = [a for a in arrays if not any(a is b for b in on_device)]
         small: dict[np.dtype, list] = {}
         for a in arrays:
             if a.nbytes > CHUNK_BYTES // 4:
@@ -152,10 +169,48 @@ class MPICommunicator(SingleProcess):
             for a in group:
                 _store(a, buf[i:i + a.size].reshape(a.shape))
                 i += a.size
+        self.seconds_summing += time.time() - t0
+
+    def _nccl(self):
+        """An NCCL communicator over every rank's current GPU, made at the first sum of device arrays (all
+        ranks decide together), or None: some rank has no GPU of its own, no NCCL, NAPARI_GPU_RELION_NCCL=0."""
+        if self._nccl_comm is not False:
+            return self._nccl_comm
+        self._nccl_comm, self.reduction_path = None, "host buffers (MPI)"
+        wanted = os.environ.get("NAPARI_GPU_RELION_NCCL", "1").strip().lower() not in ("0", "no", "false", "off")
+        nccl, gpu = None, None
+        if wanted:
+            try:
+                import cupy  # noqa: PLC0415
+                from cupy.cuda import nccl  # noqa: PLC0415
+
+                gpu = (self.host, cupy.cuda.Device().pci_bus_id) if getattr(nccl, "available", True) else None
+            except Exception:  # no CuPy or no NCCL library: host buffers
+                gpu = None
+        gpus = self.comm.allgather(gpu)
+        if any(g is None for g in gpus) or len(set(gpus)) < len(gpus):
+            if wanted and all(g is not None for g in gpus):
+                self.reduction_path = "host buffers (MPI; ranks share a GPU, which NCCL cannot)"
+            return None
+        uid = self.comm.bcast(nccl.get_unique_id() if self.rank == 0 else None, root=0)
+        try:
+            comm = nccl.NcclCommunicator(self.size, uid, self.rank)
+        except Exception as exc:  # noqa: BLE001 - any failure means the host path, decided together below
+            comm, why = None, f"{type(exc).__name__}: {exc}"
+        else:
+            why = ""
+        whys = self.comm.allgather(why)
+        if any(whys):
+            self.reduction_path = "host buffers (MPI; NCCL failed: " + next(w for w in whys if w) + ")"
+            return None
+        self._nccl_comm, self.reduction_path = comm, "NCCL (GPU to GPU)"
+        return comm
 
     def sum_scalars(self, values: list[float]) -> list[float]:
+        t0 = time.time()
         buf = np.asarray(values, dtype=np.float64)
         self._allreduce_host(buf)
+        self.seconds_summing += time.time() - t0
         return [float(v) for v in buf]
 
     def any(self, flag: bool) -> bool:
@@ -183,6 +238,38 @@ class MPICommunicator(SingleProcess):
         time.sleep(ABORT_GRACE_S)
         self.comm.Abort(code)
         os._exit(code)  # MPI_Abort may return after notifying the launcher; this rank must not go on
+
+
+def _nccl_sum(comm, arrays: list) -> None:
+    """Sum CuPy arrays over the ranks in place with NCCL on the current stream: large contiguous ones each on
+    their own, the rest packed into one buffer per dtype (complex as pairs of reals)."""
+    import cupy  # noqa: PLC0415
+    from cupy.cuda import nccl  # noqa: PLC0415
+
+    types = {np.dtype(np.float64): nccl.NCCL_FLOAT64, np.dtype(np.float32): nccl.NCCL_FLOAT32,
+             np.dtype(np.int64): nccl.NCCL_INT64, np.dtype(np.int32): nccl.NCCL_INT32}
+
+    def reduce(buf) -> None:
+        flat = buf.reshape(-1)
+        if flat.dtype.kind == "c":
+            flat = flat.view(flat.real.dtype)
+        comm.allReduce(flat.data.ptr, flat.data.ptr, flat.size, types[flat.dtype], nccl.NCCL_SUM,
+                       cupy.cuda.get_current_stream().ptr)
+
+    small: dict[np.dtype, list] = {}
+    for a in arrays:
+        if a.nbytes > CHUNK_BYTES // 4 and a.flags.c_contiguous:
+            reduce(a)
+        else:
+            small.setdefault(np.dtype(a.dtype), []).append(a)
+    for _, group in small.items():
+        buf = cupy.concatenate([a.reshape(-1) for a in group])
+        reduce(buf)
+        i = 0
+        for a in group:
+            a[...] = buf[i:i + a.size].reshape(a.shape)
+            i += a.size
+    cupy.cuda.get_current_stream().synchronize()
 
 
 def _store(a, host: np.ndarray) -> None:

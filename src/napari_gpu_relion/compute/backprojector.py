@@ -31,6 +31,25 @@ def grid_shape(size: int, pad: int, ndim: int) -> tuple[int, ...]:
     return (P,) * (ndim - 1) + (P // 2 + 1,)
 
 
+def support_index(shape: tuple[int, ...], reach: int, xp=np) -> tuple | None:
+    """Open-mesh indices (``xp.ix_``) of the block of a padded half grid (FFT layout, ``shape``) within ``reach``
+    grid pixels of the origin along every axis: [0, reach] and [P - reach, P) on the full axes, [0, reach] on the
+    half axis; None when that block is the whole grid. Insertion up to r_max touches only the block with
+    reach >= pad r_max + 1 (trilinear corners), so the sums over MPI ranks need only it."""
+    *full, half = shape
+    r = int(reach)
+    if 2 * r + 1 >= min(full) and r + 1 >= half:
+        return None
+    axes = [xp.arange(P) if 2 * r + 1 >= P else xp.concatenate([xp.arange(r + 1), xp.arange(P - r, P)])
+            for P in full]
+    return xp.ix_(*axes, xp.arange(min(r + 1, half)))
+
+
+def insertion_reach(pad: int, r_max: float) -> int:
+    """Grid pixels from the origin that inserting frequencies |k| <= r_max (pixels of N) can touch."""
+    return int(np.ceil(pad * r_max)) + 1
+
+
 def _enforce_hermitian(re, im, w, ndim: int) -> None:
     """In place on grids (..., *half grid): data(k) + conj(data(-k)) and summed weights on the kx=0 plane (2D:
     line), DC left alone; leading axes are independent grids (a class stack)."""

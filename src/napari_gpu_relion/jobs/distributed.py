@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from ..compute.backprojector import insertion_reach, support_index
 from ..compute.estep import EStepSums
 from ..parallel import SingleProcess
 from .events import Message, Started
@@ -34,10 +35,18 @@ def accumulator_grids(acc) -> list:
 
 def sum_estep(comm: SingleProcess, sums: EStepSums, acc) -> None:
     """Sum one half's E-step accumulators over the ranks, in place: the back-projector grids and every summed
-    field of ``sums`` (one collective for the small arrays and scalars, one per large grid)."""
+    field of ``sums`` (one collective for the small arrays and scalars, one per large grid). Of the grids only
+    the block that insertion up to the accumulators' r_max can reach travels (at low resolution a small part of
+    the padded grid; the rest is zero on every rank)."""
     if comm.size == 1:
         return
-    comm.sum_arrays(accumulator_grids(acc) + [getattr(sums, f) for f in SUMMED_ARRAYS])
+    grids = accumulator_grids(acc)
+    ix = support_index(grids[0].shape[-acc.ndim:], insertion_reach(acc.pad, acc.r_max), acc.xp)
+    block = grids if ix is None else [g[(Ellipsis, *ix)] for g in grids]  # copies of the block
+    comm.sum_arrays(block + [getattr(sums, f) for f in SUMMED_ARRAYS])
+    if ix is not None:
+        for g, b in zip(grids, block, strict=True):
+            g[(Ellipsis, *ix)] = b
     totals = comm.sum_scalars([getattr(sums, f) for f in SUMMED_SCALARS])
     for f, v in zip(SUMMED_SCALARS, totals, strict=True):
         setattr(sums, f, type(getattr(sums, f))(round(v) if f == "n_particles" else v))

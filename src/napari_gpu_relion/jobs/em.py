@@ -211,7 +211,9 @@ class Iteration:
     ssnr: list = field(default_factory=list)  # SSNR_MAP per class (or the gold-standard one)
     fsc: np.ndarray | None = None
     references: list = field(default_factory=list)  # the prepared (padded Fourier) references per half
-    seconds_estep: float = 0.0
+    seconds_estep: float = 0.0  # the E-step of every half, the two below included
+    seconds_waiting: float = 0.0  # MPI: waiting for the slowest rank at the end of each half's E-step
+    seconds_summing: float = 0.0  # MPI: sums over ranks and merging the particles' results
 
 
 class EMJob:
@@ -289,12 +291,16 @@ class EMJob:
 
     # ---- shared machinery ----
     def budget_bytes(self) -> int:
-        """The memory this job may plan with: the device's free memory, at most --memory_limit, the least over
-        the MPI ranks (so that every rank makes the same choices)."""
+        """The memory this job may plan with: the device's free memory shared by the MPI ranks on that device,
+        at most --memory_limit, the least over the ranks (so that every rank makes the same choices)."""
         free = self.be.free_bytes()
+        device = (self.comm.host, self.be.device) if self.be.is_gpu else (self.comm.host, self.comm.rank)
+        ranks = self.comm.allgather((device, int(free)))
+        shares = [f // sum(d == other for other, _ in ranks) for d, f in ranks]  # ranks sharing a GPU split it
+        budget = min(shares)
         if self.p.memory_limit > 0:
-            free = min(free, int(self.p.memory_limit * 1024**3))
-        return int(min(self.comm.allgather(int(free))))
+            budget = min(budget, int(self.p.memory_limit * 1024**3))
+        return int(budget)
 
     def plan_job_memory(self) -> Iterator:
         """Before iteration 1: the whole run's memory plan at the full image size. A padding that cannot fit
@@ -371,8 +377,14 @@ class EMJob:
                     ev = replace(ev, iteration=self.state.iteration, iterations=self.max_iterations(),
                                              iteration_fraction=(h + ev.done / max(ev.total, 1)) / n_halves)
                 yield ev
-            sum_estep(self.comm, sums, acc)  # every rank: the sums over all ranks
-            merge_particles(self.comm, self.ps, mine)
+            if self.comm.size > 1:  # timed apart: load imbalance, then the sums themselves
+                t1 = time.time()
+                self.comm.barrier()
+                t2 = time.time()
+                sum_estep(self.comm, sums, acc)  # every rank: the sums over all ranks
+                merge_particles(self.comm, self.ps, mine)
+                it.seconds_waiting += t2 - t1
+                it.seconds_summing += time.time() - t2
             it.sums.append(sums)
             it.accumulators.append(acc)
         self._prepared = None  # it.references keeps them for the M-step; nothing else holds them after it
@@ -450,12 +462,17 @@ def _run(job: EMJob) -> Iterator:
         it = yield from job.update_sampling()
         yield from job.expectation(it)
         check_cancel()  # cancel points between the steps, never inside write(): its files stay whole
+        t_m = time.time()
         job.maximization(it)
         check_cancel()
         job.update_resolution(it)
         last = job.check_convergence(it)
+        t_w = time.time()
         if root:
             yield from job.write(it)
+            yield Message(f"  iteration {job.state.iteration} timing: " + iteration_timing(it, t_w - t_m,
+                                                                                          time.time() - t_w,
+                                                                                          job.comm))
             pool = device_pool_line(job.be)
             if pool:
                 yield Message(f"  iteration {job.state.iteration}: {pool}")
@@ -464,6 +481,14 @@ def _run(job: EMJob) -> Iterator:
     free_cached_memory(job.be)
     if root:
         yield job.finished()
+
+
+def iteration_timing(it: Iteration, seconds_mstep: float, seconds_files: float, comm) -> str:
+    """One line of where an iteration's time went (what benchmarks/scaling.py reads): the E-step, of it the
+    wait for the slowest rank and the sums over ranks (MPI), the M-step with the resolution update, the files."""
+    mpi = (f" (waiting for the slowest rank {it.seconds_waiting:.2f} s, sums over ranks {it.seconds_summing:.2f} s "
+           f"through {comm.reduction_path})" if comm.size > 1 else "")
+    return f"E-step {it.seconds_estep:.2f} s{mpi}, M-step {seconds_mstep:.2f} s, files {seconds_files:.2f} s"
 
 
 # ----------------------------------------------------------------------------------------------------------
