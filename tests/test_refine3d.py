@@ -105,6 +105,23 @@ def test_bad_inputs_are_clear_errors_before_work(small_data, tmp_path):
     assert not (tmp_path / "r" / "run_it001_data.star").exists()
 
 
+
+def test_first_iteration_counts_particles_not_in_class_1_as_changed(small_data, tmp_path):
+    """RELION's refinement moves every particle into class 1: its change monitor counts the particles whose
+    rlnClassNumber was not 1 (all of them when the column is missing) as changed in iteration 1
+    (docs/relion_schedule.md)."""
+    blocks = starfile.read(small_data / "particles.star")
+    (tmp_path / "particles").symlink_to(small_data / "particles")
+    parts = blocks["particles"]
+    cases = {"all1": (parts.assign(rlnClassNumber=1), 0.0),
+             "missing": (parts.drop(columns=["rlnClassNumber"]), 1.0),
+             "mixed": (parts.assign(rlnClassNumber=np.where(np.arange(len(parts)) % 4 == 0, 3, 1)), 0.25)}
+    for name, (table, want) in cases.items():
+        starfile.write({"optics": blocks["optics"], "particles": table}, tmp_path / f"{name}.star")
+        job = refine3d.Refine3D(_params(small_data, tmp_path, i=tmp_path / f"{name}.star"))
+        assert job.input_class_change == pytest.approx(want, abs=1 / len(parts)), name
+        assert job.monitor_steps is None  # set from the first iteration's fine steps, then kept
+
 def test_local_candidates_are_the_prior_window_of_each_particle():
     """Candidates = every (direction, psi) inside RELION's 3-sigma window around the particle's angles, with
     the Gaussian log prior of direction and psi, in row order (row = direction x n_psi + psi)."""

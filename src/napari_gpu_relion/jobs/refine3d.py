@@ -94,6 +94,20 @@ class Refine3D(em.EMJob):
     def __init__(self, p: Params):
         super().__init__(p)
         self.sym = symmetry_group(self.p.sym)
+        # RELION's change monitor as relion_refine_mpi (the only way RELION runs auto-refine) applies it: the
+        # leader rank tests "small changes" (updateOverallChangesInHiddenVariables) against ITS sampling, which
+        # it never updates (updateAngularSampling runs on the followers only; ml_optimiser_mpi.cpp), so the
+        # thresholds stay 0.4 x the fine angular and offset steps of the first iteration this run does, also
+        # after the order has gone up. With the current steps (single-process relion_refine) auto-refine spends
+        # more iterations at every finer order for the same result (issue 15: 17+1 against RELION's 13+1).
+        self.monitor_steps: tuple[float, float] | None = None
+        # RELION's refinement puts every particle in class 1: in its first iteration the particles whose
+        # rlnClassNumber was not 1 (all of them when the column is missing) count as changed class, so that
+        # iteration and the next one both have large changes (ml_optimiser.cpp, updateOverallChanges...).
+        self.first_iteration: em.Iteration | None = None
+        table = self.ps.table.particles
+        self.input_class_change = 0.0 if self.continued else (
+            float((table["rlnClassNumber"].to_numpy(int) != 1).mean()) if "rlnClassNumber" in table else 1.0)
 
     def describe(self) -> str:
         return (f"auto-refining {len(self.ps)} particles ({self.halves[0].size} + {self.halves[1].size}), box "
@@ -154,6 +168,7 @@ class Refine3D(em.EMJob):
                 self.model.pdf_dir[h] = np.full((1, smp.n_dirs), 1.0 / smp.n_dirs)
         coarse = coarse_image_size(N, apix, smp.angular_step, self.diameter, size)
         it = em.Iteration(final, cc, size, smp, coarse, st.sigma_ang if st.local else None)
+        self.first_iteration = self.first_iteration or it
         yield Message(f"iteration {st.iteration}: image size {size} (coarse {coarse}), HEALPix order {st.order} "
                       f"({smp.angular_step:g}°, fine {smp.fine_angular_step:g}°), {smp.n_orient} orientations"
                       f"{f' (local, sigma {st.sigma_ang:.2f}°)' if st.local else ''}, {smp.translations.shape[0]} "
@@ -221,9 +236,11 @@ class Refine3D(em.EMJob):
         res_shell = st.res_shell if it.cc else min(resolution_shell_from_ssnr(it.ssnr[0]), self.N // 2 - 1)
         # incr_size, the change monitor (every iteration), the resolution counter and checkConvergence; RELION's
         # <Pmax> for the image size is half 1's (rank 1 broadcasts it)
+        if self.monitor_steps is None:
+            self.monitor_steps = (it.sampling.fine_angular_step, it.sampling.fine_offset_step * self.apix)
+        class_change = self.input_class_change if it is self.first_iteration else 0.0
         st.finish_auto_refine_iteration(res_shell, it.fsc, it.current_size, float(self.ps.pmax[self.halves[0]].mean()),
-                                        self.angle_change, self.offset_change, it.sampling.fine_angular_step,
-                                        it.sampling.fine_offset_step * self.apix)
+                                        self.angle_change, self.offset_change, *self.monitor_steps, class_change)
         self.res_A = shell_to_angstrom(max(resolution_shell(it.fsc, 0.143), 1), self.N, self.apix)
 
     def check_convergence(self, it: em.Iteration) -> bool:
