@@ -10,7 +10,7 @@ neither needs nor loads MPI. MPI is used when a launcher's variables are present
 
 Sums of device (CuPy) arrays go through NCCL, GPU to GPU, when every rank has a GPU of its own (NCCL refuses two
 ranks on one GPU) and CuPy finds NCCL; through host buffers otherwise, or when ``NAPARI_GPU_RELION_NCCL=0``.
-``reduction_path`` says which, and ``seconds_summing`` counts the time spent in sums over ranks.
+``reduction_path`` says which (the EM jobs print it with each iteration's timing).
 """
 
 from __future__ import annotations
@@ -90,7 +90,6 @@ class SingleProcess:
         items = np.arange(items) if np.isscalar(items) else np.asarray(items)
         return np.array_split(items, self.size)[self.rank]
 
-    seconds_summing = 0.0  # wall time spent in sum_arrays / sum_scalars (always 0 here)
     reduction_path = "none (one process)"
 
     def sum_arrays(self, arrays: list) -> None:
@@ -148,7 +147,6 @@ class MPICommunicator(SingleProcess):
             self.comm.Allreduce(self.MPI.IN_PLACE, flat[i:i + step], op=self.MPI.SUM)
 
     def sum_arrays(self, arrays: list) -> None:
-        t0 = time.time()
         on_device = [a for a in arrays if get_array_module(a) is not np and np.dtype(a.dtype).name in NCCL_DTYPES]
         nccl = self._nccl() if on_device else None  # collective: every rank passes the same kinds of arrays
         if nccl is not None:
@@ -169,7 +167,6 @@ class MPICommunicator(SingleProcess):
             for a in group:
                 _store(a, buf[i:i + a.size].reshape(a.shape))
                 i += a.size
-        self.seconds_summing += time.time() - t0
 
     def _nccl(self):
         """An NCCL communicator over every rank's current GPU, made at the first sum of device arrays (all
@@ -207,10 +204,8 @@ class MPICommunicator(SingleProcess):
         return comm
 
     def sum_scalars(self, values: list[float]) -> list[float]:
-        t0 = time.time()
         buf = np.asarray(values, dtype=np.float64)
         self._allreduce_host(buf)
-        self.seconds_summing += time.time() - t0
         return [float(v) for v in buf]
 
     def any(self, flag: bool) -> bool:
