@@ -289,6 +289,9 @@ def run_pair(a) -> None:
         side_res.update(evaluate(data / root, truth, a.job, info["angpix"]))
         result[side] = side_res
         print(json.dumps({side: {k: v for k, v in side_res.items() if k not in ("class_sizes",)}}), flush=True)
+        if a.out:  # after each side: a run stopped later (a time limit) keeps what it measured
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).write_text(json.dumps(result, indent=1))
     if "relion" in result and "ours" in result:
         result["ratio_wall"] = result["relion"]["wall_s"] / result["ours"]["wall_s"]
         n = min(len(result["relion"]["iteration_s"]), len(result["ours"]["iteration_s"]))
