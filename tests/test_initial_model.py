@@ -17,6 +17,7 @@ from napari_gpu_relion.compute.initial_model import (
     Moments,
     _rotate,
     aligned_map_correlation,
+    apply_alignment,
     default_subset_sizes,
     grid_to_reference,
     reference_to_grid,
@@ -84,6 +85,12 @@ def test_aligned_map_correlation_finds_a_rotated_shifted_mirrored_copy(phantom_m
     moved = np.roll(_rotate(v, R, order=3)[::-1], (2, -1, 1), (0, 1, 2))
     r = aligned_map_correlation(moved, v, 8.0, 30.0, step_deg=25, box=16)
     assert r["cc"] >= 0.9 and r["mirrored"]  # 25° grid + 8° local step at box 16: not exactly 1
+    # moved back with what was found, the copy matches the map directly (no search): the demo relies on it
+    back = apply_alignment(moved, r)
+    lp = [lowpass_map(np.asarray(m, np.float64), 8.0, 30.0).ravel() for m in (back, v)]
+    after = np.corrcoef(*lp)[0, 1]
+    before = np.corrcoef(lowpass_map(moved, 8.0, 30.0).ravel(), lp[1])[0, 1]
+    assert after >= 0.9 * r["cc"] and after > before + 0.3, (after, before)
     other = sim.phantom_volume(sim.pseudo_atomic_phantom(134.4, seed=5), 24, 8.0)
     sphere = lowpass_map(soft_spherical_mask(24, 8.5, 2, 3).astype(np.float64), 8.0, 30.0)
     r_other = aligned_map_correlation(other, v, 8.0, 30.0, step_deg=25, box=16)["cc"]

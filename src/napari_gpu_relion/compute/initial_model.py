@@ -284,6 +284,19 @@ def _best_shift_cc(Fa, b, mask):
     return float(cc[i]), i
 
 
+def apply_alignment(vol: np.ndarray, alignment: dict) -> np.ndarray:
+    """``vol`` (N, N, N) moved as ``aligned_map_correlation`` found best: the other hand when it says mirrored
+    (z flipped), then its rotation (trilinear), then its shift (``shift_px``, voxels of the full box, applied
+    cyclically as a Fourier phase ramp). Puts an initial model into a reference map's frame and hand."""
+    from scipy.ndimage import fourier_shift  # noqa: PLC0415
+
+    src = np.asarray(vol, np.float64)
+    src = src[::-1] if alignment["mirrored"] else src
+    rotated = _rotate(src, alignment["matrix"])
+    shifted = np.fft.ifftn(fourier_shift(np.fft.fftn(rotated), np.asarray(alignment["shift_px"], float))).real
+    return shifted.astype(np.float32)
+
+
 def aligned_map_correlation(vol, truth, pixel_size: float, resolution_A: float, step_deg: float = 10.0,
                             box: int = 24, refine: bool = True) -> dict:
     """Best real-space correlation of ``vol`` with ``truth`` over rotations, shifts and the hand (mirror), both
