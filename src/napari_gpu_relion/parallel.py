@@ -147,11 +147,11 @@ class MPICommunicator(SingleProcess):
             self.comm.Allreduce(self.MPI.IN_PLACE, flat[i:i + step], op=self.MPI.SUM)
 
     def sum_arrays(self, arrays: list) -> None:
-        on_device = [a for a in arrays if get_array_module(a) is not np and np.dtype(a.dtype).name in NCCL_DTYPES]
-        nccl = self._nccl() if on_device else None  # collective: every rank passes the same kinds of arrays
+        nccl_kind = [get_array_module(a) is not np and np.dtype(a.dtype).name in NCCL_DTYPES for a in arrays]
+        nccl = self._nccl() if any(nccl_kind) else None  # collective: every rank passes the same kinds of arrays
         if nccl is not None:
-            _nccl_sum(nccl, on_device)
-            arrays = [a for a in arrays if not any(a is b for b in on_device)]
+            _nccl_sum(nccl, [a for a, k in zip(arrays, nccl_kind, strict=True) if k])
+            arrays = [a for a, k in zip(arrays, nccl_kind, strict=True) if not k]
         small: dict[np.dtype, list] = {}
         for a in arrays:
             if a.nbytes > CHUNK_BYTES // 4:

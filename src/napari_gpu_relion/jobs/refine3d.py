@@ -104,7 +104,6 @@ class Refine3D(em.EMJob):
         # RELION's refinement puts every particle in class 1: in its first iteration the particles whose
         # rlnClassNumber was not 1 (all of them when the column is missing) count as changed class, so that
         # iteration and the next one both have large changes (ml_optimiser.cpp, updateOverallChanges...).
-        self.first_iteration: em.Iteration | None = None
         table = self.ps.table.particles
         self.input_class_change = 0.0 if self.continued else (
             float((table["rlnClassNumber"].to_numpy(int) != 1).mean()) if "rlnClassNumber" in table else 1.0)
@@ -168,7 +167,6 @@ class Refine3D(em.EMJob):
                 self.model.pdf_dir[h] = np.full((1, smp.n_dirs), 1.0 / smp.n_dirs)
         coarse = coarse_image_size(N, apix, smp.angular_step, self.diameter, size)
         it = em.Iteration(final, cc, size, smp, coarse, st.sigma_ang if st.local else None)
-        self.first_iteration = self.first_iteration or it
         yield Message(f"iteration {st.iteration}: image size {size} (coarse {coarse}), HEALPix order {st.order} "
                       f"({smp.angular_step:g}°, fine {smp.fine_angular_step:g}°), {smp.n_orient} orientations"
                       f"{f' (local, sigma {st.sigma_ang:.2f}°)' if st.local else ''}, {smp.translations.shape[0]} "
@@ -236,9 +234,10 @@ class Refine3D(em.EMJob):
         res_shell = st.res_shell if it.cc else min(resolution_shell_from_ssnr(it.ssnr[0]), self.N // 2 - 1)
         # incr_size, the change monitor (every iteration), the resolution counter and checkConvergence; RELION's
         # <Pmax> for the image size is half 1's (rank 1 broadcasts it)
-        if self.monitor_steps is None:
+        first = self.monitor_steps is None  # this run's first iteration
+        if first:
             self.monitor_steps = (it.sampling.fine_angular_step, it.sampling.fine_offset_step * self.apix)
-        class_change = self.input_class_change if it is self.first_iteration else 0.0
+        class_change = self.input_class_change if first else 0.0
         st.finish_auto_refine_iteration(res_shell, it.fsc, it.current_size, float(self.ps.pmax[self.halves[0]].mean()),
                                         self.angle_change, self.offset_change, *self.monitor_steps, class_change)
         self.res_A = shell_to_angstrom(max(resolution_shell(it.fsc, 0.143), 1), self.N, self.apix)
