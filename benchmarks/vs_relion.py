@@ -185,6 +185,57 @@ def particles_of(path: Path) -> pd.DataFrame:
     return d["particles"] if isinstance(d, dict) else d
 
 
+def _star_general(path: Path) -> dict:
+    """The first (general) block of a STAR file as a dict, {} when the file is missing."""
+    if not path.exists():
+        return {}
+    d = starfile.read(path, always_dict=True)
+    first = next(iter(d.values()))
+    return first if isinstance(first, dict) else first.iloc[0].to_dict()
+
+
+#: What the schedule trace keeps of each iteration's optimiser STAR (RELION's labels; ours write them too, and
+#: our EMState as rlnGpuRelion_<field>).
+TRACE_OPTIMISER = {"no_resol_gain": "rlnNumberOfIterWithoutResolutionGain",
+                   "no_large_changes": "rlnNumberOfIterWithoutChangingAssignments",
+                   "acc_rot": "rlnOverallAccuracyRotations", "acc_trans_A": "rlnOverallAccuracyTranslationsAngst",
+                   "changes_angles": "rlnChangesOptimalOrientations", "changes_offsets": "rlnChangesOptimalOffsets",
+                   "changes_classes": "rlnChangesOptimalClasses",
+                   "smallest_angles": "rlnSmallestChangesOrientations",
+                   "smallest_offsets": "rlnSmallestChangesOffsets", "smallest_classes": "rlnSmallestChangesClasses"}
+TRACE_OURS = {"acc_rot": "rlnGpuRelion_acc_rot", "acc_trans_A": "rlnGpuRelion_acc_trans_A",
+              "offset_range": "rlnGpuRelion_offset_range", "offset_step": "rlnGpuRelion_offset_step",  # pixels
+              "changes_angles": "rlnGpuRelion_last_angle_change",
+              "changes_offsets": "rlnGpuRelion_last_offset_change_A",
+              "smallest_angles": "rlnGpuRelion_smallest_angle_change",
+              "smallest_offsets": "rlnGpuRelion_smallest_offset_change",
+              "smallest_classes": "rlnGpuRelion_smallest_class_change", "order": "rlnGpuRelion_order",
+              "local": "rlnGpuRelion_local"}
+
+
+def schedule_trace(root: Path) -> list[dict]:
+    """Per iteration: HEALPix order, offsets, image size, resolution and the change monitor's counters and values,
+    from the run_itNNN files either program writes (why one program takes more iterations than the other)."""
+    trace = []
+    for opt_path in sorted(root.parent.glob(root.name + "_it*_optimiser.star")):
+        it = int(re.search(r"_it(\d+)_", opt_path.name).group(1))
+        if it == 0:
+            continue
+        stem = f"{root}_it{it:03d}"
+        opt, smp = _star_general(opt_path), _star_general(Path(stem + "_sampling.star"))
+        model = _star_general(Path(stem + "_half1_model.star")) or _star_general(Path(stem + "_model.star"))
+        row = {"iteration": it, "order": smp.get("rlnHealpixOrder"), "offset_range": smp.get("rlnOffsetRange"),
+               "offset_step": smp.get("rlnOffsetStep"), "image_size": model.get("rlnCurrentImageSize"),
+               "resolution_A": model.get("rlnCurrentResolution")}
+        for k, label in TRACE_OPTIMISER.items():
+            row[k] = opt.get(label)
+        for k, label in TRACE_OURS.items():
+            if label in opt and row.get(k) is None:
+                row[k] = opt[label]
+        trace.append({k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()})
+    return trace
+
+
 def evaluate(root: Path, truth: pd.DataFrame, job: str, angpix: float) -> dict:
     """Resolution, angular error, class purity and class changes of a finished run with rootname ``root``."""
     res: dict = {}
@@ -287,6 +338,7 @@ def run_pair(a) -> None:
         side_res = {"command": cmd, "wall_s": wall, "iterations": len(its), "iteration_s": its,
                     "startup_s": startup}
         side_res.update(evaluate(data / root, truth, a.job, info["angpix"]))
+        side_res["schedule"] = schedule_trace(data / root)
         result[side] = side_res
         print(json.dumps({side: {k: v for k, v in side_res.items() if k not in ("class_sizes",)}}), flush=True)
         if a.out:  # after each side: a run stopped later (a time limit) keeps what it measured

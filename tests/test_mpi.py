@@ -24,6 +24,7 @@ import starfile
 
 import napari_gpu_relion
 from napari_gpu_relion import cli, parallel
+from napari_gpu_relion.compute.backend import gpu_available
 from napari_gpu_relion.compute.estep import EStepSums
 from napari_gpu_relion.compute.geometry import angular_distance_deg, euler_to_matrix
 from napari_gpu_relion.io.star import read_coordinates
@@ -190,6 +191,45 @@ def test_the_communicator_sums_gathers_and_broadcasts(tmp_path):
     script.write_text(COMM_SCRIPT)
     out = _ok(_mpirun(3, [], tmp_path, timeout=60, python=[str(script)]))
     assert all(f"ok {r} 3" in out for r in range(3)), out
+
+
+GPU_COMM_SCRIPT = """
+import numpy as np, cupy as cp
+from napari_gpu_relion import parallel
+parallel.CHUNK_BYTES, parallel.EXCHANGE_BYTES = 4096, 1024  # large arrays in several exchange chunks
+w = parallel.world()
+r, n = w.rank, w.size
+rng = np.random.default_rng(r)
+vals = [rng.standard_normal(1000), rng.integers(-5, 5, 700), rng.standard_normal(300) + 1j * rng.standard_normal(300),
+        rng.standard_normal((40, 30)).astype(np.float32), rng.standard_normal(5), rng.standard_normal((40, 50))]
+dev = [cp.asarray(v) for v in vals]
+view = dev[-1][5:35, 10:40]  # a non-contiguous block, as distributed.sum_estep sums
+w.sum_arrays(dev[:-1] + [view])
+every = w.allgather(vals)
+for k, got in enumerate(dev[:-1]):
+    want = sum(np.asarray(v[k], np.complex128 if v[k].dtype.kind == "c" else np.float64) for v in every)
+    tol = 1e-5 if got.dtype == np.float32 else 1e-12
+    assert np.allclose(cp.asnumpy(got), want, rtol=tol, atol=tol * n), (k, w.reduction_path)
+outside = cp.asnumpy(dev[-1]).copy()
+inside = sum(v[-1][5:35, 10:40] for v in every)
+assert np.allclose(outside[5:35, 10:40], inside, rtol=1e-12, atol=1e-12)
+outside[5:35, 10:40] = vals[-1][5:35, 10:40]
+assert np.array_equal(outside, vals[-1])  # nothing outside the block changed
+print(f"ok {r} {n} {w.reduction_path}")
+"""
+
+
+@needs_mpi
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU with CuPy")
+def test_ranks_sharing_a_gpu_sum_on_it_through_cuda_ipc(tmp_path):
+    """Three ranks on one GPU: device arrays of every kind (float64, int64, complex, float32, small ones packed,
+    a non-contiguous block) are summed on the GPU through CUDA IPC, in several exchange chunks, and equal the
+    float64 sum over the ranks."""
+    script = tmp_path / "gpucomm.py"
+    script.write_text(GPU_COMM_SCRIPT)
+    out = _ok(_mpirun(3, [], tmp_path, timeout=120, python=[str(script)]))
+    assert all(f"ok {r} 3 CUDA IPC (all ranks share one GPU)" in out for r in range(3)), out
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,13 @@ neither needs nor loads MPI. MPI is used when a launcher's variables are present
 ``PMI_SIZE``, ``PMIX_RANK``, ``MV2_COMM_WORLD_SIZE``, or a SLURM step of several tasks) or when
 ``NAPARI_GPU_RELION_MPI=1``; ``NAPARI_GPU_RELION_MPI=0`` turns it off.
 
-Sums of device (CuPy) arrays go through NCCL, GPU to GPU, when every rank has a GPU of its own (NCCL refuses two
-ranks on one GPU) and CuPy finds NCCL; through host buffers otherwise, or when ``NAPARI_GPU_RELION_NCCL=0``.
-``reduction_path`` says which (the EM jobs print it with each iteration's timing).
+Sums of device (CuPy) arrays stay on the GPUs when every rank has one. Ranks that share a GPU are summed there by
+one of them, the GPU's leader, which reads the others' buffers through CUDA IPC (``_GPUSum``); the leaders (every
+rank, when no GPU is shared) sum with each other through NCCL, GPU to GPU (NCCL refuses two ranks on one GPU, hence
+the IPC step), or through host buffers where NCCL is missing; then the ranks of each GPU copy their leader's
+result. Everything goes through host buffers when some rank has no GPU, when CUDA IPC fails, or when
+``NAPARI_GPU_RELION_NCCL=0`` / ``NAPARI_GPU_RELION_IPC=0`` turn the device paths off. ``reduction_path`` says
+which path (the EM jobs print it with each iteration's timing).
 """
 
 from __future__ import annotations
@@ -133,7 +137,7 @@ class MPICommunicator(SingleProcess):
         self.host = MPI.Get_processor_name()
         lr = local_rank()
         self._local = lr if lr is not None else self.comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
-        self._nccl_comm = False  # not decided yet (see _nccl)
+        self._gpu_sum: _GPUSum | None | bool = False  # not decided yet (see _device_sum)
         self.reduction_path = "host buffers (MPI)"
 
     @property
@@ -147,11 +151,11 @@ class MPICommunicator(SingleProcess):
             self.comm.Allreduce(self.MPI.IN_PLACE, flat[i:i + step], op=self.MPI.SUM)
 
     def sum_arrays(self, arrays: list) -> None:
-        nccl_kind = [get_array_module(a) is not np and np.dtype(a.dtype).name in NCCL_DTYPES for a in arrays]
-        nccl = self._nccl() if any(nccl_kind) else None  # collective: every rank passes the same kinds of arrays
-        if nccl is not None:
-            _nccl_sum(nccl, [a for a, k in zip(arrays, nccl_kind, strict=True) if k])
-            arrays = [a for a, k in zip(arrays, nccl_kind, strict=True) if not k]
+        on_gpu = [get_array_module(a) is not np and np.dtype(a.dtype).name in NCCL_DTYPES for a in arrays]
+        dev = self._device_sum() if any(on_gpu) else None  # collective: every rank passes the same kinds of arrays
+        if dev is not None:
+            dev.sum([a for a, k in zip(arrays, on_gpu, strict=True) if k])
+            arrays = [a for a, k in zip(arrays, on_gpu, strict=True) if not k]
         small: dict[np.dtype, list] = {}
         for a in arrays:
             if a.nbytes > CHUNK_BYTES // 4:
@@ -168,40 +172,66 @@ class MPICommunicator(SingleProcess):
                 _store(a, buf[i:i + a.size].reshape(a.shape))
                 i += a.size
 
-    def _nccl(self):
-        """An NCCL communicator over every rank's current GPU, made at the first sum of device arrays (all
-        ranks decide together), or None: some rank has no GPU of its own, no NCCL, NAPARI_GPU_RELION_NCCL=0."""
-        if self._nccl_comm is not False:
-            return self._nccl_comm
-        self._nccl_comm, self.reduction_path = None, "host buffers (MPI)"
-        wanted = os.environ.get("NAPARI_GPU_RELION_NCCL", "1").strip().lower() not in ("0", "no", "false", "off")
-        nccl, gpu = None, None
-        if wanted:
+    def _device_sum(self) -> _GPUSum | None:
+        """How device arrays are summed, decided by all ranks together at the first sum of device arrays: a
+        ``_GPUSum`` (CUDA IPC within a shared GPU, NCCL or host buffers between GPUs), or None (host buffers:
+        some rank has no GPU, or the device paths failed or were turned off)."""
+        if self._gpu_sum is not False:
+            return self._gpu_sum
+        self._gpu_sum, self.reduction_path = None, "host buffers (MPI)"
+        key = None
+        if _env_on("NAPARI_GPU_RELION_NCCL") or _env_on("NAPARI_GPU_RELION_IPC"):
             try:
                 import cupy  # noqa: PLC0415
-                from cupy.cuda import nccl  # noqa: PLC0415
 
-                gpu = (self.host, cupy.cuda.Device().pci_bus_id) if getattr(nccl, "available", True) else None
-            except Exception:  # no CuPy or no NCCL library: host buffers
-                gpu = None
-        gpus = self.comm.allgather(gpu)
-        if any(g is None for g in gpus) or len(set(gpus)) < len(gpus):
-            if wanted and all(g is not None for g in gpus):
-                self.reduction_path = "host buffers (MPI; ranks share a GPU, which NCCL cannot)"
+                key = (self.host, cupy.cuda.Device().pci_bus_id)
+            except Exception:  # noqa: BLE001 - no CuPy or no GPU: host buffers
+                key = None
+        keys = self.comm.allgather(key)
+        if any(k is None for k in keys):
             return None
-        uid = self.comm.bcast(nccl.get_unique_id() if self.rank == 0 else None, root=0)
-        try:
-            comm = nccl.NcclCommunicator(self.size, uid, self.rank)
-        except Exception as exc:  # noqa: BLE001 - any failure means the host path, decided together below
-            comm, why = None, f"{type(exc).__name__}: {exc}"
+        gpus = list(dict.fromkeys(keys))  # each GPU once, in the order of its first rank
+        shared = len(gpus) < len(keys)
+        if shared and not _env_on("NAPARI_GPU_RELION_IPC"):
+            self.reduction_path = "host buffers (MPI; ranks share a GPU and NAPARI_GPU_RELION_IPC=0)"
+            return None
+        if not shared and not _env_on("NAPARI_GPU_RELION_NCCL"):
+            return None
+        group = self.comm.Split(gpus.index(key), self.rank) if shared else None
+        leader = group is None or group.Get_rank() == 0
+        leaders = self.comm.Split(0 if leader else self.MPI.UNDEFINED, self.rank)
+        nccl_comm, why_nccl = (_nccl_among(leaders, self.rank) if leader and len(gpus) > 1
+                               and _env_on("NAPARI_GPU_RELION_NCCL") else (None, ""))
+        why_ipc, exchange = "", None
+        if shared:
+            try:
+                exchange = _IPCExchange(EXCHANGE_BYTES)
+                handle = exchange.handle
+            except Exception as exc:  # noqa: BLE001 - any failure means host buffers, decided together below
+                handle, why_ipc = None, f"{type(exc).__name__}: {exc}"
+            handles = group.allgather(handle)
+            if not why_ipc and all(h is not None for h in handles):
+                try:
+                    exchange.open_peers(handles[1:] if leader else handles[:1])
+                except Exception as exc:  # noqa: BLE001
+                    why_ipc = f"{type(exc).__name__}: {exc}"
+        whys = self.comm.allgather((why_ipc, why_nccl if not shared else ""))
+        if any(w[0] for w in whys) or any(w[1] for w in whys):
+            what = next(w for pair in whys for w in pair if w)
+            self.reduction_path = f"host buffers (MPI; {'CUDA IPC' if shared else 'NCCL'} failed: {what})"
+            return None
+        between = self.comm.allgather(nccl_comm is not None if leader else None)
+        between = [b for b in between if b is not None]
+        n_gpu = len(gpus)
+        if not shared:
+            self.reduction_path = "NCCL (GPU to GPU)"
+        elif n_gpu == 1:
+            self.reduction_path = "CUDA IPC (all ranks share one GPU)"
         else:
-            why = ""
-        whys = self.comm.allgather(why)
-        if any(whys):
-            self.reduction_path = "host buffers (MPI; NCCL failed: " + next(w for w in whys if w) + ")"
-            return None
-        self._nccl_comm, self.reduction_path = comm, "NCCL (GPU to GPU)"
-        return comm
+            self.reduction_path = ("CUDA IPC within each GPU, " +
+                                   ("NCCL between GPUs" if all(between) else "host buffers (MPI) between GPUs"))
+        self._gpu_sum = _GPUSum(group, leaders if leader else None, nccl_comm, exchange, self.MPI)
+        return self._gpu_sum
 
     def sum_scalars(self, values: list[float]) -> list[float]:
         buf = np.asarray(values, dtype=np.float64)
@@ -233,6 +263,141 @@ class MPICommunicator(SingleProcess):
         time.sleep(ABORT_GRACE_S)
         self.comm.Abort(code)
         os._exit(code)  # MPI_Abort may return after notifying the launcher; this rank must not go on
+
+
+#: Size of each rank's CUDA IPC exchange buffer (bytes) when ranks share a GPU: sums go through it in chunks.
+EXCHANGE_BYTES = 1 << 26
+
+
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "no", "false", "off")
+
+
+def _nccl_among(comm, rank: int):
+    """(an NCCL communicator over the ranks of the MPI communicator ``comm``, each on its own GPU, "") or (None, why).
+    Every rank of ``comm`` must call it."""
+    uid, why = None, ""
+    if comm.Get_rank() == 0:
+        try:
+            from cupy.cuda import nccl  # noqa: PLC0415
+
+            uid = nccl.get_unique_id() if getattr(nccl, "available", True) else None
+            why = "" if uid is not None else "NCCL not available"
+        except Exception as exc:  # noqa: BLE001
+            why = f"{type(exc).__name__}: {exc}"
+    uid, why = comm.bcast((uid, why), root=0)
+    if why:
+        return None, why
+    try:
+        from cupy.cuda import nccl  # noqa: PLC0415
+
+        return nccl.NcclCommunicator(comm.Get_size(), uid, comm.Get_rank()), ""
+    except Exception as exc:  # noqa: BLE001
+        return None, f"rank {rank}: {type(exc).__name__}: {exc}"
+
+
+class _IPCExchange:
+    """A device buffer of this rank that the other ranks on its GPU can read and write through CUDA IPC
+    (allocated outside CuPy's pool, so its IPC handle points at its start), and the peers' buffers opened here."""
+
+    def __init__(self, nbytes: int) -> None:
+        import cupy  # noqa: PLC0415
+
+        rt = cupy.cuda.runtime
+        self.nbytes, self.device = int(nbytes), cupy.cuda.Device().id
+        self.ptr = rt.malloc(self.nbytes)
+        self.handle = rt.ipcGetMemHandle(self.ptr)
+        self.own = self._array(self.ptr)
+        self.peers: list = []
+
+    def _array(self, ptr: int):
+        import cupy  # noqa: PLC0415
+
+        mem = cupy.cuda.UnownedMemory(ptr, self.nbytes, self, self.device)
+        return cupy.ndarray((self.nbytes,), np.uint8, cupy.cuda.MemoryPointer(mem, 0))
+
+    def open_peers(self, handles: list) -> None:
+        import cupy  # noqa: PLC0415
+
+        rt = cupy.cuda.runtime
+        self.peers = [self._array(rt.ipcOpenMemHandle(h)) for h in handles]
+
+
+class _GPUSum:
+    """Sum CuPy arrays over all ranks in place, on the GPUs.
+
+    ``group``: the MPI communicator of the ranks on this rank's GPU (None when no GPU is shared); its rank 0 is the
+    GPU's leader. ``leaders``: the communicator of all leaders (None on the other ranks); ``nccl``: an NCCL
+    communicator over the leaders (None: one GPU, or host buffers between GPUs). Per chunk of at most
+    ``EXCHANGE_BYTES``: each member copies its values into its exchange buffer; the leader adds its members'
+    buffers to its own values in rank order, sums with the other leaders, and puts the result in its exchange
+    buffer; each member copies it back. Two barriers per chunk keep the buffers from being reused too early."""
+
+    def __init__(self, group, leaders, nccl_comm, exchange: _IPCExchange | None, MPI) -> None:
+        self.group, self.leaders, self.nccl, self.exchange, self.MPI = group, leaders, nccl_comm, exchange, MPI
+        self.is_leader = group is None or group.Get_rank() == 0
+
+    def sum(self, arrays: list) -> None:
+        import cupy  # noqa: PLC0415
+
+        if self.group is None:  # every rank has its own GPU: NCCL between all of them
+            _nccl_sum(self.nccl, arrays)
+            return
+        small: dict[np.dtype, list] = {}
+        for a in arrays:
+            if a.nbytes > CHUNK_BYTES // 4:
+                flat = a.reshape(-1) if a.flags.c_contiguous else cupy.ascontiguousarray(a).reshape(-1)
+                self._sum_flat(flat)
+                if not a.flags.c_contiguous:  # summed in a contiguous copy
+                    a[...] = flat.reshape(a.shape)
+            else:
+                small.setdefault(np.dtype(a.dtype), []).append(a)
+        for _, group in small.items():
+            buf = cupy.concatenate([a.reshape(-1) for a in group])
+            self._sum_flat(buf)
+            i = 0
+            for a in group:
+                a[...] = buf[i:i + a.size].reshape(a.shape)
+                i += a.size
+        cupy.cuda.get_current_stream().synchronize()
+
+    def _sum_flat(self, flat) -> None:
+        import cupy  # noqa: PLC0415
+
+        if flat.dtype.kind == "c":
+            flat = flat.view(flat.real.dtype)
+        stream = cupy.cuda.get_current_stream()
+        step = self.exchange.nbytes // flat.itemsize
+        own = self.exchange.own.view(flat.dtype)
+        peers = [p.view(flat.dtype) for p in self.exchange.peers]
+        for i in range(0, flat.size, step):
+            part = flat[i:i + step]
+            n = part.size
+            if not self.is_leader:
+                own[:n] = part
+                stream.synchronize()
+            self.group.Barrier()
+            if self.is_leader:
+                for p in peers:  # the members in rank order: the same sum on every run
+                    part += p[:n]
+                if self.leaders is not None and self.leaders.Get_size() > 1:
+                    self._between_gpus(part)
+                own[:n] = part
+                stream.synchronize()
+            self.group.Barrier()
+            if not self.is_leader:
+                part[...] = peers[0][:n]
+                stream.synchronize()
+
+    def _between_gpus(self, part) -> None:
+        if self.nccl is not None:
+            _nccl_sum(self.nccl, [part])
+            return
+        import cupy  # noqa: PLC0415
+
+        host = cupy.asnumpy(part)
+        self.leaders.Allreduce(self.MPI.IN_PLACE, host, op=self.MPI.SUM)
+        part[...] = cupy.asarray(host)
 
 
 def _nccl_sum(comm, arrays: list) -> None:
