@@ -43,9 +43,17 @@ def gpu_available() -> bool:
     return _try_cupy() is not None
 
 
+def _cupy_of(arrays) -> ModuleType | None:
+    """CuPy, when one of ``arrays`` is a CuPy array (only CuPy can have made it, so it imports)."""
+    if any(type(a).__module__.split(".")[0] == "cupy" for a in arrays):
+        return _try_cupy()
+    return None
+
+
 def get_array_module(*arrays) -> ModuleType:
-    """``cupy`` if any argument is a CuPy array, else ``numpy``."""
-    cp = _cupy
+    """``cupy`` if any argument is a CuPy array, else ``numpy`` (CuPy arrays are recognised also before any
+    backend was selected in this process)."""
+    cp = _cupy if _cupy is not None else _cupy_of(arrays)
     if cp is not None:
         for a in arrays:
             if isinstance(a, cp.ndarray):
@@ -55,7 +63,7 @@ def get_array_module(*arrays) -> ModuleType:
 
 def to_host(a):
     """A NumPy array (copies device arrays to the host; passes NumPy arrays and scalars through)."""
-    cp = _cupy
+    cp = _cupy if _cupy is not None else _cupy_of((a,))
     if cp is not None and isinstance(a, cp.ndarray):
         return cp.asnumpy(a)
     return np.asarray(a)
