@@ -84,6 +84,10 @@ def test_offers_chain_outputs_into_the_next_jobs(tmp_path):
     assert rec.job == "initial_model" and rec.status == "finished"
     (ref,) = [o for o in jm.offers(rec, p) if o.job == "refine3d"]
     assert ref.values["ref"] == str(im / "run_class001.mrc") and ref.values["o"] == str(p / "Refine3D/job010")
+    # with a symmetry, the map on the symmetry axes comes first
+    (im / "initial_model.mrc").write_text("x")
+    refs = [o for o in jm.offers(jm.scan_job_folder(im, now=time.time()), p) if o.job == "refine3d"]
+    assert [o.values["ref"] for o in refs] == [str(im / "initial_model.mrc"), str(im / "run_class001.mrc")]
     assert jm.next_job_folder(p, "class2d", taken=[p / "Select/job011"]) == p / "Class2D/job012"
 
 

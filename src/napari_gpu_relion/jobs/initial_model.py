@@ -7,8 +7,10 @@ references) and moves each class along RELION's VDAM gradient (compute/initial_m
 and the resolution limit rises over the iterations (``GradSchedule``). With K > 1 the last iteration aligns every
 particle, so that each particle's class in the final data STAR is its best class.
 
-Symmetry: the run is in C1, as RELION's; ``--sym`` other than C1 is refused (aligning the C1 map to the symmetry
-axes and applying the symmetry at the end, as relion_align_symmetry does, is not built yet).
+Symmetry: the run is in C1, as RELION's. With ``--sym`` other than C1, the largest class's final map is then
+centred, turned onto the group's axes and averaged over the group (compute/symmetry_alignment.py, what
+relion_align_symmetry --apply_sym --select_largest_class does in RELION's job) and written as initial_model.mrc
+beside the run's files; the log gives how symmetric the map was before and after the turn.
 
 Handedness: a map made from projections alone has either hand; check it against known structure (an alpha helix
 turns right-handed) and flip it (reverse one axis) if needed.
@@ -45,6 +47,7 @@ from ..compute.masks import soft_spherical_mask
 from ..compute.maximization import update_sigma2, update_sigma_offset
 from ..compute.sampling import Sampling
 from ..compute.simulate import random_rotations
+from ..compute.symmetry_alignment import align_and_symmetrize
 from ..errors import InputError
 from ..io.atomic import atomic_path
 from ..io.mrc import write_mrc
@@ -63,7 +66,8 @@ class InitialModelOptions:
 
     K: int = param(1, "--K", "Number of classes")
     iter: int = param(200, "--iter", "Number of iterations (mini-batches)")
-    sym: str = param("C1", "--sym", "Point-group symmetry (only C1 for now: the run is in C1, as RELION's)")
+    sym: str = param("C1", "--sym", "Point-group symmetry: the run is in C1 (as RELION's); at the end the largest "
+                     "class is put on the group's axes and symmetrised into initial_model.mrc")
     tau2_fudge: float = param(4.0, "--tau2_fudge", "Regularisation parameter T")
     healpix_order: int = param(1, "--healpix_order", "HEALPix order (1 = 30° coarse, 15° fine)")
     grad_ini_subset: int = param(-1, "--grad_ini_subset", "Mini-batch size at the start (-1 = 0.5 % of the "
@@ -85,9 +89,6 @@ class Params(em.EMParams, em.EMOptions, InitialModelOptions, em.EMInputs):
         if self.continue_from is not None:
             raise InputError("--continue is not supported by initial_model yet; start a new run")
         symmetry_group(self.sym)
-        if symmetry_group(self.sym).matrices.shape[0] != 1:
-            raise InputError(f"--sym {self.sym}: only C1 is supported by initial_model for now (make the model in C1, "
-                             f"then refine3d --sym {self.sym} from it)")
         em_classification.check_classification(self)
         if not 0 < self.grad_ini_frac < 1 or not 0 < self.grad_fin_frac < 1:
             raise InputError(f"--grad_ini_frac and --grad_fin_frac must be in (0, 1), got {self.grad_ini_frac:g}, "
@@ -250,6 +251,8 @@ class InitialModel(em_classification.Classification):
             yield Message(f"  iteration {i}: {summary}")
         if it.final:
             self.write_final()
+            if symmetry_group(self.p.sym).order > 1:
+                yield from self.write_symmetrised(refs)
             self.report = class_report(list(refs), self.model.pdf_class[0], self.mask) if K > 1 else ""
             if self.report:
                 yield Message(self.report)
@@ -269,6 +272,17 @@ class InitialModel(em_classification.Classification):
             with atomic_path(dst) as tmp:
                 shutil.copyfile(src, tmp)
             self.outputs[key] = dst
+
+    def write_symmetrised(self, refs) -> Iterator:
+        """The largest class centred, put on the symmetry axes and averaged over the group: initial_model.mrc."""
+        k = int(np.argmax(self.model.pdf_class[0]))
+        vol, al = align_and_symmetrize(to_host(refs[k]), self.p.sym, self.apix,
+                                       resolution_A=max(2.0 * self.apix * 2, float(self.res_A[0])))
+        path = write_mrc(self.files.root.parent / "initial_model.mrc", vol, self.apix)
+        self.outputs["initial_model"] = path
+        yield MapUpdated("initial_model", vol, self.apix, path)
+        yield Message(f"class {k + 1} put on the {self.p.sym} axes (symmetry score {al['score_unaligned']:.2f} as "
+                      f"made, {al['score']:.2f} after the turn; 1 = symmetric) and symmetrised: {path}")
 
     def finished(self) -> Finished:
         dist = ", ".join(f"class {k + 1}: {100 * d:.1f}%" for k, d in enumerate(self.model.pdf_class[0]))

@@ -166,7 +166,7 @@ _JOB_FORMS: dict[tuple[str, str], FieldForm] = {
     ("class2d", "--ini_high"): _a("Initial low-pass filter (Å; -1 = auto)", "Optimisation"),
     ("initial_model", "--i"): _b("Particles (STAR)", "I/O"),
     ("initial_model", "--o"): _b("Job folder", "I/O"),
-    ("initial_model", "--sym"): _a("Symmetry (C1 only for now)", "Optimisation"),
+    ("initial_model", "--sym"): _a("Symmetry (run in C1, applied at the end)", "Optimisation"),
     ("initial_model", "--grad_ini_subset"): _a("Mini-batch at the start (-1 = auto)", "Optimisation"),
     ("initial_model", "--grad_fin_subset"): _a("Mini-batch at the end (-1 = auto)", "Optimisation"),
     ("initial_model", "--grad_ini_resol"): _a("Resolution at the start (Å)", "Optimisation"),

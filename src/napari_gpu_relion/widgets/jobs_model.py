@@ -291,6 +291,7 @@ def _outputs(job: str, folder: Path, names: list[str], inputs: dict[str, str]) -
         iteration = its[-1] if its else None
         if root is not None:
             final = f"{root}_class001.mrc" in have
+            add(MAP, "initial_model.mrc", "initial model on the symmetry axes, symmetrised (initial_model.mrc)")
             add(MAP, f"{root}_class001.mrc", "initial model")
     elif job in ("class2d", "class3d", "refine3d"):
         root, its = _iterations(folder, names)
