@@ -357,3 +357,87 @@ def test_refine3d_finished_shows_the_angular_distribution(make_napari_viewer, qt
     w.angdist_button.native.click()
     qtbot.waitUntil(lambda: plot.draw_count == 2, timeout=20_000)
     assert w.display.angdist is plot
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Layers made when the dock opens, filled in place by the job's results (issue 18: no layer creation, no first
+# draw of a new layer among the arriving results)
+
+
+def _micrographs(viewer, apix: float = 2.0):
+    return viewer.add_image(np.zeros((2, 64, 80), np.float32), name="micrographs", scale=(1, apix, apix),
+                            units=("angstrom",) * 3,
+                            metadata={"kind": "micrographs", "pixel_size": apix})
+
+
+def test_picking_dock_makes_the_picks_layer_before_the_first_picks(make_napari_viewer, qtbot, errors):
+    viewer = make_napari_viewer()
+    _micrographs(viewer)
+    _, w = viewer.window.add_plugin_dock_widget(PLUGIN, "Auto-picking")
+    qtbot.waitUntil(lambda: "picks" in viewer.layers, timeout=5_000)  # made at the display's next turn
+    picks = viewer.layers["picks"]
+    assert len(picks.data) == 0 and picks.ndim == 3
+    np.testing.assert_allclose(picks.scale, [1.0, 2.0, 2.0])
+    assert tuple(str(u) for u in picks.units) == ("angstrom",) * 3  # like the micrographs: the scale bar in Å
+    assert w.picks_info.value == "no picks yet" and not w.fom_slider.enabled
+    assert w.save_picks() is None and "no picks yet" in w.status_text  # nothing to save in the empty layer
+    assert len(errors) == 1 and "no picks yet" in errors[0]
+    errors.clear()
+    other = viewer.add_image(np.zeros((64, 80), np.float32), name="opened later", scale=(2.0, 2.0),
+                             units=("angstrom",) * 2)
+    inserted = []
+    viewer.layers.events.inserted.connect(lambda e: inserted.append(e.value.name))
+    display = w.display
+    for i in (0, 1):
+        display.handle(_picked(i, FOMS[i]))
+    display.flush()
+    assert inserted == [] and viewer.layers["picks"] is picks  # filled in place, no new layer
+    assert len(picks.data) == 10 and set(picks.data[:, 0].astype(int)) == {0, 1}
+    np.testing.assert_allclose(picks.data[0, 1:], [5.0, 10.0])  # (y, x) in micrograph pixels ...
+    np.testing.assert_allclose(picks.data_to_world(picks.data[0])[1:], [10.0, 20.0])  # ... drawn in Å
+    assert viewer.layers.index(picks) > viewer.layers.index(other)  # above the image opened after it
+    assert viewer.layers.selection.active is picks
+    assert w.fom_slider.enabled and w.picks_info.value == "10 of 10 picks shown"
+    assert not errors
+
+
+def test_picks_layer_made_ahead_takes_the_pixel_size_known_at_the_first_picks(make_napari_viewer, qtbot, errors):
+    viewer = make_napari_viewer()
+    _micrographs(viewer, apix=2.0)
+    _, w = viewer.window.add_plugin_dock_widget(PLUGIN, "Auto-picking")
+    qtbot.waitUntil(lambda: "picks" in viewer.layers, timeout=5_000)
+    picks = viewer.layers["picks"]
+    w.display.micrograph_pixel_size = 1.5  # e.g. --angpix of the job
+    w.display.handle(_picked(0, FOMS[0]))
+    w.display.flush()
+    assert viewer.layers["picks"] is picks
+    np.testing.assert_allclose(picks.scale, [1.0, 1.5, 1.5])
+    assert picks.metadata["pixel_size"] == 1.5
+    assert not errors
+
+
+def test_class2d_dock_makes_the_grid_labels_ahead_and_fills_them_in_place(make_napari_viewer, qtbot, tmp_path,
+                                                                          errors):
+    viewer = make_napari_viewer()
+    _micrographs(viewer)
+    _, w = viewer.window.add_plugin_dock_widget(PLUGIN, "2D classification")
+    qtbot.waitUntil(lambda: "classes labels" in viewer.layers, timeout=5_000)
+    labels = viewer.layers["classes labels"]
+    assert tuple(str(u) for u in labels.units) == ("angstrom",) * 2  # no "Inconsistent units" with the micrographs
+    assert viewer.layers.selection.active is not labels  # made ahead: not the layer one works on
+    inserted = []
+    viewer.layers.events.inserted.connect(lambda e: inserted.append(e.value.name))
+    display = w.display
+    display.handle(_classes_event(tmp_path, 1, [0.4, 0.3, 0.2, 0.1]))
+    display.flush()
+    grid = viewer.layers["classes"]
+    assert inserted == ["classes"] and viewer.layers["classes labels"] is labels  # only the grid is new
+    assert len(labels.data) == 4 and all("%" in t and "Å" in t for t in labels.features["label"])
+    assert viewer.layers.index(labels) == viewer.layers.index(grid) + 1  # right above its grid
+    np.testing.assert_allclose(labels.translate, grid.translate)
+    np.testing.assert_allclose(labels.scale, grid.scale)
+    assert grid.translate[1] > 0  # beside the micrographs
+    assert labels.text.color.constant[3] > 0  # the text shows (made ahead, it was transparent)
+    assert viewer.layers.selection.active is grid
+    assert w.selection_info.value.startswith("no classes") or "click" in w.selection_info.value
+    assert not errors

@@ -1,13 +1,14 @@
 """Dock widget "Auto-picking" (napari.yaml): the generic job widget of jobs.autopick, plus a pick threshold and
 saving of edited picks.
 
-Each micrograph's picks arrive as MicrographPicked (one Points layer "picks" over the micrographs, FOM in
-features; widgets/display.py, state in widgets/pick_model.py). The "Threshold (FOM)" slider hides picks below it
-without re-picking; its range follows the FOMs of the automatic picks, and a histogram of those FOMs under it
-shows the threshold as a line (PickModel.fom_histogram, drawn by plots.FomHistogramView). Points can be added,
-moved and deleted by hand in the picks layer (napari's point tools); "Save picks" writes one coordinate STAR per
-micrograph (<micrograph>_autopick.star, shown picks only, as the plugin's writer does) and an autopick.star list to a
-folder, ready for particle extraction.
+Each micrograph's picks arrive as MicrographPicked (one Points layer "picks" over the micrographs, FOM in features;
+widgets/display.py, state in widgets/pick_model.py). The layer is made, empty, when the dock opens over micrographs,
+so that the picks only fill it (no new layer while they arrive). The "Threshold (FOM)" slider hides picks below it
+without re-picking; its range follows the FOMs of the automatic picks, and a histogram of those FOMs under it shows
+the threshold as a line (PickModel.fom_histogram, drawn by plots.FomHistogramView). Points can be added, moved and
+deleted by hand in the picks layer (napari's point tools); "Save picks" writes one coordinate STAR per micrograph
+(<micrograph>_autopick.star, shown picks only, as the plugin's writer does) and an autopick.star list to a folder,
+ready for particle extraction.
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ class AutopickWidget(JobWidget):
         self.save_picks_button.changed.connect(self.save_picks)
         self.display.connect("picks", self._on_picks)  # held weakly by the display: nothing to undo at close
         self._on_picks(None)
+        # the empty picks layer now (next display turn), not while the picks arrive (LiveDisplay.prepare_picks_layer)
+        self.display.later(self.display.prepare_picks_layer)
 
     def picks_layer(self) -> Any:
         """The live picks layer, or None."""
@@ -159,9 +162,14 @@ class AutopickWidget(JobWidget):
         self._update_info()
 
     def _update_info(self) -> None:
-        if self.picks_layer() is None or self._closed:
+        layer = self.picks_layer()
+        if layer is None or self._closed:
             return
         model = self.display.pick_model()
+        if not len(model) and not len(layer.data):  # the layer made ahead, still empty
+            self.picks_info.value = "no picks yet"
+            self.fom_histogram.set_histogram(None)
+            return
         above = f" (FOM ≥ {model.threshold:.4g})" if np.isfinite(model.threshold) else ""
         self.picks_info.value = f"{model.n_shown} of {len(model)} picks shown{above}"
         self.fom_histogram.set_histogram(model.fom_histogram())
@@ -177,8 +185,9 @@ class AutopickWidget(JobWidget):
 
     def save_picks(self, *_: Any) -> list[Path] | None:
         """Write the shown picks per micrograph (see :func:`write_pick_files`); report how many."""
-        if self.picks_layer() is None:
-            self._report_error("Save picks: no picks layer yet (run auto-picking first)")
+        layer = self.picks_layer()
+        if layer is None or not len(layer.data):
+            self._report_error("Save picks: no picks yet (run auto-picking first, or add points to the picks layer)")
             return None
         folder = self.picks_path()
         try:

@@ -72,6 +72,8 @@ class Class2DWidget(JobWidget):
         grid = self.grid_layer()
         if grid is not None:
             self._on_selection(grid)
+        else:  # the grid's labels layer now (next display turn), not while the class averages arrive
+            self.display.later(self.display.prepare_class_labels, GRID_LAYER)
 
     def grid_layer(self) -> Any:
         """The class grid of this job (its folder), else the one named "classes"; None if there is none."""

@@ -18,13 +18,15 @@ A thin view. The pick and class-selection state lives in plain models (no Qt, no
   (mic, y, x; row i of the model is point i), features fom, class, psi, mic and manual, ``shown`` from the
   model's threshold. Points added by hand get RELION's manual-pick markers (fom, class, psi = -999), ``manual``
   True and ``mic`` from their slice; the user's edits of the layer are read back into the model before it is
-  used again, so they survive later picks of the job.
+  used again, so they survive later picks of the job. The picking dock has the layer made, empty, when it opens
+  (:meth:`LiveDisplay.prepare_picks_layer`), so that the picks only fill it in place.
 * :class:`~napari_gpu_relion.jobs.events.ClassAveragesUpdated`: a ClassGrid drawn as one image (in Å, placed
   to the right of the micrographs so that neither hides the other), a Points layer "<name> labels" and a Shapes
   layer "<name> selection" outlining the selected classes. A click on a tile (grid,
   labels or selection layer active, pan/zoom mode) toggles its class. The model lives in the grid layer's
   ``metadata['class_grid']``, mirrored for widgets as ``order``, ``tile_size``, ``selected`` (1-based class
-  numbers) and ``path``; the selection is kept when the same job's grid is redrawn.
+  numbers) and ``path``; the selection is kept when the same job's grid is redrawn. The 2D classification dock
+  has the labels layer made when it opens (:meth:`LiveDisplay.prepare_class_labels`; the grid fills it in place).
 * :meth:`LiveDisplay.show_angular_histogram`: a dock "Angular distribution" (drawn off the GUI thread too).
 
 Result plots (FSC, angular distribution) dock beside the dock of the job that produced them (:meth:`anchor`),
@@ -93,6 +95,10 @@ __all__ = ["LiveDisplay", "grid_shape", "tile_at", "class_at", "tile_corners"]
 log = logging.getLogger(__name__)
 
 PICKS_LAYER = "picks"
+#: Metadata key of a picks layer made ahead of the picks (LiveDisplay.prepare_picks_layer), until its first picks.
+PREPARED_KEY = "made_ahead"
+#: Every character of a class label (ClassGrid.labels: "4: 35.0% 12 Å", "inf"/"nan" resolutions).
+LABEL_GLYPHS = "0123456789:.% Åinfa-"
 #: The boxes particle extraction cut (Points, squares of the box size over the micrographs) and its gallery.
 BOXES_LAYER = "extraction boxes"
 GALLERY_LAYER = "extracted particles"
@@ -508,8 +514,8 @@ class LiveDisplay:
         layer.metadata[GRID_MODEL] = model
         _publish_grid(layer)
         self._listen_for_clicks(layer)
-        if not self._update_labels(ev.name):
-            self.later(self._update_labels, ev.name, True)  # a new layer: at the next turn
+        if translate is not None or not self._update_labels(ev.name):
+            self.later(self._update_labels, ev.name, True)  # a new grid or labels layer: at the next turn
         self._draw_selection(layer)
         self._emit("selection", layer)
         self.map_updates[ev.name] = self.map_updates.get(ev.name, 0) + 1
@@ -531,6 +537,9 @@ class LiveDisplay:
             labels.features = features  # in place: the text follows the features
             labels.refresh()
             return True
+        if labels is not None and (labels.metadata or {}).pop(PREPARED_KEY, False):
+            self._fill_prepared_labels(grid, labels, positions, features)
+            return True
         if not create:
             return False
         if labels is not None:
@@ -543,6 +552,42 @@ class LiveDisplay:
         viewer.layers.selection.active = grid  # clicks select classes; no editing tools of the labels layer
         self._listen_for_clicks(labels)
         return True
+
+    def prepare_class_labels(self, grid_name: str) -> Any:
+        """Create the (empty) labels layer "<grid_name> labels" of a class grid ahead of the grid, in the 2D view
+        (the 2D classification dock asks for it when it opens): napari's creation of a Points layer with text
+        (0.15-0.35 s with software OpenGL) then does not fall among the arriving class averages. Its first grid
+        fills it in place (:meth:`_update_labels`). Returns the layer (None when not made now)."""
+        viewer = self.viewer
+        lname = f"{grid_name} labels"
+        if viewer is None or viewer.dims.ndisplay != 2 or lname in viewer.layers:
+            return None
+        active = viewer.layers.selection.active
+        # one point whose transparent text holds every character a label can have: its first draw loads their
+        # glyphs into the layer's font atlas now (the text visual rasterises each new character on the GUI thread)
+        labels = viewer.add_points(np.zeros((1, 2)), name=lname, axis_labels=("y", "x"), size=0,
+                                   units=(_ANGSTROM,) * 2, features=pd.DataFrame({"label": [LABEL_GLYPHS]}),
+                                   text={"string": "{label}", "anchor": "upper_left", "size": 8,
+                                         "color": "transparent"},
+                                   metadata={"kind": "class_labels", "grid": grid_name, PREPARED_KEY: True})
+        if active is not None and active in viewer.layers:
+            viewer.layers.selection.active = active  # made ahead: the layer one works on stays the active one
+        self._listen_for_clicks(labels)
+        return labels
+
+    def _fill_prepared_labels(self, grid: Any, labels: Any, positions: np.ndarray, features: pd.DataFrame) -> None:
+        """A labels layer made ahead takes its grid's place (Å scale, offset), points and text, and moves right
+        above its grid (which was added after it)."""
+        viewer = self.viewer
+        labels.units, labels.scale, labels.translate = grid.units, grid.scale, grid.translate
+        labels.data = positions
+        labels.features = features
+        labels.text.color = LABEL_COLOR
+        labels.visible = grid.visible
+        index, above = viewer.layers.index(labels), viewer.layers.index(grid) + 1
+        if index < above:
+            viewer.layers.move(index, above)
+        viewer.layers.selection.active = grid  # clicks select classes; no editing tools of the labels layer
 
     def _right_of_2d_layers(self, exclude: str, gap: float) -> float:
         """x (Å) where a new 2D layer starts so that it lies right of the visible 2D layers (0 without any)."""
@@ -811,14 +856,11 @@ class LiveDisplay:
         self._applying_picks = True
         try:
             if layer is None:
-                kwargs = points_kwargs(3, self._micrograph_pixel_size(), features, PICKS_LAYER, self.pick_size,
-                                       {"micrograph_names": names})
-                kwargs["border_color"] = "fom"
-                kwargs["border_colormap"] = _pick_colormap()
-                kwargs["border_width"] = PICK_BORDER_WIDTH
                 self._to_2d_view()
-                layer = self.viewer.add_points(data, **kwargs)
+                layer = self._add_picks_layer(data, features, names)
             else:
+                if (layer.metadata or {}).pop(PREPARED_KEY, False):
+                    self._fill_prepared_picks(layer)
                 layer.data = data  # features are padded here; the full table is assigned right after
                 layer.features = features
                 layer.metadata["micrograph_names"] = names
@@ -829,6 +871,55 @@ class LiveDisplay:
         self._show_threshold(layer)
         self._emit("picks", layer)
         return layer
+
+    def _add_picks_layer(self, data: np.ndarray, features: pd.DataFrame, names: list[str]) -> Any:
+        """A new picks layer (mic, y, x) in Å at the micrographs' pixel size, FOM-coloured borders."""
+        kwargs = points_kwargs(3, self._micrograph_pixel_size(), features, PICKS_LAYER, self.pick_size,
+                               {"micrograph_names": names})
+        kwargs["border_color"] = "fom"
+        kwargs["border_colormap"] = _pick_colormap()
+        kwargs["border_width"] = PICK_BORDER_WIDTH
+        return self.viewer.add_points(data, **kwargs)
+
+    def prepare_picks_layer(self) -> Any:
+        """Create the (empty) picks layer ahead of the picks, once the micrographs' pixel size is known and the
+        2D view is shown (the picking dock asks for it when it opens): napari's layer creation and the first draw
+        of its points (shader compilation, 0.1-0.2 s each with software OpenGL) then do not fall among the
+        arriving results, which only update the layer in place. Points added by hand meanwhile are manual picks.
+        Returns the picks layer (None when it is not made now: it is then made with the first picks)."""
+        viewer = self.viewer
+        if viewer is None:
+            return None
+        layer = self.picks_layer()
+        if layer is not None or viewer.dims.ndisplay != 2 or PICKS_LAYER in viewer.layers \
+                or not self._micrograph_pixel_size():
+            return layer
+        columns = {"fom": float, "class": np.int64, "psi": float, "mic": np.int64, "manual": bool}
+        features = pd.DataFrame({k: np.empty(0, dtype=t) for k, t in columns.items()})
+        self._applying_picks = True
+        try:
+            layer = self._add_picks_layer(np.empty((0, 3)), features, [])
+            layer.feature_defaults = _manual_pick_defaults()
+        finally:
+            self._applying_picks = False
+        layer.metadata[PREPARED_KEY] = True
+        self._watch_picks(layer)
+        return layer
+
+    def _fill_prepared_picks(self, layer: Any) -> None:
+        """First picks into a layer made ahead (:meth:`prepare_picks_layer`): what a new layer would get, i.e. the
+        current pixel size (Å scale), the 2D view, a place above the images opened since, the active layer."""
+        viewer = self.viewer
+        apix = self._micrograph_pixel_size()
+        if apix and layer.metadata.get("pixel_size") != apix and not len(layer.data):
+            kwargs = points_kwargs(3, apix, {}, PICKS_LAYER)
+            layer.scale, layer.units = kwargs["scale"], kwargs["units"]
+            layer.metadata["pixel_size"] = apix
+        self._to_2d_view()
+        index, top = viewer.layers.index(layer), len(viewer.layers) - 1
+        if any(type(la).__name__ == "Image" and not _is_map(la) for la in list(viewer.layers)[index + 1:]):
+            viewer.layers.move(index, top + 1)  # above micrographs opened after the layer was made
+        viewer.layers.selection.active = layer
 
     def _show_threshold(self, layer: Any) -> None:
         """``layer.shown`` from the model (when the layer holds the model's rows)."""
