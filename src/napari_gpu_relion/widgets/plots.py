@@ -149,7 +149,7 @@ class _ImageLabel(QLabel):
         self._pixmap: QPixmap | None = None
         self.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Ignored)
-        self.setMinimumSize(220, 160)
+        self.setMinimumSize(200, 110)  # three result docks and the Jobs dock stacked must fit a 768 px screen
 
     def set_image(self, rgba: np.ndarray) -> None:
         h, w = rgba.shape[:2]
