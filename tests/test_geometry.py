@@ -339,3 +339,18 @@ def test_cupy_round_trip():
     r, t, p = matrix_to_euler(A)
     assert isinstance(r, cp.ndarray)
     np.testing.assert_allclose(cp.asnumpy(euler_to_matrix(r, t, p)), cp.asnumpy(A), atol=1e-12)
+
+
+def test_small_turns_are_the_rotation_vectors_of_a_local_search():
+    """The 27 neighbours of a local rotation search equal scipy's rotation-vector turns, and include turns about
+    x (which Euler-angle steps near the identity cannot make)."""
+    from scipy.spatial.transform import Rotation
+
+    from napari_gpu_relion.compute.geometry import small_turns
+
+    s = 4.0
+    v = np.radians(s) * np.array([(a, b, c) for a in (-1, 0, 1) for b in (-1, 0, 1) for c in (-1, 0, 1)])
+    T = small_turns(s)
+    np.testing.assert_allclose(T, Rotation.from_rotvec(v).as_matrix(), atol=1e-14)
+    about_x = T[[i for i, w in enumerate(v) if w[0] > 0 and w[1] == 0 and w[2] == 0][0]]
+    assert np.isclose(np.degrees(np.arccos(about_x[1, 1])), s) and np.allclose(about_x[0], [1, 0, 0])

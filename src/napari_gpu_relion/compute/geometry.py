@@ -346,3 +346,21 @@ def direction_operators(matrices) -> np.ndarray:
         if np.abs(P[keep] - P[i]).max(axis=(1, 2)).min() > 1e-6:
             keep.append(i)
     return P[keep]
+
+
+def small_turns(step_deg: float) -> np.ndarray:
+    """(27, 3, 3): the turns by (a, b, c) x ``step_deg`` degrees about x, y and z, a, b, c in (-1, 0, 1), as
+    rotation vectors (exp of the skew matrix), identity included: the neighbourhood of a local search over
+    rotations (composed on the left of the current best). Near the identity Euler angles would not do: rot and
+    psi both turn about z there, and no turn about x is reached."""
+    v = np.radians(step_deg) * np.array([(a, b, c) for a in (-1, 0, 1) for b in (-1, 0, 1) for c in (-1, 0, 1)],
+                                        dtype=np.float64)
+    theta = np.linalg.norm(v, axis=1)
+    out = np.tile(np.eye(3), (len(v), 1, 1))
+    for i, (w, t) in enumerate(zip(v, theta, strict=True)):
+        if t == 0:
+            continue
+        k = w / t
+        K = np.array([[0, -k[2], k[1]], [k[2], 0, -k[0]], [-k[1], k[0], 0]])
+        out[i] = np.eye(3) + np.sin(t) * K + (1 - np.cos(t)) * K @ K
+    return out

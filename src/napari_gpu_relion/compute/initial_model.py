@@ -332,10 +332,8 @@ def aligned_map_correlation(vol, truth, pixel_size: float, resolution_A: float, 
     for mirrored in (False, True):
         search(grid, mirrored)
     if refine:
-        from .geometry import euler_to_matrix  # noqa: PLC0415
+        from .geometry import small_turns  # noqa: PLC0415
 
-        s = step_deg / 3
-        d = np.array([(a, b_, c) for a in (-s, 0, s) for b_ in (-s, 0, s) for c in (-s, 0, s)])
-        local = np.einsum("nij,jk->nik", euler_to_matrix(d[:, 0], d[:, 1], d[:, 2]), best["matrix"])
+        local = np.einsum("nij,jk->nik", small_turns(step_deg / 3), best["matrix"])
         search(local, best["mirrored"])
     return best

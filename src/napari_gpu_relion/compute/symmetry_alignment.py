@@ -7,10 +7,10 @@ mean masked correlation between the map and the map turned by ``R^T g R`` for ea
 invariant under the generators is invariant under the whole group, and correlating with the turned copy is the
 same as correlating the rotated map with its image under g). The search runs on a low-passed, downsampled copy:
 view directions on an equal-area grid, the turn about the group's main axis only over one of its periods, then
-two local refinements at a third of the step. The map is rotated by the best R at full size and averaged over
-every member of the group (mirrors included). Rotations and the averaging are real-space, about RELION's box
-centre (voxel N // 2 in every axis, where masks and projections are centred), on (z, y, x) arrays with RELION's
-convention (a rotation A takes a map f to f(A^T x)).
+local hill climbs at a third, a ninth and a 27th of the step. The map is rotated by the best R at full size and
+averaged over every member of the group (mirrors included). Rotations and the averaging are real-space, about
+RELION's box centre (voxel N // 2 in every axis, where masks and projections are centred), on (z, y, x) arrays
+with RELION's convention (a rotation A takes a map f to f(A^T x)).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .fourier import fourier_resize, lowpass_map
-from .geometry import euler_to_matrix, symmetry_group
+from .geometry import euler_to_matrix, small_turns, symmetry_group
 from .masks import soft_spherical_mask
 
 
@@ -151,13 +151,17 @@ def align_to_symmetry(vol: np.ndarray, sym: str, pixel_size: float, resolution_A
         if s > best:
             best, best_R = s, R
     step = step_deg
-    for _ in range(2):  # local refinements around the best at a third of the step each time
-        step /= 3.0
-        d = np.array([(x, y, z) for x in (-step, 0, step) for y in (-step, 0, step) for z in (-step, 0, step)])
-        for R in np.einsum("nij,jk->nik", euler_to_matrix(d[:, 0], d[:, 1], d[:, 2]), best_R):
-            s = symmetry_score(small, R, gens, mask)
-            if s > best:
-                best, best_R = s, R
+    for _ in range(3):  # local searches around the best at a third of the step each time, each one repeated
+        step /= 3.0     # while it still moves (a hill climb: the best of the coarse grid may lie a step away)
+        turns = small_turns(step)
+        for _ in range(6):
+            moved = False
+            for R in np.einsum("nij,jk->nik", turns, best_R):
+                s = symmetry_score(small, R, gens, mask)
+                if s > best + 1e-9:
+                    best, best_R, moved = s, R, True
+            if not moved:
+                break
     return {"matrix": best_R, "shift_zyx": shift, "score": best,
             "score_unaligned": symmetry_score(small, np.eye(3), gens, mask)}
 
