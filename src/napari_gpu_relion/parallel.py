@@ -338,28 +338,10 @@ class _GPUSum:
         self.is_leader = group is None or group.Get_rank() == 0
 
     def sum(self, arrays: list) -> None:
-        import cupy  # noqa: PLC0415
-
         if self.group is None:  # every rank has its own GPU: NCCL between all of them
             _nccl_sum(self.nccl, arrays)
-            return
-        small: dict[np.dtype, list] = {}
-        for a in arrays:
-            if a.nbytes > CHUNK_BYTES // 4:
-                flat = a.reshape(-1) if a.flags.c_contiguous else cupy.ascontiguousarray(a).reshape(-1)
-                self._sum_flat(flat)
-                if not a.flags.c_contiguous:  # summed in a contiguous copy
-                    a[...] = flat.reshape(a.shape)
-            else:
-                small.setdefault(np.dtype(a.dtype), []).append(a)
-        for _, group in small.items():
-            buf = cupy.concatenate([a.reshape(-1) for a in group])
-            self._sum_flat(buf)
-            i = 0
-            for a in group:
-                a[...] = buf[i:i + a.size].reshape(a.shape)
-                i += a.size
-        cupy.cuda.get_current_stream().synchronize()
+        else:
+            _reduce_packed(arrays, self._sum_flat)
 
     def _sum_flat(self, flat) -> None:
         import cupy  # noqa: PLC0415
@@ -416,13 +398,25 @@ def _nccl_sum(comm, arrays: list) -> None:
         comm.allReduce(flat.data.ptr, flat.data.ptr, flat.size, types[flat.dtype], nccl.NCCL_SUM,
                        cupy.cuda.get_current_stream().ptr)
 
+    _reduce_packed(arrays, reduce)
+
+
+def _reduce_packed(arrays: list, reduce) -> None:
+    """Apply the in-place collective ``reduce`` to CuPy arrays: a large one (over CHUNK_BYTES / 4) on its own (a
+    contiguous copy, written back, when it is a strided view), the others packed into one buffer per dtype; then
+    wait for the stream."""
+    import cupy  # noqa: PLC0415
+
     small: dict[np.dtype, list] = {}
     for a in arrays:
-        if a.nbytes > CHUNK_BYTES // 4 and a.flags.c_contiguous:
-            reduce(a)
+        if a.nbytes > CHUNK_BYTES // 4:
+            flat = a.reshape(-1) if a.flags.c_contiguous else cupy.ascontiguousarray(a).reshape(-1)
+            reduce(flat)
+            if not a.flags.c_contiguous:
+                a[...] = flat.reshape(a.shape)
         else:
             small.setdefault(np.dtype(a.dtype), []).append(a)
-    for _, group in small.items():
+    for group in small.values():
         buf = cupy.concatenate([a.reshape(-1) for a in group])
         reduce(buf)
         i = 0

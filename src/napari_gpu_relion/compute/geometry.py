@@ -328,6 +328,12 @@ def symmetry_group(name: str) -> SymmetryGroup:
     return _group_cached(_canonical_name(name))
 
 
+def symmetry_generators(name: str) -> list[np.ndarray]:
+    """RELION's generators of group ``name`` (see :func:`symmetry_group`), the identity left out: a few members
+    whose products make the whole group."""
+    return [G for G in _generators(_canonical_name(name)) if not np.allclose(G, np.eye(3))]
+
+
 def symmetry_matrices(name: str) -> np.ndarray:
     """Symmetry matrices ``(n, 3, 3)`` float64 of group ``name`` (identity first); see :func:`symmetry_group`."""
     return np.array(symmetry_group(name).matrices)

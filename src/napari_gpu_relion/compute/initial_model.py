@@ -24,6 +24,7 @@ from .backprojector import BackProjector, grid_shape
 from .ctf import CtfParams, ctf_half_grid
 from .fourier import half_grid_indices, irfft_centered, lowpass_map, rfft_centered, round_half_away
 from .projector import sinc2_gridding
+from .symmetry_alignment import rotate_map
 
 #: RELION's initial value of the second moment (per voxel noise-to-signal ratio) and momentum of the updates.
 MOM2_INIT = 1.0
@@ -263,12 +264,8 @@ def rotation_grid(step_deg: float) -> np.ndarray:
 
 
 def _rotate(vol, R, order: int = 1):
-    from scipy.ndimage import affine_transform  # noqa: PLC0415
-
-    c = (np.asarray(vol.shape) - 1) / 2.0
-    # output voxel x (xyz) takes input R^T x; arrays are (z, y, x), so reverse the axes of R
-    M = np.asarray(R)[::-1, ::-1].T
-    return affine_transform(vol, M, offset=c - M @ c, order=order, mode="constant", cval=0.0)
+    """``vol`` turned by R about (N - 1) / 2 (the frame of ``aligned_map_correlation``'s search)."""
+    return rotate_map(vol, R, order, center=(np.asarray(vol.shape) - 1) / 2.0)
 
 
 def _best_shift_cc(Fa, b, mask):

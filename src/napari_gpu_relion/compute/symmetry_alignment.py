@@ -3,7 +3,8 @@ relion_align_symmetry does after RELION's 3D initial model, which always runs in
 
 The map is first centred on its centre of mass (the symmetry axes must pass through the box centre). Then a
 rotation R is searched that makes the rotated map most nearly invariant under the group: the score of R is the
-mean masked correlation between the map and the map turned by ``R^T g R`` for each generator g of the group (a map
+mean masked correlation between the map and the map turned by ``R^T g R`` for each of RELION's generators g of
+the group (a map
 invariant under the generators is invariant under the whole group, and correlating with the turned copy is the
 same as correlating the rotated map with its image under g). The search runs on a low-passed, downsampled copy:
 view directions on an equal-area grid, the turn about the group's main axis only over one of its periods, then
@@ -18,16 +19,17 @@ from __future__ import annotations
 import numpy as np
 
 from .fourier import fourier_resize, lowpass_map
-from .geometry import euler_to_matrix, small_turns, symmetry_group
+from .geometry import euler_to_matrix, small_turns, symmetry_generators, symmetry_group
 from .masks import soft_spherical_mask
 
 
-def rotate_map(vol: np.ndarray, R: np.ndarray, order: int = 1) -> np.ndarray:
-    """The map turned by the rotation (or any orthogonal matrix) ``R`` about the box centre: output voxel x
-    takes the input at R^T x (x, y, z order; arrays are (z, y, x)); zero outside; ``order`` of the spline."""
+def rotate_map(vol: np.ndarray, R: np.ndarray, order: int = 1, center=None) -> np.ndarray:
+    """The map turned by the rotation (or any orthogonal matrix) ``R`` about ``center`` ((z, y, x) voxels;
+    default RELION's box centre N // 2): output voxel x takes the input at R^T x (x, y, z order; arrays are
+    (z, y, x)); zero outside; ``order`` of the spline."""
     from scipy.ndimage import affine_transform  # noqa: PLC0415 - scipy is imported only where maps are turned
 
-    c = (np.asarray(vol.shape) // 2).astype(np.float64)
+    c = (np.asarray(vol.shape) // 2).astype(np.float64) if center is None else np.asarray(center, np.float64)
     M = np.asarray(R, np.float64)[::-1, ::-1].T
     return affine_transform(np.asarray(vol, np.float64), M, offset=c - M @ c, order=order, mode="constant",
                             cval=0.0)
@@ -39,34 +41,6 @@ def symmetrize(vol: np.ndarray, matrices: np.ndarray, order: int = 3) -> np.ndar
     for S in matrices:
         out += rotate_map(vol, S, order) if not np.allclose(S, np.eye(3)) else np.asarray(vol, np.float64)
     return out / len(matrices)
-
-
-def generating_set(matrices: np.ndarray) -> list[np.ndarray]:
-    """A few members of the group that generate all of it (greedy: a member is kept when the closure of those
-    kept so far does not contain it)."""
-    def closure(gens):
-        members = [np.eye(3)]
-        frontier = [np.eye(3)]
-        while frontier:
-            new = []
-            for A in frontier:
-                for g in gens:
-                    B = g @ A
-                    if not any(np.allclose(B, m, atol=1e-6) for m in members):
-                        members.append(B)
-                        new.append(B)
-            frontier = new
-        return members
-
-    gens: list[np.ndarray] = []
-    for S in matrices:
-        if np.allclose(S, np.eye(3), atol=1e-6):
-            continue
-        if not gens or not any(np.allclose(S, m, atol=1e-6) for m in closure(gens)):
-            gens.append(np.asarray(S, np.float64))
-        if len(closure(gens)) == len(matrices):
-            break
-    return gens
 
 
 def z_period_deg(matrices: np.ndarray) -> float:
@@ -111,18 +85,32 @@ def _search_rotations(step_deg: float, period_deg: float) -> np.ndarray:
     return euler_to_matrix(a[:, 0], a[:, 1], a[:, 2])
 
 
-def symmetry_score(small: np.ndarray, R: np.ndarray, generators: list[np.ndarray], mask: np.ndarray) -> float:
-    """Mean masked Pearson correlation of ``small`` with itself turned by R^T g R for every generator g."""
-    a = small * mask
+def _masked_unit(x: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
+    """``x`` masked, mean-removed inside the mask and scaled to unit norm (None when it is flat)."""
+    a = x * mask
     a = a - a[mask > 0].mean() * mask
-    na = np.sqrt((a * a).sum())
+    n = np.sqrt((a * a).sum())
+    return a / n if n > 0 else None
+
+
+def symmetry_score(small: np.ndarray, R: np.ndarray, generators: list[np.ndarray], mask: np.ndarray,
+                   unit: np.ndarray | None = None) -> float:
+    """Mean masked Pearson correlation of ``small`` with itself turned by R^T g R for every generator g
+    (``unit``: ``_masked_unit(small, mask)`` when the caller has it already)."""
+    a = _masked_unit(small, mask) if unit is None else unit
     score = 0.0
     for g in generators:
-        b = rotate_map(small, R.T @ g @ R, order=1) * mask
-        b = b - b[mask > 0].mean() * mask
-        nb = np.sqrt((b * b).sum())
-        score += float((a * b).sum() / (na * nb)) if na > 0 and nb > 0 else -1.0
+        b = _masked_unit(rotate_map(small, R.T @ g @ R, order=1), mask)
+        score += float((a * b).sum()) if a is not None and b is not None else -1.0
     return score / len(generators)
+
+
+def _centred(vol: np.ndarray, pixel_size: float, resolution_A: float) -> tuple[np.ndarray, np.ndarray]:
+    """(``vol`` moved so that the centre of mass of its low-passed positive density is at the box centre, the
+    shift (z, y, x voxels))."""
+    vol = np.asarray(vol, np.float64)
+    shift = center_of_mass_shift(lowpass_map(vol, pixel_size, resolution_A))
+    return _shift(vol, shift), shift
 
 
 def align_to_symmetry(vol: np.ndarray, sym: str, pixel_size: float, resolution_A: float = 20.0,
@@ -133,21 +121,29 @@ def align_to_symmetry(vol: np.ndarray, sym: str, pixel_size: float, resolution_A
     correlation with the generators' images at the best rotation, 1 = exactly symmetric), "score_unaligned"
     (the same for the map as given, centred)}. The search uses the map low-passed to ``resolution_A`` Å and
     resampled to ``box`` voxels; ``step_deg`` is its angular step."""
+    centred, shift = _centred(vol, pixel_size, resolution_A)
+    return _align_centred(centred, shift, sym, pixel_size, resolution_A, step_deg, box)
+
+
+def _align_centred(centred: np.ndarray, shift: np.ndarray, sym: str, pixel_size: float, resolution_A: float,
+                   step_deg: float, box: int) -> dict:
     group = symmetry_group(sym)
-    vol = np.asarray(vol, np.float64)
-    N = vol.shape[0]
-    shift = center_of_mass_shift(lowpass_map(vol, pixel_size, resolution_A))
-    centred = _shift(vol, shift)
+    N = centred.shape[0]
     b = min(box, N)
     small = lowpass_map(centred, pixel_size, resolution_A)
     small = fourier_resize(small, b, 3) if b != N else small
     mask = soft_spherical_mask(b, b / 2 - 2, 2.0, 3)
-    gens = generating_set(group.matrices)
+    gens = symmetry_generators(sym)
     if not gens:  # C1: nothing to align
         return {"matrix": np.eye(3), "shift_zyx": shift, "score": 1.0, "score_unaligned": 1.0}
+    unit = _masked_unit(small, mask)
+
+    def score(R):
+        return symmetry_score(small, R, gens, mask, unit)
+
     best_R, best = np.eye(3), -2.0
     for R in _search_rotations(step_deg, z_period_deg(group.matrices)):
-        s = symmetry_score(small, R, gens, mask)
+        s = score(R)
         if s > best:
             best, best_R = s, R
     step = step_deg
@@ -157,19 +153,19 @@ def align_to_symmetry(vol: np.ndarray, sym: str, pixel_size: float, resolution_A
         for _ in range(6):
             moved = False
             for R in np.einsum("nij,jk->nik", turns, best_R):
-                s = symmetry_score(small, R, gens, mask)
+                s = score(R)
                 if s > best + 1e-9:
                     best, best_R, moved = s, R, True
             if not moved:
                 break
-    return {"matrix": best_R, "shift_zyx": shift, "score": best,
-            "score_unaligned": symmetry_score(small, np.eye(3), gens, mask)}
+    return {"matrix": best_R, "shift_zyx": shift, "score": best, "score_unaligned": score(np.eye(3))}
 
 
-def align_and_symmetrize(vol: np.ndarray, sym: str, pixel_size: float, **search) -> tuple[np.ndarray, dict]:
+def align_and_symmetrize(vol: np.ndarray, sym: str, pixel_size: float, resolution_A: float = 20.0,
+                         step_deg: float = 10.0, box: int = 32) -> tuple[np.ndarray, dict]:
     """``vol`` centred, turned onto group ``sym``'s axes (``align_to_symmetry``) and averaged over the group
     (cubic splines); returns (map as float32, the alignment)."""
-    al = align_to_symmetry(vol, sym, pixel_size, **search)
-    centred = _shift(np.asarray(vol, np.float64), al["shift_zyx"])
+    centred, shift = _centred(vol, pixel_size, resolution_A)
+    al = _align_centred(centred, shift, sym, pixel_size, resolution_A, step_deg, box)
     aligned = rotate_map(centred, al["matrix"], order=3)
     return symmetrize(aligned, symmetry_group(sym).matrices).astype(np.float32), al

@@ -277,7 +277,7 @@ class InitialModel(em_classification.Classification):
         """The largest class centred, put on the symmetry axes and averaged over the group: initial_model.mrc."""
         k = int(np.argmax(self.model.pdf_class[0]))
         vol, al = align_and_symmetrize(to_host(refs[k]), self.p.sym, self.apix,
-                                       resolution_A=max(2.0 * self.apix * 2, float(self.res_A[0])))
+                                       resolution_A=max(4.0 * self.apix, float(self.res_A[0])))
         path = write_mrc(self.files.root.parent / "initial_model.mrc", vol, self.apix)
         self.outputs["initial_model"] = path
         yield MapUpdated("initial_model", vol, self.apix, path)
