@@ -202,7 +202,8 @@ TRACE_OPTIMISER = {"no_resol_gain": "rlnNumberOfIterWithoutResolutionGain",
                    "changes_angles": "rlnChangesOptimalOrientations", "changes_offsets": "rlnChangesOptimalOffsets",
                    "changes_classes": "rlnChangesOptimalClasses",
                    "smallest_angles": "rlnSmallestChangesOrientations",
-                   "smallest_offsets": "rlnSmallestChangesOffsets", "smallest_classes": "rlnSmallestChangesClasses"}
+                   "smallest_offsets": "rlnSmallestChangesOffsets", "smallest_classes": "rlnSmallestChangesClasses",
+                   "high_fsc_at_limit": "rlnHasHighFscAtResolLimit", "incr_size": "rlnIncrementImageSize"}
 TRACE_OURS = {"acc_rot": "rlnGpuRelion_acc_rot", "acc_trans_A": "rlnGpuRelion_acc_trans_A",
               "offset_range": "rlnGpuRelion_offset_range", "offset_step": "rlnGpuRelion_offset_step",  # pixels
               "changes_angles": "rlnGpuRelion_last_angle_change",
@@ -210,7 +211,8 @@ TRACE_OURS = {"acc_rot": "rlnGpuRelion_acc_rot", "acc_trans_A": "rlnGpuRelion_ac
               "smallest_angles": "rlnGpuRelion_smallest_angle_change",
               "smallest_offsets": "rlnGpuRelion_smallest_offset_change",
               "smallest_classes": "rlnGpuRelion_smallest_class_change", "order": "rlnGpuRelion_order",
-              "local": "rlnGpuRelion_local"}
+              "local": "rlnGpuRelion_local", "high_fsc_at_limit": "rlnGpuRelion_has_high_fsc_at_limit",
+              "incr_size": "rlnGpuRelion_incr_size"}
 
 
 def schedule_trace(root: Path) -> list[dict]:
@@ -226,7 +228,7 @@ def schedule_trace(root: Path) -> list[dict]:
         model = _star_general(Path(stem + "_half1_model.star")) or _star_general(Path(stem + "_model.star"))
         row = {"iteration": it, "order": smp.get("rlnHealpixOrder"), "offset_range": smp.get("rlnOffsetRange"),
                "offset_step": smp.get("rlnOffsetStep"), "image_size": model.get("rlnCurrentImageSize"),
-               "resolution_A": model.get("rlnCurrentResolution")}
+               "resolution_A": model.get("rlnCurrentResolution"), "ave_pmax": model.get("rlnAveragePmax")}
         for k, label in TRACE_OPTIMISER.items():
             row[k] = opt.get(label)
         for k, label in TRACE_OURS.items():
