@@ -284,3 +284,119 @@ def free_cached_memory(be: Backend) -> None:
     if be.is_gpu:
         be.xp.get_default_memory_pool().free_all_blocks()
         be.xp.get_default_pinned_memory_pool().free_all_blocks()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Where the memory peak of an iteration comes from (benchmarks/large_boxes.py; issue 21)
+# ----------------------------------------------------------------------------------------------------------
+
+_trace: MemoryTrace | None = None
+
+
+class MemoryTrace:
+    """The most bytes in use between named marks of a job's steps: on the GPU the bytes CuPy's pool hands to
+    arrays (a memory hook sees every allocation), on the CPU the bytes tracemalloc traces (NumPy's buffers).
+
+    ``with MemoryTrace(be) as trace:`` makes it the active trace of the process (one at a time; the GPU hook
+    sees the allocations of the thread that entered it, where the benchmarks run their jobs); every
+    :func:`memory_mark` then closes the interval since the previous mark and gives its peak to that label (a
+    step repeated within an iteration, such as the E-step's batches, keeps its largest peak); the EM driver
+    calls :meth:`end_iteration` after each iteration, which files the rows under the iteration's number in
+    ``by_iteration``. Off (no active trace), memory_mark costs one global lookup."""
+
+    def __init__(self, be: Backend):
+        self.be = be
+        self.peak = 0
+        self.rows: dict[str, dict] = {}
+        self.by_iteration: dict[int, dict[str, dict]] = {}
+        self._hook = None
+        self._started_tracemalloc = False
+
+    # ---- the bytes in use now, and the most since the last mark ----
+    def _pool(self):
+        return self.be.xp.get_default_memory_pool()
+
+    def in_use(self) -> int:
+        if self.be.is_gpu:
+            return int(self._pool().used_bytes())
+        import tracemalloc  # noqa: PLC0415
+
+        return int(tracemalloc.get_traced_memory()[0])
+
+    def _peak_and_reset(self) -> int:
+        if self.be.is_gpu:
+            peak, self.peak = self.peak, self.in_use()
+            return max(peak, self.peak)
+        import tracemalloc  # noqa: PLC0415
+
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        return int(peak)
+
+    def __enter__(self) -> MemoryTrace:
+        global _trace
+        if self.be.is_gpu:
+            from cupy.cuda import memory_hook  # noqa: PLC0415
+
+            pool, trace = self._pool(), self
+
+            class _Peak(memory_hook.MemoryHook):
+                name = "napari_gpu_relion_peak"
+
+                def malloc_postprocess(self, **kw):
+                    trace.peak = max(trace.peak, pool.used_bytes())
+
+            self._hook = _Peak()
+            self._hook.__enter__()
+            self.peak = self.in_use()
+        else:
+            import tracemalloc  # noqa: PLC0415
+
+            if not tracemalloc.is_tracing():
+                tracemalloc.start()
+                self._started_tracemalloc = True
+            tracemalloc.reset_peak()
+        _trace = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _trace
+        _trace = None
+        if self._hook is not None:
+            self._hook.__exit__(*exc)
+            self._hook = None
+        if self._started_tracemalloc:
+            import tracemalloc  # noqa: PLC0415
+
+            tracemalloc.stop()
+            self._started_tracemalloc = False
+
+    # ---- marks ----
+    def mark(self, label: str) -> None:
+        peak, used = self._peak_and_reset(), self.in_use()
+        row = self.rows.setdefault(label, {"peak_GiB": 0.0, "in_use_after_GiB": 0.0, "times": 0})
+        row["peak_GiB"] = max(row["peak_GiB"], round(peak / 1024**3, 3))
+        row["in_use_after_GiB"] = round(used / 1024**3, 3)
+        row["times"] += 1
+        if self.be.is_gpu:
+            row["pool_GiB"] = round(self._pool().total_bytes() / 1024**3, 3)
+
+    def end_iteration(self, iteration: int) -> str:
+        """Files the rows marked since the last call under ``iteration``; returns them as one line (GiB, the
+        peak of each step and, in brackets, what was still in use after it)."""
+        rows, self.rows = self.rows, {}
+        self.by_iteration[int(iteration)] = rows
+        top = max(rows, key=lambda k: rows[k]["peak_GiB"]) if rows else None
+        return ("memory by step (GiB, peak [in use after]): "
+                + ", ".join(f"{k} {r['peak_GiB']:.2f} [{r['in_use_after_GiB']:.2f}]" for k, r in rows.items())
+                + (f"; the peak is in '{top}'" if top else ""))
+
+
+def memory_mark(label: str) -> None:
+    """End of a named step for the active MemoryTrace (nothing when none is active)."""
+    if _trace is not None:
+        _trace.mark(label)
+
+
+def memory_trace_active() -> MemoryTrace | None:
+    return _trace

@@ -73,9 +73,10 @@ def _enforce_hermitian(re, im, w, ndim: int) -> None:
 
 def reconstruct_grids(data_re, data_im, weight, size: int, pad: int, ndim: int, r_max: float, tau2=None,
                       tau2_fudge: float = 1.0, minres_map: int = 5, soft_edge: bool = True,
-                      max_bytes: int = CHUNK_BYTES):
+                      max_bytes: int = CHUNK_BYTES, out_dtype=np.float32):
     """BackProjector.reconstruct for B grids at once: data (B, *half grid) as real and imaginary parts, weight
-    (B, *half grid), tau2 (B, shells) or None -> (B, N, ...) float32 maps.
+    (B, *half grid), tau2 (B, shells) or None -> (B, N, ...) maps, float32 (``out_dtype``: float64 keeps the
+    arithmetic's precision, for measuring it).
 
     Worked in slabs of the half grid (rows of its second-to-last axis, about ``max_bytes`` of temporaries each)
     and, in 3D, inverted one axis at a time keeping only the N central real-space rows of each axis (the padded
@@ -157,7 +158,7 @@ def reconstruct_grids(data_re, data_im, weight, size: int, pad: int, ndim: int, 
             vol[:, a:a + zstep] = fft.irfft(C[:, a:a + zstep], n=P, axis=3, norm="forward", **kw)[..., crop]
         del C
     vol *= 1.0 / (pf**3 * N) if ndim == 3 else 1.0 / pf**2
-    return _soft_edge_and_gridding(vol, N, pf, ndim, soft_edge, max_bytes).astype(np.float32)
+    return _soft_edge_and_gridding(vol, N, pf, ndim, soft_edge, max_bytes).astype(out_dtype, copy=False)
 
 
 def _soft_edge_and_gridding(vol, N: int, pf: int, ndim: int, soft_edge: bool, max_bytes: int):
@@ -307,6 +308,12 @@ class BackProjector:
         self.data_im += other.data_im
         self.weight += other.weight
 
+    def release(self) -> None:
+        """Drop the grids (their memory is freed once nothing else refers to them); the object is unusable
+        after this."""
+        self.data_re = self.data_im = self.weight = None
+        self.stack = None
+
     # ---- before reconstruction -------------------------------------------------------------------------
     def enforce_hermitian(self) -> None:
         """Sum the Hermitian pairs on the kx=0 plane (line in 2D): D = data(k) + conj(data(-k)), weights summed
@@ -356,7 +363,7 @@ class BackProjector:
         return round_half_away(xp.sqrt(q2) / self.pad).astype(np.int64), q2
 
     def reconstruct(self, tau2=None, tau2_fudge: float = 1.0, minres_map: int = 5,
-                    soft_edge: bool = True):
+                    soft_edge: bool = True, out_dtype=np.float32):
         """Real-space map (N,)*ndim float32 from the accumulators (RELION BackProjector::reconstruct, default
         skip_gridding path). ``tau2`` (shells 0..N/2) adds the MAP prior 1/(pf^ndim T tau2) for shells
         >= ``minres_map``; ``tau2=None`` gives the unregularised reconstruction. A floor of the shell-mean
@@ -364,7 +371,8 @@ class BackProjector:
         soft edge at N/2 (3 px) and the sinc^2 gridding correction."""
         t2 = None if tau2 is None else self.xp.asarray(tau2, dtype=np.float64)[None]
         return reconstruct_grids(self.data_re[None], self.data_im[None], self.weight[None], self.size, self.pad,
-                                 self.ndim, self.r_max, t2, tau2_fudge, minres_map, soft_edge)[0]
+                                 self.ndim, self.r_max, t2, tau2_fudge, minres_map, soft_edge,
+                                 out_dtype=out_dtype)[0]
 
 
 class BackProjectorStack:

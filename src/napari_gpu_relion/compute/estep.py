@@ -26,7 +26,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .backend import CHUNK_BYTES, fine_bytes_per_sample, get_array_module, to_host
+from .backend import (
+    CHUNK_BYTES,
+    INSERT_CHUNK_POINTS,
+    fine_bytes_per_sample,
+    get_array_module,
+    memory_mark,
+    to_host,
+)
 from .backprojector import insert_by_class
 from .ctf import CtfParams, ctf_from_frequencies
 from .expectation import (
@@ -240,11 +247,13 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
     check()
     batch = _Batch.make(setup, prep, ctf, groups, scale, class_log_prior)
     coarse = _coarse_pass(batch, candidates, candidate_log_prior)
+    memory_mark("E-step: images and coarse pass")
     check()
     rows = _significant_rows(batch, coarse, candidate_log_prior)
     check()
     fine = _fine_data(batch, rows.union_rows_host)
     acc = _FineSums.zeros(batch, rows.n_union * fine.n_children, rows.n_union, setup.pix_fine.npix, sums.n_shells)
+    memory_mark("E-step: fine slices and sums of the union of significant orientations")
     n_fine_translations = fine.translations.shape[0] * fine.translations.shape[1]
     for a0, a1 in plan_fine_chunks(rows.counts[rows.order], fine.n_children, n_fine_translations,
                                    setup.pix_fine.npix, setup.max_fine_bytes):
@@ -253,7 +262,9 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
     check()
     _add_power_beyond_fine(batch, acc, sums.n_shells)
     check()
+    memory_mark("E-step: fine passes")
     _insert_summed_slices(batch, rows, fine, acc, sums)
+    memory_mark("E-step: insertion")
     result = _best_poses(batch, fine, acc, coarse)
     _add_mstep_sums(batch, rows, acc, sums, groups, scale_group_index)
     return result
@@ -635,15 +646,24 @@ def _add_power_beyond_fine(b: _Batch, acc: _FineSums, n_shells: int) -> None:
 def _insert_summed_slices(b: _Batch, rows: _SignificantRows, fine: _FineData, acc: _FineSums,
                           sums: EStepSums) -> None:
     """Insert the batch's summed slice of every fine orientation with a non-zero weight into the
-    back-projector of its class (one insertion per distinct fine orientation per batch)."""
+    back-projector of its class (one insertion per distinct fine orientation per batch).
+
+    In pieces of the orientations that the back-projection inserts at once (INSERT_CHUNK_POINTS / pixels): the
+    complex values and the gathered weights exist for one piece at a time, not for the whole union (at the full
+    image size of a large box, 36 bytes per pixel of every fine orientation: the final iteration's peak at box
+    800; issue 21). The scatter-adds are the same, in the same order."""
     xp, pix = b.xp, b.setup.pix_fine
     cls_rows = np.repeat(rows.union_rows_host // b.n_orient, fine.n_children)
     keep = np.flatnonzero(to_host(acc.slice_weights.sum(axis=1)) > 0)
-    if keep.size:
-        kd, Kf = xp.asarray(keep), pix.npix
+    Kf = pix.npix
+    step = max(1, INSERT_CHUNK_POINTS // max(Kf, 1))  # backprojector._insert_chunks's chunk
+    for a in range(0, keep.size, step):
+        part = keep[a:a + step]
+        kd = xp.asarray(part)
         vals = acc.slices[kd, :Kf].astype(np.complex64) + 1j * acc.slices[kd, Kf:]
-        insert_by_class(sums.backprojectors, xp.asarray(cls_rows[keep]), fine.matrices[kd], pix.kx, pix.ky, vals,
+        insert_by_class(sums.backprojectors, xp.asarray(cls_rows[part]), fine.matrices[kd], pix.kx, pix.ky, vals,
                         acc.slice_weights[kd], check=b.setup.check_cancel)
+        del vals
 
 
 def _best_poses(b: _Batch, fine: _FineData, acc: _FineSums, coarse: _CoarseResult) -> BatchResult:

@@ -13,6 +13,8 @@ Functions take NumPy or CuPy arrays and return the same kind. Image batches are 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 
 from .backend import get_array_module
@@ -24,6 +26,23 @@ def _fft_module(xp):
 
         return sfft, {"workers": -1}
     return xp.fft, {}
+
+
+@contextmanager
+def uncached_fft_plans(xp):
+    """On CuPy, no cuFFT plan is kept in CuPy's plan cache inside this context: each plan and its work area are
+    freed after its transform. For the few transforms of whole large grids (post-processing a 1024^3 box), where
+    every cached plan would hold a work area about the size of the grid. Nothing on NumPy."""
+    if xp is np:
+        yield
+        return
+    cache = xp.fft.config.get_plan_cache()
+    size = cache.get_size()
+    cache.set_size(0)  # disables (and empties) the cache
+    try:
+        yield
+    finally:
+        cache.set_size(size)
 
 
 def check_even(n: int, what: str = "box size") -> None:

@@ -22,7 +22,16 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..compute.backend import Backend, MemoryPlan, device_pool_line, free_cached_memory, plan_memory, to_host
+from ..compute.backend import (
+    Backend,
+    MemoryPlan,
+    device_pool_line,
+    free_cached_memory,
+    memory_mark,
+    memory_trace_active,
+    plan_memory,
+    to_host,
+)
 from ..compute.backprojector import BackProjectorStack
 from ..compute.estep import EStepSetup, EStepSums, expectation_batch, prepare_batch
 from ..compute.expectation import pixel_set
@@ -342,6 +351,7 @@ class EMJob:
         it.old_classes = self.ps.classes.copy()
         n_dirs = getattr(smp, "n_dirs", 1)
         frefs = it.references = self.prepared_references(it.current_size)
+        memory_mark("E-step: references prepared (when the sampling did not)")
         rows = (1 if self.own_orientation else
                 smp.n_orient if it.local_sigma is None else local_search_rows(smp.angular_step, it.local_sigma))
         it.plan = plan_memory(self.budget_bytes(), box=N, ndim=self.ndim, pad=self.p.pad,
@@ -355,6 +365,7 @@ class EMJob:
         t0 = time.time()
         for h, rows_h in enumerate(self.halves):
             acc = self.accumulators(it.current_size)
+            memory_mark("E-step: accumulators")
             members = acc.members if hasattr(acc, "members") else [acc]
             sums = EStepSums(members, N // 2 + 1, self.ps.n_optics_groups, n_dirs,
                              n_scale_groups=len(self.model.scales))
@@ -385,6 +396,7 @@ class EMJob:
                 merge_particles(self.comm, self.ps, mine)
                 it.seconds_waiting += t2 - t1
                 it.seconds_summing += time.time() - t2
+            memory_mark("E-step: end of the half (last batch's sums, MPI sums)")
             it.sums.append(sums)
             it.accumulators.append(acc)
         self._prepared = None  # it.references keeps them for the M-step; nothing else holds them after it
@@ -460,22 +472,36 @@ def _run(job: EMJob) -> Iterator:
     while True:
         job.state.iteration += 1
         it = yield from job.update_sampling()
+        memory_mark("sampling: the rest")
         yield from job.expectation(it)
         check_cancel()  # cancel points between the steps, never inside write(): its files stay whole
         t_m = time.time()
         job.maximization(it)
+        memory_mark("M-step")
         check_cancel()
         job.update_resolution(it)
         last = job.check_convergence(it)
         t_w = time.time()
         if root:
             yield from job.write(it)
+        memory_mark("resolution, files")
+        if root:
             yield Message(f"  iteration {job.state.iteration} timing: " + iteration_timing(it, t_w - t_m,
                                                                                           time.time() - t_w,
                                                                                           job.comm))
             pool = device_pool_line(job.be)
             if pool:
                 yield Message(f"  iteration {job.state.iteration}: {pool}")
+        # Nothing of this iteration stays alive into the next one: its accumulators and prepared references
+        # (it.accumulators, it.references) would otherwise be held while the next iteration prepares its own
+        # references (the final iteration's peak, at the full image size; issue 21).
+        del it
+        trace = memory_trace_active()
+        if trace is not None:
+            memory_mark("end of iteration")
+            line = trace.end_iteration(job.state.iteration)
+            if root:
+                yield Message(f"  iteration {job.state.iteration} {line}")
         if last:
             break
     free_cached_memory(job.be)

@@ -15,11 +15,23 @@ import numpy as np
 import pandas as pd
 
 from ..compute import fsc as F
+from ..compute import postprocessing as PP
+from ..compute.backend import free_cached_memory, memory_mark, to_host
+from ..compute.fourier import uncached_fft_plans
 from ..errors import InputError
 from ..io.atomic import ensure_not_input
 from ..io.mrc import read_mrc, require_usable_map, write_mrc
 from ..io.star import write_star_blocks
-from .common import check_output_folder, check_pixel_size, mrc_bytes, param, prepare_output, require_file, write_note
+from .common import (
+    backend_for,
+    check_output_folder,
+    check_pixel_size,
+    mrc_bytes,
+    param,
+    prepare_output,
+    require_file,
+    write_note,
+)
 from .events import Finished, FscUpdated, MapUpdated, Message, Progress, Started
 
 JOB_NAME = "postprocess"
@@ -41,6 +53,8 @@ class Params:
     randomize_at_fsc: float = param(0.8, "--randomize_at_fsc", "Randomise phases beyond where FSC drops below")
     force_mask: bool = param(False, "--force_mask", "Use the masked FSC even if the unmasked one is better")
     random_seed: int = param(0, "--random_seed", "Seed of the phase randomisation")
+    cpu: bool = param(False, "--cpu", "Run on the CPU (NumPy) even if a GPU is present")
+    gpu: str | None = param(None, "--gpu", "GPU index (default: the first GPU, if any)")
 
     def half2(self) -> Path:
         if self.i2 is not None:
@@ -66,7 +80,7 @@ class Params:
 def _load_inputs(p: Params):
     h1 = read_mrc(p.i)
     h2 = read_mrc(p.half2())
-    v1, v2 = np.asarray(h1.data, np.float64), np.asarray(h2.data, np.float64)
+    v1, v2 = np.asarray(h1.data, np.float32), np.asarray(h2.data, np.float32)  # float64 only on the device
     if v1.shape != v2.shape or v1.ndim != 3:
         raise InputError(f"half maps differ in size or are not 3D: {v1.shape} ({p.i}) vs {v2.shape} ({p.half2()})")
     if v1.shape[0] % 2 or len(set(v1.shape)) != 1:
@@ -84,7 +98,7 @@ def _load_inputs(p: Params):
         apix = a1
     mask = None
     if p.mask is not None:
-        m = np.asarray(read_mrc(p.mask).data, np.float64)
+        m = np.asarray(read_mrc(p.mask).data, np.float32)
         if m.shape != v1.shape:
             raise InputError(f"mask shape {m.shape} differs from the half maps {v1.shape}", path=str(p.mask))
         if not np.isfinite(m).all():
@@ -103,64 +117,23 @@ def run(p: Params) -> Iterator:
     v1, v2, apix, mask = _load_inputs(p)
     N = v1.shape[0]
     out = Path(p.o)
+    be = backend_for(p)
     notes = prepare_output(out, 2 * mrc_bytes(N, N, N) + 64 * 1024, "the post-processed maps")
-    yield Started(JOB_NAME, out, "CPU (NumPy)", f"post-processing {N}³ half maps at {apix:.3f} Å/px")
+    yield Started(JOB_NAME, out, be.name, f"post-processing {N}³ half maps at {apix:.3f} Å/px")
     yield from notes
     out.mkdir(parents=True, exist_ok=True)
     write_note(out, JOB_NAME, p)
-    nsh = N // 2 + 1
-    shells = np.arange(nsh)
-    fsc_unmasked = F.fsc(v1, v2)
-    curves = {"unmasked": fsc_unmasked}
-    general: dict[str, object] = {}
-    if mask is not None:
-        fsc_masked = F.fsc(v1 * mask, v2 * mask)
-        below = np.nonzero((fsc_unmasked < p.randomize_at_fsc) & (shells > 0))[0]
-        if len(below) == 0:
-            raise InputError(f"the unmasked FSC never drops below {p.randomize_at_fsc}: cannot choose where to "
-                             "randomise phases", path=str(p.i))
-        ra = int(below[0])
-        r1 = F.randomize_phases_beyond(v1, ra, p.random_seed)
-        r2 = F.randomize_phases_beyond(v2, ra, p.random_seed + 1)
-        fsc_rand = F.fsc(r1 * mask, r2 * mask)
-        fsc_corr = F.corrected_fsc(fsc_masked, fsc_rand, ra)
-        if fsc_corr[0] <= 0:
-            fsc_corr[0] = 1.0
-        curves.update(masked=fsc_masked, phase_randomised=fsc_rand, corrected=fsc_corr)
-        frac = float((mask > 0.5).mean())
-        general.update(rlnParticleBoxFractionSolventMask=0.476 / max(frac, 1e-9), rlnMaskName=str(p.mask),
-                       rlnRandomiseFrom=N * apix / ra)
-        use = fsc_corr
-        if F.resolution_shell(fsc_unmasked) > F.resolution_shell(fsc_corr) and not p.force_mask:
-            yield Message("the unmasked FSC reaches further than the corrected masked FSC: using the unmasked "
-                          "curve (as RELION does; --force_mask to use the masked one)", "warning")
-            use = fsc_unmasked
-    else:
-        use = fsc_unmasked
-    res_shell = F.resolution_shell(use)
-    res = F.shell_to_angstrom(res_shell, N, apix)
-    yield Progress(1, 3, "FSC")
+    shells = np.arange(N // 2 + 1)
     inv = np.where(shells > 0, shells / (N * apix), 1 / 999.0)
-    yield FscUpdated(inv, curves, res)
-
-    avg = 0.5 * (v1 + v2)
-    weighted = F.apply_bfactor_and_fsc_weight(avg, apix, 0.0, None if p.skip_fsc_weighting else use)
-    gx, gy_orig = F.guinier(avg, apix)
-    _, gy_w = F.guinier(weighted, apix)
-    if p.auto_bfac:
-        B, icept, r2 = F.fit_bfactor(gx, gy_w, (N, apix), p.autob_lowres, p.autob_highres)
-        general.update(rlnFittedSlopeGuinierPlot=B / 4, rlnFittedInterceptGuinierPlot=icept,
-                       rlnCorrelationFitGuinierPlot=r2)
-    else:
-        B = p.adhoc_bfac
-    low = res if p.low_pass < 0 else (p.low_pass if p.low_pass > 0 else None)
-    final = F.apply_bfactor_and_fsc_weight(avg, apix, B, None if p.skip_fsc_weighting else use, lowpass_A=low)
-    _, gy_s = F.guinier(final, apix)
+    with uncached_fft_plans(be.xp):
+        curves, res, B, final, general, (gx, gy_orig, gy_w, gy_s) = yield from _compute(p, v1, v2, mask, apix, be)
+    free_cached_memory(be)
+    fsc_unmasked = curves["unmasked"]
     yield Progress(2, 3, "sharpening")
 
     paths = {"postprocess": write_mrc(out / "postprocess.mrc", final, apix)}
     if mask is not None:
-        paths["postprocess_masked"] = write_mrc(out / "postprocess_masked.mrc", (final * mask).astype(np.float32), apix)
+        paths["postprocess_masked"] = write_mrc(out / "postprocess_masked.mrc", final * mask, apix)
     general = {"rlnFinalResolution": res, "rlnBfactorUsedForSharpening": B,
                "rlnUnfilteredMapHalf1": str(p.i), "rlnUnfilteredMapHalf2": str(p.half2()),
                "rlnPostprocessedMap": str(paths["postprocess"]), **general}
@@ -183,3 +156,83 @@ def run(p: Params) -> Iterator:
     yield MapUpdated("postprocess", final, apix, paths["postprocess"])
     yield Progress(3, 3, "written")
     yield Finished(paths, f"resolution {res:.2f} Å (FSC 0.143), B-factor {B:.1f} Å²")
+
+
+def _compute(p: Params, v1, v2, mask, apix: float, be) -> Iterator:
+    """The FSC curves, the resolution, the B-factor, the sharpened map (host, float32) and the general block's
+    entries so far (a generator: yields the FSC events and a warning, returns those).
+    The half maps stay on the host (float32) and go to the device one at a time; at most a few Fourier grids
+    exist at once there (compute/postprocessing.py: a 1024^3 box in ~45 GB)."""
+    xp = be.xp
+    N = v1.shape[0]
+    nsh = N // 2 + 1
+    shells = np.arange(nsh)
+    F1 = PP.device_ft(v1, xp)
+    F2 = PP.device_ft(v2, xp)
+    fsc_unmasked = PP.fsc_of_fts(F1, F2)
+    memory_mark("postprocess: unmasked FSC")
+    curves = {"unmasked": fsc_unmasked}
+    general: dict[str, object] = {}
+    if mask is not None:
+        below = np.nonzero((fsc_unmasked < p.randomize_at_fsc) & (shells > 0))[0]
+        if len(below) == 0:
+            raise InputError(f"the unmasked FSC never drops below {p.randomize_at_fsc}: cannot choose where to "
+                             "randomise phases", path=str(p.i))
+        ra = int(below[0])
+        mask_d = be.asarray(mask)
+        fts = [F1, F2]
+        del F1, F2
+        randomised = []
+        for h, seed in ((0, p.random_seed), (1, p.random_seed + 1)):  # one half after the other
+            G, fts[h] = fts[h], None
+            PP.randomize_phases_in_place(G, ra, seed)
+            r = PP.real_map(G, N)
+            del G
+            randomised.append(PP.device_ft(r, xp, mask=mask_d, consume=True))
+            del r
+        fsc_rand = PP.fsc_of_fts(*randomised)
+        del randomised
+        memory_mark("postprocess: phase-randomised FSC")
+        fsc_masked = PP.masked_fsc(v1, v2, mask_d, xp)
+        del mask_d
+        fsc_corr = F.corrected_fsc(fsc_masked, fsc_rand, ra)
+        if fsc_corr[0] <= 0:
+            fsc_corr[0] = 1.0
+        curves.update(masked=fsc_masked, phase_randomised=fsc_rand, corrected=fsc_corr)
+        frac = float((mask > 0.5).mean())
+        general.update(rlnParticleBoxFractionSolventMask=0.476 / max(frac, 1e-9), rlnMaskName=str(p.mask),
+                       rlnRandomiseFrom=N * apix / ra)
+        use = fsc_corr
+        if F.resolution_shell(fsc_unmasked) > F.resolution_shell(fsc_corr) and not p.force_mask:
+            yield Message("the unmasked FSC reaches further than the corrected masked FSC: using the unmasked "
+                          "curve (as RELION does; --force_mask to use the masked one)", "warning")
+            use = fsc_unmasked
+    else:
+        del F1, F2
+        use = fsc_unmasked
+    res_shell = F.resolution_shell(use)
+    res = F.shell_to_angstrom(res_shell, N, apix)
+    yield Progress(1, 3, "FSC")
+    inv = np.where(shells > 0, shells / (N * apix), 1 / 999.0)
+    yield FscUpdated(inv, curves, res)
+
+    weight_curve = None if p.skip_fsc_weighting else use
+    A = PP.device_ft(v1, xp, plus=v2, scale=0.5)  # the FT of the average of the half maps
+    gx, gy_orig = PP.guinier_of_ft(A, apix)
+    weighted = PP.sharpened_map(A, apix, 0.0, weight_curve)
+    _, gy_w = PP.guinier_of_ft(PP.device_ft(weighted, xp), apix)
+    del weighted
+    if p.auto_bfac:
+        B, icept, r2 = F.fit_bfactor(gx, gy_w, (N, apix), p.autob_lowres, p.autob_highres)
+        general.update(rlnFittedSlopeGuinierPlot=B / 4, rlnFittedInterceptGuinierPlot=icept,
+                       rlnCorrelationFitGuinierPlot=r2)
+    else:
+        B = p.adhoc_bfac
+    low = res if p.low_pass < 0 else (p.low_pass if p.low_pass > 0 else None)
+    final_d = PP.sharpened_map(A, apix, B, weight_curve, lowpass_A=low, consume=True)
+    del A
+    _, gy_s = PP.guinier_of_ft(PP.device_ft(final_d, xp), apix)
+    final = to_host(final_d)
+    del final_d
+    memory_mark("postprocess: sharpening")
+    return curves, res, B, final, general, (gx, gy_orig, gy_w, gy_s)

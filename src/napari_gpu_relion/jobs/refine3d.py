@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from ..compute.accuracy import accuracy_particles, estimate_accuracy
-from ..compute.backend import to_host
+from ..compute.backend import memory_mark, to_host
 from ..compute.backprojector import BackProjector
 from ..compute.expectation import pixel_set
 from ..compute.fourier import lowpass_map
@@ -147,8 +147,12 @@ class Refine3D(em.EMJob):
         pix = pixel_set(self.N, size, self.be.xp)
         rows = accuracy_particles(self.ps.subset, self.ps.optics_group, self.p.random_seed)
         s2r = self.model.sigma2[0][self.ps.optics_group[rows]][:, to_host(pix.shell)]
-        return estimate_accuracy(self.prepared_references(size)[0][0], pix, self.ps.angles[rows],
-                                 self.ps.ctf_rows(rows), s2r, self.apix, seed=self.p.random_seed, particle_ids=rows)
+        ref = self.prepared_references(size)[0][0]
+        memory_mark("sampling: references prepared")
+        out = estimate_accuracy(ref, pix, self.ps.angles[rows], self.ps.ctf_rows(rows), s2r, self.apix,
+                                seed=self.p.random_seed, particle_ids=rows)
+        memory_mark("sampling: accuracy estimate")
+        return out
 
     def update_sampling(self) -> Iterator:
         st, N, apix = self.state, self.N, self.apix
@@ -182,6 +186,7 @@ class Refine3D(em.EMJob):
     # ---- M-step: gold-standard FSC, tau2 and reconstruction; the other parameters ----
     def maximization(self, it: em.Iteration) -> None:
         p, st, m, N = self.p, self.state, self.model, self.N
+        it.references = []  # the padded references are not used by this M-step: freed before its transients
         bps = it.accumulators
         for bp in bps:
             bp.enforce_hermitian()
@@ -190,18 +195,27 @@ class Refine3D(em.EMJob):
         if not it.final and p.low_resol_join_halves > 0:
             res_A = max(p.low_resol_join_halves, shell_to_angstrom(max(st.res_shell, 1), N, self.apix))
             join_low_resolution(bps[0], bps[1], float(np.ceil(N * self.apix / res_A)))
+        memory_mark("M-step: Hermitian, symmetry, join")
         it.fsc = fsc_from_backprojectors(bps[0], bps[1])
+        memory_mark("M-step: half-map FSC")
         if it.final:
-            self.unfiltered = [to_host(bp.reconstruct(None)) for bp in bps]
+            # one map at a time, each on the host before the next starts
+            self.unfiltered = []
+            for bp in bps:
+                self.unfiltered.append(to_host(bp.reconstruct(None)))
+                memory_mark("M-step: unfiltered half map")
             bps[0].add(bps[1])
+            bps[1].release()  # half 2 is in half 1 now: its grids are freed before the joined map
             tau2, ssnr = tau2_from_fsc(it.fsc, reference_sigma2(bps[0]), p.tau2_fudge, joined=True)
             vol = to_host(bps[0].reconstruct(tau2, p.tau2_fudge))
+            memory_mark("M-step: joined map")
             new_refs = [vol, vol]
         else:
             new_refs = []
             for bp in bps:
                 tau2, ssnr = tau2_from_fsc(it.fsc, reference_sigma2(bp), p.tau2_fudge)
                 new_refs.append(to_host(bp.reconstruct(tau2, p.tau2_fudge)).astype(np.float64))
+                memory_mark("M-step: half map")
         it.ssnr = [ssnr]
         sums = it.sums
         if not it.cc:
