@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .backend import get_array_module
-from .backprojector import BackProjector, grid_shape
+from .backend import get_array_module, to_host
+from .backprojector import BackProjector, grid_shape, insertion_reach, support_index
 from .ctf import CtfParams, ctf_half_grid
 from .fourier import half_grid_indices, irfft_centered, lowpass_map, rfft_centered, round_half_away
 from .projector import sinc2_gridding
@@ -149,7 +149,9 @@ def grid_to_reference(grid, size: int, pad: int):
 @dataclass
 class Moments:
     """Per class: first moments of the reweighted gradient of each pseudo half-set (two complex padded grids) and
-    the second moment (real grid: per-voxel noise-to-signal ratio of the two half-set gradients)."""
+    the second moment (real grid: per-voxel noise-to-signal ratio of the two half-set gradients). Kept in single
+    precision (complex64 / float32), as RELION keeps and writes them: what ``moment_blocks`` writes to a file is
+    exactly what the run goes on with, so that ``--continue`` repeats the uninterrupted run."""
 
     mom1: list
     mom2: object
@@ -158,8 +160,60 @@ class Moments:
     @classmethod
     def zeros(cls, size: int, pad: int, xp=np) -> Moments:
         shape = grid_shape(size, pad, 3)
-        return cls([xp.zeros(shape, np.complex128), xp.zeros(shape, np.complex128)],
-                   xp.full(shape, MOM2_INIT, np.float64))
+        return cls([xp.zeros(shape, np.complex64), xp.zeros(shape, np.complex64)],
+                   xp.full(shape, MOM2_INIT, np.float32))
+
+
+def moment_reach(pad: int, r_max: float) -> int:
+    """Grid pixels from the origin within which ``vdam_update`` at resolution limit ``r_max`` (Fourier pixels of
+    the box) changes the moments; outside the largest reach a run has used they are still 0 (first moments) and
+    MOM2_INIT (second moment)."""
+    return insertion_reach(pad, r_max)
+
+
+def moment_blocks(moments: Moments, reach: int) -> list[np.ndarray]:
+    """The moments within ``reach`` grid pixels of the origin as host float32 arrays: [first moment of pseudo
+    half-set 1, of half-set 2, second moment]; complex values interleaved (re, im) along x as RELION writes its
+    moment images. The blocks are the grid rows [0, reach] and [P - reach, P) of the full axes and [0, reach] of
+    the half axis (``backprojector.support_index``; the whole grid where that covers it)."""
+    xp = get_array_module(moments.mom2)
+    ix = support_index(moments.mom2.shape, reach, xp)
+
+    def crop(a):
+        return a if ix is None else a[ix]
+
+    out = [to_host(xp.ascontiguousarray(crop(m).astype(np.complex64))).view(np.float32) for m in moments.mom1]
+    out.append(to_host(xp.ascontiguousarray(crop(moments.mom2).astype(np.float32))))
+    return out
+
+
+def moments_from_blocks(blocks: list[np.ndarray], size: int, pad: int, xp=np) -> Moments:
+    """The inverse of ``moment_blocks``: full grids with the blocks put back, 0 / MOM2_INIT outside them; a
+    ValueError when the blocks do not fit this box and padding."""
+    m = Moments.zeros(size, pad, xp)
+    shape = m.mom2.shape
+    b2 = np.asarray(blocks[2], np.float32)
+    if b2.ndim != 3 or b2.shape[0] % 2 != 1 or b2.shape[0] > shape[0] + 1 or b2.shape[2] > shape[2]:
+        raise ValueError(f"moment block of shape {b2.shape} does not fit the grid {shape} (box {size}, pad {pad})")
+    whole = b2.shape == shape
+    ix = None if whole else support_index(shape, (b2.shape[0] - 1) // 2, xp)
+    if (ix is None) != whole:
+        raise ValueError(f"moment block of shape {b2.shape} does not fit the grid {shape} (box {size}, pad {pad})")
+    for h in range(2):
+        b1 = np.ascontiguousarray(np.asarray(blocks[h], np.float32))
+        if b1.shape != b2.shape[:2] + (2 * b2.shape[2],):
+            raise ValueError(f"first-moment block of shape {b1.shape} does not match the second moment's {b2.shape}")
+        c = xp.asarray(b1.view(np.complex64))
+        if whole:
+            m.mom1[h] = c
+        else:
+            m.mom1[h][ix] = c
+    if whole:
+        m.mom2 = xp.asarray(b2)
+    else:
+        m.mom2[ix] = xp.asarray(b2)
+    m.started = True
+    return m
 
 
 def reweighted_gradient(data, weight, ref_grid, inside):
@@ -187,12 +241,13 @@ def vdam_update(ref_grid, halves: list, moments: Moments, step: float, tau2_fudg
     size = P // pad
     inside, shells = _inside(P, pad, r_max, xp)
     g = [reweighted_gradient(d, w, ref_grid, inside) for d, w in halves]
-    for h in range(2):
-        moments.mom1[h] = g[h] if not moments.started else mu * moments.mom1[h] + (1 - mu) * g[h]
+    for h in range(2):  # kept in single precision (see Moments)
+        m1 = g[h] if not moments.started else mu * moments.mom1[h] + (1 - mu) * g[h]
+        moments.mom1[h] = m1.astype(np.complex64)
     n = g[1] - g[0]
     s = (g[1] + g[0]) / 2
     ratio = (n.real**2 + n.imag**2) / (s.real**2 + s.imag**2 + 1e-12)
-    moments.mom2 = xp.where(inside, mu * moments.mom2 + (1 - mu) * ratio, moments.mom2)
+    moments.mom2 = xp.where(inside, mu * moments.mom2 + (1 - mu) * ratio, moments.mom2).astype(np.float32)
     moments.started = True
     # RELION divides by sqrt(m2) + 1e-12; a floor keeps the heavy ball stable where the half-sets agree almost
     # exactly (m2 -> 0 at very high SNR: gain s (1 - mu) / sqrt(m2) must stay below 2 (1 + mu))
@@ -276,7 +331,7 @@ def _best_shift_cc(Fa, b, mask):
     nb = np.sqrt((bb * bb).sum())
     if nb == 0:
         return -1.0, (0, 0, 0)
-    cc = np.fft.irfftn(Fa * np.conj(np.fft.rfftn(bb)), s=b.shape) / nb
+    cc = np.fft.irfftn(Fa * np.conj(np.fft.rfftn(bb)), s=b.shape, axes=tuple(range(b.ndim))) / nb
     i = np.unravel_index(int(cc.argmax()), cc.shape)
     return float(cc[i]), i
 

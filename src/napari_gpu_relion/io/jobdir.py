@@ -66,6 +66,11 @@ class RunFiles:
         """3D class map (class ``k`` counted from 1), of one half in auto-refine."""
         return self._file(iteration, f"half{half}_class{k:03d}.mrc" if half else f"class{k:03d}.mrc")
 
+    def grad_moment(self, moment: int, n: int, iteration: int | None = None) -> Path:
+        """An image of a gradient run's moments (RELION's names, e.g. run_it010_1moment001.mrc): ``moment`` 1
+        (first moments; of pseudo half-set 2 numbered K + k) or 2 (second moments), ``n`` counted from 1."""
+        return self._file(iteration, f"{moment}moment{n:03d}.mrc")
+
     def unfiltered_half_map(self, half: int, k: int = 1) -> Path:
         """The final unfiltered half map of an auto-refine (the input of post-processing)."""
         return self.folder / f"{self.name}_half{half}_class{k:03d}_unfil.mrc"

@@ -60,10 +60,11 @@ class Classification(em.EMJob):
     def write_data(self) -> Path:
         return write_data_star(self.files.data(self.state.iteration), self.ps)
 
-    def write_model(self, it: em.Iteration, reference_names: list[str], pdf_orient: list[np.ndarray]) -> Path:
+    def write_model(self, it: em.Iteration, reference_names: list[str], pdf_orient: list[np.ndarray],
+                    class_columns: dict | None = None) -> Path:
         """run_itNNN_model.star: general block, class table (reference, distribution, resolution and, in 2D, the
-        class offset priors rlnClassPriorOffsetX/Y in Å), SSNR_MAP per class, noise spectra, group scales,
-        orientation distributions."""
+        class offset priors rlnClassPriorOffsetX/Y in Å; ``class_columns``: more columns, one value per class),
+        SSNR_MAP per class, noise spectra, group scales, orientation distributions."""
         m, ps, N, apix = self.model, self.ps, self.N, self.apix
         pdf_class = m.pdf_class[0]
         general = {"rlnReferenceDimensionality": self.ndim, "rlnDataDimensionality": 2, "rlnOriginalImageSize": N,
@@ -74,6 +75,8 @@ class Classification(em.EMJob):
                    "rlnLogLikelihood": float(ps.log_likelihood.sum()), "rlnAveragePmax": float(ps.pmax.mean())}
         classes = pd.DataFrame({"rlnReferenceImage": list(reference_names), "rlnClassDistribution": pdf_class,
                                 "rlnEstimatedResolution": self.res_A})
+        for label, values in (class_columns or {}).items():
+            classes[label] = list(values)
         if m.prior_offsets_A is not None:
             classes["rlnClassPriorOffsetX"] = m.prior_offsets_A[:, 0]
             classes["rlnClassPriorOffsetY"] = m.prior_offsets_A[:, 1]

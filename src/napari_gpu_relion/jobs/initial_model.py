@@ -16,8 +16,18 @@ Handedness: a map made from projections alone has either hand; check it against 
 turns right-handed) and flip it (reverse one axis) if needed.
 
 Files (RELION's names under the --o rootname): run_itNNN_class001.mrc, run_itNNN_model.star,
-run_itNNN_data.star, run_itNNN_optimiser.star every ``--write_iter`` iterations and at the last one, and the final
-run_class001.mrc (+ run_model.star, run_data.star) when done.
+run_itNNN_data.star, run_itNNN_optimiser.star and the gradient moments run_itNNN_1moment001.mrc (pseudo
+half-set 1; half-set 2's numbered K + k) and run_itNNN_2moment001.mrc (listed in the model STAR as rlnGradMoment1
+and rlnGradMoment2, as RELION does) at iteration 1, every ``--grad_write_iter`` iterations and at the last one,
+and the final run_class001.mrc (+ run_model.star, run_data.star) when done. The moment images hold this
+program's padded Fourier grids (single precision, cropped to the frequencies the run has reached; complex values
+interleaved along x), not RELION's layout.
+
+``--continue run_itNNN_optimiser.star`` goes on from any iteration whose files were written: the options, the
+schedule and the random state come from the optimiser STAR (each iteration draws its mini-batch from a generator
+seeded by (--random_seed, iteration), as RELION reseeds with random_seed + iter), the maps, noise spectra, class
+and direction distributions from the model STAR, the moments from their images, and the particles' offsets and
+classes from the data STAR; the continued run repeats the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..compute.backend import to_host
+from ..compute.backprojector import grid_shape
 from ..compute.class_similarity import class_report
 from ..compute.geometry import euler_to_matrix, symmetry_group
 from ..compute.initial_model import (
@@ -39,6 +50,9 @@ from ..compute.initial_model import (
     class_stepsize,
     default_subset_sizes,
     grid_to_reference,
+    moment_blocks,
+    moment_reach,
+    moments_from_blocks,
     random_angle_average,
     reference_to_grid,
     vdam_update,
@@ -50,7 +64,8 @@ from ..compute.simulate import random_rotations
 from ..compute.symmetry_alignment import align_and_symmetrize
 from ..errors import InputError
 from ..io.atomic import atomic_path
-from ..io.mrc import write_mrc
+from ..io.jobdir import project_path
+from ..io.mrc import read_mrc, write_mrc
 from . import em, em_classification
 from .common import param
 from .events import Finished, IterationFinished, MapUpdated, Message
@@ -86,8 +101,8 @@ class InitialModelOptions:
 class Params(em.EMParams, em.EMOptions, InitialModelOptions, em.EMInputs):
     def __post_init__(self):
         self.check(needs_ref=False, healpix_order=self.healpix_order)
-        if self.continue_from is not None:
-            raise InputError("--continue is not supported by initial_model yet; start a new run")
+        if self.continue_from is not None:  # the other options come from the optimiser STAR
+            return
         symmetry_group(self.sym)
         em_classification.check_classification(self)
         if not 0 < self.grad_ini_frac < 1 or not 0 < self.grad_fin_frac < 1:
@@ -124,8 +139,9 @@ class InitialModel(em_classification.Classification):
         self.schedule = GradSchedule(self.p.iter, min(ini, n), min(max(fin, ini), n), self.p.grad_ini_resol,
                                      self.p.grad_fin_resol, self.p.grad_ini_frac, self.p.grad_fin_frac,
                                      self.p.grad_stepsize)
-        self.rng = np.random.default_rng(self.p.random_seed)
+        self.rng = np.random.default_rng(self.p.random_seed)  # the first references only (see update_sampling)
         self.moments: list[Moments] = []
+        self.reach = 0  # grid pixels from the origin within which the moments have changed (moment_reach)
         self.mask = soft_spherical_mask(self.N, self.mask_r, em.MASK_EDGE, 3)
         self.outputs: dict = {}
         self.report = ""
@@ -133,7 +149,8 @@ class InitialModel(em_classification.Classification):
     def describe(self) -> str:
         s = self.schedule
         return (f"initial model from {len(self.ps)} particles, {self.K} class(es), {self.p.iter} iterations; "
-                f"mini-batch {s.ini_subset} -> {s.fin_subset}, resolution {s.ini_resol:g} -> {s.fin_resol:g} Å")
+                f"mini-batch {s.ini_subset} -> {s.fin_subset}, resolution {s.ini_resol:g} -> {s.fin_resol:g} Å"
+                + (f"; continuing after iteration {self.state.iteration}" if self.continued else ""))
 
     # ---- model: one reference set shared by the two pseudo half-sets ----
     def _share(self, m: em.EMModel) -> None:
@@ -142,7 +159,7 @@ class InitialModel(em_classification.Classification):
             v[1:] = [v[0]] * (len(v) - 1)
 
     def initial_model(self) -> em.EMModel:
-        N, n = self.N, len(self.ps)
+        n = len(self.ps)
         refs = []
         for _k in range(self.K):
             rows = np.sort(self.rng.choice(n, size=min(n, max(200, self.schedule.ini_subset)), replace=False))
@@ -151,14 +168,49 @@ class InitialModel(em_classification.Classification):
             v = random_angle_average(self.be.asarray(self.ps.images(rows)), self.be.asarray(A),
                                      self.ps.ctf_rows(rows), self.apix, self.p.pad, self.p.grad_ini_resol)
             refs.append(to_host(v) * self.mask)
-        self.moments = [Moments.zeros(N, self.p.pad, self.be.xp) for _ in range(self.K)]
+        self.moments = []  # made at the first M-step, at the padding the memory plan chose
         s2 = self.initial_sigma2()
         m = em.EMModel([np.stack(refs)] * 2, [s2] * 2, [np.full(self.K, 1.0 / self.K)] * 2, [None] * 2,
                        np.ones(len(self.ps.scale_group_names)))
         return m
 
-    def restore(self) -> em.EMModel:  # Params refuses --continue
-        raise InputError("--continue is not supported by initial_model yet")
+    def restore(self) -> em.EMModel:
+        """The maps, spectra, distributions and moments of the iteration --continue names."""
+        model = self.restore_state()[0]
+        refs = np.stack(em.reference_images(model.path))
+        if refs.shape[0] != self.K:
+            raise InputError(f"the model STAR lists {refs.shape[0]} class maps, the run has --K {self.K}",
+                             path=str(model.path))
+        pdf_dir = np.stack(model.pdf_orient) if model.pdf_orient else None
+        restored = [self._read_moments(model, k) for k in range(self.K)]
+        self.moments = [m for m, _ in restored]
+        self.reach = max(r for _, r in restored)
+        return em.EMModel([refs] * 2, [model.sigma2] * 2, [model.class_distribution] * 2, [pdf_dir] * 2,
+                          self.saved_scales(model))
+
+    def _read_moments(self, model, k: int) -> tuple[Moments, int]:
+        """Class k's moments from the images the model STAR lists (rlnGradMoment1: half-set 1; the half-set 2
+        image is numbered K + k, as RELION's; rlnGradMoment2), and the reach they were written with."""
+        cols = model.classes
+        for label in ("rlnGradMoment1", "rlnGradMoment2"):
+            if label not in cols.columns:
+                raise InputError(f"data_model_classes has no {label} column: not the model STAR of an initial "
+                                 "model iteration written by this program", path=str(model.path), column=label)
+        names = [str(cols["rlnGradMoment1"].iloc[k]), None, str(cols["rlnGradMoment2"].iloc[k])]
+        names[1] = names[0].replace(f"1moment{k + 1:03d}", f"1moment{k + 1 + self.K:03d}")
+        blocks = []
+        for name in names:
+            found, tried = project_path(name, model.path)
+            if found is None:
+                raise InputError(f"moment image {name!r} not found (looked in {', '.join(map(str, tried))})",
+                                 path=str(model.path), column="rlnGradMoment1")
+            blocks.append(np.asarray(read_mrc(found).data, np.float32))
+        try:
+            m = moments_from_blocks(blocks, self.N, self.p.pad, self.be.xp)
+        except ValueError as exc:
+            raise InputError(f"the moment images of class {k + 1} do not fit box {self.N} at --pad {self.p.pad}: "
+                             f"{exc}", path=str(model.path), column="rlnGradMoment1") from exc
+        return m, (blocks[2].shape[0] - 1) // 2
 
     def update_sampling(self) -> Iterator:
         st, N, p, s = self.state, self.N, self.p, self.schedule
@@ -168,10 +220,13 @@ class InitialModel(em_classification.Classification):
         size = int(min(N, 2 * (st.res_shell + 2)))
         everyone = i == p.iter and self.K > 1
         n = len(self.ps)
-        batch = np.arange(n) if everyone or s.subset(i) >= n else np.sort(self.rng.choice(n, s.subset(i), False))
-        order = self.rng.permutation(batch.size)
+        # one generator per iteration (RELION reseeds with random_seed + iter): a --continue draws the same batches
+        rng = np.random.default_rng([p.random_seed, i])
+        batch = np.arange(n) if everyone or s.subset(i) >= n else np.sort(rng.choice(n, s.subset(i), False))
+        order = rng.permutation(batch.size)
         self.halves = [np.sort(batch[order[0::2]]), np.sort(batch[order[1::2]])]
         st.perturb_sampling(p.random_seed)
+        self.reach = max(self.reach, moment_reach(p.pad, st.res_shell))
         smp = Sampling(p.healpix_order, "C1", None, p.offset_range, p.offset_step, perturb=st.perturb)
         if self.model.pdf_dir[0] is None:
             self.model.pdf_dir[0] = np.full((self.K, smp.n_dirs), 1.0 / smp.n_dirs)
@@ -210,13 +265,18 @@ class InitialModel(em_classification.Classification):
         r_max = self.state.res_shell
         new_refs = []
         self.fsc_est = []
+        if not self.moments or self.moments[0].mom2.shape != grid_shape(N, p.pad, 3):
+            if self.moments and self.moments[0].started:  # restored at another padding
+                raise InputError(f"the saved moments are for another padding than --pad {p.pad}: continue with "
+                                 "the padding of the run")
+            self.moments = [Moments.zeros(N, p.pad, xp) for _ in range(self.K)]  # after the memory plan's pad
         for k in range(self.K):
             ref_g = reference_to_grid(xp.asarray(m.refs[0][k]), p.pad)
             halves = [(acc.members[k].data, acc.members[k].weight) for acc in it.accumulators]
             step = class_stepsize(self.step, float(m.pdf_class[0][k]), self.K)
             g, fsc = vdam_update(ref_g, halves, self.moments[k], step, p.tau2_fudge, r_max, p.pad)
             v = to_host(grid_to_reference(g, N, p.pad)) * self.mask  # solvent flattening, as RELION's job
-            new_refs.append(v)
+            new_refs.append(v.astype(np.float32).astype(np.float64))  # what the map files hold (--continue)
             self.fsc_est.append(to_host(fsc))
         m.refs[0] = np.stack(new_refs)
         self._share(m)
@@ -235,7 +295,8 @@ class InitialModel(em_classification.Classification):
         maps = {f"class{k + 1:03d}": refs[k].astype(np.float32) for k in range(K)}
         if i % self.p.write_iter == 0 or it.final or i == 1:
             paths = [write_mrc(f.class_map(k + 1, i), maps[f"class{k + 1:03d}"], apix) for k in range(K)]
-            model = self.write_model(it, [q.name for q in paths], list(self.model.pdf_dir[0]))
+            moments = self.write_moments(i)
+            model = self.write_model(it, [q.name for q in paths], list(self.model.pdf_dir[0]), moments)
             data = self.write_data()
             self.write_optimiser(it, data, [model])
             self.outputs = {f"class{k + 1:03d}": paths[k] for k in range(K)} | {"model": model, "data": data}
@@ -258,6 +319,17 @@ class InitialModel(em_classification.Classification):
                 yield Message(self.report)
             yield Message("The initial model's hand is arbitrary: check it (e.g. the twist of helices) and flip the "
                           "map if needed before building a model into the refined map.")
+
+    def write_moments(self, i: int) -> dict:
+        """The moments of every class as images (RELION's names); the model STAR's columns that list them."""
+        f, K = self.files, self.K
+        first, second = [], []
+        for k, mom in enumerate(self.moments):
+            b1, b2, b3 = moment_blocks(mom, self.reach)
+            first.append(write_mrc(f.grad_moment(1, k + 1, i), b1, None).name)
+            write_mrc(f.grad_moment(1, k + 1 + K, i), b2, None)
+            second.append(write_mrc(f.grad_moment(2, k + 1, i), b3, None).name)
+        return {"rlnGradMoment1": first, "rlnGradMoment2": second}
 
     def write_final(self) -> None:
         """The final files without iteration number: run_class001.mrc, ..., run_model.star, run_data.star (copies
