@@ -218,7 +218,12 @@ def _weights_for(sigma2_rows, pix: PixelSet, xp):
 
 def _log_trans_prior(offsets_round_px, trans_px, pixel_size: float, sigma_A: float, xp, prior_A):
     """(I, T, K) log prior -|o + t - mu_k|^2 / (2 sigma^2) in Å (one unit throughout, see relion_algorithm
-    2.8) for prior means mu_k (K, 2) in Å (one per class in 2D classification; K = 1 and mu = 0 otherwise)."""
+    2.8) for prior means mu_k (K, 2) in Å (one per class in 2D classification; K = 1 and mu = 0 otherwise).
+
+    Not RELION 5.0.1's arithmetic on purpose: it adds the sampled translation in Å to the old offset in pixels and
+    then scales by pixel_size^2, so its prior on the translation is pixel_size times narrower than sigma says and
+    pins translations near their start while the reference is poor (issue 15; benchmarks/README.md, "a unit mix
+    in its offset prior": our E-step with RELION's units reproduces its iteration-1 <Pmax> and offsets)."""
     o = xp.asarray(offsets_round_px, dtype=np.float64)[:, None, :] + xp.asarray(trans_px)[None, :, :]
     d = o[:, :, None, :] * pixel_size - xp.asarray(prior_A, dtype=np.float64)[None, None, :, :]
     r2 = (d * d).sum(-1)
