@@ -278,3 +278,22 @@ def test_significance_threshold_equals_the_full_sort(sharpness):
         k_ref, w_ref = _threshold_by_sort(p, f)
         assert np.array_equal(k, k_ref)
         assert np.array_equal(w, w_ref)
+
+
+@pytest.mark.parametrize("pixel_size", [1.0, 2.54, 5.08])
+def test_translation_prior_is_a_gaussian_in_angstrom_at_any_pixel_size(pixel_size):
+    """The offset prior is exp(-|o + t|^2 / (2 sigma^2)) with o + t converted to Å once: its width in pixels is
+    sigma / pixel size at every pixel size. RELION 5.0.1 adds the translation in Å to the old offset in pixels and
+    then scales by pixel_size^2 (benchmarks/README.md, "a unit mix in its offset prior"), which would make this
+    width sigma / pixel_size^2 pixels for the translation; a float64 direct evaluation in Å is the reference."""
+    from napari_gpu_relion.compute.estep import _log_trans_prior
+
+    sigma_A = 10.0
+    old = np.array([[3.0, -2.0], [0.0, 0.0]])  # rounded offsets, pixels
+    t = np.array([[0.0, 0.0], [2.0, 0.0], [0.0, -4.0], [1.5, 2.5]])  # translations, pixels
+    got = _log_trans_prior(old, t, pixel_size, sigma_A, np, np.zeros((1, 2)))[..., 0]
+    want = np.array([[-(((o + tt) * pixel_size) ** 2).sum() / (2 * sigma_A**2) for tt in t] for o in old])
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    # one pixel of translation costs (pixel_size / sigma)^2 / 2 in log prior from a centred start, not more
+    step = got[1, 1] - got[1, 0]
+    assert step == pytest.approx(-(2.0 * pixel_size) ** 2 / (2 * sigma_A**2), rel=1e-12)
