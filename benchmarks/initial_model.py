@@ -168,7 +168,7 @@ def relion_command(a, star: Path, root: Path, seed: int) -> str:
          f"--pool {a.relion_pool}", f"--pad {a.pad}", f"--particle_diameter {a.diameter + 15:g}",
          "--oversampling 1", f"--healpix_order {a.healpix_order}", f"--offset_range {a.offset_range:g}",
          f"--offset_step {a.offset_step:g}", "--auto_sampling", f"--tau2_fudge {a.tau2_fudge:g}",
-         f"--j {a.relion_j}", f"--gpu {a.relion_gpu}",
+         f"--j {a.relion_j}", *([f"--gpu {a.relion_gpu}"] if a.relion_gpu else []),  # "": RELION's CPU build
          # not passed by the GUI job: a fixed seed (else time(NULL)) and the write interval both programs share
          f"--random_seed {seed}", f"--grad_write_iter {a.write_iter}"]
     if a.ini_subset > 0:
@@ -315,7 +315,8 @@ def main():
     ap.add_argument("--relion", action="store_true", help="also run RELION 5 (relion_refine --grad --denovo_3dref)")
     ap.add_argument("--relion_j", type=int, default=4)
     ap.add_argument("--relion_pool", type=int, default=30)
-    ap.add_argument("--relion_gpu", default="0")
+    ap.add_argument("--relion_gpu", default="0",
+                    help="RELION's --gpu; empty for a CPU build (benchmarks/build_relion_cpu.sh)")
     ap.add_argument("--relion_extra", default="", help="more relion_refine options, e.g. '--maxsig 100'")
     ap.add_argument("--refine_check", action="store_true", help="then refine3d from our model and from the truth")
     ap.add_argument("--refine_healpix_order", type=int, default=2)
