@@ -217,14 +217,19 @@ def phase_shift_2d(F, shifts, size: int):
     return F * xp.exp(1j * phase).astype(F.dtype)
 
 
-def lowpass_raised_cosine(size: int, cutoff_shell: float, width_shells: float = 2.0, ndim: int = 3, xp=np):
-    """Raised-cosine low-pass on the half grid: 1 below cutoff - width/2, 0 above cutoff + width/2, the 0.5
-    point at ``cutoff_shell`` (RELION's WIDTH_FMASK_EDGE filter for ini_high, low-pass and mask edges)."""
-    r = radius_grid(size, ndim, xp)
+def raised_cosine(r, cutoff_shell: float, width_shells: float = 2.0):
+    """The raised-cosine low-pass at radii ``r`` (Fourier pixels): 1 below cutoff - width/2, 0 above
+    cutoff + width/2, the 0.5 point at ``cutoff_shell`` (RELION's WIDTH_FMASK_EDGE filter)."""
+    xp = get_array_module(r)
     lo = cutoff_shell - width_shells / 2.0
     hi = cutoff_shell + width_shells / 2.0
     f = 0.5 + 0.5 * xp.cos(np.pi * (r - lo) / max(width_shells, 1e-9))
     return xp.where(r < lo, 1.0, xp.where(r > hi, 0.0, f))
+
+
+def lowpass_raised_cosine(size: int, cutoff_shell: float, width_shells: float = 2.0, ndim: int = 3, xp=np):
+    """:func:`raised_cosine` on the half grid (ini_high, low-pass and mask edges)."""
+    return raised_cosine(radius_grid(size, ndim, xp), cutoff_shell, width_shells)
 
 
 def lowpass_map(vol, pixel_size: float, resolution_A: float, width_shells: float = 2.0, ndim: int = 3):

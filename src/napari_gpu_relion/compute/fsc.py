@@ -116,6 +116,17 @@ def fit_bfactor(x, y, pixel_size_box: tuple[int, float], lowres_A: float = 10.0,
     return 4.0 * slope, icept, r * r
 
 
+def fsc_weights(fsc_curve) -> np.ndarray:
+    """The sharpening's FSC weighting: sqrt(2 FSC / (1 + FSC)) (:func:`fsc_to_full`) per shell up to the last
+    shell before the FSC first drops below 1e-4, 0 beyond."""
+    c = np.asarray(fsc_curve, dtype=np.float64)
+    below = np.nonzero(c < 1e-4)[0]
+    imax = (below[below > 0][0] - 1) if np.any(below > 0) else len(c) - 1
+    w = fsc_to_full(c)
+    w[imax + 1:] = 0.0
+    return w
+
+
 def apply_bfactor_and_fsc_weight(vol, pixel_size: float, bfactor: float, fsc_curve=None,
                                  lowpass_A: float | None = None, edge_shells: float = 2.0):
     """Sharpen: F * exp(-B s^2 / 4) for s <= Nyquist (0 beyond); optional FSC weighting sqrt(2FSC/(1+FSC))
@@ -127,11 +138,7 @@ def apply_bfactor_and_fsc_weight(vol, pixel_size: float, bfactor: float, fsc_cur
     s2 = (r / (N * pixel_size)) ** 2
     filt = xp.where(r <= N / 2, xp.exp(-bfactor * s2 / 4.0), 0.0)
     if fsc_curve is not None:
-        c = np.asarray(fsc_curve, dtype=np.float64)
-        below = np.nonzero(c < 1e-4)[0]
-        imax = (below[below > 0][0] - 1) if np.any(below > 0) else len(c) - 1
-        w = np.where(c > 0, np.sqrt(2 * np.clip(c, 0, None) / (1 + c)), 0.0)
-        w[imax + 1:] = 0.0
+        w = fsc_weights(fsc_curve)
         sh = shell_grid(N, 3, xp)
         wv = xp.asarray(w)[xp.clip(sh, 0, len(w) - 1)]
         filt = filt * xp.where(sh < len(w), wv, 0.0)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from .backend import get_array_module, memory_mark, to_host
-from .fourier import half_grid_slabs, irfft_centered, rfft_centered, round_half_away
+from .fourier import half_grid_slabs, irfft_centered, raised_cosine, rfft_centered, round_half_away
+from .fsc import fsc_weights
 
 #: Bytes of temporaries per half-grid voxel of one slab (complex128 products, float64 radii and filters).
 SLAB_BYTES_PER_VOXEL = 96
@@ -112,17 +113,6 @@ def guinier_of_ft(F, pixel_size: float):
     return x, y
 
 
-def fsc_weights(fsc_curve) -> np.ndarray:
-    """sqrt(2 FSC / (1 + FSC)) per shell up to the last shell before the FSC drops below 1e-4, 0 beyond (as
-    fsc.apply_bfactor_and_fsc_weight)."""
-    c = np.asarray(fsc_curve, dtype=np.float64)
-    below = np.nonzero(c < 1e-4)[0]
-    imax = (below[below > 0][0] - 1) if np.any(below > 0) else len(c) - 1
-    w = np.where(c > 0, np.sqrt(2 * np.clip(c, 0, None) / (1 + c)), 0.0)
-    w[imax + 1:] = 0.0
-    return w
-
-
 def filter_in_place(F, pixel_size: float, bfactor: float, fsc_curve=None, lowpass_A: float | None = None,
                     edge_shells: float = 2.0) -> None:
     """F *= the filter of fsc.apply_bfactor_and_fsc_weight (B-factor to Nyquist, FSC weighting, raised-cosine
@@ -142,9 +132,7 @@ def filter_in_place(F, pixel_size: float, bfactor: float, fsc_curve=None, lowpas
             wv = w[xp.clip(sh, 0, len(w) - 1)]
             filt = filt * xp.where(sh < len(w), wv, 0.0)
         if shell is not None:
-            lo, hi = shell - edge_shells / 2.0, shell + edge_shells / 2.0
-            f = 0.5 + 0.5 * xp.cos(np.pi * (r - lo) / max(edge_shells, 1e-9))
-            filt = filt * xp.where(r < lo, 1.0, xp.where(r > hi, 0.0, f))
+            filt = filt * raised_cosine(r, shell, edge_shells)
         F[sl] *= filt
 
 
