@@ -30,7 +30,7 @@ from functools import cache
 import numpy as np
 import pytest
 
-from napari_gpu_relion.compute.backend import fine_bytes_per_sample
+from napari_gpu_relion.compute.backend import fine_bytes_per_sample, union_bytes_per_orientation
 from napari_gpu_relion.compute.backprojector import BackProjector, BackProjectorStack
 from napari_gpu_relion.compute.ctf import CtfParams
 from napari_gpu_relion.compute.estep import (
@@ -40,6 +40,7 @@ from napari_gpu_relion.compute.estep import (
     Sampling,
     expectation_batch,
     plan_fine_chunks,
+    plan_union_groups,
     prepare_batch,
 )
 from napari_gpu_relion.compute.expectation import pixel_set
@@ -54,6 +55,8 @@ COARSE_SIZE, FINE_SIZE = 8, 12  # image sizes of the two passes (shells <= 4 and
 N_SHELLS = N // 2 + 1
 K = 2  # classes
 I = 6  # particles
+FINE_PIXELS = pixel_set(N, FINE_SIZE).npix
+UNION_ROWS = 12  # coarse rows in a group's union in the case with groups of several particles
 OFFSET_RANGE, OFFSET_STEP = 3.0, 2.0  # pixels: 9 coarse translations
 SIGMA_OFFSET_A = 3.0
 FRACTION = 0.999
@@ -71,6 +74,7 @@ class Case:
     local: bool = False  # candidate rows with their own log priors instead of a global search
     class_prior: bool = False  # per-particle class log prior; particles 0 and 3 restricted to one class
     max_fine_bytes: int | None = None  # fine-pass chunk budget (None: the default)
+    max_union_bytes: int | None = None  # budget of a particle group's union of significant rows (None: the default)
 
 
 CASES = {
@@ -84,6 +88,12 @@ CASES = {
     "global_small_chunks": Case(3, max_fine_bytes=200_000),
     "class2d_offset_priors": Case(2),
     "class2d_offset_priors_small_chunks": Case(2, class_prior=True, max_fine_bytes=20_000),
+    # the fine passes in particle groups whose union of significant rows fits a small budget (issue 21): one
+    # particle per group (the smallest budget), and groups of several particles with small fine chunks
+    "global_union_groups": Case(3, max_union_bytes=1),
+    "local_class_prior_union_groups": Case(3, local=True, class_prior=True, max_fine_bytes=1,
+                                           max_union_bytes=UNION_ROWS * 8 * union_bytes_per_orientation(FINE_PIXELS)),
+    "class2d_offset_priors_union_groups": Case(2, class_prior=True, max_union_bytes=1),
 }
 
 
@@ -215,6 +225,8 @@ def _run(case: Case):
     pix_c, pix_f = pixel_set(N, COARSE_SIZE), pixel_set(N, FINE_SIZE)
     scale_shells = (pix_f.shell >= 2) & (pix_f.shell <= 5)
     kw = {} if case.max_fine_bytes is None else {"max_fine_bytes": case.max_fine_bytes}
+    if case.max_union_bytes is not None:
+        kw["max_union_bytes"] = case.max_union_bytes
     setup = EStepSetup(d.refs, d.sampling, pix_c, pix_f, APIX, d.sigma2, log_pdf_direction=d.log_pdf_direction,
                        sigma_offset_A=SIGMA_OFFSET_A, class_offset_prior_A=d.class_offset_prior_A,
                        adaptive_fraction=FRACTION, scale_shells=scale_shells, **kw)
@@ -542,6 +554,9 @@ def test_expectation_batch_equals_brute_force(name):
     assert want.nr_significant.max() > 3
     assert (1.0 - want.significant_weight_sums).max() > 1e-5
     res, sums = _run(case)
+    if case.max_union_bytes is not None:  # the case runs its fine passes in several particle groups
+        assert 1 < res.union_groups <= I, res.union_groups
+        assert case.max_union_bytes == 1 or res.union_groups < I, res.union_groups
 
     # per-particle results
     np.testing.assert_array_equal(res.nr_significant, want.nr_significant)
@@ -609,3 +624,21 @@ def test_fine_chunks_cover_the_particles_in_order_within_the_budget():
                 assert (a1 + 1 - a0) * max(1, counts[a1]) * 8 * per > budget
     assert plan_fine_chunks(counts, 8, 36, 120, 10**12) == [(0, counts.size)]
     assert plan_fine_chunks(counts, 8, 36, 120, 1) == [(a, a + 1) for a in range(counts.size)]
+
+
+def test_union_groups_by_hand():
+    """Particle groups of the fine passes (estep.plan_union_groups): in rank order, each group as long as its own
+    union of rows fits the budget, a particle alone when its rows alone do not fit, one group when the batch's
+    union fits. Ranks 0..4 with rows {0}, {0, 1}, {1, 2}, {3, 4, 5, 6}, {2}: union of all 7 rows."""
+    rows_of = [[0], [0, 1], [1, 2], [3, 4, 5, 6], [2]]
+    start = np.concatenate([[0], np.cumsum([len(r) for r in rows_of])])
+    index = np.concatenate(rows_of)
+    per_row = 8 * 100  # 8 children x 100 bytes
+    assert plan_union_groups(start, index, 7, per_row, 7 * per_row) == [(0, 5)]  # the whole union fits
+    # 3 rows: {0,1,2} for ranks 0-2 (3 rows), rank 3 alone (4 rows > 3: alone), rank 4 ({2})
+    assert plan_union_groups(start, index, 7, per_row, 3 * per_row) == [(0, 3), (3, 4), (4, 5)]
+    # 2 rows: {0,1} for ranks 0-1; rank 2 {1,2}; rank 3 alone; rank 4
+    assert plan_union_groups(start, index, 7, per_row, 2 * per_row) == [(0, 2), (2, 3), (3, 4), (4, 5)]
+    # 6 rows: ranks 0-2 make {0,1,2}, rank 3 would make 7: a new group {3,4,5,6}, to which rank 4 adds {2}: 5 rows
+    assert plan_union_groups(start, index, 7, per_row, 6 * per_row) == [(0, 3), (3, 5)]
+    assert plan_union_groups(start, index, 7, per_row, 1) == [(r, r + 1) for r in range(5)]

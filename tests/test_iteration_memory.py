@@ -1,6 +1,9 @@
 """What an auto-refine iteration holds, by step (compute/backend.MemoryTrace; issue 21): nothing of one
-iteration stays alive into the next, the final iteration frees what its M-step no longer needs, and the
-E-step's insertion in pieces adds exactly what one insertion adds."""
+iteration stays alive into the next, the final iteration frees what its M-step no longer needs, the E-step's
+insertion in pieces adds exactly what one insertion adds, and the E-step's union of significant orientations
+stays within the memory plan's budget (fine passes in particle groups) with the same results."""
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -10,6 +13,7 @@ from napari_gpu_relion.compute.backprojector import BackProjector, grid_shape
 from napari_gpu_relion.compute.geometry import euler_to_matrix
 from napari_gpu_relion.compute.projector import pixel_list
 from napari_gpu_relion.compute.simulate import random_rotations
+from napari_gpu_relion.io.mrc import read_mrc
 from napari_gpu_relion.jobs import em, refine3d
 from napari_gpu_relion.jobs.events import Message
 from napari_gpu_relion.jobs.simulate import make_sample_data
@@ -18,16 +22,34 @@ BOX = 96  # 300 Å over 80 % of the box, 3.9 Å/px: ~10 s on 2 cores (smaller bo
 
 
 @pytest.fixture(scope="module")
-def traced_run(tmp_path_factory):
-    d = tmp_path_factory.mktemp("mem")
-    data = make_sample_data(d / "data", box=BOX, angpix=300.0 / (0.8 * BOX), n_particles=20, snr=0.05,
-                            diameter=300.0, n_micrographs=0, ini_high=60.0)
-    p = refine3d.Params(i=data / "particles.star", ref=data / "reference.mrc", o=d / "run" / "run", ctf=True,
+def data(tmp_path_factory):
+    return make_sample_data(tmp_path_factory.mktemp("mem") / "data", box=BOX, angpix=300.0 / (0.8 * BOX),
+                            n_particles=20, snr=0.05, diameter=300.0, n_micrographs=0, ini_high=60.0)
+
+
+def _traced(data, out, union_bytes=None):
+    """A traced 2-iteration auto-refine on the CPU: (per-step peaks by iteration, events, the job); with
+    ``union_bytes`` its memory plan's budget of the union of significant orientations is that many bytes."""
+    p = refine3d.Params(i=data / "particles.star", ref=data / "reference.mrc", o=out / "run", ctf=True,
                         particle_diameter=300.0, auto_iter_max=1, cpu=True)
     job = refine3d.Refine3D(p)
-    with MemoryTrace(select_backend(cpu=True)) as trace:
-        events = list(em.run(job))
-    return trace.by_iteration, events
+    with pytest.MonkeyPatch.context() as mp:
+        if union_bytes is not None:
+            plan_memory = em.plan_memory
+            mp.setattr(em, "plan_memory", lambda *a, **k: replace(plan_memory(*a, **k), union_bytes=union_bytes))
+        with MemoryTrace(select_backend(cpu=True)) as trace:
+            events = list(em.run(job))
+    return trace.by_iteration, events, job
+
+
+@pytest.fixture(scope="module")
+def traced_job(data, tmp_path_factory):
+    return _traced(data, tmp_path_factory.mktemp("whole"))
+
+
+@pytest.fixture(scope="module")
+def traced_run(traced_job):
+    return traced_job[:2]
 
 
 def test_nothing_of_an_iteration_is_held_into_the_next(traced_run):
@@ -66,3 +88,30 @@ def test_insertion_in_pieces_adds_what_one_insertion_adds():
     for x, y in zip((whole.data_re, whole.data_im, whole.weight), (pieces.data_re, pieces.data_im, pieces.weight),
                     strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+UNION = "E-step: fine slices and sums of the union of significant orientations"
+
+
+def test_a_small_union_budget_lowers_the_union_peak_with_the_same_results(traced_job, data, tmp_path):
+    """The memory plan's union budget (backend.union_budget; here 1 byte: one particle per group) splits each
+    batch's fine passes into particle groups: the traced peak of the union's step and of the insertion goes down
+    in both iterations (iteration 1's global search has the largest union), the run says so, and the angles,
+    offsets and classes are the same as in one group, the maps the same to float rounding."""
+    whole, whole_events, whole_job = traced_job
+    split, split_events, split_job = _traced(data, tmp_path / "split", union_bytes=1)
+    said = [e.text for e in split_events if isinstance(e, Message) and "fine passes ran in" in e.text]
+    assert len(said) == 4 and all("10 groups of particles" in t for t in said), said  # 2 iterations x 2 halves
+    assert not [e for e in whole_events if isinstance(e, Message) and "fine passes ran in" in e.text]
+    plan_lines = [e.text for e in whole_events if isinstance(e, Message) and e.text.startswith("memory plan:")]
+    assert "union of significant orientations at most" in plan_lines[0]
+    for it in (1, 2):
+        for step in (UNION, "E-step: insertion"):
+            w, s = whole[it][step]["peak_GiB"], split[it][step]["peak_GiB"]
+            assert s <= w - 0.03, (it, step, w, s)  # measured: 0.60 -> 0.45 and 0.35 -> 0.28 GiB for the union
+    np.testing.assert_allclose(split_job.ps.angles, whole_job.ps.angles, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(split_job.ps.offsets_px, whole_job.ps.offsets_px, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(split_job.ps.classes, whole_job.ps.classes)
+    for name in ("run_class001.mrc", "run_half1_class001_unfil.mrc"):
+        a, b = (read_mrc(job.files.folder / name).data for job in (whole_job, split_job))
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * np.abs(a).max())

@@ -4,13 +4,23 @@ not fit falls back to --pad 1 and says so, and a job that cannot fit is refused 
 
 import tracemalloc
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from napari_gpu_relion import cli
-from napari_gpu_relion.compute import fourier
+from napari_gpu_relion.compute import backend, estep, fourier
+from napari_gpu_relion.compute.backend import (
+    BATCH_FRACTION,
+    PROJECT_BYTES_PER_POINT,
+    UNION_BYTES_PER_FINE_PIXEL,
+    plan_memory,
+    union_budget,
+    union_bytes_per_orientation,
+)
 from napari_gpu_relion.compute.backprojector import BackProjector, reconstruct_grids
+from napari_gpu_relion.compute.expectation import pixel_set
 from napari_gpu_relion.compute.maximization import fsc_from_backprojectors, reference_sigma2, ssnr_map
 from napari_gpu_relion.compute.memory_plan import (
     GIB,
@@ -21,6 +31,7 @@ from napari_gpu_relion.compute.memory_plan import (
     refusal,
 )
 from napari_gpu_relion.compute.projector import prepare_reference
+from napari_gpu_relion.compute.sampling import Sampling
 from napari_gpu_relion.jobs import em, refine3d
 from napari_gpu_relion.jobs.events import Message
 from napari_gpu_relion.jobs.simulate import make_sample_data
@@ -74,6 +85,67 @@ def test_slab_wise_reconstruction_equals_the_whole_grid_one():
         whole = reconstruct_grids(*args, max_bytes=1 << 40)
         slabs = reconstruct_grids(*args, max_bytes=1)
         np.testing.assert_allclose(slabs, whole, rtol=0, atol=1e-6 * np.abs(whole).max())
+
+
+def test_union_budget_by_hand():
+    """backend.union_budget: the run's largest planned transient less the batch, one fine chunk and the
+    projection's temporaries (2^24 points x 176 bytes = 2.75 GiB), at least BATCH_FRACTION (0.15) of what is left
+    after the references and accumulators, at most what is left after the batch and the chunk."""
+    g = int(GIB)
+    proj = (1 << 24) * 176
+    assert proj == int(2.75 * GIB)
+    # box 800, pad 1 on an 80 GB GPU: 15.3 GiB held, the FSC pooling 18.7 GiB, batch 2 GiB, chunk 1.8 GiB:
+    # 18.7 - 2 - 1.8 - 2.75 = 12.15 GiB, above 0.15 x 64.7 = 9.705 GiB
+    held, transient, batch, chunk = int(15.3 * g), int(18.7 * g), 2 * g, int(1.8 * g)
+    assert union_budget(80 * g, held, transient, batch, chunk) == transient - batch - chunk - proj
+    assert union_budget(80 * g, held, transient, batch, chunk) / GIB == pytest.approx(12.15, abs=1e-6)
+    # a small box: the plan's transient (0.55 GiB) is below the floor: 0.15 x (80 - 0.2) GiB
+    assert union_budget(80 * g, int(0.2 * g), int(0.55 * g), int(0.7 * g), 2 * g) == \
+        int(BATCH_FRACTION * (80 * g - int(0.2 * g)))
+    # little free memory: what is left after the batch and the chunk, 4 - 3 - 0.5 - 0.25 GiB
+    assert union_budget(4 * g, 3 * g, 10 * g, g // 2, g // 4) == g // 4
+    assert union_budget(2 * g, 3 * g, 10 * g, g // 2, g // 4) == 0  # nothing left: one particle per group
+    # the memory plan of an iteration carries it and says it
+    kw = dict(box=800, ndim=3, pad=1, n_references=2, rows_per_particle=4608, translations=21, coarse_pixels=5000)
+    plan = plan_memory(80 * g, largest_transient=transient, **kw)
+    assert plan.union_bytes == union_budget(80 * g, plan.reference_bytes + plan.accumulator_bytes, transient,
+                                            plan.batch * plan.bytes_per_particle, plan.fine_chunk_bytes)
+    assert f"union of significant orientations at most {plan.union_bytes / GIB:.2f} GiB" in plan.describe()
+    assert UNION_BYTES_PER_FINE_PIXEL == 24 and union_bytes_per_orientation(503_000) == 24 * 503_000
+    # the run's largest transient is what JobMemory plans beside what it holds
+    jm = job_memory(box=800, ndim=3, pad=1, n_classes=1, n_halves=2, budget_bytes=80 * g)
+    assert jm.largest_transient == jm.peak - jm.held == max(jm.prepare, jm.reconstruct, jm.estep_minimum)
+
+
+def test_union_bytes_per_fine_pixel_are_the_measured_peak(monkeypatch):
+    """The E-step's union of significant orientations (estep._with_union_slices, then the zeroed sums of
+    _FineSums.new_union) peaks at UNION_BYTES_PER_FINE_PIXEL per fine pixel per fine orientation, plus the
+    projection's temporaries of one chunk (PROJECT_BYTES_PER_POINT per point); measured with tracemalloc on NumPy,
+    with a small projection chunk so that the union's own bytes dominate."""
+    chunk = 1 << 14
+    monkeypatch.setattr(backend, "PROJECT_CHUNK_POINTS", chunk)
+    box = 48
+    vol = np.random.default_rng(0).normal(size=(box,) * 3)
+    ref = prepare_reference(vol, 2, r_max=box / 2)
+    pix_f = pixel_set(box, box)
+    setup = estep.EStepSetup([ref], Sampling(order=1, offset_range=2, offset_step=2), pixel_set(box, 16), pix_f,
+                             2.0, np.ones((1, box // 2 + 1)))
+    b = SimpleNamespace(xp=np, setup=setup, n_orient=setup.sampling.n_orient)
+    union = np.arange(0, setup.sampling.n_orient, 3)  # 192 coarse rows: 1536 fine orientations
+    fine = estep._FineData(*[None] * 10)
+    acc = estep._FineSums(*[None] * 14)
+    held = []
+
+    def make():
+        g = estep._with_union_slices(b, fine, union)
+        acc.new_union(b, union.size * g.n_children, union.size, pix_f.npix)
+        held.append(g)
+
+    peak = _peak(make)
+    points = union.size * setup.sampling.n_children * pix_f.npix
+    assert held[0].n_children == 8
+    union_bytes = UNION_BYTES_PER_FINE_PIXEL * points  # measured: 24.1 bytes per point in all
+    assert 0.95 * union_bytes <= peak <= 1.02 * union_bytes + PROJECT_BYTES_PER_POINT * chunk, peak / points
 
 
 def test_plan_of_large_boxes_by_hand():

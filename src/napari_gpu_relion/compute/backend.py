@@ -197,6 +197,42 @@ def fine_bytes_per_sample(fine_translations: int, fine_pixels: int) -> int:
     return fine_translations * 40 + fine_pixels * 24
 
 
+#: Points per call of the projection's interpolation (projector.project_pixels), and the bytes per point of its
+#: temporaries (rotated coordinates, corner indices and weights, gathered values: 175 measured with tracemalloc on
+#: NumPy): a transient of up to 2.75 GiB while the E-step projects the slices of a union.
+PROJECT_CHUNK_POINTS = 1 << 24
+PROJECT_BYTES_PER_POINT = 176
+#: Device bytes per fine pixel of one fine orientation of the E-step's union of significant orientations (per
+#: batch, every oversampled child of every coarse row that some particle of the batch found significant): its
+#: projected slice as the GEMMs use it (compute/expectation.SliceSet: [Re, Im] float32 and |P|^2 float32, 12) and
+#: its weighted sums (estep._FineSums: [Re, Im] float32 and the weight float32, 12). While the slices are made,
+#: the complex64 projection (8) exists beside the SliceSet, before the sums: 20 (expectation.as_slices makes
+#: |P|^2 in place). tests/test_memory_plan.py measures it with tracemalloc: 24.1 in all.
+UNION_BYTES_PER_FINE_PIXEL = 24
+
+
+def union_bytes_per_orientation(fine_pixels: int) -> int:
+    """Device bytes of one fine orientation of the union of significant orientations at ``fine_pixels`` pixels
+    (UNION_BYTES_PER_FINE_PIXEL each): what estep.plan_union_groups bounds by the plan's ``union_bytes``."""
+    return UNION_BYTES_PER_FINE_PIXEL * int(fine_pixels)
+
+
+def union_budget(free_bytes: int, held_bytes: int, largest_transient: int, batch_bytes: int,
+                 fine_chunk_bytes: int) -> int:
+    """Most bytes the union of significant orientations of one group of particles may hold in the E-step (the
+    fine slices and sums, union_bytes_per_orientation each). What the run's memory plan already allows at its peak
+    (``largest_transient``: compute/memory_plan.JobMemory, e.g. the half-map FSC pooling) less the batch's own
+    arrays and one fine chunk, so that the E-step adds no peak of its own; but never less than BATCH_FRACTION of
+    the memory left after the references and accumulators (``held_bytes``), so that where the plan's transient is
+    small beside the free memory (small boxes) the union stays as large as before; and never more than what is
+    left after the batch and the chunk. The projection's temporaries (PROJECT_CHUNK_POINTS x
+    PROJECT_BYTES_PER_POINT) come off the plan's part, as they come beside the slices while these are made."""
+    left = max(0, int(free_bytes) - int(held_bytes))
+    others = int(batch_bytes) + int(fine_chunk_bytes)
+    planned = int(largest_transient) - others - PROJECT_CHUNK_POINTS * PROJECT_BYTES_PER_POINT
+    return int(min(max(0, left - others), max(BATCH_FRACTION * left, planned)))
+
+
 #: Fraction of the free memory that one batch of template-matching FFTs (autopick) may use, and most micrograph
 #: crops per batch.
 PICK_BATCH_FRACTION = 0.25
@@ -223,25 +259,31 @@ class MemoryPlan:
     fine_chunk_bytes: int
     rows_per_particle: int
     translations: int
+    union_bytes: int = 1 << 62  # most bytes of the union of significant orientations of one particle group
 
     def describe(self) -> str:
         gib = 1024.0**3
         return (f"memory plan: references {self.reference_bytes / gib:.2f} GiB, accumulators "
                 f"{self.accumulator_bytes / gib:.2f} GiB, batch {self.batch} particles x {self.rows_per_particle} "
                 f"orientations x {self.translations} translations ({self.batch * self.bytes_per_particle / gib:.2f} "
-                f"GiB), fine chunks {self.fine_chunk_bytes / 2**20:.0f} MiB; free {self.free_bytes / gib:.1f} GiB")
+                f"GiB), fine chunks {self.fine_chunk_bytes / 2**20:.0f} MiB, union of significant orientations "
+                f"at most {self.union_bytes / gib:.2f} GiB per particle group ({UNION_BYTES_PER_FINE_PIXEL} bytes "
+                f"per fine pixel per fine orientation; a batch whose union is larger runs its fine passes in "
+                f"groups of particles); free {self.free_bytes / gib:.1f} GiB")
 
 
 def plan_memory(free_bytes: int, *, box: int, ndim: int, pad: int, n_references: int, rows_per_particle: int,
                 translations: int, coarse_pixels: int, requested_batch: int = 0,
-                adaptive_chunks: bool = True) -> MemoryPlan:
+                adaptive_chunks: bool = True, largest_transient: int = 0) -> MemoryPlan:
     """The memory plan of one E-step iteration. ``n_references`` counts every padded Fourier reference held
     (classes x halves); each has an accumulator of the same grid (complex128 data + float64 weight) beside its
     complex64 reference. ``requested_batch`` (--batch) wins when positive; otherwise the batch is what
     BATCH_FRACTION of the memory left after the references and accumulators holds, at most MAX_BATCH_2D/3D.
     ``adaptive_chunks=False`` (the CPU) fixes the fine-pass chunk at CHUNK_BYTES instead of a fraction of the
     free memory: the chunks set the order of the sums, so a fixed chunk gives the same numbers on any host
-    however busy (a GPU's atomics make the order vary anyway; there larger chunks are faster)."""
+    however busy (a GPU's atomics make the order vary anyway; there larger chunks are faster).
+    ``largest_transient``: the run's largest planned transient (compute/memory_plan.JobMemory), which sets the
+    budget of the union of significant orientations (:func:`union_budget`)."""
     grid = (pad * box) ** (ndim - 1) * (pad * box // 2 + 1)
     ref_bytes = n_references * grid * 8
     acc_bytes = n_references * grid * (16 + 8)
@@ -255,7 +297,9 @@ def plan_memory(free_bytes: int, *, box: int, ndim: int, pad: int, n_references:
     left = max(0, free_bytes - ref_bytes - acc_bytes)
     fine = int(min(MAX_FINE_CHUNK_BYTES, max(CHUNK_BYTES, FINE_CHUNK_FRACTION * left))) if adaptive_chunks \
         else CHUNK_BYTES
-    return MemoryPlan(int(free_bytes), ref_bytes, acc_bytes, per, batch, fine, rows_per_particle, translations)
+    union = union_budget(free_bytes, ref_bytes + acc_bytes, largest_transient, batch * per, fine)
+    return MemoryPlan(int(free_bytes), ref_bytes, acc_bytes, per, batch, fine, rows_per_particle, translations,
+                      union)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -10,19 +10,22 @@ each significant coarse sample; non-candidates are masked with a log-prior of -i
 
 1. ``_coarse_pass``: scores of every (translation, row) at the coarse pixels, log priors, posterior weights and
    RELION's significance.
-2. ``_significant_rows`` and ``_fine_data``: the significant (particle, row) pairs sorted by particle, the
-   union of their rows, the slices of all children of that union and the particles' fine pixels.
-3. ``plan_fine_chunks``: which particles form each fine-pass chunk, bounded by the memory budget.
-4. ``_fine_chunk``: scores, weights, best samples and weighted sums of one chunk (into ``_FineSums``).
-5. ``_add_power_beyond_fine``: the image power of the shells beyond the fine size (noise and norm terms).
-6. ``_insert_summed_slices``: one insertion per distinct fine orientation into the class back-projectors.
-7. ``_best_poses`` and ``_add_mstep_sums``: the per-particle results and the sums for the M-step.
+2. ``_significant_rows`` and ``_fine_particles``: the significant (particle, row) pairs sorted by particle, the
+   union of their rows and the particles' fine pixels.
+3. ``plan_union_groups``: groups of particles whose union of significant rows fits the memory plan's
+   ``union_bytes`` (one group, the whole batch, unless the union is larger); per group:
+   ``_with_union_slices`` (the slices of all children of the group's union), ``plan_fine_chunks`` (which
+   particles form each fine-pass chunk, bounded by the memory budget), ``_fine_chunk`` (scores, weights, best
+   samples and weighted sums of one chunk, into ``_FineSums``), ``_insert_summed_slices`` (one insertion per
+   distinct fine orientation of the group into the class back-projectors) and ``_add_row_sums``.
+4. ``_add_power_beyond_fine``: the image power of the shells beyond the fine size (noise and norm terms).
+5. ``_best_poses`` and ``_add_mstep_sums``: the per-particle results and the sums for the M-step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -33,6 +36,7 @@ from .backend import (
     get_array_module,
     memory_mark,
     to_host,
+    union_bytes_per_orientation,
 )
 from .backprojector import insert_by_class
 from .ctf import CtfParams, ctf_from_frequencies
@@ -172,6 +176,7 @@ class BatchResult:
     nr_significant: np.ndarray
     log_likelihood: np.ndarray
     residual_power: np.ndarray  # (I,) E_i for the norm correction
+    union_groups: int = 1  # particle groups of the fine passes (more than 1: the union exceeded union_bytes)
 
 
 @dataclass
@@ -192,6 +197,7 @@ class EStepSetup:
     cc: bool = False
     scale_shells: object = None  # (K,) per pixel of the fine set: True where SSNR_MAP > 3 (group scale sums)
     max_fine_bytes: int = CHUNK_BYTES  # budget of one fine-pass chunk (plan_fine_chunks)
+    max_union_bytes: int = 1 << 62  # budget of the union of significant orientations of a group (plan_union_groups)
     P_coarse: object = None  # SliceSet (K * R, Kc) of the coarse slices for global searches (made once)
     #: Called between the steps of a batch and before every fine chunk; it raises (the jobs' JobCancelled) to stop
     #: the E-step when the user cancels. It must not change anything: results are the same with and without it.
@@ -256,22 +262,35 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
     check()
     rows = _significant_rows(batch, coarse, candidate_log_prior)
     check()
-    fine = _fine_data(batch, rows.union_rows_host)
-    acc = _FineSums.zeros(batch, rows.n_union * fine.n_children, rows.n_union, setup.pix_fine.npix, sums.n_shells)
-    memory_mark("E-step: fine slices and sums of the union of significant orientations")
+    fine = _fine_particles(batch)
+    acc = _FineSums.zeros(batch, sums.n_shells)
+    n_children = setup.sampling.n_children
     n_fine_translations = fine.translations.shape[0] * fine.translations.shape[1]
-    for a0, a1 in plan_fine_chunks(rows.counts[rows.order], fine.n_children, n_fine_translations,
-                                   setup.pix_fine.npix, setup.max_fine_bytes):
-        check()  # sums are only added to ``sums`` after the last chunk: a cancel here leaves them untouched
-        _fine_chunk(batch, rows, fine, acc, a0, a1)
-    check()
+    counts_sorted = rows.counts[rows.order]
+    union_groups = plan_union_groups(rows.start, rows.union_index, rows.n_union,
+                                     n_children * union_bytes_per_orientation(setup.pix_fine.npix),
+                                     setup.max_union_bytes)
+    for g0, g1 in union_groups:
+        group = rows.group(g0, g1)
+        gfine = _with_union_slices(batch, fine, group.union_rows_host)
+        acc.new_union(batch, group.n_union * gfine.n_children, group.n_union, setup.pix_fine.npix)
+        memory_mark("E-step: fine slices and sums of the union of significant orientations")
+        for a0, a1 in plan_fine_chunks(counts_sorted[g0:g1], gfine.n_children, n_fine_translations,
+                                       setup.pix_fine.npix, setup.max_fine_bytes):
+            check()  # a cancel stops the job: the sums of this batch are not used (earlier groups' may be in)
+            _fine_chunk(batch, group, gfine, acc, g0 + a0, g0 + a1)
+        check()
+        memory_mark("E-step: fine passes")
+        _insert_summed_slices(batch, group, gfine, acc, sums)
+        _add_row_sums(batch, group, acc, sums)
+        acc.drop_union()
+        del gfine
+        memory_mark("E-step: insertion")
     _add_power_beyond_fine(batch, acc, sums.n_shells)
     check()
-    memory_mark("E-step: fine passes")
-    _insert_summed_slices(batch, rows, fine, acc, sums)
-    memory_mark("E-step: insertion")
     result = _best_poses(batch, fine, acc, coarse)
-    _add_mstep_sums(batch, rows, acc, sums, groups, scale_group_index)
+    result.union_groups = len(union_groups)
+    _add_mstep_sums(batch, acc, sums, groups, scale_group_index)
     return result
 
 
@@ -402,6 +421,20 @@ class _SignificantRows:
     def n_union(self) -> int:
         return int(self.union_rows_host.size)
 
+    def group(self, g0: int, g1: int) -> _SignificantRows:
+        """The entries of the particles of ranks g0..g1-1 with their own union (the rows those particles found
+        significant, ascending as the batch's union); the entries of other ranks keep an index that means
+        nothing in it. The whole batch is itself (the same union, to the bit)."""
+        if g0 == 0 and g1 == self.order.size:
+            return self
+        e0, e1 = int(self.start[g0]), int(self.start[g1])
+        xp = get_array_module(self.union_index)
+        used, inverse = xp.unique(self.union_index[e0:e1], return_inverse=True)
+        union_index = self.union_index.copy()
+        union_index[e0:e1] = inverse.reshape(-1)
+        return replace(self, union_index=union_index, union_rows=self.union_rows[used],
+                       union_rows_host=self.union_rows_host[to_host(used)])
+
 
 def _significant_rows(b: _Batch, coarse: _CoarseResult, candidate_log_prior) -> _SignificantRows:
     """The entries of the fine pass: each particle's rows with a significant coarse translation, in rank order,
@@ -436,8 +469,9 @@ def _significant_rows(b: _Batch, coarse: _CoarseResult, candidate_log_prior) -> 
 @dataclass
 class _FineData:
     """The fine pass's orientations, translations and particle pixels: every oversampled child of the union of
-    significant rows (matrices and slices, child c of union row u at u * n_children + c), the translation
-    children of every coarse translation, and the particles' pixels, weights and CTF at the fine pixel set."""
+    significant rows of a particle group (matrices and slices, child c of union row u at u * n_children + c; None
+    in the particles' part that _fine_particles makes), the translation children of every coarse translation, and
+    the particles' pixels, weights and CTF at the fine pixel set."""
 
     matrices: object  # (U * n_children, 3, 3): projection and insertion
     slices: SliceSet  # (U * n_children, Kf)
@@ -451,21 +485,61 @@ class _FineData:
     ctf: object  # (I, Kf) s_g x CTF
 
 
-def _fine_data(b: _Batch, union_rows_host: np.ndarray) -> _FineData:
-    """Project every child of the union rows once (slices gathered by row afterwards) and gather the particles'
-    fine pixels."""
+def _fine_particles(b: _Batch) -> _FineData:
+    """The particles' part of the fine data (pixels, weights and CTF at the fine pixel set, the translation
+    children), without orientations: _with_union_slices adds those of a union."""
     xp, setup, smp = b.xp, b.setup, b.setup.sampling
     pix = setup.pix_fine
-    A = xp.asarray(smp.fine_matrices(union_rows_host % b.n_orient).reshape(-1, 3, 3))
-    P = _project_rows(setup, union_rows_host, pix, fine=True, matrices=A)
-    n_children = P.shape[0] // max(1, int(union_rows_host.size))
-    slices = as_slices(P)
-    del P
     fine_t = smp.fine_translations()  # (T, 4, 2)
     ramps = translation_ramps(pix, fine_t.reshape(-1, 2))
     w, m = _weights_for(b.sigma2_rows, pix, xp)
-    return _FineData(A, slices, n_children, fine_t, ramps, gather_pixels(b.prep.F_masked, pix),
+    return _FineData(None, None, smp.n_children, fine_t, ramps, gather_pixels(b.prep.F_masked, pix),
                      gather_pixels(b.prep.F_unmasked, pix), w, m, b.ctf_at(pix))
+
+
+def _with_union_slices(b: _Batch, fine: _FineData, union_rows_host: np.ndarray) -> _FineData:
+    """``fine`` with every child of the union rows projected once (slices gathered by row afterwards)."""
+    xp, setup = b.xp, b.setup
+    A = xp.asarray(setup.sampling.fine_matrices(union_rows_host % b.n_orient).reshape(-1, 3, 3))
+    P = _project_rows(setup, union_rows_host, setup.pix_fine, fine=True, matrices=A)
+    n_children = P.shape[0] // max(1, int(union_rows_host.size))
+    slices = as_slices(P)
+    del P
+    return replace(fine, matrices=A, slices=slices, n_children=n_children or fine.n_children)
+
+
+def plan_union_groups(start, union_index, n_union: int, bytes_per_row: int,
+                      max_bytes: int) -> list[tuple[int, int]]:
+    """Groups of a batch's particles for the fine passes, as rank ranges [g0, g1) (ranks as in
+    _SignificantRows: ``start`` (I + 1,) the first entry of each rank, ``union_index`` (E,) each entry's row
+    in the batch's union of ``n_union`` rows, on the host or the device). A group grows while its own union of
+    significant rows at ``bytes_per_row`` (children x union_bytes_per_orientation) fits ``max_bytes``; every
+    group holds at least one particle (one particle's own rows are never split: its weights are normalised over
+    all of them). One group, the whole batch, when the batch's union fits (the E-step then runs as if there were
+    no groups).
+
+    Why groups inside the batch rather than a smaller batch: the union is known only after the coarse pass
+    (a batch size from the previous iteration's counts would be an estimate, nothing at iteration 1 and wrong
+    when the sampling becomes finer); groups bound it exactly and keep the coarse pass's large GEMMs. Particles
+    of two groups that share a row project it twice and insert its children twice (sums in another order: float
+    rounding)."""
+    n = len(start) - 1
+    if n_union * bytes_per_row <= max_bytes or n <= 1:
+        return [(0, n)]
+    union_index_host = to_host(union_index)
+    seen = np.zeros(n_union, dtype=bool)
+    groups, g0, size = [], 0, 0
+    for r in range(n):
+        own = union_index_host[start[r]:start[r + 1]]
+        new = int(np.count_nonzero(~seen[own]))
+        if r > g0 and (size + new) * bytes_per_row > max_bytes:
+            groups.append((g0, r))
+            seen[:] = False
+            g0, size, new = r, 0, own.size
+        seen[own] = True
+        size += new
+    groups.append((g0, n))
+    return groups
 
 
 def plan_fine_chunks(counts_sorted, n_children: int, n_fine_translations: int, n_fine_pixels: int,
@@ -508,12 +582,23 @@ class _FineSums:
     aa: object  # (I,) sum w |CP|^2 over the scale shells
 
     @classmethod
-    def zeros(cls, b: _Batch, n_fine_rows: int, n_union: int, n_pixels: int, n_shells: int) -> _FineSums:
+    def zeros(cls, b: _Batch, n_shells: int) -> _FineSums:
+        """The per-particle and per-class sums of a batch; the union's are made per group by new_union."""
         xp, I = b.xp, b.n_particles
         return cls(np.zeros(I, dtype=np.int64), np.zeros(I, dtype=np.int64), np.zeros(I, dtype=np.int64),
-                   np.zeros(I), np.zeros(I), xp.zeros(I), xp.zeros((n_fine_rows, 2 * n_pixels), dtype=np.float32),
-                   xp.zeros((n_fine_rows, n_pixels), dtype=np.float32), xp.zeros(n_union),
+                   np.zeros(I), np.zeros(I), xp.zeros(I), None, None, None,
                    xp.zeros((I, n_shells)), xp.zeros(I), xp.zeros((b.n_classes, 4)), xp.zeros(I), xp.zeros(I))
+
+    def new_union(self, b: _Batch, n_fine_rows: int, n_union: int, n_pixels: int) -> None:
+        """Zero sums for the fine orientations of a group's union (the previous group's are dropped first)."""
+        xp = b.xp
+        self.drop_union()
+        self.slices = xp.zeros((n_fine_rows, 2 * n_pixels), dtype=np.float32)
+        self.slice_weights = xp.zeros((n_fine_rows, n_pixels), dtype=np.float32)
+        self.row_weight = xp.zeros(n_union)
+
+    def drop_union(self) -> None:
+        self.slices = self.slice_weights = self.row_weight = None
 
 
 @dataclass
@@ -617,9 +702,12 @@ def _accumulate_chunk(b: _Batch, fine: _FineData, acc: _FineSums, lay: _ChunkLay
         acc.slice_weights[lay.fine_rows] += fs.slice_weights
         acc.row_weight[lay.distinct] += rw_parent.sum(0)
     else:
-        flat = lay.fine_rows.reshape(-1)
-        acc.slices += segment_sum(flat, fs.slices.reshape(-1, 2 * n_pixels), n_fine_rows)
-        acc.slice_weights += segment_sum(flat, fs.slice_weights.reshape(-1, n_pixels), n_fine_rows)
+        # summed onto the fine orientations the chunk touches, not onto a copy of the whole union's sums (12
+        # bytes per pixel of every fine orientation of the union, per chunk): the same sums of the same values
+        touched, flat = xp.unique(lay.fine_rows.reshape(-1), return_inverse=True)
+        flat = flat.reshape(-1)
+        acc.slices[touched] += segment_sum(flat, fs.slices.reshape(-1, 2 * n_pixels), touched.size)
+        acc.slice_weights[touched] += segment_sum(flat, fs.slice_weights.reshape(-1, n_pixels), touched.size)
         acc.row_weight += segment_sum(lay.parents.reshape(-1), rw_parent.reshape(-1, 1), acc.row_weight.size)[:, 0]
     # offset moments per class: sum w, sum w pos, sum w |pos|^2 (pos = o + t in Å) over each parent's children
     # and translations, then summed over the parents of each class
@@ -681,19 +769,24 @@ def _best_poses(b: _Batch, fine: _FineData, acc: _FineSums, coarse: _CoarseResul
                        acc.log_likelihood, to_host(acc.residual))
 
 
-def _add_mstep_sums(b: _Batch, rows: _SignificantRows, acc: _FineSums, sums: EStepSums, groups,
-                    scale_group_index) -> None:
-    """Add the batch's sums for the M-step: noise per optics group and shell, weights per group, class and
-    direction, offset variance and mean offsets per class, scale sums per scale group, log-likelihood, Pmax."""
-    R, K, setup = b.n_orient, b.n_classes, b.setup
+def _add_row_sums(b: _Batch, rows: _SignificantRows, acc: _FineSums, sums: EStepSums) -> None:
+    """Add a group's weights per coarse row of its union to the M-step's class and direction sums."""
+    R = b.n_orient
+    urows = rows.union_rows_host
+    row_weight = to_host(acc.row_weight)
+    np.add.at(sums.pdf_direction, (urows // R, (urows % R) // b.setup.sampling.n_psi), row_weight)
+    np.add.at(sums.pdf_class, urows // R, row_weight)
+
+
+def _add_mstep_sums(b: _Batch, acc: _FineSums, sums: EStepSums, groups, scale_group_index) -> None:
+    """Add the batch's sums for the M-step: noise per optics group and shell, weights per group, offset variance
+    and mean offsets per class, scale sums per scale group, log-likelihood, Pmax (the class and direction sums
+    were added per group by _add_row_sums)."""
+    K, setup = b.n_classes, b.setup
     g = np.asarray(groups)
     np.add.at(sums.sigma2, g, to_host(acc.sigma2))
     weight = to_host(acc.weight)
     np.add.at(sums.sumw_group, g, weight)
-    urows = rows.union_rows_host
-    row_weight = to_host(acc.row_weight)
-    np.add.at(sums.pdf_direction, (urows // R, (urows % R) // setup.sampling.n_psi), row_weight)
-    np.add.at(sums.pdf_class, urows // R, row_weight)
     m = to_host(acc.offset_moments)  # sum_c w |o - mu_c|^2 = m2 - 2 mu.m1 + |mu|^2 m0
     mu = np.broadcast_to(b.prior_mean_A, (K, 2))
     sums.sigma_offset += float((m[:, 3] - 2.0 * (mu * m[:, 1:3]).sum(1) + (mu**2).sum(1) * m[:, 0]).sum())

@@ -101,7 +101,10 @@ def as_slices(P) -> SliceSet:
     """Complex slices (..., K) -> SliceSet (a SliceSet is returned as it is)."""
     if isinstance(P, SliceSet):
         return P
-    return SliceSet(stack_complex(P), (P.real * P.real + P.imag * P.imag).astype(np.float32))
+    power = P.real * P.real  # summed in place and made before the stack: one temporary of the power at a time
+    power += P.imag * P.imag
+    power = power.astype(np.float32, copy=False)
+    return SliceSet(stack_complex(P), power)
 
 
 # ----------------------------------------------------------------------------------------------------------

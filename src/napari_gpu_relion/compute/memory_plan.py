@@ -78,9 +78,15 @@ class JobMemory:
         return self.references + self.accumulators
 
     @property
+    def largest_transient(self) -> int:
+        """The largest transient of the run (preparation, M-step or the smallest E-step): what the E-step's union
+        of significant orientations may use besides its batch (backend.union_budget)."""
+        return max(self.prepare, self.reconstruct, self.estep_minimum)
+
+    @property
     def peak(self) -> int:
         """The least a run needs at its busiest moment: everything held plus the largest transient."""
-        return self.held + max(self.prepare, self.reconstruct, self.estep_minimum)
+        return self.held + self.largest_transient
 
     @property
     def fits(self) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import backend
 from .backend import get_array_module
 from .fourier import _fft_module, half_grid_indices, real_radius_grid, rfft_centered
 
@@ -235,10 +236,12 @@ def project(ref: FourierReference, A, size: int | None = None, r_max: float | No
     return out.reshape(A.shape[0], s, s // 2 + 1)
 
 
-def project_pixels(ref: FourierReference, A, kx, ky, chunk_points: int = 1 << 24, index=None):
+def project_pixels(ref: FourierReference, A, kx, ky, chunk_points: int | None = None, index=None):
     """Reference values at image pixels (kx, ky) for each orientation: (R, Npix) complex64 (the GEMM-ready
     layout of the E-step). Coordinates in float32: their rounding (< 2e-5 px at box 256) is far below the
-    trilinear interpolation error. For a stacked reference, ``index`` (R,) names the reference of each row."""
+    trilinear interpolation error. For a stacked reference, ``index`` (R,) names the reference of each row.
+    Interpolated ``chunk_points`` points at a time (default backend.PROJECT_CHUNK_POINTS)."""
+    chunk_points = backend.PROJECT_CHUNK_POINTS if chunk_points is None else chunk_points
     xp = get_array_module(ref.data)
     A = xp.asarray(A, dtype=np.float32)
     if ref.ndim == 2:

@@ -357,7 +357,8 @@ class EMJob:
         it.plan = plan_memory(self.budget_bytes(), box=N, ndim=self.ndim, pad=self.p.pad,
                               n_references=K * len(self.halves), rows_per_particle=K * rows,
                               translations=smp.translations.shape[0], coarse_pixels=pix_c.npix,
-                              requested_batch=self.p.batch, adaptive_chunks=self.be.is_gpu)
+                              requested_batch=self.p.batch, adaptive_chunks=self.be.is_gpu,
+                              largest_transient=self.job_memory.largest_transient)
         if not self._plan_shown:  # once per run, at its first iteration
             self._plan_shown = True
             yield Message("memory plan of the whole run (full image size):\n" + self.job_memory.table())
@@ -375,7 +376,8 @@ class EMJob:
                                sigma_offset_A=self.state.sigma_offset_A, cc=it.cc,
                                class_offset_prior_A=opts.pop("class_offset_prior_A", None),
                                max_significants=opts.pop("max_significants", -1),
-                               max_fine_bytes=it.plan.fine_chunk_bytes, check_cancel=check_cancel)
+                               max_fine_bytes=it.plan.fine_chunk_bytes, max_union_bytes=it.plan.union_bytes,
+                               check_cancel=check_cancel)
             stage = f"it {self.state.iteration:03d}" + (f" half {h + 1}" if len(self.halves) > 1 else "")
             mine = self.comm.share(rows_h)  # this rank's block of the half
             n_halves = len(self.halves)
@@ -608,6 +610,7 @@ def run_estep(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, sums: EStepS
     n = rows.size
     sig2_host = to_host(setup.sigma2)
     K = len(setup.refs)
+    split = []  # union groups of the batches whose union of significant orientations exceeded the plan's budget
 
     def work(i0: int, i1: int) -> None:
         r = rows[i0:i1]
@@ -634,10 +637,16 @@ def run_estep(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, sums: EStepS
         ps.nr_significant[r] = res.nr_significant
         ps.log_likelihood[r] = res.log_likelihood
         ps.residual_power[r] = res.residual_power
+        if res.union_groups > 1:
+            split.append(res.union_groups)
 
     for item in batched_with_oom_retry(n, batch, work, be):
         if isinstance(item, Message):
             yield item
         else:
             yield Progress(item[0], item[1], stage)
+    if split:
+        yield Message(f"  {stage}: the union of significant orientations of {len(split)} batch(es) exceeded "
+                      f"{setup.max_union_bytes / 1024**3:.2f} GiB; their fine passes ran in {sum(split)} groups "
+                      f"of particles")
     be.release_cached()
