@@ -30,7 +30,11 @@ from functools import cache
 import numpy as np
 import pytest
 
-from napari_gpu_relion.compute.backend import fine_bytes_per_sample, union_bytes_per_orientation
+from napari_gpu_relion.compute.backend import (
+    fine_bytes_per_particle,
+    fine_bytes_per_sample,
+    union_bytes_per_orientation,
+)
 from napari_gpu_relion.compute.backprojector import BackProjector, BackProjectorStack
 from napari_gpu_relion.compute.ctf import CtfParams
 from napari_gpu_relion.compute.estep import (
@@ -610,18 +614,18 @@ def test_log_likelihood_is_relions_dll():
 
 def test_fine_chunks_cover_the_particles_in_order_within_the_budget():
     """Chunks are consecutive rank ranges covering every particle once; a chunk of more than one particle fits
-    the budget at its padded size (particles x largest count x children x fine_bytes_per_sample), and adding the
-    next particle would not."""
+    the budget at its padded size (particles x (largest count x children x fine_bytes_per_sample +
+    fine_bytes_per_particle)), and adding the next particle would not."""
     counts = np.array([0, 1, 1, 2, 3, 3, 5, 8, 8, 13])
-    per = fine_bytes_per_sample(36, 120)
+    per, own = fine_bytes_per_sample(36, 120), fine_bytes_per_particle(36, 120)
     for budget in (1, 8 * per * 3, 8 * per * 10, 8 * per * 40, 10**12):
         chunks = plan_fine_chunks(counts, 8, 36, 120, budget)
         assert [a for a, _ in chunks] == [0] + [b for _, b in chunks[:-1]] and chunks[-1][1] == counts.size
         for a0, a1 in chunks:
-            size = (a1 - a0) * max(1, counts[a1 - 1]) * 8 * per
+            size = (a1 - a0) * (max(1, counts[a1 - 1]) * 8 * per + own)
             assert a1 - a0 == 1 or size <= budget
             if a1 < counts.size:
-                assert (a1 + 1 - a0) * max(1, counts[a1]) * 8 * per > budget
+                assert (a1 + 1 - a0) * (max(1, counts[a1]) * 8 * per + own) > budget
     assert plan_fine_chunks(counts, 8, 36, 120, 10**12) == [(0, counts.size)]
     assert plan_fine_chunks(counts, 8, 36, 120, 1) == [(a, a + 1) for a in range(counts.size)]
 

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from napari_gpu_relion import cli
-from napari_gpu_relion.compute import backend, estep, fourier
+from napari_gpu_relion.compute import backend, estep, expectation, fourier
 from napari_gpu_relion.compute.backend import (
     BATCH_FRACTION,
+    FINE_BYTES_PER_TRANSLATION_PIXEL,
     PROJECT_BYTES_PER_POINT,
     UNION_BYTES_PER_FINE_PIXEL,
     plan_memory,
@@ -206,3 +207,57 @@ def test_a_budget_for_pad_one_only_runs_with_pad_one(data, tmp_path):
     assert job.p.pad == 1 and job.job_memory.pad == 1
     assert len(msgs) == 1 and isinstance(msgs[0], Message) and "--pad 1" in msgs[0].text
     assert isinstance(job, em.EMJob)
+
+
+def test_fine_chunk_bytes_per_translation_pixel_are_the_measured_peak():
+    """A fine-pass chunk's per-particle part (the image at every fine translation: particle_terms for the scores,
+    then fine_sums' back-projection terms and sums over orientations, as estep._fine_chunk calls them) peaks at
+    FINE_BYTES_PER_TRANSLATION_PIXEL per (particle, fine translation, fine pixel); measured with tracemalloc, with
+    few orientations so that the translation-expanded arrays dominate (before this was bounded: 40.5 bytes)."""
+    rng = np.random.default_rng(0)
+
+    def c64(*s):
+        return (rng.normal(size=s) + 1j * rng.normal(size=s)).astype(np.complex64)
+
+    I, T, K, n = 4, 200, 8000, 4
+    X, Xu, ramps, P = c64(I, K), c64(I, K), c64(T, K), c64(n, K)
+    ctf = rng.random((I, K)).astype(np.float32)
+    w = rng.random((I, K)).astype(np.float32)
+    W = rng.random((I, T, n)).astype(np.float32)
+
+    def chunk():
+        terms = expectation.particle_terms(X, ctf, w, ramps)
+        expectation.scores_shared(P, terms)
+        del terms
+        expectation.fine_sums(W, P, X, Xu, ctf, w, ramps)
+
+    per = _peak(chunk) / (I * T * K)
+    assert 0.95 * FINE_BYTES_PER_TRANSLATION_PIXEL <= per <= 1.08 * FINE_BYTES_PER_TRANSLATION_PIXEL, per
+
+
+def test_fine_chunks_count_each_particles_translations_by_hand():
+    """plan_fine_chunks: a chunk grows while particles x (largest count x children x bytes per sample + bytes
+    per particle) fits the budget: with 10 fine translations and 100 pixels, a sample is 10 x 40 + 100 x 24 =
+    2,800 bytes and a particle's image at every translation 10 x 100 x 12 = 12,000 bytes."""
+    per_sample, per_particle = 10 * 40 + 100 * 24, 10 * 100 * FINE_BYTES_PER_TRANSLATION_PIXEL
+    assert backend.fine_bytes_per_sample(10, 100) == per_sample
+    assert backend.fine_bytes_per_particle(10, 100) == per_particle
+    counts = np.array([1, 1, 1, 2, 2, 5])
+    one = 1 * 8 * per_sample + per_particle  # 34,400 bytes for a particle with one significant row
+    chunks = estep.plan_fine_chunks(counts, 8, 10, 100, max_bytes=3 * one)
+    # ranks 0-2 (3 x 34,400); ranks 3-4 (2 x (2 x 22,400 + 12,000) = 113,600 > 103,200? no: 2 x 56,800 = 113,600
+    # does not fit, so rank 3 alone, then rank 4 alone); rank 5 alone
+    assert chunks == [(0, 3), (3, 4), (4, 5), (5, 6)]
+    without = estep.plan_fine_chunks(counts, 8, 10, 100, max_bytes=3 * 1 * 8 * per_sample)  # the old rule's budget
+    assert without[0] == (0, 1)  # a particle's translations alone now exceed a third of it
+
+
+def test_stacked_shifted_images_are_the_complex_products():
+    rng = np.random.default_rng(1)
+    g = (rng.normal(size=(3, 50)) + 1j * rng.normal(size=(3, 50))).astype(np.complex64)
+    ramps = np.exp(1j * rng.uniform(0, 2 * np.pi, size=(7, 50))).astype(np.complex64)
+    ref = expectation.stack_complex(g[:, None, :] * ramps[None])
+    np.testing.assert_allclose(expectation.stacked_shifted(g, ramps), ref, rtol=0, atol=1e-6)
+    U = rng.normal(size=(3, 7, 100)).astype(np.float32)
+    direct = ((U[..., :50].astype(np.complex128) - 1j * U[..., 50:]) * ramps[None]).sum(axis=1)
+    np.testing.assert_allclose(expectation._sum_conj_shifted(U, ramps), direct, rtol=0, atol=1e-5)

@@ -197,6 +197,21 @@ def fine_bytes_per_sample(fine_translations: int, fine_pixels: int) -> int:
     return fine_translations * 40 + fine_pixels * 24
 
 
+#: Device bytes per (particle, fine translation, fine pixel) of a fine-pass chunk: the particle's image at every
+#: fine translation, stacked [Re, Im] float32 (8), made and used one at a time (the score GEMMs' particle terms,
+#: then the back-projection's C Xu e_t m, then the sums over orientations U), plus one float32 temporary (4) while
+#: each is made or reduced (expectation.stacked_shifted, _sum_conj_shifted). tests/test_memory_plan.py measures it
+#: with tracemalloc. At the full image size this is the largest part of a chunk: 84 fine translations x 103k
+#: pixels x 12 bytes = 0.1 GB per particle at box 512.
+FINE_BYTES_PER_TRANSLATION_PIXEL = 12
+
+
+def fine_bytes_per_particle(fine_translations: int, fine_pixels: int) -> int:
+    """Device bytes of one particle in a fine-pass chunk that do not depend on its orientations: its image at
+    every fine translation (FINE_BYTES_PER_TRANSLATION_PIXEL per translation and pixel)."""
+    return FINE_BYTES_PER_TRANSLATION_PIXEL * int(fine_translations) * int(fine_pixels)
+
+
 #: Points per call of the projection's interpolation (projector.project_pixels), and the bytes per point of its
 #: temporaries (rotated coordinates, corner indices and weights, gathered values: 175 measured with tracemalloc on
 #: NumPy): a transient of up to 2.75 GiB while the E-step projects the slices of a union.

@@ -32,6 +32,7 @@ import numpy as np
 from .backend import (
     CHUNK_BYTES,
     INSERT_CHUNK_POINTS,
+    fine_bytes_per_particle,
     fine_bytes_per_sample,
     get_array_module,
     memory_mark,
@@ -546,15 +547,18 @@ def plan_fine_chunks(counts_sorted, n_children: int, n_fine_translations: int, n
                      max_bytes: int) -> list[tuple[int, int]]:
     """The fine pass's chunks as rank ranges [a0, a1) of the particles sorted by ascending number of
     significant rows ``counts_sorted``. A chunk grows while its padded size (particles x the largest count in it
-    x ``n_children``) at ``fine_bytes_per_sample`` bytes per (particle, fine orientation) fits ``max_bytes``;
-    every chunk holds at least one particle."""
+    x ``n_children``) at ``fine_bytes_per_sample`` bytes per (particle, fine orientation), plus
+    ``fine_bytes_per_particle`` per particle (its image at every fine translation), fits ``max_bytes``; every
+    chunk holds at least one particle."""
     per_sample = fine_bytes_per_sample(n_fine_translations, n_fine_pixels)
+    per_particle = fine_bytes_per_particle(n_fine_translations, n_fine_pixels)
     n = len(counts_sorted)
     chunks = []
     a0 = 0
     while a0 < n:
         a1 = a0 + 1  # counts ascend, so the last particle of a chunk has its largest count
-        while a1 < n and (a1 + 1 - a0) * max(1, counts_sorted[a1]) * n_children * per_sample <= max_bytes:
+        while a1 < n and (a1 + 1 - a0) * (max(1, counts_sorted[a1]) * n_children * per_sample
+                                          + per_particle) <= max_bytes:
             a1 += 1
         chunks.append((a0, a1))
         a0 = a1
@@ -669,6 +673,8 @@ def _fine_chunk(b: _Batch, rows: _SignificantRows, fine: _FineData, acc: _FineSu
     terms = particle_terms(fine.X[pidx], fine.ctf[pidx], fine.w[pidx], fine.ramps, cc=setup.cc)
     check()
     diff2 = scores_shared(P, terms, check) if lay.shared else scores_gathered(P, terms, check)  # (ni, T*4, nn)
+    x2 = terms.x2
+    del terms  # (ni, T*4, 2Kf): freed before the weighted sums make theirs (FINE_BYTES_PER_TRANSLATION_PIXEL)
     check()
     lp_fine = xp.broadcast_to(lp_parent[:, :, None, :, None], (ni, T, ntov, n_par, nover))
     W = posterior_weights(diff2, lp_fine.reshape(ni, T * ntov, nn), setup.adaptive_fraction, cc=setup.cc,
@@ -681,7 +687,7 @@ def _fine_chunk(b: _Batch, rows: _SignificantRows, fine: _FineData, acc: _FineSu
     acc.best_child[pidx_h] = to_host(best_pos % nover)
     acc.best_translation[pidx_h] = to_host(W.best // nn)
     acc.pmax[pidx_h] = to_host(W.pmax)
-    acc.log_likelihood[pidx_h] = to_host(W.log_evidence - terms.x2 if not setup.cc else W.log_evidence)
+    acc.log_likelihood[pidx_h] = to_host(W.log_evidence - x2 if not setup.cc else W.log_evidence)
     _accumulate_chunk(b, fine, acc, lay, pidx, parent_rows, W.w.reshape(ni, T * ntov, nn), P)
 
 

@@ -80,6 +80,29 @@ def stack_complex(Z):
     return xp.concatenate([Z.real, Z.imag], axis=-1).astype(np.float32, copy=False)
 
 
+def stacked_shifted(g, ramps):
+    """[Re, Im] of g_i e_t for every particle i and translation t: (I, T, 2K) float32 from g (I, K) complex and
+    ramps (T, K) complex, the same numbers as stack_complex(g[:, None] * ramps[None]). Written into its output
+    half by half with one float32 (I, T, K) temporary at a time: 12 bytes per (particle, translation, pixel) at
+    its peak instead of 16 (the complex product and its stacked copy), which bounds the fine pass's chunks at the
+    full image size (backend.FINE_BYTES_PER_TRANSLATION_PIXEL)."""
+    xp = get_array_module(g)
+    g = g.astype(np.complex64, copy=False)
+    ramps = ramps.astype(np.complex64, copy=False)
+    I, K = g.shape
+    out = xp.empty((I, ramps.shape[0], 2 * K), dtype=np.float32)
+    gr, gi = g.real[:, None, :], g.imag[:, None, :]
+    rr, ri = ramps.real[None], ramps.imag[None]
+    re, im = out[..., :K], out[..., K:]
+    xp.multiply(gr, rr, out=re)
+    tmp = gi * ri
+    re -= tmp
+    xp.multiply(gr, ri, out=im)
+    xp.multiply(gi, rr, out=tmp)
+    im += tmp
+    return out
+
+
 @dataclass(frozen=True)
 class SliceSet:
     """Reference slices in the form the GEMMs use, made once and then gathered by row: ``stacked``
@@ -130,11 +153,10 @@ def particle_terms(X, ctf, w, ramps, cc: bool = False) -> ParticleTerms:
     if cc:
         w = (w > 0).astype(np.float32)
     c = xp.ones(X.shape, dtype=np.float32) if ctf is None else ctf.astype(np.float32)
-    wcx = (w * c)[:, None, :] * X[:, None, :] * ramps[None, :, :]  # (I, T, K)
     wc2 = (w * c * c).astype(np.float32)
     x2 = (w.astype(np.float64) * (X.real.astype(np.float64) ** 2 + X.imag.astype(np.float64) ** 2)).sum(-1)
     xnorm = xp.sqrt(x2) if cc else None
-    return ParticleTerms(stack_complex(wcx), wc2, x2, cc, xnorm)
+    return ParticleTerms(stacked_shifted((w * c) * X, ramps), wc2, x2, cc, xnorm)  # (I, T, 2K): w C X e_t
 
 
 def _finish_scores(cross, pnorm, terms: ParticleTerms):
@@ -299,6 +321,23 @@ class FineSums:
     aa: object  # (I, K) float64: sum w |C P|^2 per pixel
 
 
+def _sum_conj_shifted(U, ramps):
+    """sum_t (U_re - i U_im)_t e_t for U (I, T, 2K) float32 = [Re, Im] of sum_r w P and ramps e_t (T, K): (I, K)
+    complex64, as four real contractions over t (no complex conjugate of U and its product with the ramps: at most
+    one float32 (I, T, K) temporary, none on NumPy)."""
+    xp = get_array_module(U)
+    K = ramps.shape[1]
+    ur, ui = U[..., :K], U[..., K:]
+    rr, ri = ramps.real.astype(np.float32), ramps.imag.astype(np.float32)
+    re = xp.einsum("itk,tk->ik", ur, rr)
+    re += xp.einsum("itk,tk->ik", ui, ri)
+    im = xp.einsum("itk,tk->ik", ur, ri)
+    im -= xp.einsum("itk,tk->ik", ui, rr)
+    out = xp.empty(re.shape, dtype=np.complex64)
+    out.real, out.imag = re, im
+    return out
+
+
 def fine_sums(w, P, X, Xu, ctf, m, ramps, check: Callable[[], None] | None = None) -> FineSums:
     """Weighted sums of a batch. w (I, T, n) normalised weights (0 where not significant); P the reference
     slices (complex or SliceSet), shared (n, K) or gathered per particle (I, n, K); X (I, K) masked and
@@ -315,7 +354,7 @@ def fine_sums(w, P, X, Xu, ctf, m, ramps, check: Callable[[], None] | None = Non
     K = X.shape[1]
     shared = S.ndim == 2
     c = xp.ones(X.shape, dtype=np.float32) if ctf is None else ctf.astype(np.float32)
-    Z = stack_complex((c * m)[:, None, :] * Xu[:, None, :] * ramps[None])  # (I, T, 2K)
+    Z = stacked_shifted((c * m) * Xu, ramps)  # (I, T, 2K): [Re, Im] of C Xu e_t m
     row_w = w.sum(axis=1)  # (I, n)
     trans_w = w.sum(axis=2)  # (I, T)
     c2m = (c * c * m).astype(np.float32)
@@ -326,13 +365,14 @@ def fine_sums(w, P, X, Xu, ctf, m, ramps, check: Callable[[], None] | None = Non
     else:
         slices = batched_matmul(w.transpose(0, 2, 1), Z, check)  # (I, n, 2K)
         slice_w = row_w[:, :, None] * c2m[:, None, :]
+    del Z  # (I, T, 2K): freed before U, the other array of that size
     check()
     a = batched_matmul(row_w[:, None, :], S.power, check)[:, 0, :].astype(np.float64)  # (I, K): sum_r W_r |P_r|^2
     check()
     U = batched_matmul(w, S.stacked, check)  # (I, T, 2K): sum_r w [Re P, Im P]
     check()
-    Uc = U[..., :K].astype(np.complex64) - 1j * U[..., K:]  # sum_r w conj(P)
-    b = (Uc * ramps[None]).sum(axis=1) * X  # (I, K): sum_{r,t} w conj(P) X e_t
+    b = _sum_conj_shifted(U, ramps) * X  # (I, K): sum_{r,t} w conj(P) X e_t
+    del U
     c64 = c.astype(np.float64)
     xa = c64 * b.real.astype(np.float64)
     aa = c64 * c64 * a
