@@ -333,9 +333,7 @@ def _sum_conj_shifted(U, ramps):
     re += xp.einsum("itk,tk->ik", ui, ri)
     im = xp.einsum("itk,tk->ik", ur, ri)
     im -= xp.einsum("itk,tk->ik", ui, rr)
-    out = xp.empty(re.shape, dtype=np.complex64)
-    out.real, out.imag = re, im
-    return out
+    return re.astype(np.complex64) + im.astype(np.complex64) * np.complex64(1j)  # (I, K): small
 
 
 def fine_sums(w, P, X, Xu, ctf, m, ramps, check: Callable[[], None] | None = None) -> FineSums:
