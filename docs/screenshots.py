@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from napari_gpu_relion.io.jobdir import RunFiles
+from napari_gpu_relion.jobs.demo import INITIAL_MODEL
 
 PLUGIN = "napari-gpu-relion"
 #: Window size (pixels), the same for every screenshot: a laptop screen (the docks fit it, issue 18).
@@ -195,20 +196,24 @@ def class_labels(viewer, grid_name: str = "classes") -> dict[int, tuple[float, f
 # The walk-through
 
 
-def truth_check(w: Walkthrough, ref_dir: Path) -> None:
-    """Not part of the walk-through: compare the refinement with the simulation's truth (true angles, truth map)."""
-    from napari_gpu_relion.compute.fsc import fsc, resolution_A
+def truth_check(w: Walkthrough, im_dir: Path, ref_dir: Path) -> None:
+    """Not part of the walk-through: compare the initial model and the refinement with the simulation's truth
+    (truth map, true angles). The initial model is compared in both hands (its hand is arbitrary, and the
+    walk-through refines it as made); the refined poses after the best common rotation, in both hands (the refined
+    map lies in the initial model's frame, so it is not compared with the truth map voxel by voxel)."""
+    from napari_gpu_relion.compute.initial_model import aligned_map_correlation
     from napari_gpu_relion.io.mrc import read_mrc
-    from napari_gpu_relion.jobs.demo import _angular_errors
+    from napari_gpu_relion.jobs.demo import HAND_CHECK_A, _pose_check
 
-    run = RunFiles(ref_dir / "run")
-    err = _angular_errors(run.data(), w.data / "particles.star")
-    refined = read_mrc(run.class_map(1))
     truth = np.asarray(read_mrc(w.data / "truth.mrc").data, np.float64)
-    res = resolution_A(fsc(np.asarray(refined.data, np.float64), truth), truth.shape[0],
-                       float(refined.pixel_size), 0.5)
-    w.note(f"truth check: median angular error {np.median(err):.2f} deg ({100 * (err < 10).mean():.1f}% under 10 deg); "
-           f"refined map vs truth map FSC 0.5 at {res:.1f} A")
+    im = read_mrc(RunFiles(im_dir / "run").class_map(1))
+    by_hand = aligned_map_correlation(np.asarray(im.data, np.float64), truth, float(im.pixel_size),
+                                      HAND_CHECK_A)["by_hand"]
+    w.note(f"truth check: initial model vs truth at {HAND_CHECK_A:g} A after the best rotation and shift: cc "
+           f"{by_hand[False]['cc']:.3f} as made, {by_hand[True]['cc']:.3f} mirrored")
+    run = RunFiles(ref_dir / "run")
+    poses = _pose_check(run.data(), w.data / "particles.star")
+    w.note(f"truth check: {poses['text']}; {100 * poses['under_10deg']:.1f}% under 10 deg")
 
 
 def main() -> None:
@@ -326,11 +331,31 @@ def main() -> None:
     w.note(f"select: {sel.status_text}")
     w.shot(7, "select_widget")
 
-    # 8. 3D auto-refine of the saved selection from the reference; the maps and FSC update live (micrographs and
+    # 8. 3D initial model of the saved selection from the particles alone (the demo's options); the map forms live
+    im_dir = w.job_folder("InitialModel")
+    im = w.dock("3D initial model")
+    im.set_values(i=selection_star, o=im_dir, ctf=True, particle_diameter=160.0, flatten_solvent=True,
+                  zero_mask=True, cpu=True, **INITIAL_MODEL)  # the demo's options
+    forming = {"shot": False}
+
+    def during_initial_model() -> None:
+        if not forming["shot"] and re.search(r"iteration ([6-9]\d)\b", im.status_text):
+            w.note(f"initial model while running: {im.status_text}")
+            w.shot(8, "initial_model")
+            forming["shot"] = True
+
+    w.run(im, "initial_model", during=during_initial_model)
+    w.note(f"initial model: {im.status_text}")
+    if not forming["shot"]:
+        w.shot(8, "initial_model")
+    viewer.layers.remove(viewer.layers["class001"])  # the initial model's map (its file stays): the refinement's
+    # joined map takes this name at the end
+
+    # 9. 3D auto-refine of the saved selection from the initial model; the maps and FSC update live (micrographs and
     # class grid stay loaded: the maps switch the viewer to 3D, the 2D/3D button shows the 2D layers again)
     ref_dir = w.job_folder("Refine3D")
     r3 = w.dock("3D auto-refine")
-    r3.set_values(i=selection_star, ref=data / "reference.mrc", o=ref_dir, ini_high=60.0, ctf=True,
+    r3.set_values(i=selection_star, ref=RunFiles(im_dir / "run").class_map(1), o=ref_dir, ini_high=60.0, ctf=True,
                   flatten_solvent=True, particle_diameter=160.0, healpix_order=1, auto_local_healpix_order=3,
                   cpu=True)
     live = {"shot": False}
@@ -338,19 +363,19 @@ def main() -> None:
     def during_refine() -> None:
         if not live["shot"] and r3.display.fsc is not None and re.search(r"iteration [3-9]\b", r3.status_text):
             w.note(f"refine3d while running: {r3.status_text}")
-            w.shot(8, "refine3d_live")
+            w.shot(9, "refine3d_live")
             live["shot"] = True
 
     w.run(r3, "refine3d", during=during_refine)
     w.note(f"refine3d: {r3.status_text}")
     if not live["shot"]:
-        w.shot(8, "refine3d_live")
+        w.shot(9, "refine3d_live")
 
-    # 9. the Angular distribution dock opened when the job finished (below the FSC, beside the job dock)
+    # 10. the Angular distribution dock opened when the job finished (below the FSC, beside the job dock)
     viewer.layers.selection.active = viewer.layers["class001"]
-    w.shot(9, "refine3d_angular_distribution")
+    w.shot(10, "refine3d_angular_distribution")
 
-    # 10. Mask creation from the refined map, threshold = the level of its surface (in the job's status line)
+    # 11. Mask creation from the refined map, threshold = the level of its surface (in the job's status line)
     mask_dir = w.job_folder("MaskCreate")
     iso = float(viewer.layers["class001"].metadata["iso_level"])
     threshold = float(f"{iso:.3g}")
@@ -365,9 +390,9 @@ def main() -> None:
     mask_layer = viewer.layers["mask"]
     mask_layer.opacity = 0.35  # layer controls: see the map through its mask
     viewer.layers.selection.active = mask_layer
-    w.shot(10, "mask_create")
+    w.shot(11, "mask_create")
 
-    # 11. Post-process the half maps with the mask; the FSC dock shows the masked / corrected curves
+    # 12. Post-process the half maps with the mask; the FSC dock shows the masked / corrected curves
     pp_dir = w.job_folder("PostProcess")
     pp = w.dock("Post-process")
     pp.set_values(i=RunFiles(ref_dir / "run").unfiltered_half_map(1), o=pp_dir, mask=mask_dir / "mask.mrc",
@@ -377,18 +402,18 @@ def main() -> None:
     for layer in viewer.layers:
         layer.visible = layer.name == "postprocess"
     viewer.layers.selection.active = viewer.layers["postprocess"]
-    w.shot(11, "postprocess")
+    w.shot(12, "postprocess")
 
-    # 12. the Jobs dock: every job of this session with its status and outputs, offered as the next job's inputs
+    # 13. the Jobs dock: every job of this session with its status and outputs, offered as the next job's inputs
     jobs = w.dock("Jobs")
     _pump(4.0)  # its first scan of the project folder runs in a worker thread
     jobs.select_job(ref_dir)  # the refinement: its outputs offered to the next jobs
     _pump(1.0)
     w.note(f"jobs dock: {jobs.table.rowCount()} jobs listed")
-    w.shot(12, "jobs_panel")
+    w.shot(13, "jobs_panel")
 
     total = time.time() - t_start
-    truth_check(w, ref_dir)
+    truth_check(w, im_dir, ref_dir)
     print("\nsummary", flush=True)
     for text in w.notes:
         print("  ", text)

@@ -75,3 +75,40 @@ def aligned_correlation(a: np.ndarray, b: np.ndarray, step_deg: float = 3.0) -> 
         dy, dx = np.unravel_index(cc.argmax(), cc.shape)
         best = max(best, float(np.corrcoef(a.ravel(), np.roll(r, (dy, dx), (0, 1)).ravel())[0, 1]))
     return best
+
+
+#: The z-flip D = diag(1, 1, -1): a projection along z is the same for an object and its mirror image in z.
+_Z_FLIP = np.diag([1.0, 1.0, -1.0])
+
+
+def _nearest_rotation(M: np.ndarray) -> np.ndarray:
+    """The proper rotation closest to the 3 x 3 matrix ``M`` (Frobenius norm; polar part by SVD)."""
+    U, _, Vt = np.linalg.svd(M)
+    d = np.sign(np.linalg.det(U @ Vt))
+    return U @ np.diag([1.0, 1.0, d]) @ Vt
+
+
+def frame_aligned_angular_errors(refined: np.ndarray, true: np.ndarray, mirrored: bool = False,
+                                 rounds: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """Angular errors (degrees) of refined poses against the true ones after the best common rotation G, for a
+    refinement whose map sits in another frame than the truth (as one from an initial model made from the
+    particles alone: its orientation is arbitrary). ``refined``, ``true`` (n, 3, 3) RELION matrices (image =
+    projection of the map at A). A map turned by G (V'(y) = V(G y)) gives refined poses A = B G; a mirrored map
+    (``mirrored``: V'(y) = V(S y) with S improper) gives A = (D B D) G with D the z-flip, since a projection along
+    z is blind to z -> -z; the errors of the wrong hand are large. G is the rotation closest to the sum of
+    B^T A over the particles (least squares), refitted ``rounds`` times on the particles within max(3 x median,
+    5°) of it, so that a few lost particles do not tilt it. Returns (errors (n,), G (3, 3))."""
+    from .geometry import angular_distance_deg  # noqa: PLC0415
+
+    A = np.asarray(refined, np.float64)
+    B = np.asarray(true, np.float64)
+    if mirrored:
+        B = _Z_FLIP @ B @ _Z_FLIP
+    keep = np.ones(len(A), bool)
+    for _ in range(max(1, rounds)):
+        G = _nearest_rotation(np.einsum("nji,njk->ik", B[keep], A[keep]))
+        err = angular_distance_deg(A, B @ G)
+        keep = err <= max(3.0 * float(np.median(err)), 5.0)
+        if keep.sum() < 3:
+            keep[:] = True
+    return err, G

@@ -352,9 +352,12 @@ def apply_alignment(vol: np.ndarray, alignment: dict) -> np.ndarray:
 def aligned_map_correlation(vol, truth, pixel_size: float, resolution_A: float, step_deg: float = 10.0,
                             box: int = 24, refine: bool = True) -> dict:
     """Best real-space correlation of ``vol`` with ``truth`` over rotations, shifts and the hand (mirror), both
-    low-passed to ``resolution_A`` Å and resampled to ``box`` voxels: an exhaustive search at ``step_deg``,
-    then (``refine``) a local search at step / 3 around the best. Returns {"cc", "matrix" (3, 3, applied to
-    vol), "mirrored", "shift_px"} (shift in voxels of the resampled box)."""
+    low-passed to ``resolution_A`` Å and resampled to ``box`` voxels: per hand an exhaustive search at
+    ``step_deg``, then (``refine``) a local search at step / 3 around that hand's best. Returns the best of the
+    two hands, {"cc", "matrix" (3, 3, applied to vol), "mirrored", "shift_px"} (shift in voxels of the full box),
+    and under "by_hand" both hands' best, {False: {...}, True: {...}} ("mirrored" True: ``vol`` z-flipped), so
+    that a caller sees how clearly the hand was decided (a map whose mirror image scores almost as well has a hand
+    that this resolution cannot tell)."""
     from .fourier import fourier_resize  # noqa: PLC0415
     from .masks import soft_spherical_mask  # noqa: PLC0415
 
@@ -371,21 +374,30 @@ def aligned_map_correlation(vol, truth, pixel_size: float, resolution_A: float, 
     tm = t * mask
     tm = tm - tm[mask > 0].mean() * mask
     Ft = np.fft.rfftn(tm / np.sqrt((tm * tm).sum()))
-    best = {"cc": -2.0}
 
-    def search(mats, mirrored):
+    def search(mats, mirrored, best):
         src = v[::-1] if mirrored else v  # z-flip: the other hand
         for R in mats:
             cc, sh = _best_shift_cc(Ft, _rotate(src, R), mask)
             if cc > best["cc"]:
                 best.update(cc=cc, matrix=R, mirrored=mirrored, shift_px=np.asarray(sh) * scale)
+        return best
 
     grid = rotation_grid(step_deg)
+    by_hand = {}
     for mirrored in (False, True):
-        search(grid, mirrored)
-    if refine:
-        from .geometry import small_turns  # noqa: PLC0415
+        best = search(grid, mirrored, {"cc": -2.0})
+        if refine:
+            from .geometry import small_turns  # noqa: PLC0415
 
-        local = np.einsum("nij,jk->nik", small_turns(step_deg / 3), best["matrix"])
-        search(local, best["mirrored"])
-    return best
+            best = search(np.einsum("nij,jk->nik", small_turns(step_deg / 3), best["matrix"]), mirrored, best)
+        by_hand[mirrored] = best
+    return dict(max(by_hand.values(), key=lambda r: r["cc"]), by_hand=by_hand)
+
+
+def invert_hand(vol):
+    """``vol`` (..., N) mirrored in x about the box centre N / 2 (RELION's origin): voxel x goes to (N - x) mod N,
+    so the centre stays where it is and the edge plane x = 0 wraps onto itself (relion_image_handler
+    --invert_hand). The map of the other hand; applied twice it gives ``vol`` back. NumPy or CuPy."""
+    xp = get_array_module(vol)
+    return xp.roll(xp.flip(vol, axis=-1), 1, axis=-1)

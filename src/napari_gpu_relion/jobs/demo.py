@@ -3,13 +3,24 @@
 Now: pick the sample micrographs (LoG) and extract the picks, scoring the picks against the true positions;
 reconstruct the two random halves of the sample particles from their true angles (CTF-corrected), make
 a mask from the joined map, post-process the half maps, and compare with the ground-truth map; classify the
-particles in 2D and select the classes holding at least 5 % of them; then refine the selected particles with
-3D auto-refine from the sample reference low-passed to 60 Å and report the gold-standard
-resolution and the median angular error against the true angles.
+particles in 2D and select the classes holding at least 5 % of them; make a 3D initial model of the selected
+particles from the particles alone (no reference: RELION's "3D initial model", relion_refine --grad
+--denovo_3dref); then refine the selected particles with 3D auto-refine from that model low-passed to 60 Å and
+report the gold-standard resolution and the median angular error against the true angles.
+
+The initial model's hand and orientation are arbitrary (a map made from projections alone can be the mirror
+image, turned any way). The demo has the truth, so it compares the model with the truth at 30 Å after the best
+rotation and shift in both hands, and flips the model (compute.initial_model.invert_hand) when its mirror image
+fits better: with real data the hand is checked on the refined map from a known feature (the right-handed twist
+of alpha-helices at high resolution) and the map flipped if needed. The refined poses are compared with the true
+ones after the best common rotation (the model's frame is the model's own), in both hands: the hand in which they
+agree confirms or refutes the choice made at 30 Å. ``<o>/demo_summary.json`` holds the numbers.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,18 +28,26 @@ from pathlib import Path
 import numpy as np
 
 from ..compute.fsc import fsc, fsc_to_full, resolution_A, resolution_shell
-from ..compute.geometry import angular_distance_deg, euler_to_matrix
-from ..compute.ground_truth import pick_matches
+from ..compute.geometry import euler_to_matrix, rotation_angle_deg
+from ..compute.ground_truth import frame_aligned_angular_errors, pick_matches
+from ..compute.initial_model import aligned_map_correlation, invert_hand
 from ..io.jobdir import RunFiles
 from ..io.micrographs import read_coordinate_list
 from ..io.mrc import read_mrc, write_mrc
 from ..io.star import read_coordinates, read_particles
-from . import autopick, class2d, extract, mask_create, postprocess, reconstruct, refine3d, select
+from . import autopick, class2d, extract, initial_model, mask_create, postprocess, reconstruct, refine3d, select
 from .common import param
 from .events import Finished, Message, Started
 from .simulate import make_sample_data, sample_data_dir
 
 JOB_NAME = "demo"
+#: The 3D initial model's options in the demo (RELION's names): a short run for 2 CPU cores (RELION's job runs 200
+#: iterations), mini-batches of 100 growing to 400 particles, 35 Å -> 15 Å, --pad 1 (RELION's GUI job). Chosen on
+#: the sample particles (400, box 64, 3 Å/px, SNR 0.1): benchmarks/README.md, "The demo's initial model".
+INITIAL_MODEL = {"iter": 100, "grad_ini_subset": 100, "grad_fin_subset": 400, "grad_ini_resol": 35.0,
+                 "grad_fin_resol": 15.0, "pad": 1, "random_seed": 0}
+#: Resolution (Å) at which the initial model is compared with the truth and its hand chosen (issue 22's measure).
+HAND_CHECK_A = 30.0
 
 
 @dataclass(frozen=True)
@@ -100,21 +119,83 @@ def run(p: Params) -> Iterator:
     yield from _forward(select.run(select.Params(i=class2d_run.data(10), o=selected,
                                                  min_class_distribution=0.05)), done)
     summary += f"; 2D classes -> {done[-1].summary}"
-    yield Message("3D auto-refine of the selected particles from the reference low-passed to 60 Å (--ctf "
+    model, im = yield from _initial_model(p, selected, out, truth, apix, done)
+    summary += "; " + im["text"]
+    yield Message("3D auto-refine of the selected particles from the initial model low-passed to 60 Å (--ctf "
                   "--flatten_solvent, HEALPix order 1 to start, local searches from order 3)")
     refined = RunFiles(out / "Refine3D" / "run")
+    t0 = time.time()
     yield from _forward(refine3d.run(refine3d.Params(
-        i=selected, ref=data / "reference.mrc", o=refined.root, ini_high=60.0, ctf=True, flatten_solvent=True,
+        i=selected, ref=model, o=refined.root, ini_high=60.0, ctf=True, flatten_solvent=True,
         healpix_order=1, auto_local_healpix_order=3, cpu=p.cpu, gpu=p.gpu)), done)
+    t_refine = time.time() - t0
     r1 = read_mrc(refined.unfiltered_half_map(1))
     r_ref = resolution_A(fsc(np.asarray(r1.data, np.float64),
                              np.asarray(read_mrc(refined.unfiltered_half_map(2)).data, np.float64)),
                          N, apix, 0.143)
-    err = _angular_errors(refined.data(), data / "particles.star")
-    summary += (f"; refined from 60 Å: half-map FSC 0.143 {r_ref:.1f} Å (true angles {r_half:.1f} Å), median "
-                f"angular error {np.median(err):.2f}° ({(err < 10).mean() * 100:.0f}% under 10°)")
+    poses = _pose_check(refined.data(), data / "particles.star")
+    if poses["refined_map_mirrored"]:
+        yield Message(poses["text"] + f": the hand chosen on the initial model at {HAND_CHECK_A:g} Å was wrong",
+                      "warning")
+    else:
+        yield Message(poses["text"] + f", as chosen on the initial model at {HAND_CHECK_A:g} Å")
+    summary += (f"; refined from the initial model (60 Å): half-map FSC 0.143 {r_ref:.1f} Å (true angles "
+                f"{r_half:.1f} Å), median angular error {poses['median_error_deg']:.2f}° after the best common "
+                f"rotation ({poses['under_10deg'] * 100:.0f}% under 10°; {poses['hand_text']})")
+    numbers = {"summary": summary, "true_angles_half_map_resolution_A": r_half,
+               "initial_model": {k: v for k, v in im.items() if k != "text"},
+               "refine3d": {"reference": str(model), "half_map_resolution_A": r_ref, "seconds": t_refine,
+                            **{k: v for k, v in poses.items() if k not in ("text", "hand_text")}}}
+    (out / "demo_summary.json").write_text(json.dumps(numbers, indent=1, default=str))
     yield Finished({"postprocess": out / "PostProcess" / "postprocess.mrc", "half1": halves[0],
-                    "half2": halves[1], "refined": refined.class_map(1)}, summary)
+                    "half2": halves[1], "initial_model": model, "refined": refined.class_map(1),
+                    "summary": out / "demo_summary.json"}, summary)
+
+
+def _initial_model(p: Params, selected: Path, out: Path, truth: np.ndarray, apix: float,
+                   done: list) -> Iterator:
+    """The 3D initial model of the selected particles from the particles alone (``INITIAL_MODEL``), compared with
+    the truth at ``HAND_CHECK_A`` Å after the best rotation and shift in either hand, and flipped when its mirror
+    image fits the truth better (only the demo can know: it has the truth). Returns (the map to refine from, a dict
+    of numbers and the summary text)."""
+    o = INITIAL_MODEL
+    yield Message(f"3D initial model of the selected particles from the particles alone (no reference; --iter "
+                  f"{o['iter']}, mini-batches {o['grad_ini_subset']} -> {o['grad_fin_subset']}, "
+                  f"{o['grad_ini_resol']:g} -> {o['grad_fin_resol']:g} Å, --pad {o['pad']}, --ctf --flatten_solvent "
+                  "--zero_mask)")
+    run = RunFiles(out / "InitialModel" / "run")
+    t0 = time.time()
+    yield from _forward(initial_model.run(initial_model.Params(
+        i=selected, o=run.root, K=1, ctf=True, particle_diameter=p.particle_diameter + 10, flatten_solvent=True,
+        zero_mask=True, cpu=p.cpu, gpu=p.gpu, **o)), done)
+    seconds = time.time() - t0
+    made = run.class_map(1)
+    vol = np.asarray(read_mrc(made).data, np.float64)
+    yield Message(f"Compare the initial model with the truth at {HAND_CHECK_A:g} Å after the best rotation and "
+                  "shift, in both hands (only the demo can: it has the truth)")
+    t0 = time.time()
+    by_hand = aligned_map_correlation(vol, truth, apix, HAND_CHECK_A)["by_hand"]
+    compare_seconds = time.time() - t0
+    cc, cc_mirror = by_hand[False]["cc"], by_hand[True]["cc"]
+    flipped = cc_mirror > cc
+    model = made
+    if flipped:
+        model = write_mrc(made.with_name(made.stem + "_inverted_hand.mrc"), invert_hand(vol).astype(np.float32),
+                          apix)
+    hand = ("its mirror image fits the truth better, so the demo flipped it (x -> -x about the box centre, "
+            f"relion_image_handler --invert_hand): {model}" if flipped else "the hand it was made in fits the truth "
+            "better, so the demo keeps it")
+    yield Message(f"initial model vs truth at {HAND_CHECK_A:g} Å: cc {cc:.3f} as made, {cc_mirror:.3f} mirrored; "
+                  f"{hand}. The demo used the truth to choose the hand; with real data the hand is checked on the "
+                  "refined map from a known feature (e.g. the right-handed twist of alpha-helices at high "
+                  f"resolution) and the map flipped if needed ({compare_seconds:.0f} s)")
+    best = max(cc, cc_mirror)
+    text = (f"initial model from the particles alone ({o['iter']} iterations, {seconds:.0f} s): cc with the truth "
+            f"at {HAND_CHECK_A:g} Å {best:.3f} in the chosen hand ({min(cc, cc_mirror):.3f} in the other), "
+            + ("flipped" if flipped else "kept as made") + " (hand chosen with the truth)")
+    return model, {"text": text, "seconds": seconds, "compare_seconds": compare_seconds, "options": dict(o),
+                   "cc_as_made": cc, "cc_mirrored": cc_mirror, "cc_chosen_hand": best, "resolution_A": HAND_CHECK_A,
+                   "flipped": flipped, "map": str(model)}
 
 
 def _pick_and_extract(p: Params, data: Path, out: Path, done: list) -> Iterator:
@@ -147,13 +228,29 @@ def _pick_and_extract(p: Params, data: Path, out: Path, done: list) -> Iterator:
     return text
 
 
-def _angular_errors(refined_star: Path, truth_star: Path) -> np.ndarray:
-    """Angle (degrees) between refined and true orientations of the refined particles, matched to the truth
-    by their image number in the (one) stack."""
+def _pose_matrices(refined_star: Path, truth_star: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Refined and true rotation matrices (n, 3, 3) of the refined particles, matched to the truth by their image
+    number in the (one) stack."""
     cols = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")
     a, b = read_particles(refined_star).particles, read_particles(truth_star).particles
     number = b["rlnImageName"].astype(str).str.split("@").str[0].astype(int)
     b = b.set_index(number.to_numpy()).loc[a["rlnImageName"].astype(str).str.split("@").str[0].astype(int)]
-    ma = euler_to_matrix(*(a[c].to_numpy() for c in cols))
-    mb = euler_to_matrix(*(b[c].to_numpy() for c in cols))
-    return angular_distance_deg(ma, mb)
+    return (euler_to_matrix(*(a[c].to_numpy() for c in cols)), euler_to_matrix(*(b[c].to_numpy() for c in cols)))
+
+
+def _pose_check(refined_star: Path, truth_star: Path) -> dict:
+    """The refined poses against the true ones after the best common rotation (a map made from the particles alone
+    lies in a frame of its own), in both hands: the hand with the smaller median error is the refined map's (a
+    refinement keeps the hand of its reference). The errors reported are those of that hand."""
+    A, B = _pose_matrices(refined_star, truth_star)
+    fits = {m: frame_aligned_angular_errors(A, B, mirrored=m) for m in (False, True)}
+    med = {m: float(np.median(fits[m][0])) for m in fits}
+    mirrored = med[True] < med[False]
+    err, G = fits[mirrored]
+    hand_text = "the refined map is the truth's mirror image" if mirrored else "the refined map has the truth's hand"
+    text = (f"refined poses vs the true ones after the best common rotation ({rotation_angle_deg(G):.0f}° from the "
+            f"truth's frame): median error {med[False]:.2f}° in the truth's hand, {med[True]:.2f}° in its mirror "
+            f"image's: {hand_text}")
+    return {"text": text, "hand_text": hand_text, "refined_map_mirrored": mirrored, "median_error_deg": med[mirrored],
+            "median_error_other_hand_deg": med[not mirrored], "under_10deg": float((err < 10).mean()),
+            "frame_rotation_deg": float(rotation_angle_deg(G))}
