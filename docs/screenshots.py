@@ -123,6 +123,23 @@ class Walkthrough:
         self.timings[label] = elapsed
         return elapsed
 
+    def run_with_live_shot(self, widget, label: str, number: int, name: str, ready) -> None:
+        """Run the job and take screenshot ``number`` once while it runs, as soon as ``ready()`` holds (at its end
+        if it never did), noting the job's status then and at its end."""
+        taken = False
+
+        def during() -> None:
+            nonlocal taken
+            if not taken and ready():
+                self.note(f"{label} while running: {widget.status_text}")
+                self.shot(number, name)
+                taken = True
+
+        self.run(widget, label, during=during)
+        self.note(f"{label}: {widget.status_text}")
+        if not taken:
+            self.shot(number, name)
+
 
 def _sample_dir() -> Path:
     from napari_gpu_relion.jobs.simulate import sample_data_dir
@@ -336,18 +353,8 @@ def main() -> None:
     im = w.dock("3D initial model")
     im.set_values(i=selection_star, o=im_dir, ctf=True, particle_diameter=160.0, flatten_solvent=True,
                   zero_mask=True, cpu=True, **INITIAL_MODEL)  # the demo's options
-    forming = {"shot": False}
-
-    def during_initial_model() -> None:
-        if not forming["shot"] and re.search(r"iteration ([6-9]\d)\b", im.status_text):
-            w.note(f"initial model while running: {im.status_text}")
-            w.shot(8, "initial_model")
-            forming["shot"] = True
-
-    w.run(im, "initial_model", during=during_initial_model)
-    w.note(f"initial model: {im.status_text}")
-    if not forming["shot"]:
-        w.shot(8, "initial_model")
+    w.run_with_live_shot(im, "initial_model", 8, "initial_model",
+                         lambda: re.search(r"iteration ([6-9]\d)\b", im.status_text))
     viewer.layers.remove(viewer.layers["class001"])  # the initial model's map (its file stays): the refinement's
     # joined map takes this name at the end
 
@@ -358,18 +365,8 @@ def main() -> None:
     r3.set_values(i=selection_star, ref=RunFiles(im_dir / "run").class_map(1), o=ref_dir, ini_high=60.0, ctf=True,
                   flatten_solvent=True, particle_diameter=160.0, healpix_order=1, auto_local_healpix_order=3,
                   cpu=True)
-    live = {"shot": False}
-
-    def during_refine() -> None:
-        if not live["shot"] and r3.display.fsc is not None and re.search(r"iteration [3-9]\b", r3.status_text):
-            w.note(f"refine3d while running: {r3.status_text}")
-            w.shot(9, "refine3d_live")
-            live["shot"] = True
-
-    w.run(r3, "refine3d", during=during_refine)
-    w.note(f"refine3d: {r3.status_text}")
-    if not live["shot"]:
-        w.shot(9, "refine3d_live")
+    w.run_with_live_shot(r3, "refine3d", 9, "refine3d_live",
+                         lambda: r3.display.fsc is not None and re.search(r"iteration [3-9]\b", r3.status_text))
 
     # 10. the Angular distribution dock opened when the job finished (below the FSC, beside the job dock)
     viewer.layers.selection.active = viewer.layers["class001"]

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .geometry import angular_distance_deg
+
 
 @dataclass(frozen=True)
 class ClassAssignmentReport:
@@ -98,8 +100,6 @@ def frame_aligned_angular_errors(refined: np.ndarray, true: np.ndarray, mirrored
     z is blind to z -> -z; the errors of the wrong hand are large. G is the rotation closest to the sum of
     B^T A over the particles (least squares), refitted ``rounds`` times on the particles within max(3 x median,
     5°) of it, so that a few lost particles do not tilt it. Returns (errors (n,), G (3, 3))."""
-    from .geometry import angular_distance_deg  # noqa: PLC0415
-
     A = np.asarray(refined, np.float64)
     B = np.asarray(true, np.float64)
     if mirrored:

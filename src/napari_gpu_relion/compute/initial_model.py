@@ -383,13 +383,13 @@ def aligned_map_correlation(vol, truth, pixel_size: float, resolution_A: float, 
                 best.update(cc=cc, matrix=R, mirrored=mirrored, shift_px=np.asarray(sh) * scale)
         return best
 
+    from .geometry import small_turns  # noqa: PLC0415
+
     grid = rotation_grid(step_deg)
     by_hand = {}
     for mirrored in (False, True):
         best = search(grid, mirrored, {"cc": -2.0})
         if refine:
-            from .geometry import small_turns  # noqa: PLC0415
-
             best = search(np.einsum("nij,jk->nik", small_turns(step_deg / 3), best["matrix"]), mirrored, best)
         by_hand[mirrored] = best
     return dict(max(by_hand.values(), key=lambda r: r["cc"]), by_hand=by_hand)
