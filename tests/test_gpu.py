@@ -153,3 +153,20 @@ def test_local_candidates_on_the_gpu_equal_numpy():
         ok = c_cpu >= 0
         assert np.all(np.isneginf(l_gpu.get()[~ok]))
         assert np.allclose(l_gpu.get()[ok], l_cpu[ok], atol=1e-9)
+
+
+def test_fine_pass_products_on_the_gpu_equal_the_complex_forms():
+    """The GPU forms of the fine pass's particle terms (expectation.stacked_shifted, _sum_conj_shifted: real
+    products and sums over t instead of NumPy's einsum) against the complex products in float64."""
+    from napari_gpu_relion.compute import expectation
+
+    rng = np.random.default_rng(2)
+    g = (rng.normal(size=(4, 300)) + 1j * rng.normal(size=(4, 300))).astype(np.complex64)
+    ramps = np.exp(1j * rng.uniform(0, 2 * np.pi, size=(9, 300))).astype(np.complex64)
+    ref = expectation.stack_complex(g.astype(np.complex128)[:, None, :] * ramps[None])
+    got = cp.asnumpy(expectation.stacked_shifted(cp.asarray(g), cp.asarray(ramps)))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5)
+    U = rng.normal(size=(4, 9, 600)).astype(np.float32)
+    direct = ((U[..., :300].astype(np.complex128) - 1j * U[..., 300:]) * ramps[None]).sum(axis=1)
+    got = cp.asnumpy(expectation._sum_conj_shifted(cp.asarray(U), cp.asarray(ramps)))
+    np.testing.assert_allclose(got, direct, rtol=0, atol=1e-4)
