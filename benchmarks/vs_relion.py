@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -137,9 +138,12 @@ def make_data(a) -> None:
         truth.insert(0, "rlnImageName", parts["rlnImageName"].to_numpy())
     starfile.write({"particles": truth}, out / "truth.star", overwrite=True)
     keep = [c for c in parts.columns if c not in ("rlnGpuRelionTrueState",)]
-    starfile.write({"optics": optics, "particles": parts[keep]}, out / "particles.star", overwrite=True)
+    parts = parts[keep].copy()
+    if a.zero_offsets:  # the images keep their true shifts; both programs start from offsets 0 (truth.star has them)
+        parts[["rlnOriginXAngst", "rlnOriginYAngst"]] = 0.0
+    starfile.write({"optics": optics, "particles": parts}, out / "particles.star", overwrite=True)
     info = {"box": a.box, "angpix": angpix, "n": int(a.n), "states": a.states, "snr": a.snr, "noise_sd": sd,
-            "sphere_radius_A": a.sphere_radius_A if a.states == 2 else None,
+            "sphere_radius_A": a.sphere_radius_A if a.states == 2 else None, "zero_offsets": a.zero_offsets,
             "map": str(a.map), "seed": a.seed}
     (out / "data.json").write_text(json.dumps(info, indent=1))
     print(json.dumps(info))
@@ -290,7 +294,7 @@ def common_options(a, job: str) -> str:
 
 def relion_command(a, job: str, root: str) -> str:
     opts = common_options(a, job) + f" --o {root} --oversampling 1 --dont_combine_weights_via_disc --preread_images"
-    opts += f" --pool {a.relion_pool} --j {a.relion_j} --gpu 0"
+    opts += f" --pool {a.relion_pool} --j {a.relion_j}" + ("" if a.cpu else " --gpu 0")
     if job == "class2d":
         opts += " --norm --scale --center_classes"
     if job == "class3d":
@@ -307,7 +311,7 @@ def our_command(a, job: str, root: str) -> list[str]:
     opts = common_options(a, job) + f" --o {root}"
     if job == "class2d":
         opts += " --center_classes"
-    extra = a.ours_extra.split() if a.ours_extra else []
+    extra = (a.ours_extra.split() if a.ours_extra else []) + (["--cpu"] if a.cpu else [])
     return [sys.executable, "-m", "napari_gpu_relion.cli", job, *opts.split(), *extra]
 
 
@@ -315,8 +319,8 @@ def run_pair(a) -> None:
     data = Path(a.data).resolve()
     info = json.loads((data / "data.json").read_text())
     truth = particles_of(data / "truth.star").set_index("rlnImageName")
-    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                         text=True).stdout.strip() or "no GPU"
+    gpu = "CPU" if a.cpu or not shutil.which("nvidia-smi") else subprocess.run(
+        ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
     result = {"gpu": gpu, "host": platform.node(), "job": a.job, "data": info, "args": vars(a),
               "date": time.strftime("%Y-%m-%d %H:%M")}
     sides = [s for s in ("relion", "ours") if s in a.sides.split(",")]
@@ -373,6 +377,8 @@ def main(argv=None):
     m.add_argument("--sphere_radius_A", type=float, default=30.0,
                    help="state 2 lacks a sphere of this radius (20 Å: 0.8 %% of the mass, 30 Å: 2.8 %%, 40 Å: 6.8 %%)")
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--zero_offsets", action="store_true",
+                   help="particles.star starts every particle at offset 0 (the images keep their true shifts)")
     r = sub.add_parser("run")
     r.add_argument("--job", required=True, choices=("class3d", "refine3d", "class2d"))
     r.add_argument("--data", required=True)
@@ -393,6 +399,7 @@ def main(argv=None):
     r.add_argument("--relion_j", type=int, default=4)
     r.add_argument("--relion_pool", type=int, default=30)
     r.add_argument("--ours_extra", default="", help="extra options for our job (e.g. '--batch 256')")
+    r.add_argument("--cpu", action="store_true", help="both programs on the CPU (RELION without --gpu, ours --cpu)")
     r.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     make_data(a) if a.cmd == "make-data" else run_pair(a)
