@@ -156,8 +156,8 @@ def test_local_candidates_on_the_gpu_equal_numpy():
 
 
 def test_fine_pass_products_on_the_gpu_equal_the_complex_forms():
-    """The GPU forms of the fine pass's particle terms (expectation.stacked_shifted, _sum_conj_shifted: real
-    products and sums over t instead of NumPy's einsum) against the complex products in float64."""
+    """The fine pass's particle terms on CuPy (expectation.stacked_shifted, _sum_conj_shifted: real products and
+    CuPy's einsum over t) against the complex products in float64."""
     from napari_gpu_relion.compute import expectation
 
     rng = np.random.default_rng(2)

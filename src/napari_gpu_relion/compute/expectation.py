@@ -324,23 +324,16 @@ class FineSums:
 def _sum_conj_shifted(U, ramps):
     """sum_t (U_re - i U_im)_t e_t for U (I, T, 2K) float32 = [Re, Im] of sum_r w P and ramps e_t (T, K): (I, K)
     complex64, as four real contractions over t (no complex conjugate of U and its product with the ramps: at most
-    one float32 (I, T, K) temporary, none on NumPy). NumPy's einsum contracts without a temporary; on the GPU each
-    contraction is a product and a sum over t (memory-bound), as CuPy's einsum would make a batched GEMM of
-    (I, T) x (T, 1) matrices, one per pixel."""
+    one float32 (I, T, K) temporary, none on NumPy). On the H100 CuPy's einsum was as fast as or faster than
+    products and sums over t (benchmarks/README.md, "The fine chunks counted")."""
     xp = get_array_module(U)
     K = ramps.shape[1]
     ur, ui = U[..., :K], U[..., K:]
     rr, ri = ramps.real.astype(np.float32), ramps.imag.astype(np.float32)
-    if xp is np:
-        def dot_t(u, r):
-            return np.einsum("itk,tk->ik", u, r)
-    else:
-        def dot_t(u, r):
-            return (u * r[None]).sum(axis=1)
-    re = dot_t(ur, rr)
-    re += dot_t(ui, ri)
-    im = dot_t(ur, ri)
-    im -= dot_t(ui, rr)
+    re = xp.einsum("itk,tk->ik", ur, rr)
+    re += xp.einsum("itk,tk->ik", ui, ri)
+    im = xp.einsum("itk,tk->ik", ur, ri)
+    im -= xp.einsum("itk,tk->ik", ui, rr)
     return re.astype(np.complex64) + im.astype(np.complex64) * np.complex64(1j)  # (I, K): small
 
 
