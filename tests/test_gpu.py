@@ -155,7 +155,7 @@ def test_local_candidates_on_the_gpu_equal_numpy():
         assert np.allclose(l_gpu.get()[ok], l_cpu[ok], atol=1e-9)
 
 
-def test_fine_pass_products_on_the_gpu_equal_the_complex_forms():
+def test_fine_pass_particle_terms_on_the_gpu_equal_the_complex_forms():
     """The fine pass's particle terms on CuPy (expectation.stacked_shifted, _sum_conj_shifted: real products and
     CuPy's einsum over t) against the complex products in float64."""
     from napari_gpu_relion.compute import expectation
