@@ -320,7 +320,8 @@ def run_pair(a) -> None:
     info = json.loads((data / "data.json").read_text())
     truth = particles_of(data / "truth.star").set_index("rlnImageName")
     gpu = "CPU" if a.cpu or not shutil.which("nvidia-smi") else subprocess.run(
-        ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+        ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip() \
+        or "no GPU"
     result = {"gpu": gpu, "host": platform.node(), "job": a.job, "data": info, "args": vars(a),
               "date": time.strftime("%Y-%m-%d %H:%M")}
     sides = [s for s in ("relion", "ours") if s in a.sides.split(",")]
