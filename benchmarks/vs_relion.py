@@ -297,7 +297,7 @@ def relion_command(a, job: str, root: str) -> str:
     opts += f" --pool {a.relion_pool} --j {a.relion_j}" + ("" if a.cpu else " --gpu 0")
     if job == "class2d":
         opts += " --norm --scale --center_classes"
-    if job == "class3d":
+    if job == "class3d" and not a.relion_no_norm:
         opts += " --norm --scale"
     mpirun = "rl mpirun --allow-run-as-root -x LD_LIBRARY_PATH -n {} $RELION_BIN/relion_refine_mpi "
     if job == "refine3d":  # one leader and two followers (one per half) at least
@@ -400,6 +400,8 @@ def main(argv=None):
     r.add_argument("--relion_j", type=int, default=4)
     r.add_argument("--relion_pool", type=int, default=30)
     r.add_argument("--ours_extra", default="", help="extra options for our job (e.g. '--batch 256')")
+    r.add_argument("--relion_no_norm", action="store_true",
+                   help="class3d: RELION without --norm --scale (our class3d has neither)")
     r.add_argument("--cpu", action="store_true", help="both programs on the CPU (RELION without --gpu, ours --cpu)")
     r.add_argument("--out", default=None)
     a = ap.parse_args(argv)
