@@ -323,9 +323,10 @@ class FineSums:
 
 def _sum_conj_shifted(U, ramps):
     """sum_t (U_re - i U_im)_t e_t for U (I, T, 2K) float32 = [Re, Im] of sum_r w P and ramps e_t (T, K): (I, K)
-    complex64, as four real contractions over t (no complex conjugate of U and its product with the ramps: at most
-    one float32 (I, T, K) temporary, none on NumPy). On the H100 CuPy's einsum was as fast as or faster than
-    products and sums over t (benchmarks/README.md, "The fine chunks counted")."""
+    complex64, as four real contractions over t (no complex conjugate of U and its product with the ramps: NumPy's
+    einsum makes no temporary of U's size, measured with tracemalloc; CuPy's own temporaries are not measured). On
+    the H100 CuPy's einsum was as fast as or faster than products and sums over t (benchmarks/README.md, "The fine
+    chunks counted")."""
     xp = get_array_module(U)
     K = ramps.shape[1]
     ur, ui = U[..., :K], U[..., K:]
