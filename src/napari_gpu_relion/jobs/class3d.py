@@ -115,7 +115,7 @@ class Class3D(em_classification.Classification):
         model = self.restore_state()[0]
         refs = np.stack(em.reference_images(model.path))
         scales = self.saved_scales(model)
-        pdf_dir = np.stack(model.pdf_orient) if model.pdf_orient and not self.p.skip_align else None
+        pdf_dir = None if self.p.skip_align else model.direction_priors()
         return em.EMModel([refs], [model.sigma2], [model.class_distribution], [pdf_dir], scales)
 
     def update_sampling(self) -> Iterator:
@@ -187,7 +187,9 @@ class Class3D(em_classification.Classification):
         f, i, K, apix = self.files, self.state.iteration, self.K, self.apix
         refs = self.model.refs[0]
         paths = [write_mrc(f.class_map(k + 1, i), refs[k].astype(np.float32), apix) for k in range(K)]
-        model = self.write_model(it, [q.name for q in paths], list(self.model.pdf_dir[0]))
+        # RELION's convention: each class's orientation distribution sums to its class distribution
+        model = self.write_model(it, [q.name for q in paths],
+                                 list(self.model.pdf_dir[0] * self.model.pdf_class[0][:, None]))
         data = self.write_data()
         self.write_optimiser(it, data, [model])
         self.outputs = {f"class{k + 1:03d}": paths[k] for k in range(K)} | {"model": model, "data": data}
