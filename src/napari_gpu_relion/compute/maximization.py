@@ -256,7 +256,7 @@ def class_offset_priors(offset_sum_A: np.ndarray, class_weight: np.ndarray) -> n
 
 
 def normalised_direction_priors(pdf_direction: np.ndarray) -> np.ndarray:
-    """(K, n_dirs) orientation distribution of each class from its summed weights (uniform for a class without
-    weight)."""
+    """(K, n_dirs) orientation distribution of each class, normalised to 1, from its summed weights or from a
+    model STAR's (RELION's, which sum to the class distribution); uniform for a class without weight."""
     tot = pdf_direction.sum(axis=1, keepdims=True)
     return np.where(tot > 0, pdf_direction / np.maximum(tot, 1e-300), 1.0 / pdf_direction.shape[1])

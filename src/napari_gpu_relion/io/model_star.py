@@ -18,7 +18,8 @@ def write_model_star(path: Path, general: dict, classes: pd.DataFrame, class_cur
                      box: int, pixel_size: float) -> Path:
     """model_general, model_classes, model_class_N (per-class curves), model_groups (scale corrections),
     model_optics_group_N (noise spectra, shells 0..box/2) and model_pdf_orient_class_N (``pdf_orient`` as given:
-    RELION's convention is that class k's sums to its class distribution, see ModelFile.direction_priors)."""
+    RELION's convention is that class k's sums to its class distribution: its E-step takes pdf_direction as the
+    prior of class and direction together)."""
     blocks: dict = {"model_general": general, "model_classes": classes}
     for k, curve in enumerate(class_curves):
         blocks[f"model_class_{k + 1}"] = curve
@@ -47,16 +48,6 @@ class ModelFile:
     @property
     def class_distribution(self) -> np.ndarray:
         return np.asarray(self.classes["rlnClassDistribution"], float)
-
-    def direction_priors(self) -> np.ndarray | None:
-        """(K, n_dirs) each class's orientation distribution normalised to 1, or None without one. RELION's
-        rlnOrientationDistribution of a class sums to its rlnClassDistribution (its E-step uses it as the prior
-        of class and direction together); ours keeps the two apart. A class without weight gets a uniform one."""
-        if not self.pdf_orient:
-            return None
-        pdf = np.stack(self.pdf_orient)
-        tot = pdf.sum(axis=1, keepdims=True)
-        return np.where(tot > 0, pdf / np.maximum(tot, 1e-300), 1.0 / pdf.shape[1])
 
     def prior_offsets_A(self) -> np.ndarray:
         """(K, 2) class offset priors (Å; 0 when the columns are absent)."""
