@@ -8,9 +8,12 @@ Run: python benchmarks/profile_estep.py --case 128:2:1024 [--case_2d 128:100:102
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 
@@ -52,6 +55,9 @@ def main():
     ap.add_argument("--case_2d", default="", help="2D classification box:classes:batch (replaces --case)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--host_profile", type=int, default=0,
+                    help="also run this many batches under cProfile (no synchronising timers) and keep the 25 "
+                         "functions with the most own host time per batch")
     a = ap.parse_args()
     be = select_backend(cpu=a.cpu)
     xp = be.xp
@@ -80,6 +86,24 @@ def main():
         expectation_batch(setup, prep, ctf, np.zeros(I, np.int64), np.ones(I), sums)
 
     once()  # warm-up (kernel compilation, plans)
+    host = []
+    if a.host_profile > 0:  # where the host's time goes between the kernels (issue 15: the "other" share)
+        prof = cProfile.Profile()
+        be.synchronize()
+        t = time.perf_counter()
+        prof.enable()
+        for _ in range(a.host_profile):
+            once()
+        be.synchronize()
+        prof.disable()
+        wall = (time.perf_counter() - t) / a.host_profile
+        stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
+        top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:25]
+        host = [{"function": f"{Path(k[0]).name}:{k[1]}({k[2]})", "own_ms_per_batch": 1e3 * v[2] / a.host_profile,
+                 "calls_per_batch": v[1] / a.host_profile} for k, v in top]
+        print(f"host profile: {wall * 1e3:.1f} ms per batch under cProfile")
+        for h in host:
+            print(f"  {h['own_ms_per_batch']:8.2f} ms {h['calls_per_batch']:8.1f} calls  {h['function']}")
     for name in ("particle_terms", "scores_shared", "scores_gathered", "posterior_weights", "fine_sums",
                  "segment_sum", "_project_rows", "translation_ramps", "shell_power", "insert_by_class"):
         wrap(estep, name, be)
@@ -90,7 +114,7 @@ def main():
     total = time.perf_counter() - t
     res = {"hardware": be.name, "case": a.case_2d or a.case, "kind": "class2d" if a.case_2d else "refine",
            "total_s": total, "steps_s": dict(TIMES),
-           "other_s": total - sum(TIMES.values())}
+           "other_s": total - sum(TIMES.values()), "host_profile": host}
     print(json.dumps(res, indent=1))
     if a.out:
         with open(a.out, "w") as f:
