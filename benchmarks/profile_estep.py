@@ -58,6 +58,7 @@ def main():
     ap.add_argument("--host_profile", type=int, default=0,
                     help="also run this many batches under cProfile (no synchronising timers) and keep the 25 "
                          "functions with the most own host time per batch")
+    ap.add_argument("--fine_chunk_mib", type=int, default=256, help="fine-pass chunk budget (a job plans up to 2048)")
     a = ap.parse_args()
     be = select_backend(cpu=a.cpu)
     xp = be.xp
@@ -77,7 +78,8 @@ def main():
     F, ctf, noise_var = simulated_batch(be, refs[0], pix, N, 1.0, I, rng, in_plane=ndim == 2)
     with np.errstate(divide="ignore"):
         lp = xp.asarray(np.full((K, 1), -np.log(K))) if ndim == 2 else None
-    setup = EStepSetup(refs, smp, pix, pix, 1.0, xp.full((1, N // 2 + 1), noise_var / 2.0), log_pdf_direction=lp)
+    setup = EStepSetup(refs, smp, pix, pix, 1.0, xp.full((1, N // 2 + 1), noise_var / 2.0), log_pdf_direction=lp,
+                       max_fine_bytes=a.fine_chunk_mib << 20)
     setup.coarse_slices()
     prep = PreparedBatch(F, F, np.zeros((I, 2)))
 
@@ -113,6 +115,7 @@ def main():
     be.synchronize()
     total = time.perf_counter() - t
     res = {"hardware": be.name, "case": a.case_2d or a.case, "kind": "class2d" if a.case_2d else "refine",
+           "fine_chunk_mib": a.fine_chunk_mib,
            "total_s": total, "steps_s": dict(TIMES),
            "other_s": total - sum(TIMES.values()), "host_profile": host}
     print(json.dumps(res, indent=1))
