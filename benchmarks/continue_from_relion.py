@@ -30,6 +30,7 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_relion  # noqa: E402
 
+from napari_gpu_relion.compute.geometry import angular_distance_deg, euler_to_matrix  # noqa: E402
 from napari_gpu_relion.compute.schedule import EMState, round_half_away  # noqa: E402
 from napari_gpu_relion.io.model_star import (  # noqa: E402
     params_to_optimiser,
@@ -101,6 +102,32 @@ def prepare(a, data: Path, relion_root: Path, it: int) -> Path:
     return write_optimiser_star(folder / f"run_it{it:03d}_optimiser.star", entries)
 
 
+def run_with_relion_perturbation(argv: list[str], data: Path, relion_root: Path, log: Path) -> int:
+    """Our CLI in this process (cwd ``data``) with schedule.next_perturbation answering RELION's
+    rlnSamplingPerturbInstance of the iteration being set up, where RELION wrote one."""
+    import contextlib
+    import os
+
+    from napari_gpu_relion import cli
+    from napari_gpu_relion.compute import schedule
+
+    ours = schedule.next_perturbation
+
+    def relions(previous: float, seed: int, iteration: int) -> float:
+        f = Path(f"{relion_root}_it{iteration:03d}_sampling.star")
+        return float(general(f)["rlnSamplingPerturbInstance"]) if f.exists() else ours(previous, seed, iteration)
+
+    schedule.next_perturbation = relions
+    here = Path.cwd()
+    try:
+        os.chdir(data)
+        with open(log, "w") as fh, contextlib.redirect_stdout(fh), contextlib.redirect_stderr(fh):
+            return cli.main(argv)
+    finally:
+        os.chdir(here)
+        schedule.next_perturbation = ours
+
+
 def classes_of(path: Path, index) -> np.ndarray:
     return vs_relion.particles_of(path).set_index("rlnImageName").loc[index, "rlnClassNumber"].to_numpy()
 
@@ -119,6 +146,10 @@ def main(argv=None):
     ap.add_argument("--auto_local_healpix_order", type=int, default=4)
     ap.add_argument("--ours_extra", default="")
     ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--relion_perturbation", action="store_true",
+                    help="run in this process with RELION's own random perturbation of the sampling for every "
+                         "iteration whose run_itNNN_sampling.star RELION wrote (ours draws its own otherwise), so "
+                         "that both programs search the same grid")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -128,10 +159,13 @@ def main(argv=None):
     cmd = [sys.executable, "-m", "napari_gpu_relion.cli", "class3d", "--continue", str(opt),
            *(a.ours_extra.split() if a.ours_extra else []), *(["--cpu"] if a.cpu else [])]
     t0 = time.time()
-    with open(opt.parent / "log.txt", "w") as fh:
-        r = subprocess.run(cmd, cwd=data, stdout=fh, stderr=subprocess.STDOUT)
-    if r.returncode:
-        sys.exit(f"ours failed (rc {r.returncode})\n" + (opt.parent / "log.txt").read_text()[-3000:])
+    if a.relion_perturbation:
+        rc = run_with_relion_perturbation(cmd[3:], data, relion_root, opt.parent / "log.txt")
+    else:
+        with open(opt.parent / "log.txt", "w") as fh:
+            rc = subprocess.run(cmd, cwd=data, stdout=fh, stderr=subprocess.STDOUT).returncode
+    if rc:
+        sys.exit(f"ours failed (rc {rc})\n" + (opt.parent / "log.txt").read_text()[-3000:])
     info = json.loads((data / "data.json").read_text())
     truth = vs_relion.particles_of(data / "truth.star").set_index("rlnImageName")
     res = {"relion_run": a.relion, "from_iteration": a.it, "command": " ".join(cmd), "wall_s": time.time() - t0,
@@ -143,6 +177,11 @@ def main(argv=None):
         co, cr = classes_of(ours_next, truth.index), classes_of(relion_next, truth.index)
         res["next_iteration_same_class"] = float((co == cr).mean())
         res["next_iteration_crosstab_ours_rows_relion_columns"] = pd.crosstab(co, cr).to_dict()
+        po, pr = (vs_relion.particles_of(f).set_index("rlnImageName").loc[truth.index]
+                  for f in (ours_next, relion_next))
+        ang = angular_distance_deg(*(euler_to_matrix(*(q[c].to_numpy() for c in vs_relion.ANG)) for q in (po, pr)))
+        res["next_iteration_median_angle_ours_vs_relion_deg"] = float(np.median(ang))
+        res["next_iteration_same_class_and_within_5deg"] = float(((co == cr) & (ang < 5.0)).mean())
     print(json.dumps({k: v for k, v in res.items() if k not in ("class_sizes", "args")}), flush=True)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
