@@ -23,7 +23,7 @@ import time
 import numpy as np
 from bench_reconstruction import timed  # the same timer (benchmarks/ is the script folder)
 
-from napari_gpu_relion.compute.backend import select_backend
+from napari_gpu_relion.compute.backend import CHUNK_BYTES, select_backend
 from napari_gpu_relion.compute.backprojector import BackProjectorStack
 from napari_gpu_relion.compute.ctf import CtfParams, ctf_from_frequencies
 from napari_gpu_relion.compute.estep import EStepSetup, EStepSums, PreparedBatch, expectation_batch
@@ -70,12 +70,7 @@ def simulated_batch(be, ref, pix_full, N, apix, I, rng, in_plane=False):
     return F, ctf, noise_var
 
 
-#: The fine-pass chunk budget (--fine_chunk_mib; empty: EStepSetup's default, 256 MiB). A job plans its own: 3 % of
-#: the memory left after references and accumulators, up to 2 GiB (backend.FINE_CHUNK_FRACTION).
-FINE_CHUNK: dict = {}
-
-
-def run_case(be, N, order, I, reps, n_classes=1):
+def run_case(be, N, order, I, reps, n_classes=1, fine_bytes=CHUNK_BYTES):
     """One case; ``n_classes`` > 1 is 3D classification: independent random maps, rows = class x orientation,
     particles simulated from class 1."""
     xp = be.xp
@@ -93,7 +88,8 @@ def run_case(be, N, order, I, reps, n_classes=1):
     K, R = pix.npix, smp.n_orient * n_classes
     F, ctf, noise_var = simulated_batch(be, ref, pix, N, apix, I, rng)
     sigma2 = xp.full((1, N // 2 + 1), noise_var / 2.0)  # per complex component -> RELION's sigma2 per pixel
-    setup = EStepSetup(refs, smp, pix, pix, apix, sigma2, sigma_offset_A=10.0, **FINE_CHUNK)
+    setup = EStepSetup(refs, smp, pix, pix, apix, sigma2, sigma_offset_A=10.0,
+                       max_fine_bytes=fine_bytes)
     t_proj = timed(be, lambda: (setattr(setup, "P_coarse", None), setup.coarse_slices()), reps=1)
     Sl = setup.coarse_slices()
     c = ctf_from_frequencies(ctf, pix.kx / N, pix.ky / N, xp).astype(np.float32)
@@ -139,7 +135,7 @@ def run_case(be, N, order, I, reps, n_classes=1):
     }
 
 
-def run_case_2d(be, N, n_classes, I, reps, psi_step=12.0):
+def run_case_2d(be, N, n_classes, I, reps, psi_step=12.0, fine_bytes=CHUNK_BYTES):
     """2D classification E-step: K random 2D classes, rows = class x psi (coarse psi step 12° = RELION's GUI
     6° fine), 21 translations (range 5, step 2), particles from class 1 at random psi."""
     from napari_gpu_relion.compute.masks import soft_spherical_mask  # noqa: PLC0415
@@ -158,7 +154,8 @@ def run_case_2d(be, N, n_classes, I, reps, psi_step=12.0):
     sigma2 = xp.full((1, N // 2 + 1), noise_var / 2.0)
     with np.errstate(divide="ignore"):
         lp = xp.asarray(np.full((n_classes, 1), -np.log(n_classes)))
-    setup = EStepSetup(refs, smp, pix, pix, 1.0, sigma2, log_pdf_direction=lp, sigma_offset_A=10.0, **FINE_CHUNK)
+    setup = EStepSetup(refs, smp, pix, pix, 1.0, sigma2, log_pdf_direction=lp, sigma_offset_A=10.0,
+                       max_fine_bytes=fine_bytes)
     setup.coarse_slices()
     prep = PreparedBatch(F, F, np.zeros((I, 2)))
     groups, scale = np.zeros(I, dtype=np.int64), np.ones(I)
@@ -184,25 +181,27 @@ def main():
     ap.add_argument("--cases", default="128:2:256,128:3:64,256:2:64,256:3:16,128:2:64:4",
                     help="box:healpix_order:batch[:classes], comma-separated")
     ap.add_argument("--cases_2d", default="", help="2D classification cases box:classes:batch, e.g. 128:100:256")
-    ap.add_argument("--fine_chunk_mib", type=int, default=0, help="fine-pass chunk budget (0: EStepSetup's 256 MiB)")
+    ap.add_argument("--fine_chunk_mib", type=int, default=CHUNK_BYTES >> 20,
+                    help="fine-pass chunk budget (default EStepSetup's; a job plans 3 %% of the memory left after "
+                         "references and accumulators, up to 2048 on an 80 GB GPU: backend.FINE_CHUNK_FRACTION)")
     args = ap.parse_args()
-    if args.fine_chunk_mib > 0:
-        FINE_CHUNK["max_fine_bytes"] = args.fine_chunk_mib << 20
+    fine = args.fine_chunk_mib << 20
     be = select_backend(cpu=args.cpu)
     res = {"hardware": be.name, "host": platform.node(), "date": time.strftime("%Y-%m-%d"), "results": [],
-           "fine_chunk_mib": args.fine_chunk_mib or 256}
+           "fine_chunk_mib": args.fine_chunk_mib}
     rate = sgemm_rate(be, 8192 if be.is_gpu else 2048)
     res["sgemm_tflops"] = rate / 1e12
     print(f"{be.name}: measured SGEMM {rate / 1e12:.1f} TFLOP/s", flush=True)
     for case in filter(None, args.cases_2d.split(",")):
         N, K, I = (int(x) for x in case.split(":"))
-        r = run_case_2d(be, N, K, I, reps=3 if be.is_gpu else 1)
+        r = run_case_2d(be, N, K, I, reps=3 if be.is_gpu else 1, fine_bytes=fine)
         r["estep_coarse_gemm_fraction"] = r["coarse_gemm_flops"] / r["estep_s"] / rate
         res["results"].append(r)
         print(json.dumps(r), flush=True)
     for case in filter(None, args.cases.split(",")):
         v = [int(x) for x in case.split(":")]
-        r = run_case(be, v[0], v[1], v[2], reps=3 if be.is_gpu else 1, n_classes=v[3] if len(v) > 3 else 1)
+        r = run_case(be, v[0], v[1], v[2], reps=3 if be.is_gpu else 1, n_classes=v[3] if len(v) > 3 else 1,
+                     fine_bytes=fine)
         r["score_gemm_fraction"] = r["score_gemm_tflops"] * 1e12 / rate
         r["coarse_pass_fraction"] = r["coarse_pass_tflops"] * 1e12 / rate
         r["estep_coarse_gemm_fraction"] = r["coarse_gemm_flops"] / r["estep_s"] / rate

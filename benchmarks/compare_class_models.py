@@ -11,28 +11,30 @@ import argparse
 import json
 from pathlib import Path
 
-import mrcfile
 import numpy as np
-import starfile
+import pandas as pd
+
+from napari_gpu_relion.io.model_star import read_model_star
+from napari_gpu_relion.io.star import read_star
+from napari_gpu_relion.jobs.em import reference_images
 
 COLUMNS = ("rlnSsnrMap", "rlnReferenceTau2", "rlnReferenceSigma2")
 
 
 def load(path: Path) -> dict:
-    """The model STAR's tables of interest as arrays, and its class maps (read relative to the STAR's folder)."""
-    d = starfile.read(path, always_dict=True)
-    gen, cls = d["model_general"], d["model_classes"]
+    """The model STAR's tables of interest as arrays, and its class maps (the project's readers: the maps found as
+    --ref model.star finds them)."""
+    model, blocks = read_model_star(path), read_star(path)
+    gen = blocks["model_general"]
+    gen = gen if isinstance(gen, dict) else gen.iloc[0].to_dict()
     out = {"resolution_A": float(gen["rlnCurrentResolution"]), "image_size": int(gen["rlnCurrentImageSize"]),
-           "class_distribution": cls["rlnClassDistribution"].tolist(), "classes": []}
-    for k, name in enumerate(cls["rlnReferenceImage"], start=1):
-        t = d.get(f"model_class_{k}")
-        cols = {c: t[c].to_numpy() for c in COLUMNS if t is not None and c in t}
-        mp = Path(name) if Path(name).is_absolute() else path.parent / Path(name).name
-        out["classes"].append({"columns": cols, "map": np.asarray(mrcfile.read(mp), np.float64)})
-    for t in d.values():
-        if hasattr(t, "columns") and "rlnSigma2Noise" in t.columns:
-            out["sigma2_noise"] = t["rlnSigma2Noise"].to_numpy()
-            break
+           "class_distribution": model.class_distribution.tolist(), "classes": [],
+           "sigma2_noise": model.sigma2[0]}
+    for k, vol in enumerate(reference_images(path), start=1):
+        t = blocks.get(f"model_class_{k}")
+        t = None if t is None else pd.DataFrame(t)
+        cols = {c: t[c].to_numpy(float) for c in COLUMNS if t is not None and c in t}
+        out["classes"].append({"columns": cols, "map": vol})
     return out
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from napari_gpu_relion.compute import estep
-from napari_gpu_relion.compute.backend import select_backend
+from napari_gpu_relion.compute.backend import CHUNK_BYTES, select_backend
 from napari_gpu_relion.compute.backprojector import BackProjectorStack
 from napari_gpu_relion.compute.estep import (
     EStepSetup,
@@ -58,7 +58,8 @@ def main():
     ap.add_argument("--host_profile", type=int, default=0,
                     help="also run this many batches under cProfile (no synchronising timers) and keep the 25 "
                          "functions with the most own host time per batch")
-    ap.add_argument("--fine_chunk_mib", type=int, default=256, help="fine-pass chunk budget (a job plans up to 2048)")
+    ap.add_argument("--fine_chunk_mib", type=int, default=CHUNK_BYTES >> 20,
+                    help="fine-pass chunk budget (default EStepSetup's; a job plans up to 2048 on an 80 GB GPU)")
     a = ap.parse_args()
     be = select_backend(cpu=a.cpu)
     xp = be.xp

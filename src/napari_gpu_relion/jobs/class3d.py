@@ -115,9 +115,7 @@ class Class3D(em_classification.Classification):
         model = self.restore_state()[0]
         refs = np.stack(em.reference_images(model.path))
         scales = self.saved_scales(model)
-        # RELION's rlnOrientationDistribution of a class sums to its class distribution; ours keeps the two apart
-        pdf_dir = normalised_direction_priors(np.stack(model.pdf_orient)) \
-            if model.pdf_orient and not self.p.skip_align else None
+        pdf_dir = None if self.p.skip_align else self.saved_direction_priors(model)
         return em.EMModel([refs], [model.sigma2], [model.class_distribution], [pdf_dir], scales)
 
     def update_sampling(self) -> Iterator:

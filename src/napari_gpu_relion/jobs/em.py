@@ -37,7 +37,7 @@ from ..compute.estep import EStepSetup, EStepSums, expectation_batch, prepare_ba
 from ..compute.expectation import pixel_set
 from ..compute.fourier import fourier_resize
 from ..compute.geometry import matrix_to_euler
-from ..compute.maximization import initial_noise_spectrum
+from ..compute.maximization import initial_noise_spectrum, normalised_direction_priors
 from ..compute.memory_plan import JobMemory, choose_padding, refusal
 from ..compute.projector import prepare_reference
 from ..compute.sampling import local_candidates, local_search_rows
@@ -421,6 +421,11 @@ class EMJob:
     def saved_scales(self, model) -> np.ndarray:
         """The group scale corrections of a model STAR (1 for every group when it has none)."""
         return model.scales if model.scales is not None else np.ones(len(self.ps.scale_group_names))
+
+    def saved_direction_priors(self, model) -> np.ndarray | None:
+        """(K, n_dirs) the orientation distribution of each class in a model STAR, normalised to 1 (RELION's of a
+        class sums to its class distribution; ours keeps the two apart), or None when it has none."""
+        return normalised_direction_priors(np.stack(model.pdf_orient)) if model.pdf_orient else None
 
     def optimiser_entries(self, it: Iteration, data: Path, models: list[Path]) -> dict:
         """The optimiser STAR of an iteration: RELION's labels, the saved options and the EMState."""

@@ -124,7 +124,7 @@ class Refine3D(em.EMJob):
         models = self.restore_state()
         refs = [np.stack(em.reference_images(m.path)) for m in models]
         scales = self.saved_scales(models[0])
-        pdfs = [normalised_direction_priors(np.stack(m.pdf_orient)) if m.pdf_orient else None for m in models]
+        pdfs = [self.saved_direction_priors(m) for m in models]
         if any(x is None for x in pdfs):
             pdfs = [None, None]
         return em.EMModel(refs, [m.sigma2 for m in models], [np.ones(1)] * 2, pdfs, scales)
