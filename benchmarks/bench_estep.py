@@ -7,7 +7,8 @@ map at SNR 0.05 with CTF:
   * the coarse pass (particle terms, score GEMMs, log-domain weights and significance sort);
   * the whole E-step of a batch (compute/estep.expectation_batch: coarse pass, fine pass over the significant
     samples, weighted sums, insertion into the 3D accumulators), with the GEMM FLOPs it executed;
-  * the measured SGEMM rate (cuBLAS, 8192^3, float32, no TF32).
+  * the measured SGEMM rate (cuBLAS, 8192^3, float32, no TF32); with --tf32 the E-step's GEMMs run in TF32 and
+    the TF32 rate of the same product is recorded too.
 Particle-iterations per second = batch / time. Fractions are achieved GEMM FLOP/s over the measured rate.
 
 Run: python benchmarks/bench_estep.py [--cases_2d 128:100:256] [--out benchmarks/results/estep_<gpu>.json] [--cpu]
@@ -23,7 +24,7 @@ import time
 import numpy as np
 from bench_reconstruction import timed  # the same timer (benchmarks/ is the script folder)
 
-from napari_gpu_relion.compute.backend import CHUNK_BYTES, select_backend
+from napari_gpu_relion.compute.backend import CHUNK_BYTES, select_backend, set_matmul_tf32
 from napari_gpu_relion.compute.backprojector import BackProjectorStack
 from napari_gpu_relion.compute.ctf import CtfParams, ctf_from_frequencies
 from napari_gpu_relion.compute.estep import EStepSetup, EStepSums, PreparedBatch, expectation_batch
@@ -184,6 +185,8 @@ def main():
     ap.add_argument("--fine_chunk_mib", type=int, default=CHUNK_BYTES >> 20,
                     help="fine-pass chunk budget (default EStepSetup's; a job plans 3 %% of the memory left after "
                          "references and accumulators, up to 2048 on an 80 GB GPU: backend.FINE_CHUNK_FRACTION)")
+    ap.add_argument("--tf32", action="store_true", help="the GEMMs in TF32 (the jobs' --tf32); fractions stay "
+                    "relative to the float32 rate, and the TF32 rate of the same product is recorded beside it")
     args = ap.parse_args()
     fine = args.fine_chunk_mib << 20
     be = select_backend(cpu=args.cpu)
@@ -192,6 +195,10 @@ def main():
     rate = sgemm_rate(be, 8192 if be.is_gpu else 2048)
     res["sgemm_tflops"] = rate / 1e12
     print(f"{be.name}: measured SGEMM {rate / 1e12:.1f} TFLOP/s", flush=True)
+    res["tf32"] = set_matmul_tf32(be, args.tf32)
+    if res["tf32"]:
+        res["tf32_gemm_tflops"] = sgemm_rate(be, 8192) / 1e12
+        print(f"TF32 GEMM {res['tf32_gemm_tflops']:.1f} TFLOP/s", flush=True)
     for case in filter(None, args.cases_2d.split(",")):
         N, K, I = (int(x) for x in case.split(":"))
         r = run_case_2d(be, N, K, I, reps=3 if be.is_gpu else 1, fine_bytes=fine)

@@ -94,6 +94,9 @@ def prepare(a, data: Path, relion_root: Path, it: int) -> Path:
     info = json.loads((data / "data.json").read_text())
     p = our_params(a, data, folder)
     st = relion_state(stem, int(info["box"]), float(info["angpix"]))
+    if a.image_size:  # the next iteration's images at this size: the increment, not the resolution, is changed
+        st.has_high_fsc_at_limit = False
+        st.incr_size = a.image_size // 2 - st.res_shell
     entries = {"rlnOutputRootName": "run", "rlnModelStarFile": f"run_it{it:03d}_model.star",
                "rlnExperimentalDataStarFile": f"run_it{it:03d}_data.star", "rlnCurrentIteration": it}
     entries.update(params_to_optimiser(p, em.saved_options(class3d.Params)))
@@ -102,14 +105,16 @@ def prepare(a, data: Path, relion_root: Path, it: int) -> Path:
     return write_optimiser_star(folder / f"run_it{it:03d}_optimiser.star", entries)
 
 
-def run_with_relion_perturbation(argv: list[str], data: Path, relion_root: Path, log: Path) -> int:
+def run_with_relion_perturbation(argv: list[str], data: Path, relion_root: Path, log: Path,
+                                 relion_offset_units: bool = False) -> int:
     """Our CLI in this process (cwd ``data``) with schedule.next_perturbation answering RELION's
-    rlnSamplingPerturbInstance of the iteration being set up, where RELION wrote one."""
+    rlnSamplingPerturbInstance of the iteration being set up, where RELION wrote one; with
+    ``relion_offset_units`` also RELION's offset-prior arithmetic (a diagnostic: never the product's)."""
     import contextlib
     import os
 
     from napari_gpu_relion import cli
-    from napari_gpu_relion.compute import schedule
+    from napari_gpu_relion.compute import estep, schedule
 
     ours = schedule.next_perturbation
 
@@ -118,6 +123,14 @@ def run_with_relion_perturbation(argv: list[str], data: Path, relion_root: Path,
         return float(general(f)["rlnSamplingPerturbInstance"]) if f.exists() else ours(previous, seed, iteration)
 
     schedule.next_perturbation = relions
+    log_trans_prior = estep._log_trans_prior
+    if relion_offset_units:
+        def relion_units(offsets_round_px, trans_px, pixel_size, sigma_A, xp, prior_A):
+            """RELION 5.0.1's arithmetic (benchmarks/README.md, "a unit mix in its offset prior"): the sampled
+            translation in Å added to the old offset in pixels, the sum then scaled by the pixel size."""
+            return log_trans_prior(offsets_round_px, np.asarray(trans_px) * pixel_size, pixel_size, sigma_A, xp,
+                                   prior_A)
+        estep._log_trans_prior = relion_units
     here = Path.cwd()
     try:
         os.chdir(data)
@@ -126,6 +139,7 @@ def run_with_relion_perturbation(argv: list[str], data: Path, relion_root: Path,
     finally:
         os.chdir(here)
         schedule.next_perturbation = ours
+        estep._log_trans_prior = log_trans_prior
 
 
 def classes_of(path: Path, index) -> np.ndarray:
@@ -150,9 +164,16 @@ def main(argv=None):
                     help="run in this process with RELION's own random perturbation of the sampling for every "
                          "iteration whose run_itNNN_sampling.star RELION wrote (ours draws its own otherwise), so "
                          "that both programs search the same grid")
+    ap.add_argument("--relion_offset_units", action="store_true",
+                    help="with --relion_perturbation: RELION 5.0.1's offset-prior arithmetic in our E-step (a "
+                         "diagnostic of where the programs part, not the product's prior)")
+    ap.add_argument("--image_size", type=int, default=0,
+                    help="the first continued iteration's image size (pixels; 0: the schedule's, RELION's rule)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    if a.relion_offset_units and not a.relion_perturbation:
+        ap.error("--relion_offset_units runs in this process: give --relion_perturbation too")
     data = Path(a.data).resolve()
     relion_root = data / a.relion
     opt = prepare(a, data, relion_root, a.it)
@@ -160,7 +181,8 @@ def main(argv=None):
            *(a.ours_extra.split() if a.ours_extra else []), *(["--cpu"] if a.cpu else [])]
     t0 = time.time()
     if a.relion_perturbation:
-        rc = run_with_relion_perturbation(cmd[3:], data, relion_root, opt.parent / "log.txt")
+        rc = run_with_relion_perturbation(cmd[3:], data, relion_root, opt.parent / "log.txt",
+                                          a.relion_offset_units)
     else:
         with open(opt.parent / "log.txt", "w") as fh:
             rc = subprocess.run(cmd, cwd=data, stdout=fh, stderr=subprocess.STDOUT).returncode

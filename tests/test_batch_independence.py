@@ -82,3 +82,19 @@ def test_a_batch_below_one_is_refused(data, tmp_path):
         class2d.Params(i=data / "particles.star", o=tmp_path / "x" / "run", batch=-5)
     with pytest.raises(InputError, match="--batch"):
         refine3d.Params(continue_from=tmp_path / "any_optimiser.star", batch=-1)
+
+
+def test_tf32_on_the_cpu_says_it_has_no_effect_and_changes_nothing(data, tmp_path):
+    """--tf32 is a GPU option (tests/test_gpu.py checks that it rounds there): on the CPU the job says it has no
+    effect and gives bit-identical results."""
+    from napari_gpu_relion.jobs.events import Message  # noqa: PLC0415
+
+    out, said = {}, {}
+    for tf32 in (False, True):
+        events = list(class2d.run(class2d.Params(i=data / "particles.star", o=tmp_path / f"t{tf32}" / "run", K=4,
+                                                 iter=1, ctf=True, particle_diameter=150.0, cpu=True, tf32=tf32)))
+        said[tf32] = [e.text for e in events if isinstance(e, Message) and "--tf32" in e.text]
+        out[tf32] = _particles(tmp_path / f"t{tf32}" / "run_it001_data.star")
+    assert said == {False: [], True: ["--tf32 has no effect on the CPU: NumPy computes in float32"]}
+    for c in (*ANG, "rlnClassNumber", "rlnOriginXAngst", "rlnMaxValueProbDistribution"):
+        np.testing.assert_array_equal(out[False][c].to_numpy(), out[True][c].to_numpy(), err_msg=c)

@@ -170,3 +170,31 @@ def test_fine_pass_particle_terms_on_the_gpu_equal_the_complex_forms():
     direct = ((U[..., :300].astype(np.complex128) - 1j * U[..., 300:]) * ramps[None]).sum(axis=1)
     got = cp.asnumpy(expectation._sum_conj_shifted(cp.asarray(U), cp.asarray(ramps)))
     np.testing.assert_allclose(got, direct, rtol=0, atol=1e-4)
+
+
+def test_tf32_switch_rounds_both_product_paths_and_switches_back():
+    """--tf32's switch: with it on, CuPy's 2-D product (cublasGemmEx) and batched product
+    (cublasGemmStridedBatchedEx) differ from float64 by TF32's rounding (inputs to 10 bits: ~1e-4 relative),
+    with it off by float32's (~1e-7); switching off restores float32 exactly."""
+    from napari_gpu_relion.compute.backend import select_backend, set_matmul_tf32  # noqa: PLC0415
+
+    be = select_backend(gpu=0)
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((64, 512, 256)).astype(np.float32)
+    b = rng.standard_normal((64, 256, 128)).astype(np.float32)
+    exact2 = a[0].astype(np.float64) @ b[0].astype(np.float64)
+    exact3 = a.astype(np.float64) @ b.astype(np.float64)
+    ga, gb = cp.asarray(a), cp.asarray(b)
+    errors = {}
+    try:
+        for on in (False, True, False):
+            assert set_matmul_tf32(be, on) is on
+            errors.setdefault(on, []).append((_rel(cp.asnumpy(ga[0] @ gb[0]), exact2),
+                                              _rel(cp.asnumpy(ga @ gb), exact3)))
+    finally:
+        set_matmul_tf32(be, False)
+    (off2, off3), (again2, again3) = errors[False]
+    (on2, on3), = errors[True]
+    assert off2 < 1e-6 and off3 < 1e-6, errors
+    assert 1e-5 < on2 < 2e-3 and 1e-5 < on3 < 2e-3, errors
+    assert again2 == off2 and again3 == off3, errors

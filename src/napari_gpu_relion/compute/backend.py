@@ -114,6 +114,28 @@ class Backend:
             self.xp.cuda.Device(self.device).synchronize()
 
 
+def set_matmul_tf32(be: Backend, on: bool) -> bool:
+    """Let float32 matrix products of the calling thread run on tensor cores in TF32 (inputs rounded to a 10-bit
+    mantissa, float32 accumulation: about 8x the float32 rate of an H100), or back to full float32. cuBLAS handles
+    are per thread and device, so a job sets it in the thread that runs its E-steps. Covers both of CuPy's paths:
+    the handle's math mode (batched products, cublasGemmStridedBatchedEx) and CuPy's compute type for float32
+    (2-D products and einsum, cublasGemmEx), which is one setting per process: two jobs of one process that
+    run at once with different --tf32 share the last one's for their 2-D products. Returns whether TF32 is now
+    on (never on the CPU: NumPy has no TF32)."""
+    if not be.is_gpu:
+        return False
+    cp = be.xp
+    from cupy._core import _routines_linalg as linalg
+    from cupy_backends.cuda.libs import cublas
+
+    with cp.cuda.Device(be.device):
+        handle = cp.cuda.device.get_cublas_handle()
+        cublas.setMathMode(handle, getattr(cublas, "CUBLAS_TF32_TENSOR_OP_MATH", 3) if on
+                           else getattr(cublas, "CUBLAS_DEFAULT_MATH", 0))
+        linalg.set_compute_type(np.float32, linalg.COMPUTE_TYPE_TF32 if on else linalg.COMPUTE_TYPE_DEFAULT)
+    return on
+
+
 def _host_available_bytes() -> int:
     try:
         with open("/proc/meminfo") as fh:

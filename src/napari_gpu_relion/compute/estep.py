@@ -570,11 +570,13 @@ class _FineSums:
     """What the fine chunks accumulate: per particle (best sample, Pmax, log-likelihood, noise and scale sums,
     total weight) and per fine orientation of the union (back-projection slices and weights)."""
 
-    best_row: np.ndarray  # (I,) host: global coarse row of the best fine sample
-    best_child: np.ndarray  # (I,) host: its orientation child
-    best_translation: np.ndarray  # (I,) host: its fine translation (index into translations.reshape(-1, 2))
-    pmax: np.ndarray  # (I,) host
-    log_likelihood: np.ndarray  # (I,) host
+    # per particle, on the device until _best_poses copies them once per batch (no copy, i.e. no wait for the
+    # device, per fine chunk)
+    best_row: object  # (I,) global coarse row of the best fine sample
+    best_child: object  # (I,) its orientation child
+    best_translation: object  # (I,) its fine translation (index into translations.reshape(-1, 2))
+    pmax: object  # (I,)
+    log_likelihood: object  # (I,)
     residual: object  # (I,) sum w |CP - X|^2 (+ the power beyond the fine size): E_i of the norm correction
     slices: object  # (U * n_children, 2 Kf) float32: sum w [Re, Im](C X_u e_t m)
     slice_weights: object  # (U * n_children, Kf) float32: sum w C^2 m
@@ -589,8 +591,8 @@ class _FineSums:
     def zeros(cls, b: _Batch, n_shells: int) -> _FineSums:
         """The per-particle and per-class sums of a batch; the union's are made per group by new_union."""
         xp, I = b.xp, b.n_particles
-        return cls(np.zeros(I, dtype=np.int64), np.zeros(I, dtype=np.int64), np.zeros(I, dtype=np.int64),
-                   np.zeros(I), np.zeros(I), xp.zeros(I), None, None, None,
+        return cls(xp.zeros(I, dtype=np.int64), xp.zeros(I, dtype=np.int64), xp.zeros(I, dtype=np.int64),
+                   xp.zeros(I), xp.zeros(I), xp.zeros(I), None, None, None,
                    xp.zeros((I, n_shells)), xp.zeros(I), xp.zeros((b.n_classes, 4)), xp.zeros(I), xp.zeros(I))
 
     def new_union(self, b: _Batch, n_fine_rows: int, n_union: int, n_pixels: int) -> None:
@@ -657,8 +659,7 @@ def _fine_chunk(b: _Batch, rows: _SignificantRows, fine: _FineData, acc: _FineSu
     lay = _chunk_layout(b, rows, a0, a1, fine.n_children)
     ni, n_par, nover = a1 - a0, lay.n_parents, fine.n_children
     T, ntov = fine.translations.shape[0], fine.translations.shape[1]
-    pidx_h = rows.order[a0:a1]
-    pidx = xp.asarray(pidx_h)
+    pidx = xp.asarray(rows.order[a0:a1])
     e0, e1 = int(rows.start[a0]), int(rows.start[a1])
     li, col = lay.entry_particle, lay.entry_column
     sig_parent = xp.zeros((ni, T, n_par), dtype=bool)
@@ -683,11 +684,11 @@ def _fine_chunk(b: _Batch, rows: _SignificantRows, fine: _FineData, acc: _FineSu
     check()
     best_pos = W.best % nn
     best_parent = xp.take_along_axis(lay.parents, (best_pos // nover)[:, None], axis=1)[:, 0]
-    acc.best_row[pidx_h] = rows.union_rows_host[to_host(best_parent)]
-    acc.best_child[pidx_h] = to_host(best_pos % nover)
-    acc.best_translation[pidx_h] = to_host(W.best // nn)
-    acc.pmax[pidx_h] = to_host(W.pmax)
-    acc.log_likelihood[pidx_h] = to_host(W.log_evidence - x2 if not setup.cc else W.log_evidence)
+    acc.best_row[pidx] = rows.union_rows[best_parent]
+    acc.best_child[pidx] = best_pos % nover
+    acc.best_translation[pidx] = W.best // nn
+    acc.pmax[pidx] = W.pmax
+    acc.log_likelihood[pidx] = W.log_evidence - x2 if not setup.cc else W.log_evidence
     _accumulate_chunk(b, fine, acc, lay, pidx, parent_rows, W.w.reshape(ni, T * ntov, nn), P)
 
 
@@ -769,6 +770,8 @@ def _best_poses(b: _Batch, fine: _FineData, acc: _FineSums, coarse: _CoarseResul
     """The per-particle results: the best fine sample's orientation (perturbed), class and offset (rounded
     offset + fine translation), Pmax, the coarse significant count, log-likelihood and residual power."""
     R = b.n_orient
+    for name in ("best_row", "best_child", "best_translation", "pmax", "log_likelihood"):
+        setattr(acc, name, to_host(getattr(acc, name)))
     mats = b.setup.sampling.fine_matrices(acc.best_row % R)[np.arange(b.n_particles), acc.best_child]
     offsets = b.prep.rounded_offsets + fine.translations.reshape(-1, 2)[acc.best_translation]
     return BatchResult(mats, acc.best_row // R, offsets, acc.pmax, to_host(coarse.nr_significant),

@@ -30,6 +30,7 @@ from ..compute.backend import (
     memory_mark,
     memory_trace_active,
     plan_memory,
+    set_matmul_tf32,
     to_host,
 )
 from ..compute.backprojector import BackProjectorStack
@@ -123,9 +124,11 @@ class EMParams:
     gpu: str | None = param(None, "--gpu", "GPU index; MPI: RELION's 0:1:2:3, ranks take them in turn")
     memory_limit: float = param(0.0, "--memory_limit", "Most memory (GiB) the job may plan with on its device; "
                                 "0 = all free memory. A job that cannot fit is refused before it starts")
+    tf32: bool = param(False, "--tf32", "GPU: the score and sum GEMMs in TF32 on tensor cores (faster, inputs "
+                       "rounded to 10 bits; benchmarks/README.md has what it changes)")
 
     #: Options that --continue takes from the command line, not from the optimiser STAR.
-    RUNTIME = ("continue_from", "cpu", "gpu", "batch", "memory_limit")
+    RUNTIME = ("continue_from", "cpu", "gpu", "batch", "memory_limit", "tf32")
 
     def check(self, needs_ref: bool, healpix_order: int = 0) -> None:
         """Clear errors before any work (called by each job's __post_init__); a --continue checks its runtime
@@ -471,6 +474,11 @@ def _run(job: EMJob) -> Iterator:
                                                                 len(job.ps), job.p.i, len(refs)),
                            "one iteration's files") if root else []  # rank 0 alone writes (and cleans up)
     yield Started(job.name, job.files.folder, job.be.name, job.describe())
+    tf32 = bool(getattr(job.p, "tf32", False))
+    if set_matmul_tf32(job.be, tf32):
+        yield Message("--tf32: the E-step's float32 matrix products run in TF32 on tensor cores")
+    elif tf32:
+        yield Message("--tf32 has no effect on the CPU: NumPy computes in float32")
     yield from notes
     yield from pad_notes
     if root:
