@@ -106,15 +106,17 @@ def prepare(a, data: Path, relion_root: Path, it: int) -> Path:
 
 
 def run_with_relion_perturbation(argv: list[str], data: Path, relion_root: Path, log: Path,
-                                 relion_offset_units: bool = False) -> int:
+                                 relion_offset_units: bool = False, adaptive_fraction: float = 0.0) -> int:
     """Our CLI in this process (cwd ``data``) with schedule.next_perturbation answering RELION's
     rlnSamplingPerturbInstance of the iteration being set up, where RELION wrote one; with
     ``relion_offset_units`` also RELION's offset-prior arithmetic (a diagnostic: never the product's)."""
     import contextlib
+    import functools
     import os
 
     from napari_gpu_relion import cli
     from napari_gpu_relion.compute import estep, schedule
+    from napari_gpu_relion.jobs import em
 
     ours = schedule.next_perturbation
 
@@ -131,6 +133,9 @@ def run_with_relion_perturbation(argv: list[str], data: Path, relion_root: Path,
             return log_trans_prior(offsets_round_px, np.asarray(trans_px) * pixel_size, pixel_size, sigma_A, xp,
                                    prior_A)
         estep._log_trans_prior = relion_units
+    setup = em.EStepSetup
+    if adaptive_fraction:
+        em.EStepSetup = functools.partial(setup, adaptive_fraction=adaptive_fraction)
     here = Path.cwd()
     try:
         os.chdir(data)
@@ -140,6 +145,7 @@ def run_with_relion_perturbation(argv: list[str], data: Path, relion_root: Path,
         os.chdir(here)
         schedule.next_perturbation = ours
         estep._log_trans_prior = log_trans_prior
+        em.EStepSetup = setup
 
 
 def classes_of(path: Path, index) -> np.ndarray:
@@ -167,13 +173,16 @@ def main(argv=None):
     ap.add_argument("--relion_offset_units", action="store_true",
                     help="with --relion_perturbation: RELION 5.0.1's offset-prior arithmetic in our E-step (a "
                          "diagnostic of where the programs part, not the product's prior)")
+    ap.add_argument("--adaptive_fraction", type=float, default=0.0,
+                    help="with --relion_perturbation: the E-step's significant fraction (RELION's "
+                         "--adaptive_fraction; 0: the default 0.999); higher keeps more coarse samples")
     ap.add_argument("--image_size", type=int, default=0,
                     help="the first continued iteration's image size (pixels; 0: the schedule's, RELION's rule)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    if a.relion_offset_units and not a.relion_perturbation:
-        ap.error("--relion_offset_units runs in this process: give --relion_perturbation too")
+    if (a.relion_offset_units or a.adaptive_fraction) and not a.relion_perturbation:
+        ap.error("--relion_offset_units and --adaptive_fraction run in this process: give --relion_perturbation")
     data = Path(a.data).resolve()
     relion_root = data / a.relion
     opt = prepare(a, data, relion_root, a.it)
@@ -182,7 +191,7 @@ def main(argv=None):
     t0 = time.time()
     if a.relion_perturbation:
         rc = run_with_relion_perturbation(cmd[3:], data, relion_root, opt.parent / "log.txt",
-                                          a.relion_offset_units)
+                                          a.relion_offset_units, a.adaptive_fraction)
     else:
         with open(opt.parent / "log.txt", "w") as fh:
             rc = subprocess.run(cmd, cwd=data, stdout=fh, stderr=subprocess.STDOUT).returncode
