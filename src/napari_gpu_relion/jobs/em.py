@@ -466,6 +466,20 @@ def run(job: EMJob) -> Iterator:
 
 
 def _run(job: EMJob) -> Iterator:
+    """_iterate with the thread's matrix products in TF32 for the job's duration when --tf32 asks for it (float32
+    again afterwards, also after a cancel or an error: other jobs may run in this worker thread next)."""
+    tf32 = bool(getattr(job.p, "tf32", False))
+    on = set_matmul_tf32(job.be, tf32)
+    note = ("--tf32: the E-step's float32 matrix products run in TF32 on tensor cores" if on else
+            "--tf32 has no effect on the CPU: NumPy computes in float32" if tf32 else None)
+    try:
+        yield from _iterate(job, note)
+    finally:
+        if on:
+            set_matmul_tf32(job.be, False)
+
+
+def _iterate(job: EMJob, tf32_note: str | None) -> Iterator:
     root = job.comm.is_root
     job.model = job.restore() if job.continued else job.initial_model()
     pad_notes = list(job.plan_job_memory())  # refused here, before any file is written, when it cannot fit
@@ -474,11 +488,8 @@ def _run(job: EMJob) -> Iterator:
                                                                 len(job.ps), job.p.i, len(refs)),
                            "one iteration's files") if root else []  # rank 0 alone writes (and cleans up)
     yield Started(job.name, job.files.folder, job.be.name, job.describe())
-    tf32 = bool(getattr(job.p, "tf32", False))
-    if set_matmul_tf32(job.be, tf32):
-        yield Message("--tf32: the E-step's float32 matrix products run in TF32 on tensor cores")
-    elif tf32:
-        yield Message("--tf32 has no effect on the CPU: NumPy computes in float32")
+    if tf32_note:
+        yield Message(tf32_note)
     yield from notes
     yield from pad_notes
     if root:
