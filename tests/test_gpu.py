@@ -227,3 +227,30 @@ def test_class3d_and_class2d_give_the_same_classes_and_angles_on_cupy_and_numpy(
                                     euler_to_matrix(*(b[c].to_numpy() for c in ang)))
         same_angle = float((diff < 0.01).mean())
         assert same_class >= 0.995 and same_angle >= 0.995, (job, same_class, same_angle)
+
+
+def test_a_tf32_job_says_so_and_leaves_its_thread_in_float32(tmp_path):
+    """--tf32 on the GPU: the job says its products run in TF32, gives the classes of the float32 job for
+    >= 99 % of the particles, and its thread's products are float32 again once it has ended."""
+    from napari_gpu_relion.jobs import class2d  # noqa: PLC0415
+    from napari_gpu_relion.jobs.events import Message  # noqa: PLC0415
+    from napari_gpu_relion.jobs.simulate import make_sample_data  # noqa: PLC0415
+
+    data = make_sample_data(tmp_path / "data", box=32, angpix=6.0, n_particles=200, snr=0.2, diameter=134.4,
+                            ini_high=60.0, n_micrographs=0)
+    classes = {}
+    for tf32 in (False, True):
+        o = tmp_path / f"t{tf32}" / "run"
+        events = list(class2d.run(class2d.Params(i=data / "particles.star", o=o, K=4, iter=1, ctf=True,
+                                                 particle_diameter=150.0, gpu="0", tf32=tf32)))
+        said = [e.text for e in events if isinstance(e, Message) and "--tf32" in e.text]
+        assert said == (["--tf32: the E-step's float32 matrix products run in TF32 on tensor cores"] if tf32 else [])
+        import starfile  # noqa: PLC0415
+
+        classes[tf32] = starfile.read(f"{o}_it001_data.star")["particles"]["rlnClassNumber"].to_numpy()
+    assert (classes[False] == classes[True]).mean() >= 0.99
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((512, 256)).astype(np.float32)
+    b = rng.standard_normal((256, 128)).astype(np.float32)
+    err = _rel(cp.asnumpy(cp.asarray(a) @ cp.asarray(b)), a.astype(np.float64) @ b.astype(np.float64))
+    assert err < 1e-6, err
