@@ -30,7 +30,6 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_relion  # noqa: E402
 
-from napari_gpu_relion.compute.geometry import angular_distance_deg, euler_to_matrix  # noqa: E402
 from napari_gpu_relion.compute.schedule import EMState, round_half_away  # noqa: E402
 from napari_gpu_relion.io.model_star import (  # noqa: E402
     params_to_optimiser,
@@ -210,7 +209,7 @@ def main(argv=None):
         res["next_iteration_crosstab_ours_rows_relion_columns"] = pd.crosstab(co, cr).to_dict()
         po, pr = (vs_relion.particles_of(f).set_index("rlnImageName").loc[truth.index]
                   for f in (ours_next, relion_next))
-        ang = angular_distance_deg(*(euler_to_matrix(*(q[c].to_numpy() for c in vs_relion.ANG)) for q in (po, pr)))
+        ang = vs_relion.pose_differences(po, pr)[0]
         res["next_iteration_median_angle_ours_vs_relion_deg"] = float(np.median(ang))
         res["next_iteration_same_class_and_within_5deg"] = float(((co == cr) & (ang < 5.0)).mean())
     print(json.dumps({k: v for k, v in res.items() if k not in ("class_sizes", "args")}), flush=True)

@@ -27,8 +27,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_relion  # noqa: E402
 
-from napari_gpu_relion.compute.geometry import angular_distance_deg, euler_to_matrix  # noqa: E402
-
 
 def copy_until(run: Path, k: int, dst: Path) -> None:
     """``run``'s folder copied to ``dst`` without the files of iterations after k."""
@@ -45,9 +43,7 @@ def compare(a: Path, b: Path) -> dict:
     """Per-particle agreement of two data STARs of the same particles."""
     pa, pb = (vs_relion.particles_of(p).set_index("rlnImageName") for p in (a, b))
     pb = pb.loc[pa.index]
-    ang = angular_distance_deg(*(euler_to_matrix(*(q[c].to_numpy() for c in vs_relion.ANG)) for q in (pa, pb)))
-    doff = np.hypot(pa["rlnOriginXAngst"].to_numpy() - pb["rlnOriginXAngst"].to_numpy(),
-                    pa["rlnOriginYAngst"].to_numpy() - pb["rlnOriginYAngst"].to_numpy())
+    ang, doff = vs_relion.pose_differences(pa, pb)
     out = {"n": len(pa), "same_orientation": float((ang < 0.01).mean()), "within_1deg": float((ang < 1.0).mean()),
            "median_angle_deg": float(np.median(ang)), "p99_angle_deg": float(np.percentile(ang, 99)),
            "same_offsets": float((doff < 0.01).mean()),

@@ -242,17 +242,22 @@ def schedule_trace(root: Path) -> list[dict]:
     return trace
 
 
+def pose_differences(a: pd.DataFrame, b: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Per particle of two tables in the same row order: the angle between their orientations (degrees) and the
+    distance between their offsets (Å)."""
+    ang = angular_distance_deg(*(euler_to_matrix(*(q[c].to_numpy() for c in ANG)) for q in (a, b)))
+    off = np.hypot(a["rlnOriginXAngst"].to_numpy() - b["rlnOriginXAngst"].to_numpy(),
+                   a["rlnOriginYAngst"].to_numpy() - b["rlnOriginYAngst"].to_numpy())
+    return ang, off
+
+
 def evaluate(root: Path, truth: pd.DataFrame, job: str, angpix: float) -> dict:
     """Resolution, angular error, class purity and class changes of a finished run with rootname ``root``."""
     res: dict = {}
     final = particles_of(data_star(root, final=True)).set_index("rlnImageName").loc[truth.index]
     if job in ("refine3d", "class3d", "refine3d_local"):
-        At = euler_to_matrix(*(truth[c].to_numpy() for c in ANG))
-        Af = euler_to_matrix(*(final[c].to_numpy() for c in ANG))
-        err = angular_distance_deg(At, Af)
+        err, d = pose_differences(truth, final)
         res["median_angular_error_deg"] = float(np.median(err))
-        d = np.hypot(final["rlnOriginXAngst"].to_numpy() - truth["rlnOriginXAngst"].to_numpy(),
-                     final["rlnOriginYAngst"].to_numpy() - truth["rlnOriginYAngst"].to_numpy())
         res["median_offset_error_A"] = float(np.median(d))
     if job == "refine3d":
         h1, h2 = Path(f"{root}_half1_class001_unfil.mrc"), Path(f"{root}_half2_class001_unfil.mrc")

@@ -468,10 +468,9 @@ def run(job: EMJob) -> Iterator:
 def _run(job: EMJob) -> Iterator:
     """_iterate with the thread's matrix products in TF32 for the job's duration when --tf32 asks for it (float32
     again afterwards, also after a cancel or an error: other jobs may run in this worker thread next)."""
-    tf32 = bool(getattr(job.p, "tf32", False))
-    on = set_matmul_tf32(job.be, tf32)
+    on = set_matmul_tf32(job.be, job.p.tf32)
     note = ("--tf32: the E-step's float32 matrix products run in TF32 on tensor cores" if on else
-            "--tf32 has no effect on the CPU: NumPy computes in float32" if tf32 else None)
+            "--tf32 has no effect on the CPU: NumPy computes in float32" if job.p.tf32 else None)
     try:
         yield from _iterate(job, note)
     finally:
