@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from napari_gpu_relion.compute import gpu_kernels
 from napari_gpu_relion.compute.backend import select_backend
 from napari_gpu_relion.compute.backprojector import BackProjector
 from napari_gpu_relion.compute.ctf import CtfParams, ctf_half_grid
@@ -37,12 +38,16 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--n_full", type=int, default=100_000)
     ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--array_code", action="store_true",
+                    help="CuPy's array code instead of the fused projection and insertion kernels (to compare)")
+    ap.add_argument("--boxes", default="128,256")
     args = ap.parse_args()
+    gpu_kernels.ENABLED = not args.array_code
     be = select_backend(cpu=args.cpu)
     xp = be.xp
     rng = np.random.default_rng(0)
-    res = {"hardware": be.name, "host": platform.node(), "results": []}
-    for N, R, B in ((128, 4608, 2000), (256, 4608, 1000)):
+    res = {"hardware": be.name, "host": platform.node(), "fused_kernels": gpu_kernels.ENABLED, "results": []}
+    for N, R, B in [c for c in ((128, 4608, 2000), (256, 4608, 1000)) if str(c[0]) in args.boxes.split(",")]:
         vol = xp.asarray(rng.normal(size=(N, N, N)).astype(np.float32))
         ref = prepare_reference(vol)
         ang = rng.uniform([-180, 0, -180], [180, 180, 180], (R, 3))

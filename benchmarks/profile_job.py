@@ -17,7 +17,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from napari_gpu_relion import cli
-from napari_gpu_relion.compute import backend, backprojector, estep, expectation, maximization
+from napari_gpu_relion.compute import backend, backprojector, estep, expectation, gpu_kernels, maximization
 from napari_gpu_relion.compute.backend import select_backend
 from napari_gpu_relion.jobs import em
 from napari_gpu_relion.jobs.events import IterationFinished, Message
@@ -49,7 +49,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--fine_chunk_mib", type=int, default=0, help="override the fine-pass chunk budget (MiB)")
+    ap.add_argument("--array_code", action="store_true",
+                    help="CuPy's array code instead of the fused projection and insertion kernels (to compare)")
     a = ap.parse_args(argv[:split])
+    gpu_kernels.ENABLED = not a.array_code
     if a.fine_chunk_mib:  # the plan's chunk is clamped to [CHUNK_BYTES, MAX_FINE_CHUNK_BYTES]: pin both
         backend.CHUNK_BYTES = backend.MAX_FINE_CHUNK_BYTES = a.fine_chunk_mib << 20
     args = cli.build_parser().parse_args(argv[split + 1:])
@@ -86,7 +89,8 @@ def main():
             print(f"iteration {ev.iteration}: {per_it[-1]['wall_s']:.1f} s  {ev.summary}", flush=True)
             for k, v in per_it[-1]["steps_s"].items():
                 print(f"    {k:<40} {v:8.2f} s  ({COUNTS[k]} calls so far)")
-    res = {"hardware": be.name, "argv": argv, "fine_chunk_bytes": backend.CHUNK_BYTES, "total_s": time.time() - t0,
+    res = {"hardware": be.name, "argv": argv, "fused_kernels": gpu_kernels.ENABLED,
+           "fine_chunk_bytes": backend.CHUNK_BYTES, "total_s": time.time() - t0,
            "iterations": per_it}
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))

@@ -255,3 +255,65 @@ def test_a_tf32_job_says_so_and_leaves_its_thread_in_float32(tmp_path):
     b = rng.standard_normal((256, 128)).astype(np.float32)
     err = _rel(cp.asnumpy(cp.asarray(a) @ cp.asarray(b)), a.astype(np.float64) @ b.astype(np.float64))
     assert err < 1e-6, err
+
+
+def _fused_and_array(monkeypatch, fn):
+    """fn() with the fused kernels, then with the array code (gpu_kernels.ENABLED off), both on the GPU."""
+    from napari_gpu_relion.compute import gpu_kernels  # noqa: PLC0415
+
+    fused = fn()
+    monkeypatch.setattr(gpu_kernels, "ENABLED", False)
+    array = fn()
+    monkeypatch.setattr(gpu_kernels, "ENABLED", True)
+    return fused, array
+
+
+@pytest.mark.parametrize("ndim", [3, 2])
+def test_fused_projection_gives_the_array_codes_values(monkeypatch, ndim):
+    """The fused gather kernel against the chain of CuPy operations it replaces (same float32 coordinates, same
+    operation order): a stack of three references read at an index per row, at every pixel of the box out to
+    Nyquist, so the r_max edge, the Hermitian mate and the wrap of y and z are all crossed."""
+    from napari_gpu_relion.compute.projector import project_pixels, stack_references  # noqa: PLC0415
+
+    rng = np.random.default_rng(7)
+    N = 40
+    refs = stack_references([prepare_reference(cp.asarray(rng.normal(size=(N,) * ndim))) for _ in range(3)])
+    ang = rng.uniform([-180, 0, -180], [180, 180, 180], (257, 3))
+    A = cp.asarray(euler_to_matrix(*ang.T), dtype=cp.float32)
+    ky, kx = (a.ravel() for a in np.meshgrid(np.arange(-N // 2, N // 2), np.arange(N // 2 + 1), indexing="ij"))
+    kx, ky = cp.asarray(kx, cp.float32), cp.asarray(ky, cp.float32)
+    index = cp.asarray(rng.integers(0, 3, A.shape[0]))
+    fused, array = _fused_and_array(monkeypatch, lambda: project_pixels(refs, A, kx, ky, index=index).get())
+    assert fused.shape == (257, kx.size) and fused.dtype == np.complex64
+    assert np.count_nonzero(array) > 0.5 * array.size
+    scale = np.abs(array).max()
+    assert np.abs(fused - array).max() <= 1e-6 * scale
+    assert np.mean(fused == array) > 0.999  # the same operations in the same order: nearly all bit for bit
+
+
+@pytest.mark.parametrize("ndim", [3, 2])
+def test_fused_insertion_gives_the_array_codes_sums(monkeypatch, ndim):
+    """The fused splat kernel against cupyx.scatter_add of the array code's corner contributions: the same
+    float32 corner weights and products, float64 sums that differ only in the atomic adds' order."""
+    from napari_gpu_relion.compute.backprojector import BackProjectorStack  # noqa: PLC0415
+
+    rng = np.random.default_rng(8)
+    N, R = 32, 300
+    ky, kx = (a.ravel() for a in np.meshgrid(np.arange(-N // 2, N // 2), np.arange(N // 2 + 1), indexing="ij"))
+    kx, ky = cp.asarray(kx, cp.float64), cp.asarray(ky, cp.float64)
+    ang = rng.uniform([-180, 0, -180], [180, 180, 180], (R, 3))
+    A = cp.asarray(euler_to_matrix(*ang.T))
+    vals = cp.asarray(rng.normal(size=(R, kx.size)) + 1j * rng.normal(size=(R, kx.size)), dtype=cp.complex64)
+    wts = cp.asarray(rng.uniform(0, 2, (R, kx.size)) * (rng.uniform(size=(R, kx.size)) > 0.1))
+    index = cp.asarray(rng.integers(0, 2, R))
+
+    def insert():
+        st = BackProjectorStack(2, N, 2, r_max=N / 2 - 3, ndim=ndim, xp=cp)
+        st.insert_pixels(index, A, kx, ky, vals, wts)
+        return [a.get() for a in st.arrays]
+
+    fused, array = _fused_and_array(monkeypatch, insert)
+    for f, a in zip(fused, array, strict=True):
+        assert np.count_nonzero(a) > 0.1 * a.size
+        assert np.array_equal(f != 0, a != 0)
+        assert np.abs(f - a).max() <= 1e-12 * np.abs(a).max()

@@ -2,13 +2,14 @@
 
 Accumulators (data: complex, weight: real) live on the same padded half grid as the projector's reference
 (FFT layout, P = pf N). Insertion is a trilinear splat of many weighted slices at once (scatter-add:
-``bincount`` on the CPU, atomic ``scatter_add`` on the GPU).
+``bincount`` on the CPU; on the GPU one fused kernel of float64 atomic adds, gpu_kernels.insert_slices).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from . import gpu_kernels
 from .backend import CHUNK_BYTES, INSERT_CHUNK_POINTS, get_array_module, is_out_of_memory, to_host
 from .fourier import _fft_module, half_grid_indices, round_half_away
 from .masks import soft_edge_weight
@@ -232,6 +233,13 @@ def _insert_chunks(targets: tuple, pad: int, r_max: float, A, kx, ky, values, we
     flats = [t.reshape(-1) for t in targets]
     step = max(1, chunk_points // max(npix, 1))
     rmp2 = float(round_half_away(np.float64(pad * r_max))) ** 2
+    if gpu_kernels.applies(*targets) and all(t.dtype == np.float64 and t.flags.c_contiguous for t in targets):
+        for r0 in range(0, R, step):  # one fused kernel per chunk: no temporaries, so no out-of-memory retry
+            if check is not None:
+                check()
+            gpu_kernels.insert_slices(targets, A[r0:r0 + step], kx, ky, values[r0:r0 + step],
+                                      weights[r0:r0 + step], pad, rmp2, None if index is None else index[r0:r0 + step])
+        return
     r0 = 0
     while r0 < R:
         if check is not None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import backend
+from . import backend, gpu_kernels
 from .backend import get_array_module
 from .fourier import _fft_module, half_grid_indices, real_radius_grid, rfft_centered
 
@@ -254,6 +254,8 @@ def project_pixels(ref: FourierReference, A, kx, ky, chunk_points: int | None = 
     if ref.stacked and index is None:
         raise ValueError("a stacked reference needs the reference index of each orientation")
     index = None if index is None else xp.asarray(index)
+    if gpu_kernels.applies(ref.data) and ref.data.dtype == np.complex64:  # one fused kernel, no temporaries
+        return gpu_kernels.project_slices(ref.data, A, kx, ky, ref.pad, rmp, index)
     for r0 in range(0, R, step):
         q = rotated_frequencies(A[r0:r0 + step], kx, ky, ref.pad)
         out[r0:r0 + step] = interpolate(ref.data, q, rmp, None if index is None else index[r0:r0 + step])

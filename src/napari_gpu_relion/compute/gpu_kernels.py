@@ -1,0 +1,237 @@
+"""Fused CUDA kernels for the two trilinear steps that dominate local searches and the final iteration:
+slice extraction (projector.interpolate) and slice insertion (backprojector's scatter-add).
+
+Each kernel does per point what the array code does as a chain of CuPy operations (rotated frequency,
+Hermitian mate, r_max test, 8 corner indices and weights, gather or atomic add) in one pass, without the
+chain's (points x 8) temporaries. The arithmetic is the array code's, operation for operation, in the same
+precision and order (intrinsics keep the compiler from fusing a multiply and an add), so projection gives the
+array code's numbers and insertion differs only in the order of the atomic float64 additions, which the array
+code's scatter-add does not fix either. ``tests/test_gpu.py`` checks both against the array code.
+
+Importing this module never imports CuPy; the kernels compile on first use (CuPy caches them on disk).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: Off only to measure the array code on a GPU (benchmarks) or to compare with it (tests).
+ENABLED = True
+
+_SOURCE = r"""
+__device__ __forceinline__ long long wrap(long long i, long long P) {  // Python's i % P for P > 0
+    long long m = i % P;
+    return m < 0 ? m + P : m;
+}
+
+extern "C" __global__ void project_gather(
+        const float2* __restrict__ grid, const float* __restrict__ A, const float* __restrict__ kx,
+        const float* __restrict__ ky, const long long* __restrict__ index, const long long grid_size,
+        const int P, const int d, const float pad, const float rmp2, const long long R, const long long npix,
+        float2* __restrict__ out) {
+    const long long nx = P / 2 + 1;
+    const long long total = R * npix;
+    for (long long n = blockIdx.x * (long long)blockDim.x + threadIdx.x; n < total;
+         n += (long long)gridDim.x * blockDim.x) {
+        const long long r = n / npix;
+        const long long p = n - r * npix;
+        const float* a = A + r * d * d;
+        const float x = kx[p], y = ky[p];
+        float q[3] = {0.f, 0.f, 0.f};
+        for (int c = 0; c < d; ++c)
+            q[c] = __fmul_rn(pad, __fadd_rn(__fmul_rn(x, a[c]), __fmul_rn(y, a[d + c])));
+        const bool neg = q[0] < 0.f;
+        if (neg) for (int c = 0; c < d; ++c) q[c] = -q[c];
+        float r2 = __fmul_rn(q[0], q[0]);
+        for (int c = 1; c < d; ++c) r2 = __fadd_rn(r2, __fmul_rn(q[c], q[c]));
+        float2 acc = make_float2(0.f, 0.f);
+        if (r2 <= rmp2) {
+            long long lo[3], hi[3];
+            float w0[3], w1[3];
+            long long stride = 1;
+            bool x_valid = true;
+            for (int c = 0; c < d; ++c) {
+                const float f0 = floorf(q[c]);
+                const float fr = q[c] - f0;
+                const long long i0 = (long long)f0;
+                if (c == 0) {
+                    x_valid = i0 + 1 < nx;
+                    lo[c] = i0;
+                    hi[c] = i0 + 1 < nx - 1 ? i0 + 1 : nx - 1;
+                } else {
+                    lo[c] = wrap(i0, P) * stride;
+                    hi[c] = wrap(i0 + 1, P) * stride;
+                }
+                w0[c] = 1.f - fr;
+                w1[c] = fr;
+                stride = c == 0 ? nx : stride * P;
+            }
+            const long long base = index ? index[r] * grid_size : 0;
+            for (int bits = 0; bits < (1 << d); ++bits) {
+                long long idx = (bits & 1) ? hi[0] : lo[0];
+                float w = (bits & 1) ? w1[0] : w0[0];
+                for (int c = 1; c < d; ++c) {
+                    const bool up = (bits >> c) & 1;
+                    idx += up ? hi[c] : lo[c];
+                    w = __fmul_rn(w, up ? w1[c] : w0[c]);
+                }
+                if ((bits & 1) && !x_valid) w = 0.f;
+                const float2 v = grid[base + idx];
+                if (bits == 0) {
+                    acc = make_float2(__fmul_rn(v.x, w), __fmul_rn(v.y, w));
+                } else {
+                    acc.x = __fadd_rn(acc.x, __fmul_rn(v.x, w));
+                    acc.y = __fadd_rn(acc.y, __fmul_rn(v.y, w));
+                }
+            }
+            if (neg) acc.y = -acc.y;
+        }
+        out[n] = acc;
+    }
+}
+
+extern "C" __global__ void insert_splat(
+        double* __restrict__ data_re, double* __restrict__ data_im, double* __restrict__ weight,
+        const double* __restrict__ A, const double* __restrict__ kx, const double* __restrict__ ky,
+        const float2* __restrict__ values, const double* __restrict__ weights, const long long* __restrict__ index,
+        const long long grid_size, const int P, const int d, const double pad, const double rmp2,
+        const long long R, const long long npix) {
+    const long long nx = P / 2 + 1;
+    const long long total = R * npix;
+    for (long long n = blockIdx.x * (long long)blockDim.x + threadIdx.x; n < total;
+         n += (long long)gridDim.x * blockDim.x) {
+        const double wt = weights[n];
+        if (wt == 0.0) continue;
+        const long long r = n / npix;
+        const long long p = n - r * npix;
+        const double* a = A + r * d * d;
+        const double x = kx[p], y = ky[p];
+        double q[3] = {0.0, 0.0, 0.0};
+        for (int c = 0; c < d; ++c)
+            q[c] = __dmul_rn(pad, __dadd_rn(__dmul_rn(x, a[c]), __dmul_rn(y, a[d + c])));
+        float2 v = values[n];
+        if (q[0] < 0.0) {
+            for (int c = 0; c < d; ++c) q[c] = -q[c];
+            v.y = -v.y;
+        }
+        double r2 = __dmul_rn(q[0], q[0]);
+        for (int c = 1; c < d; ++c) r2 = __dadd_rn(r2, __dmul_rn(q[c], q[c]));
+        if (!(r2 <= rmp2)) continue;
+        long long lo[3], hi[3];
+        float w0[3], w1[3];
+        long long stride = 1;
+        bool x_valid = true;
+        for (int c = 0; c < d; ++c) {
+            const double f0 = floor(q[c]);
+            const float fr = (float)(q[c] - f0);
+            const long long i0 = (long long)f0;
+            if (c == 0) {
+                x_valid = i0 + 1 < nx;
+                lo[c] = i0;
+                hi[c] = i0 + 1 < nx - 1 ? i0 + 1 : nx - 1;
+            } else {
+                lo[c] = wrap(i0, P) * stride;
+                hi[c] = wrap(i0 + 1, P) * stride;
+            }
+            w0[c] = 1.f - fr;
+            w1[c] = fr;
+            stride = c == 0 ? nx : stride * P;
+        }
+        const long long base = index ? index[r] * grid_size : 0;
+        for (int bits = 0; bits < (1 << d); ++bits) {
+            if ((bits & 1) && !x_valid) continue;
+            long long idx = (bits & 1) ? hi[0] : lo[0];
+            float w = (bits & 1) ? w1[0] : w0[0];
+            for (int c = 1; c < d; ++c) {
+                const bool up = (bits >> c) & 1;
+                idx += up ? hi[c] : lo[c];
+                w = __fmul_rn(w, up ? w1[c] : w0[c]);
+            }
+            if (w == 0.f) continue;
+            atomicAdd(data_re + base + idx, (double)__fmul_rn(w, v.x));
+            atomicAdd(data_im + base + idx, (double)__fmul_rn(w, v.y));
+            atomicAdd(weight + base + idx, __dmul_rn((double)w, wt));
+        }
+    }
+}
+"""
+
+_module = None
+_BLOCK = 256
+
+
+def _kernels():
+    global _module
+    if _module is None:
+        import cupy  # noqa: PLC0415 - only reached with CuPy arrays
+
+        _module = cupy.RawModule(code=_SOURCE, options=("--std=c++14",))
+    return _module
+
+
+def _launch(name: str, n: int, args) -> None:
+    if n == 0:
+        return
+    blocks = int(min((n + _BLOCK - 1) // _BLOCK, 1 << 20))
+    _kernels().get_function(name)((blocks,), (_BLOCK,), args)
+
+
+def applies(*arrays) -> bool:
+    """True when the fused kernels should be used: they are enabled and the arrays are CuPy arrays."""
+    return ENABLED and all(type(a).__module__.split(".")[0] == "cupy" for a in arrays)
+
+
+def project_slices(grid, A, kx, ky, pad: int, r_max_padded: float, index=None):
+    """(R, Npix) complex64 reference values for R orientations at image pixels (kx, ky) (Fourier pixels of
+    the image box): the grid (complex64 half grid of edge P, or a stack (K, *half grid) read at ``index`` (R,))
+    interpolated at q = pad A^T (kx, ky, 0), zero beyond ``r_max_padded`` (padded pixels), the negative-x half
+    read from its Hermitian mate. A: (R, d, d) float32 with d = 3 (3D) or 2 (2D)."""
+    import cupy as cp  # noqa: PLC0415
+
+    A = cp.ascontiguousarray(A, dtype=np.float32)
+    R, d = int(A.shape[0]), int(A.shape[-1])
+    kx = cp.ascontiguousarray(kx, dtype=np.float32).reshape(-1)
+    ky = cp.ascontiguousarray(ky, dtype=np.float32).reshape(-1)
+    npix = int(kx.size)
+    P = int(grid.shape[-2])
+    grid_size = int(np.prod(grid.shape[-d:]))
+    if grid.dtype != np.complex64:
+        raise ValueError(f"the fused projection reads complex64 grids, not {grid.dtype}")
+    flat = cp.ascontiguousarray(grid)
+    idx = None if index is None else cp.ascontiguousarray(index, dtype=np.int64)
+    out = cp.empty((R, npix), dtype=np.complex64)
+    rmp2 = np.float32(r_max_padded**2)  # the array code compares float32 |q|^2 with it in float32
+    _launch("project_gather", R * npix,
+            (flat, A, kx, ky, idx if idx is not None else np.uint64(0), np.int64(grid_size), np.int32(P),
+             np.int32(d), np.float32(pad), rmp2, np.int64(R), np.int64(npix), out))
+    return out
+
+
+def insert_slices(targets: tuple, A, kx, ky, values, weights, pad: int, rmp2: float, index=None) -> None:
+    """Add R weighted slices into float64 grids ``targets`` = (data_re, data_im, weight) (one half grid each,
+    or stacks (K, *half grid) with slice r going into grid ``index[r]``): the trilinear splat of
+    backprojector._chunk_contributions, with atomic float64 adds. A: (R, d, d) float64; values (R, Npix)
+    complex64; weights (R, Npix) float64; ``rmp2`` the squared insertion radius in padded pixels."""
+    import cupy as cp  # noqa: PLC0415
+
+    re, im, wt = targets
+    d = int(A.shape[-1])
+    A = cp.ascontiguousarray(A, dtype=np.float64)
+    R = int(A.shape[0])
+    kx = cp.ascontiguousarray(kx, dtype=np.float64).reshape(-1)
+    ky = cp.ascontiguousarray(ky, dtype=np.float64).reshape(-1)
+    npix = int(kx.size)
+    values = cp.ascontiguousarray(values, dtype=np.complex64)
+    weights = cp.ascontiguousarray(weights, dtype=np.float64)
+    if values.shape != (R, npix) or weights.shape != (R, npix):
+        raise ValueError(f"values {values.shape} and weights {weights.shape} must be ({R}, {npix})")
+    for t in targets:
+        if t.dtype != np.float64 or not t.flags.c_contiguous:
+            raise ValueError("insertion targets must be C-contiguous float64 grids")
+    P = int(re.shape[-2])
+    grid_size = int(np.prod(re.shape[-d:]))
+    idx = None if index is None else cp.ascontiguousarray(index, dtype=np.int64)
+    _launch("insert_splat", R * npix,
+            (re, im, wt, A, kx, ky, values, weights, idx if idx is not None else np.uint64(0),
+             np.int64(grid_size), np.int32(P), np.int32(d), np.float64(pad), np.float64(rmp2), np.int64(R),
+             np.int64(npix)))
