@@ -280,6 +280,33 @@ def test_significance_threshold_equals_the_full_sort(sharpness):
         assert np.array_equal(w, w_ref)
 
 
+def test_flat_rows_are_sorted_alone_and_sharp_rows_by_their_candidates(monkeypatch):
+    """A batch with a few flat posteriors (a junk particle, iteration 1's particles) and many sharp ones: only
+    the flat rows take the full sort, and every row's k and w_sig are still exactly the full sort's."""
+    from napari_gpu_relion.compute import expectation
+
+    rng = np.random.default_rng(3)
+    I, n = 40, 20000
+    sharp = np.ones(I, dtype=bool)
+    sharp[[3, 17, 30]] = False
+    lw = -np.where(sharp, 40.0, 0.0)[:, None] * rng.gamma(2.0, 1.0, (I, n))
+    e = np.exp(lw - lw.max(axis=1, keepdims=True))
+    p = (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
+    full = expectation._threshold_by_sort
+    sorted_rows = []
+
+    def recording_sort(q, f, maxsig=-1):
+        sorted_rows.append(q.shape[0])
+        return full(q, f, maxsig)
+
+    monkeypatch.setattr(expectation, "_threshold_by_sort", recording_sort)
+    k, w = expectation.significance_threshold(p, 0.999)
+    assert sorted_rows == [3]  # the three flat rows, in one full sort
+    k_ref, w_ref = full(p, 0.999)
+    assert np.array_equal(k, k_ref) and np.array_equal(w, w_ref)
+    assert (k_ref[~sharp] > n // 2).all() and (k_ref[sharp] < n // 20).all()  # the two kinds of row are real
+
+
 @pytest.mark.parametrize("pixel_size", [1.0, 2.54, 5.08])
 def test_translation_prior_is_a_gaussian_in_angstrom_at_any_pixel_size(pixel_size):
     """The offset prior is exp(-|o + t|^2 / (2 sigma^2)) with o + t converted to Å once: its width in pixels is

@@ -271,8 +271,9 @@ def significance_threshold(p, adaptive_fraction: float, maxsig: int = -1):
     weigh less than (1 - f) / 2, so the mass above any one of them exceeds f. So only those candidates are
     sorted (a few thousand of hundreds of thousands once the posteriors have sharpened), and the running sums
     over them are the same float64 additions in the same order as over the full sort: the result is identical.
-    Falls back to the full sort where the candidates are most of the samples (flat posteriors), with a
-    ``maxsig`` cap, and for rows whose candidates never reach f (rounding)."""
+    Rows whose candidates are most of their samples (flat posteriors) are fully sorted, each row on its own
+    path, so that a few flat particles do not make a whole batch of sharp ones sort every sample; so are rows
+    whose candidates never reach f (rounding), and every row with a ``maxsig`` cap."""
     xp = get_array_module(p)
     I, n = p.shape
     eps = 0.5 * (1.0 - adaptive_fraction) / n
@@ -280,9 +281,26 @@ def significance_threshold(p, adaptive_fraction: float, maxsig: int = -1):
         return _threshold_by_sort(p, adaptive_fraction, maxsig)
     cand = p >= np.float32(eps)
     counts = cand.sum(axis=1)
-    m = int(counts.max())
-    if m == 0 or m > n // 4:
+    wide = (counts == 0) | (counts > n // 4)
+    n_wide = int(wide.sum())
+    if n_wide == I:
         return _threshold_by_sort(p, adaptive_fraction)
+    if n_wide == 0:
+        return _threshold_of_candidates(p, cand, counts, adaptive_fraction)
+    k = xp.empty(I, dtype=np.int64)
+    wsig = xp.empty(I, dtype=p.dtype)
+    w_rows, n_rows = xp.flatnonzero(wide), xp.flatnonzero(~wide)
+    k[w_rows], wsig[w_rows] = _threshold_by_sort(p[w_rows], adaptive_fraction)
+    k[n_rows], wsig[n_rows] = _threshold_of_candidates(p[n_rows], cand[n_rows], counts[n_rows], adaptive_fraction)
+    return k, wsig
+
+
+def _threshold_of_candidates(p, cand, counts, adaptive_fraction: float):
+    """significance_threshold over each row's candidates ``cand`` (``counts`` per row, all > 0) only, packed
+    into an (I, max count) array; rows whose packed running sum never reaches f are sorted in full."""
+    xp = get_array_module(p)
+    I = p.shape[0]
+    m = int(counts.max())
     rows, cols = xp.nonzero(cand)
     pos = xp.arange(rows.size) - (xp.cumsum(counts) - counts)[rows]
     vals = xp.full((I, m), -1.0, dtype=p.dtype)
