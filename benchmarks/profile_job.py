@@ -75,6 +75,15 @@ def main():
             wrap(maximization, name, be, f"maximization.{name}")
     for name in ("write_data_star", "write_optimiser_star", "write_mrc"):
         wrap(em, name, be, f"write: {name}")
+    # every compute/ and io/ function the job module and the EM driver call by name, so that the time outside the
+    # E-step (reference preparation, the M-step's steps, file writing) is named too
+    for owner in {module, em, importlib.import_module("napari_gpu_relion.jobs.em_classification")}:
+        for name, fn in list(vars(owner).items()):
+            mod = getattr(fn, "__module__", "") or ""
+            if callable(fn) and not isinstance(fn, type) and mod.startswith(("napari_gpu_relion.compute",
+                                                                                "napari_gpu_relion.io")):
+                if name not in ("expectation_batch", "prepare_batch", "to_host", "memory_mark", "get_array_module"):
+                    wrap(owner, name, be, f"{owner.__name__.rsplit('.', 1)[-1]}: {name}")
     t0 = time.time()
     per_it, marks, last = [], [], dict()
     for ev in module.run(params):
