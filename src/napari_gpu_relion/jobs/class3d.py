@@ -27,7 +27,6 @@ import numpy as np
 from ..compute.class_similarity import class_report
 from ..compute.fourier import lowpass_map
 from ..compute.geometry import euler_to_matrix, symmetry_group
-from ..compute.masks import soft_spherical_mask
 from ..compute.maximization import (
     coarse_image_size,
     normalised_direction_priors,
@@ -173,7 +172,7 @@ class Class3D(em_classification.Classification):
         if not p.skip_align:
             m.pdf_dir[0] = normalised_direction_priors(sums.pdf_direction)
         if p.flatten_solvent:
-            new_refs = new_refs * soft_spherical_mask(self.N, self.mask_r, em.MASK_EDGE, 3)[None]
+            new_refs = new_refs * self.solvent_mask[None]
         if it.cc:  # RELION re-applies the initial low-pass after a CC iteration and copies class 1 to every class
             new_refs = np.stack([lowpass_map(v, self.apix, p.ini_high) if p.ini_high > 0 else v for v in new_refs])
             if self.seeding:
@@ -202,7 +201,7 @@ class Class3D(em_classification.Classification):
         yield Message(f"  iteration {i}: {summary}")
         if it.final:
             self.report = class_report(list(refs), self.model.pdf_class[0],
-                                       soft_spherical_mask(self.N, self.mask_r, em.MASK_EDGE, 3))
+                                       self.solvent_mask)
             yield Message(self.report)
 
     def finished(self) -> Finished:

@@ -14,6 +14,7 @@ runs in batches sized by the memory plan (compute/backend.plan_memory), halving 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -38,6 +39,7 @@ from ..compute.estep import EStepSetup, EStepSums, expectation_batch, prepare_ba
 from ..compute.expectation import pixel_set
 from ..compute.fourier import fourier_resize
 from ..compute.geometry import matrix_to_euler
+from ..compute.masks import soft_spherical_mask
 from ..compute.maximization import initial_noise_spectrum, normalised_direction_priors
 from ..compute.memory_plan import JobMemory, choose_padding, refusal
 from ..compute.projector import prepare_reference
@@ -261,6 +263,12 @@ class EMJob:
         self._prepared: tuple | None = None  # ((iteration, image size), prepared references per half)
 
     # ---- the job-specific steps ----
+    @functools.cached_property
+    def solvent_mask(self) -> np.ndarray:
+        """The soft spherical mask of --flatten_solvent (float32, the box of the references): made once per job,
+        not every iteration (0.55 s per iteration at box 256 on the host, issue 15)."""
+        return soft_spherical_mask(self.N, self.mask_r, MASK_EDGE, self.ndim)
+
     def describe(self) -> str:
         raise NotImplementedError
 

@@ -26,7 +26,6 @@ from ..compute.expectation import pixel_set
 from ..compute.fourier import lowpass_map
 from ..compute.fsc import resolution_shell, shell_to_angstrom
 from ..compute.geometry import euler_to_matrix, symmetry_group
-from ..compute.masks import soft_spherical_mask
 from ..compute.maximization import (
     coarse_image_size,
     fsc_from_backprojectors,
@@ -231,7 +230,7 @@ class Refine3D(em.EMJob):
         for h in range(2):
             m.pdf_dir[h] = normalised_direction_priors(sums[h].pdf_direction[:1])
         if p.flatten_solvent and not it.final:
-            mask = soft_spherical_mask(N, self.mask_r, em.MASK_EDGE, 3).astype(np.float64)
+            mask = self.solvent_mask.astype(np.float64)
             new_refs = [v * mask for v in new_refs]
         if it.cc:  # RELION re-applies the initial low-pass after a CC iteration
             new_refs = [lowpass_map(v, self.apix, p.ini_high) for v in new_refs]
