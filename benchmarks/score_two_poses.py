@@ -64,10 +64,8 @@ def scores(ps, rows, poses: pd.DataFrame, old_off_px, refs, model, sigma_off_A: 
             P[sel] = project_pixels(ref, A[sel], pix.kx, pix.ky)
     off_px = np.stack([poses["rlnOriginXAngst"].to_numpy(float), poses["rlnOriginYAngst"].to_numpy(float)], 1) / apix
     t = off_px - prep.rounded_offsets  # the translation applied to the pre-shifted image
-    diff2 = np.empty(len(rows))
-    for i in range(len(rows)):
-        e = translation_ramps(pix, t[i:i + 1])[0].astype(np.complex128)
-        diff2[i] = float((w * np.abs(X[i] * e - ctf[i] * P[i]) ** 2).sum())
+    e = translation_ramps(pix, t).astype(np.complex128)  # (particles, pixels): each particle's own translation
+    diff2 = (w * np.abs(X * e - ctf * P) ** 2).sum(axis=1)
     dirs = unit(*healpix_directions(order))
     d = np.argmax(unit(poses["rlnAngleRot"].to_numpy(float), poses["rlnAngleTilt"].to_numpy(float)) @ dirs.T, 1)
     pdf = np.stack(model.pdf_orient)[cls, d]

@@ -233,9 +233,7 @@ def _insert_chunks(targets: tuple, pad: int, r_max: float, A, kx, ky, values, we
     flats = [t.reshape(-1) for t in targets]
     step = max(1, chunk_points // max(npix, 1))
     rmp2 = float(round_half_away(np.float64(pad * r_max))) ** 2
-    fused = gpu_kernels.applies(*targets) and values.dtype == np.complex64 and all(  # else the array code
-        t.dtype == np.float64 and t.flags.c_contiguous for t in targets)
-    if fused:
+    if gpu_kernels.insertion_applies(targets, values):
         for r0 in range(0, R, step):  # one fused kernel per chunk: no temporaries, so no out-of-memory retry
             if check is not None:
                 check()

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .backend import get_array_module
+
 #: Off only to measure the array code on a GPU (benchmarks) or to compare with it (tests).
 ENABLED = True
 
@@ -176,9 +178,20 @@ def _launch(name: str, n: int, args) -> None:
     _kernels().get_function(name)((blocks,), (_BLOCK,), args)
 
 
-def applies(*arrays) -> bool:
-    """True when the fused kernels should be used: they are enabled and the arrays are CuPy arrays."""
-    return ENABLED and all(type(a).__module__.split(".")[0] == "cupy" for a in arrays)
+def _on_gpu(*arrays) -> bool:
+    return ENABLED and all(get_array_module(a) is not np for a in arrays)
+
+
+def projection_applies(grid) -> bool:
+    """project_slices takes this reference grid: enabled, a CuPy array, complex64 (else the array code)."""
+    return _on_gpu(grid) and grid.dtype == np.complex64
+
+
+def insertion_applies(targets: tuple, values) -> bool:
+    """insert_slices takes these accumulators and values: enabled, CuPy arrays, C-contiguous float64 grids and
+    complex64 values (what every job inserts; other dtypes keep the array code's precision)."""
+    return _on_gpu(*targets, values) and values.dtype == np.complex64 and all(
+        t.dtype == np.float64 and t.flags.c_contiguous for t in targets)
 
 
 def project_slices(grid, A, kx, ky, pad: int, r_max_padded: float, index=None):
@@ -195,8 +208,8 @@ def project_slices(grid, A, kx, ky, pad: int, r_max_padded: float, index=None):
     npix = int(kx.size)
     P = int(grid.shape[-2])
     grid_size = int(np.prod(grid.shape[-d:]))
-    if grid.dtype != np.complex64:
-        raise ValueError(f"the fused projection reads complex64 grids, not {grid.dtype}")
+    if not projection_applies(grid):
+        raise ValueError(f"the fused projection reads complex64 CuPy grids, not {grid.dtype}")
     flat = cp.ascontiguousarray(grid)
     idx = None if index is None else cp.ascontiguousarray(index, dtype=np.int64)
     out = cp.empty((R, npix), dtype=np.complex64)
@@ -221,13 +234,12 @@ def insert_slices(targets: tuple, A, kx, ky, values, weights, pad: int, rmp2: fl
     kx = cp.ascontiguousarray(kx, dtype=np.float64).reshape(-1)
     ky = cp.ascontiguousarray(ky, dtype=np.float64).reshape(-1)
     npix = int(kx.size)
-    values = cp.ascontiguousarray(values, dtype=np.complex64)
+    if not insertion_applies(targets, values):
+        raise ValueError("the fused insertion adds complex64 values into C-contiguous float64 CuPy grids")
+    values = cp.ascontiguousarray(values)
     weights = cp.ascontiguousarray(weights, dtype=np.float64)
     if values.shape != (R, npix) or weights.shape != (R, npix):
         raise ValueError(f"values {values.shape} and weights {weights.shape} must be ({R}, {npix})")
-    for t in targets:
-        if t.dtype != np.float64 or not t.flags.c_contiguous:
-            raise ValueError("insertion targets must be C-contiguous float64 grids")
     P = int(re.shape[-2])
     grid_size = int(np.prod(re.shape[-d:]))
     idx = None if index is None else cp.ascontiguousarray(index, dtype=np.int64)

@@ -248,14 +248,14 @@ def project_pixels(ref: FourierReference, A, kx, ky, chunk_points: int | None = 
         A = A[:, :2, :2]
     R = A.shape[0]
     npix = int(np.size(kx))
-    out = xp.empty((R, npix), dtype=np.complex64)
-    step = max(1, chunk_points // max(npix, 1))
     rmp = ref.pad * ref.r_max
     if ref.stacked and index is None:
         raise ValueError("a stacked reference needs the reference index of each orientation")
     index = None if index is None else xp.asarray(index)
-    if gpu_kernels.applies(ref.data) and ref.data.dtype == np.complex64:  # one fused kernel, no temporaries
+    if gpu_kernels.projection_applies(ref.data):  # one fused kernel, no temporaries
         return gpu_kernels.project_slices(ref.data, A, kx, ky, ref.pad, rmp, index)
+    out = xp.empty((R, npix), dtype=np.complex64)
+    step = max(1, chunk_points // max(npix, 1))
     for r0 in range(0, R, step):
         q = rotated_frequencies(A[r0:r0 + step], kx, ky, ref.pad)
         out[r0:r0 + step] = interpolate(ref.data, q, rmp, None if index is None else index[r0:r0 + step])
