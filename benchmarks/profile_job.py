@@ -43,6 +43,23 @@ def wrap(owner, name, be, label):
     setattr(owner, name, timed)
 
 
+def wrap_generator(owner, name, be, label):
+    """wrap for a generator method (the job's update_sampling, expectation, write): its time until it returns,
+    the consumer's handling of what it yields included."""
+    fn = getattr(owner, name)
+
+    def timed(*a, **k):
+        be.synchronize()
+        t = time.perf_counter()
+        r = yield from fn(*a, **k)
+        be.synchronize()
+        TIMES[label] += time.perf_counter() - t
+        COUNTS[label] += 1
+        return r
+
+    setattr(owner, name, timed)
+
+
 def main():
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
@@ -84,6 +101,13 @@ def main():
                                                                                 "napari_gpu_relion.io")):
                 if name not in ("expectation_batch", "prepare_batch", "to_host", "memory_mark", "get_array_module"):
                     wrap(owner, name, be, f"{owner.__name__.rsplit('.', 1)[-1]}: {name}")
+    # the driver's steps as wholes (jobs/em.py's loop), so that host code between the named calls is counted too
+    jobs = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, em.EMJob)]
+    for cls in [c for c in jobs if not any(o is not c and issubclass(o, c) for o in jobs)]:  # once per method
+        for name in ("update_sampling", "expectation", "write"):
+            wrap_generator(cls, name, be, f"job step: {name}")
+        for name in ("maximization", "update_resolution"):
+            wrap(cls, name, be, f"job step: {name}")
     t0 = time.time()
     per_it, marks, last = [], [], dict()
     for ev in module.run(params):

@@ -107,7 +107,7 @@ class Backend:
                 free, _total = self.xp.cuda.runtime.memGetInfo()
                 pool = self.xp.get_default_memory_pool()
                 return int(free + pool.free_bytes())
-        return _host_available_bytes()
+        return host_available_bytes()
 
     def synchronize(self) -> None:
         if self.is_gpu:
@@ -136,7 +136,7 @@ def set_matmul_tf32(be: Backend, on: bool) -> bool:
     return on
 
 
-def _host_available_bytes() -> int:
+def host_available_bytes() -> int:
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 import socket
 import time
 import uuid
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from ..errors import InputError
 
-__all__ = ["atomic_path", "ensure_not_input", "remove_stale_temporaries"]
+__all__ = ["atomic_path", "copy_atomically", "ensure_not_input", "remove_stale_temporaries"]
 
 #: Our temporaries: ``.<stem>-tmp-<host tag>-<pid>-<random><suffix>``; older versions wrote ``-tmp-<12 hex>``.
 _TEMP = re.compile(r"^\..*-tmp-(?:(?P<host>[0-9a-f]{6})-(?P<pid>\d+)-[0-9a-f]{8}|[0-9a-f]{12})(?:\.[^.]*)?$")
@@ -125,6 +126,13 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def copy_atomically(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Copy the file ``src`` onto ``dst`` atomically (``dst`` appears whole or not at all); returns ``dst``."""
+    with atomic_path(dst) as tmp:
+        shutil.copyfile(src, tmp)
+    return Path(dst)
 
 
 def ensure_not_input(out_path: str | os.PathLike, *input_paths: str | os.PathLike | None) -> None:

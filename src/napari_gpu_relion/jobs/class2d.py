@@ -151,7 +151,8 @@ class Class2D(em_classification.Classification):
     def write(self, it: em.Iteration) -> Iterator:
         f, i, K, apix = self.files, self.state.iteration, self.K, self.apix
         refs, pdf = self.model.refs[0].astype(np.float32), self.model.pdf_class[0]
-        stack = write_mrc(f.classes_stack(i), refs, apix, stack=True)
+        stack = f.classes_stack(i)
+        self.save(write_mrc, stack, refs, apix, stack=True)
         model = self.write_model(it, [f"{k + 1:06d}@{stack.name}" for k in range(K)], [np.array([d]) for d in pdf])
         data = self.write_data()
         self.write_optimiser(it, data, [model])

@@ -185,7 +185,10 @@ class Class3D(em_classification.Classification):
     def write(self, it: em.Iteration) -> Iterator:
         f, i, K, apix = self.files, self.state.iteration, self.K, self.apix
         refs = self.model.refs[0]
-        paths = [write_mrc(f.class_map(k + 1, i), refs[k].astype(np.float32), apix) for k in range(K)]
+        maps = [refs[k].astype(np.float32) for k in range(K)]  # written, shown and reported: one conversion
+        paths = [f.class_map(k + 1, i) for k in range(K)]
+        for k in range(K):
+            self.save(write_mrc, paths[k], maps[k], apix)
         # RELION's convention: each class's orientation distribution sums to its class distribution
         model = self.write_model(it, [q.name for q in paths],
                                  list(self.model.pdf_dir[0] * self.model.pdf_class[0][:, None]))
@@ -193,10 +196,10 @@ class Class3D(em_classification.Classification):
         self.write_optimiser(it, data, [model])
         self.outputs = {f"class{k + 1:03d}": paths[k] for k in range(K)} | {"model": model, "data": data}
         for k in range(K):
-            yield MapUpdated(f"class{k + 1:03d}", refs[k].astype(np.float32), apix, paths[k])
+            yield MapUpdated(f"class{k + 1:03d}", maps[k], apix, paths[k])
         dist = ", ".join(f"{100 * d:.1f}%" for d in self.model.pdf_class[0])
         summary = self.summary(it, f"class distribution {dist}")
-        yield IterationFinished(i, {f"class{k + 1:03d}": refs[k].astype(np.float32) for k in range(K)},
+        yield IterationFinished(i, {f"class{k + 1:03d}": maps[k] for k in range(K)},
                                 self.model.pdf_class[0].copy(), float(min(self.res_A)), None, summary)
         yield Message(f"  iteration {i}: {summary}")
         if it.final:

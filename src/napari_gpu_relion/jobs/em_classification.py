@@ -13,7 +13,6 @@ from ..compute.maximization import resolution_shell_from_ssnr
 from ..errors import InputError
 from ..io.model_star import write_model_star
 from . import em
-from .particles import write_data_star
 
 
 def check_classification(p) -> None:
@@ -58,7 +57,7 @@ class Classification(em.EMJob):
         return it.final
 
     def write_data(self) -> Path:
-        return write_data_star(self.files.data(self.state.iteration), self.ps)
+        return self.save_data_star(self.files.data(self.state.iteration))
 
     def write_model(self, it: em.Iteration, reference_names: list[str], pdf_orient: list[np.ndarray],
                     class_columns: dict | None = None) -> Path:
@@ -83,8 +82,10 @@ class Classification(em.EMJob):
         sh = np.arange(N // 2 + 1)
         curves = [pd.DataFrame({"rlnSpectralIndex": sh, "rlnResolution": sh / (N * apix), "rlnSsnrMap": s[: sh.size]})
                   for s in it.ssnr]
-        return write_model_star(self.files.model(self.state.iteration), general, classes, curves, m.sigma2[0],
-                                m.scales, ps.scale_group_names, pdf_orient, N, apix)
+        path = self.files.model(self.state.iteration)
+        self.save(write_model_star, path, general, classes, curves, m.sigma2[0].copy(), m.scales.copy(),
+                  list(ps.scale_group_names), [np.array(d, copy=True) for d in pdf_orient], N, apix)
+        return Path(path)
 
     def summary(self, it: em.Iteration, distribution: str) -> str:
         pdf = self.model.pdf_class[0]

@@ -32,7 +32,6 @@ classes from the data STAR; the continued run repeats the uninterrupted one.
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -63,7 +62,7 @@ from ..compute.sampling import Sampling
 from ..compute.simulate import random_rotations
 from ..compute.symmetry_alignment import align_and_symmetrize
 from ..errors import InputError
-from ..io.atomic import atomic_path
+from ..io.atomic import copy_atomically
 from ..io.jobdir import project_path
 from ..io.mrc import read_mrc, write_mrc
 from . import em, em_classification
@@ -294,7 +293,9 @@ class InitialModel(em_classification.Classification):
         refs = self.model.refs[0]
         maps = {f"class{k + 1:03d}": refs[k].astype(np.float32) for k in range(K)}
         if i % self.p.write_iter == 0 or it.final or i == 1:
-            paths = [write_mrc(f.class_map(k + 1, i), maps[f"class{k + 1:03d}"], apix) for k in range(K)]
+            paths = [f.class_map(k + 1, i) for k in range(K)]
+            for k in range(K):
+                self.save(write_mrc, paths[k], maps[f"class{k + 1:03d}"], apix)
             moments = self.write_moments(i)
             model = self.write_model(it, [q.name for q in paths], list(self.model.pdf_dir[0]), moments)
             data = self.write_data()
@@ -326,9 +327,11 @@ class InitialModel(em_classification.Classification):
         first, second = [], []
         for k, mom in enumerate(self.moments):
             b1, b2, b3 = moment_blocks(mom, self.reach)
-            first.append(write_mrc(f.grad_moment(1, k + 1, i), b1, None).name)
-            write_mrc(f.grad_moment(1, k + 1 + K, i), b2, None)
-            second.append(write_mrc(f.grad_moment(2, k + 1, i), b3, None).name)
+            for path, block in ((f.grad_moment(1, k + 1, i), b1), (f.grad_moment(1, k + 1 + K, i), b2),
+                                (f.grad_moment(2, k + 1, i), b3)):
+                self.save(write_mrc, path, np.array(block, copy=True), None)
+            first.append(f.grad_moment(1, k + 1, i).name)
+            second.append(f.grad_moment(2, k + 1, i).name)
         return {"rlnGradMoment1": first, "rlnGradMoment2": second}
 
     def write_final(self) -> None:
@@ -341,8 +344,7 @@ class InitialModel(em_classification.Classification):
         final["model"] = (f.model(i), f.model(None))
         final["data"] = (f.data(i), f.data(None))
         for key, (src, dst) in final.items():
-            with atomic_path(dst) as tmp:
-                shutil.copyfile(src, tmp)
+            self.save(copy_atomically, src, dst)  # after the WriteQueue has written src
             self.outputs[key] = dst
 
     def write_symmetrised(self, refs) -> Iterator:

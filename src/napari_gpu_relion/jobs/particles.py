@@ -13,7 +13,7 @@ import pandas as pd
 from ..compute.ctf import CtfParams
 from ..errors import InputError
 from ..io.particle_images import check_image_stacks, image_names_for, load_images
-from ..io.star import ParticleTable, read_particles, write_particles
+from ..io.star import ParticleTable, read_particles
 
 ANGLES = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")
 CTF_COLUMNS = ("rlnDefocusU", "rlnDefocusV", "rlnDefocusAngle", "rlnVoltage", "rlnSphericalAberration",
@@ -41,6 +41,8 @@ class ParticleSet:
     log_likelihood: np.ndarray = None
     residual_power: np.ndarray = None
     checked: np.ndarray = None  # (n,) bool: the row's image has been read once and found usable
+    kept: np.ndarray | None = None  # (n, box, box) float32 images kept in memory (keep_images_in_memory)
+    in_memory: np.ndarray | None = None  # (n,) bool: the row's image is in ``kept``
 
     def __post_init__(self):
         n = len(self.table)
@@ -56,10 +58,32 @@ class ParticleSet:
     def n_optics_groups(self) -> int:
         return int(self.optics_group.max()) + 1
 
+    @property
+    def image_bytes(self) -> int:
+        """Bytes of all the images as float32."""
+        return len(self) * self.box * self.box * 4
+
+    def keep_images_in_memory(self) -> None:
+        """From now on each image is read from its stack once and then kept in memory (RELION's
+        --preread_images, filled as the rows are first asked for): later iterations read no files. The array is
+        allocated untouched, so an MPI rank's memory holds only the rows it reads."""
+        if self.kept is None:
+            self.kept = np.empty((len(self), self.box, self.box), dtype=np.float32)
+            self.in_memory = np.zeros(len(self), dtype=bool)
+
     def images(self, rows) -> np.ndarray:
-        """The images of ``rows``; the first time a row is read its image is checked (InputError naming the stack,
-        the image and the STAR line for NaN or infinite pixels or a blank image, which give NaN results)."""
-        rows = np.asarray(rows)
+        """The images of ``rows`` (float32); the first time a row is read its image is checked (InputError naming the
+        stack, the image and the STAR line for NaN or infinite pixels or a blank image, which give NaN results)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if self.kept is None:
+            return self._read(rows)
+        new = np.unique(rows[~self.in_memory[rows]])
+        if new.size:
+            self.kept[new] = self._read(new)
+            self.in_memory[new] = True
+        return self.kept[rows]
+
+    def _read(self, rows: np.ndarray) -> np.ndarray:
         check = not self.checked[rows].all()
         out = load_images(self.table, rows=rows, check_values=check).astype(np.float32, copy=False)
         self.checked[rows] = True
@@ -137,7 +161,10 @@ def data_table(ps: ParticleSet) -> pd.DataFrame:
     return df
 
 
-def write_data_star(path: Path, ps: ParticleSet) -> Path:
+def data_star_table(path: Path, ps: ParticleSet) -> pd.DataFrame:
+    """The table of run_itNNN_data.star at ``path`` (image names relative to it), with its own copy of every
+    column: later changes to the particle set do not reach it (it may be written on another thread)."""
     df = data_table(ps)
     df["rlnImageName"] = image_names_for(ps.table, path).to_numpy()
-    return write_particles(path, df, ps.table.optics)
+    return df.copy(deep=True)
+

@@ -47,7 +47,6 @@ from ..io.mrc import write_mrc
 from . import em
 from .common import param
 from .events import Finished, FscUpdated, IterationFinished, MapUpdated, Message
-from .particles import write_data_star
 
 JOB_NAME = "refine3d"
 
@@ -206,14 +205,14 @@ class Refine3D(em.EMJob):
             bps[0].add(bps[1])
             bps[1].release()  # half 2 is in half 1 now: its grids are freed before the joined map
             tau2, ssnr = tau2_from_fsc(it.fsc, reference_sigma2(bps[0]), p.tau2_fudge, joined=True)
-            vol = to_host(bps[0].reconstruct(tau2, p.tau2_fudge))
+            vol = self.finished_map(bps[0].reconstruct(tau2, p.tau2_fudge), it)
             memory_mark("M-step: joined map")
             new_refs = [vol, vol]
         else:
             new_refs = []
             for bp in bps:
                 tau2, ssnr = tau2_from_fsc(it.fsc, reference_sigma2(bp), p.tau2_fudge)
-                new_refs.append(to_host(bp.reconstruct(tau2, p.tau2_fudge)).astype(np.float64))
+                new_refs.append(self.finished_map(bp.reconstruct(tau2, p.tau2_fudge), it))
                 memory_mark("M-step: half map")
         it.ssnr = [ssnr]
         sums = it.sums
@@ -229,12 +228,19 @@ class Refine3D(em.EMJob):
                 m.scales = update_scales(sum(s.xa for s in sums), sum(s.aa for s in sums), counts, m.scales)
         for h in range(2):
             m.pdf_dir[h] = normalised_direction_priors(sums[h].pdf_direction[:1])
-        if p.flatten_solvent and not it.final:
-            mask = self.solvent_mask.astype(np.float64)
-            new_refs = [v * mask for v in new_refs]
+        m.refs = [v[None] for v in new_refs]
+
+    def finished_map(self, vol, it: em.Iteration) -> np.ndarray:
+        """A reconstructed half (or joined) map (float32, on the job's device) as the next reference: solvent
+        flattened (--flatten_solvent, not in the final iteration) on the device, where the map is, then on the
+        host as the float64 values of the float32 map that is written. float32 x float32 is exact in float64, so
+        the product rounded once to float32 equals the former host path's float64 product rounded to float32."""
+        if self.p.flatten_solvent and not it.final:
+            vol = vol * self.be.asarray(self.solvent_mask)
+        vol = np.asarray(to_host(vol), np.float32)
         if it.cc:  # RELION re-applies the initial low-pass after a CC iteration
-            new_refs = [lowpass_map(v, self.apix, p.ini_high) for v in new_refs]
-        m.refs = [np.asarray(v, np.float32).astype(np.float64)[None] for v in new_refs]  # as written
+            vol = np.asarray(lowpass_map(vol.astype(np.float64), self.apix, self.p.ini_high), np.float32)
+        return vol.astype(np.float64)  # the values written
 
     def update_resolution(self, it: em.Iteration) -> None:
         st = self.state
@@ -266,19 +272,20 @@ class Refine3D(em.EMJob):
         i = self.files_iteration(it)
         maps = [f.class_map(1)] if it.final else [f.class_map(1, i, half=h) for h in (1, 2)]
         models = [f.model()] if it.final else [f.model(i, half=h) for h in (1, 2)]
+        vols = [self.model.refs[h][0].astype(np.float32) for h in range(len(maps))]  # written and shown
         for h, path in enumerate(maps):
-            write_mrc(path, self.model.refs[h][0].astype(np.float32), apix)
+            self.save(write_mrc, path, vols[h], apix)
         for h, path in enumerate(models):
             self._write_model(path, maps[h], h, it)
-        data = write_data_star(f.data(i), self.ps)
+        data = self.save_data_star(f.data(i))
         if it.final:
             for h in range(2):
-                write_mrc(f.unfiltered_half_map(h + 1), self.unfiltered[h].astype(np.float32), apix)
+                self.save(write_mrc, f.unfiltered_half_map(h + 1), self.unfiltered[h].astype(np.float32), apix)
         self.write_optimiser(it, data, models)
         summary = (f"resolution {self.res_A:.2f} Å (FSC 0.143), image size {it.current_size}, angular change "
                    f"{self.angle_change:.2f}°, offset change {self.offset_change:.2f} Å, <Pmax> {st.ave_pmax:.3f}")
         for h, name in enumerate(["class001"] if it.final else ["half1", "half2"]):
-            yield MapUpdated(name, self.model.refs[h][0].astype(np.float32), apix, maps[h])
+            yield MapUpdated(name, vols[h], apix, maps[h])
         yield FscUpdated(np.arange(N // 2 + 1) / (N * apix), {"gold-standard FSC": it.fsc}, self.res_A)
         yield IterationFinished(st.iteration, {}, None, self.res_A, it.fsc, summary)
 
@@ -301,8 +308,9 @@ class Refine3D(em.EMJob):
         curve = pd.DataFrame({"rlnSpectralIndex": sh, "rlnResolution": sh / (N * apix),
                               "rlnAngstromResolution": res_col, "rlnSsnrMap": it.ssnr[0][: sh.size],
                               "rlnGoldStandardFsc": it.fsc})
-        write_model_star(path, general, classes, [curve], self.model.sigma2[h], self.model.scales,
-                         self.ps.scale_group_names, [self.model.pdf_dir[h][0]], N, apix)
+        self.save(write_model_star, path, general, classes, [curve], self.model.sigma2[h].copy(),
+                  self.model.scales.copy(), list(self.ps.scale_group_names), [self.model.pdf_dir[h][0].copy()], N,
+                  apix)
 
     def finished(self) -> Finished:
         f = self.files

@@ -1,0 +1,138 @@
+"""The job's background file writing (io/write_queue.py) and the images kept in memory (--preread_images):
+files written in the order handed over, a failed write raised in the job's thread, a job's files whole when it
+reports itself finished, and images read from their stack only once."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from napari_gpu_relion.errors import InputError
+from napari_gpu_relion.io.mrc import read_mrc
+from napari_gpu_relion.io.write_queue import WriteQueue
+from napari_gpu_relion.jobs import class3d, em
+from napari_gpu_relion.jobs import refine3d as refine3d_job
+from napari_gpu_relion.jobs.events import Finished
+from napari_gpu_relion.jobs.particles import load_particle_set
+
+SAMPLE = Path(__file__).resolve().parents[1] / "sample_data"
+
+
+def test_writes_run_in_the_order_handed_over_and_drain_waits_for_them():
+    done, gate = [], threading.Event()
+    q = WriteQueue()
+    q.put(lambda: (gate.wait(5), done.append(1)))
+    for k in range(2, 6):
+        q.put(done.append, k)
+    assert done == []  # the first write holds the thread; nothing ran out of order
+    gate.set()
+    q.drain()
+    assert done == [1, 2, 3, 4, 5]
+    q.close()
+
+
+def test_a_failed_write_is_raised_in_the_jobs_thread_and_the_writes_after_it_are_skipped():
+    done = []
+    q = WriteQueue()
+
+    def fail():
+        raise InputError("disk full", path="/x/run_it003_class001.mrc")
+
+    q.put(fail)
+    q.put(done.append, "after")
+    with pytest.raises(InputError, match="disk full"):
+        q.drain()
+    assert done == []
+    q.put(done.append, "again")  # the error was reported once; the queue writes again
+    q.close()
+    assert done == ["again"]
+
+
+def _class3d(out: Path) -> class3d.Params:
+    return class3d.Params(i=SAMPLE / "particles.star", o=out / "run", ref=SAMPLE / "reference.mrc", K=2, iter=2,
+                          ctf=True, particle_diameter=160, healpix_order=1, cpu=True, batch=100)
+
+
+def test_a_jobs_files_are_whole_when_it_reports_finished_and_a_write_error_stops_it(tmp_path, monkeypatch):
+    events = list(class3d.run(_class3d(tmp_path / "a")))
+    fin = events[-1]
+    assert isinstance(fin, Finished)
+    names = sorted(p.name for p in (tmp_path / "a").iterdir())
+    for i in (1, 2):
+        for f in ("class001.mrc", "class002.mrc", "model.star", "data.star", "optimiser.star"):
+            assert f"run_it{i:03d}_{f}" in names
+    assert not [n for n in names if "-tmp-" in n]  # no temporaries left
+    assert read_mrc(fin.outputs["class001"]).data.shape == (64, 64, 64)
+
+    calls = []
+
+    def failing_write_mrc(path, data, pixel_size, **kw):
+        calls.append(Path(path).name)
+        raise InputError("no space left on device", path=str(path))
+
+    monkeypatch.setattr(class3d, "write_mrc", failing_write_mrc)
+    with pytest.raises(InputError, match="no space left on device"):
+        list(class3d.run(_class3d(tmp_path / "b")))
+    assert calls == ["run_it001_class001.mrc"]  # the first failure stops the job; nothing after it is written
+    assert not list((tmp_path / "b").glob("run_it*_optimiser.star"))
+
+
+def _copy_sample(dst: Path) -> Path:
+    (dst / "particles").mkdir(parents=True)
+    shutil.copy(SAMPLE / "particles.star", dst / "particles.star")
+    shutil.copy(SAMPLE / "particles" / "particles.mrcs", dst / "particles" / "particles.mrcs")
+    return dst / "particles.star"
+
+
+def test_kept_images_are_read_from_their_stack_once_and_equal_the_disk(tmp_path):
+    star = _copy_sample(tmp_path / "d")
+    ps = load_particle_set(star, ctf=True, halves=False)
+    disk = ps.images(np.arange(len(ps)))
+    ps.keep_images_in_memory()
+    rows = np.array([5, 3, 5, 0, len(ps) - 1])
+    np.testing.assert_array_equal(ps.images(rows), disk[rows])
+    first = ps.images(np.arange(len(ps)))
+    np.testing.assert_array_equal(first, disk)
+    for stack in {n.split("@")[1] for n in ps.table.particles["rlnImageName"]}:
+        (tmp_path / "d" / stack).unlink()  # the files are gone: the images come from memory
+    np.testing.assert_array_equal(ps.images(np.arange(len(ps))[::-1]), disk[::-1])
+
+
+def test_images_are_kept_when_asked_or_small_and_a_request_larger_than_the_ram_is_refused():
+    ps = load_particle_set(SAMPLE / "particles.star", ctf=True, halves=False)
+    need = ps.image_bytes
+    note = em.keep_images(ps, False, 3 * need)  # more than a quarter of the RAM: read from the disk
+    assert ps.kept is None and "read from the disk" in note
+    with pytest.raises(InputError, match="--preread_images"):
+        em.keep_images(ps, True, need - 1)
+    assert ps.kept is None
+    assert "kept in memory" in em.keep_images(ps, True, 2 * need)
+    assert ps.kept is not None and ps.kept.shape == (len(ps), ps.box, ps.box)
+    ps2 = load_particle_set(SAMPLE / "particles.star", ctf=True, halves=False)
+    em.keep_images(ps2, False, 4 * need)
+    assert ps2.kept is not None
+
+
+def test_refine3d_results_do_not_depend_on_keeping_the_images_or_writing_in_the_background(tmp_path, monkeypatch):
+    def run(out: Path, preread: bool) -> dict[str, bytes]:
+        p = refine3d_job.Params(i=SAMPLE / "particles.star", o=out / "run", ref=SAMPLE / "reference.mrc", ctf=True,
+                                particle_diameter=160, flatten_solvent=True, healpix_order=1,
+                                auto_local_healpix_order=3, auto_iter_max=2, cpu=True, preread_images=preread)
+        list(refine3d_job.run(p))
+        # MRC files by their values (their header labels carry the time of writing); the optimiser STARs name
+        # their own folders
+        return {q.name: read_mrc(q).data.tobytes() if q.suffix == ".mrc" else q.read_bytes()
+                for q in sorted(out.iterdir()) if q.suffix in (".mrc", ".star") and "optimiser" not in q.name}
+
+    a = run(tmp_path / "a", preread=True)
+    # the former behaviour: images read from the disk, every write done in the job's thread before it goes on
+    monkeypatch.setattr(em.EMJob, "save", lambda self, fn, *args, **kw: fn(*args, **kw))
+    monkeypatch.setattr(em, "keep_images", lambda ps, asked, available: "read from the disk")
+    b = run(tmp_path / "b", preread=False)
+    assert sorted(a) == sorted(b) and len(a) >= 9
+    for name in a:
+        assert a[name] == b[name], name  # maps, model and data STARs bit for bit
