@@ -47,3 +47,25 @@ def test_shell_sums_equal_direct_sums(slab, monkeypatch):
     want = np.where(np.isnan(mean_w), 999.0, PAD**3 * 4.0 * tau2 * _shell_mean(bp.weight, inside, shells, n))
     want[np.arange(n) > 9.0] = 0.0
     np.testing.assert_allclose(ssnr_map(bp, tau2, 4.0), want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("ndim,size,radius,slab", [(3, 20, 4.7, 1 << 28), (3, 21, 6.0, 1 << 10), (2, 20, 4.7, 1 << 8),
+                                                   (3, 10, 5.0, 1 << 28)])
+def test_box_slabs_visit_exactly_the_voxels_of_the_box_once_with_their_components(ndim, size, radius, slab,
+                                                                                   monkeypatch):
+    monkeypatch.setattr(fourier, "SLAB_BYTES", slab)
+    shape = (size,) * (ndim - 1) + (size // 2 + 1,)
+    grid = np.arange(np.prod(shape)).reshape(shape)  # each voxel's flat index as its value
+    full = np.broadcast_arrays(*fourier.half_grid_indices(size, ndim))
+    inside = np.all([np.abs(k) <= radius for k in full], axis=0)
+    seen = []
+    for index, ks in fourier.half_grid_box_slabs(size, radius, ndim):
+        flat = grid[index]
+        comps = np.broadcast_arrays(*ks)
+        assert all(c.shape == flat.shape for c in comps)
+        for c, k in zip(comps, full):
+            np.testing.assert_array_equal(c, k.reshape(-1)[flat])  # the components of the voxels it names
+        seen.append(flat.reshape(-1))
+    seen = np.concatenate(seen)
+    assert seen.size == np.unique(seen).size  # each voxel once
+    np.testing.assert_array_equal(np.sort(seen), np.flatnonzero(inside))

@@ -12,6 +12,7 @@ import numpy as np
 from .backend import get_array_module, to_host
 from .backprojector import BackProjector
 from .fourier import (
+    half_grid_box_slabs,
     half_grid_slabs,
     hermitian_unique_mask,
     radial_average,
@@ -61,7 +62,7 @@ def _shell_sums(bp: BackProjector, values=None) -> tuple:
     xp, n = bp.xp, bp.size // 2 + 1
     lim2 = float(round_half_away(np.float64(bp.pad * bp.r_max))) ** 2
     cnt, tot = xp.zeros(n + 1), xp.zeros(n + 1)
-    for sl, ks in half_grid_slabs(bp.padded_size, bp.ndim, xp):
+    for sl, ks in half_grid_box_slabs(bp.padded_size, np.sqrt(lim2), bp.ndim, xp):  # only voxels that can count
         q2 = sum(k.astype(np.float64) ** 2 for k in ks)
         shells = round_half_away(xp.sqrt(q2) / bp.pad).astype(np.int64)
         sh = xp.where((q2 < lim2) & (shells < n), shells, n).reshape(-1)
