@@ -79,11 +79,14 @@ class Case:
     class_prior: bool = False  # per-particle class log prior; particles 0 and 3 restricted to one class
     max_fine_bytes: int | None = None  # fine-pass chunk budget (None: the default)
     max_union_bytes: int | None = None  # budget of a particle group's union of significant rows (None: the default)
+    angstrom_prior: bool = False  # the offset prior in Å throughout (--angstrom_offset_prior), not RELION's units
 
 
 CASES = {
     "global": Case(3),
     "global_class_prior": Case(3, class_prior=True),
+    "global_angstrom_prior": Case(3, angstrom_prior=True),
+    "class2d_angstrom_prior": Case(2, class_prior=True, angstrom_prior=True),
     "local": Case(3, local=True),
     # fine-pass chunks of one particle (the smallest budget), and of 1-2 and 1-3 particles: with the default
     # budget the 3D cases take one gathered chunk and the 2D case one shared chunk; the budget of 20000 bytes
@@ -233,7 +236,8 @@ def _run(case: Case):
         kw["max_union_bytes"] = case.max_union_bytes
     setup = EStepSetup(d.refs, d.sampling, pix_c, pix_f, APIX, d.sigma2, log_pdf_direction=d.log_pdf_direction,
                        sigma_offset_A=SIGMA_OFFSET_A, class_offset_prior_A=d.class_offset_prior_A,
-                       adaptive_fraction=FRACTION, scale_shells=scale_shells, **kw)
+                       adaptive_fraction=FRACTION, scale_shells=scale_shells,
+                       relion_offset_prior=not case.angstrom_prior, **kw)
     if case.ndim == 3:  # one BackProjector per class (insert_by_class's per-class path)
         bps = [BackProjector(N, 2, FINE_SIZE / 2) for _ in range(K)]
         n_dirs = 12
@@ -377,6 +381,11 @@ def _brute(case: Case) -> Brute:
     Pf = np.array([project_pixels(ref, kids.reshape(-1, 3, 3), fkx, fky).reshape(R, nover, -1)
                    for ref in d.brute_refs])
     Pc, Pf = Pc.astype(np.complex128), Pf.astype(np.complex128)
+    # a slice at image size s holds the reference only within radius s/2 (RELION's projector); the corners of
+    # shell s/2 (ROUND(|k|) = s/2 < |k|) score |X|^2 at every pose
+    Pc[..., ckx**2 + cky**2 > (COARSE_SIZE / 2) ** 2] = 0
+    Pf[..., fkx**2 + fky**2 > (FINE_SIZE / 2) ** 2] = 0
+    grid_trans = trans - d.perturb * OFFSET_STEP  # the translations before the perturbation
     Fm = np.asarray(d.prep.F_masked, dtype=np.complex128)
     Fu = np.asarray(d.prep.F_unmasked, dtype=np.complex128)
     o_round = np.asarray(d.prep.rounded_offsets, dtype=np.float64)
@@ -416,7 +425,10 @@ def _brute(case: Case) -> Brute:
             CP = C * Pc[c, r]
             for t in range(T):
                 diff2 = np.sum(w * np.abs(CP - X * _ramp(ckx, cky, trans[t])) ** 2)
-                pos = (o_round[i] + trans[t]) * APIX - mu[c]  # coarse translation, Å
+                if case.angstrom_prior:  # one unit: the searched translation in pixels, then Å
+                    pos = (o_round[i] + trans[t]) * APIX - mu[c]
+                else:  # RELION 5.0.1: the unperturbed translation in Å added to the offset in pixels, times APIX
+                    pos = (o_round[i] + grid_trans[t] * APIX) * APIX - mu[c]
                 lp_trans = -np.sum(pos * pos) / (2.0 * SIGMA_OFFSET_A**2)
                 samples.append((c, r, t, lp_orient + lp_class + lp_trans))
                 logw.append(lp_orient + lp_class + lp_trans - diff2)

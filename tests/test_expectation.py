@@ -308,19 +308,44 @@ def test_flat_rows_are_sorted_alone_and_sharp_rows_by_their_candidates(monkeypat
 
 
 @pytest.mark.parametrize("pixel_size", [1.0, 2.54, 5.08])
-def test_translation_prior_is_a_gaussian_in_angstrom_at_any_pixel_size(pixel_size):
-    """The offset prior is exp(-|o + t|^2 / (2 sigma^2)) with o + t converted to Å once: its width in pixels is
-    sigma / pixel size at every pixel size. RELION 5.0.1 adds the translation in Å to the old offset in pixels and
-    then scales by pixel_size^2 (benchmarks/README.md, "a unit mix in its offset prior"), which would make this
-    width sigma / pixel_size^2 pixels for the translation; a float64 direct evaluation in Å is the reference."""
+def test_translation_prior_in_angstrom_and_in_relions_arithmetic(pixel_size):
+    """--angstrom_offset_prior: exp(-|o + t|^2 / (2 sigma^2)) with o + t converted to Å once: its width in pixels is
+    sigma / pixel size at every pixel size. The default, RELION 5.0.1's arithmetic (ml_optimiser.cpp: the
+    translation in Å added to the old offset in pixels, then scaled by pixel_size): exp(-|(o + t p) p|^2 / (2
+    sigma^2)), a width of sigma / pixel_size^2 pixels for the translation. Float64 direct evaluations are the
+    references."""
     from napari_gpu_relion.compute.estep import _log_trans_prior
 
     sigma_A = 10.0
     old = np.array([[3.0, -2.0], [0.0, 0.0]])  # rounded offsets, pixels
     t = np.array([[0.0, 0.0], [2.0, 0.0], [0.0, -4.0], [1.5, 2.5]])  # translations, pixels
-    got = _log_trans_prior(old, t, pixel_size, sigma_A, np, np.zeros((1, 2)))[..., 0]
+    got = _log_trans_prior(old, t, pixel_size, sigma_A, np, np.zeros((1, 2)), relion_units=False)[..., 0]
     want = np.array([[-(((o + tt) * pixel_size) ** 2).sum() / (2 * sigma_A**2) for tt in t] for o in old])
     np.testing.assert_allclose(got, want, rtol=1e-12)
     # one pixel of translation costs (pixel_size / sigma)^2 / 2 in log prior from a centred start, not more
     step = got[1, 1] - got[1, 0]
     assert step == pytest.approx(-(2.0 * pixel_size) ** 2 / (2 * sigma_A**2), rel=1e-12)
+    relion = _log_trans_prior(old, t, pixel_size, sigma_A, np, np.zeros((1, 2)))[..., 0]
+    want = np.array([[-(((o + tt * pixel_size) * pixel_size) ** 2).sum() / (2 * sigma_A**2) for tt in t]
+                     for o in old])
+    np.testing.assert_allclose(relion, want, rtol=1e-12)
+    step = relion[1, 1] - relion[1, 0]
+    assert step == pytest.approx(-(2.0 * pixel_size**2) ** 2 / (2 * sigma_A**2), rel=1e-12)
+
+
+def test_the_pre_shift_moves_by_whole_pixels_with_zeros_where_nothing_comes_in():
+    """RELION's selfTranslate with DONT_WRAP (ml_optimiser.cpp, getFourierTransformsAndCtfs): a circular shift
+    (np.roll) where the source lies inside the image, 0 where it would wrap."""
+    from napari_gpu_relion.compute.estep import shift_zero_filled
+
+    rng = np.random.default_rng(4)
+    N = 12
+    x = rng.standard_normal((4, N, N)).astype(np.float32)
+    shifts = np.array([[2.0, -3.0], [0.0, 0.0], [-5.0, 1.0], [11.0, 0.0]])
+    out = shift_zero_filled(x, shifts)
+    for i, (sx, sy) in enumerate(shifts.astype(int)):
+        want = np.roll(x[i], (sy, sx), axis=(0, 1))
+        rows, cols = np.arange(N) - sy, np.arange(N) - sx
+        inside = ((rows >= 0) & (rows < N))[:, None] & ((cols >= 0) & (cols < N))[None, :]
+        np.testing.assert_array_equal(out[i], np.where(inside, want, 0.0))
+        assert (out[i] == 0).sum() >= N * N - (N - abs(sy)) * (N - abs(sx))

@@ -63,7 +63,7 @@ def test_box_slabs_visit_exactly_the_voxels_of_the_box_once_with_their_component
         flat = grid[index]
         comps = np.broadcast_arrays(*ks)
         assert all(c.shape == flat.shape for c in comps)
-        for c, k in zip(comps, full):
+        for c, k in zip(comps, full, strict=True):
             np.testing.assert_array_equal(c, k.reshape(-1)[flat])  # the components of the voxels it names
         seen.append(flat.reshape(-1))
     seen = np.concatenate(seen)

@@ -86,20 +86,19 @@ class PreparedBatch:
 def prepare_batch(images, norm_factor, offsets_px, mask_radius_px: float, mask_edge_px: float = 5.0,
                   noise_sigma2=None, seed: int = 0, subpixel: bool = False, particle_ids=None) -> PreparedBatch:
     """images (I, N, N) float32 on the device; norm_factor (I,) = n_avg / n_i (1 without --norm);
-    offsets_px (I, 2) current origin offsets. Steps: scale, shift by ROUND(offset) (a circular shift; the
-    mask removes what wraps), soft circular mask of ``mask_radius_px`` with a ``mask_edge_px`` raised-cosine
-    edge filled with the outside mean (--zero_mask) or, given ``noise_sigma2`` (shells 0..N/2, one spectrum or
-    one per particle (I, shells)), with coloured Gaussian noise of that spectrum, drawn per particle from
-    (``seed``, ``particle_ids``) (default 0..I-1) so that it does not depend on the batch. ``subpixel``:
-    afterwards also apply the fractional remainder as a Fourier phase shift, so the data sit at the exact
-    offsets (--skip_align: the only translation is 0)."""
+    offsets_px (I, 2) current origin offsets. Steps: scale, shift by ROUND(offset) with zeros where nothing comes
+    in (RELION's selfTranslate with DONT_WRAP: the zeros enter the outside mean of the mask), soft circular mask
+    of ``mask_radius_px`` with a ``mask_edge_px`` raised-cosine edge filled with the outside mean (--zero_mask)
+    or, given ``noise_sigma2`` (shells 0..N/2, one spectrum or one per particle (I, shells)), with coloured
+    Gaussian noise of that spectrum, drawn per particle from (``seed``, ``particle_ids``) (default 0..I-1) so
+    that it does not depend on the batch. ``subpixel``: afterwards also apply the fractional remainder as a
+    Fourier phase shift, so the data sit at the exact offsets (--skip_align: the only translation is 0)."""
     xp = get_array_module(images)
     I, N = images.shape[0], images.shape[-1]
     rounded = np.sign(offsets_px) * np.floor(np.abs(offsets_px) + 0.5)
     x = images.astype(np.float32) * xp.asarray(norm_factor, dtype=np.float32)[:, None, None]
-    F = rfft_centered(x, 2)
-    Fu = phase_shift_2d(F, xp.asarray(rounded), N)
-    xs = irfft_centered(Fu, N, 2).astype(np.float32)
+    xs = shift_zero_filled(x, rounded)
+    Fu = rfft_centered(xs, 2)
     background = None
     if noise_sigma2 is not None:
         shells = xp.minimum(shell_grid(N, 2, xp), N // 2)
@@ -116,6 +115,19 @@ def prepare_batch(images, norm_factor, offsets_px, mask_radius_px: float, mask_e
         Fm, Fu = phase_shift_2d(Fm, frac, N), phase_shift_2d(Fu, frac, N)
         rounded = np.asarray(offsets_px, dtype=np.float64).copy()
     return PreparedBatch(Fm, Fu, rounded)
+
+
+def shift_zero_filled(x, shifts_px):
+    """Images x (I, N, N) moved by whole pixels ``shifts_px`` (I, 2) = (x, y) (pixel (r, c) of the result is
+    pixel (r - y, c - x) of the image), zero where that lies outside the image (no wrapping)."""
+    xp = get_array_module(x)
+    I, N = x.shape[0], x.shape[-1]
+    s = xp.asarray(np.asarray(shifts_px), dtype=np.int64)
+    j = xp.arange(N, dtype=np.int64)
+    src_x, src_y = j[None, :] - s[:, :1], j[None, :] - s[:, 1:2]  # (I, N) each
+    inside = ((src_y >= 0) & (src_y < N))[:, :, None] & ((src_x >= 0) & (src_x < N))[:, None, :]
+    out = x[xp.arange(I)[:, None, None], xp.clip(src_y, 0, N - 1)[:, :, None], xp.clip(src_x, 0, N - 1)[:, None, :]]
+    return xp.where(inside, out, xp.zeros((), dtype=x.dtype))
 
 
 def shell_power(F, nshells: int):
@@ -196,6 +208,7 @@ class EStepSetup:
     adaptive_fraction: float = 0.999
     max_significants: int = -1  # cap on the significant coarse samples per particle (RELION --maxsig; -1 = none)
     cc: bool = False
+    relion_offset_prior: bool = True  # RELION 5's offset-prior arithmetic (_log_trans_prior); False: Å throughout
     scale_shells: object = None  # (K,) per pixel of the fine set: True where SSNR_MAP > 3 (group scale sums)
     max_fine_bytes: int = CHUNK_BYTES  # budget of one fine-pass chunk (plan_fine_chunks)
     max_union_bytes: int = 1 << 62  # budget of the union of significant orientations of a group (plan_union_groups)
@@ -223,15 +236,23 @@ def _weights_for(sigma2_rows, pix: PixelSet, xp):
     return w, inv.astype(np.float32)
 
 
-def _log_trans_prior(offsets_round_px, trans_px, pixel_size: float, sigma_A: float, xp, prior_A):
-    """(I, T, K) log prior -|o + t - mu_k|^2 / (2 sigma^2) in Å (one unit throughout, see relion_algorithm
-    2.8) for prior means mu_k (K, 2) in Å (one per class in 2D classification; K = 1 and mu = 0 otherwise).
+def _log_trans_prior(offsets_round_px, trans_px, pixel_size: float, sigma_A: float, xp, prior_A,
+                     relion_units: bool = True):
+    """(I, T, K) log prior -|d|^2 / (2 sigma^2) of the coarse translations ``trans_px`` (T, 2) for prior means
+    mu_k (K, 2) in Å (one per class in 2D classification; K = 1 and mu = 0 otherwise).
 
-    Not RELION 5.0.1's arithmetic on purpose: it adds the sampled translation in Å to the old offset in pixels and
-    then scales by pixel_size^2, so its prior on the translation is pixel_size times narrower than sigma says and
-    pins translations near their start while the reference is poor (issue 15; benchmarks/README.md, "a unit mix
-    in its offset prior": our E-step with RELION's units reproduces its iteration-1 <Pmax> and offsets)."""
-    o = xp.asarray(offsets_round_px, dtype=np.float64)[:, None, :] + xp.asarray(trans_px)[None, :, :]
+    ``relion_units`` (the default): RELION 5.0.1's arithmetic (ml_optimiser.cpp, the pdf_offset of
+    convertAllSquaredDifferencesToWeights), d = (o + t pixel_size) pixel_size - mu: the translation in Å added to
+    the old offset o in pixels, with ``trans_px`` the translations BEFORE the sampling's random perturbation
+    (RELION evaluates the prior on its unperturbed grid and perturbs only the shifts of the images). Its prior on
+    the translation is pixel_size times narrower than sigma says: it holds translations near their start, which
+    RELION's results (and its classes: issue 16, benchmarks/README.md) depend on. ``relion_units=False``
+    (--angstrom_offset_prior): d = (o + t) pixel_size - mu, one unit throughout as relion_algorithm 2.8
+    documents it, at the searched (perturbed) translations."""
+    t = xp.asarray(trans_px, dtype=np.float64)
+    if relion_units:
+        t = t * pixel_size
+    o = xp.asarray(offsets_round_px, dtype=np.float64)[:, None, :] + t[None, :, :]
     d = o[:, :, None, :] * pixel_size - xp.asarray(prior_A, dtype=np.float64)[None, None, :, :]
     r2 = (d * d).sum(-1)
     if sigma_A ** 2 < 1e-4:
@@ -321,8 +342,9 @@ class _Batch:
     def make(cls, setup: EStepSetup, prep: PreparedBatch, ctf, groups, scale, class_log_prior) -> _Batch:
         xp = get_array_module(prep.F_masked)
         mu = np.zeros((1, 2)) if setup.class_offset_prior_A is None else np.asarray(setup.class_offset_prior_A)
-        lp_trans = _log_trans_prior(prep.rounded_offsets, setup.sampling.translations, setup.pixel_size,
-                                    setup.sigma_offset_A, xp, mu)
+        smp, relion = setup.sampling, setup.relion_offset_prior
+        lp_trans = _log_trans_prior(prep.rounded_offsets, smp.grid_translations if relion else smp.translations,
+                                    setup.pixel_size, setup.sigma_offset_A, xp, mu, relion_units=relion)
         return cls(setup, prep, xp, prep.F_masked.shape[0], setup.sampling.n_orient, len(setup.refs),
                    setup.sigma2[xp.asarray(groups)], xp.asarray(scale, dtype=np.float32)[:, None], ctf, mu, lp_trans,
                    class_log_prior)
@@ -822,4 +844,11 @@ def _project_rows(setup: EStepSetup, rows: np.ndarray, pix: PixelSet, fine: bool
     matrices = xp.asarray(matrices)
     ref = setup.ref_stack
     index = xp.asarray(np.repeat(rows // R, nover)) if ref.stacked else None
-    return project_pixels(ref, matrices, pix.kx, pix.ky, index=index)
+    P = project_pixels(ref, matrices, pix.kx, pix.ky, index=index)
+    # RELION's projector gives 0 beyond radius s/2 of the image size s in use (its r_max; the pixel set keeps the
+    # corners of shell s/2, where ROUND(|k|) = s/2 but |k| > s/2): those pixels then score |X|^2 at every pose. Our
+    # fine references are prepared with r_max = s/2 already; the coarse pass at its smaller size needs the cut.
+    beyond = (pix.kx * pix.kx + pix.ky * pix.ky) > (pix.size / 2.0) ** 2
+    if bool(beyond.any()):
+        P[:, beyond] = 0
+    return P

@@ -625,13 +625,14 @@ class Sampling:
     rot: np.ndarray = field(init=False)
     tilt: np.ndarray = field(init=False)
     psi: np.ndarray = field(init=False)
-    translations: np.ndarray = field(init=False)
+    translations: np.ndarray = field(init=False)  # (T, 2) pixels, the perturbation included (the searched ones)
+    grid_translations: np.ndarray = field(init=False)  # (T, 2) the same before the perturbation (RELION's prior)
 
     def __post_init__(self):
         self.dir_pix, self.rot, self.tilt = direction_grid(self.order, self.sym)
         self.psi = psi_angles(self.angular_step if self.psi_step is None else self.psi_step)
-        t = translation_grid(self.offset_range, self.offset_step, 2)
-        self.translations = t + self.perturb * self.offset_step
+        self.grid_translations = translation_grid(self.offset_range, self.offset_step, 2)
+        self.translations = self.grid_translations + self.perturb * self.offset_step
 
     @property
     def angular_step(self) -> float:
@@ -711,6 +712,10 @@ class GivenOrientations:
     translations: np.ndarray = field(default_factory=lambda: np.zeros((1, 2)))
 
     @property
+    def grid_translations(self) -> np.ndarray:
+        return self.translations
+
+    @property
     def n_orient(self) -> int:
         return int(self.matrices.shape[0])
 
@@ -744,10 +749,12 @@ class InPlaneSampling:
     sym: str = "C1"
     psi: np.ndarray = field(init=False)
     translations: np.ndarray = field(init=False)
+    grid_translations: np.ndarray = field(init=False)
 
     def __post_init__(self):
         self.psi = psi_angles(self.psi_step)
-        self.translations = translation_grid(self.offset_range, self.offset_step, 2) + self.perturb * self.offset_step
+        self.grid_translations = translation_grid(self.offset_range, self.offset_step, 2)
+        self.translations = self.grid_translations + self.perturb * self.offset_step
 
     @property
     def psi_step_actual(self) -> float:
