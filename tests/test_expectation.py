@@ -227,7 +227,8 @@ def test_class_offset_priors_split_identical_classes_as_the_priors_say():
     class posterior is the prior ratio exp(-(|o - mu_1|^2 - |o - mu_0|^2) / (2 sigma^2)) evaluated at the coarse
     translation (relion_algorithm 2.8) with o = -4 Å (RELION's offset is the shift that brings the particle
     back to the centre), not at the fine child that wins; each class's mean offset is that child (the posterior
-    is sharp) and the offset-variance sum is sum_c p_c |child - mu_c|^2."""
+    is sharp) and the offset-variance sum is sum_c p_c |child - mu_c|^2. With the prior in Å throughout
+    (--angstrom_offset_prior); RELION's arithmetic with class priors is in the brute-force cases."""
     from napari_gpu_relion.compute.backprojector import BackProjectorStack
     from napari_gpu_relion.compute.estep import EStepSetup, EStepSums, InPlaneSampling, expectation_batch, prepare_batch
     from napari_gpu_relion.compute.expectation import pixel_set
@@ -244,7 +245,7 @@ def test_class_offset_priors_split_identical_classes_as_the_priors_say():
     power = float((np.abs(np.fft.rfft2(img) / img.size) ** 2).mean())
     mu = np.array([[0.0, 0.0], [3.0, 0.0]])
     setup = EStepSetup(refs, smp, pix, pix, apix, np.full((1, N // 2 + 1), 1e-3 * power),
-                       sigma_offset_A=sigma_A, class_offset_prior_A=mu)
+                       sigma_offset_A=sigma_A, class_offset_prior_A=mu, relion_offset_prior=False)
     sums = EStepSums(BackProjectorStack(2, N, 2, N / 2, ndim=2).members, N // 2 + 1, 1, 1)
     prep = prepare_batch(data, np.ones(I), np.zeros((I, 2)), mask_radius_px=N / 2 - 1)
     res = expectation_batch(setup, prep, None, np.zeros(I, int), np.ones(I), sums)
