@@ -118,7 +118,8 @@ class EMOptions:
     angstrom_offset_prior: bool = param(False, "--angstrom_offset_prior", "The offset prior with offsets and "
                                         "translations both in Å, at the searched translations; default: RELION 5's "
                                         "arithmetic (translation in Å added to the offset in pixels, on the "
-                                        "unperturbed grid: a prior pixel-size times narrower), for RELION's results")
+                                        "unperturbed grid: a prior pixel-size times narrower), for RELION's "
+                                        "results. 2D classification always uses the Å prior")
     random_seed: int = param(0, "--random_seed", "Random seed (halves, seeding, perturbation, noise)")
 
 
@@ -396,7 +397,8 @@ class EMJob:
             setup = EStepSetup(frefs[h], smp, pix_c, pix_f, self.apix, self.be.asarray(self.model.sigma2[h]),
                                log_pdf_direction=opts.pop("log_pdf_direction", None),
                                sigma_offset_A=self.state.sigma_offset_A, cc=it.cc,
-                               relion_offset_prior=not self.p.angstrom_offset_prior,
+                               relion_offset_prior=opts.pop("relion_offset_prior",
+                                                            not self.p.angstrom_offset_prior),
                                class_offset_prior_A=opts.pop("class_offset_prior_A", None),
                                max_significants=opts.pop("max_significants", -1),
                                max_fine_bytes=it.plan.fine_chunk_bytes, max_union_bytes=it.plan.union_bytes,
