@@ -29,7 +29,9 @@ class WriteQueue:
         """Hand over ``fn(*args, **kwargs)``; first raises the error of an earlier write, if one failed."""
         self._raise_error()
         if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name=self._name, daemon=False)
+            # a daemon: a job abandoned without its drain must not keep the interpreter from exiting (each write is
+            # atomic, so one cut short leaves the old file or none, never a partial one)
+            self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
             self._thread.start()
         self._jobs.put((fn, args, kwargs))
 
