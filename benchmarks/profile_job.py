@@ -26,19 +26,30 @@ TIMES: dict = defaultdict(float)
 COUNTS: dict = defaultdict(int)
 
 
+class _Timer:
+    """Adds the synchronised time of its block to TIMES[label] (and one to COUNTS[label])."""
+
+    def __init__(self, be, label):
+        self.be, self.label = be, label
+
+    def __enter__(self):
+        self.be.synchronize()
+        self.t = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.be.synchronize()
+        TIMES[self.label] += time.perf_counter() - self.t
+        COUNTS[self.label] += 1
+
+
 def wrap(owner, name, be, label):
     if not hasattr(owner, name):
         return
     fn = getattr(owner, name)
 
     def timed(*a, **k):
-        be.synchronize()
-        t = time.perf_counter()
-        r = fn(*a, **k)
-        be.synchronize()
-        TIMES[label] += time.perf_counter() - t
-        COUNTS[label] += 1
-        return r
+        with _Timer(be, label):
+            return fn(*a, **k)
 
     setattr(owner, name, timed)
 
@@ -49,13 +60,8 @@ def wrap_generator(owner, name, be, label):
     fn = getattr(owner, name)
 
     def timed(*a, **k):
-        be.synchronize()
-        t = time.perf_counter()
-        r = yield from fn(*a, **k)
-        be.synchronize()
-        TIMES[label] += time.perf_counter() - t
-        COUNTS[label] += 1
-        return r
+        with _Timer(be, label):
+            return (yield from fn(*a, **k))
 
     setattr(owner, name, timed)
 

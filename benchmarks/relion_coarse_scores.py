@@ -42,7 +42,6 @@ Run: python benchmarks/relion_coarse_scores.py --data /tmp/p/p60 --relion relion
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -52,6 +51,7 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_relion  # noqa: E402
+from score_two_poses import pair_arguments  # noqa: E402
 
 from napari_gpu_relion.compute.ctf import ctf_from_frequencies  # noqa: E402
 from napari_gpu_relion.compute.estep import prepare_batch  # noqa: E402
@@ -181,11 +181,7 @@ def fine_pass(dump: Path, stem: str, rec, row, ra, ob, Fm, ps, sigma2, refs, cur
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--relion", required=True, help="RELION's run root inside --data, e.g. relion_class3d_k2s1/run")
-    ap.add_argument("--it", type=int, required=True, help="the iteration both programs continued from")
-    ap.add_argument("--b", required=True, help="our data STAR of iteration it+1 (inside --data)")
+    ap = pair_arguments()
     ap.add_argument(
         "--relion_next",
         default=None,

@@ -74,12 +74,19 @@ def scores(ps, rows, poses: pd.DataFrame, old_off_px, refs, model, sigma_off_A: 
     return {"diff2": diff2, "log_direction": log_dir, "log_offset": log_off, "log_post": log_dir + log_off - diff2}
 
 
-def main(argv=None):
+def pair_arguments() -> argparse.ArgumentParser:
+    """The options of the scripts that compare RELION's step from iteration it with ours (this one and
+    relion_coarse_scores.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True)
     ap.add_argument("--relion", required=True, help="RELION's run root inside --data, e.g. relion_class3d_k2s1/run")
     ap.add_argument("--it", type=int, required=True, help="the iteration both programs continued from")
     ap.add_argument("--b", required=True, help="our data STAR of iteration it+1 (inside --data)")
+    return ap
+
+
+def main(argv=None):
+    ap = pair_arguments()
     ap.add_argument("--size", type=int, required=True, help="the image size of iteration it+1 (pixels)")
     ap.add_argument("--order", type=int, default=2)
     ap.add_argument("--diameter", type=float, default=280.0)

@@ -848,7 +848,6 @@ def _project_rows(setup: EStepSetup, rows: np.ndarray, pix: PixelSet, fine: bool
     # RELION's projector gives 0 beyond radius s/2 of the image size s in use (its r_max; the pixel set keeps the
     # corners of shell s/2, where ROUND(|k|) = s/2 but |k| > s/2): those pixels then score |X|^2 at every pose. Our
     # fine references are prepared with r_max = s/2 already; the coarse pass at its smaller size needs the cut.
-    beyond = (pix.kx * pix.kx + pix.ky * pix.ky) > (pix.size / 2.0) ** 2
-    if bool(beyond.any()):
-        P[:, beyond] = 0
+    if pix.beyond_radius is not None:
+        P[:, pix.beyond_radius] = 0
     return P

@@ -43,6 +43,7 @@ class PixelSet:
     ky: object  # (K,) float64
     flat: object  # (K,) int64 into the (N, N//2+1) half grid
     shell: object  # (K,) int64, ROUND(|k|)
+    beyond_radius: object = None  # (K,) bool: |k| > s/2 (corners of shell s/2); None where there are none
 
     @property
     def npix(self) -> int:
@@ -56,8 +57,9 @@ def pixel_set(box: int, size: int, xp=np) -> PixelSet:
     shell = round_half_away(xp.sqrt((kx * kx + ky * ky).astype(np.float64))).astype(np.int64)
     keep = (shell <= s // 2) & ~((kx == 0) & (ky < 0))
     flat = xp.nonzero(keep.reshape(-1))[0]
-    return PixelSet(box, s, kx.reshape(-1)[flat].astype(np.float64), ky.reshape(-1)[flat].astype(np.float64),
-                    flat, shell.reshape(-1)[flat])
+    kx, ky = kx.reshape(-1)[flat].astype(np.float64), ky.reshape(-1)[flat].astype(np.float64)
+    beyond = (kx * kx + ky * ky) > (s / 2.0) ** 2
+    return PixelSet(box, s, kx, ky, flat, shell.reshape(-1)[flat], beyond if bool(beyond.any()) else None)
 
 
 def gather_pixels(F, pix: PixelSet):
