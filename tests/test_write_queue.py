@@ -136,3 +136,22 @@ def test_refine3d_results_do_not_depend_on_keeping_the_images_or_writing_in_the_
     assert sorted(a) == sorted(b) and len(a) >= 9
     for name in a:
         assert a[name] == b[name], name  # maps, model and data STARs bit for bit
+
+
+def test_images_moved_to_another_array_keep_what_was_read_and_read_the_rest_once(tmp_path):
+    """keep_images_on (the GPU path uses CuPy; NumPy here): the rows already read move over, the others are read
+    from the stack when first asked for, and afterwards no file is needed."""
+    star = _copy_sample(tmp_path / "d")
+    ps = load_particle_set(star, ctf=True, halves=False)
+    disk = ps.images(np.arange(len(ps)))
+    ps.keep_images_in_memory()
+    ps.images(np.arange(0, len(ps), 3))
+    before = ps.in_memory.copy()
+    ps.keep_images_on(np)
+    np.testing.assert_array_equal(ps.in_memory, before)
+    np.testing.assert_array_equal(ps.kept[before], disk[before])
+    np.testing.assert_array_equal(ps.images(np.arange(len(ps))[::-1]), disk[::-1])
+    assert ps.in_memory.all()
+    for stack in {n.split("@")[1] for n in ps.table.particles["rlnImageName"]}:
+        (tmp_path / "d" / stack).unlink()
+    np.testing.assert_array_equal(ps.images(np.arange(len(ps))), disk)

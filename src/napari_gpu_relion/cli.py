@@ -39,6 +39,8 @@ JOBS = {
     "autopick": ("napari_gpu_relion.jobs.autopick", "pick particles with LoG or templates (relion_autopick)"),
     "extract": ("napari_gpu_relion.jobs.extract", "extract particle boxes from micrographs (relion_preprocess)"),
     "demo": ("napari_gpu_relion.jobs.demo", "run the whole pipeline that exists on the sample data"),
+    "warmup": ("napari_gpu_relion.jobs.warmup", "compile the GPU kernels once, ahead of the first job on a "
+               "machine"),
 }
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..compute.backend import to_host
 from ..compute.class_similarity import class_report
 from ..compute.fourier import lowpass_map
 from ..compute.geometry import euler_to_matrix, symmetry_group
@@ -103,7 +104,7 @@ class Class3D(em_classification.Classification):
     def initial_model(self) -> em.EMModel:
         refs = [self.load_reference(q) for q in self.ref_paths]
         if self.p.ini_high > 0:
-            refs = [lowpass_map(v, self.apix, self.p.ini_high) for v in refs]
+            refs = [to_host(lowpass_map(self.be.asarray(v), self.apix, self.p.ini_high)) for v in refs]  # on the device
         refs = refs * self.K if len(refs) == 1 else refs
         N = self.N
         self.state.res_shell = int(round(N * self.apix / self.p.ini_high)) if self.p.ini_high > 0 else N // 2 - 10
@@ -172,7 +173,7 @@ class Class3D(em_classification.Classification):
         if not p.skip_align:
             m.pdf_dir[0] = normalised_direction_priors(sums.pdf_direction)
         if p.flatten_solvent:
-            new_refs = new_refs * self.solvent_mask[None]
+            new_refs = new_refs * to_host(self.solvent_mask)[None]
         if it.cc:  # RELION re-applies the initial low-pass after a CC iteration and copies class 1 to every class
             new_refs = np.stack([lowpass_map(v, self.apix, p.ini_high) if p.ini_high > 0 else v for v in new_refs])
             if self.seeding:
@@ -203,8 +204,7 @@ class Class3D(em_classification.Classification):
                                 self.model.pdf_class[0].copy(), float(min(self.res_A)), None, summary)
         yield Message(f"  iteration {i}: {summary}")
         if it.final:
-            self.report = class_report(list(refs), self.model.pdf_class[0],
-                                       self.solvent_mask)
+            self.report = class_report(list(refs), self.model.pdf_class[0], to_host(self.solvent_mask))
             yield Message(self.report)
 
     def finished(self) -> Finished:

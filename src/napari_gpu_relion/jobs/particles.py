@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ..compute.backend import get_array_module
 from ..compute.ctf import CtfParams
 from ..errors import InputError
 from ..io.particle_images import check_image_stacks, image_names_for, load_images
@@ -41,7 +42,7 @@ class ParticleSet:
     log_likelihood: np.ndarray = None
     residual_power: np.ndarray = None
     checked: np.ndarray = None  # (n,) bool: the row's image has been read once and found usable
-    kept: np.ndarray | None = None  # (n, box, box) float32 images kept in memory (keep_images_in_memory)
+    kept: np.ndarray | None = None  # (n, box, box) float32 images kept in memory (NumPy or CuPy)
     in_memory: np.ndarray | None = None  # (n,) bool: the row's image is in ``kept``
 
     def __post_init__(self):
@@ -71,17 +72,32 @@ class ParticleSet:
             self.kept = np.empty((len(self), self.box, self.box), dtype=np.float32)
             self.in_memory = np.zeros(len(self), dtype=bool)
 
-    def images(self, rows) -> np.ndarray:
-        """The images of ``rows`` (float32); the first time a row is read its image is checked (InputError naming the
-        stack, the image and the STAR line for NaN or infinite pixels or a blank image, which give NaN results)."""
+    def keep_images_on(self, xp) -> None:
+        """Keep the images in an array of ``xp`` (CuPy: on the GPU, so that an iteration neither copies them on
+        the host nor uploads them): the images read so far move there, the others are read into it as they are
+        first asked for."""
+        old, had = self.kept, self.in_memory
+        self.kept = xp.empty((len(self), self.box, self.box), dtype=np.float32)
+        self.in_memory = np.zeros(len(self), dtype=bool)
+        if old is not None:
+            done = np.flatnonzero(had)
+            if done.size:
+                self.kept[xp.asarray(done)] = xp.asarray(old[done])
+            self.in_memory[done] = True
+
+    def images(self, rows):
+        """The images of ``rows`` (float32; an array of the kept images' module, so on the GPU when they are kept
+        there); the first time a row is read its image is checked (InputError naming the stack, the image and the
+        STAR line for NaN or infinite pixels or a blank image, which give NaN results)."""
         rows = np.asarray(rows, dtype=np.int64)
         if self.kept is None:
             return self._read(rows)
+        xp = get_array_module(self.kept)
         new = np.unique(rows[~self.in_memory[rows]])
         if new.size:
-            self.kept[new] = self._read(new)
+            self.kept[xp.asarray(new)] = xp.asarray(self._read(new))
             self.in_memory[new] = True
-        return self.kept[rows]
+        return self.kept[xp.asarray(rows)]
 
     def _read(self, rows: np.ndarray) -> np.ndarray:
         check = not self.checked[rows].all()

@@ -1,0 +1,88 @@
+"""Compile this machine's GPU kernels once, ahead of the first real job.
+
+CuPy compiles each CUDA kernel the first time a process uses it and keeps the result in its kernel cache
+(``CUPY_CACHE_DIR``, by default ~/.cupy/kernel_cache), where every later process finds it. On a machine whose
+cache is empty, a user's first job pays for all of them: about 100 s of a box-128 auto-refine on an H100 (155 s
+against 48 s with a warm cache, benchmarks/README.md). RELION ships compiled kernels, so without this its first
+run and ours are not alike. The warm-up runs the EM jobs on a tiny simulated set (box 32, 200 particles) with the
+options of a typical run (CTF, solvent flattening, masks with zeros and with noise, norm and scale corrections,
+padding 2, global and local searches, the final iteration), so that the kernels the real jobs use are compiled
+here; benchmarks/README.md ("Kernel compilation") measures what a real job on the machine still compiles after it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import class2d, class3d, refine3d
+from .common import backend_for, param
+from .events import Finished, Message, Started
+from .simulate import make_sample_data
+
+JOB_NAME = "warmup"
+
+
+@dataclass(frozen=True)
+class Params:
+    o: Path | None = param(None, "--o", "Folder for the tiny data set and the runs (default: a temporary folder, "
+                           "removed afterwards)")
+    gpu: str | None = param(None, "--gpu", "GPU index")
+
+
+def kernel_cache_dir() -> Path:
+    """CuPy's on-disk kernel cache (CUPY_CACHE_DIR, else ~/.cupy/kernel_cache)."""
+    return Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+
+
+def cached_kernels() -> int:
+    """How many compiled kernel files the cache holds (0 when it does not exist)."""
+    d = kernel_cache_dir()
+    return sum(1 for q in d.iterdir() if q.is_file()) if d.is_dir() else 0
+
+
+def _runs(data: Path, out: Path, gpu: str) -> list[tuple[str, object, object]]:
+    """(name, job module, Params) of the runs that compile the kernels."""
+    common = {"i": data / "particles.star", "ctf": True, "particle_diameter": 160.0, "gpu": gpu}
+    ref = {"ref": data / "reference.mrc", "ini_high": 60.0, "flatten_solvent": True}
+    return [
+        ("3D auto-refine, global then local searches and the final iteration", refine3d, refine3d.Params(
+            o=out / "refine_global" / "run", healpix_order=1, auto_local_healpix_order=2, auto_iter_max=3,
+            zero_mask=True, norm=True, scale=True, pad=2, **ref, **common)),
+        ("3D auto-refine, local searches from the start, masks filled with noise", refine3d, refine3d.Params(
+            o=out / "refine_local" / "run", healpix_order=2, auto_local_healpix_order=2, auto_iter_max=1, pad=2,
+            **ref, **common)),
+        ("3D classification, K=2", class3d, class3d.Params(
+            o=out / "class3d" / "run", K=2, iter=2, healpix_order=1, zero_mask=True, pad=2, **ref, **common)),
+        ("2D classification, K=2", class2d, class2d.Params(
+            o=out / "class2d" / "run", K=2, iter=2, zero_mask=True, **common)),
+    ]
+
+
+def run(p: Params) -> Iterator:
+    be = backend_for(p)
+    yield Started(JOB_NAME, Path(p.o) if p.o else Path(tempfile.gettempdir()), be.name,
+                  "compiling the GPU kernels of the EM jobs on a tiny simulated set")
+    if not be.is_gpu:
+        yield Finished({}, "no GPU: nothing to compile (the CPU runs NumPy)")
+        return
+    t0, before = time.time(), cached_kernels()
+    with tempfile.TemporaryDirectory(prefix="ngr_warmup_") as tmp:
+        out = Path(p.o) if p.o else Path(tmp)
+        data = make_sample_data(out / "data", box=32, angpix=6.0, n_particles=200, snr=0.1, diameter=140.0,
+                                ini_high=60.0, n_micrographs=0)
+        for name, module, params in _runs(data, out, "0" if p.gpu is None else str(p.gpu)):
+            t = time.time()
+            for ev in module.run(params):
+                if isinstance(ev, Message) and ev.level == "warning":
+                    yield ev
+            after = cached_kernels()
+            yield Message(f"  {name}: {time.time() - t:.1f} s, {after - before} kernels compiled so far")
+    added = cached_kernels() - before
+    yield Finished({"kernel_cache": kernel_cache_dir()},
+                   f"{added} kernels compiled into {kernel_cache_dir()} in {time.time() - t0:.0f} s; later jobs on "
+                   f"this machine find them there")
