@@ -7,7 +7,10 @@ against 48 s with a warm cache, benchmarks/README.md). RELION ships compiled ker
 run and ours are not alike. The warm-up runs the EM jobs on a tiny simulated set (box 32, 200 particles) with the
 options of a typical run (CTF, solvent flattening, masks with zeros and with noise, norm and scale corrections,
 padding 2, global and local searches, the final iteration), so that the kernels the real jobs use are compiled
-here; benchmarks/README.md ("Kernel compilation") measures what a real job on the machine still compiles after it.
+here. CuPy specialises some kernels by size as well as by type (its reductions pick other kernels for long rows
+than for short ones; dimensions of length 1 drop out of the indexing code), so the runs are repeated on a
+medium set (box 96, 1,000 particles) whose arrays have the sizes of real jobs. benchmarks/kernel_compiles.py
+lists what a real job still compiles after the warm-up (benchmarks/README.md, "Kernel compilation").
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import InputError
 from . import class2d, class3d, refine3d
 from .common import backend_for, param
 from .events import Finished, Message, Started
@@ -32,6 +36,27 @@ class Params:
     o: Path | None = param(None, "--o", "Folder for the tiny data set and the runs (default: a temporary folder, "
                            "removed afterwards)")
     gpu: str | None = param(None, "--gpu", "GPU index")
+    boxes: str = param("32,96", "--boxes", "Box sizes (pixels) of the simulated sets the jobs run on, comma-separated: "
+                       "box 32 has 200 particles, larger boxes 1,000 (so that size-specialised kernels are compiled "
+                       "for the sizes of real jobs)")
+
+    def __post_init__(self):
+        try:
+            boxes = [int(b) for b in str(self.boxes).split(",")]
+        except ValueError:
+            raise InputError(f"--boxes: comma-separated even box sizes in pixels, got {self.boxes!r}") from None
+        if not boxes or any(b < 32 or b % 2 for b in boxes):
+            raise InputError(f"--boxes: even box sizes of at least 32 pixels, got {self.boxes!r}")
+
+
+def warmup_sets(boxes: str) -> list[dict]:
+    """make_sample_data arguments of each set: the same physical particle (192 Å box, 140 Å phantom) sampled at
+    each box size."""
+    out = []
+    for b in (int(x) for x in boxes.split(",")):
+        out.append({"box": b, "angpix": 192.0 / b, "n_particles": 200 if b <= 32 else 1000, "snr": 0.1,
+                    "diameter": 140.0, "ini_high": 60.0, "n_micrographs": 0})
+    return out
 
 
 def kernel_cache_dir() -> Path:
@@ -45,19 +70,25 @@ def cached_kernels() -> int:
     return sum(1 for q in d.iterdir() if q.is_file()) if d.is_dir() else 0
 
 
-def _runs(data: Path, out: Path, gpu: str) -> list[tuple[str, object, object]]:
-    """(name, job module, Params) of the runs that compile the kernels."""
+def _runs(data: Path, out: Path, gpu: str, full: bool) -> list[tuple[str, object, object]]:
+    """(name, job module, Params) of the runs that compile the kernels. ``full``: the auto-refine goes RELION's
+    whole default schedule (HEALPix 2, local searches from order 4, to convergence and the final iteration), so
+    that the branches a real run takes only late (finer orders, local searches, the full-size final pass) meet
+    arrays of real sizes; the tiny set takes a short cut through the same stages."""
     common = {"i": data / "particles.star", "ctf": True, "particle_diameter": 160.0, "gpu": gpu}
     ref = {"ref": data / "reference.mrc", "ini_high": 60.0, "flatten_solvent": True}
+    schedule = {"healpix_order": 2, "auto_local_healpix_order": 4} if full else \
+        {"healpix_order": 1, "auto_local_healpix_order": 2, "auto_iter_max": 3}
     return [
         ("3D auto-refine, global then local searches and the final iteration", refine3d, refine3d.Params(
-            o=out / "refine_global" / "run", healpix_order=1, auto_local_healpix_order=2, auto_iter_max=3,
-            zero_mask=True, norm=True, scale=True, pad=2, **ref, **common)),
+            o=out / "refine_global" / "run", zero_mask=True, norm=True, scale=True, pad=2, **schedule, **ref,
+            **common)),
         ("3D auto-refine, local searches from the start, masks filled with noise", refine3d, refine3d.Params(
             o=out / "refine_local" / "run", healpix_order=2, auto_local_healpix_order=2, auto_iter_max=1, pad=2,
             **ref, **common)),
         ("3D classification, K=2", class3d, class3d.Params(
-            o=out / "class3d" / "run", K=2, iter=2, healpix_order=1, zero_mask=True, pad=2, **ref, **common)),
+            o=out / "class3d" / "run", K=2, iter=2, healpix_order=2 if full else 1, zero_mask=True, pad=2, **ref,
+            **common)),
         ("2D classification, K=2", class2d, class2d.Params(
             o=out / "class2d" / "run", K=2, iter=2, zero_mask=True, **common)),
     ]
@@ -66,22 +97,25 @@ def _runs(data: Path, out: Path, gpu: str) -> list[tuple[str, object, object]]:
 def run(p: Params) -> Iterator:
     be = backend_for(p)
     yield Started(JOB_NAME, Path(p.o) if p.o else Path(tempfile.gettempdir()), be.name,
-                  "compiling the GPU kernels of the EM jobs on a tiny simulated set")
+                  "compiling the GPU kernels of the EM jobs on small simulated sets")
     if not be.is_gpu:
         yield Finished({}, "no GPU: nothing to compile (the CPU runs NumPy)")
         return
     t0, before = time.time(), cached_kernels()
     with tempfile.TemporaryDirectory(prefix="ngr_warmup_") as tmp:
         out = Path(p.o) if p.o else Path(tmp)
-        data = make_sample_data(out / "data", box=32, angpix=6.0, n_particles=200, snr=0.1, diameter=140.0,
-                                ini_high=60.0, n_micrographs=0)
-        for name, module, params in _runs(data, out, "0" if p.gpu is None else str(p.gpu)):
-            t = time.time()
-            for ev in module.run(params):
-                if isinstance(ev, Message) and ev.level == "warning":
-                    yield ev
-            after = cached_kernels()
-            yield Message(f"  {name}: {time.time() - t:.1f} s, {after - before} kernels compiled so far")
+        for spec in warmup_sets(p.boxes):
+            tag = f"box{spec['box']}"
+            data = make_sample_data(out / f"data_{tag}", **spec)
+            gpu = "0" if p.gpu is None else str(p.gpu)
+            for name, module, params in _runs(data, out / tag, gpu, full=spec["box"] > 32):
+                t = time.time()
+                for ev in module.run(params):
+                    if isinstance(ev, Message) and ev.level == "warning":
+                        yield ev
+                after = cached_kernels()
+                yield Message(f"  box {spec['box']}, {spec['n_particles']} particles, {name}: {time.time() - t:.1f} s, "
+                              f"{after - before} kernels compiled so far")
     added = cached_kernels() - before
     yield Finished({"kernel_cache": kernel_cache_dir()},
                    f"{added} kernels compiled into {kernel_cache_dir()} in {time.time() - t0:.0f} s; later jobs on "

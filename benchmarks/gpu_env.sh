@@ -1,0 +1,24 @@
+# Source this at the start of every command on the GPU machine (the device tool), from the repository root:
+#   . benchmarks/gpu_env.sh
+# The call carries `.whl` (starfile and mrcfile wheels: `pip download --no-deps --only-binary=:all: --python-version
+# 3.12 --platform manylinux2014_x86_64 -d .whl starfile mrcfile`) and `.relion_kit` (a copy of ../shared/relion_gpu
+# with ../shared/data/real/ribosome70S_65px.mrc beside it). The machine's python3 has CuPy, NumPy, SciPy and pandas.
+# It installs the wheels once per machine and puts src/ on PYTHONPATH; `start_relion` starts RELION's build in the
+# background (/root/rb, ~2.5 min on 16 cores) unless it is built or building, `wait_relion` waits for it.
+set -u
+export PYTHONUNBUFFERED=1
+[ -d /tmp/site/starfile ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+export PYTHONPATH=$PWD/src:/tmp/site
+ngr() { python3 -m napari_gpu_relion.cli "$@"; }
+start_relion() {
+  if [ ! -x /root/rb/build/bin/relion_refine_mpi ] && ! pgrep -f build_relion.sh >/dev/null; then
+    rm -rf /root/kit; cp -r .relion_kit /root/kit
+    setsid nohup bash /root/kit/build_relion.sh /root/kit /root/rb 16 > /root/build.log 2>&1 < /dev/null &
+  fi
+}
+wait_relion() {
+  start_relion
+  for _ in $(seq 120); do [ -x /root/rb/build/bin/relion_refine_mpi ] && break; sleep 5; done
+  tail -2 /root/build.log; . /root/rb/env.sh
+}
