@@ -56,7 +56,9 @@ class Class2DOptions:
 
 
 @dataclass(frozen=True)
-class Params(em.EMParams, em.EMOptions, Class2DOptions, em.EMInputs):
+class Params(em.EMParams, em.EMCorrections, em.EMOptions, Class2DOptions, em.EMInputs):
+    NEWER_OPTIONS = ("norm", "scale")  # runs written before class2d took --norm and --scale had them off
+
     def __post_init__(self):
         self.check(needs_ref=False)
         if self.continue_from is not None:
@@ -130,6 +132,7 @@ class Class2D(em_classification.Classification):
         new_refs, it.ssnr = reconstruct_classes(it.accumulators[0], tau2, p.tau2_fudge, sums.pdf_class, m.refs[0])
         m.sigma2[0] = update_sigma2(sums.sigma2, sums.sumw_group, self.N)
         self.state.sigma_offset_A = update_sigma_offset(sums.sigma_offset, sums.sum_weight)
+        self.update_corrections(it.sums)
         m.pdf_class[0] = sums.pdf_class / max(sums.pdf_class.sum(), 1e-300)
         m.prior_offsets_A = class_offset_priors(sums.offset_sum, sums.pdf_class)
         if p.flatten_solvent:

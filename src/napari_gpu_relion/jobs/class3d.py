@@ -66,7 +66,9 @@ class Class3DOptions:
 
 
 @dataclass(frozen=True)
-class Params(em.EMParams, em.EMOptions, Class3DOptions, em.EMInputs):
+class Params(em.EMParams, em.EMCorrections, em.EMOptions, Class3DOptions, em.EMInputs):
+    NEWER_OPTIONS = ("norm", "scale")  # runs written before class3d took --norm and --scale had them off
+
     def __post_init__(self):
         self.check(needs_ref=True, healpix_order=self.healpix_order)
         if self.continue_from is not None:
@@ -169,6 +171,7 @@ class Class3D(em_classification.Classification):
         if not it.cc:
             m.sigma2[0] = update_sigma2(sums.sigma2, sums.sumw_group, self.N)
             self.state.sigma_offset_A = update_sigma_offset(sums.sigma_offset, sums.sum_weight)
+            self.update_corrections(it.sums)
         m.pdf_class[0] = sums.pdf_class / max(sums.pdf_class.sum(), 1e-300)
         if not p.skip_align:
             m.pdf_dir[0] = normalised_direction_priors(sums.pdf_direction)

@@ -41,7 +41,7 @@ from ..compute.expectation import pixel_set
 from ..compute.fourier import fourier_resize
 from ..compute.geometry import matrix_to_euler
 from ..compute.masks import soft_spherical_mask
-from ..compute.maximization import initial_noise_spectrum, normalised_direction_priors
+from ..compute.maximization import initial_noise_spectrum, normalised_direction_priors, update_norm, update_scales
 from ..compute.memory_plan import JobMemory, choose_padding, refusal
 from ..compute.projector import prepare_reference
 from ..compute.sampling import local_candidates, local_search_rows
@@ -51,6 +51,7 @@ from ..errors import InputError
 from ..io.atomic import ensure_not_input
 from ..io.jobdir import RunFiles, project_path
 from ..io.model_star import (
+    PARAM_PREFIX,
     params_from_optimiser,
     params_to_optimiser,
     read_model_star,
@@ -90,9 +91,10 @@ DEVICE_IMAGES_FRACTION = 4
 # ----------------------------------------------------------------------------------------------------------
 
 
-# A job's Params is ``class Params(em.EMParams, em.EMOptions, Options, em.EMInputs)`` with its own options in
-# ``Options``: dataclass fields come in reverse MRO order, so forms and --help list the inputs, the job's own
-# options, the shared options, then how to run it.
+# A job's Params is ``class Params(em.EMParams, em.EMCorrections, em.EMOptions, Options, em.EMInputs)`` with its
+# own options in ``Options`` (EMCorrections only where relion_refine takes --norm/--scale: refine3d, class3d,
+# class2d): dataclass fields come in reverse MRO order, so forms and --help list the inputs, the job's own
+# options, the shared options, the corrections, then how to run it.
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,15 @@ class EMOptions:
 
 
 @dataclass(frozen=True)
+class EMCorrections:
+    """RELION's corrections of the particle images, as its GUI passes them to relion_refine for 3D auto-refine and
+    2D/3D classification (the M-step of EMJob.update_corrections)."""
+
+    norm: bool = param(False, "--norm", "Per-particle norm correction")
+    scale: bool = param(False, "--scale", "Per-group intensity-scale correction")
+
+
+@dataclass(frozen=True)
 class EMParams:
     """How an EM job runs (--continue, --batch, --cpu, --gpu) and the checks every EM job's Params share."""
 
@@ -143,6 +154,9 @@ class EMParams:
 
     #: Options that --continue takes from the command line, not from the optimiser STAR.
     RUNTIME = ("continue_from", "cpu", "gpu", "batch", "memory_limit", "tf32", "preread_images")
+    #: Options a job gained after runs of it were written: a --continue of such a run, whose optimiser STAR lacks
+    #: them, takes their defaults (the run had them off); any other missing option is a damaged file.
+    NEWER_OPTIONS = ()
 
     def check(self, needs_ref: bool, healpix_order: int = 0) -> None:
         """Clear errors before any work (called by each job's __post_init__); a --continue checks its runtime
@@ -192,6 +206,9 @@ def continued_params(params_cls, p):
         given["ref"] = None
     if "iter" in params_cls.__dataclass_fields__ and p.iter != params_cls.__dataclass_fields__["iter"].default:
         given["iter"] = p.iter
+    for k in params_cls.NEWER_OPTIONS:
+        if f"{PARAM_PREFIX}{k}" not in opt:
+            given[k] = params_cls.__dataclass_fields__[k].default
     return params_from_optimiser(params_cls, opt, source=p.continue_from, **given), opt
 
 
@@ -268,8 +285,11 @@ class EMJob:
         self.be: Backend = backend_for(self.p)
         self.halves = ([np.flatnonzero(self.ps.subset == h) for h in (1, 2)] if self.needs_halves
                        else [np.arange(len(self.ps))])
+        # the average norm correction starts at the particles' mean rlnNormCorrection (1 for new particles, as
+        # RELION's 1); a --continue takes the saved one (restore_state)
         self.state = EMState(order=getattr(self.p, "healpix_order", 0), offset_range=self.p.offset_range,
-                             offset_step=self.p.offset_step, sigma_offset_A=self.p.offset)
+                             offset_step=self.p.offset_step, sigma_offset_A=self.p.offset,
+                             norm_average=float(self.ps.norm.mean()))
         self.model: EMModel | None = None
         self._plan_shown = False
         self.job_memory: JobMemory | None = None
@@ -304,6 +324,28 @@ class EMJob:
 
     def maximization(self, it: Iteration) -> None:
         raise NotImplementedError
+
+    def update_corrections(self, sums: list[EStepSums]) -> None:
+        """M-step of RELION's image corrections from this iteration's E-step ``sums`` (one per half), for the jobs
+        whose Params has EMCorrections; called after a non-CC E-step only. --norm: each particle's norm correction
+        from its residual power (rlnNormCorrection, in the units of the images' real-space noise std) and their new
+        average; --scale (more than one group): each group's intensity scale from the sums of signal x reference
+        and reference power (1 on average over the particles)."""
+        p, st, m, ps = self.p, self.state, self.model, self.ps
+        if p.norm:
+            ps.norm = update_norm(ps.norm, st.norm_average, ps.residual_power)
+            st.norm_average = float(ps.norm.mean())
+        if p.scale and len(m.scales) > 1:
+            counts = np.bincount(ps.scale_group, minlength=len(m.scales)).astype(float)
+            m.scales = update_scales(sum(s.xa for s in sums), sum(s.aa for s in sums), counts, m.scales)
+
+    def correction_notes(self) -> Iterator:
+        """Before iteration 1: a warning that --scale leaves the group scales as they are. The E-step is given no
+        shells to sum the scale terms over (RELION: those where the class's SSNR exceeds 3), so the sums stay 0 and
+        update_scales keeps every group's scale."""
+        if getattr(self.p, "scale", False) and len(self.model.scales) > 1:
+            yield Message("--scale: the group intensity scales are not refined yet (the E-step sums no scale terms); "
+                          f"the {len(self.model.scales)} groups keep their scales", "warning")
 
     def update_resolution(self, it: Iteration) -> None:
         raise NotImplementedError
@@ -561,6 +603,7 @@ def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
         yield Message(tf32_note)
     yield from notes
     yield from pad_notes
+    yield from job.correction_notes()
     yield Message(job.images_note)
     if root:
         job.files.folder.mkdir(parents=True, exist_ok=True)

@@ -70,6 +70,7 @@ class Classification(em.EMJob):
                    "rlnCurrentResolution": float(min(self.res_A)), "rlnCurrentImageSize": it.current_size,
                    "rlnPaddingFactor": self.p.pad, "rlnPixelSize": apix, "rlnNrClasses": len(pdf_class),
                    "rlnNrBodies": 1, "rlnNrGroups": len(m.scales), "rlnTau2FudgeFactor": self.p.tau2_fudge,
+                   "rlnNormCorrectionAverage": self.state.norm_average,
                    "rlnSigmaOffsetsAngst": self.state.sigma_offset_A,
                    "rlnLogLikelihood": float(ps.log_likelihood.sum()), "rlnAveragePmax": float(ps.pmax.mean())}
         classes = pd.DataFrame({"rlnReferenceImage": list(reference_names), "rlnClassDistribution": pdf_class,

@@ -34,8 +34,6 @@ from ..compute.maximization import (
     reference_sigma2,
     resolution_shell_from_ssnr,
     tau2_from_fsc,
-    update_norm,
-    update_scales,
     update_sigma2,
     update_sigma_offset,
 )
@@ -62,8 +60,6 @@ class Refine3DOptions:
                                           "Switch to local searches from this HEALPix order")
     sym: str = param("C1", "--sym", "Point-group symmetry")
     firstiter_cc: bool = param(False, "--firstiter_cc", "Cross-correlation in the first iteration")
-    norm: bool = param(False, "--norm", "Per-particle norm correction")
-    scale: bool = param(False, "--scale", "Per-group intensity-scale correction")
     tau2_fudge: float = param(1.0, "--tau2_fudge", "Regularisation parameter T")
     low_resol_join_halves: float = param(40.0, "--low_resol_join_halves", "Join the halves below this (Å)")
     auto_iter_max: int = param(999, "--auto_iter_max", "Stop after this many iterations at most")
@@ -71,7 +67,7 @@ class Refine3DOptions:
 
 
 @dataclass(frozen=True)
-class Params(em.EMParams, em.EMOptions, Refine3DOptions, em.EMInputs):
+class Params(em.EMParams, em.EMCorrections, em.EMOptions, Refine3DOptions, em.EMInputs):
     def __post_init__(self):
         self.check(needs_ref=True, healpix_order=self.healpix_order)
         if self.continue_from is not None:
@@ -115,7 +111,6 @@ class Refine3D(em.EMJob):
         ref0 = to_host(lowpass_map(self.be.asarray(self.load_reference(Path(self.p.ref))), self.apix, self.p.ini_high))
         s2 = self.initial_sigma2()
         self.state.start_auto_refine(self.N, self.apix, self.p.ini_high, self.p.auto_local_healpix_order)
-        self.state.norm_average = float(self.ps.norm.mean())
         return em.EMModel([ref0[None].copy(), ref0[None].copy()], [s2.copy(), s2.copy()], [np.ones(1)] * 2,
                           [None, None], np.ones(len(self.ps.scale_group_names)))
 
@@ -221,12 +216,7 @@ class Refine3D(em.EMJob):
             for h in range(2):
                 m.sigma2[h] = update_sigma2(sums[h].sigma2, sums[h].sumw_group, N)
             st.sigma_offset_A = update_sigma_offset(sum(s.sigma_offset for s in sums), sum(s.sum_weight for s in sums))
-            if p.norm:
-                self.ps.norm = update_norm(self.ps.norm, st.norm_average, self.ps.residual_power)
-                st.norm_average = float(self.ps.norm.mean())
-            if p.scale and len(m.scales) > 1:
-                counts = np.bincount(self.ps.scale_group, minlength=len(m.scales)).astype(float)
-                m.scales = update_scales(sum(s.xa for s in sums), sum(s.aa for s in sums), counts, m.scales)
+            self.update_corrections(sums)
         for h in range(2):
             m.pdf_dir[h] = normalised_direction_priors(sums[h].pdf_direction[:1])
         m.refs = [v[None] for v in new_refs]

@@ -184,8 +184,6 @@ _JOB_FORMS: dict[tuple[str, str], FieldForm] = {
     ("refine3d", "--i"): _b("Particles (STAR)", "I/O"),
     ("refine3d", "--o"): _b("Job folder", "I/O"),
     ("refine3d", "--tau2_fudge"): _a("Regularisation parameter T", "Optimisation"),
-    ("refine3d", "--norm"): _a("Norm correction", "Optimisation"),
-    ("refine3d", "--scale"): _a("Intensity-scale correction", "Optimisation"),
     ("select", "--i"): _b("Particles of a classification (STAR)", "I/O"),
     ("select", "--o"): _b("Output particles (STAR)", "I/O"),
     ("reconstruct", "--i"): _b("Particles with angles (STAR)", "I/O"),
@@ -201,6 +199,10 @@ _JOB_FORMS: dict[tuple[str, str], FieldForm] = {
     ("mask_create", "--o"): _b("Output mask (MRC)", "I/O"),
     ("mask_create", "--lowpass"): _b("Low-pass before thresholding (Å; 0 = off)", "Mask"),
 }
+# relion_refine's image corrections (jobs/em.EMCorrections), not extraction's --norm and --scale
+for _job in ("refine3d", "class3d", "class2d"):
+    _JOB_FORMS[(_job, "--norm")] = _a("Norm correction", "Optimisation")
+    _JOB_FORMS[(_job, "--scale")] = _a("Intensity-scale correction", "Optimisation")
 
 
 def known(job: str, flag: str) -> bool:
