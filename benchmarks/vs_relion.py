@@ -293,7 +293,9 @@ def common_options(a, job: str) -> str:
     if job == "class2d":
         o += f" --K {a.K} --iter {a.iter} --tau2_fudge {a.tau2_fudge} --psi_step {a.psi_step}"
     if job == "refine3d":
-        o += f" --auto_local_healpix_order {a.auto_local_healpix_order} --low_resol_join_halves 40 --norm --scale"
+        o += f" --auto_local_healpix_order {a.auto_local_healpix_order} --low_resol_join_halves 40"
+    if not (job == "class3d" and a.relion_no_norm):  # RELION's GUI passes both to every relion_refine job
+        o += " --norm --scale"
     return o
 
 
@@ -301,9 +303,7 @@ def relion_command(a, job: str, root: str) -> str:
     opts = common_options(a, job) + f" --o {root} --oversampling 1 --dont_combine_weights_via_disc --preread_images"
     opts += f" --pool {a.relion_pool} --j {a.relion_j}" + ("" if a.cpu else " --gpu 0")
     if job == "class2d":
-        opts += " --norm --scale --center_classes"
-    if job == "class3d" and not a.relion_no_norm:
-        opts += " --norm --scale"
+        opts += " --center_classes"
     mpirun = "rl mpirun --allow-run-as-root -x LD_LIBRARY_PATH -n {} $RELION_BIN/relion_refine_mpi "
     if job == "refine3d":  # one leader and two followers (one per half) at least
         return mpirun.format(max(3, a.relion_ranks)) + opts + " --auto_refine --split_random_halves"
@@ -406,7 +406,7 @@ def main(argv=None):
     r.add_argument("--relion_pool", type=int, default=30)
     r.add_argument("--ours_extra", default="", help="extra options for our job (e.g. '--batch 256')")
     r.add_argument("--relion_no_norm", action="store_true",
-                   help="class3d: RELION without --norm --scale (our class3d has neither)")
+                   help="class3d: both programs without --norm --scale (as runs before our class3d took them)")
     r.add_argument("--cpu", action="store_true", help="both programs on the CPU (RELION without --gpu, ours --cpu)")
     r.add_argument("--out", default=None)
     a = ap.parse_args(argv)

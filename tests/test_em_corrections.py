@@ -15,7 +15,6 @@ from napari_gpu_relion.compute.masks import soft_spherical_mask
 from napari_gpu_relion.io.mrc import write_mrc
 from napari_gpu_relion.io.star import write_particles
 from napari_gpu_relion.jobs import class2d, class3d, refine3d
-from napari_gpu_relion.jobs.events import Message
 from napari_gpu_relion.jobs.simulate import _optics
 
 N, APIX, N_PARTICLES = 32, 6.0, 200
@@ -145,26 +144,28 @@ def test_refine3d_norm_follows_the_particles_intensity_factors(scaled, tmp_path)
     _check_norms_follow_factors(_norms(tmp_path / "r" / "run_data.star"), scaled)
 
 
-@pytest.fixture(scope="module")
-def scale_run(scaled, tmp_path_factory) -> tuple[list, Path]:
-    """class3d --scale on the two scale groups (group 2 GROUP_FACTOR brighter): its events and last model STAR."""
-    out = tmp_path_factory.mktemp("scale")
-    events = _class3d(scaled, "groups", out, K=1, scale=True)
-    return events, out / "run_it003_model.star"
-
-
-def test_scale_warns_that_the_group_scales_are_not_refined(scale_run):
-    """--scale with two groups says, before iteration 1, that the group scales stay as they are (the E-step sums
-    no scale terms yet), rather than running as if they were refined."""
-    events, _ = scale_run
-    warnings = [e.text for e in events if isinstance(e, Message) and e.level == "warning"]
-    assert any(w.startswith("--scale: the group intensity scales are not refined") for w in warnings), warnings
-
-
-@pytest.mark.xfail(strict=True, reason="--scale: the E-step is given no shells for the scale sums (RELION: "
-                   "SSNR > 3 per class) and update_scales does not undo the old scale folded into the sums")
-def test_scale_recovers_the_groups_intensity_ratio(scale_run):
-    """--scale: group 2's rlnGroupScaleCorrection over group 1's is GROUP_FACTOR within 10 % (RELION's meaning)."""
-    _, model = scale_run
+def _group_ratio(model: Path) -> float:
     s = starfile.read(model)["model_groups"]["rlnGroupScaleCorrection"].to_numpy(float)
-    assert s[1] / s[0] == pytest.approx(GROUP_FACTOR, rel=0.1)
+    return s[1] / s[0]
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_class3d_scale_recovers_the_groups_intensity_ratio(scaled, tmp_path, K):
+    """--scale: group 2's rlnGroupScaleCorrection over group 1's is GROUP_FACTOR within 10 % (RELION's meaning:
+    the sums of image x CTF-multiplied reference and of its power, over the shells with the class's SSNR > 3, the
+    old scale divided out). K=2 takes the per-class path (each class's shells for its own samples). Without
+    --scale both stay 1."""
+    _class3d(scaled, "groups", tmp_path / "on", K=K, scale=True)
+    assert _group_ratio(tmp_path / "on" / "run_it003_model.star") == pytest.approx(GROUP_FACTOR, rel=0.1)
+    _class3d(scaled, "groups", tmp_path / "off", K=K, iter=1)
+    assert _group_ratio(tmp_path / "off" / "run_it001_model.star") == 1.0
+
+
+def test_refine3d_scale_recovers_the_groups_intensity_ratio(scaled, tmp_path):
+    """Auto-refine with --scale (FSC-based SSNR for the shells after iteration 1): the same ratio, in the final
+    model STAR."""
+    list(refine3d.run(refine3d.Params(i=scaled["groups"], ref=scaled["truth"], o=tmp_path / "r" / "run", ctf=True,
+                                      scale=True, auto_iter_max=2, healpix_order=0, auto_local_healpix_order=0,
+                                      offset_range=2.0, offset_step=2.0, particle_diameter=DIAMETER, zero_mask=True,
+                                      flatten_solvent=True, cpu=True)))
+    assert _group_ratio(tmp_path / "r" / "run_model.star") == pytest.approx(GROUP_FACTOR, rel=0.1)

@@ -67,6 +67,7 @@ FRACTION = 0.999
 GROUPS = np.array([0, 1, 0, 1, 1, 0])  # optics group of each particle
 SCALE_GROUPS = np.array([0, 0, 1, 1, 0, 1])  # intensity-scale group of each particle
 GROUP_SCALE = np.array([1.0, 0.85])
+SCALE_SHELLS = [(2, 5), (3, 6)]  # per class: the shells of the scale sums (RELION: the class's SSNR > 3)
 NOISE_STD = {3: np.array([0.7, 0.98]), 2: np.array([0.2, 0.28])}  # real-space noise of the two optics groups
 RTOL = 2e-4
 LL_ATOL = 5e-4
@@ -230,7 +231,7 @@ def _run(case: Case):
     """The code under test on the case's data: (BatchResult, EStepSums)."""
     d = _data(case)
     pix_c, pix_f = pixel_set(N, COARSE_SIZE), pixel_set(N, FINE_SIZE)
-    scale_shells = (pix_f.shell >= 2) & (pix_f.shell <= 5)
+    scale_shells = np.stack([(pix_f.shell >= lo) & (pix_f.shell <= hi) for lo, hi in SCALE_SHELLS])
     kw = {} if case.max_fine_bytes is None else {"max_fine_bytes": case.max_fine_bytes}
     if case.max_union_bytes is not None:
         kw["max_union_bytes"] = case.max_union_bytes
@@ -404,7 +405,7 @@ def _brute(case: Case) -> Brute:
     aa = np.zeros(2)
     bp_data = {}  # (c, r, child) -> [sum w C Xu_t m, sum w C^2 m] over particles and translations
     coarse_risk, fine_risk, best_gap = 0.0, 0.0, np.inf
-    scale_pix = (fsh >= 2) & (fsh <= 5)
+    scale_pix = [(fsh >= lo) & (fsh <= hi) for lo, hi in SCALE_SHELLS]  # per class
 
     for i in range(I):
         g, sg = GROUPS[i], GROUP_SCALE[SCALE_GROUPS[i]]
@@ -518,8 +519,9 @@ def _brute(case: Case) -> Brute:
             pos_A = (o_round[i] + kids_t[t, u]) * APIX  # fine translation
             sigma_offset += wj * np.sum((pos_A - mu[c]) ** 2)
             offset_sum[c] += wj * pos_A
-            xa[SCALE_GROUPS[i]] += wj * np.sum(np.real(np.conj(CP) * X * e)[scale_pix])
-            aa[SCALE_GROUPS[i]] += wj * np.sum((np.abs(CP) ** 2)[scale_pix])
+            # RELION's scale sums: the class's own shells, the particle's old group scale (in C) divided out
+            xa[SCALE_GROUPS[i]] += wj * np.sum(np.real(np.conj(CP) * X * e)[scale_pix[c]]) / sg
+            aa[SCALE_GROUPS[i]] += wj * np.sum((np.abs(CP) ** 2)[scale_pix[c]]) / sg**2
         # shells beyond the fine size: the masked image's own power (RELION adds it with weight 1)
         for row in range(N):
             ky = row if row <= N // 2 else row - N

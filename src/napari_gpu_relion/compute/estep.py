@@ -52,6 +52,7 @@ from .expectation import (
     scores_gathered,
     scores_shared,
     segment_sum,
+    signal_products,
     translation_ramps,
 )
 from .fourier import (
@@ -209,7 +210,7 @@ class EStepSetup:
     max_significants: int = -1  # cap on the significant coarse samples per particle (RELION --maxsig; -1 = none)
     cc: bool = False
     relion_offset_prior: bool = True  # RELION 5's offset-prior arithmetic (_log_trans_prior); False: Å throughout
-    scale_shells: object = None  # (K,) per pixel of the fine set: True where SSNR_MAP > 3 (group scale sums)
+    scale_shells: object = None  # (K classes, pixels of the fine set) bool: the class's SSNR > 3 (group scale sums)
     max_fine_bytes: int = CHUNK_BYTES  # budget of one fine-pass chunk (plan_fine_chunks)
     max_union_bytes: int = 1 << 62  # budget of the union of significant orientations of a group (plan_union_groups)
     P_coarse: object = None  # SliceSet (K * R, Kc) of the coarse slices for global searches (made once)
@@ -751,9 +752,28 @@ def _accumulate_chunk(b: _Batch, fine: _FineData, acc: _FineSums, lay: _ChunkLay
     acc.residual[pidx] = fs.noise.sum(axis=1)
     acc.weight[pidx] = fs.trans_weight.sum(axis=1)
     if setup.scale_shells is not None:
-        ss = setup.scale_shells
-        acc.xa[pidx] = (fs.xa * ss[None, :]).sum(1)
-        acc.aa[pidx] = (fs.aa * ss[None, :]).sum(1)
+        acc.xa[pidx], acc.aa[pidx] = _scale_sums(b, fine, pidx, parent_rows, w, P, fs, nover, check)
+
+
+def _scale_sums(b: _Batch, fine: _FineData, pidx, parent_rows, w, P, fs, nover: int, check):
+    """Per particle of a chunk, RELION's group-scale sums (storeWeightedSums): sumXA and sumA2 over the pixels
+    whose shell has the SSNR of the sample's class above 3 (setup.scale_shells (K, pixels)), divided by the
+    particle's current group scale (once, squared), which the CTF of the sums carries. One class: fine_sums'
+    products masked; several: the products of each class's columns (their GEMMs add up to one over all columns)."""
+    xp, ss = b.xp, b.setup.scale_shells
+    if ss.shape[0] == 1:
+        xa, aa = (fs.xa * ss[0][None, :]).sum(1), (fs.aa * ss[0][None, :]).sum(1)
+    else:
+        column_class = xp.repeat(parent_rows // b.n_orient, nover, axis=1)[:, None, :]  # (ni, 1, n_par * nover)
+        xa = xp.zeros(pidx.shape[0])
+        aa = xp.zeros(pidx.shape[0])
+        for k in range(ss.shape[0]):
+            wk = xp.where(column_class == k, w, 0).astype(w.dtype)
+            xk, ak = signal_products(wk, P, fine.X[pidx], fine.ctf[pidx], fine.ramps, check)
+            xa += (xk * ss[k][None, :]).sum(1)
+            aa += (ak * ss[k][None, :]).sum(1)
+    s = b.scale[pidx, 0].astype(np.float64)
+    return xa / s, aa / (s * s)
 
 
 def _add_power_beyond_fine(b: _Batch, acc: _FineSums, n_shells: int) -> None:

@@ -387,6 +387,24 @@ def fine_sums(w, P, X, Xu, ctf, m, ramps, check: Callable[[], None] | None = Non
         slice_w = row_w[:, :, None] * c2m[:, None, :]
     del Z  # (I, T, 2K): freed before U, the other array of that size
     check()
+    xa, aa = signal_products(w, S, X, c, ramps, check, row_w)
+    wsum = row_w.sum(axis=1).astype(np.float64)[:, None]
+    x2 = X.real.astype(np.float64) ** 2 + X.imag.astype(np.float64) ** 2
+    noise = aa - 2.0 * xa + wsum * x2
+    return FineSums(slices, slice_w, row_w, trans_w, noise, xa, aa)
+
+
+def signal_products(w, P, X, ctf, ramps, check: Callable[[], None] | None = None, row_w=None):
+    """Per particle and pixel, (xa, aa) float64 (I, K): xa = C Re(sum_{r,t} w conj(P_r) X e_t), the weighted
+    product of the CTF-multiplied reference with the shifted image, and aa = C^2 sum_r W_r |P_r|^2, its weighted
+    power (RELION's sumXA and sumA2 before the shell selection). w (I, T, n) weights; P slices (shared or
+    gathered, as fine_sums); X (I, K) masked pixels; ctf (I, K) (the group scale included) or None; ramps (T, K).
+    Two GEMMs: sum_r W_r |P_r|^2 and U = w P."""
+    check = check or _no_check
+    S = as_slices(P)
+    xp = get_array_module(S.stacked)
+    c = xp.ones(X.shape, dtype=np.float32) if ctf is None else ctf.astype(np.float32)
+    row_w = w.sum(axis=1) if row_w is None else row_w  # (I, n)
     a = batched_matmul(row_w[:, None, :], S.power, check)[:, 0, :].astype(np.float64)  # (I, K): sum_r W_r |P_r|^2
     check()
     U = batched_matmul(w, S.stacked, check)  # (I, T, 2K): sum_r w [Re P, Im P]
@@ -394,12 +412,7 @@ def fine_sums(w, P, X, Xu, ctf, m, ramps, check: Callable[[], None] | None = Non
     b = _sum_conj_shifted(U, ramps) * X  # (I, K): sum_{r,t} w conj(P) X e_t
     del U
     c64 = c.astype(np.float64)
-    xa = c64 * b.real.astype(np.float64)
-    aa = c64 * c64 * a
-    wsum = row_w.sum(axis=1).astype(np.float64)[:, None]
-    x2 = X.real.astype(np.float64) ** 2 + X.imag.astype(np.float64) ** 2
-    noise = aa - 2.0 * xa + wsum * x2
-    return FineSums(slices, slice_w, row_w, trans_w, noise, xa, aa)
+    return c64 * b.real.astype(np.float64), c64 * c64 * a
 
 
 #: Floating-point operations of one block of a batched product on the CPU (0.02-0.1 s): the cancel point

@@ -150,14 +150,33 @@ def update_norm(old_norm: np.ndarray, norm_average: float, residual_power: np.nd
 
 
 def update_scales(xa: np.ndarray, aa: np.ndarray, counts: np.ndarray, old: np.ndarray) -> np.ndarray:
-    """Group intensity scales: s_g = XA/AA, clamped to [median/5, 5 median], then divided by their
-    particle-weighted mean. Groups without signal keep their old scale."""
-    s = np.where(aa > 0, xa / np.where(aa > 0, aa, 1.0), old)
-    med = float(np.median(s))
-    if med > 0:
-        s = np.clip(s, med / 5.0, 5.0 * med)
+    """RELION's group intensity scales (maximizationOtherParameters): s_g = XA/AA from the sums with the old scale
+    divided out (1 for a group with no reference power), clamped to [median/5, 5 median] with RELION's median (the
+    upper middle value, sorted[G // 2]), then divided by their particle-weighted mean. ``old`` is returned when no
+    group has any particle."""
+    xa, aa = np.asarray(xa, np.float64), np.asarray(aa, np.float64)
+    s = np.where(aa > 0, xa / np.where(aa > 0, aa, 1.0), 1.0)
+    med = float(np.sort(s)[s.size // 2])
+    s = np.clip(s, med / 5.0, 5.0 * med)
     mean = float((s * counts).sum() / max(counts.sum(), 1))
-    return s / mean if mean > 0 else old
+    return s / mean if mean > 0 else np.asarray(old, np.float64)
+
+
+def initial_data_vs_prior(tau2: np.ndarray, sigma2_groups: np.ndarray, pdf_class: np.ndarray, n_particles: int,
+                          tau2_fudge: float, ref_dim: int, data_dim: int = 2) -> np.ndarray:
+    """RELION's SSNR before the first M-step (MlModel::initialiseDataVersusPrior), per class and shell (K, N/2+1):
+    evidence / prior = n pdf_class(k) tau2_fudge tau2_k(r) / <sigma2>(r), divided by 2r for a 3D reference of 2D
+    data (the ratio of pixels in 3D and 2D shells). ``tau2`` (K, N/2+1) the references' tau2 (reference_tau2),
+    ``sigma2_groups`` (G, N/2+1) the noise spectra, averaged over the groups that have one."""
+    sig = np.asarray(sigma2_groups, np.float64)
+    have = sig.sum(axis=1) > 0
+    avg = sig[have].mean(axis=0) if have.any() else np.ones(sig.shape[1])
+    t2 = np.asarray(tau2, np.float64)
+    evidence = n_particles * np.asarray(pdf_class, np.float64)[:, None] / np.where(avg > 0, avg, np.inf)[None, :]
+    if ref_dim == 3 and data_dim == 2:
+        r = np.arange(t2.shape[1], dtype=np.float64)
+        evidence = evidence / np.where(r > 0, 2.0 * r, 1.0)[None, :]
+    return evidence * tau2_fudge * t2
 
 
 def resolution_shell_from_ssnr(ssnr: np.ndarray, minres_map: int = 5, gold_standard: bool = True) -> int:

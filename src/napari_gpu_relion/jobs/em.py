@@ -37,11 +37,18 @@ from ..compute.backend import (
 )
 from ..compute.backprojector import BackProjectorStack
 from ..compute.estep import EStepSetup, EStepSums, expectation_batch, prepare_batch
-from ..compute.expectation import pixel_set
+from ..compute.expectation import PixelSet, pixel_set
 from ..compute.fourier import fourier_resize
 from ..compute.geometry import matrix_to_euler
 from ..compute.masks import soft_spherical_mask
-from ..compute.maximization import initial_noise_spectrum, normalised_direction_priors, update_norm, update_scales
+from ..compute.maximization import (
+    initial_data_vs_prior,
+    initial_noise_spectrum,
+    normalised_direction_priors,
+    reference_tau2,
+    update_norm,
+    update_scales,
+)
 from ..compute.memory_plan import JobMemory, choose_padding, refusal
 from ..compute.projector import prepare_reference
 from ..compute.sampling import local_candidates, local_search_rows
@@ -291,6 +298,7 @@ class EMJob:
                              offset_step=self.p.offset_step, sigma_offset_A=self.p.offset,
                              norm_average=float(self.ps.norm.mean()))
         self.model: EMModel | None = None
+        self.data_vs_prior: list[np.ndarray] | None = None  # the last M-step's SSNR per class (--scale's shells)
         self._plan_shown = False
         self.job_memory: JobMemory | None = None
         self._prepared: tuple | None = None  # ((iteration, image size), prepared references per half)
@@ -339,13 +347,22 @@ class EMJob:
             counts = np.bincount(ps.scale_group, minlength=len(m.scales)).astype(float)
             m.scales = update_scales(sum(s.xa for s in sums), sum(s.aa for s in sums), counts, m.scales)
 
-    def correction_notes(self) -> Iterator:
-        """Before iteration 1: a warning that --scale leaves the group scales as they are. The E-step is given no
-        shells to sum the scale terms over (RELION: those where the class's SSNR exceeds 3), so the sums stay 0 and
-        update_scales keeps every group's scale."""
-        if getattr(self.p, "scale", False) and len(self.model.scales) > 1:
-            yield Message("--scale: the group intensity scales are not refined yet (the E-step sums no scale terms); "
-                          f"the {len(self.model.scales)} groups keep their scales", "warning")
+    def scale_shells(self, refs, pix: PixelSet, h: int):
+        """For --scale with more than one group: (K, pixels of ``pix``) bool on the device, the pixels whose shell
+        has the class's SSNR above 3 (RELION's shells for the scale sums). The SSNR is the last M-step's
+        (data_vs_prior: SSNR_MAP per class, or the FSC's in auto-refine); before the first M-step of this run it is
+        RELION's initial estimate from the prepared references ``refs`` (initial_data_vs_prior); after a --continue
+        too (RELION reads the model's). None when the scales are not refined."""
+        if not getattr(self.p, "scale", False) or len(self.model.scales) < 2:
+            return None
+        dvp = self.data_vs_prior
+        if dvp is None:
+            tau2 = np.stack([reference_tau2(f) for f in refs])
+            dvp = initial_data_vs_prior(tau2, self.model.sigma2[h], self.model.pdf_class[h], len(self.ps),
+                                        self.p.tau2_fudge, self.ndim)
+        shells = np.asarray(to_host(pix.shell), np.int64)
+        mask = np.stack([np.asarray(d, np.float64)[np.minimum(shells, len(d) - 1)] > 3.0 for d in dvp])
+        return self.be.asarray(mask)
 
     def update_resolution(self, it: Iteration) -> None:
         raise NotImplementedError
@@ -459,7 +476,7 @@ class EMJob:
                                class_offset_prior_A=opts.pop("class_offset_prior_A", None),
                                max_significants=opts.pop("max_significants", -1),
                                max_fine_bytes=it.plan.fine_chunk_bytes, max_union_bytes=it.plan.union_bytes,
-                               check_cancel=check_cancel)
+                               scale_shells=self.scale_shells(frefs[h], pix_f, h), check_cancel=check_cancel)
             stage = f"it {self.state.iteration:03d}" + (f" half {h + 1}" if len(self.halves) > 1 else "")
             mine = self.comm.share(rows_h)  # this rank's block of the half
             n_halves = len(self.halves)
@@ -603,7 +620,6 @@ def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
         yield Message(tf32_note)
     yield from notes
     yield from pad_notes
-    yield from job.correction_notes()
     yield Message(job.images_note)
     if root:
         job.files.folder.mkdir(parents=True, exist_ok=True)
@@ -616,6 +632,8 @@ def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
         check_cancel()  # cancel points between the steps, never inside write(): its files stay whole
         t_m = time.time()
         job.maximization(it)
+        if it.ssnr:  # the SSNR per class of this M-step: the next E-step's shells for --scale
+            job.data_vs_prior = [np.asarray(x, np.float64) for x in it.ssnr]
         memory_mark("M-step")
         check_cancel()
         job.update_resolution(it)
