@@ -169,3 +169,16 @@ def test_refine3d_scale_recovers_the_groups_intensity_ratio(scaled, tmp_path):
                                       offset_range=2.0, offset_step=2.0, particle_diameter=DIAMETER, zero_mask=True,
                                       flatten_solvent=True, cpu=True)))
     assert _group_ratio(tmp_path / "r" / "run_model.star") == pytest.approx(GROUP_FACTOR, rel=0.1)
+
+
+def test_class3d_scale_continue_repeats_the_uninterrupted_run(scaled, tmp_path):
+    """--continue run_it002_optimiser.star of a --scale run: the shells of iteration 3's scale sums come from the
+    saved SSNR (rlnSsnrMap), so the group scales and classes equal those of 3 uninterrupted iterations."""
+    _class3d(scaled, "groups", tmp_path / "full", K=2, scale=True)
+    _class3d(scaled, "groups", tmp_path / "part", K=2, scale=True, iter=2)
+    list(class3d.run(class3d.Params(continue_from=tmp_path / "part" / "run_it002_optimiser.star", iter=3, cpu=True)))
+    scales = [starfile.read(tmp_path / d / "run_it003_model.star")["model_groups"]["rlnGroupScaleCorrection"]
+              .to_numpy(float) for d in ("full", "part")]
+    np.testing.assert_allclose(scales[1], scales[0], rtol=1e-9)
+    full, part = (starfile.read(tmp_path / d / "run_it003_data.star")["particles"] for d in ("full", "part"))
+    np.testing.assert_array_equal(part["rlnClassNumber"].to_numpy(), full["rlnClassNumber"].to_numpy())

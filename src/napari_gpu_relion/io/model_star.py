@@ -44,6 +44,7 @@ class ModelFile:
     sigma2: np.ndarray  # (optics groups, shells)
     scales: np.ndarray | None  # (groups,) rlnGroupScaleCorrection
     pdf_orient: list[np.ndarray]  # per class
+    ssnr: list[np.ndarray] | None = None  # per class rlnSsnrMap (model_class_N), None where a class block lacks it
 
     @property
     def class_distribution(self) -> np.ndarray:
@@ -92,7 +93,10 @@ def read_model_star(path: Path) -> ModelFile:
     scales = _column(blocks, "model_groups", "rlnGroupScaleCorrection", path) if "model_groups" in blocks else None
     pdfs = [_column(blocks, k, "rlnOrientationDistribution", path)
             for k in _numbered(blocks, "model_pdf_orient_class_")]
-    return ModelFile(Path(path), classes, sigma2, scales, pdfs)
+    curves = [blocks[k] for k in _numbered(blocks, "model_class_")]
+    ssnr = ([np.asarray(pd.DataFrame(c)["rlnSsnrMap"], float) for c in curves]
+            if curves and all(isinstance(c, pd.DataFrame) and "rlnSsnrMap" in c.columns for c in curves) else None)
+    return ModelFile(Path(path), classes, sigma2, scales, pdfs, ssnr)
 
 
 def write_optimiser_star(path: Path, state: dict) -> Path:

@@ -351,8 +351,8 @@ class EMJob:
         """For --scale with more than one group: (K, pixels of ``pix``) bool on the device, the pixels whose shell
         has the class's SSNR above 3 (RELION's shells for the scale sums). The SSNR is the last M-step's
         (data_vs_prior: SSNR_MAP per class, or the FSC's in auto-refine); before the first M-step of this run it is
-        RELION's initial estimate from the prepared references ``refs`` (initial_data_vs_prior); after a --continue
-        too (RELION reads the model's). None when the scales are not refined."""
+        RELION's initial estimate from the prepared references ``refs`` (initial_data_vs_prior); a --continue takes
+        the model STAR's rlnSsnrMap (restore_state). None when the scales are not refined."""
         if not getattr(self.p, "scale", False) or len(self.model.scales) < 2:
             return None
         dvp = self.data_vs_prior
@@ -563,6 +563,7 @@ class EMJob:
         base = Path(self.p.continue_from).parent
         names = [self.opt["rlnModelStarFile"]] + ([self.opt["rlnModelStarFile2"]] if self.needs_halves else [])
         models = [read_model_star(base / Path(str(n)).name) for n in names]
+        self.data_vs_prior = models[0].ssnr  # the saved SSNR per class: --scale's shells, as uninterrupted
         if "rlnClassNumber" in self.ps.table.particles:
             self.ps.classes[:] = self.ps.table.particles["rlnClassNumber"].to_numpy(int) - 1
         return models
