@@ -765,11 +765,12 @@ def _scale_sums(b: _Batch, fine: _FineData, pidx, parent_rows, w, P, fs, nover: 
         xa, aa = (fs.xa * ss[0][None, :]).sum(1), (fs.aa * ss[0][None, :]).sum(1)
     else:
         column_class = xp.repeat(parent_rows // b.n_orient, nover, axis=1)[:, None, :]  # (ni, 1, n_par * nover)
+        X, ctf = fine.X[pidx], fine.ctf[pidx]  # gathered once for all classes
         xa = xp.zeros(pidx.shape[0])
         aa = xp.zeros(pidx.shape[0])
         for k in range(ss.shape[0]):
             wk = xp.where(column_class == k, w, 0).astype(w.dtype)
-            xk, ak = signal_products(wk, P, fine.X[pidx], fine.ctf[pidx], fine.ramps, check)
+            xk, ak = signal_products(wk, P, X, ctf, fine.ramps, check)
             xa += (xk * ss[k][None, :]).sum(1)
             aa += (ak * ss[k][None, :]).sum(1)
     s = b.scale[pidx, 0].astype(np.float64)

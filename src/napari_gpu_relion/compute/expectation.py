@@ -403,7 +403,7 @@ def signal_products(w, P, X, ctf, ramps, check: Callable[[], None] | None = None
     check = check or _no_check
     S = as_slices(P)
     xp = get_array_module(S.stacked)
-    c = xp.ones(X.shape, dtype=np.float32) if ctf is None else ctf.astype(np.float32)
+    c = xp.ones(X.shape, dtype=np.float32) if ctf is None else ctf.astype(np.float32, copy=False)
     row_w = w.sum(axis=1) if row_w is None else row_w  # (I, n)
     a = batched_matmul(row_w[:, None, :], S.power, check)[:, 0, :].astype(np.float64)  # (I, K): sum_r W_r |P_r|^2
     check()

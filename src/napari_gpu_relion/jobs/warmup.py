@@ -104,10 +104,10 @@ def run(p: Params) -> Iterator:
     t0, before = time.time(), cached_kernels()
     with tempfile.TemporaryDirectory(prefix="ngr_warmup_") as tmp:
         out = Path(p.o) if p.o else Path(tmp)
+        gpu = "0" if p.gpu is None else str(p.gpu)
         for spec in warmup_sets(p.boxes):
             tag = f"box{spec['box']}"
             data = make_sample_data(out / f"data_{tag}", **spec)
-            gpu = "0" if p.gpu is None else str(p.gpu)
             for name, module, params in _runs(data, out / tag, gpu, full=spec["box"] > 32):
                 t = time.time()
                 for ev in module.run(params):
