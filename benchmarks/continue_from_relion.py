@@ -58,7 +58,8 @@ def relion_state(stem: str, box: int, apix: float) -> EMState:
     """Our EMState after RELION's iteration ``stem`` (run_itNNN): what the next iteration's sizes and searches
     are computed from."""
     opt, model = general(Path(stem + "_optimiser.star")), general(Path(stem + "_model.star"))
-    smp = general(Path(stem + "_sampling.star"))
+    smp_path = Path(stem + "_sampling.star")  # RELION writes none for iteration 0: its iteration 1's
+    smp = general(smp_path if smp_path.exists() else Path(re.sub(r"_it000$", "_it001", stem) + "_sampling.star"))
     st = EMState()
     st.iteration = int(opt["rlnCurrentIteration"])
     st.order = int(smp["rlnHealpixOrder"])
@@ -69,7 +70,7 @@ def relion_state(stem: str, box: int, apix: float) -> EMState:
     st.incr_size = int(opt["rlnIncrementImageSize"])
     st.has_high_fsc_at_limit = bool(int(opt["rlnHasHighFscAtResolLimit"]))
     st.ave_pmax = float(model["rlnAveragePmax"])
-    st.perturb = float(smp["rlnSamplingPerturbInstance"])
+    st.perturb = float(smp["rlnSamplingPerturbInstance"]) if smp_path.exists() else 0.0
     st.norm_average = float(model["rlnNormCorrectionAverage"])
     st.acc_rot = float(opt["rlnOverallAccuracyRotations"])
     st.acc_trans_A = float(opt["rlnOverallAccuracyTranslationsAngst"])
@@ -105,10 +106,13 @@ def prepare(a, data: Path, relion_root: Path, it: int) -> Path:
 
 
 def run_with_relion_perturbation(argv: list[str], data: Path, relion_root: Path, log: Path,
-                                 relion_offset_units: bool = False, adaptive_fraction: float = 0.0) -> int:
+                                 relion_offset_units: bool = False, adaptive_fraction: float = 0.0,
+                                 relion_seeds: bool = False) -> int:
     """Our CLI in this process (cwd ``data``) with schedule.next_perturbation answering RELION's
     rlnSamplingPerturbInstance of the iteration being set up, where RELION wrote one; with
-    ``relion_offset_units`` also RELION's offset-prior arithmetic (a diagnostic: never the product's)."""
+    ``relion_offset_units`` also RELION's offset-prior arithmetic (a diagnostic: never the product's); with
+    ``relion_seeds`` the seeding iteration's random class of each particle is RELION's (its iteration-1 class:
+    each particle searched only that one), so that a run continued from RELION's iteration 0 can follow it."""
     import contextlib
     import functools
     import os
@@ -116,6 +120,17 @@ def run_with_relion_perturbation(argv: list[str], data: Path, relion_root: Path,
     from napari_gpu_relion import cli
     from napari_gpu_relion.compute import estep, schedule
     from napari_gpu_relion.jobs import em
+
+    init = class3d.Class3D.__init__
+    if relion_seeds:
+        first = vs_relion.particles_of(Path(f"{relion_root}_it001_data.star")).set_index("rlnImageName")
+
+        def seeded(self, p):
+            init(self, p)
+            names = self.ps.table.particles["rlnImageName"].to_numpy()
+            self.seed_class = first.loc[names, "rlnClassNumber"].to_numpy(int) - 1
+
+        class3d.Class3D.__init__ = seeded
 
     ours = schedule.next_perturbation
 
@@ -143,6 +158,7 @@ def run_with_relion_perturbation(argv: list[str], data: Path, relion_root: Path,
     finally:
         os.chdir(here)
         schedule.next_perturbation = ours
+        class3d.Class3D.__init__ = init
         estep._log_trans_prior = log_trans_prior
         em.EStepSetup = setup
 
@@ -165,6 +181,8 @@ def main(argv=None):
     ap.add_argument("--auto_local_healpix_order", type=int, default=4)
     ap.add_argument("--ours_extra", default="")
     ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--relion_no_norm", action="store_true",
+                    help="as vs_relion.py run's: RELION's run had neither --norm nor --scale; ours runs without both")
     ap.add_argument("--relion_perturbation", action="store_true",
                     help="run in this process with RELION's own random perturbation of the sampling for every "
                          "iteration whose run_itNNN_sampling.star RELION wrote (ours draws its own otherwise), so "
@@ -172,6 +190,9 @@ def main(argv=None):
     ap.add_argument("--relion_offset_units", action="store_true",
                     help="with --relion_perturbation: RELION 5.0.1's offset-prior arithmetic in our E-step (a "
                          "diagnostic of where the programs part, not the product's prior)")
+    ap.add_argument("--relion_seeds", action="store_true",
+                    help="with --relion_perturbation and --it 0: each particle's random class of the seeding "
+                         "iteration is RELION's (its iteration-1 class)")
     ap.add_argument("--adaptive_fraction", type=float, default=0.0,
                     help="with --relion_perturbation: the E-step's significant fraction (RELION's "
                          "--adaptive_fraction; 0: the default 0.999); higher keeps more coarse samples")
@@ -180,7 +201,7 @@ def main(argv=None):
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    if (a.relion_offset_units or a.adaptive_fraction) and not a.relion_perturbation:
+    if (a.relion_offset_units or a.adaptive_fraction or a.relion_seeds) and not a.relion_perturbation:
         ap.error("--relion_offset_units and --adaptive_fraction run in this process: give --relion_perturbation")
     data = Path(a.data).resolve()
     relion_root = data / a.relion
@@ -190,7 +211,7 @@ def main(argv=None):
     t0 = time.time()
     if a.relion_perturbation:
         rc = run_with_relion_perturbation(cmd[3:], data, relion_root, opt.parent / "log.txt",
-                                          a.relion_offset_units, a.adaptive_fraction)
+                                          a.relion_offset_units, a.adaptive_fraction, a.relion_seeds)
     else:
         with open(opt.parent / "log.txt", "w") as fh:
             rc = subprocess.run(cmd, cwd=data, stdout=fh, stderr=subprocess.STDOUT).returncode

@@ -351,3 +351,42 @@ def test_images_kept_on_the_gpu_give_the_same_refinement_as_images_read_from_the
     shift = np.hypot(*(a[c].to_numpy() - b[c].to_numpy() for c in ("rlnOriginXAngst", "rlnOriginYAngst"))) / 6.0
     assert (diff < 0.01).mean() >= 0.995 and (shift < 0.01).mean() >= 0.995, ((diff < 0.01).mean(),
                                                                               (shift < 0.01).mean())
+
+
+@pytest.mark.parametrize("shape", [(7, 3, 70001), (64, 45, 2000), (5, 1, 13)])
+def test_fused_posterior_weights_give_the_array_codes_values(monkeypatch, shape):
+    """gpu_posterior's three passes against the array code on the same CuPy inputs: the same best sample and
+    top (bit for bit), p to float32 rounding, S to float64 rounding; with -inf priors (invalid samples), an exact
+    tie (the first index wins, as argmax), a row spanning several segments and a broadcast prior; and the whole
+    posterior_weights (significance included) the same."""
+    from napari_gpu_relion.compute import expectation, gpu_posterior
+
+    rng = np.random.default_rng(3)
+    I, T, M = shape
+    d2 = rng.normal(1.0e4, 30.0, shape).astype(np.float32)
+    lp = rng.normal(0.0, 2.0, (I, T, 1)) + rng.normal(0.0, 1.0, (1, 1, M))
+    lp[:, :, ::7] = -np.inf
+    j = int(np.argmax(lp[0].ravel() - d2[0].ravel()))
+    d2[0, -1, -1], lp[0, -1, -1] = d2[0].ravel()[j], lp[0].ravel()[j]  # row 0's best, tied at its last sample
+    d2, lp = cp.asarray(d2), cp.asarray(lp)
+    assert gpu_posterior.applies(d2, lp)
+    fused = expectation.normalised_weights(d2, lp)
+    monkeypatch.setattr(gpu_posterior, "ENABLED", False)
+    ref = expectation.normalised_weights(d2, lp)
+    p, best, top, S = (x.get() for x in fused)
+    p0, best0, top0, S0 = (x.get() for x in ref)
+    assert (best == best0).all() and (top == top0).all()
+    np.testing.assert_allclose(S, S0, rtol=1e-12)
+    np.testing.assert_allclose(p, p0, rtol=2e-7, atol=1e-12)
+    assert int((p0 == 0).sum()) >= I * T * (M // 7) and ((p == 0) == (p0 == 0)).all()
+    w0 = expectation.posterior_weights(d2, lp, 0.999)
+    monkeypatch.setattr(gpu_posterior, "ENABLED", True)
+    w = expectation.posterior_weights(d2, lp, 0.999)
+    assert (w.nr_significant == w0.nr_significant).all().item() and (w.significant == w0.significant).all().item()
+    np.testing.assert_allclose(w.log_evidence.get(), w0.log_evidence.get(), rtol=1e-12)
+    lp_b = cp.asarray(rng.normal(0.0, 2.0, (I, T, 1)))  # a prior broadcast over the last axis
+    fb = expectation.normalised_weights(d2, lp_b)
+    monkeypatch.setattr(gpu_posterior, "ENABLED", False)
+    rb = expectation.normalised_weights(d2, lp_b)
+    assert (fb[1] == rb[1]).all().item()
+    np.testing.assert_allclose(fb[0].get(), rb[0].get(), rtol=2e-7, atol=1e-12)

@@ -169,6 +169,7 @@ def test_symmetry_reconstruction_from_star(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~8 min on 2 CPU cores: half of the default suite's time (CI's bound is 20 min); pytest -m long
 def test_demo_command_runs_end_to_end(dataset, tmp_path):
     """The demo on a small simulated set, ending in a 3D auto-refine started from the 3D initial model made from the
     particles alone. Measured on this set (2-core CPU): the model came out mirrored, cc with the truth at 30 Å

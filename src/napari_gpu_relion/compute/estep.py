@@ -420,7 +420,7 @@ def _coarse_pass(b: _Batch, candidates, candidate_log_prior) -> _CoarseResult:
             lp_orient = lp_orient + xp.take_along_axis(class_prior, xp.maximum(cand, 0) // R, axis=1)
         log_prior = b.trans_prior_of_rows(b.log_trans_prior, xp.maximum(cand, 0)) + lp_orient[:, None, :]
     W = posterior_weights(diff2, log_prior, setup.adaptive_fraction, cc=setup.cc, maxsig=setup.max_significants,
-                          check=setup.check_cancel)
+                          check=setup.check_cancel, weights=False)  # the coarse pass keeps only significance
     return _CoarseResult(W.significant.reshape(I, -1, diff2.shape[2]), cand, W.nr_significant)
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.sparse import csr_matrix
 
+from . import gpu_posterior
 from .backend import get_array_module
 from .fourier import round_half_away, signed_index
 
@@ -205,7 +206,7 @@ def scores_gathered(Pg, terms: ParticleTerms, check: Callable[[], None] | None =
 class Weights:
     """Posterior weights of a batch over its (I, M) samples (M = T x rows, flattened)."""
 
-    w: object  # (I, M) float32: w / S for significant samples (>= w_sig), 0 elsewhere
+    w: object  # (I, M) float32: w / S for significant samples (>= w_sig), 0 elsewhere (None if not asked for)
     significant: object  # (I, M) bool
     best: object  # (I,) int64 flat index of the best sample
     pmax: object  # (I,) float64: w_max / S
@@ -214,20 +215,22 @@ class Weights:
 
 
 def posterior_weights(diff2, log_prior, adaptive_fraction: float = 0.999, cc: bool = False,
-                      maxsig: int = -1, check: Callable[[], None] | None = None) -> Weights:
+                      maxsig: int = -1, check: Callable[[], None] | None = None, weights: bool = True) -> Weights:
     """Log-domain weights exp(log_prior - diff2) per particle over the last axis (invalid samples carry
     log_prior = -inf), normalised by their full sum S, then RELION's significance: sort descending, keep the
     samples until the running sum first exceeds ``adaptive_fraction`` x S (``maxsig`` caps the count).
     CC mode: a hard assignment to the best (lowest) score.
 
     The threshold: :func:`significance_threshold`. ``check()`` (a cancel point) is called between the steps.
+    ``weights=False`` leaves ``w`` None (a pass that needs only which samples are significant: one (I, M) float32
+    array less to write).
     (A sort-free threshold by bisection over the float32 values was tried: 32 masked reductions with a host
     check each made the 2D E-step 1.5x slower on the H100, results/estep_class2d_bisect_rejected_h100.json.)"""
     xp = get_array_module(diff2)
     I = diff2.shape[0]
-    lw = (log_prior - diff2.astype(np.float64)).reshape(I, -1)
     rows = xp.arange(I)
     if cc:  # hard assignment to the best score among the valid samples; priors do not enter
+        lw = (log_prior - diff2.astype(np.float64)).reshape(I, -1)
         ok = xp.isfinite(lw)
         best = xp.argmax(xp.where(ok, -diff2.reshape(I, -1).astype(np.float64), -np.inf), axis=1)
         w = xp.zeros(lw.shape, dtype=np.float32)
@@ -236,19 +239,31 @@ def posterior_weights(diff2, log_prior, adaptive_fraction: float = 0.999, cc: bo
         return Weights(w, w > 0, best, xp.ones(I), ones, -diff2.reshape(I, -1)[rows, best].astype(np.float64))
     check = check or _no_check
     check()
-    best = xp.argmax(lw, axis=1)
-    top = lw[rows, best][:, None]
-    e = xp.exp(lw - top)  # exp(-inf) = 0
-    check()
-    S = e.sum(axis=1)
-    p = (e / S[:, None]).astype(np.float32)
-    del e
+    p, best, top, S = normalised_weights(diff2, log_prior)
     check()
     k, wsig = significance_threshold(p, adaptive_fraction, maxsig)
     check()
     sig = (p >= wsig[:, None]) & (p > 0)
-    wn = xp.where(sig, p, np.float32(0.0))
-    return Weights(wn, sig, best, p[rows, best].astype(np.float64), k + 1, top[:, 0] + xp.log(S))
+    wn = xp.where(sig, p, np.float32(0.0)) if weights else None
+    return Weights(wn, sig, best, p[rows, best].astype(np.float64), k + 1, top + xp.log(S))
+
+
+def normalised_weights(diff2, log_prior):
+    """(p, best, top, S) per particle of lw = log_prior - diff2 over its samples (the trailing axes, flattened):
+    p = exp(lw - top) / S float32 (I, M), best the first index of the largest lw, top = lw[best] and
+    S = sum exp(lw - top) float64 (I,). On a GPU the fused kernels of gpu_posterior (three passes, lw never
+    stored; the same values, S summed in another order); elsewhere the array code."""
+    if gpu_posterior.applies(diff2, log_prior):
+        return gpu_posterior.fused_weights(diff2, log_prior)
+    xp = get_array_module(diff2)
+    I = diff2.shape[0]
+    lw = (log_prior - diff2.astype(np.float64)).reshape(I, -1)
+    best = xp.argmax(lw, axis=1)
+    top = lw[xp.arange(I), best]
+    e = xp.exp(lw - top[:, None])  # exp(-inf) = 0
+    S = e.sum(axis=1)
+    p = (e / S[:, None]).astype(np.float32)
+    return p, best, top, S
 
 
 def _threshold_by_sort(p, adaptive_fraction: float, maxsig: int = -1):
