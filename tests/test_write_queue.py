@@ -18,6 +18,7 @@ from napari_gpu_relion.jobs import class3d, em
 from napari_gpu_relion.jobs import refine3d as refine3d_job
 from napari_gpu_relion.jobs.events import Finished
 from napari_gpu_relion.jobs.particles import load_particle_set
+from napari_gpu_relion.jobs.simulate import make_sample_data
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_data"
 
@@ -52,13 +53,21 @@ def test_a_failed_write_is_raised_in_the_jobs_thread_and_the_writes_after_it_are
     assert done == ["again"]
 
 
-def _class3d(out: Path) -> class3d.Params:
-    return class3d.Params(i=SAMPLE / "particles.star", o=out / "run", ref=SAMPLE / "reference.mrc", K=2, iter=2,
-                          ctf=True, particle_diameter=160, healpix_order=1, cpu=True, batch=100)
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> Path:
+    """A small simulated set (box 32, 120 particles), searched at HEALPix order 0: the jobs below test file writing
+    and the kept images, not the science (a few seconds each on 2 CPU cores instead of over a minute)."""
+    return make_sample_data(tmp_path_factory.mktemp("wq"), box=32, angpix=6.0, n_particles=120, snr=0.2,
+                            diameter=134.4, ini_high=60.0, n_micrographs=0)
 
 
-def test_a_jobs_files_are_whole_when_it_reports_finished_and_a_write_error_stops_it(tmp_path, monkeypatch):
-    events = list(class3d.run(_class3d(tmp_path / "a")))
+def _class3d(data: Path, out: Path) -> class3d.Params:
+    return class3d.Params(i=data / "particles.star", o=out / "run", ref=data / "reference.mrc", K=2, iter=2,
+                          ctf=True, particle_diameter=134.4, healpix_order=0, cpu=True, batch=50)
+
+
+def test_a_jobs_files_are_whole_when_it_reports_finished_and_a_write_error_stops_it(small, tmp_path, monkeypatch):
+    events = list(class3d.run(_class3d(small, tmp_path / "a")))
     fin = events[-1]
     assert isinstance(fin, Finished)
     names = sorted(p.name for p in (tmp_path / "a").iterdir())
@@ -66,7 +75,7 @@ def test_a_jobs_files_are_whole_when_it_reports_finished_and_a_write_error_stops
         for f in ("class001.mrc", "class002.mrc", "model.star", "data.star", "optimiser.star"):
             assert f"run_it{i:03d}_{f}" in names
     assert not [n for n in names if "-tmp-" in n]  # no temporaries left
-    assert read_mrc(fin.outputs["class001"]).data.shape == (64, 64, 64)
+    assert read_mrc(fin.outputs["class001"]).data.shape == (32, 32, 32)
 
     calls = []
 
@@ -76,7 +85,7 @@ def test_a_jobs_files_are_whole_when_it_reports_finished_and_a_write_error_stops
 
     monkeypatch.setattr(class3d, "write_mrc", failing_write_mrc)
     with pytest.raises(InputError, match="no space left on device"):
-        list(class3d.run(_class3d(tmp_path / "b")))
+        list(class3d.run(_class3d(small, tmp_path / "b")))
     assert calls == ["run_it001_class001.mrc"]  # the first failure stops the job; nothing after it is written
     assert not list((tmp_path / "b").glob("run_it*_optimiser.star"))
 
@@ -117,10 +126,11 @@ def test_images_are_kept_when_asked_or_small_and_a_request_larger_than_the_ram_i
     assert ps2.kept is not None
 
 
-def test_refine3d_results_do_not_depend_on_keeping_the_images_or_writing_in_the_background(tmp_path, monkeypatch):
+def test_refine3d_results_do_not_depend_on_keeping_the_images_or_writing_in_the_background(small, tmp_path,
+                                                                                            monkeypatch):
     def run(out: Path, preread: bool) -> dict[str, bytes]:
-        p = refine3d_job.Params(i=SAMPLE / "particles.star", o=out / "run", ref=SAMPLE / "reference.mrc", ctf=True,
-                                particle_diameter=160, flatten_solvent=True, healpix_order=1,
+        p = refine3d_job.Params(i=small / "particles.star", o=out / "run", ref=small / "reference.mrc", ctf=True,
+                                particle_diameter=134.4, flatten_solvent=True, healpix_order=0,
                                 auto_local_healpix_order=3, auto_iter_max=2, cpu=True, preread_images=preread)
         list(refine3d_job.run(p))
         # MRC files by their values (their header labels carry the time of writing); the optimiser STARs name
