@@ -112,9 +112,9 @@ def _kernels():
 
 def applies(diff2, log_prior) -> bool:
     """fused_weights takes these: enabled, CuPy arrays, float32 scores, a float64 log prior of their shape or
-    broadcastable to it."""
+    broadcastable to it, and at most 65,535 rows (the kernels' grid has one y block per row)."""
     return (ENABLED and get_array_module(diff2) is not np and get_array_module(log_prior) is not np
-            and diff2.dtype == np.float32 and log_prior.dtype == np.float64)
+            and diff2.dtype == np.float32 and log_prior.dtype == np.float64 and 0 < diff2.shape[0] <= 65535)
 
 
 def fused_weights(diff2, log_prior):
