@@ -202,7 +202,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if (a.relion_offset_units or a.adaptive_fraction or a.relion_seeds) and not a.relion_perturbation:
-        ap.error("--relion_offset_units and --adaptive_fraction run in this process: give --relion_perturbation")
+        ap.error("--relion_offset_units, --adaptive_fraction and --relion_seeds run in this process: give "
+                 "--relion_perturbation")
     data = Path(a.data).resolve()
     relion_root = data / a.relion
     opt = prepare(a, data, relion_root, a.it)

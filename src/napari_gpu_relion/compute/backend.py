@@ -7,6 +7,7 @@ and move their inputs with :func:`to_device`. Importing this module never import
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -112,6 +113,24 @@ class Backend:
     def synchronize(self) -> None:
         if self.is_gpu:
             self.xp.cuda.Device(self.device).synchronize()
+
+
+@functools.cache
+def raw_module(code: str):
+    """The CuPy RawModule of CUDA source ``code``, compiled on first use and made once per process (CuPy also
+    caches the compiled code on disk): the fused kernels of gpu_kernels and gpu_posterior."""
+    import cupy  # noqa: PLC0415 - only reached with CuPy arrays
+
+    return cupy.RawModule(code=code, options=("--std=c++14",))
+
+
+def launch_grid_stride(code: str, name: str, n: int, args, block: int = 256) -> None:
+    """Launch kernel ``name`` of ``code`` over ``n`` items with a grid-stride loop of ``block`` threads per block
+    (at most 2^20 blocks); nothing when n is 0."""
+    if n == 0:
+        return
+    blocks = int(min((n + block - 1) // block, 1 << 20))
+    raw_module(code).get_function(name)((blocks,), (block,), args)
 
 
 def set_matmul_tf32(be: Backend, on: bool) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backend import get_array_module
+from .backend import get_array_module, launch_grid_stride
 
 #: Off only to measure the array code on a GPU (benchmarks) or to compare with it (tests).
 ENABLED = True
@@ -158,24 +158,8 @@ extern "C" __global__ void insert_splat(
 }
 """
 
-_module = None
-_BLOCK = 256
-
-
-def _kernels():
-    global _module
-    if _module is None:
-        import cupy  # noqa: PLC0415 - only reached with CuPy arrays
-
-        _module = cupy.RawModule(code=_SOURCE, options=("--std=c++14",))
-    return _module
-
-
 def _launch(name: str, n: int, args) -> None:
-    if n == 0:
-        return
-    blocks = int(min((n + _BLOCK - 1) // _BLOCK, 1 << 20))
-    _kernels().get_function(name)((blocks,), (_BLOCK,), args)
+    launch_grid_stride(_SOURCE, name, n, args)
 
 
 def _on_gpu(*arrays) -> bool:

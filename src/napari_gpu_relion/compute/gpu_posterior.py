@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backend import get_array_module
+from .backend import get_array_module, launch_grid_stride, raw_module
 
 #: Off only to compare with the array code (tests, benchmarks).
 ENABLED = True
@@ -98,18 +98,6 @@ extern "C" __global__ void lw_normalise(const double* __restrict__ lp, const flo
 }
 """
 
-_module = None
-
-
-def _kernels():
-    global _module
-    if _module is None:
-        import cupy  # noqa: PLC0415 - only reached with CuPy arrays
-
-        _module = cupy.RawModule(code=_SOURCE, options=("--std=c++14",))
-    return _module
-
-
 def applies(diff2, log_prior) -> bool:
     """fused_weights takes these: enabled, CuPy arrays, float32 scores, a float64 log prior of their shape or
     broadcastable to it, and at most 65,535 rows (the kernels' grid has one y block per row)."""
@@ -130,7 +118,7 @@ def fused_weights(diff2, log_prior):
     d2 = cp.ascontiguousarray(diff2).reshape(I, M)
     lp = cp.ascontiguousarray(cp.broadcast_to(log_prior, diff2.shape)).reshape(I, M)
     nseg = max(1, -(-M // _SEGMENT))
-    k = _kernels()
+    k = raw_module(_SOURCE)
     part_max = cp.empty((I, nseg), dtype=np.float64)
     part_idx = cp.empty((I, nseg), dtype=np.int64)
     args = (lp, d2, np.int64(M), np.int64(_SEGMENT))
@@ -144,6 +132,5 @@ def fused_weights(diff2, log_prior):
     S = part_sum.sum(axis=1)
     p = cp.empty((I, M), dtype=np.float32)
     n = I * M
-    blocks = int(min(max(1, -(-n // _BLOCK)), 1 << 20))
-    k.get_function("lw_normalise")((blocks,), (_BLOCK,), (lp, d2, np.int64(M), np.int64(n), top, S, p))
+    launch_grid_stride(_SOURCE, "lw_normalise", n, (lp, d2, np.int64(M), np.int64(n), top, S, p), _BLOCK)
     return p, best, top, S
