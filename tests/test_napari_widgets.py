@@ -426,6 +426,23 @@ def test_ui_stays_responsive_while_a_job_runs(make_napari_viewer, qtbot, tmp_pat
     np.testing.assert_array_equal(display.map_layer("toy_map").metadata["volume"], _blob(48, 29))
 
 
+def test_jobs_run_with_frozen_objects_and_frequent_small_full_collections():
+    """While jobs run, the objects alive at the start are frozen and the oldest generation is collected after
+    every middle one (small pauses instead of one 0.1-0.2 s pause per second); both are undone after the last
+    job, and nested blocks keep them until the outermost ends."""
+    import gc
+
+    from napari_gpu_relion.widgets.runner import frozen_gc
+
+    before = gc.get_threshold()
+    with frozen_gc():
+        assert gc.get_freeze_count() > 0 and gc.get_threshold() == (before[0], before[1], 1)
+        with frozen_gc():
+            pass
+        assert gc.get_threshold()[2] == 1 and gc.get_freeze_count() > 0
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The real jobs through their plugin widgets
 
