@@ -257,6 +257,61 @@ def test_a_tf32_job_says_so_and_leaves_its_thread_in_float32(tmp_path):
     assert err < 1e-6, err
 
 
+def test_coarse_tf32_is_tf32_in_its_block_only_and_keeps_the_float32_classes_and_angles(tmp_path):
+    """--coarse_tf32: matmul_tf32 rounds the block's products to TF32 and leaves float32 after it (TF32 after it
+    when the thread was in TF32: a --tf32 job); class3d K=2 gives the float32 run's classes and angles (within
+    0.01 degrees) for >= 99.5 % of the particles: the coarse pass only selects what the fine pass scores in
+    float32."""
+    import starfile  # noqa: PLC0415
+
+    from napari_gpu_relion.compute.backend import matmul_tf32, select_backend, set_matmul_tf32  # noqa: PLC0415
+    from napari_gpu_relion.compute.geometry import angular_distance_deg  # noqa: PLC0415
+    from napari_gpu_relion.jobs import class3d  # noqa: PLC0415
+    from napari_gpu_relion.jobs.simulate import make_sample_data  # noqa: PLC0415
+
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((512, 256)).astype(np.float32)
+    b = rng.standard_normal((256, 128)).astype(np.float32)
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    ga, gb = cp.asarray(a), cp.asarray(b)
+
+    def err():
+        return _rel(cp.asnumpy(ga @ gb), exact)
+
+    with matmul_tf32(cp, True):
+        inside = err()
+    after = err()
+    with matmul_tf32(cp, False):
+        off_block = err()
+    be = select_backend(gpu=0)
+    try:
+        set_matmul_tf32(be, True)
+        with matmul_tf32(cp, True):
+            pass
+        still = err()
+    finally:
+        set_matmul_tf32(be, False)
+    assert 1e-5 < inside < 2e-3 and after < 1e-6 and off_block < 1e-6 and 1e-5 < still < 2e-3, \
+        (inside, after, off_block, still)
+
+    data = make_sample_data(tmp_path / "data", box=32, angpix=6.0, n_particles=200, snr=0.2, diameter=134.4,
+                            ini_high=60.0, n_micrographs=0)
+    ang = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")
+    out = {}
+    for coarse in (False, True):
+        o = tmp_path / f"c3_{coarse}" / "run"
+        list(class3d.run(class3d.Params(i=data / "particles.star", ref=data / "reference.mrc", o=o, K=2, iter=2,
+                                        healpix_order=1, ctf=True, particle_diameter=150.0, gpu="0",
+                                        coarse_tf32=coarse)))
+        out[coarse] = starfile.read(f"{o}_it002_data.star")["particles"]
+    a32, t32 = out[False], out[True]
+    same_class = float((a32["rlnClassNumber"].to_numpy() == t32["rlnClassNumber"].to_numpy()).mean())
+    diff = angular_distance_deg(euler_to_matrix(*(a32[c].to_numpy() for c in ang)),
+                                euler_to_matrix(*(t32[c].to_numpy() for c in ang)))
+    assert same_class >= 0.995 and float((diff < 0.01).mean()) >= 0.995, (same_class, float((diff < 0.01).mean()))
+    assert err() < 1e-6
+
+
 def _fused_and_array(monkeypatch, fn):
     """fn() with the fused kernels, then with the array code (gpu_kernels.ENABLED off), both on the GPU."""
     from napari_gpu_relion.compute import gpu_kernels  # noqa: PLC0415

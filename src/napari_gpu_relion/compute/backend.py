@@ -7,9 +7,11 @@ and move their inputs with :func:`to_device`. Importing this module never import
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -143,16 +145,39 @@ def set_matmul_tf32(be: Backend, on: bool) -> bool:
     on (never on the CPU: NumPy has no TF32)."""
     if not be.is_gpu:
         return False
-    cp = be.xp
+    with be.xp.cuda.Device(be.device):
+        _set_tf32(be.xp, on)
+    return on
+
+
+_tf32 = threading.local()  # what was last set in this thread (cuBLAS handles are per thread and device)
+
+
+def _set_tf32(cp: ModuleType, on: bool) -> None:
+    """TF32 on or off for the current device's cuBLAS handle of this thread and CuPy's float32 compute type."""
     from cupy._core import _routines_linalg as linalg
     from cupy_backends.cuda.libs import cublas
 
-    with cp.cuda.Device(be.device):
-        handle = cp.cuda.device.get_cublas_handle()
-        cublas.setMathMode(handle, getattr(cublas, "CUBLAS_TF32_TENSOR_OP_MATH", 3) if on
-                           else getattr(cublas, "CUBLAS_DEFAULT_MATH", 0))
-        linalg.set_compute_type(np.float32, linalg.COMPUTE_TYPE_TF32 if on else linalg.COMPUTE_TYPE_DEFAULT)
-    return on
+    handle = cp.cuda.device.get_cublas_handle()
+    cublas.setMathMode(handle, getattr(cublas, "CUBLAS_TF32_TENSOR_OP_MATH", 3) if on
+                       else getattr(cublas, "CUBLAS_DEFAULT_MATH", 0))
+    linalg.set_compute_type(np.float32, linalg.COMPUTE_TYPE_TF32 if on else linalg.COMPUTE_TYPE_DEFAULT)
+    _tf32.on = bool(on)
+
+
+@contextlib.contextmanager
+def matmul_tf32(xp: ModuleType, on: bool):
+    """The block's float32 matrix products (arrays of module ``xp``, on the current device) in TF32 when ``on``,
+    then float32 again; without ``on`` the thread keeps what it has (TF32 throughout a job run with --tf32).
+    NumPy: nothing."""
+    if xp is np or not on or getattr(_tf32, "on", False):
+        yield
+        return
+    _set_tf32(xp, True)
+    try:
+        yield
+    finally:
+        _set_tf32(xp, False)
 
 
 def host_available_bytes() -> int:

@@ -35,6 +35,7 @@ from .backend import (
     fine_bytes_per_particle,
     fine_bytes_per_sample,
     get_array_module,
+    matmul_tf32,
     memory_mark,
     to_host,
     union_bytes_per_orientation,
@@ -209,6 +210,9 @@ class EStepSetup:
     adaptive_fraction: float = 0.999
     max_significants: int = -1  # cap on the significant coarse samples per particle (RELION --maxsig; -1 = none)
     cc: bool = False
+    #: The coarse pass's score GEMMs in TF32 on tensor cores (GPU): that pass only selects the samples that the
+    #: fine pass scores again in float32, from which the weights and the best pose come.
+    coarse_tf32: bool = False
     relion_offset_prior: bool = True  # RELION 5's offset-prior arithmetic (_log_trans_prior); False: Å throughout
     scale_shells: object = None  # (K classes, pixels of the fine set) bool: the class's SSNR > 3 (group scale sums)
     max_fine_bytes: int = CHUNK_BYTES  # budget of one fine-pass chunk (plan_fine_chunks)
@@ -401,7 +405,9 @@ def _coarse_pass(b: _Batch, candidates, candidate_log_prior) -> _CoarseResult:
     terms = particle_terms(X, b.ctf_at(pix), w, ramps, cc=setup.cc)
     class_prior = b.class_prior()
     if candidates is None:
-        diff2 = scores_shared(setup.coarse_slices(), terms, setup.check_cancel)  # (I, T, K R)
+        P = setup.coarse_slices()
+        with matmul_tf32(xp, setup.coarse_tf32):
+            diff2 = scores_shared(P, terms, setup.check_cancel)  # (I, T, K R)
         lp_orient = xp.zeros(K * R) if setup.log_pdf_direction is None else \
             xp.repeat(xp.asarray(setup.log_pdf_direction).reshape(-1), smp.n_psi)
         log_prior = b.trans_prior_of_rows(b.log_trans_prior, xp.arange(K * R)[None, :]) + lp_orient[None, None, :]
@@ -414,7 +420,8 @@ def _coarse_pass(b: _Batch, candidates, candidate_log_prior) -> _CoarseResult:
         urows, pos = xp.unique(xp.where(valid, cand, 0), return_inverse=True)
         pos = pos.reshape(cand.shape)
         slices = _project_rows(setup, to_host(urows), pix, fine=False)
-        diff2 = scores_gathered(as_slices(slices).take(pos), terms, setup.check_cancel)
+        with matmul_tf32(xp, setup.coarse_tf32):
+            diff2 = scores_gathered(as_slices(slices).take(pos), terms, setup.check_cancel)
         lp_orient = xp.where(valid, xp.asarray(candidate_log_prior), -np.inf)
         if class_prior is not None:
             lp_orient = lp_orient + xp.take_along_axis(class_prior, xp.maximum(cand, 0) // R, axis=1)

@@ -155,12 +155,14 @@ class EMParams:
                                 "0 = all free memory. A job that cannot fit is refused before it starts")
     tf32: bool = param(False, "--tf32", "GPU: the score and sum GEMMs in TF32 on tensor cores (faster, inputs "
                        "rounded to 10 bits; benchmarks/README.md has what it changes)")
+    coarse_tf32: bool = param(False, "--coarse_tf32", "GPU: only the coarse pass's score GEMMs in TF32 (that pass "
+                              "selects the samples the fine pass scores again in float32)")
     preread_images: bool = param(False, "--preread_images", "Keep every particle image in memory after its first "
                                  "reading, however large the set (done anyway when the images take at most a "
                                  "quarter of the free RAM)")
 
     #: Options that --continue takes from the command line, not from the optimiser STAR.
-    RUNTIME = ("continue_from", "cpu", "gpu", "batch", "memory_limit", "tf32", "preread_images")
+    RUNTIME = ("continue_from", "cpu", "gpu", "batch", "memory_limit", "tf32", "coarse_tf32", "preread_images")
     #: Options a job gained after runs of it were written: a --continue of such a run, whose optimiser STAR lacks
     #: them, takes their defaults (the run had them off); any other missing option is a damaged file.
     NEWER_OPTIONS = ()
@@ -297,6 +299,9 @@ class EMJob:
         self.state = EMState(order=getattr(self.p, "healpix_order", 0), offset_range=self.p.offset_range,
                              offset_step=self.p.offset_step, sigma_offset_A=self.p.offset,
                              norm_average=float(self.ps.norm.mean()))
+        if not self.continued:  # RELION's HealpixSampling::initialise draws the perturbation once at setup, and
+            self.state.perturb_sampling(self.p.random_seed)  # every iteration adds one more: iteration 1's is
+            # the second draw, in [-0.5, 0) (a --continue takes the saved one)
         self.model: EMModel | None = None
         self.data_vs_prior: list[np.ndarray] | None = None  # the last M-step's SSNR per class (--scale's shells)
         self._plan_shown = False
@@ -474,7 +479,7 @@ class EMJob:
                                relion_offset_prior=opts.pop("relion_offset_prior",
                                                             not self.p.angstrom_offset_prior),
                                class_offset_prior_A=opts.pop("class_offset_prior_A", None),
-                               max_significants=opts.pop("max_significants", -1),
+                               max_significants=opts.pop("max_significants", -1), coarse_tf32=self.p.coarse_tf32,
                                max_fine_bytes=it.plan.fine_chunk_bytes, max_union_bytes=it.plan.union_bytes,
                                scale_shells=self.scale_shells(frefs[h], pix_f, h), check_cancel=check_cancel)
             stage = f"it {self.state.iteration:03d}" + (f" half {h + 1}" if len(self.halves) > 1 else "")
