@@ -195,3 +195,19 @@ def test_class3d_orientation_distributions_follow_relions_convention(mixture, tm
     b = starfile.read(tmp_path / "part" / "run_it002_data.star")["particles"]
     np.testing.assert_array_equal(a["rlnClassNumber"].to_numpy(), b["rlnClassNumber"].to_numpy())
     np.testing.assert_allclose(b["rlnAngleTilt"].to_numpy(), a["rlnAngleTilt"].to_numpy(), atol=1e-3)
+
+
+def test_a_new_job_starts_from_relions_setup_draw_of_the_perturbation(mixture, tmp_path):
+    """A new job's state holds the perturbation RELION draws when it sets up its sampling (iteration 0), so that
+    iteration 1's is the second draw, in [-0.5, 0) as RELION's; the draw follows the seed."""
+    from napari_gpu_relion.compute.schedule import next_perturbation
+
+    seen = []
+    for seed in (1, 2):
+        p = class3d.Params(i=mixture / "particles.star", ref=mixture / "reference.mrc", o=tmp_path / f"s{seed}" / "run",
+                           K=2, iter=1, cpu=True, random_seed=seed)
+        job = class3d.Class3D(p)
+        assert job.state.iteration == 0 and job.state.perturb == next_perturbation(0.0, seed, 0)
+        assert 0.25 <= job.state.perturb < 0.5
+        seen.append(job.state.perturb)
+    assert seen[0] != seen[1]

@@ -420,3 +420,20 @@ def test_more_signal_gives_finer_accuracy():
     fine = acc.estimate_accuracy(ref, pix, angles, None, 1e-4 * s2, 1.0)
     assert fine[0] < coarse[0] and fine[1] < coarse[1]
     assert math.isfinite(coarse[0]) and coarse[0] <= 30.1
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_sampling_perturbation_follows_relions_draws(seed):
+    """RELION's HealpixSampling adds U(0.25, 0.5) x its factor (0.5) to the perturbation once at setup and once per
+    iteration, wrapped into [-0.5, 0.5) sampling steps: iteration 1's, the second draw, lies in [-0.5, 0), and each
+    later one moves by 0.25-0.5 (modulo 1). The perturbation of a job's iteration 0 is that setup draw."""
+    st = EMState()
+    values = []
+    for it in range(6):
+        st.iteration = it
+        st.perturb_sampling(seed)
+        values.append(st.perturb)
+    assert 0.25 <= values[0] < 0.5 and -0.5 <= values[1] < 0.0
+    steps = (np.diff(values) % 1.0)
+    assert np.all((steps >= 0.25 - 1e-12) & (steps < 0.5 + 1e-12)), values
+    assert all(-0.5 <= v < 0.5 for v in values)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import relion_random
 from .sampling import angular_step
 
 #: RELION's --incr_size default: shells beyond the current resolution in the images (pixels).
@@ -48,10 +49,10 @@ def round_half_away(x: float) -> int:
 
 
 def next_perturbation(previous: float, seed: int, iteration: int) -> float:
-    """RELION's random perturbation of the sampling for this iteration, in [-0.5, 0.5): one generator per
-    iteration (seed + 7919 x iteration), so a continued run draws what the uninterrupted run drew."""
-    rng = np.random.default_rng(seed + 7919 * iteration)
-    return float(((previous + rng.uniform(0.25, 0.5)) + 0.5) % 1.0 - 0.5)
+    """RELION's random perturbation of the sampling for this iteration (0: the setup draw), in sampling steps in
+    [-0.5, 0.5]: RELION's own draws for this seed (compute/relion_random.py), which depend only on the seed and
+    the iteration, so a continued run draws what the uninterrupted run drew."""
+    return relion_random.next_perturbation(previous, seed, iteration)
 
 
 def fsc_crossing(fsc: np.ndarray, threshold: float) -> int:

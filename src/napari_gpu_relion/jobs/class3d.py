@@ -1,11 +1,12 @@
 """3D classification (relion_refine without --split_random_halves; relion_algorithm.md 7).
 
 Plain EM over K classes started from one reference: in the first iteration each particle searches only one random
-class (RELION's seeding, so each class is rebuilt from a random 1/K of the data); tau2 of each class from its
-reference's power spectrum times tau2_fudge (default 4); class and direction priors; fixed HEALPix order (global
-searches) or local searches with --sigma_ang. The iteration is the shared driver (jobs/em.py) with K references:
-rows are (class, orientation) pairs, one GEMM for all of them. Files follow RELION's names under the --o rootname:
-run_itNNN_classNNN.mrc, run_itNNN_model.star, run_itNNN_data.star (rlnClassNumber).
+class (RELION's seeding, with RELION's own draws for the seed, so each class is rebuilt from a random 1/K of the
+data); tau2 of each class from its reference's power spectrum times tau2_fudge (default 4); class and direction
+priors; fixed HEALPix order (global searches) or local searches with --sigma_ang. The iteration is the shared
+driver (jobs/em.py) with K references: rows are (class, orientation) pairs, one GEMM for all of them. Files follow
+RELION's names under the --o rootname: run_itNNN_classNNN.mrc, run_itNNN_model.star,
+run_itNNN_data.star (rlnClassNumber).
 
 --skip_align keeps the input angles and offsets: each particle is compared with every class at its own
 orientation and exact offset (GivenOrientations in the shared E-step).
@@ -36,6 +37,7 @@ from ..compute.maximization import (
     update_sigma2,
     update_sigma_offset,
 )
+from ..compute.relion_random import relion_seed_classes
 from ..compute.sampling import GivenOrientations, Sampling
 from ..io.mrc import write_mrc
 from . import em, em_classification
@@ -95,9 +97,10 @@ class Class3D(em_classification.Classification):
         self.seeding = (bool(int(self.opt.get(SEEDING, 1))) if self.continued else len(self.ref_paths) <= 1) \
             and self.K > 1
         self.check_k()
-        # RELION's seeding: in iteration 1 (2 after a CC iteration 1) each particle searches one random class
+        # RELION's seeding: in iteration 1 (2 after a CC iteration 1) each particle searches one random class,
+        # the one RELION's own draws give it for this seed (compute/relion_random.py)
         self.seed_iteration = 2 if self.p.firstiter_cc else 1
-        self.seed_class = np.random.default_rng(self.p.random_seed + 1).integers(0, self.K, len(self.ps))
+        self.seed_class = relion_seed_classes(len(self.ps), self.K, self.p.random_seed)
         self.input_angles, self.input_offsets = self.ps.angles.copy(), self.ps.offsets_px.copy()
 
     def optimiser_entries(self, it: em.Iteration, data, models) -> dict:
