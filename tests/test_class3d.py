@@ -13,7 +13,7 @@ from napari_gpu_relion.compute.fourier import irfft_centered, phase_shift_2d, rf
 from napari_gpu_relion.compute.ground_truth import class_assignment_report
 from napari_gpu_relion.errors import InputError
 from napari_gpu_relion.io.mrc import read_mrc
-from napari_gpu_relion.jobs import class3d
+from napari_gpu_relion.jobs import class3d, em
 from napari_gpu_relion.jobs.events import Finished
 from napari_gpu_relion.jobs.simulate import make_sample_data
 
@@ -189,8 +189,11 @@ def test_class3d_orientation_distributions_follow_relions_convention(mixture, tm
     sums = [model[f"model_pdf_orient_class_{k}"]["rlnOrientationDistribution"].sum() for k in (1, 2)]
     assert min(dist) > 0.05  # both classes alive, so the test tells the conventions apart
     np.testing.assert_allclose(sums, dist, rtol=1e-5)
-    list(class3d.run(class3d.Params(continue_from=tmp_path / "part" / "run_it001_optimiser.star", iter=2,
-                                    cpu=True)))
+    opt = tmp_path / "part" / "run_it001_optimiser.star"
+    # --iter on a --continue: as given, the default value (25) included, for this run started with --iter 1
+    for given in (2, 25):
+        assert em.continued_params(class3d.Params, class3d.Params(continue_from=opt, iter=given))[0].iter == given
+    list(class3d.run(class3d.Params(continue_from=opt, iter=2, cpu=True)))
     a = starfile.read(tmp_path / "full" / "run_it002_data.star")["particles"]
     b = starfile.read(tmp_path / "part" / "run_it002_data.star")["particles"]
     np.testing.assert_array_equal(a["rlnClassNumber"].to_numpy(), b["rlnClassNumber"].to_numpy())
