@@ -205,7 +205,7 @@ def saved_options(params_cls) -> tuple[str, ...]:
 def continued_params(params_cls, p):
     """The Params of a --continue: the saved options from the optimiser STAR, the data STAR and model of that
     iteration as --i / --ref, the same rootname, and this call's runtime options (and --iter when given: a value
-    other than the default, or the default where the run was started with fewer iterations)."""
+    other than the default, or the default for a run that has done all the iterations it was started with)."""
     opt = read_optimiser_star(p.continue_from, require=("rlnCurrentIteration", "rlnExperimentalDataStarFile",
                                                         "rlnModelStarFile", "rlnOutputRootName"))
     base = Path(p.continue_from).parent
@@ -215,9 +215,11 @@ def continued_params(params_cls, p):
     if "ref" in params_cls.__dataclass_fields__:
         given["ref"] = None
     if "iter" in params_cls.__dataclass_fields__:
-        # --iter as given; its default value (which may be what the user typed) only where the run asked for fewer
+        # --iter as given; its default value (which may be what the user typed) only for a run that has done all the
+        # iterations it was started with (continued without --iter, a run stopped early repeats the uninterrupted one)
         default, saved = params_cls.__dataclass_fields__["iter"].default, opt.get(f"{PARAM_PREFIX}iter")
-        if p.iter != default or (saved is not None and int(saved) < p.iter):
+        done = int(opt["rlnCurrentIteration"])
+        if p.iter != default or (saved is not None and done >= int(saved) and p.iter > done):
             given["iter"] = p.iter
     for k in params_cls.NEWER_OPTIONS:
         if f"{PARAM_PREFIX}{k}" not in opt:
