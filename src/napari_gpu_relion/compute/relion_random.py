@@ -36,7 +36,18 @@ def glibc_first_rand(seeds) -> np.ndarray:
     k-th output is r_{k+344} >> 1 (srandom discards the first 310)."""
     s = np.atleast_1d(np.asarray(seeds, dtype=np.int64)) & 0xFFFFFFFF
     s = np.where(s == 0, 1, s)
-    r = np.empty((345,) + s.shape, dtype=np.int64)
+    out = np.empty(s.shape, dtype=np.int64)
+    for a in range(0, s.size, _CHUNK):  # 31 words per seed at a time: bounded memory for any number of seeds
+        out.reshape(-1)[a:a + _CHUNK] = _first_output(s.reshape(-1)[a:a + _CHUNK])
+    return out
+
+
+_CHUNK = 1 << 16
+
+
+def _first_output(s: np.ndarray) -> np.ndarray:
+    """glibc_first_rand for non-zero seeds ``s`` (1-D): the 31 words of the state as a ring, r_i at i mod 31."""
+    r = np.empty((31, s.size), dtype=np.int64)
     r[0] = np.where(s >= 1 << 31, s - (1 << 32), s)  # srandom_r's int32_t word
     for i in range(1, 31):
         prev = r[i - 1]
@@ -44,11 +55,12 @@ def glibc_first_rand(seeds) -> np.ndarray:
         lo = prev - hi * 127773
         word = 16807 * lo - 2836 * hi
         r[i] = np.where(word < 0, word + 2147483647, word)
-    r[:31] &= 0xFFFFFFFF
-    r[31:34] = r[0:3]
+    r &= 0xFFFFFFFF
+    # r_31..r_33 = r_0..r_2 leave the ring as it is; from i = 34, r_i = r_{i-31} + r_{i-3}, with r_{i-31} the word
+    # the ring holds at i mod 31 (r_31..r_33 being r_0..r_2)
     for i in range(34, 345):
-        r[i] = (r[i - 31] + r[i - 3]) & 0xFFFFFFFF
-    return r[344] >> 1
+        r[i % 31] = (r[i % 31] + r[(i - 3) % 31]) & 0xFFFFFFFF
+    return r[344 % 31] >> 1
 
 
 def rnd_unif(first_rand, a: float, b: float) -> np.ndarray:
@@ -140,11 +152,11 @@ def relion_particle_order(n: int, seed: int) -> np.ndarray:
     return np.asarray(idx, dtype=np.int64)
 
 
-def relion_seed_classes(n: int, n_classes: int, seed: int, iteration: int = 1) -> np.ndarray:
+def relion_seed_classes(n: int, n_classes: int, seed: int, first_iteration: int = 1) -> np.ndarray:
     """The class (0-based) each of n particles (in the STAR file's order) searches in RELION's seeding iteration
-    ``iteration`` (1, or 2 after --firstiter_cc): the particle at position p of RELION's random order of that
-    iteration takes rand() % K after srand(seed + p)."""
-    order = relion_particle_order(n, int(seed) + int(iteration))
+    (1, or 2 after --firstiter_cc): the particle at position p of RELION's random order takes rand() % K after
+    srand(seed + p). RELION shuffles once, at the run's first iteration, with std::mt19937(seed + that iteration)."""
+    order = relion_particle_order(n, int(seed) + int(first_iteration))
     first = glibc_first_rand(int(seed) + np.arange(n, dtype=np.int64))
     classes = np.empty(n, dtype=np.int64)
     classes[order] = first % int(n_classes)

@@ -18,6 +18,7 @@ iteration 2, as RELION does.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -97,11 +98,15 @@ class Class3D(em_classification.Classification):
         self.seeding = (bool(int(self.opt.get(SEEDING, 1))) if self.continued else len(self.ref_paths) <= 1) \
             and self.K > 1
         self.check_k()
-        # RELION's seeding: in iteration 1 (2 after a CC iteration 1) each particle searches one random class,
-        # the one RELION's own draws give it for this seed (compute/relion_random.py)
+        # RELION's seeding: in iteration 1 (2 after a CC iteration 1) each particle searches one random class
         self.seed_iteration = 2 if self.p.firstiter_cc else 1
-        self.seed_class = relion_seed_classes(len(self.ps), self.K, self.p.random_seed)
         self.input_angles, self.input_offsets = self.ps.angles.copy(), self.ps.offsets_px.copy()
+
+    @functools.cached_property
+    def seed_class(self) -> np.ndarray:
+        """Each particle's class in the seeding iteration: the one RELION's own draws give it for this seed
+        (compute/relion_random.py); made when that iteration runs, not for runs that never seed."""
+        return relion_seed_classes(len(self.ps), self.K, self.p.random_seed)
 
     def optimiser_entries(self, it: em.Iteration, data, models) -> dict:
         return super().optimiser_entries(it, data, models) | {SEEDING: int(self.seeding)}

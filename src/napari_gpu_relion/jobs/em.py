@@ -305,9 +305,10 @@ class EMJob:
         self.state = EMState(order=getattr(self.p, "healpix_order", 0), offset_range=self.p.offset_range,
                              offset_step=self.p.offset_step, sigma_offset_A=self.p.offset,
                              norm_average=float(self.ps.norm.mean()))
-        if not self.continued:  # RELION's HealpixSampling::initialise draws the perturbation once at setup, and
-            self.state.perturb_sampling(self.p.random_seed)  # every iteration adds one more: iteration 1's is
-            # the second draw, in [-0.5, 0) (a --continue takes the saved one)
+        # RELION's HealpixSampling::initialise draws the perturbation once at setup and every iteration adds one
+        # more, so iteration 1's is the second draw (a --continue takes the saved one)
+        if not self.continued:
+            self.state.perturb_sampling(self.p.random_seed)
         self.model: EMModel | None = None
         self.data_vs_prior: list[np.ndarray] | None = None  # the last M-step's SSNR per class (--scale's shells)
         self._plan_shown = False

@@ -449,7 +449,7 @@ def _gc_freeze() -> None:
     """Move all objects alive now out of the collector's reach while jobs run (nested, GUI thread only), and
     collect the oldest generation after every collection of the middle one: the viewer's updates leave tens of
     thousands of objects in reference cycles per second, and CPython's default (a full collection after ten
-    middle ones) frees them in one 0.1-0.15 s pause; collected ten times as often, each pause is about a tenth."""
+    middle ones) frees them in one 0.12-0.14 s pause every few seconds; this way it is 20-40 ms about once a second."""
     global _gc_depth, _gc_threshold
     if _gc_depth == 0:
         gc.freeze()
