@@ -71,7 +71,7 @@ def result_star(a, out: Path) -> Path:
 
 
 def model_resolution(a, out: Path) -> float | None:
-    """rlnCurrentResolution (Å) of the run's last model STAR."""
+    """rlnCurrentResolution (Å, RELION's SSNR-based current resolution) of the run's last model STAR."""
     path = out / ("run_model.star" if a.job == "refine3d" else f"run_it{a.iter:03d}_model.star")
     if not path.is_file():
         return None

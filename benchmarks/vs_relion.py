@@ -302,6 +302,8 @@ def common_options(a, job: str) -> str:
 def relion_command(a, job: str, root: str) -> str:
     opts = common_options(a, job) + f" --o {root} --oversampling 1 --dont_combine_weights_via_disc --preread_images"
     opts += f" --pool {a.relion_pool} --j {a.relion_j}" + ("" if a.cpu else " --gpu 0")
+    if a.relion_extra:
+        opts += " " + a.relion_extra
     if job == "class2d":
         opts += " --center_classes"
     mpirun = "rl mpirun --allow-run-as-root -x LD_LIBRARY_PATH -n {} $RELION_BIN/relion_refine_mpi "
@@ -404,6 +406,9 @@ def main(argv=None):
     r.add_argument("--relion_ranks", type=int, default=1)
     r.add_argument("--relion_j", type=int, default=4)
     r.add_argument("--relion_pool", type=int, default=30)
+    r.add_argument("--relion_extra", default="",
+                   help="extra options for RELION (e.g. '--free_gpu_memory 90000' for runs sharing one GPU: each "
+                        "RELION process otherwise takes all the free GPU memory)")
     r.add_argument("--ours_extra", default="", help="extra options for our job (e.g. '--batch 256')")
     r.add_argument("--relion_no_norm", action="store_true",
                    help="class3d: both programs without --norm --scale (as runs before our class3d took them)")

@@ -67,6 +67,16 @@ def test_refine3d_reaches_true_angle_resolution_and_angles(small_data, tmp_path)
     assert kinds.count("IterationFinished") >= 3 and "FscUpdated" in kinds and "MapUpdated" in kinds
     model = starfile.read(out / "run_model.star")
     assert "model_class_1" in model and "rlnGoldStandardFsc" in model["model_class_1"].columns
+    # rlnCurrentResolution of an iteration is RELION's (updateCurrentResolution): the shell before the SSNR first
+    # drops below 1 (or a shell > that + 3 still above 1, scanning down), not the FSC-0.143 estimate
+    for it in (1, 2):
+        m = starfile.read(out / f"run_it{it:03d}_half1_model.star")
+        ssnr, gen = m["model_class_1"]["rlnSsnrMap"].to_numpy(), m["model_general"]
+        n = len(ssnr)
+        r = next((i for i in range(1, n) if ssnr[i] < 1.0), n) - 1
+        r = next((i for i in range(n - 2, r + 3, -1) if ssnr[i] > 1.0), r)
+        box, apix = int(gen["rlnOriginalImageSize"]), float(gen["rlnPixelSize"])
+        assert float(gen["rlnCurrentResolution"]) == pytest.approx(box * apix / max(r, 5), rel=1e-6)
 
 
 def _params(data, tmp_path, **kw):

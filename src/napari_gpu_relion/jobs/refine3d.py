@@ -283,8 +283,12 @@ class Refine3D(em.EMJob):
     def _write_model(self, path: Path, ref_path: Path, h: int, it: em.Iteration) -> None:
         st, N, apix, p = self.state, self.N, self.apix, self.p
         sh = np.arange(N // 2 + 1)
+        # rlnCurrentResolution is RELION's current resolution (the shell before the SSNR first drops below 1, which
+        # sets the next image size and the no-gain counter: what RELION reads back), not the FSC-0.143 estimate,
+        # which is the class's rlnEstimatedResolution and the FSC curve's
         general = {"rlnReferenceDimensionality": 3, "rlnDataDimensionality": 2, "rlnOriginalImageSize": N,
-                   "rlnCurrentResolution": self.res_A, "rlnCurrentImageSize": it.current_size,
+                   "rlnCurrentResolution": shell_to_angstrom(max(st.res_shell, 1), N, apix),
+                   "rlnCurrentImageSize": it.current_size,
                    "rlnPaddingFactor": p.pad, "rlnIsHelix": 0, "rlnFourierSpaceInterpolator": 1,
                    "rlnMinRadiusNnInterpolation": 10, "rlnPixelSize": apix, "rlnNrClasses": 1, "rlnNrBodies": 1,
                    "rlnNrGroups": len(self.model.scales), "rlnTau2FudgeFactor": p.tau2_fudge,

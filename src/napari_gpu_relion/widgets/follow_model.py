@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..compute.fsc import resolution_shell
 from ..errors import InputError
 from ..io.mrc import mrc_header_info, read_mrc
 from ..io.star import read_star
@@ -248,12 +249,13 @@ def _gold_standard_fsc(blocks: dict, general: dict) -> FscUpdated | None:
     curve = blocks.get("model_class_1")
     if not isinstance(curve, pd.DataFrame) or not {"rlnResolution", "rlnGoldStandardFsc"} <= set(curve.columns):
         return None
-    res = general.get("rlnCurrentResolution")
-    with contextlib.suppress(TypeError, ValueError):
-        res = float(res)
-    return FscUpdated(curve["rlnResolution"].to_numpy(np.float64),
-                      {"gold-standard FSC": curve["rlnGoldStandardFsc"].to_numpy(np.float64)},
-                      res if isinstance(res, float) else float("nan"))
+    freq = pd.to_numeric(curve["rlnResolution"], errors="coerce").to_numpy(np.float64)
+    fsc = pd.to_numeric(curve["rlnGoldStandardFsc"], errors="coerce").to_numpy(np.float64)
+    # the FSC-0.143 resolution of the curve itself (RELION's rlnCurrentResolution is the SSNR-based resolution
+    # that drives its image size, several shells below the 0.143 crossing while the refinement runs)
+    shell = resolution_shell(np.nan_to_num(fsc, nan=0.0), 0.143)
+    res = 1.0 / freq[shell] if 0 < shell < freq.size and freq[shell] > 0 else float("nan")
+    return FscUpdated(freq, {"gold-standard FSC": fsc}, res)
 
 
 def snapshot_events(snap: Snapshot, label: str) -> list[Any]:
