@@ -30,6 +30,7 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_relion  # noqa: E402
 
+from napari_gpu_relion.compute.relion_random import next_perturbation  # noqa: E402
 from napari_gpu_relion.compute.schedule import EMState, round_half_away  # noqa: E402
 from napari_gpu_relion.io.model_star import (  # noqa: E402
     params_to_optimiser,
@@ -54,7 +55,7 @@ def our_params(a, data: Path, folder: Path) -> class3d.Params:
     return class3d.Params(**kw)
 
 
-def relion_state(stem: str, box: int, apix: float) -> EMState:
+def relion_state(stem: str, box: int, apix: float, seed: int) -> EMState:
     """Our EMState after RELION's iteration ``stem`` (run_itNNN): what the next iteration's sizes and searches
     are computed from."""
     opt, model = general(Path(stem + "_optimiser.star")), general(Path(stem + "_model.star"))
@@ -70,7 +71,9 @@ def relion_state(stem: str, box: int, apix: float) -> EMState:
     st.incr_size = int(opt["rlnIncrementImageSize"])
     st.has_high_fsc_at_limit = bool(int(opt["rlnHasHighFscAtResolLimit"]))
     st.ave_pmax = float(model["rlnAveragePmax"])
-    st.perturb = float(smp["rlnSamplingPerturbInstance"]) if smp_path.exists() else 0.0
+    # RELION writes no sampling STAR at iteration 0: its perturbation then is the setup draw (srand(seed))
+    st.perturb = float(smp["rlnSamplingPerturbInstance"]) if smp_path.exists() else \
+        next_perturbation(0.0, seed, 0)
     st.norm_average = float(model["rlnNormCorrectionAverage"])
     st.acc_rot = float(opt["rlnOverallAccuracyRotations"])
     st.acc_trans_A = float(opt["rlnOverallAccuracyTranslationsAngst"])
@@ -93,7 +96,7 @@ def prepare(a, data: Path, relion_root: Path, it: int) -> Path:
     shutil.copy(stem + "_data.star", folder / f"run_it{it:03d}_data.star")
     info = json.loads((data / "data.json").read_text())
     p = our_params(a, data, folder)
-    st = relion_state(stem, int(info["box"]), float(info["angpix"]))
+    st = relion_state(stem, int(info["box"]), float(info["angpix"]), a.seed)
     if a.image_size:  # the next iteration's images at this size: the increment, not the resolution, is changed
         st.has_high_fsc_at_limit = False
         st.incr_size = a.image_size // 2 - st.res_shell
