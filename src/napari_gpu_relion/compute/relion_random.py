@@ -51,7 +51,7 @@ def _first_output(s: np.ndarray) -> np.ndarray:
     r[0] = np.where(s >= 1 << 31, s - (1 << 32), s)  # srandom_r's int32_t word
     for i in range(1, 31):
         prev = r[i - 1]
-        hi = np.fix(prev / 127773).astype(np.int64)  # C division truncates towards zero
+        hi = np.trunc(prev / 127773).astype(np.int64)  # C division truncates towards zero
         lo = prev - hi * 127773
         word = 16807 * lo - 2836 * hi
         r[i] = np.where(word < 0, word + 2147483647, word)
