@@ -20,10 +20,7 @@ from pathlib import Path
 import numpy as np
 import starfile
 
-
-def _first_below(curve: np.ndarray, threshold: float) -> int:
-    below = np.flatnonzero(curve[1:] < threshold)
-    return int(below[0]) + 1 if below.size else len(curve)
+from napari_gpu_relion.compute.schedule import fsc_crossing
 
 
 def iterations(root: Path) -> dict[int, dict]:
@@ -36,7 +33,7 @@ def iterations(root: Path) -> dict[int, dict]:
         out[it] = {"current_resolution_A": float(gen["rlnCurrentResolution"]),
                    "image_size": int(gen["rlnCurrentImageSize"]), "fsc": fsc,
                    "ssnr": cls["rlnSsnrMap"].to_numpy(np.float64),
-                   "fsc_below_0.5": _first_below(fsc, 0.5), "fsc_below_0.143": _first_below(fsc, 0.143)}
+                   "fsc_below_0.5": fsc_crossing(fsc, 0.5), "fsc_below_0.143": fsc_crossing(fsc, 0.143)}
     return out
 
 

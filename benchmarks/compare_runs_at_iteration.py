@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import mrcfile
 import numpy as np
 import starfile
 
-from napari_gpu_relion.compute.geometry import angular_distance_deg, euler_to_matrix
-
-ANGLES = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vs_relion  # noqa: E402
 
 
 def _load(root: str, it: int):
@@ -48,8 +48,7 @@ def main(argv=None) -> None:
         name, root = item.split("=", 1)
         m, mp = _load(root, a.it)
         mp = mp.loc[gp.index]
-        d = angular_distance_deg(euler_to_matrix(*(mp[c].to_numpy() for c in ANGLES)),
-                                 euler_to_matrix(*(gp[c].to_numpy() for c in ANGLES)))
+        d, _ = vs_relion.pose_differences(mp, gp)
         row = {"map_rms_difference": [float(norm(x - y) / norm(y)) for x, y in zip(m, g, strict=True)],
                "class_difference_map_rms_difference":
                    float(norm((m[0] - m[1]) - (g[0] - g[1])) / norm(g[0] - g[1])) if len(g) > 1 else None,
