@@ -306,7 +306,10 @@ def relion_command(a, job: str, root: str) -> str:
         opts += " " + a.relion_extra
     if job == "class2d":
         opts += " --center_classes"
-    mpirun = "rl mpirun --allow-run-as-root -x LD_LIBRARY_PATH -n {} $RELION_BIN/relion_refine_mpi "
+    # On a machine with fewer cores than ranks (the 2-core VM: RELION's leader rank is idle while 2 followers work),
+    # Open MPI refuses to start without oversubscription.
+    over = "--map-by :OVERSUBSCRIBE " if a.cpu else ""
+    mpirun = "rl mpirun --allow-run-as-root " + over + "-x LD_LIBRARY_PATH -n {} $RELION_BIN/relion_refine_mpi "
     if job == "refine3d":  # one leader and two followers (one per half) at least
         return mpirun.format(max(3, a.relion_ranks)) + opts + " --auto_refine --split_random_halves"
     if a.relion_ranks > 1:
