@@ -575,7 +575,11 @@ def test_expectation_batch_equals_brute_force(name):
     if case.max_union_bytes is not None:  # the case runs its fine passes in several particle groups
         assert 1 < res.union_groups <= I, res.union_groups
         assert case.max_union_bytes == 1 or res.union_groups < I, res.union_groups
+    assert res.memory_note == ""
+    _assert_equals_brute_force(res, sums, want)
 
+
+def _assert_equals_brute_force(res, sums, want) -> None:
     # per-particle results
     np.testing.assert_array_equal(res.nr_significant, want.nr_significant)
     np.testing.assert_array_equal(res.classes, want.classes)
@@ -660,3 +664,69 @@ def test_union_groups_by_hand():
     # 6 rows: ranks 0-2 make {0,1,2}, rank 3 would make 7: a new group {3,4,5,6}, to which rank 4 adds {2}: 5 rows
     assert plan_union_groups(start, index, 7, per_row, 6 * per_row) == [(0, 3), (3, 5)]
     assert plan_union_groups(start, index, 7, per_row, 1) == [(r, r + 1) for r in range(5)]
+
+
+class OutOfMemoryError(Exception):
+    """Stands for CuPy's (is_out_of_memory goes by the class name)."""
+
+
+@pytest.mark.parametrize("name", ["global", "local_class_prior_union_groups", "class2d_offset_priors"])
+def test_out_of_memory_in_the_fine_pass_runs_smaller_with_the_brute_force_result(name, monkeypatch):
+    """Memory runs out in every fine chunk of more than one particle, after that chunk's first particle has
+    added its sums (per particle, per class, the union's slices), and in the first union of each group size:
+    the groups run again with smaller chunks (then split in two), and the results and the M-step sums are still
+    the brute force's; the batch says what ran smaller. A one-particle group with nothing left to shrink runs
+    once more as it was (the freed pool may have room)."""
+    from napari_gpu_relion.compute import estep
+
+    case = CASES[name]
+    want = _brute(case)
+    real_chunk, real_slices = estep._fine_chunk, estep._with_union_slices
+    failed_unions: set[int] = set()
+
+    def chunk(b, rows, fine, acc, a0, a1):
+        if a1 - a0 > 1:
+            real_chunk(b, rows, fine, acc, a0, a0 + 1)  # a partial chunk: its sums must not survive the retry
+            raise OutOfMemoryError("out of memory allocating 1,073,741,824 bytes")
+        real_chunk(b, rows, fine, acc, a0, a1)
+
+    def slices(b, fine, union_rows):
+        if len(union_rows) not in failed_unions:
+            failed_unions.add(len(union_rows))
+            raise OutOfMemoryError("out of memory allocating 2,147,483,648 bytes")
+        return real_slices(b, fine, union_rows)
+
+    monkeypatch.setattr(estep, "_fine_chunk", chunk)
+    monkeypatch.setattr(estep, "_with_union_slices", slices)
+    res, sums = _run(case)
+    assert res.memory_note and len(failed_unions) >= 1, res.memory_note
+    assert ("halved 0" not in res.memory_note) == (case.max_fine_bytes is None), res.memory_note
+    _assert_equals_brute_force(res, sums, want)
+
+
+def test_out_of_memory_after_the_sums_grew_stops_the_batch_without_a_retry(monkeypatch):
+    """Memory runs out while a group inserts its slices: the sums already hold part of the batch, so the error
+    is SumsAlreadyAddedError, which the batch loop does not retry (a retry would count the part twice)."""
+    from napari_gpu_relion.compute import estep
+    from napari_gpu_relion.compute.backend import SumsAlreadyAddedError, is_out_of_memory
+    from napari_gpu_relion.jobs.common import batched_with_oom_retry
+
+    def insert(*args, **kwargs):
+        raise OutOfMemoryError("out of memory allocating 1,073,741,824 bytes")
+
+    monkeypatch.setattr(estep, "_insert_summed_slices", insert)
+    with pytest.raises(SumsAlreadyAddedError, match="smaller --batch") as info:
+        _run(CASES["global"])
+    assert not is_out_of_memory(info.value)
+    calls = []
+
+    def work(i, j):
+        calls.append((i, j))
+        raise info.value
+
+    class _Be:
+        is_gpu = False
+
+    with pytest.raises(SumsAlreadyAddedError):
+        list(batched_with_oom_retry(8, 8, work, _Be()))
+    assert calls == [(0, 8)]

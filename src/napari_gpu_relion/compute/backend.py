@@ -383,8 +383,23 @@ def plan_memory(free_bytes: int, *, box: int, ndim: int, pad: int, n_references:
                       union)
 
 
+class SumsAlreadyAddedError(RuntimeError):
+    """Memory ran out after an E-step batch had added part of its sums: the batch cannot be run again with fewer
+    particles (its first part would count twice), so the job stops with this line instead of a wrong result."""
+
+
+def free_pool(xp) -> None:
+    """Give CuPy's cached device blocks back to the driver (nothing on the CPU): after an out-of-memory error,
+    before the smaller retry."""
+    if xp is not np:
+        xp.get_default_memory_pool().free_all_blocks()
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
-    """True for a GPU or host out-of-memory error (CuPy's OutOfMemoryError is a MemoryError)."""
+    """True for a GPU or host out-of-memory error (CuPy's OutOfMemoryError is a MemoryError), not for
+    SumsAlreadyAddedError (which must not be retried)."""
+    if isinstance(exc, SumsAlreadyAddedError):
+        return False
     if isinstance(exc, MemoryError):
         return True
     return type(exc).__name__ in ("OutOfMemoryError", "CUFFT_ALLOC_FAILED") or "out of memory" in str(exc).lower()

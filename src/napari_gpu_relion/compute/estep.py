@@ -17,7 +17,11 @@ each significant coarse sample; non-candidates are masked with a log-prior of -i
    ``_with_union_slices`` (the slices of all children of the group's union), ``plan_fine_chunks`` (which
    particles form each fine-pass chunk, bounded by the memory budget), ``_fine_chunk`` (scores, weights, best
    samples and weighted sums of one chunk, into ``_FineSums``), ``_insert_summed_slices`` (one insertion per
-   distinct fine orientation of the group into the class back-projectors) and ``_add_row_sums``.
+   distinct fine orientation of the group into the class back-projectors) and ``_add_row_sums``. Out of memory
+   in a group's fine passes (another process took the device memory after the plan was made): the group has
+   added nothing yet, so it runs again with half the fine-chunk budget, then split in two, down to one particle.
+   Out of memory once a group has added to the sums raises SumsAlreadyAddedError (a retry of the batch would
+   count them twice).
 4. ``_add_power_beyond_fine``: the image power of the shells beyond the fine size (noise and norm terms).
 5. ``_best_poses`` and ``_add_mstep_sums``: the per-particle results and the sums for the M-step.
 """
@@ -32,9 +36,12 @@ import numpy as np
 from .backend import (
     CHUNK_BYTES,
     INSERT_CHUNK_POINTS,
+    SumsAlreadyAddedError,
     fine_bytes_per_particle,
     fine_bytes_per_sample,
+    free_pool,
     get_array_module,
+    is_out_of_memory,
     matmul_tf32,
     memory_mark,
     to_host,
@@ -192,6 +199,7 @@ class BatchResult:
     log_likelihood: np.ndarray
     residual_power: np.ndarray  # (I,) E_i for the norm correction
     union_groups: int = 1  # particle groups of the fine passes (more than 1: the union exceeded union_bytes)
+    memory_note: str = ""  # what ran smaller after out-of-memory in the fine passes ("": nothing)
 
 
 @dataclass
@@ -297,28 +305,86 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
     union_groups = plan_union_groups(rows.start, rows.union_index, rows.n_union,
                                      n_children * union_bytes_per_orientation(setup.pix_fine.npix),
                                      setup.max_union_bytes)
-    for g0, g1 in union_groups:
+    pending, done, fine_budget, halvings, splits = union_groups[::-1], 0, setup.max_fine_bytes, 0, 0
+    failed: set[tuple[int, int, int]] = set()  # (g0, g1, budget) that ran out of memory once
+    while pending:
+        g0, g1 = pending.pop()
+        done_group = _fine_passes(batch, rows, fine, acc, counts_sorted, g0, g1, fine_budget, n_fine_translations)
+        if done_group is None:
+            # out of memory before this group added anything: smaller fine chunks, else a smaller group, else
+            # once more as it was (the freed pool may now have room), else give up
+            chunks = plan_fine_chunks(counts_sorted[g0:g1], n_children, n_fine_translations,
+                                      setup.pix_fine.npix, fine_budget)
+            if len(chunks) < g1 - g0:
+                fine_budget, halvings = max(1, fine_budget // 2), halvings + 1
+                pending.append((g0, g1))
+            elif g1 - g0 > 1:
+                mid, splits = (g0 + g1) // 2, splits + 1
+                pending += [(mid, g1), (g0, mid)]
+            elif (g0, g1, fine_budget) not in failed:
+                failed.add((g0, g1, fine_budget))
+                pending.append((g0, g1))
+            else:
+                raise MemoryError("out of memory in the fine pass of one particle alone, twice")
+            continue
+        try:  # from here on the batch adds to the sums: a retry of the whole batch would count them twice
+            _insert_summed_slices(batch, *done_group, acc, sums)
+            _add_row_sums(batch, done_group[0], acc, sums)
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                raise SumsAlreadyAddedError(f"memory ran out while inserting particle group {done + 1} of a batch "
+                                            f"({exc}); restart the job with a smaller --batch") from exc
+            raise
+        finally:
+            acc.drop_union()
+            done_group = None
+        done += 1
+        memory_mark("E-step: insertion")
+    try:
+        _add_power_beyond_fine(batch, acc, sums.n_shells)
+        check()
+        result = _best_poses(batch, fine, acc, coarse)
+        result.union_groups = done
+        if halvings or splits:
+            result.memory_note = (f"fine-chunk budget halved {halvings} time(s) to {fine_budget / 1024**2:.2f} MiB, "
+                                  f"{splits} particle group(s) split in two")
+        _add_mstep_sums(batch, acc, sums, groups, scale_group_index)
+    except Exception as exc:
+        if is_out_of_memory(exc) and done:
+            raise SumsAlreadyAddedError(f"memory ran out after a batch had added its slices ({exc}); restart the "
+                                        "job with a smaller --batch") from exc
+        raise
+    return result
+
+
+def _fine_passes(batch: _Batch, rows: _SignificantRows, fine: _FineData, acc: _FineSums, counts_sorted,
+                 g0: int, g1: int, fine_budget: int, n_fine_translations: int):
+    """The fine chunks of the particles of ranks g0..g1-1 (one group) into ``acc``; returns the group and its
+    union's slices for the insertion. None when memory ran out: the group added nothing
+    anywhere (its particles' own sums are rewritten by a retry, the per-class offset moments are restored and
+    the union dropped), so the caller can run it again smaller."""
+    setup = batch.setup
+    moments = acc.offset_moments.copy()
+    try:
         group = rows.group(g0, g1)
         gfine = _with_union_slices(batch, fine, group.union_rows_host)
         acc.new_union(batch, group.n_union * gfine.n_children, group.n_union, setup.pix_fine.npix)
         memory_mark("E-step: fine slices and sums of the union of significant orientations")
         for a0, a1 in plan_fine_chunks(counts_sorted[g0:g1], gfine.n_children, n_fine_translations,
-                                       setup.pix_fine.npix, setup.max_fine_bytes):
-            check()  # a cancel stops the job: the sums of this batch are not used (earlier groups' may be in)
+                                       setup.pix_fine.npix, fine_budget):
+            (setup.check_cancel or _no_cancel)()  # a cancel stops the job: this batch's sums are not used
             _fine_chunk(batch, group, gfine, acc, g0 + a0, g0 + a1)
-        check()
+        (setup.check_cancel or _no_cancel)()
         memory_mark("E-step: fine passes")
-        _insert_summed_slices(batch, group, gfine, acc, sums)
-        _add_row_sums(batch, group, acc, sums)
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
         acc.drop_union()
-        del gfine
-        memory_mark("E-step: insertion")
-    _add_power_beyond_fine(batch, acc, sums.n_shells)
-    check()
-    result = _best_poses(batch, fine, acc, coarse)
-    result.union_groups = len(union_groups)
-    _add_mstep_sums(batch, acc, sums, groups, scale_group_index)
-    return result
+        acc.offset_moments[...] = moments
+        group = gfine = None
+        free_pool(batch.xp)
+        return None
+    return group, gfine
 
 
 def _no_cancel() -> None:

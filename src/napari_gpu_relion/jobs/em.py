@@ -795,6 +795,7 @@ def run_estep(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, sums: EStepS
     sig2_host = to_host(setup.sigma2)
     K = len(setup.refs)
     split = []  # union groups of the batches whose union of significant orientations exceeded the plan's budget
+    shrinks: list[str] = []  # what the fine passes ran smaller after out-of-memory (expectation_batch)
 
     def work(i0: int, i1: int) -> None:
         r = rows[i0:i1]
@@ -823,11 +824,17 @@ def run_estep(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, sums: EStepS
         ps.residual_power[r] = res.residual_power
         if res.union_groups > 1:
             split.append(res.union_groups)
+        if res.memory_note:
+            shrinks.append(res.memory_note)
 
     for item in batched_with_oom_retry(n, batch, work, be):
         if isinstance(item, Message):
             yield item
         else:
+            if shrinks:
+                yield Message(f"  {stage}: out of memory in the fine pass; it ran on smaller: " + "; ".join(shrinks),
+                              "warning")
+                shrinks.clear()
             yield Progress(item[0], item[1], stage)
     if split:
         yield Message(f"  {stage}: the union of significant orientations of {len(split)} batch(es) exceeded "
