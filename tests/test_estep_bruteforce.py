@@ -730,3 +730,31 @@ def test_out_of_memory_after_the_sums_grew_stops_the_batch_without_a_retry(monke
     with pytest.raises(SumsAlreadyAddedError):
         list(batched_with_oom_retry(8, 8, work, _Be()))
     assert calls == [(0, 8)]
+
+
+def test_out_of_memory_for_one_particle_twice_is_retryable_only_before_any_group_was_added(monkeypatch):
+    """A particle whose fine pass runs out of memory even alone and twice: with no group added yet the batch loop
+    may retry a smaller batch (an out-of-memory error); once an earlier group is in the sums it may not
+    (SumsAlreadyAddedError)."""
+    from napari_gpu_relion.compute import estep
+    from napari_gpu_relion.compute.backend import SumsAlreadyAddedError, is_out_of_memory
+
+    real_chunk = estep._fine_chunk
+    seen: list[int] = []
+
+    def chunk_failing_from(first_bad: int):
+        def chunk(b, rows, fine, acc, a0, a1):
+            seen.append(a0)
+            if a0 >= first_bad:
+                raise OutOfMemoryError("out of memory allocating 1,073,741,824 bytes")
+            real_chunk(b, rows, fine, acc, a0, a1)
+        return chunk
+
+    monkeypatch.setattr(estep, "_fine_chunk", chunk_failing_from(0))  # the first group (one particle) fails
+    with pytest.raises(MemoryError) as first:
+        _run(CASES["global_union_groups"])
+    assert is_out_of_memory(first.value) and not isinstance(first.value, SumsAlreadyAddedError)
+    assert seen == [0, 0]  # tried twice, as it was
+    monkeypatch.setattr(estep, "_fine_chunk", chunk_failing_from(2))  # the third group fails; two are in the sums
+    with pytest.raises(SumsAlreadyAddedError):
+        _run(CASES["global_union_groups"])

@@ -324,7 +324,10 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
             elif (g0, g1, fine_budget) not in failed:
                 failed.add((g0, g1, fine_budget))
                 pending.append((g0, g1))
-            else:
+            elif done:  # earlier groups are in the sums: the batch must not be run again
+                raise SumsAlreadyAddedError("memory ran out twice in the fine pass of one particle, after part of the "
+                                            "batch was added to the sums; restart the job with a smaller --batch")
+            else:  # nothing added yet: the batch loop may run a smaller batch
                 raise MemoryError("out of memory in the fine pass of one particle alone, twice")
             continue
         try:  # from here on the batch adds to the sums: a retry of the whole batch would count them twice
