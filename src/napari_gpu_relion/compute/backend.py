@@ -422,7 +422,7 @@ def device_pool_line(be: Backend) -> str:
 def free_cached_memory(be: Backend) -> None:
     """Give CuPy's cached blocks back to the driver (at job end)."""
     if be.is_gpu:
-        be.xp.get_default_memory_pool().free_all_blocks()
+        free_pool(be.xp)
         be.xp.get_default_pinned_memory_pool().free_all_blocks()
 
 

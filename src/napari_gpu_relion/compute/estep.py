@@ -309,7 +309,8 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
     failed: set[tuple[int, int, int]] = set()  # (g0, g1, budget) that ran out of memory once
     while pending:
         g0, g1 = pending.pop()
-        done_group = _fine_passes(batch, rows, fine, acc, counts_sorted, g0, g1, fine_budget, n_fine_translations)
+        done_group = _fine_passes(batch, rows, fine, acc, counts_sorted, g0, g1, fine_budget, n_fine_translations,
+                                  check)
         if done_group is None:
             # out of memory before this group added anything: smaller fine chunks, else a smaller group, else
             # once more as it was (the freed pool may now have room), else give up
@@ -338,7 +339,7 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
                 raise SumsAlreadyAddedError(f"memory ran out while inserting particle group {done + 1} of a batch "
                                             f"({exc}); restart the job with a smaller --batch") from exc
             raise
-        finally:
+        finally:  # the union's slices and sums go before the next group allocates its own
             acc.drop_union()
             done_group = None
         done += 1
@@ -361,7 +362,7 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
 
 
 def _fine_passes(batch: _Batch, rows: _SignificantRows, fine: _FineData, acc: _FineSums, counts_sorted,
-                 g0: int, g1: int, fine_budget: int, n_fine_translations: int):
+                 g0: int, g1: int, fine_budget: int, n_fine_translations: int, check: Callable[[], None]):
     """The fine chunks of the particles of ranks g0..g1-1 (one group) into ``acc``; returns the group and its
     union's slices for the insertion. None when memory ran out: the group added nothing
     anywhere (its particles' own sums are rewritten by a retry, the per-class offset moments are restored and
@@ -375,16 +376,16 @@ def _fine_passes(batch: _Batch, rows: _SignificantRows, fine: _FineData, acc: _F
         memory_mark("E-step: fine slices and sums of the union of significant orientations")
         for a0, a1 in plan_fine_chunks(counts_sorted[g0:g1], gfine.n_children, n_fine_translations,
                                        setup.pix_fine.npix, fine_budget):
-            (setup.check_cancel or _no_cancel)()  # a cancel stops the job: this batch's sums are not used
+            check()  # a cancel stops the job: this batch's sums are not used
             _fine_chunk(batch, group, gfine, acc, g0 + a0, g0 + a1)
-        (setup.check_cancel or _no_cancel)()
+        check()
         memory_mark("E-step: fine passes")
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise
         acc.drop_union()
         acc.offset_moments[...] = moments
-        group = gfine = None
+        group = gfine = None  # so that the pool can give their blocks back
         free_pool(batch.xp)
         return None
     return group, gfine
