@@ -426,21 +426,50 @@ def test_ui_stays_responsive_while_a_job_runs(make_napari_viewer, qtbot, tmp_pat
     np.testing.assert_array_equal(display.map_layer("toy_map").metadata["volume"], _blob(48, 29))
 
 
-def test_jobs_run_with_frozen_objects_and_frequent_small_full_collections():
-    """While jobs run, the objects alive at the start are frozen and the oldest generation is collected after
-    every middle one (small pauses instead of one 0.1-0.2 s pause per second); both are undone after the last
-    job, and nested blocks keep them until the outermost ends."""
+def test_while_jobs_run_full_collections_come_in_gui_turns_of_their_own(qtbot):
+    """While jobs run, the objects alive at the start are frozen and CPython makes no full collection by itself
+    (one that starts inside a display update adds 20-90 ms to it); a GUI timer collects the garbage in cycles
+    instead, never within GC_GAP_AFTER_UPDATE of a display update, and a display update waits as long after a
+    collection. All is undone after the last job; nested blocks keep it until the outermost ends."""
     import gc
+    import weakref
 
-    from napari_gpu_relion.widgets.runner import frozen_gc
+    from napari_gpu_relion.widgets import runner
+
+    class Node:
+        pass
+
+    def cycle() -> weakref.ref:
+        """A reference cycle that becomes garbage only once it is in the oldest generation."""
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        for _ in range(2):
+            gc.collect(1)  # a young collection moves survivors up a generation
+        return weakref.ref(a)
 
     before = gc.get_threshold()
-    with frozen_gc():
-        assert gc.get_freeze_count() > 0 and gc.get_threshold() == (before[0], before[1], 1)
-        with frozen_gc():
+    with runner.frozen_gc():
+        assert gc.get_freeze_count() > 0 and gc.get_threshold()[:2] == before[:2]
+        assert gc.get_threshold()[2] > 10**6  # no automatic full collection
+        ref = cycle()
+        for _ in range(3):
+            gc.collect(1)  # young collections cannot free it
+        assert ref() is not None
+        qtbot.waitUntil(lambda: ref() is None, timeout=int(4 * runner.GC_INTERVAL * 1000))
+        assert 0 < runner.wait_after_collection() <= runner.GC_GAP_AFTER_UPDATE
+
+        # a display update just now: the collection waits GC_GAP_AFTER_UPDATE after it
+        ref = cycle()
+        busy_from = time.monotonic()
+        runner.note_gui_busy(3 * runner.GC_INTERVAL)
+        qtbot.waitUntil(lambda: ref() is None, timeout=int(8 * runner.GC_INTERVAL * 1000))
+        assert time.monotonic() - busy_from >= 3 * runner.GC_INTERVAL + runner.GC_GAP_AFTER_UPDATE - 0.005
+
+        with runner.frozen_gc():
             pass
-        assert gc.get_threshold()[2] == 1 and gc.get_freeze_count() > 0
+        assert gc.get_threshold()[2] > 10**6 and gc.get_freeze_count() > 0
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    assert not runner._gc_timer.isActive()  # no timer collects outside jobs
 
 
 # ----------------------------------------------------------------------------------------------------------

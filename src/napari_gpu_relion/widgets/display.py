@@ -75,7 +75,7 @@ from .display_model import (
 from .per_viewer import one_per_viewer
 from .pick_model import MANUAL_PICK_VALUE, PickModel
 from .plots import AngularDistributionPlot, FscPlot
-from .runner import frozen_gc
+from .runner import frozen_gc, note_gui_busy, wait_after_collection
 from .style import (
     EXTRACTION_BOX_BORDER_WIDTH,
     EXTRACTION_BOX_COLOR,
@@ -294,11 +294,17 @@ class LiveDisplay:
 
     def _tick(self) -> None:
         """Timer-driven refresh: one item per event-loop turn, and the GUI thread spends at most about a third
-        of its time on job results (the next refresh waits twice as long as this one took)."""
+        of its time on job results (the next refresh waits twice as long as this one took), and never right after
+        a full garbage collection (runner.py collects in turns of its own while jobs run)."""
         if self.viewer is None or not self.pending:
+            return
+        wait = wait_after_collection()
+        if wait > 0:
+            self._schedule(wait)
             return
         t0 = time.monotonic()
         self._apply_one()
+        note_gui_busy()
         cost = time.monotonic() - t0
         self._next_allowed = time.monotonic() + max(self.min_interval, 2.0 * cost)
         if self.pending:

@@ -39,13 +39,15 @@ from typing import Any
 
 from napari.qt.threading import GeneratorWorker, create_worker
 from napari.utils.notifications import show_error
+from qtpy.QtCore import QTimer
 from qtpy.QtWidgets import QApplication
 
 from ..errors import InputError, JobCancelled, os_error_line
 from ..jobs.common import cancel_scope
 from ..jobs.events import Finished, Message, Progress, Started
 
-__all__ = ["JobError", "JobState", "Job", "JobRunner", "get_runner", "close_all_runners", "error_message", "frozen_gc"]
+__all__ = ["JobError", "JobState", "Job", "JobRunner", "get_runner", "close_all_runners", "error_message", "frozen_gc",
+           "note_gui_busy", "wait_after_collection"]
 
 log = logging.getLogger(__name__)
 
@@ -443,18 +445,37 @@ class JobRunner:
 
 _gc_depth = 0
 _gc_threshold: tuple[int, ...] | None = None
+_gc_timer: Any = None
+_gui_busy_until = 0.0
+_collected_at = 0.0
+
+#: While jobs run, full collections run on the GUI thread every this many seconds, in an event-loop turn of their
+#: own (s).
+GC_INTERVAL = 0.25
+#: A collection waits this long after the display's last update, and the display this long after a collection,
+#: so that the two never follow each other in one stall (s).
+GC_GAP_AFTER_UPDATE = 0.06
+_NO_AUTOMATIC_FULL_COLLECTION = 1 << 30
 
 
 def _gc_freeze() -> None:
     """Move all objects alive now out of the collector's reach while jobs run (nested, GUI thread only), and
-    collect the oldest generation after every collection of the middle one: the viewer's updates leave tens of
-    thousands of objects in reference cycles per second, and CPython's default (a full collection after ten
-    middle ones) frees them in one 0.12-0.14 s pause every few seconds; this way it is 20-40 ms about once a second."""
-    global _gc_depth, _gc_threshold
+    take full collections out of CPython's hands: the viewer's updates leave tens of thousands of objects in
+    reference cycles per second, and an automatic full collection frees them wherever it happens to start, on
+    top of a display update (20-90 ms more on a 2-core machine). Here a GUI timer collects every
+    ``GC_INTERVAL`` in an event-loop turn of its own, never right after a display update (see
+    :func:`note_gui_busy`). Young collections stay automatic."""
+    global _gc_depth, _gc_threshold, _gc_timer
     if _gc_depth == 0:
         gc.freeze()
         _gc_threshold = gc.get_threshold()
-        gc.set_threshold(_gc_threshold[0], _gc_threshold[1], 1)
+        gc.set_threshold(_gc_threshold[0], _gc_threshold[1], _NO_AUTOMATIC_FULL_COLLECTION)
+        if _gc_timer is None and QApplication.instance() is not None:
+            _gc_timer = QTimer()
+            _gc_timer.setSingleShot(True)
+            _gc_timer.timeout.connect(_collect_turn)
+        if _gc_timer is not None:
+            _gc_timer.start(int(GC_INTERVAL * 1000))
     _gc_depth += 1
 
 
@@ -462,10 +483,39 @@ def _gc_unfreeze() -> None:
     global _gc_depth, _gc_threshold
     _gc_depth = max(0, _gc_depth - 1)
     if _gc_depth == 0:
+        if _gc_timer is not None:
+            _gc_timer.stop()
         if _gc_threshold is not None:
             gc.set_threshold(*_gc_threshold)
             _gc_threshold = None
         gc.unfreeze()
+
+
+def note_gui_busy(seconds: float = 0.0) -> None:
+    """Tell the collector that the GUI thread has just done (or is about to do, for ``seconds``) heavy work: the
+    next full collection waits ``GC_GAP_AFTER_UPDATE`` after it."""
+    global _gui_busy_until
+    _gui_busy_until = max(_gui_busy_until, time.monotonic() + seconds)
+
+
+def _collect_turn() -> None:
+    """The timer's turn: a full collection of the objects made since the jobs started (the rest are frozen),
+    unless the display has just updated, then a little later."""
+    if _gc_depth == 0 or _gc_timer is None:
+        return
+    wait = _gui_busy_until + GC_GAP_AFTER_UPDATE - time.monotonic()
+    if wait > 0:
+        _gc_timer.start(max(1, int(wait * 1000)))
+        return
+    global _collected_at
+    gc.collect()
+    _collected_at = time.monotonic()
+    _gc_timer.start(int(GC_INTERVAL * 1000))
+
+
+def wait_after_collection() -> float:
+    """Seconds a display update should still wait so as not to follow the last full collection at once (s)."""
+    return max(0.0, _collected_at + GC_GAP_AFTER_UPDATE - time.monotonic())
 
 
 @contextlib.contextmanager
