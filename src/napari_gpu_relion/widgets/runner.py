@@ -499,8 +499,9 @@ def note_gui_busy(seconds: float = 0.0) -> None:
 
 
 def _collect_turn() -> None:
-    """The timer's turn: a full collection of the objects made since the jobs started (the rest are frozen),
-    unless the display has just updated, then a little later."""
+    """The timer's turn: a full collection of the objects made since the jobs started (the rest are frozen) when
+    CPython's own rule with a last threshold of 1 would have made one by now (a middle-generation collection since
+    the last full one), unless the display has just updated, then a little later."""
     if _gc_depth == 0 or _gc_timer is None:
         return
     wait = _gui_busy_until + GC_GAP_AFTER_UPDATE - time.monotonic()
@@ -508,8 +509,9 @@ def _collect_turn() -> None:
         _gc_timer.start(max(1, int(wait * 1000)))
         return
     global _collected_at
-    gc.collect()
-    _collected_at = time.monotonic()
+    if gc.get_count()[2] > 0:  # a middle-generation collection since the last full one: CPython would collect now
+        gc.collect()
+        _collected_at = time.monotonic()
     _gc_timer.start(int(GC_INTERVAL * 1000))
 
 
