@@ -429,10 +429,13 @@ def test_ui_stays_responsive_while_a_job_runs(make_napari_viewer, qtbot, tmp_pat
 def test_while_jobs_run_full_collections_come_in_gui_turns_of_their_own(qtbot):
     """While jobs run, the objects alive at the start are frozen and CPython makes no full collection by itself
     (one that starts inside a display update adds 20-90 ms to it); a GUI timer collects the garbage in cycles
-    instead, never within GC_GAP_AFTER_UPDATE of a display update, and a display update waits as long after a
-    collection. All is undone after the last job; nested blocks keep it until the outermost ends."""
+    instead, never within GC_GAP_AFTER_UPDATE of a display update unless updates in a row put it off GC_MAX_DELAY,
+    and a display update waits GC_GAP_AFTER_UPDATE after a collection. All is undone after the last job; nested
+    blocks keep it until the outermost ends."""
     import gc
     import weakref
+
+    from qtpy.QtCore import QTimer
 
     from napari_gpu_relion.widgets import runner
 
@@ -464,6 +467,19 @@ def test_while_jobs_run_full_collections_come_in_gui_turns_of_their_own(qtbot):
         runner.note_gui_busy(3 * runner.GC_INTERVAL)
         qtbot.waitUntil(lambda: ref() is None, timeout=int(8 * runner.GC_INTERVAL * 1000))
         assert time.monotonic() - busy_from >= 3 * runner.GC_INTERVAL + runner.GC_GAP_AFTER_UPDATE - 0.005
+
+        # display updates in a row (every 30 ms) put it off, but at most GC_MAX_DELAY
+        busy = QTimer()
+        busy.setInterval(30)
+        busy.timeout.connect(lambda: runner.note_gui_busy())
+        ref = cycle()
+        busy_from = time.monotonic()
+        busy.start()
+        try:
+            qtbot.waitUntil(lambda: ref() is None, timeout=int(4 * (runner.GC_MAX_DELAY + runner.GC_INTERVAL) * 1000))
+        finally:
+            busy.stop()
+        assert runner.GC_MAX_DELAY - 0.005 <= time.monotonic() - busy_from
 
         with runner.frozen_gc():
             pass

@@ -448,6 +448,7 @@ _gc_threshold: tuple[int, ...] | None = None
 _gc_timer: Any = None
 _gui_busy_until = 0.0
 _collected_at = 0.0
+_gc_put_off_since: float | None = None
 
 #: While jobs run, full collections run on the GUI thread every this many seconds, in an event-loop turn of their
 #: own (s).
@@ -455,6 +456,8 @@ GC_INTERVAL = 0.25
 #: A collection waits this long after the display's last update, and the display this long after a collection,
 #: so that the two never follow each other in one stall (s).
 GC_GAP_AFTER_UPDATE = 0.06
+#: A collection put off by display updates in a row waits at most this long (s).
+GC_MAX_DELAY = 1.0
 _NO_AUTOMATIC_FULL_COLLECTION = 1 << 30
 
 
@@ -501,14 +504,20 @@ def note_gui_busy(seconds: float = 0.0) -> None:
 def _collect_turn() -> None:
     """The timer's turn: a full collection of the objects made since the jobs started (the rest are frozen) when
     CPython's own rule with a last threshold of 1 would have made one by now (a middle-generation collection since
-    the last full one), unless the display has just updated, then a little later."""
+    the last full one), unless the display has just updated, then a little later; but never later than
+    ``GC_MAX_DELAY`` after it was first put off (display updates in a row must not starve it)."""
+    global _collected_at, _gc_put_off_since
     if _gc_depth == 0 or _gc_timer is None:
         return
-    wait = _gui_busy_until + GC_GAP_AFTER_UPDATE - time.monotonic()
+    now = time.monotonic()
+    wait = _gui_busy_until + GC_GAP_AFTER_UPDATE - now
     if wait > 0:
-        _gc_timer.start(max(1, int(wait * 1000)))
-        return
-    global _collected_at
+        if _gc_put_off_since is None:
+            _gc_put_off_since = now
+        if now - _gc_put_off_since < GC_MAX_DELAY:
+            _gc_timer.start(max(1, int(min(wait, GC_MAX_DELAY - (now - _gc_put_off_since)) * 1000)))
+            return
+    _gc_put_off_since = None
     if gc.get_count()[2] > 0:  # a middle-generation collection since the last full one: CPython would collect now
         gc.collect()
         _collected_at = time.monotonic()
