@@ -465,9 +465,9 @@ def _gc_freeze() -> None:
     """Move all objects alive now out of the collector's reach while jobs run (nested, GUI thread only), and
     take full collections out of CPython's hands: the viewer's updates leave tens of thousands of objects in
     reference cycles per second, and an automatic full collection frees them wherever it happens to start, on
-    top of a display update (20-90 ms more on a 2-core machine). Here a GUI timer collects every
-    ``GC_INTERVAL`` in an event-loop turn of its own, never right after a display update (see
-    :func:`note_gui_busy`). Young collections stay automatic."""
+    top of a display update (20-90 ms more on a 2-core machine). Here a GUI timer looks every ``GC_INTERVAL``
+    and makes the collection CPython would have made, in an event-loop turn of its own, not right after a
+    display update (see :func:`note_gui_busy`, :func:`_collect_turn`). Young collections stay automatic."""
     global _gc_depth, _gc_threshold, _gc_timer
     if _gc_depth == 0:
         gc.freeze()
@@ -483,11 +483,12 @@ def _gc_freeze() -> None:
 
 
 def _gc_unfreeze() -> None:
-    global _gc_depth, _gc_threshold
+    global _gc_depth, _gc_threshold, _gc_put_off_since
     _gc_depth = max(0, _gc_depth - 1)
     if _gc_depth == 0:
         if _gc_timer is not None:
             _gc_timer.stop()
+        _gc_put_off_since = None
         if _gc_threshold is not None:
             gc.set_threshold(*_gc_threshold)
             _gc_threshold = None
