@@ -474,6 +474,7 @@ def test_while_jobs_run_full_collections_come_in_gui_turns_of_their_own(qtbot):
         busy.timeout.connect(lambda: runner.note_gui_busy())
         ref = cycle()
         busy_from = time.monotonic()
+        runner.note_gui_busy()  # an update now, then every 30 ms
         busy.start()
         try:
             qtbot.waitUntil(lambda: ref() is None, timeout=int(4 * (runner.GC_MAX_DELAY + runner.GC_INTERVAL) * 1000))
