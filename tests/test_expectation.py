@@ -261,6 +261,34 @@ def test_class_offset_priors_split_identical_classes_as_the_priors_say():
     np.testing.assert_allclose(sums.sigma_offset, want, rtol=2e-3)
 
 
+def test_sample_log_prior_is_the_direct_float64_sum_and_gives_the_same_weights():
+    """A SampleLogPrior (table per particle, row group and column group, plus a per-column term) against a float64
+    loop over the samples, and posterior_weights with it against the same prior given as a full array."""
+    from napari_gpu_relion.compute.expectation import SampleLogPrior, posterior_weights
+
+    rng = np.random.default_rng(5)
+    I, A, rg, B, cg = 3, 4, 3, 5, 2
+    R, C = A * rg, B * cg
+    table = rng.normal(0.0, 2.0, (I, A, B))
+    table[0, 1, 2] = -np.inf
+    column = rng.normal(0.0, 1.0, (I, C))
+    lp = SampleLogPrior(table, row_group=rg, col_group=cg, column=column)
+    want = np.empty((I, R, C))
+    for i in range(I):
+        for r in range(R):
+            for c in range(C):
+                want[i, r, c] = table[i, r // rg, c // cg] + column[i, c]
+    assert np.array_equal(lp.full((I, R, C)), want)
+    shared = SampleLogPrior(table, row_group=rg, col_group=cg, column=column[:1])
+    assert np.array_equal(shared.full((I, R, C)), table.repeat(rg, 1).repeat(cg, 2) + column[:1, None, :])
+    assert np.array_equal(SampleLogPrior(table, rg, cg).full((I, R, C)), table.repeat(rg, 1).repeat(cg, 2))
+    d2 = rng.normal(50.0, 3.0, (I, R, C)).astype(np.float32)
+    w = posterior_weights(d2, lp, 0.99)
+    w0 = posterior_weights(d2, want, 0.99)
+    assert np.array_equal(w.w, w0.w) and np.array_equal(w.best, w0.best)
+    assert np.array_equal(w.log_evidence, w0.log_evidence) and (w.w[0].reshape(R, C)[rg:2 * rg, 4:6] == 0).all()
+
+
 @pytest.mark.parametrize("sharpness", [0.0, 0.05, 1.0, 5.0, 40.0])
 def test_significance_threshold_equals_the_full_sort(sharpness):
     """The candidate-only threshold gives exactly the k and w_sig of sorting every sample (flat to sharp

@@ -408,40 +408,72 @@ def test_images_kept_on_the_gpu_give_the_same_refinement_as_images_read_from_the
                                                                               (shift < 0.01).mean())
 
 
-@pytest.mark.parametrize("shape", [(7, 3, 70001), (64, 45, 2000), (5, 1, 13)])
+@pytest.mark.parametrize("shape", [(7, 3, 70001), (64, 45, 2000), (5, 1, 13), (6, 8, 96)])
 def test_fused_posterior_weights_give_the_array_codes_values(monkeypatch, shape):
-    """gpu_posterior's three passes against the array code on the same CuPy inputs: the same best sample and
-    top (bit for bit), p to float32 rounding, S to float64 rounding; with -inf priors (invalid samples), an exact
-    tie (the first index wins, as argmax), a row spanning several segments and a broadcast prior; and the whole
-    posterior_weights (significance included) the same."""
+    """gpu_posterior's passes against the array code on the same CuPy inputs, with a factored prior (a table per
+    particle, row group and column group plus a per-column term: the coarse and fine passes' form) and with a
+    full-array prior: the same best sample and top (bit for bit), p to float32 rounding, S to float64 rounding;
+    with -inf priors (invalid samples), an exact tie (the first index wins, as argmax) and rows spanning several
+    segments. The threshold's candidates (counted and packed by the kernel) are exactly the samples with p >= eps,
+    and the whole posterior_weights (sharp rows by their candidates, flat rows by the full sort, a maxsig cap, the
+    mask and the zeroed weights) is the array code's."""
     from napari_gpu_relion.compute import expectation, gpu_posterior
+    from napari_gpu_relion.compute.expectation import SampleLogPrior
 
     rng = np.random.default_rng(3)
-    I, T, M = shape
-    d2 = rng.normal(1.0e4, 30.0, shape).astype(np.float32)
-    lp = rng.normal(0.0, 2.0, (I, T, 1)) + rng.normal(0.0, 1.0, (1, 1, M))
-    lp[:, :, ::7] = -np.inf
-    j = int(np.argmax(lp[0].ravel() - d2[0].ravel()))
-    d2[0, -1, -1], lp[0, -1, -1] = d2[0].ravel()[j], lp[0].ravel()[j]  # row 0's best, tied at its last sample
-    d2, lp = cp.asarray(d2), cp.asarray(lp)
-    assert gpu_posterior.applies(d2, lp)
-    fused = expectation.normalised_weights(d2, lp)
-    monkeypatch.setattr(gpu_posterior, "ENABLED", False)
-    ref = expectation.normalised_weights(d2, lp)
-    p, best, top, S = (x.get() for x in fused)
-    p0, best0, top0, S0 = (x.get() for x in ref)
-    assert (best == best0).all() and (top == top0).all()
-    np.testing.assert_allclose(S, S0, rtol=1e-12)
-    np.testing.assert_allclose(p, p0, rtol=2e-7, atol=1e-12)
-    assert int((p0 == 0).sum()) >= I * T * (M // 7) and ((p == 0) == (p0 == 0)).all()
-    w0 = expectation.posterior_weights(d2, lp, 0.999)
-    monkeypatch.setattr(gpu_posterior, "ENABLED", True)
-    w = expectation.posterior_weights(d2, lp, 0.999)
-    assert (w.nr_significant == w0.nr_significant).all().item() and (w.significant == w0.significant).all().item()
-    np.testing.assert_allclose(w.log_evidence.get(), w0.log_evidence.get(), rtol=1e-12)
-    lp_b = cp.asarray(rng.normal(0.0, 2.0, (I, T, 1)))  # a prior broadcast over the last axis
-    fb = expectation.normalised_weights(d2, lp_b)
-    monkeypatch.setattr(gpu_posterior, "ENABLED", False)
-    rb = expectation.normalised_weights(d2, lp_b)
-    assert (fb[1] == rb[1]).all().item()
-    np.testing.assert_allclose(fb[0].get(), rb[0].get(), rtol=2e-7, atol=1e-12)
+    I, R, C = shape
+    rg, cg = (3 if R % 3 == 0 else R), (8 if C % 8 == 0 else C)
+    A, B = R // rg, C // cg
+    width = np.where(np.arange(I) % 3 == 1, 0.01, 30.0)[:, None, None]  # every third row flat, the others sharp
+    d2 = (1.0e4 + width * rng.normal(0.0, 1.0, shape)).astype(np.float32)
+    table = rng.normal(0.0, 2.0, (I, A, B))
+    table[:, :, 1::7] = -np.inf
+    column = rng.normal(0.0, 1.0, (1, C))
+    column[:, 2::7] = -np.inf
+    lp = SampleLogPrior(cp.asarray(table), rg, cg, cp.asarray(column))
+    full = lp.full(shape).get()
+    lw0 = full[0] - d2[0].astype(np.float64)
+    rb, cb = np.unravel_index(int(np.argmax(lw0)), (R, C))
+    twins = [r for r in (rb - 1, rb + 1) if 0 <= r < R and r // rg == rb // rg]  # rows of the same prior
+    tie = None
+    if twins:  # an exact tie of row 0's best with a sample of the same prior: the first index must win
+        d2[0, twins[0], cb] = d2[0, rb, cb]
+        tie = min(rb, twins[0]) * C + cb
+    d2 = cp.asarray(d2)
+    for prior in (lp, cp.asarray(full), SampleLogPrior(cp.asarray(table), rg, cg, cp.asarray(column).repeat(I, 0))):
+        assert gpu_posterior.applies(*expectation.as_sample_log_prior(d2, prior))
+        fused = expectation.normalised_weights(d2, prior)
+        monkeypatch.setattr(gpu_posterior, "ENABLED", False)
+        ref = expectation.normalised_weights(d2, prior)
+        monkeypatch.setattr(gpu_posterior, "ENABLED", True)
+        p, best, top, S = (x.get() for x in fused)
+        p0, best0, top0, S0 = (x.get() for x in ref)
+        assert (best == best0).all() and (top == top0).all()
+        assert tie is None or best[0] == tie
+        np.testing.assert_allclose(S, S0, rtol=1e-12)
+        np.testing.assert_allclose(p, p0, rtol=2e-7, atol=1e-12)
+        assert int((p0 == 0).sum()) >= I * R * (C // 8) and ((p == 0) == (p0 == 0)).all()
+    eps = expectation.candidate_floor(0.999, R * C)
+    p, _, _, _, counts, packed = gpu_posterior.fused_weights(d2, lp, eps, R * C // 4)
+    p, counts, packed = p.get(), counts.get(), packed.get()
+    for i in range(I):
+        want = np.sort(p[i][p[i] >= np.float32(eps)])
+        assert counts[i] == want.size
+        if want.size <= R * C // 4:
+            assert np.array_equal(np.sort(packed[i, :want.size]), want)
+    if R * C > 100:
+        assert (counts > R * C // 4).any() and (counts <= R * C // 4).any()  # both kinds of row are there
+    for maxsig, weights in ((-1, True), (-1, False), (5, True)):
+        monkeypatch.setattr(gpu_posterior, "ENABLED", False)
+        w0 = expectation.posterior_weights(d2, lp, 0.999, maxsig=maxsig, weights=weights)
+        monkeypatch.setattr(gpu_posterior, "ENABLED", True)
+        w = expectation.posterior_weights(d2, lp, 0.999, maxsig=maxsig, weights=weights)
+        assert (w.nr_significant == w0.nr_significant).all().item()
+        assert (w.significant == w0.significant).all().item() and (w.best == w0.best).all().item()
+        np.testing.assert_allclose(w.log_evidence.get(), w0.log_evidence.get(), rtol=1e-12)
+        np.testing.assert_allclose(w.pmax.get(), w0.pmax.get(), rtol=2e-7)
+        if weights:
+            np.testing.assert_allclose(w.w.get(), w0.w.get(), rtol=2e-7, atol=1e-12)
+            assert ((w.w > 0) == w.significant).all().item()
+        else:
+            assert w.w is None and w0.w is None

@@ -51,6 +51,7 @@ from .backprojector import insert_by_class
 from .ctf import CtfParams, ctf_from_frequencies
 from .expectation import (
     PixelSet,
+    SampleLogPrior,
     SliceSet,
     as_slices,
     fine_sums,
@@ -480,9 +481,10 @@ def _coarse_pass(b: _Batch, candidates, candidate_log_prior) -> _CoarseResult:
             diff2 = scores_shared(P, terms, setup.check_cancel)  # (I, T, K R)
         lp_orient = xp.zeros(K * R) if setup.log_pdf_direction is None else \
             xp.repeat(xp.asarray(setup.log_pdf_direction).reshape(-1), smp.n_psi)
-        log_prior = b.trans_prior_of_rows(b.log_trans_prior, xp.arange(K * R)[None, :]) + lp_orient[None, None, :]
+        table = b.log_trans_prior  # (I, T, 1 or K): per class where the prior mean is (columns are class-major)
         if class_prior is not None:
-            log_prior = log_prior + xp.repeat(class_prior, R, axis=1)[:, None, :]
+            table = table + class_prior[:, None, :]
+        log_prior = SampleLogPrior(table, col_group=K * R // table.shape[2], column=lp_orient[None, :])
         cand = None
     else:
         cand = xp.asarray(candidates)
@@ -495,7 +497,10 @@ def _coarse_pass(b: _Batch, candidates, candidate_log_prior) -> _CoarseResult:
         lp_orient = xp.where(valid, xp.asarray(candidate_log_prior), -np.inf)
         if class_prior is not None:
             lp_orient = lp_orient + xp.take_along_axis(class_prior, xp.maximum(cand, 0) // R, axis=1)
-        log_prior = b.trans_prior_of_rows(b.log_trans_prior, xp.maximum(cand, 0)) + lp_orient[:, None, :]
+        if b.log_trans_prior.shape[2] == 1:  # one translation prior for every column
+            log_prior = SampleLogPrior(b.log_trans_prior, col_group=cand.shape[1], column=lp_orient)
+        else:
+            log_prior = SampleLogPrior(b.trans_prior_of_rows(b.log_trans_prior, xp.maximum(cand, 0)), column=lp_orient)
     W = posterior_weights(diff2, log_prior, setup.adaptive_fraction, cc=setup.cc, maxsig=setup.max_significants,
                           check=setup.check_cancel, weights=False)  # the coarse pass keeps only significance
     return _CoarseResult(W.significant.reshape(I, -1, diff2.shape[2]), cand, W.nr_significant)
@@ -777,9 +782,8 @@ def _fine_chunk(b: _Batch, rows: _SignificantRows, fine: _FineData, acc: _FineSu
     x2 = terms.x2
     del terms  # (ni, T*4, 2Kf): freed before the weighted sums make theirs (FINE_BYTES_PER_TRANSLATION_PIXEL)
     check()
-    lp_fine = xp.broadcast_to(lp_parent[:, :, None, :, None], (ni, T, ntov, n_par, nover))
-    W = posterior_weights(diff2, lp_fine.reshape(ni, T * ntov, nn), setup.adaptive_fraction, cc=setup.cc,
-                          check=check)
+    lp_fine = SampleLogPrior(lp_parent, row_group=ntov, col_group=nover)  # (ni, T * ntov, nn) samples
+    W = posterior_weights(diff2, lp_fine, setup.adaptive_fraction, cc=setup.cc, check=check)
     del diff2, lp_fine, lp_parent, sig_parent
     check()
     best_pos = W.best % nn

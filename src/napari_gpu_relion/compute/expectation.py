@@ -202,6 +202,43 @@ def scores_gathered(Pg, terms: ParticleTerms, check: Callable[[], None] | None =
 # ----------------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class SampleLogPrior:
+    """The log prior of every sample (i, r, c) of scores (I, R, C), kept small: table[i, r // row_group,
+    c // col_group] (+ column[i or 0, c]). The coarse pass's is (translation prior (+ class prior) per particle,
+    translation and class) + (orientation prior per column); the fine pass's is the coarse parents' prior per
+    particle, translation and parent. The GPU kernels read it as it is; :meth:`full` makes the (I, R, C) array
+    for the array code, adding in the same order."""
+
+    table: object  # (I, A, B) float64
+    row_group: int = 1  # score rows per table row
+    col_group: int = 1  # score columns per table column
+    column: object = None  # (1 or I, C) float64 or None
+
+    def full(self, shape: tuple[int, int, int]):
+        """The (I, R, C) float64 log prior of scores of this shape."""
+        xp = get_array_module(self.table)
+        I, R, C = shape
+        A, B = self.table.shape[1], self.table.shape[2]
+        t = xp.broadcast_to(self.table[:, :, None, :, None], (I, A, self.row_group, B, self.col_group))
+        t = t.reshape(I, A * self.row_group, B * self.col_group)[:, :R, :C]
+        return t if self.column is None else t + self.column[:, None, :]
+
+
+def as_sample_log_prior(diff2, log_prior):
+    """(diff2 as (I, R, C), log_prior as a SampleLogPrior) of scores of any shape (I, ...) and a log prior given
+    either way: as a SampleLogPrior of the (I, R, C) scores, or as an array broadcastable to diff2 (made into a
+    table of the full shape: tests and callers without a factored prior)."""
+    I = diff2.shape[0]
+    if isinstance(log_prior, SampleLogPrior):
+        return diff2, log_prior
+    xp = get_array_module(log_prior)
+    table = xp.ascontiguousarray(xp.broadcast_to(log_prior, diff2.shape), dtype=np.float64)
+    if diff2.ndim != 3:
+        diff2, table = diff2.reshape(I, 1, -1), table.reshape(I, 1, -1)
+    return diff2, SampleLogPrior(table)
+
+
 @dataclass
 class Weights:
     """Posterior weights of a batch over its (I, M) samples (M = T x rows, flattened)."""
@@ -216,21 +253,25 @@ class Weights:
 
 def posterior_weights(diff2, log_prior, adaptive_fraction: float = 0.999, cc: bool = False,
                       maxsig: int = -1, check: Callable[[], None] | None = None, weights: bool = True) -> Weights:
-    """Log-domain weights exp(log_prior - diff2) per particle over the last axis (invalid samples carry
-    log_prior = -inf), normalised by their full sum S, then RELION's significance: sort descending, keep the
-    samples until the running sum first exceeds ``adaptive_fraction`` x S (``maxsig`` caps the count).
-    CC mode: a hard assignment to the best (lowest) score.
+    """Log-domain weights exp(log_prior - diff2) per particle over its samples (diff2 (I, R, C); log_prior a
+    SampleLogPrior or an array broadcastable to diff2; invalid samples carry log_prior = -inf), normalised by
+    their full sum S, then RELION's significance: sort descending, keep the samples until the running sum first
+    exceeds ``adaptive_fraction`` x S (``maxsig`` caps the count). CC mode: a hard assignment to the best (lowest)
+    score.
 
     The threshold: :func:`significance_threshold`. ``check()`` (a cancel point) is called between the steps.
     ``weights=False`` leaves ``w`` None (a pass that needs only which samples are significant: one (I, M) float32
-    array less to write).
+    array less to write). On a GPU the fused kernels of gpu_posterior make p, the threshold's candidates and
+    the mask (the same values).
     (A sort-free threshold by bisection over the float32 values was tried: 32 masked reductions with a host
     check each made the 2D E-step 1.5x slower on the H100, results/estep_class2d_bisect_rejected_h100.json.)"""
     xp = get_array_module(diff2)
     I = diff2.shape[0]
+    diff2, log_prior = as_sample_log_prior(diff2, log_prior)
+    shape = diff2.shape
     rows = xp.arange(I)
     if cc:  # hard assignment to the best score among the valid samples; priors do not enter
-        lw = (log_prior - diff2.astype(np.float64)).reshape(I, -1)
+        lw = (log_prior.full(shape) - diff2.astype(np.float64)).reshape(I, -1)
         ok = xp.isfinite(lw)
         best = xp.argmax(xp.where(ok, -diff2.reshape(I, -1).astype(np.float64), -np.inf), axis=1)
         w = xp.zeros(lw.shape, dtype=np.float32)
@@ -239,31 +280,50 @@ def posterior_weights(diff2, log_prior, adaptive_fraction: float = 0.999, cc: bo
         return Weights(w, w > 0, best, xp.ones(I), ones, -diff2.reshape(I, -1)[rows, best].astype(np.float64))
     check = check or _no_check
     check()
-    p, best, top, S = normalised_weights(diff2, log_prior)
+    n = shape[1] * shape[2]
+    eps = candidate_floor(adaptive_fraction, n) if maxsig <= 0 else 0.0
+    if gpu_posterior.applies(diff2, log_prior):
+        p, best, top, S, counts, packed = gpu_posterior.fused_weights(diff2, log_prior, eps if eps > 0 else np.inf,
+                                                                      n // 4)
+        candidates = (counts, packed) if eps > 0 else None
+    else:
+        p, best, top, S = normalised_weights(diff2, log_prior)
+        candidates = None
     check()
-    k, wsig = significance_threshold(p, adaptive_fraction, maxsig)
+    k, wsig = significance_threshold(p, adaptive_fraction, maxsig, candidates=candidates)
     check()
-    sig = (p >= wsig[:, None]) & (p > 0)
-    wn = xp.where(sig, p, np.float32(0.0)) if weights else None
-    return Weights(wn, sig, best, p[rows, best].astype(np.float64), k + 1, top + xp.log(S))
+    pmax = p[rows, best].astype(np.float64)
+    if gpu_posterior.applies(diff2, log_prior):
+        sig, wn = gpu_posterior.significant_weights(p, wsig, weights)
+    else:
+        sig = (p >= wsig[:, None]) & (p > 0)
+        wn = xp.where(sig, p, np.float32(0.0)) if weights else None
+    return Weights(wn, sig, best, pmax, k + 1, top + xp.log(S))
 
 
 def normalised_weights(diff2, log_prior):
-    """(p, best, top, S) per particle of lw = log_prior - diff2 over its samples (the trailing axes, flattened):
-    p = exp(lw - top) / S float32 (I, M), best the first index of the largest lw, top = lw[best] and
-    S = sum exp(lw - top) float64 (I,). On a GPU the fused kernels of gpu_posterior (three passes, lw never
-    stored; the same values, S summed in another order); elsewhere the array code."""
-    if gpu_posterior.applies(diff2, log_prior):
-        return gpu_posterior.fused_weights(diff2, log_prior)
-    xp = get_array_module(diff2)
+    """(p, best, top, S) per particle of lw = log_prior - diff2 over its samples (diff2 (I, R, C), log_prior a
+    SampleLogPrior or an array broadcastable to it): p = exp(lw - top) / S float32 (I, R C), best the first index
+    of the largest lw, top = lw[best] and S = sum exp(lw - top) float64 (I,). On a GPU the fused kernels of
+    gpu_posterior (lw never stored; the same values, S summed in another order); elsewhere the array code."""
     I = diff2.shape[0]
-    lw = (log_prior - diff2.astype(np.float64)).reshape(I, -1)
+    diff2, log_prior = as_sample_log_prior(diff2, log_prior)
+    if gpu_posterior.applies(diff2, log_prior):
+        return gpu_posterior.fused_weights(diff2, log_prior, np.inf, 1)[:4]
+    xp = get_array_module(diff2)
+    lw = (log_prior.full(diff2.shape) - diff2.astype(np.float64)).reshape(I, -1)
     best = xp.argmax(lw, axis=1)
     top = lw[xp.arange(I), best]
     e = xp.exp(lw - top[:, None])  # exp(-inf) = 0
     S = e.sum(axis=1)
     p = (e / S[:, None]).astype(np.float32)
     return p, best, top, S
+
+
+def candidate_floor(adaptive_fraction: float, n: int) -> float:
+    """eps = (1 - f) / (2 n): only weights p >= eps (compared in float32) can lie before or at the significance
+    crossing of a row of n samples (see significance_threshold)."""
+    return 0.5 * (1.0 - adaptive_fraction) / n
 
 
 def _threshold_by_sort(p, adaptive_fraction: float, maxsig: int = -1):
@@ -279,7 +339,7 @@ def _threshold_by_sort(p, adaptive_fraction: float, maxsig: int = -1):
     return k, srt[xp.arange(p.shape[0]), k]
 
 
-def significance_threshold(p, adaptive_fraction: float, maxsig: int = -1):
+def significance_threshold(p, adaptive_fraction: float, maxsig: int = -1, candidates=None):
     """(k, w_sig) per row of the normalised weights p (I, n) float32: the samples sorted descending are
     significant up to and including index k, where their running sum (float64) first reaches
     ``adaptive_fraction`` (RELION's significant_weight); w_sig = the k-th largest weight.
@@ -288,33 +348,45 @@ def significance_threshold(p, adaptive_fraction: float, maxsig: int = -1):
     weigh less than (1 - f) / 2, so the mass above any one of them exceeds f. So only those candidates are
     sorted (a few thousand of hundreds of thousands once the posteriors have sharpened), and the running sums
     over them are the same float64 additions in the same order as over the full sort: the result is identical.
-    Rows whose candidates are most of their samples (flat posteriors) are fully sorted, each row on its own
-    path, so that a few flat particles do not make a whole batch of sharp ones sort every sample; so are rows
-    whose candidates never reach f (rounding), and every row with a ``maxsig`` cap."""
+    Rows whose candidates are most of their samples (more than n // 4: flat posteriors) are fully sorted, each
+    row on its own path, so that a few flat particles do not make a whole batch of sharp ones sort every sample;
+    so are rows whose candidates never reach f (rounding), and every row with a ``maxsig`` cap.
+    ``candidates`` = (counts (I,), packed (I, >= n // 4)): the candidates found already (the GPU kernel), each
+    row's first min(count, n // 4) entries of packed in any order; else they are found here."""
     xp = get_array_module(p)
     I, n = p.shape
-    eps = 0.5 * (1.0 - adaptive_fraction) / n
+    eps = candidate_floor(adaptive_fraction, n)
     if maxsig > 0 or eps <= 0:
         return _threshold_by_sort(p, adaptive_fraction, maxsig)
-    cand = p >= np.float32(eps)
-    counts = cand.sum(axis=1)
+    if candidates is None:
+        cand = p >= np.float32(eps)
+        counts = cand.sum(axis=1)
+    else:
+        cand, (counts, packed) = None, candidates
     wide = (counts == 0) | (counts > n // 4)
     n_wide = int(wide.sum())
     if n_wide == I:
         return _threshold_by_sort(p, adaptive_fraction)
+
+    def packed_of(sel):  # the candidates of rows sel, packed into (rows, their largest count), -1 after
+        c = counts[sel]
+        if cand is None:
+            m = int(c.max())
+            return xp.where(xp.arange(m)[None, :] < c[:, None], packed[sel, :m], np.float32(-1.0)), c
+        return _pack_candidates(p[sel], cand[sel], c), c
+
     if n_wide == 0:
-        return _threshold_of_candidates(p, cand, counts, adaptive_fraction)
+        return _threshold_of_candidates(p, *packed_of(slice(None)), adaptive_fraction)
     k = xp.empty(I, dtype=np.int64)
     wsig = xp.empty(I, dtype=p.dtype)
     w_rows, n_rows = xp.flatnonzero(wide), xp.flatnonzero(~wide)
     k[w_rows], wsig[w_rows] = _threshold_by_sort(p[w_rows], adaptive_fraction)
-    k[n_rows], wsig[n_rows] = _threshold_of_candidates(p[n_rows], cand[n_rows], counts[n_rows], adaptive_fraction)
+    k[n_rows], wsig[n_rows] = _threshold_of_candidates(p[n_rows], *packed_of(n_rows), adaptive_fraction)
     return k, wsig
 
 
-def _threshold_of_candidates(p, cand, counts, adaptive_fraction: float):
-    """significance_threshold over each row's candidates ``cand`` (``counts`` per row, all > 0) only, packed
-    into an (I, max count) array; rows whose packed running sum never reaches f are sorted in full."""
+def _pack_candidates(p, cand, counts):
+    """Each row's candidates ``cand`` (``counts`` per row) packed into an (I, max count) array, -1 after."""
     xp = get_array_module(p)
     I = p.shape[0]
     m = int(counts.max())
@@ -322,6 +394,14 @@ def _threshold_of_candidates(p, cand, counts, adaptive_fraction: float):
     pos = xp.arange(rows.size) - (xp.cumsum(counts) - counts)[rows]
     vals = xp.full((I, m), -1.0, dtype=p.dtype)
     vals[rows, pos] = p[rows, cols]
+    return vals
+
+
+def _threshold_of_candidates(p, vals, counts, adaptive_fraction: float):
+    """significance_threshold over each row's candidates only, packed in ``vals`` (I, m) (``counts`` per row,
+    all > 0, -1 after them); rows whose packed running sum never reaches f are sorted in full."""
+    xp = get_array_module(p)
+    I, m = vals.shape
     srt = -xp.sort(-vals, axis=1)
     csum = xp.cumsum(xp.maximum(srt, 0), axis=1, dtype=np.float64)
     k = (csum < adaptive_fraction).sum(axis=1)
