@@ -4,7 +4,10 @@ import numpy as np
 import pytest
 
 from napari_gpu_relion.compute.expectation import (
+    GEMM_ALIGN,
+    as_slices,
     fine_sums,
+    gemm_width,
     particle_terms,
     pixel_set,
     posterior_weights,
@@ -42,25 +45,44 @@ def _direct_diff2(X, P, ctf, w, shifts, pix):
     return out
 
 
+def _terms(X, ctf, w, pix, shifts, padded: bool):
+    """The particle terms, with the GEMM width padded to gemm_width (the coarse pass's form) or not."""
+    terms = particle_terms(X, ctf, w, translation_ramps(pix, shifts), width=gemm_width(pix.npix) if padded else None)
+    K = pix.npix
+    if padded:
+        assert terms.Yt.shape[-1] % GEMM_ALIGN == 0 and terms.Yt.shape[-1] > 2 * K  # (2K = 138 here)
+        assert (terms.Yt[..., 2 * K:] == 0).all()
+    else:
+        assert terms.Yt.shape[-1] == 2 * K
+    return terms
+
+
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("with_ctf", [False, True])
-def test_shared_scores_equal_direct_float64(with_ctf):
+def test_shared_scores_equal_direct_float64(with_ctf, padded):
+    """Scores of slices shared by every particle (the global coarse pass), with the GEMM width padded or not."""
     rng = np.random.default_rng(3)
     pix, X, P, ctf, w, shifts = _random_case(rng, with_ctf=with_ctf)
-    terms = particle_terms(X, ctf, w, translation_ramps(pix, shifts))
+    terms = _terms(X, ctf, w, pix, shifts, padded)
+    if padded:
+        with pytest.raises(ValueError, match="width"):
+            scores_shared(as_slices(P), terms)  # slices stacked without the padding
     got = scores_shared(P, terms).astype(np.float64) + terms.x2[:, None, None]
     want = _direct_diff2(X, P, ctf, w, shifts, pix)
     spread = want.max() - want.min()
     assert np.abs(got - want).max() < 1e-5 * spread
 
 
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("with_ctf", [False, True])
-def test_gathered_scores_equal_direct_float64(with_ctf):
-    """The fine pass / local-search form: each particle has its own slices (I, n, K)."""
+def test_gathered_scores_equal_direct_float64(with_ctf, padded):
+    """The fine pass / local-search form: each particle has its own slices (I, n, K); padded or not."""
     rng = np.random.default_rng(4)
     pix, X, P, ctf, w, shifts = _random_case(rng, R=13, with_ctf=with_ctf)
     idx = rng.integers(0, P.shape[0], (X.shape[0], 6))
-    terms = particle_terms(X, ctf, w, translation_ramps(pix, shifts))
-    got = scores_gathered(P[idx], terms).astype(np.float64) + terms.x2[:, None, None]
+    terms = _terms(X, ctf, w, pix, shifts, padded)
+    got = scores_gathered(as_slices(P, terms.Yt.shape[-1]).take(idx), terms).astype(np.float64) \
+        + terms.x2[:, None, None]
     full = _direct_diff2(X, P, ctf, w, shifts, pix)
     want = np.take_along_axis(full, idx[:, None, :].repeat(len(shifts), 1), axis=2)
     spread = want.max() - want.min()

@@ -56,6 +56,7 @@ from .expectation import (
     as_slices,
     fine_sums,
     gather_pixels,
+    gemm_width,
     particle_terms,
     posterior_weights,
     scores_gathered,
@@ -238,7 +239,8 @@ class EStepSetup:
     def coarse_slices(self):
         if self.P_coarse is None:
             R = self.sampling.n_orient
-            self.P_coarse = as_slices(_project_rows(self, np.arange(len(self.refs) * R), self.pix_coarse, fine=False))
+            self.P_coarse = as_slices(_project_rows(self, np.arange(len(self.refs) * R), self.pix_coarse, fine=False),
+                                      gemm_width(self.pix_coarse.npix))
         return self.P_coarse
 
 
@@ -473,7 +475,7 @@ def _coarse_pass(b: _Batch, candidates, candidate_log_prior) -> _CoarseResult:
     X = gather_pixels(b.prep.F_masked, pix)
     w, _ = _weights_for(b.sigma2_rows, pix, xp)
     ramps = translation_ramps(pix, smp.translations)
-    terms = particle_terms(X, b.ctf_at(pix), w, ramps, cc=setup.cc)
+    terms = particle_terms(X, b.ctf_at(pix), w, ramps, cc=setup.cc, width=gemm_width(pix.npix))
     class_prior = b.class_prior()
     if candidates is None:
         P = setup.coarse_slices()
@@ -493,7 +495,7 @@ def _coarse_pass(b: _Batch, candidates, candidate_log_prior) -> _CoarseResult:
         pos = pos.reshape(cand.shape)
         slices = _project_rows(setup, to_host(urows), pix, fine=False)
         with matmul_tf32(xp, setup.coarse_tf32):
-            diff2 = scores_gathered(as_slices(slices).take(pos), terms, setup.check_cancel)
+            diff2 = scores_gathered(as_slices(slices, gemm_width(pix.npix)).take(pos), terms, setup.check_cancel)
         lp_orient = xp.where(valid, xp.asarray(candidate_log_prior), -np.inf)
         if class_prior is not None:
             lp_orient = lp_orient + xp.take_along_axis(class_prior, xp.maximum(cand, 0) // R, axis=1)

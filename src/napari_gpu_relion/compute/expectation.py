@@ -77,15 +77,34 @@ def translation_ramps(pix: PixelSet, shifts_px):
     return xp.exp(1j * phase).astype(np.complex64)
 
 
-def stack_complex(Z):
-    """Complex (..., K) -> real (..., 2K) float32 = [Re, Im] (the GEMM form of Re sum conj(a) b)."""
+#: The score GEMMs' contraction length 2K (real and imaginary parts of K pixels) is padded with zeros to a multiple
+#: of this where the coarse pass makes its operands: cuBLAS's fast float32 and TF32 kernels read 16-byte-aligned
+#: rows, and 2K = 1598 (box 128, coarse size 44) ran at ~43 % of the float32 peak (benchmarks/README.md).
+GEMM_ALIGN = 16
+
+
+def gemm_width(npix: int) -> int:
+    """2 npix rounded up to a multiple of GEMM_ALIGN: the padded [Re, Im] width of the score GEMMs."""
+    return -(-2 * int(npix) // GEMM_ALIGN) * GEMM_ALIGN
+
+
+def stack_complex(Z, width: int | None = None):
+    """Complex (..., K) -> real (..., 2K) float32 = [Re, Im] (the GEMM form of Re sum conj(a) b); with ``width``
+    > 2K, zeros after them up to that width (gemm_width)."""
     xp = get_array_module(Z)
-    return xp.concatenate([Z.real, Z.imag], axis=-1).astype(np.float32, copy=False)
+    K = Z.shape[-1]
+    if width is None or width <= 2 * K:
+        return xp.concatenate([Z.real, Z.imag], axis=-1).astype(np.float32, copy=False)
+    out = xp.zeros(Z.shape[:-1] + (width,), dtype=np.float32)
+    out[..., :K] = Z.real
+    out[..., K:2 * K] = Z.imag
+    return out
 
 
-def stacked_shifted(g, ramps):
+def stacked_shifted(g, ramps, width: int | None = None):
     """[Re, Im] of g_i e_t for every particle i and translation t: (I, T, 2K) float32 from g (I, K) complex and
-    ramps (T, K) complex, the same numbers as stack_complex(g[:, None] * ramps[None]). Written into its output
+    ramps (T, K) complex, the same numbers as stack_complex(g[:, None] * ramps[None]) (zeros after them up to
+    ``width`` where that is larger: gemm_width). Written into its output
     half by half with one float32 (I, T, K) temporary at a time: 12 bytes per (particle, translation, pixel) at
     its peak instead of 16 (the complex product and its stacked copy), which bounds the fine pass's chunks at the
     full image size (backend.FINE_BYTES_PER_TRANSLATION_PIXEL)."""
@@ -93,10 +112,11 @@ def stacked_shifted(g, ramps):
     g = g.astype(np.complex64, copy=False)
     ramps = ramps.astype(np.complex64, copy=False)
     I, K = g.shape
-    out = xp.empty((I, ramps.shape[0], 2 * K), dtype=np.float32)
+    out = xp.empty((I, ramps.shape[0], max(2 * K, width or 0)), dtype=np.float32)
+    out[..., 2 * K:] = 0.0
     gr, gi = g.real[:, None, :], g.imag[:, None, :]
     rr, ri = ramps.real[None], ramps.imag[None]
-    re, im = out[..., :K], out[..., K:]
+    re, im = out[..., :K], out[..., K:2 * K]
     xp.multiply(gr, rr, out=re)
     tmp = gi * ri
     re -= tmp
@@ -123,14 +143,15 @@ class SliceSet:
         return SliceSet(self.stacked[idx], self.power[idx])
 
 
-def as_slices(P) -> SliceSet:
-    """Complex slices (..., K) -> SliceSet (a SliceSet is returned as it is)."""
+def as_slices(P, width: int | None = None) -> SliceSet:
+    """Complex slices (..., K) -> SliceSet, ``stacked`` padded with zeros to ``width`` (a SliceSet is returned
+    as it is)."""
     if isinstance(P, SliceSet):
         return P
     power = P.real * P.real  # summed in place and made before the stack: one temporary of the power at a time
     power += P.imag * P.imag
     power = power.astype(np.float32, copy=False)
-    return SliceSet(stack_complex(P), power)
+    return SliceSet(stack_complex(P, width), power)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -149,9 +170,10 @@ class ParticleTerms:
     xnorm: object = None  # (I,) float64, sqrt(sum |X|^2) in CC mode
 
 
-def particle_terms(X, ctf, w, ramps, cc: bool = False) -> ParticleTerms:
+def particle_terms(X, ctf, w, ramps, cc: bool = False, width: int | None = None) -> ParticleTerms:
     """X (I, K) complex particle pixels, ctf (I, K) real or None, w (I, K) = 1/(2 sigma2) (0 where excluded),
-    ramps (T, K) translation phases. In CC mode w is replaced by 1 on the same pixels (w > 0)."""
+    ramps (T, K) translation phases. In CC mode w is replaced by 1 on the same pixels (w > 0). ``width``: Yt
+    padded with zeros to it (gemm_width; the slices it meets must be padded alike)."""
     xp = get_array_module(X)
     if cc:
         w = (w > 0).astype(np.float32)
@@ -159,7 +181,7 @@ def particle_terms(X, ctf, w, ramps, cc: bool = False) -> ParticleTerms:
     wc2 = (w * c * c).astype(np.float32)
     x2 = (w.astype(np.float64) * (X.real.astype(np.float64) ** 2 + X.imag.astype(np.float64) ** 2)).sum(-1)
     xnorm = xp.sqrt(x2) if cc else None
-    return ParticleTerms(stacked_shifted((w * c) * X, ramps), wc2, x2, cc, xnorm)  # (I, T, 2K): w C X e_t
+    return ParticleTerms(stacked_shifted((w * c) * X, ramps, width), wc2, x2, cc, xnorm)  # (I, T, 2K): w C X e_t
 
 
 def _finish_scores(cross, pnorm, terms: ParticleTerms):
@@ -174,8 +196,10 @@ def _finish_scores(cross, pnorm, terms: ParticleTerms):
 def scores_shared(P, terms: ParticleTerms, check: Callable[[], None] | None = None):
     """Scores (I, T, R) float32 for orientation slices P (R, K) complex or SliceSet, shared by every
     particle: two GEMMs. ``check()`` (a cancel point) is called between them."""
-    S = as_slices(P)
+    S = as_slices(P, terms.Yt.shape[-1])
     I, T, K2 = terms.Yt.shape
+    if S.stacked.shape[-1] != K2:
+        raise ValueError(f"slices of width {S.stacked.shape[-1]} against particle terms of width {K2}")
     cross = (terms.Yt.reshape(I * T, K2) @ S.stacked.T).reshape(I, T, -1)
     if check is not None:
         check()
@@ -188,8 +212,10 @@ def scores_shared(P, terms: ParticleTerms, check: Callable[[], None] | None = No
 def scores_gathered(Pg, terms: ParticleTerms, check: Callable[[], None] | None = None):
     """Scores (I, T, n) for per-particle slices Pg (I, n, K) complex or SliceSet: batched GEMMs. ``check()`` (a
     cancel point) is called between them."""
-    S = as_slices(Pg)
+    S = as_slices(Pg, terms.Yt.shape[-1])
     xp = get_array_module(S.stacked)
+    if S.stacked.shape[-1] != terms.Yt.shape[-1]:
+        raise ValueError(f"slices of width {S.stacked.shape[-1]} against particle terms of width {terms.Yt.shape[-1]}")
     cross = batched_matmul(terms.Yt, S.stacked.transpose(0, 2, 1), check)  # (I, T, n)
     if check is not None:
         check()
