@@ -78,8 +78,9 @@ def translation_ramps(pix: PixelSet, shifts_px):
 
 
 #: The score GEMMs' contraction length 2K (real and imaginary parts of K pixels) is padded with zeros to a multiple
-#: of this where the coarse pass makes its operands: cuBLAS's fast float32 and TF32 kernels read 16-byte-aligned
-#: rows, and 2K = 1598 (box 128, coarse size 44) ran at ~43 % of the float32 peak (benchmarks/README.md).
+#: of this where the coarse pass makes its operands: cuBLAS's TF32 tensor-core kernels need 16-byte-aligned rows.
+#: At 2K = 1598 (box 128, coarse size 44) TF32 ran at 119 TFLOP/s, padded to 1600 at 370 on an H200; float32 runs
+#: at its limit either way (benchmarks/bench_gemm_align.py, benchmarks/README.md).
 GEMM_ALIGN = 16
 
 
