@@ -74,8 +74,11 @@ def main():
     ap.add_argument("--fine_chunk_mib", type=int, default=0, help="override the fine-pass chunk budget (MiB)")
     ap.add_argument("--array_code", action="store_true",
                     help="CuPy's array code instead of the fused projection and insertion kernels (to compare)")
+    ap.add_argument("--no_read_ahead", action="store_true",
+                    help="read the first iteration's images in the job's thread (em.READ_AHEAD off, to compare)")
     a = ap.parse_args(argv[:split])
     gpu_kernels.ENABLED = not a.array_code
+    em.READ_AHEAD = not a.no_read_ahead
     if a.fine_chunk_mib:  # the plan's chunk is clamped to [CHUNK_BYTES, MAX_FINE_CHUNK_BYTES]: pin both
         backend.CHUNK_BYTES = backend.MAX_FINE_CHUNK_BYTES = a.fine_chunk_mib << 20
     args = cli.build_parser().parse_args(argv[split + 1:])
@@ -128,7 +131,7 @@ def main():
             print(f"iteration {ev.iteration}: {per_it[-1]['wall_s']:.1f} s  {ev.summary}", flush=True)
             for k, v in per_it[-1]["steps_s"].items():
                 print(f"    {k:<40} {v:8.2f} s  ({COUNTS[k]} calls so far)")
-    res = {"hardware": be.name, "argv": argv, "fused_kernels": gpu_kernels.ENABLED,
+    res = {"hardware": be.name, "argv": argv, "fused_kernels": gpu_kernels.ENABLED, "read_ahead": em.READ_AHEAD,
            "fine_chunk_bytes": backend.CHUNK_BYTES, "total_s": time.time() - t0,
            "iterations": per_it}
     if a.out:

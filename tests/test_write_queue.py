@@ -1,20 +1,23 @@
 """The job's background file writing (io/write_queue.py) and the images kept in memory (--preread_images):
 files written in the order handed over, a failed write raised in the job's thread, a job's files whole when it
-reports itself finished, and images read from their stack only once."""
+reports itself finished, and images read from their stack only once, in a background thread ahead of the job
+(jobs/read_ahead.py) or when asked for."""
 
 from __future__ import annotations
 
 import shutil
 import threading
+import time
 from pathlib import Path
 
+import mrcfile
 import numpy as np
 import pytest
 
 from napari_gpu_relion.errors import InputError
 from napari_gpu_relion.io.mrc import read_mrc
 from napari_gpu_relion.io.write_queue import WriteQueue
-from napari_gpu_relion.jobs import class3d, em
+from napari_gpu_relion.jobs import class3d, em, particles
 from napari_gpu_relion.jobs import refine3d as refine3d_job
 from napari_gpu_relion.jobs.events import Finished
 from napari_gpu_relion.jobs.particles import load_particle_set
@@ -164,4 +167,90 @@ def test_images_moved_to_another_array_keep_what_was_read_and_read_the_rest_once
     assert ps.in_memory.all()
     for stack in {n.split("@")[1] for n in ps.table.particles["rlnImageName"]}:
         (tmp_path / "d" / stack).unlink()
+    np.testing.assert_array_equal(ps.images(np.arange(len(ps))), disk)
+
+
+def test_images_read_ahead_in_the_background_equal_the_disk_whatever_the_order_asked(tmp_path, monkeypatch):
+    """The reader reads blocks of its order in a thread; images() takes what is ready, waits only for rows being
+    read, and reads itself the rows the reader has not started (asked out of order) or was never given. The same
+    images as the disk, each row read once; afterwards no file is needed, the reader's thread has ended, and a
+    second read_ahead has nothing to do."""
+    monkeypatch.setattr(particles, "BLOCK_ROWS", 7)
+    star = _copy_sample(tmp_path / "d")
+    ps = load_particle_set(star, ctf=True, halves=False)
+    n = len(ps)
+    disk = ps.images(np.arange(n))
+    ps.keep_images_in_memory()
+    reads = []
+    read = ps._read
+
+    def counted(rows):
+        reads.append(np.asarray(rows).copy())
+        return read(rows)
+
+    monkeypatch.setattr(ps, "_read", counted)
+    order = np.r_[np.arange(n - 1, 10, -1), np.arange(0, 6)]  # rows 6..10 are not the reader's
+    ps.read_ahead(np.r_[order, order[:5]])  # repeated rows are read once
+    reader = ps.ahead
+    assert reader is not None
+    for rows in (np.array([0, n - 1, 8]), np.arange(n)[::3], np.array([7, 9, 10, 6]), np.arange(n)):
+        np.testing.assert_array_equal(ps.images(rows), disk[rows])
+    assert ps.in_memory.all() and ps.ahead is None and not reader.alive
+    done = np.concatenate(reads)
+    assert np.array_equal(np.sort(done), np.arange(n))  # every row read once, by the reader or by images()
+    for stack in {name.split("@")[1] for name in ps.table.particles["rlnImageName"]}:
+        (tmp_path / "d" / stack).unlink()
+    ps.read_ahead(np.arange(n))
+    assert ps.ahead is None
+    np.testing.assert_array_equal(ps.images(np.arange(n)[::-1]), disk[::-1])
+
+
+def test_a_bad_image_met_by_the_reader_is_raised_in_the_jobs_thread(tmp_path, monkeypatch):
+    """An image with a NaN pixel, read by the background reader: the job's thread gets the same InputError (stack,
+    image number, STAR line) as a read in its own thread, at its next request; the reader has stopped."""
+    monkeypatch.setattr(particles, "BLOCK_ROWS", 5)
+    star = _copy_sample(tmp_path / "d")
+    stack = tmp_path / "d" / "particles" / "particles.mrcs"
+    with mrcfile.open(stack, mode="r+") as m:
+        img = m.data[12].copy()
+        img[3, 4] = np.nan
+        m.data[12] = img
+    ps = load_particle_set(star, ctf=True, halves=False)
+    with pytest.raises(InputError) as direct:
+        ps.images(np.arange(10, 14))
+    ps = load_particle_set(star, ctf=True, halves=False)
+    ps.keep_images_in_memory()
+    ps.read_ahead(np.arange(len(ps)))
+    reader = ps.ahead
+    reader._thread.join(timeout=10)  # the reader has met the bad block and stopped
+    assert not reader.alive
+    with pytest.raises(InputError) as ahead:
+        for _ in range(4):  # the blocks before the bad one come first
+            ps.images(np.arange(5))
+    assert str(ahead.value) == str(direct.value) and "image 13 of stack" in str(ahead.value)
+    assert ps.ahead is None
+
+
+def test_stop_reading_ends_the_reader_soon_and_the_rest_is_read_when_asked(tmp_path, monkeypatch):
+    """A job that ends (cancel, error) stops its reader after the block in hand; the rows it did not read are read
+    in the job's thread when asked for."""
+    monkeypatch.setattr(particles, "BLOCK_ROWS", 1)
+    star = _copy_sample(tmp_path / "d")
+    ps = load_particle_set(star, ctf=True, halves=False)
+    disk = ps.images(np.arange(len(ps)))
+    ps.keep_images_in_memory()
+    read = ps._read
+
+    def slow(rows):
+        time.sleep(0.05)
+        return read(rows)
+
+    monkeypatch.setattr(ps, "_read", slow)
+    ps.read_ahead(np.arange(len(ps)))
+    reader = ps.ahead
+    np.testing.assert_array_equal(ps.images([0]), disk[[0]])
+    t0 = time.perf_counter()
+    ps.stop_reading()
+    assert not reader.alive and time.perf_counter() - t0 < 1.0
+    assert ps.ahead is None and not ps.in_memory.all()
     np.testing.assert_array_equal(ps.images(np.arange(len(ps))), disk)

@@ -91,6 +91,9 @@ from .particles import ParticleSet, data_star_table, load_particle_set
 MASK_EDGE = 5.0
 #: The images go to the GPU when they take at most 1/this of what the run's memory plan leaves free at its peak.
 DEVICE_IMAGES_FRACTION = 4
+#: Read the images not yet kept in memory in a background thread, in the E-step's order, while it computes
+#: (ParticleSet.read_ahead); off only to compare.
+READ_AHEAD = True
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -596,6 +599,8 @@ def _run(job: EMJob) -> Iterator:
     try:
         yield from _iterate(job, note)
     finally:
+        if getattr(job, "ps", None) is not None:
+            job.ps.stop_reading()
         if on:
             set_matmul_tf32(job.be, False)
 
@@ -621,6 +626,8 @@ def _iterate(job: EMJob, tf32_note: str | None) -> Iterator:
 
 def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
     root = job.comm.is_root
+    if READ_AHEAD:  # the images come from the disk in the E-step's order while the job starts and computes
+        job.ps.read_ahead(np.concatenate([job.comm.share(r) for r in job.halves]))
     job.model = job.restore() if job.continued else job.initial_model()
     pad_notes = list(job.plan_job_memory())  # refused here, before any file is written, when it cannot fit
     job.keep_images_on_device()

@@ -15,6 +15,7 @@ from ..compute.ctf import CtfParams
 from ..errors import InputError
 from ..io.particle_images import check_image_stacks, image_names_for, load_images
 from ..io.star import ParticleTable, read_particles
+from .read_ahead import AHEAD_BYTES, BLOCK_ROWS, ImageReadAhead
 
 ANGLES = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")
 CTF_COLUMNS = ("rlnDefocusU", "rlnDefocusV", "rlnDefocusAngle", "rlnVoltage", "rlnSphericalAberration",
@@ -44,6 +45,7 @@ class ParticleSet:
     checked: np.ndarray = None  # (n,) bool: the row's image has been read once and found usable
     kept: np.ndarray | None = None  # (n, box, box) float32 images kept in memory (NumPy or CuPy)
     in_memory: np.ndarray | None = None  # (n,) bool: the row's image is in ``kept``
+    ahead: ImageReadAhead | None = None  # the background reader of the images not yet kept (read_ahead)
 
     def __post_init__(self):
         n = len(self.table)
@@ -85,6 +87,49 @@ class ParticleSet:
                 self.kept[xp.asarray(done)] = xp.asarray(old[done])
             self.in_memory[done] = True
 
+    def read_ahead(self, order) -> None:
+        """Read the images of rows ``order`` (in the order the job will ask for them) from their stacks in a
+        background thread while the job starts and computes (jobs/read_ahead.py); images() takes them as they
+        come, and reads itself the rows the reader has not started. Nothing when images are not kept in memory,
+        when they all are already, or while a reader runs."""
+        if self.kept is None or self.ahead is not None:
+            return
+        order = np.asarray(order, dtype=np.int64)
+        _, first = np.unique(order, return_index=True)
+        order = order[np.sort(first)]
+        order = order[~self.in_memory[order]]
+        if order.size == 0:
+            return
+        block_bytes = BLOCK_ROWS * self.box * self.box * 4
+        self.ahead = ImageReadAhead(self._read, order, len(self), BLOCK_ROWS, AHEAD_BYTES // block_bytes)
+
+    def stop_reading(self) -> None:
+        """End the background reader (the job ends, is cancelled or failed); the rows it has not read are read
+        when asked for."""
+        if self.ahead is not None:
+            self.ahead.stop()
+            self.ahead = None
+
+    def _take_read_ahead(self, rows: np.ndarray) -> None:
+        """Claim the rows of ``rows`` the reader has not started (images() reads them), then move the blocks it
+        has read into the store, waiting while a row of ``rows`` is being read (its error is raised here, in the
+        job's thread)."""
+        xp = get_array_module(self.kept)
+        self.ahead.claim(rows)
+        while self.ahead is not None:
+            try:
+                item = self.ahead.next(wait=self.ahead.in_flight(rows))
+            except BaseException:
+                self.stop_reading()
+                raise
+            if item is None:
+                if self.ahead.finished:
+                    self.stop_reading()
+                return
+            got, data = item
+            self.kept[xp.asarray(got)] = xp.asarray(data)
+            self.in_memory[got] = True
+
     def images(self, rows):
         """The images of ``rows`` (float32; an array of the kept images' module, so on the GPU when they are kept
         there); the first time a row is read its image is checked (InputError naming the stack, the image and the
@@ -92,6 +137,8 @@ class ParticleSet:
         rows = np.asarray(rows, dtype=np.int64)
         if self.kept is None:
             return self._read(rows)
+        if self.ahead is not None:
+            self._take_read_ahead(rows)
         xp = get_array_module(self.kept)
         new = np.unique(rows[~self.in_memory[rows]])
         if new.size:
