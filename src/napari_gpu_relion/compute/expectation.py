@@ -311,7 +311,7 @@ def posterior_weights(diff2, log_prior, adaptive_fraction: float = 0.999, cc: bo
     eps = candidate_floor(adaptive_fraction, n) if maxsig <= 0 else 0.0
     if gpu_posterior.applies(diff2, log_prior):
         p, best, top, S, counts, packed = gpu_posterior.fused_weights(diff2, log_prior, eps if eps > 0 else np.inf,
-                                                                      n // 4)
+                                                                      n // 4 if eps > 0 else 1)
         candidates = (counts, packed) if eps > 0 else None
     else:
         p, best, top, S = normalised_weights(diff2, log_prior)

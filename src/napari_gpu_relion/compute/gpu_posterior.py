@@ -141,15 +141,20 @@ extern "C" __global__ void lw_normalise_select(const float* __restrict__ d2, con
 
 def applies(diff2, log_prior) -> bool:
     """fused_weights takes these: enabled, float32 CuPy scores (I, R, C) with 0 < I <= 65,535 (the kernels' grid
-    has one y block per particle) and R x C < 2^31, and a SampleLogPrior of CuPy float64 arrays."""
+    has one y block per particle) and R x C < 2^31, and a SampleLogPrior of CuPy float64 arrays whose table has a
+    row per particle and covers R x C, and whose column term is (1 or I, C) (the kernels read them unchecked)."""
     from .expectation import SampleLogPrior  # noqa: PLC0415 - expectation imports this module
 
     if not (ENABLED and isinstance(log_prior, SampleLogPrior) and get_array_module(diff2) is not np):
         return False
-    return (get_array_module(log_prior.table) is not np and diff2.dtype == np.float32 and diff2.ndim == 3
-            and log_prior.table.dtype == np.float64 and 0 < diff2.shape[0] <= 65535
-            and diff2.shape[1] * diff2.shape[2] < 2**31
-            and (log_prior.column is None or log_prior.column.dtype == np.float64))
+    if diff2.ndim != 3 or log_prior.table.ndim != 3:
+        return False
+    I, R, C = diff2.shape
+    t, col = log_prior.table, log_prior.column
+    covers = (t.shape[0] == I and t.shape[1] * log_prior.row_group >= R and t.shape[2] * log_prior.col_group >= C
+              and (col is None or (col.ndim == 2 and col.shape[0] in (1, I) and col.shape[1] == C)))
+    return (covers and get_array_module(t) is not np and diff2.dtype == np.float32 and t.dtype == np.float64
+            and 0 < I <= 65535 and R * C < 2**31 and (col is None or col.dtype == np.float64))
 
 
 def fused_weights(diff2, log_prior, eps: float, cap: int):

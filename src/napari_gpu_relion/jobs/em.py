@@ -284,6 +284,9 @@ class EMJob:
     name = "em"
     ndim = 3  # of the references
     needs_halves = False  # gold-standard auto-refine
+    #: Every iteration's E-step reads every particle of the halves: the images are read ahead from the start
+    #: (not the initial model's, whose iterations read random subsets: its images are read as asked for)
+    reads_every_image = True
     own_orientation = False  # --skip_align: each particle only at its own orientation
 
     def __init__(self, p):
@@ -626,7 +629,7 @@ def _iterate(job: EMJob, tf32_note: str | None) -> Iterator:
 
 def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
     root = job.comm.is_root
-    if READ_AHEAD:  # the images come from the disk in the E-step's order while the job starts and computes
+    if READ_AHEAD and job.reads_every_image:  # from the disk in the E-step's order while the job starts and computes
         job.ps.read_ahead(np.concatenate([job.comm.share(r) for r in job.halves]))
     job.model = job.restore() if job.continued else job.initial_model()
     pad_notes = list(job.plan_job_memory())  # refused here, before any file is written, when it cannot fit

@@ -126,6 +126,7 @@ def run(p: Params) -> Iterator:
 class InitialModel(em_classification.Classification):
     name = JOB_NAME
     ndim = 3
+    reads_every_image = False  # each iteration reads a random mini-batch
 
     def __init__(self, p: Params):
         super().__init__(p)
