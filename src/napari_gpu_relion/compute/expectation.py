@@ -194,13 +194,20 @@ def _finish_scores(cross, pnorm, terms: ParticleTerms):
     return pnorm - 2.0 * cross
 
 
+def _slices_for(P, terms: ParticleTerms) -> SliceSet:
+    """The slices P as a SliceSet of the particle terms' GEMM width (complex slices are padded to it); a
+    SliceSet of another width is refused."""
+    S = as_slices(P, terms.Yt.shape[-1])
+    if S.stacked.shape[-1] != terms.Yt.shape[-1]:
+        raise ValueError(f"slices of width {S.stacked.shape[-1]} against particle terms of width {terms.Yt.shape[-1]}")
+    return S
+
+
 def scores_shared(P, terms: ParticleTerms, check: Callable[[], None] | None = None):
     """Scores (I, T, R) float32 for orientation slices P (R, K) complex or SliceSet, shared by every
     particle: two GEMMs. ``check()`` (a cancel point) is called between them."""
-    S = as_slices(P, terms.Yt.shape[-1])
+    S = _slices_for(P, terms)
     I, T, K2 = terms.Yt.shape
-    if S.stacked.shape[-1] != K2:
-        raise ValueError(f"slices of width {S.stacked.shape[-1]} against particle terms of width {K2}")
     cross = (terms.Yt.reshape(I * T, K2) @ S.stacked.T).reshape(I, T, -1)
     if check is not None:
         check()
@@ -213,10 +220,8 @@ def scores_shared(P, terms: ParticleTerms, check: Callable[[], None] | None = No
 def scores_gathered(Pg, terms: ParticleTerms, check: Callable[[], None] | None = None):
     """Scores (I, T, n) for per-particle slices Pg (I, n, K) complex or SliceSet: batched GEMMs. ``check()`` (a
     cancel point) is called between them."""
-    S = as_slices(Pg, terms.Yt.shape[-1])
+    S = _slices_for(Pg, terms)
     xp = get_array_module(S.stacked)
-    if S.stacked.shape[-1] != terms.Yt.shape[-1]:
-        raise ValueError(f"slices of width {S.stacked.shape[-1]} against particle terms of width {terms.Yt.shape[-1]}")
     cross = batched_matmul(terms.Yt, S.stacked.transpose(0, 2, 1), check)  # (I, T, n)
     if check is not None:
         check()
@@ -309,7 +314,8 @@ def posterior_weights(diff2, log_prior, adaptive_fraction: float = 0.999, cc: bo
     check()
     n = shape[1] * shape[2]
     eps = candidate_floor(adaptive_fraction, n) if maxsig <= 0 else 0.0
-    if gpu_posterior.applies(diff2, log_prior):
+    fused = gpu_posterior.applies(diff2, log_prior)
+    if fused:
         p, best, top, S, counts, packed = gpu_posterior.fused_weights(diff2, log_prior, eps if eps > 0 else np.inf,
                                                                       n // 4 if eps > 0 else 1)
         candidates = (counts, packed) if eps > 0 else None
@@ -320,7 +326,7 @@ def posterior_weights(diff2, log_prior, adaptive_fraction: float = 0.999, cc: bo
     k, wsig = significance_threshold(p, adaptive_fraction, maxsig, candidates=candidates)
     check()
     pmax = p[rows, best].astype(np.float64)
-    if gpu_posterior.applies(diff2, log_prior):
+    if fused:
         sig, wn = gpu_posterior.significant_weights(p, wsig, weights)
     else:
         sig = (p >= wsig[:, None]) & (p > 0)
