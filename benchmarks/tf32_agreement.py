@@ -1,17 +1,18 @@
-"""Does --tf32 (or --coarse_tf32) change what the E-step decides? (issue 15, item 5: TF32 only where it changes
-nothing that matters)
+"""Does --tf32 (or the coarse pass's TF32, the default since 2026-11-28) change what the E-step decides?
+(issue 15, item 5: TF32 only where it changes nothing that matters)
 
-From iteration k of a finished float32 class3d run of ours (``vs_relion.py run --job class3d --sides ours``),
-iteration k+1 is computed again by ``class3d --continue run_itk_optimiser.star --iter k+1`` in a copy of the
-run's folder: with the flag (--tf32 by default), and (for the first k) without it as the control, which must
-repeat the float32 run exactly (--continue is deterministic). Per particle, iteration k+1 is compared with the
-float32 run's: the same class, the same orientation (< 0.01°, i.e. the same fine sample), the angle between
-them, the same offsets (< 0.01 Å) and the Pmax.
+From iteration k of a finished float32 class3d run of ours (``vs_relion.py run --job class3d --sides ours
+--ours_extra=--coarse_float32``), iteration k+1 is computed again by ``class3d --continue
+run_itk_optimiser.star --iter k+1`` in a copy of the run's folder: with the flag (--tf32 by default;
+--flag=coarse: the default, TF32 in the coarse pass only), and (for the first k) in float32 (--coarse_float32)
+as the control, which must repeat the float32 run exactly (--continue is deterministic). Per particle,
+iteration k+1 is compared with the float32 run's: the same class, the same orientation (< 0.01°, i.e. the
+same fine sample), the angle between them, the same offsets (< 0.01 Å) and the Pmax.
 The same state goes into both, so every difference is the products' rounding.
 
 Run (GPU machine; D made by vs_relion.py make-data, the run by vs_relion.py run ... --sides ours --tag fp32):
   python benchmarks/tf32_agreement.py --data D --run ours_class3d_fp32/run --its 1,2,3,4 --out results/x.json
-  python benchmarks/tf32_agreement.py --flag=--coarse_tf32 --data D --run ours_class3d_k4s1/run --out results/y.json
+  python benchmarks/tf32_agreement.py --flag=coarse --data D --run ours_class3d_k4s1/run --out results/y.json
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def main(argv=None) -> None:
     ap.add_argument("--data", required=True, help="the data folder (our runs' working directory)")
     ap.add_argument("--run", required=True, help="the float32 run's rootname under --data")
     ap.add_argument("--its", default="1,2,3,4", help="iterations k to continue from")
-    ap.add_argument("--flag", default="--tf32", choices=("--tf32", "--coarse_tf32"))
+    ap.add_argument("--flag", default="--tf32", choices=("--tf32", "coarse"))
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     data = Path(a.data).resolve()
@@ -78,7 +79,10 @@ def main(argv=None) -> None:
             copy_until(run, k, dst)
             cmd = [sys.executable, "-m", "napari_gpu_relion.cli", "class3d", "--continue",
                    str(dst / f"{run.name}_it{k:03d}_optimiser.star"), "--iter", str(k + 1)]
-            cmd += [a.flag] if mode == "tf32" else []
+            if mode == "fp32":
+                cmd += ["--coarse_float32"]
+            elif a.flag == "--tf32":
+                cmd += ["--tf32"]
             t0 = time.time()
             with open(dst / "log.txt", "w") as fh:
                 rc = subprocess.run(cmd, cwd=data, stdout=fh, stderr=subprocess.STDOUT).returncode

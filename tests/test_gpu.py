@@ -243,7 +243,8 @@ def test_a_tf32_job_says_so_and_leaves_its_thread_in_float32(tmp_path):
     for tf32 in (False, True):
         o = tmp_path / f"t{tf32}" / "run"
         events = list(class2d.run(class2d.Params(i=data / "particles.star", o=o, K=4, iter=1, ctf=True,
-                                                 particle_diameter=150.0, gpu="0", tf32=tf32)))
+                                                 particle_diameter=150.0, gpu="0", tf32=tf32,
+                                                 coarse_float32=True)))
         said = [e.text for e in events if isinstance(e, Message) and "--tf32" in e.text]
         assert said == (["--tf32: the E-step's float32 matrix products run in TF32 on tensor cores"] if tf32 else [])
         import starfile  # noqa: PLC0415
@@ -258,10 +259,10 @@ def test_a_tf32_job_says_so_and_leaves_its_thread_in_float32(tmp_path):
 
 
 def test_coarse_tf32_is_tf32_in_its_block_only_and_keeps_the_float32_classes_and_angles(tmp_path):
-    """--coarse_tf32: matmul_tf32 rounds the block's products to TF32 and leaves float32 after it (TF32 after it
-    when the thread was in TF32: a --tf32 job); class3d K=2 gives the float32 run's classes and angles (within
-    0.01 degrees) for >= 99.5 % of the particles: the coarse pass only selects what the fine pass scores in
-    float32."""
+    """The coarse pass in TF32 (the default; --coarse_float32 turns it off): matmul_tf32 rounds the block's
+    products to TF32 and leaves float32 after it (TF32 after it when the thread was in TF32: a --tf32 job);
+    class3d K=2 gives the float32 run's classes and angles (within 0.01 degrees) for >= 99.5 % of the
+    particles: the coarse pass only selects what the fine pass scores in float32."""
     import starfile  # noqa: PLC0415
 
     from napari_gpu_relion.compute.backend import matmul_tf32, select_backend, set_matmul_tf32  # noqa: PLC0415
@@ -302,7 +303,7 @@ def test_coarse_tf32_is_tf32_in_its_block_only_and_keeps_the_float32_classes_and
         o = tmp_path / f"c3_{coarse}" / "run"
         list(class3d.run(class3d.Params(i=data / "particles.star", ref=data / "reference.mrc", o=o, K=2, iter=2,
                                         healpix_order=1, ctf=True, particle_diameter=150.0, gpu="0",
-                                        coarse_tf32=coarse)))
+                                        coarse_float32=not coarse)))
         out[coarse] = starfile.read(f"{o}_it002_data.star")["particles"]
     a32, t32 = out[False], out[True]
     same_class = float((a32["rlnClassNumber"].to_numpy() == t32["rlnClassNumber"].to_numpy()).mean())

@@ -380,8 +380,6 @@ def _mate_conflicts(ops: np.ndarray, v: np.ndarray, radius: float) -> tuple[np.n
 
 @lru_cache(maxsize=64)
 def _au_pixels_cached(order: int, canonical: str) -> np.ndarray:
-    from scipy.spatial import cKDTree
-
     ops = symmetry_group(canonical).direction_operators           # (m, 3, 3) proper rotations
     npix = 12 * 4**order
     if ops.shape[0] == 1:
@@ -410,6 +408,8 @@ def _au_pixels_cached(order: int, canonical: str) -> np.ndarray:
     cover = 2.0 * radius
     mates = np.einsum("gij,nj->gni", ops, allv[pix]).reshape(-1, 3)
     if mates.shape[0]:
+        from scipy.spatial import cKDTree  # noqa: PLC0415 - here only: its import is 0.3-0.7 s of a C1 job's start
+
         near, _ = cKDTree(mates).query(allv, k=1)
         gap = np.flatnonzero(near > 2.0 * np.sin(0.5 * cover))
     else:

@@ -158,14 +158,16 @@ class EMParams:
                                 "0 = all free memory. A job that cannot fit is refused before it starts")
     tf32: bool = param(False, "--tf32", "GPU: the score and sum GEMMs in TF32 on tensor cores (faster, inputs "
                        "rounded to 10 bits; benchmarks/README.md has what it changes)")
-    coarse_tf32: bool = param(False, "--coarse_tf32", "GPU: only the coarse pass's score GEMMs in TF32 (that pass "
-                              "selects the samples the fine pass scores again in float32)")
+    coarse_float32: bool = param(False, "--coarse_float32", "GPU: the coarse pass's score GEMMs in float32 "
+                                 "(default: TF32 on tensor cores; that pass only selects the samples the fine "
+                                 "pass scores again in float32: the same poses for >= 99.9 % of particles and "
+                                 "the same resolution, benchmarks/README.md, TF32)")
     preread_images: bool = param(False, "--preread_images", "Keep every particle image in memory after its first "
                                  "reading, however large the set (done anyway when the images take at most a "
                                  "quarter of the free RAM)")
 
     #: Options that --continue takes from the command line, not from the optimiser STAR.
-    RUNTIME = ("continue_from", "cpu", "gpu", "batch", "memory_limit", "tf32", "coarse_tf32", "preread_images")
+    RUNTIME = ("continue_from", "cpu", "gpu", "batch", "memory_limit", "tf32", "coarse_float32", "preread_images")
     #: Options a job gained after runs of it were written: a --continue of such a run, whose optimiser STAR lacks
     #: them, takes their defaults (the run had them off); any other missing option is a damaged file.
     NEWER_OPTIONS = ()
@@ -492,7 +494,7 @@ class EMJob:
                                relion_offset_prior=opts.pop("relion_offset_prior",
                                                             not self.p.angstrom_offset_prior),
                                class_offset_prior_A=opts.pop("class_offset_prior_A", None),
-                               max_significants=opts.pop("max_significants", -1), coarse_tf32=self.p.coarse_tf32,
+                               max_significants=opts.pop("max_significants", -1), coarse_tf32=not self.p.coarse_float32,
                                max_fine_bytes=it.plan.fine_chunk_bytes, max_union_bytes=it.plan.union_bytes,
                                scale_shells=self.scale_shells(frefs[h], pix_f, h), check_cancel=check_cancel)
             stage = f"it {self.state.iteration:03d}" + (f" half {h + 1}" if len(self.halves) > 1 else "")

@@ -144,7 +144,7 @@ _FORMS: dict[str, FieldForm] = {
     "--batch": _a("Batch size (0 = from free memory)", "Compute"),
     "--memory_limit": _a("Memory limit (GiB; 0 = all free memory)", "Compute"),
     "--tf32": _a("TF32 tensor cores for the GEMMs (GPU)", "Compute"),
-    "--coarse_tf32": _a("TF32 for the coarse pass only (GPU)", "Compute"),
+    "--coarse_float32": _a("Coarse pass in float32 (GPU; default TF32)", "Compute"),
     "--preread_images": _a("Keep all particle images in memory", "Compute"),
     "--pad": _a("Padding factor", "Compute"),
     "--random_seed": _a("Random seed", "Compute"),
