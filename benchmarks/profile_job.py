@@ -1,6 +1,7 @@
 """Where a whole EM job's time goes, per iteration: wraps the steps of jobs/em.py and compute/estep.py with
 synchronised timers (so the sum is slower than a plain run by the synchronisations) and runs any job from its
-command line. Timers nest: expectation_batch includes the estep steps below it.
+command line. Timers nest: expectation_batch includes the estep steps below it. Iteration 1 counts from the job's
+Started event; the initialisation before it (initial references, noise spectra, memory plan) is initialisation_s.
 
 Run: python benchmarks/profile_job.py [--out results/x.json] -- class3d --i particles.star --ref ref.mrc ...
 """
@@ -20,7 +21,7 @@ from napari_gpu_relion import cli
 from napari_gpu_relion.compute import backend, backprojector, estep, expectation, gpu_kernels, maximization
 from napari_gpu_relion.compute.backend import select_backend
 from napari_gpu_relion.jobs import em
-from napari_gpu_relion.jobs.events import IterationFinished, Message
+from napari_gpu_relion.jobs.events import IterationFinished, Message, Started
 
 TIMES: dict = defaultdict(float)
 COUNTS: dict = defaultdict(int)
@@ -95,6 +96,21 @@ def main():
                  "particle_terms", "segment_sum"):
         wrap(estep, name, be, f"    {name}")
     wrap(expectation, "significance_threshold", be, "      significance_threshold")
+    for name in ("_threshold_by_sort", "_threshold_of_candidates"):
+        wrap(expectation, name, be, f"        {name}")
+    wrap(estep, "_with_union_slices", be, "    _with_union_slices")
+    wrap(estep, "_chunk_layout", be, "    _chunk_layout")
+    layout = estep._chunk_layout
+
+    def counted_layout(*a, **k):  # how many fine chunks ran in each layout, and their particles
+        lay = layout(*a, **k)
+        kind = "shared" if lay.shared else "gathered"
+        COUNTS[f"chunks {kind}"] += 1
+        COUNTS[f"chunk particles {kind}"] += int(lay.parents.shape[0])
+        COUNTS[f"chunk parent columns {kind}"] += int(lay.parents.shape[1])
+        return lay
+
+    estep._chunk_layout = counted_layout
     wrap(backprojector.BackProjector, "reconstruct", be, "BackProjector.reconstruct")
     for name in dir(maximization):
         if name.startswith(("reconstruct", "initial_noise", "update_")):
@@ -118,21 +134,29 @@ def main():
         for name in ("maximization", "update_resolution"):
             wrap(cls, name, be, f"job step: {name}")
     t0 = time.time()
-    per_it, marks, last = [], [], dict()
+    per_it, marks, last, last_calls = [], [0.0], dict(), dict()
+    started, init_steps = None, {}
     for ev in module.run(params):
+        if isinstance(ev, Started):  # the initialisation (references, noise spectra, memory plan) has ended
+            started = time.time() - t0
+            init_steps = {k: v for k, v in sorted(TIMES.items(), key=lambda kv: -kv[1]) if v > 1e-3}
+            last, last_calls = dict(TIMES), dict(COUNTS)  # the initialisation's steps are not iteration 1's
+            marks.append(started)
         if isinstance(ev, Message):
             print(" ", ev.text, flush=True)
         if isinstance(ev, IterationFinished):
             marks.append(time.time() - t0)
             snap = {k: v - last.get(k, 0.0) for k, v in TIMES.items() if v - last.get(k, 0.0) > 1e-3}
-            last = dict(TIMES)
-            per_it.append({"iteration": ev.iteration, "wall_s": marks[-1] - (marks[-2] if len(marks) > 1 else 0),
-                           "steps_s": dict(sorted(snap.items(), key=lambda kv: -kv[1]))})
+            calls = {k: v - last_calls.get(k, 0) for k, v in COUNTS.items() if v - last_calls.get(k, 0)}
+            last, last_calls = dict(TIMES), dict(COUNTS)
+            per_it.append({"iteration": ev.iteration, "wall_s": marks[-1] - marks[-2],
+                           "steps_s": dict(sorted(snap.items(), key=lambda kv: -kv[1])), "calls": calls})
             print(f"iteration {ev.iteration}: {per_it[-1]['wall_s']:.1f} s  {ev.summary}", flush=True)
             for k, v in per_it[-1]["steps_s"].items():
                 print(f"    {k:<40} {v:8.2f} s  ({COUNTS[k]} calls so far)")
     res = {"hardware": be.name, "argv": argv, "fused_kernels": gpu_kernels.ENABLED, "read_ahead": em.READ_AHEAD,
-           "fine_chunk_bytes": backend.CHUNK_BYTES, "total_s": time.time() - t0,
+           "fine_chunk_bytes": backend.CHUNK_BYTES, "total_s": time.time() - t0, "initialisation_s": started,
+           "initialisation_steps_s": init_steps,
            "iterations": per_it}
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))

@@ -153,10 +153,14 @@ def make_data(a) -> None:
 # run
 # --------------------------------------------------------------------------------------------------------------
 
-def iteration_times(root: Path, t_start: float) -> tuple[list[float], float | None]:
+def iteration_times(root: Path, t_start: float, startup_marker: Path | None = None
+                    ) -> tuple[list[float], float | None]:
     """Per-iteration seconds from the modification times of run_itNNN_model.star (run_itNNN_half2_model.star
-    in auto-refine; it000, where written, marks the end of the start-up); and the start-up time. The final
-    iteration of auto-refine (run_model.star) counts as one more."""
+    in auto-refine) and the start-up time. The end of the start-up: RELION's it000 files (written at the end of
+    its initialise(): references, initial noise spectra), else ``startup_marker`` (ours: note.txt, written when
+    the initial references, the initial noise spectra and the memory plan are made, just before iteration 1),
+    else none (iteration 1 then counts from t_start). The final iteration of auto-refine (run_model.star) counts
+    as one more."""
     stamps = {}
     for f in root.parent.glob(root.name + "_it*_model.star"):
         m = re.search(r"_it(\d+)_(half2_)?model", f.name)
@@ -165,6 +169,8 @@ def iteration_times(root: Path, t_start: float) -> tuple[list[float], float | No
     final = Path(f"{root}_model.star")
     if final.exists() and stamps:
         stamps[max(stamps) + 1] = final.stat().st_mtime
+    if 0 not in stamps and startup_marker is not None and startup_marker.exists():
+        stamps[0] = startup_marker.stat().st_mtime
     its = sorted(stamps)
     start = stamps.get(0)
     prev = start if start is not None else t_start
@@ -351,7 +357,7 @@ def run_pair(a) -> None:
             wall = time.time() - t0
             if r.returncode:
                 sys.exit(f"ours failed (rc {r.returncode})\n" + (folder / "log.txt").read_text()[-3000:])
-        its, startup = iteration_times(data / root, t0)
+        its, startup = iteration_times(data / root, t0, folder / "note.txt" if side == "ours" else None)
         side_res = {"command": cmd, "wall_s": wall, "iterations": len(its), "iteration_s": its,
                     "startup_s": startup}
         side_res.update(evaluate(data / root, truth, a.job, info["angpix"]))

@@ -252,6 +252,24 @@ def test_fine_chunks_count_each_particles_translations_by_hand():
     assert without[0] == (0, 1)  # a particle's translations alone now exceed a third of it
 
 
+def test_fine_chunks_share_the_slices_of_a_union_most_of_which_each_particle_scores():
+    """When a chunk's largest count is at least half its group's union (iteration 1: flat posteriors), the chunk
+    is certain to share its rows (estep._chunk_layout), so plan_fine_chunks counts the union's slices once and
+    every particle's scores over the whole union: with 10 fine translations, 100 pixels and 8 children, a
+    union of 12 rows costs 12 x 8 x 2,400 = 230,400 bytes of slices once and 12 x 8 x 400 + 12,000 = 50,400
+    bytes per particle, so a 1,000,000-byte budget holds 15 particles (4 when each had its own slices:
+    10 x 8 x 2,800 + 12,000 = 236,000 each). With counts below half the union the gathered rule stays."""
+    assert backend.fine_bytes_per_score(10) == 400 and backend.fine_bytes_per_slice(100) == 2400
+    flat = np.full(40, 10)
+    assert estep.plan_fine_chunks(flat, 8, 10, 100, 1_000_000, n_union=12) == [(0, 15), (15, 30), (30, 40)]
+    assert estep.plan_fine_chunks(flat, 8, 10, 100, 1_000_000) == [(a, min(a + 4, 40)) for a in range(0, 40, 4)]
+    assert estep.fine_chunk_bytes(15, 10, 12, 8, 400, 2400, 12_000) == 230_400 + 15 * 50_400
+    sharp = np.full(8, 5)  # 2 x 5 < 12: the layout is not certain, each particle is counted with its own slices
+    assert estep.plan_fine_chunks(sharp, 8, 10, 100, 1_000_000, n_union=12) == \
+        estep.plan_fine_chunks(sharp, 8, 10, 100, 1_000_000) == [(0, 8)]
+    assert estep.fine_chunk_bytes(8, 5, 12, 8, 400, 2400, 12_000) == 8 * (5 * 8 * 2800 + 12_000)
+
+
 def test_stacked_shifted_images_are_the_complex_products():
     rng = np.random.default_rng(1)
     g = (rng.normal(size=(3, 50)) + 1j * rng.normal(size=(3, 50))).astype(np.complex64)

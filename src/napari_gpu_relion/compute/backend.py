@@ -256,11 +256,22 @@ def estep_bytes_per_particle(rows: int, translations: int, box: int, coarse_pixe
     return 4 * (rows * translations * 3 + 8 * box * box) + 8 * translations * coarse_pixels * 2
 
 
+def fine_bytes_per_score(fine_translations: int) -> int:
+    """Device bytes of one (particle, fine orientation) pair's scores in a fine-pass chunk: per fine translation
+    the score, log prior and weight (float64 + float32 x 8 = 40 bytes)."""
+    return int(fine_translations) * 40
+
+
+def fine_bytes_per_slice(fine_pixels: int) -> int:
+    """Device bytes of one fine orientation's slice in a fine-pass chunk: per pixel the gathered slice ([Re, Im]
+    and |P|^2 float32) and its weighted sums ([Re, Im] and the weight, float32): 24 bytes."""
+    return int(fine_pixels) * 24
+
+
 def fine_bytes_per_sample(fine_translations: int, fine_pixels: int) -> int:
-    """Device bytes of one (particle, fine orientation) pair in a fine-pass chunk: per fine translation the
-    score, log prior and weight (float64 + float32 x 8 = 40 bytes); per pixel the gathered slice (complex64) and
-    its weighted-sum share (float32 x 4 = 24 bytes)."""
-    return fine_translations * 40 + fine_pixels * 24
+    """Device bytes of one (particle, fine orientation) pair in a fine-pass chunk whose particles each have their
+    own slices (the gathered layout): its scores and its slice."""
+    return fine_bytes_per_score(fine_translations) + fine_bytes_per_slice(fine_pixels)
 
 
 #: Device bytes per (particle, fine translation, fine pixel) of a fine-pass chunk: the particle's image at every

@@ -38,7 +38,8 @@ from .backend import (
     INSERT_CHUNK_POINTS,
     SumsAlreadyAddedError,
     fine_bytes_per_particle,
-    fine_bytes_per_sample,
+    fine_bytes_per_score,
+    fine_bytes_per_slice,
     free_pool,
     get_array_module,
     is_out_of_memory,
@@ -318,7 +319,7 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
             # out of memory before this group added anything: smaller fine chunks, else a smaller group, else
             # once more as it was (the freed pool may now have room), else give up
             chunks = plan_fine_chunks(counts_sorted[g0:g1], n_children, n_fine_translations,
-                                      setup.pix_fine.npix, fine_budget)
+                                      setup.pix_fine.npix, fine_budget, rows.group(g0, g1).n_union)
             if len(chunks) < g1 - g0:
                 fine_budget, halvings = max(1, fine_budget // 2), halvings + 1
                 pending.append((g0, g1))
@@ -378,7 +379,7 @@ def _fine_passes(batch: _Batch, rows: _SignificantRows, fine: _FineData, acc: _F
         acc.new_union(batch, group.n_union * gfine.n_children, group.n_union, setup.pix_fine.npix)
         memory_mark("E-step: fine slices and sums of the union of significant orientations")
         for a0, a1 in plan_fine_chunks(counts_sorted[g0:g1], gfine.n_children, n_fine_translations,
-                                       setup.pix_fine.npix, fine_budget):
+                                       setup.pix_fine.npix, fine_budget, group.n_union):
             check()  # a cancel stops the job: this batch's sums are not used
             _fine_chunk(batch, group, gfine, acc, g0 + a0, g0 + a1)
         check()
@@ -651,25 +652,40 @@ def plan_union_groups(start, union_index, n_union: int, bytes_per_row: int,
 
 
 def plan_fine_chunks(counts_sorted, n_children: int, n_fine_translations: int, n_fine_pixels: int,
-                     max_bytes: int) -> list[tuple[int, int]]:
+                     max_bytes: int, n_union: int | None = None) -> list[tuple[int, int]]:
     """The fine pass's chunks as rank ranges [a0, a1) of the particles sorted by ascending number of
-    significant rows ``counts_sorted``. A chunk grows while its padded size (particles x the largest count in it
-    x ``n_children``) at ``fine_bytes_per_sample`` bytes per (particle, fine orientation), plus
-    ``fine_bytes_per_particle`` per particle (its image at every fine translation), fits ``max_bytes``; every
-    chunk holds at least one particle."""
-    per_sample = fine_bytes_per_sample(n_fine_translations, n_fine_pixels)
+    significant rows ``counts_sorted`` (of a group whose union holds ``n_union`` rows, when known). A chunk grows
+    while :func:`fine_chunk_bytes` fits ``max_bytes``; every chunk holds at least one particle."""
+    per_score = fine_bytes_per_score(n_fine_translations)
+    per_slice = fine_bytes_per_slice(n_fine_pixels)
     per_particle = fine_bytes_per_particle(n_fine_translations, n_fine_pixels)
     n = len(counts_sorted)
     chunks = []
     a0 = 0
     while a0 < n:
         a1 = a0 + 1  # counts ascend, so the last particle of a chunk has its largest count
-        while a1 < n and (a1 + 1 - a0) * (max(1, counts_sorted[a1]) * n_children * per_sample
-                                          + per_particle) <= max_bytes:
+        while a1 < n and fine_chunk_bytes(a1 + 1 - a0, int(counts_sorted[a1]), n_union, n_children, per_score,
+                                          per_slice, per_particle) <= max_bytes:
             a1 += 1
         chunks.append((a0, a1))
         a0 = a1
     return chunks
+
+
+def fine_chunk_bytes(n_particles: int, largest: int, n_union: int | None, n_children: int, per_score: int,
+                     per_slice: int, per_particle: int) -> int:
+    """Device bytes of a fine chunk of ``n_particles`` whose largest count of significant rows is ``largest``.
+    Gathered layout (_chunk_layout): each particle its own rows padded to ``largest``, with their slices:
+    particles x largest x children x (per_score + per_slice). When 2 x largest >= ``n_union`` the chunk's
+    distinct rows (at most the union) are certain to be at most twice its largest count, so _chunk_layout shares
+    them: their slices once (union x children x per_slice) and every particle scores all of them (particles x
+    union x children x per_score). That is iteration 1's case (flat posteriors, most rows significant), where
+    counting the slices per particle made chunks of 2-4 particles. Plus ``per_particle`` per particle (its image
+    at every fine translation)."""
+    c = max(1, largest)
+    if n_union is not None and 2 * c >= n_union:
+        return n_union * n_children * per_slice + n_particles * (n_union * n_children * per_score + per_particle)
+    return n_particles * (c * n_children * (per_score + per_slice) + per_particle)
 
 
 @dataclass
