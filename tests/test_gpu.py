@@ -478,3 +478,34 @@ def test_fused_posterior_weights_give_the_array_codes_values(monkeypatch, shape)
             assert ((w.w > 0) == w.significant).all().item()
         else:
             assert w.w is None and w0.w is None
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5), (64, 6000), (9, 70001)])
+def test_rows_sorted_by_one_radix_sort_of_keys_equal_numpys_sort_and_keep_the_threshold(shape):
+    """gpu_posterior.sort_rows_descending (one sort of (row, value) uint64 keys) gives NumPy's descending sort of
+    each row bit for bit, values <= 0 as 0: ties, zeros, -0.0 and the packing's -1 included; and
+    significance_threshold on CuPy gives the NumPy path's k and w_sig on the same weights (flat rows, sharp rows,
+    packed candidates)."""
+    from napari_gpu_relion.compute import expectation, gpu_posterior
+
+    rng = np.random.default_rng(11)
+    I, m = shape
+    v = rng.random(shape).astype(np.float32)
+    v[:, ::5] = v[:, :1]  # ties
+    v[:, 1::7] = 0.0
+    v[:, 2::11] = -0.0
+    v[:, 3::13] = -1.0
+    want = -np.sort(-np.maximum(v, np.float32(0.0)), axis=1)
+    got = gpu_posterior.sort_rows_descending(cp.asarray(v)).get()
+    assert got.dtype == np.float32 and got.shape == shape
+    assert np.array_equal(got.view(np.uint32), (want + np.float32(0.0)).view(np.uint32))
+    if m < 100:
+        return
+    width = np.where(np.arange(I) % 3 == 1, 0.01, 30.0)[:, None]  # flat and sharp rows
+    lw = -width * rng.random(shape)
+    p = np.exp(lw - lw.max(axis=1, keepdims=True))
+    p = (p / p.sum(axis=1, keepdims=True)).astype(np.float32)
+    k0, w0 = expectation.significance_threshold(p, 0.999)
+    k1, w1 = expectation.significance_threshold(cp.asarray(p), 0.999)
+    assert np.array_equal(k1.get(), k0) and np.array_equal(w1.get(), w0)
+    assert len(set((np.asarray(k0) + 1 > m // 4).tolist())) == 2  # both kinds of row are there

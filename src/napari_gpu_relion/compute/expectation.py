@@ -359,11 +359,23 @@ def candidate_floor(adaptive_fraction: float, n: int) -> float:
     return 0.5 * (1.0 - adaptive_fraction) / n
 
 
+def _sorted_descending(vals):
+    """Each row of vals (I, m) float32 sorted descending, values <= 0 as 0 (the weights are >= 0; the packed
+    candidates' -1 padding sorts last and adds nothing). On CuPy one radix sort of (row, value) keys
+    (gpu_posterior.sort_rows_descending), the same values in the same order."""
+    xp = get_array_module(vals)
+    if xp is not np:
+        from . import gpu_posterior  # noqa: PLC0415
+
+        return gpu_posterior.sort_rows_descending(vals)
+    return -np.sort(-np.maximum(vals, np.float32(0.0)), axis=1)
+
+
 def _threshold_by_sort(p, adaptive_fraction: float, maxsig: int = -1):
     """RELION's significance by a full sort of each row of p (I, n): the index k of the sample (descending)
     where the running sum first reaches ``adaptive_fraction`` (capped by ``maxsig``) and its weight."""
     xp = get_array_module(p)
-    srt = -xp.sort(-p, axis=1)
+    srt = _sorted_descending(p)
     csum = xp.cumsum(srt, axis=1, dtype=np.float64)
     k = (csum < adaptive_fraction).sum(axis=1)  # samples before the crossing
     k = xp.minimum(k, p.shape[1] - 1)
@@ -435,8 +447,8 @@ def _threshold_of_candidates(p, vals, counts, adaptive_fraction: float):
     all > 0, -1 after them); rows whose packed running sum never reaches f are sorted in full."""
     xp = get_array_module(p)
     I, m = vals.shape
-    srt = -xp.sort(-vals, axis=1)
-    csum = xp.cumsum(xp.maximum(srt, 0), axis=1, dtype=np.float64)
+    srt = _sorted_descending(vals)  # the -1 after each row's candidates as 0
+    csum = xp.cumsum(srt, axis=1, dtype=np.float64)
     k = (csum < adaptive_fraction).sum(axis=1)
     found = k < counts
     k = xp.minimum(k, m - 1)

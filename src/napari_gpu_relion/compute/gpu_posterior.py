@@ -225,3 +225,36 @@ def significant_weights(p, wsig, weights: bool):
     sig = cp.empty(p.shape, dtype=bool)
     zero(ws, p, sig)
     return sig, p
+
+
+@functools.cache
+def _row_key_kernels():
+    import cupy as cp  # noqa: PLC0415
+
+    # (row, value) -> one uint64 whose ascending order is the rows in order, each row's values descending: the
+    # row in the high 32 bits, the complement of the value's bits in the low 32 (the bits of a float >= 0 order
+    # as the floats do). Values <= 0 (the packing's -1, -0.0) become +0.0.
+    encode = cp.ElementwiseKernel(
+        "float32 v, int64 m", "uint64 key",
+        "float x = v > 0.0f ? v : 0.0f; "
+        "key = ((unsigned long long)(i / m) << 32) | (unsigned long long)(0xFFFFFFFFu - __float_as_uint(x));",
+        "ngr_row_desc_key")
+    decode = cp.ElementwiseKernel(
+        "uint64 key", "float32 v", "v = __uint_as_float(0xFFFFFFFFu - (unsigned int)(key & 0xFFFFFFFFull));",
+        "ngr_row_desc_value")
+    return encode, decode
+
+
+def sort_rows_descending(vals):
+    """Each row of ``vals`` (I, m) float32 sorted descending, values <= 0 as 0 (what the significance threshold
+    sums): one radix sort of (row, value) keys over the whole array instead of CuPy's sort along an axis (a
+    comparison sort over (segment, value) pairs)."""
+    import cupy as cp  # noqa: PLC0415
+
+    encode, decode = _row_key_kernels()
+    I, m = vals.shape
+    if I == 0 or m == 0:
+        return cp.zeros((I, m), dtype=np.float32)
+    keys = encode(cp.ascontiguousarray(vals, dtype=np.float32), np.int64(m))
+    keys = cp.sort(keys.reshape(-1))
+    return decode(keys).reshape(I, m)
