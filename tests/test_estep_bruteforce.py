@@ -30,6 +30,7 @@ from functools import cache
 import numpy as np
 import pytest
 
+from napari_gpu_relion.compute import estep
 from napari_gpu_relion.compute.backend import (
     fine_bytes_per_particle,
     fine_bytes_per_sample,
@@ -227,18 +228,11 @@ def _data(case: Case) -> Data:
     return Data(case, smp, refs, brute_refs, prep, ctf, sigma2, log_pdf_direction, mu, cand, lpc, clp, perturb)
 
 
-def _run(case: Case):
-    """The code under test on the case's data: (BatchResult, EStepSums)."""
+def _run(case: Case, setup: EStepSetup | None = None):
+    """The code under test on the case's data: (BatchResult, EStepSums); ``setup``: one made before (by
+    _setup_of) instead of a new one."""
     d = _data(case)
-    pix_c, pix_f = pixel_set(N, COARSE_SIZE), pixel_set(N, FINE_SIZE)
-    scale_shells = np.stack([(pix_f.shell >= lo) & (pix_f.shell <= hi) for lo, hi in SCALE_SHELLS])
-    kw = {} if case.max_fine_bytes is None else {"max_fine_bytes": case.max_fine_bytes}
-    if case.max_union_bytes is not None:
-        kw["max_union_bytes"] = case.max_union_bytes
-    setup = EStepSetup(d.refs, d.sampling, pix_c, pix_f, APIX, d.sigma2, log_pdf_direction=d.log_pdf_direction,
-                       sigma_offset_A=SIGMA_OFFSET_A, class_offset_prior_A=d.class_offset_prior_A,
-                       adaptive_fraction=FRACTION, scale_shells=scale_shells,
-                       relion_offset_prior=not case.angstrom_prior, **kw)
+    setup = _setup_of(case) if setup is None else setup
     if case.ndim == 3:  # one BackProjector per class (insert_by_class's per-class path)
         bps = [BackProjector(N, 2, FINE_SIZE / 2) for _ in range(K)]
         n_dirs = 12
@@ -251,6 +245,20 @@ def _run(case: Case):
                             candidate_log_prior=d.candidate_log_prior, scale_group_index=SCALE_GROUPS,
                             class_log_prior=d.class_log_prior)
     return res, sums
+
+
+def _setup_of(case: Case) -> EStepSetup:
+    d = _data(case)
+    pix_c, pix_f = pixel_set(N, COARSE_SIZE), pixel_set(N, FINE_SIZE)
+    scale_shells = np.stack([(pix_f.shell >= lo) & (pix_f.shell <= hi) for lo, hi in SCALE_SHELLS])
+    kw = {} if case.max_fine_bytes is None else {"max_fine_bytes": case.max_fine_bytes}
+    if case.max_union_bytes is not None:
+        kw["max_union_bytes"] = case.max_union_bytes
+    setup = EStepSetup(d.refs, d.sampling, pix_c, pix_f, APIX, d.sigma2, log_pdf_direction=d.log_pdf_direction,
+                       sigma_offset_A=SIGMA_OFFSET_A, class_offset_prior_A=d.class_offset_prior_A,
+                       adaptive_fraction=FRACTION, scale_shells=scale_shells,
+                       relion_offset_prior=not case.angstrom_prior, **kw)
+    return setup
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -758,3 +766,47 @@ def test_out_of_memory_for_one_particle_twice_is_retryable_only_before_any_group
     monkeypatch.setattr(estep, "_fine_chunk", chunk_failing_from(2))  # the third group fails; two are in the sums
     with pytest.raises(SumsAlreadyAddedError):
         _run(CASES["global_union_groups"])
+
+
+@pytest.mark.parametrize("name", ["global", "local_class_prior_small_chunks", "class2d_offset_priors"])
+def test_a_batch_uses_the_kept_slices_of_the_same_or_a_larger_union_and_gets_the_same_results(name, monkeypatch):
+    """estep keeps the last union's fine slices (setup.union_cache): a batch with the same union projects
+    nothing and gives the first run's results bit for bit; a batch whose union lies within a larger kept one
+    (its rows plus others: estep._union_from_cache) projects nothing either, scores its own rows, gives the other
+    rows zero weight, and gives a fresh setup's results, sums and insertions to float rounding."""
+    from napari_gpu_relion.compute.expectation import as_slices  # noqa: PLC0415
+
+    case = CASES[name]
+    fresh, fresh_sums = _run(case)
+    setup = _setup_of(case)
+    first, _ = _run(case, setup)
+    cached = setup.union_cache
+    assert cached is not None and cached.rows_host.size > 0
+    calls = []
+    project = estep._project_rows
+    monkeypatch.setattr(estep, "_project_rows", lambda *a, **k: calls.append(k.get("fine")) or project(*a, **k))
+    again, again_sums = _run(case, setup)
+    assert True not in calls  # the fine slices were the kept ones
+    for f in ("matrices", "classes", "offsets_px", "pmax", "nr_significant", "log_likelihood", "residual_power"):
+        assert np.array_equal(getattr(again, f), getattr(first, f)), f
+    # a kept union of the batch's rows and as many others (every other row of the grid not in it)
+    n_rows = K * setup.sampling.n_orient
+    others = np.setdiff1d(np.arange(n_rows), cached.rows_host)[: cached.rows_host.size]
+    larger = np.union1d(cached.rows_host, others)
+    assert others.size > 0 and cached.rows_host.size >= estep.UNION_REUSE_FRACTION * larger.size
+    A = setup.sampling.fine_matrices(larger % setup.sampling.n_orient).reshape(-1, 3, 3)
+    slices = as_slices(project(setup, larger, setup.pix_fine, fine=True, matrices=A))
+    setup.union_cache = estep._UnionSlices(larger, larger, A, slices, A.shape[0] // larger.size)
+    calls.clear()
+    big, big_sums = _run(case, setup)
+    assert True not in calls and setup.union_cache.rows_host is larger
+    assert np.array_equal(big.classes, fresh.classes) and np.array_equal(big.offsets_px, fresh.offsets_px)
+    np.testing.assert_allclose(big.matrices, fresh.matrices, atol=1e-12)
+    for f in ("pmax", "log_likelihood", "residual_power"):
+        np.testing.assert_allclose(getattr(big, f), getattr(fresh, f), rtol=1e-6, err_msg=f)
+    np.testing.assert_allclose(big_sums.pdf_direction, fresh_sums.pdf_direction, rtol=1e-6, atol=1e-12)
+    np.testing.assert_allclose(big_sums.pdf_class, fresh_sums.pdf_class, rtol=1e-6, atol=1e-12)
+    for a, b in zip(big_sums.backprojectors, fresh_sums.backprojectors, strict=True):
+        for f in ("data_re", "data_im", "weight"):
+            x, y = getattr(a, f), getattr(b, f)
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-9 * float(np.abs(y).max()), err_msg=f)

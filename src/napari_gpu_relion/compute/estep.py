@@ -229,6 +229,9 @@ class EStepSetup:
     max_fine_bytes: int = CHUNK_BYTES  # budget of one fine-pass chunk (plan_fine_chunks)
     max_union_bytes: int = 1 << 62  # budget of the union of significant orientations of a group (plan_union_groups)
     P_coarse: object = None  # SliceSet (K * R, Kc) of the coarse slices for global searches (made once)
+    #: The last union's fine slices (_UnionSlices), kept for the next batch: a batch whose union is the same rows,
+    #: or most of them, uses them instead of projecting its own (_union_from_cache). None frees them.
+    union_cache: object = None
     #: Called between the steps of a batch and before every fine chunk; it raises (the jobs' JobCancelled) to stop
     #: the E-step when the user cancels. It must not change anything: results are the same with and without it.
     check_cancel: Callable[[], None] | None = None
@@ -306,8 +309,9 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
     n_children = setup.sampling.n_children
     n_fine_translations = fine.translations.shape[0] * fine.translations.shape[1]
     counts_sorted = rows.counts[rows.order]
-    union_groups = plan_union_groups(rows.start, rows.union_index, rows.n_union,
-                                     n_children * union_bytes_per_orientation(setup.pix_fine.npix),
+    bytes_per_row = n_children * union_bytes_per_orientation(setup.pix_fine.npix)
+    rows = _union_from_cache(setup, rows, bytes_per_row)
+    union_groups = plan_union_groups(rows.start, rows.union_index, rows.n_union, bytes_per_row,
                                      setup.max_union_bytes)
     pending, done, fine_budget, halvings, splits = union_groups[::-1], 0, setup.max_fine_bytes, 0, 0
     failed: set[tuple[int, int, int]] = set()  # (g0, g1, budget) that ran out of memory once
@@ -389,7 +393,7 @@ def _fine_passes(batch: _Batch, rows: _SignificantRows, fine: _FineData, acc: _F
             raise
         acc.drop_union()
         acc.offset_moments[...] = moments
-        group = gfine = None  # so that the pool can give their blocks back
+        group = gfine = setup.union_cache = None  # so that the pool can give their blocks back
         free_pool(batch.xp)
         return None
     return group, gfine
@@ -576,6 +580,42 @@ def _significant_rows(b: _Batch, coarse: _CoarseResult, candidate_log_prior) -> 
 
 
 @dataclass
+class _UnionSlices:
+    """The fine slices of every child of a union of rows, as _with_union_slices made them."""
+
+    rows_host: np.ndarray  # (U,) ascending global rows
+    rows: object  # (U,) on the device
+    matrices: object  # (U * n_children, 3, 3)
+    slices: SliceSet
+    n_children: int
+
+
+#: A batch whose union of significant rows lies within the previous batch's and holds at least this fraction of
+#: it uses the previous union's slices (its other rows get zero weight: nothing is inserted for them), instead of
+#: projecting its own: in early iterations consecutive batches share nearly all rows.
+UNION_REUSE_FRACTION = 0.5
+
+
+def _union_from_cache(setup: EStepSetup, rows: _SignificantRows, bytes_per_row: int) -> _SignificantRows:
+    """``rows`` with the cached union (setup.union_cache) as its union when it contains the batch's own union,
+    is at most 1 / UNION_REUSE_FRACTION times its size and fits the union budget in one group; else ``rows``.
+    The entries keep their rows (their union indices are remapped), so scores, weights and sums are the same:
+    the cached union's other rows get no entries, zero weight and no insertion."""
+    c = setup.union_cache
+    need = rows.union_rows_host
+    if c is None or need.size == 0 or c.rows_host.size == need.size \
+            or need.size < UNION_REUSE_FRACTION * c.rows_host.size \
+            or c.rows_host.size * bytes_per_row > setup.max_union_bytes:
+        return rows
+    pos = np.searchsorted(c.rows_host, need)
+    if pos[-1] >= c.rows_host.size or not np.array_equal(c.rows_host[pos], need):
+        return rows
+    xp = get_array_module(rows.union_index)
+    return replace(rows, union_index=xp.asarray(pos)[rows.union_index], union_rows=c.rows,
+                   union_rows_host=c.rows_host)
+
+
+@dataclass
 class _FineData:
     """The fine pass's orientations, translations and particle pixels: every oversampled child of the union of
     significant rows of a particle group (matrices and slices, child c of union row u at u * n_children + c; None
@@ -607,14 +647,20 @@ def _fine_particles(b: _Batch) -> _FineData:
 
 
 def _with_union_slices(b: _Batch, fine: _FineData, union_rows_host: np.ndarray) -> _FineData:
-    """``fine`` with every child of the union rows projected once (slices gathered by row afterwards)."""
+    """``fine`` with every child of the union rows projected once (slices gathered by row afterwards), or the
+    cached ones of the same rows (setup.union_cache, which then holds these)."""
     xp, setup = b.xp, b.setup
+    c = setup.union_cache
+    if c is not None and c.rows_host.size == union_rows_host.size and np.array_equal(c.rows_host, union_rows_host):
+        return replace(fine, matrices=c.matrices, slices=c.slices, n_children=c.n_children)
+    setup.union_cache = c = None  # its memory goes before the new projection
     A = xp.asarray(setup.sampling.fine_matrices(union_rows_host % b.n_orient).reshape(-1, 3, 3))
     P = _project_rows(setup, union_rows_host, setup.pix_fine, fine=True, matrices=A)
-    n_children = P.shape[0] // max(1, int(union_rows_host.size))
+    n_children = P.shape[0] // max(1, int(union_rows_host.size)) or fine.n_children
     slices = as_slices(P)
     del P
-    return replace(fine, matrices=A, slices=slices, n_children=n_children or fine.n_children)
+    setup.union_cache = _UnionSlices(np.array(union_rows_host), xp.asarray(union_rows_host), A, slices, n_children)
+    return replace(fine, matrices=A, slices=slices, n_children=n_children)
 
 
 def plan_union_groups(start, union_index, n_union: int, bytes_per_row: int,
