@@ -295,7 +295,19 @@ def expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | N
     candidates (I, n) coarse rows per particle (local searches; -1 pads) with their log priors, or None for
     a global search over every row with the direction prior ``setup.log_pdf_direction``. ``class_log_prior``
     (I, K) adds a per-particle class prior (-inf restricts a particle to some classes: 3D classification's
-    random class seeding)."""
+    random class seeding). A batch that fails drops the kept union slices (setup.union_cache): a retry after out
+    of memory, a smaller batch, starts without them."""
+    try:
+        return _expectation_batch(setup, prep, ctf, groups, scale, sums, candidates, candidate_log_prior,
+                                  scale_group_index, class_log_prior)
+    except BaseException:
+        setup.union_cache = None
+        raise
+
+
+def _expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | None, groups, scale,
+                       sums: EStepSums, candidates, candidate_log_prior, scale_group_index,
+                       class_log_prior) -> BatchResult:
     check = setup.check_cancel or _no_cancel
     check()
     batch = _Batch.make(setup, prep, ctf, groups, scale, class_log_prior)
@@ -653,7 +665,7 @@ def _with_union_slices(b: _Batch, fine: _FineData, union_rows_host: np.ndarray) 
     c = setup.union_cache
     if c is not None and c.rows_host.size == union_rows_host.size and np.array_equal(c.rows_host, union_rows_host):
         return replace(fine, matrices=c.matrices, slices=c.slices, n_children=c.n_children)
-    setup.union_cache = c = None  # its memory goes before the new projection
+    setup.union_cache = None  # its memory goes before the new projection
     A = xp.asarray(setup.sampling.fine_matrices(union_rows_host % b.n_orient).reshape(-1, 3, 3))
     P = _project_rows(setup, union_rows_host, setup.pix_fine, fine=True, matrices=A)
     n_children = P.shape[0] // max(1, int(union_rows_host.size)) or fine.n_children

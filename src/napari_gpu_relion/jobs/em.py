@@ -810,13 +810,6 @@ def run_estep(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, sums: EStepS
     shrinks: list[str] = []  # what the fine passes ran smaller after out-of-memory (expectation_batch)
 
     def work(i0: int, i1: int) -> None:
-        try:
-            run_batch(i0, i1)
-        except Exception:
-            setup.union_cache = None  # a retry (out of memory: a smaller batch) starts without the kept slices
-            raise
-
-    def run_batch(i0: int, i1: int) -> None:
         r = rows[i0:i1]
         imgs = be.asarray(ps.images(r))
         nf = (norm_average / ps.norm[r]) if do_norm else np.ones(r.size)
@@ -859,5 +852,5 @@ def run_estep(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, sums: EStepS
         yield Message(f"  {stage}: the union of significant orientations of {len(split)} batch(es) exceeded "
                       f"{setup.max_union_bytes / 1024**3:.2f} GiB; their fine passes ran in {sum(split)} groups "
                       f"of particles")
-    setup.union_cache = None
+    setup.union_cache = None  # the kept union slices go with the half's last batch
     be.release_cached()
