@@ -3,7 +3,11 @@ synchronised timers (so the sum is slower than a plain run by the synchronisatio
 command line. Timers nest: expectation_batch includes the estep steps below it. Iteration 1 counts from the job's
 Started event; the initialisation before it (initial references, noise spectra, memory plan) is initialisation_s.
 
-Run: python benchmarks/profile_job.py [--out results/x.json] -- class3d --i particles.star --ref ref.mrc ...
+With --kernel_trace N, iteration N also runs under torch.profiler (CUPTI: every kernel of the process, CuPy's and
+cuBLAS's included; needs PyTorch): per timed step, its synchronised wall against the time the GPU was busy in it and
+its kernel count, and per kernel name its count and time, so that launch and host overhead is told from GPU work.
+
+Run: python benchmarks/profile_job.py [--out results/x.json] [--kernel_trace 1] -- class3d --i particles.star ...
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from napari_gpu_relion.jobs.events import IterationFinished, Message, Started
 
 TIMES: dict = defaultdict(float)
 COUNTS: dict = defaultdict(int)
+TRACE: dict = {"on": False}  # True while the kernel trace records: the timers then mark their ranges in it
 
 
 class _Timer:
@@ -35,12 +40,97 @@ class _Timer:
 
     def __enter__(self):
         self.be.synchronize()
+        self.mark = None
+        if TRACE["on"]:
+            import torch  # noqa: PLC0415
+
+            self.mark = torch.profiler.record_function(self.label.strip())
+            self.mark.__enter__()
         self.t = time.perf_counter()
 
     def __exit__(self, *exc):
         self.be.synchronize()
         TIMES[self.label] += time.perf_counter() - self.t
         COUNTS[self.label] += 1
+        if self.mark is not None:
+            self.mark.__exit__(None, None, None)
+
+
+class KernelTrace:
+    """torch.profiler around one iteration; ``stop`` writes the Chrome trace and returns its summary."""
+
+    def __init__(self, path: Path):
+        self.path, self.prof = path, None
+
+    def start(self):
+        import torch  # noqa: PLC0415
+
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        self.prof = torch.profiler.profile(activities=acts)
+        self.prof.__enter__()
+        TRACE["on"] = True
+
+    def stop(self) -> dict:
+        TRACE["on"] = False
+        self.prof.__exit__(None, None, None)
+        self.prof.export_chrome_trace(str(self.path))
+        return summarise_trace(json.loads(self.path.read_text()))
+
+
+def _covered(starts, ends):
+    """x -> the busy time (µs) before x of the disjoint sorted intervals [starts, ends)."""
+    import numpy as np  # noqa: PLC0415
+
+    cum = np.concatenate([[0.0], np.cumsum(ends - starts)])
+
+    def before(x: float) -> float:
+        j = int(np.searchsorted(starts, x, side="right"))  # intervals that start at or before x
+        if j == 0:
+            return 0.0
+        return float(cum[j - 1] + max(0.0, min(x, ends[j - 1]) - starts[j - 1]))
+
+    return before
+
+
+def summarise_trace(trace: dict) -> dict:
+    """Per annotated step: wall (ms), GPU busy (ms, the union of its kernels' intervals) and kernel count; per
+    kernel name: count and time (ms); the whole window's GPU busy fraction."""
+    import numpy as np  # noqa: PLC0415
+
+    ev = trace["traceEvents"] if isinstance(trace, dict) else trace
+    kern = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    marks = [e for e in ev if e.get("cat") == "user_annotation" and "dur" in e]
+    if not kern:
+        return {"kernels": 0, "note": "no GPU kernels in the trace"}
+    ks = np.array([float(e["ts"]) for e in kern])
+    kd = np.array([float(e["dur"]) for e in kern])
+    order = np.argsort(ks)
+    ks, kd = ks[order], kd[order]
+    ke = ks + kd
+    # the union of the kernel intervals, as disjoint sorted intervals
+    run_end = np.maximum.accumulate(ke)
+    new = np.concatenate([[True], ks[1:] > run_end[:-1]])
+    starts = ks[new]
+    ends = np.maximum.reduceat(ke, np.flatnonzero(new))
+    before = _covered(starts, ends)
+    steps: dict = {}
+    for e in marks:
+        a, b = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        s = steps.setdefault(e["name"], {"calls": 0, "wall_ms": 0.0, "gpu_busy_ms": 0.0, "kernels": 0})
+        s["calls"] += 1
+        s["wall_ms"] += (b - a) / 1e3
+        s["gpu_busy_ms"] += float(before(b) - before(a)) / 1e3
+        s["kernels"] += int(np.searchsorted(ks, b) - np.searchsorted(ks, a))
+    by_name: dict = defaultdict(lambda: [0, 0.0])
+    for e in kern:
+        by_name[e["name"][:120]][0] += 1
+        by_name[e["name"][:120]][1] += float(e["dur"]) / 1e3
+    window = float(ke.max() - ks.min())
+    return {"kernels": len(kern), "window_ms": window / 1e3, "gpu_busy_ms": float((ends - starts).sum()) / 1e3,
+            "kernel_sum_ms": float(kd.sum()) / 1e3,
+            "steps": dict(sorted(steps.items(), key=lambda kv: -kv[1]["wall_ms"])),
+            "by_kernel": {k: {"count": c, "ms": round(t, 3)}
+                          for k, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:60]}}
 
 
 def wrap(owner, name, be, label):
@@ -77,9 +167,17 @@ def main():
                     help="CuPy's array code instead of the fused projection and insertion kernels (to compare)")
     ap.add_argument("--no_read_ahead", action="store_true",
                     help="read the first iteration's images in the job's thread (em.READ_AHEAD off, to compare)")
+    ap.add_argument("--shared_factor", type=float, default=0,
+                    help="override estep.SHARED_LAYOUT_FACTOR (chunks share rows up to this x their largest count)")
+    ap.add_argument("--kernel_trace", type=int, default=0,
+                    help="iteration to run under torch.profiler (CUPTI), summarised per step and per kernel")
     a = ap.parse_args(argv[:split])
+    tracer = KernelTrace(Path(a.out or "profile.json").with_suffix(".trace.json")) if a.kernel_trace else None
+    trace_summary = None
     gpu_kernels.ENABLED = not a.array_code
     em.READ_AHEAD = not a.no_read_ahead
+    if a.shared_factor:
+        estep.SHARED_LAYOUT_FACTOR = a.shared_factor
     if a.fine_chunk_mib:  # the plan's chunk is clamped to [CHUNK_BYTES, MAX_FINE_CHUNK_BYTES]: pin both
         backend.CHUNK_BYTES = backend.MAX_FINE_CHUNK_BYTES = a.fine_chunk_mib << 20
     args = cli.build_parser().parse_args(argv[split + 1:])
@@ -142,6 +240,8 @@ def main():
             init_steps = {k: v for k, v in sorted(TIMES.items(), key=lambda kv: -kv[1]) if v > 1e-3}
             last, last_calls = dict(TIMES), dict(COUNTS)  # the initialisation's steps are not iteration 1's
             marks.append(started)
+            if tracer and a.kernel_trace == 1:
+                tracer.start()
         if isinstance(ev, Message):
             print(" ", ev.text, flush=True)
         if isinstance(ev, IterationFinished):
@@ -154,10 +254,16 @@ def main():
             print(f"iteration {ev.iteration}: {per_it[-1]['wall_s']:.1f} s  {ev.summary}", flush=True)
             for k, v in per_it[-1]["steps_s"].items():
                 print(f"    {k:<40} {v:8.2f} s  ({COUNTS[k]} calls so far)")
+            if tracer and ev.iteration == a.kernel_trace:
+                trace_summary = {"iteration": ev.iteration, **tracer.stop()}
+                marks[-1] = time.time() - t0  # the trace's export is not the next iteration's
+            if tracer and ev.iteration == a.kernel_trace - 1:
+                tracer.start()
     res = {"hardware": be.name, "argv": argv, "fused_kernels": gpu_kernels.ENABLED, "read_ahead": em.READ_AHEAD,
-           "fine_chunk_bytes": backend.CHUNK_BYTES, "total_s": time.time() - t0, "initialisation_s": started,
+           "fine_chunk_bytes": backend.CHUNK_BYTES,
+           "shared_layout_factor": estep.SHARED_LAYOUT_FACTOR, "total_s": time.time() - t0, "initialisation_s": started,
            "initialisation_steps_s": init_steps,
-           "iterations": per_it}
+           "iterations": per_it, "kernel_trace": trace_summary}
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
 

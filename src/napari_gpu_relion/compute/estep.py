@@ -734,14 +734,14 @@ def fine_chunk_bytes(n_particles: int, largest: int, n_union: int | None, n_chil
                      per_slice: int, per_particle: int) -> int:
     """Device bytes of a fine chunk of ``n_particles`` whose largest count of significant rows is ``largest``.
     Gathered layout (_chunk_layout): each particle its own rows padded to ``largest``, with their slices:
-    particles x largest x children x (per_score + per_slice). When 2 x largest >= ``n_union`` the chunk's
-    distinct rows (at most the union) are certain to be at most twice its largest count, so _chunk_layout shares
+    particles x largest x children x (per_score + per_slice). When SHARED_LAYOUT_FACTOR x largest >= ``n_union``
+    the chunk's distinct rows (at most the union) are certain to be within that factor, so _chunk_layout shares
     them: their slices once (union x children x per_slice) and every particle scores all of them (particles x
     union x children x per_score). That is iteration 1's case (flat posteriors, most rows significant), where
     counting the slices per particle made chunks of 2-4 particles. Plus ``per_particle`` per particle (its image
     at every fine translation)."""
     c = max(1, largest)
-    if n_union is not None and 2 * c >= n_union:
+    if n_union is not None and SHARED_LAYOUT_FACTOR * c >= n_union:
         return n_union * n_children * per_slice + n_particles * (n_union * n_children * per_score + per_particle)
     return n_particles * (c * n_children * (per_score + per_slice) + per_particle)
 
@@ -788,6 +788,11 @@ class _FineSums:
         self.slices = self.slice_weights = self.row_weight = None
 
 
+#: A fine chunk shares its rows (one GEMM over its distinct rows, non-parents masked) when they are at most this
+#: many times its largest count; else each particle gathers its own (batched GEMMs over padded rows).
+SHARED_LAYOUT_FACTOR = 2
+
+
 @dataclass
 class _ChunkLayout:
     """Which coarse parents each particle of a chunk scores. Shared: every particle scores the chunk's distinct
@@ -808,7 +813,8 @@ class _ChunkLayout:
 
 def _chunk_layout(b: _Batch, rows: _SignificantRows, a0: int, a1: int, n_children: int) -> _ChunkLayout:
     """The parent layout of the particles of ranks a0..a1-1: shared when the chunk's particles mostly share
-    rows (at most twice its largest count distinct rows: early iterations), gathered otherwise."""
+    rows (at most SHARED_LAYOUT_FACTOR times its largest count distinct rows: early iterations), gathered
+    otherwise."""
     xp = b.xp
     ni = a1 - a0
     e0, e1 = int(rows.start[a0]), int(rows.start[a1])
@@ -817,7 +823,7 @@ def _chunk_layout(b: _Batch, rows: _SignificantRows, a0: int, a1: int, n_childre
     largest = int(rows.counts[rows.order[a1 - 1]])
     distinct, column = xp.unique(union_index, return_inverse=True)
     column = column.reshape(-1)
-    shared = int(distinct.size) <= 2 * largest
+    shared = int(distinct.size) <= SHARED_LAYOUT_FACTOR * largest
     child = xp.arange(n_children)[None, :]
     if shared:
         parents = xp.broadcast_to(distinct[None, :], (ni, int(distinct.size)))
