@@ -134,7 +134,7 @@ def summarise_trace(trace: dict) -> dict:
 
 
 def wrap(owner, name, be, label):
-    if not hasattr(owner, name):
+    if not hasattr(owner, name) or not TRACE.get("timers", True):
         return
     fn = getattr(owner, name)
 
@@ -149,6 +149,8 @@ def wrap_generator(owner, name, be, label):
     """wrap for a generator method (the job's update_sampling, expectation, write): its time until it returns,
     the consumer's handling of what it yields included."""
     fn = getattr(owner, name)
+    if not TRACE.get("timers", True):
+        return
 
     def timed(*a, **k):
         with _Timer(be, label):
@@ -169,9 +171,12 @@ def main():
                     help="read the first iteration's images in the job's thread (em.READ_AHEAD off, to compare)")
     ap.add_argument("--shared_factor", type=float, default=0,
                     help="override estep.SHARED_LAYOUT_FACTOR (chunks share rows up to this x their largest count)")
+    ap.add_argument("--no_timers", action="store_true",
+                    help="no synchronised timers: only the iteration walls (a plain run with the overrides above)")
     ap.add_argument("--kernel_trace", type=int, default=0,
                     help="iteration to run under torch.profiler (CUPTI), summarised per step and per kernel")
     a = ap.parse_args(argv[:split])
+    TRACE["timers"] = not a.no_timers
     tracer = KernelTrace(Path(a.out or "profile.json").with_suffix(".trace.json")) if a.kernel_trace else None
     trace_summary = None
     gpu_kernels.ENABLED = not a.array_code
@@ -261,7 +266,8 @@ def main():
                 tracer.start()
     res = {"hardware": be.name, "argv": argv, "fused_kernels": gpu_kernels.ENABLED, "read_ahead": em.READ_AHEAD,
            "fine_chunk_bytes": backend.CHUNK_BYTES,
-           "shared_layout_factor": estep.SHARED_LAYOUT_FACTOR, "total_s": time.time() - t0, "initialisation_s": started,
+           "shared_layout_factor": estep.SHARED_LAYOUT_FACTOR,
+           "timers": TRACE["timers"], "total_s": time.time() - t0, "initialisation_s": started,
            "initialisation_steps_s": init_steps,
            "iterations": per_it, "kernel_trace": trace_summary}
     if a.out:
