@@ -5,6 +5,7 @@ from napari_gpu_relion.compute.backend import (
     BATCH_FRACTION,
     MAX_BATCH_2D,
     MAX_BATCH_3D,
+    MAX_BATCH_3D_GPU,
     estep_bytes_per_particle,
     plan_memory,
 )
@@ -53,7 +54,8 @@ def test_memory_plan_batch_follows_the_free_memory_and_honours_batch():
     plan = plan_memory(free, **kw)
     assert plan.reference_bytes == 2 * grid * 8 and plan.accumulator_bytes == 2 * grid * 24
     assert plan.bytes_per_particle == per and plan.batch == 100
-    assert plan_memory(10**15, **kw).batch == MAX_BATCH_3D
+    assert plan_memory(10**15, **kw).batch == MAX_BATCH_3D_GPU
+    assert plan_memory(10**15, adaptive_chunks=False, **kw).batch == MAX_BATCH_3D  # the CPU's cap
     assert plan_memory(10**15, **(kw | {"ndim": 2})).batch == MAX_BATCH_2D
     assert plan_memory(0, **kw).batch == 1  # never 0: one particle at a time, halving on out-of-memory after
     assert plan_memory(free, requested_batch=7, **kw).batch == 7
@@ -65,7 +67,7 @@ def test_fine_chunk_budget_grows_with_free_memory_within_its_bounds():
 
     kw = dict(box=128, ndim=3, pad=2, n_references=2, rows_per_particle=4608, translations=21, coarse_pixels=400)
     small = plan_memory(2 << 30, **kw)
-    large = plan_memory(80 << 30, **kw)
+    large = plan_memory(400 << 30, **kw)
     middle = plan_memory(30 << 30, **kw)
     assert small.fine_chunk_bytes == CHUNK_BYTES
     assert large.fine_chunk_bytes == MAX_FINE_CHUNK_BYTES

@@ -232,18 +232,23 @@ def select_backend(cpu: bool = False, gpu: int | None = None) -> Backend:
 #: allocates transient arrays beyond the counted ones (FFT work areas, CuPy's rounding of blocks); 0.15 left
 #: room for them on the H100 and on 24 GB hosts without an out-of-memory retry.
 BATCH_FRACTION = 0.15
-#: Most particles per E-step batch. More particles per batch did not make 3D jobs faster on the H100 beyond
-#: 512; 2D classification (small images, many classes) was 1.3x faster at 1024 (benchmarks/README.md).
+#: Most particles per E-step batch. On the CPU 3D batches stop at 512. On a GPU each batch and fine chunk costs
+#: a few hundred kernel launches from Python whatever its size, and a kernel trace of iteration 1 (flat
+#: posteriors) showed the GPU busy for a fifth of the time at 512 (benchmarks/README.md, twentieth session): 3D
+#: batches go up to 2048 there, as far as the memory allows (BATCH_FRACTION). 2D classification (small images,
+#: many classes) was 1.3x faster at 1024 than at 512.
 MAX_BATCH_3D = 512
+MAX_BATCH_3D_GPU = 2048
 MAX_BATCH_2D = 1024
 #: Bytes that one reconstruction chunk may use, and the smallest fine-pass chunk.
 CHUNK_BYTES = 1 << 28
 #: The fine-pass chunk: this fraction of the memory left after the references and accumulators, between
 #: CHUNK_BYTES and MAX_FINE_CHUNK_BYTES. Fewer, larger chunks mean fewer launches and larger GEMMs: on the H100
 #: a 2 GiB chunk made a refine3d iteration at HEALPix order 3 (box 128, 5,000 particles) 1.8x faster than
-#: 256 MiB (3.8 -> 2.1 s) and iteration 1 1.2x (benchmarks/profile_job.py --fine_chunk_mib).
-FINE_CHUNK_FRACTION = 0.03
-MAX_FINE_CHUNK_BYTES = 1 << 31
+#: 256 MiB (3.8 -> 2.1 s) and iteration 1 1.2x (benchmarks/profile_job.py --fine_chunk_mib); with 2048-particle
+#: batches up to 8 GiB (on an H200, about 5 GiB on an 80 GB H100).
+FINE_CHUNK_FRACTION = 0.06
+MAX_FINE_CHUNK_BYTES = 1 << 33
 #: Points per scatter-add call of the back-projection (bounds its index and weight arrays to ~400 MB).
 INSERT_CHUNK_POINTS = 1 << 23
 
@@ -370,7 +375,8 @@ def plan_memory(free_bytes: int, *, box: int, ndim: int, pad: int, n_references:
     """The memory plan of one E-step iteration. ``n_references`` counts every padded Fourier reference held
     (classes x halves); each has an accumulator of the same grid (complex128 data + float64 weight) beside its
     complex64 reference. ``requested_batch`` (--batch) wins when positive; otherwise the batch is what
-    BATCH_FRACTION of the memory left after the references and accumulators holds, at most MAX_BATCH_2D/3D.
+    BATCH_FRACTION of the memory left after the references and accumulators holds, at most MAX_BATCH_2D, or
+    MAX_BATCH_3D_GPU on a GPU (``adaptive_chunks``) and MAX_BATCH_3D on the CPU.
     ``adaptive_chunks=False`` (the CPU) fixes the fine-pass chunk at CHUNK_BYTES instead of a fraction of the
     free memory: the chunks set the order of the sums, so a fixed chunk gives the same numbers on any host
     however busy (a GPU's atomics make the order vary anyway; there larger chunks are faster).
@@ -384,7 +390,7 @@ def plan_memory(free_bytes: int, *, box: int, ndim: int, pad: int, n_references:
         batch = int(requested_batch)
     else:
         left = max(0, free_bytes - ref_bytes - acc_bytes)
-        cap = MAX_BATCH_2D if ndim == 2 else MAX_BATCH_3D
+        cap = MAX_BATCH_2D if ndim == 2 else MAX_BATCH_3D_GPU if adaptive_chunks else MAX_BATCH_3D
         batch = int(max(1, min(cap, BATCH_FRACTION * left // max(per, 1))))
     left = max(0, free_bytes - ref_bytes - acc_bytes)
     fine = int(min(MAX_FINE_CHUNK_BYTES, max(CHUNK_BYTES, FINE_CHUNK_FRACTION * left))) if adaptive_chunks \
