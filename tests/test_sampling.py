@@ -384,3 +384,35 @@ def test_kept_first_lists_each_rows_true_columns_in_order():
         cols = np.flatnonzero(mask[i])
         assert ok[i].sum() == cols.size
         assert np.array_equal(idx[i, : cols.size], cols)
+
+
+@pytest.mark.parametrize("kw", [dict(order=2), dict(order=1, sym="D2", perturb=0.3), dict(order=3, perturb=-0.2)])
+def test_fine_matrices_from_the_table_equal_those_computed_alone(kw):
+    """Global searches take the fine matrices from a table of every coarse orientation (made once per sampling):
+    bit for bit the matrices computed for the asked rows alone, in any order, repeated rows included."""
+    from napari_gpu_relion.compute import sampling as sm
+
+    s = sm.Sampling(**kw)
+    assert s.n_orient <= sm.FINE_TABLE_MAX_ORIENT
+    r = np.random.default_rng(1).integers(0, s.n_orient, 3000)
+    got = s.fine_matrices(r)
+    assert got.shape == (3000, 8, 3, 3)
+    assert np.array_equal(got, s.fine_matrices_of(r))
+    got[0] = 0  # a copy: the table is not changed through it
+    assert np.array_equal(s.fine_matrices(r[:1]), s.fine_matrices_of(r[:1]))
+    # another perturbation of the same grid is another table
+    s2 = sm.Sampling(**(kw | {"perturb": 0.1}))
+    assert np.array_equal(s2.fine_matrices(r[:50]), s2.fine_matrices_of(r[:50]))
+    assert not np.array_equal(s2.fine_matrices(r[:50]), s.fine_matrices(r[:50]))
+
+
+def test_local_search_orders_compute_only_the_asked_fine_matrices():
+    """Above FINE_TABLE_MAX_ORIENT coarse orientations (HEALPix order 4 and finer) no table is made."""
+    from napari_gpu_relion.compute import sampling as sm
+
+    s = sm.Sampling(order=4)
+    assert s.n_orient > sm.FINE_TABLE_MAX_ORIENT
+    sm._fine_table.cache_clear()
+    r = np.array([0, 5, s.n_orient - 1])
+    assert np.array_equal(s.fine_matrices(r), s.fine_matrices_of(r))
+    assert sm._fine_table.cache_info().currsize == 0
