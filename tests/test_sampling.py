@@ -388,13 +388,16 @@ def test_kept_first_lists_each_rows_true_columns_in_order():
 
 @pytest.mark.parametrize("kw", [dict(order=2), dict(order=1, sym="D2", perturb=0.3), dict(order=3, perturb=-0.2)])
 def test_fine_matrices_from_the_table_equal_those_computed_alone(kw):
-    """Global searches take the fine matrices from a table of every coarse orientation (made once per sampling):
-    bit for bit the matrices computed for the asked rows alone, in any order, repeated rows included."""
+    """Global searches keep each coarse orientation's fine matrices once computed (per sampling): bit for bit
+    the matrices computed for the asked rows alone, in any order, repeated rows included, whichever rows were
+    asked for before."""
     from napari_gpu_relion.compute import sampling as sm
 
     s = sm.Sampling(**kw)
     assert s.n_orient <= sm.FINE_TABLE_MAX_ORIENT
     r = np.random.default_rng(1).integers(0, s.n_orient, 3000)
+    first = s.fine_matrices(r[:100])  # some rows kept before the others are asked for
+    assert np.array_equal(first, s.fine_matrices_of(r[:100]))
     got = s.fine_matrices(r)
     assert got.shape == (3000, 8, 3, 3)
     assert np.array_equal(got, s.fine_matrices_of(r))

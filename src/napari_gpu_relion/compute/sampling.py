@@ -10,6 +10,7 @@ says radians; translations in pixels.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -683,12 +684,14 @@ class Sampling:
     def fine_matrices(self, r) -> np.ndarray:
         """(n, 8, 3, 3) perturbed matrices of the oversampled children of coarse orientations r
         (4^q directions x 2^q psi, psi innermost, as RELION's iover_rot). Up to FINE_TABLE_MAX_ORIENT coarse
-        orientations (global searches) they are taken from a table of all of them, made once per sampling: every
-        batch of an early iteration asks for most of them (the union of significant rows), and making them took
-        13 ms per batch at HEALPix order 2, 30 ms in 3D classification with 4 classes."""
+        orientations (global searches) each is computed once per sampling and kept (_FineTable): the batches of
+        a global search ask for many of the same rows (the unions of significant rows; in 3D classification every
+        class's rows share the orientations), and computing them took 13 ms per batch at HEALPix order 2, 30 ms
+        with 4 classes."""
         r = np.asarray(r)
         if self.n_orient <= FINE_TABLE_MAX_ORIENT:
-            return _fine_table(self.order, self.sym, self.psi_step, float(self.perturb), self.oversampling)[r]
+            key = (self.order, self.sym, self.psi_step, float(self.perturb), self.oversampling)
+            return _fine_table(key, self.n_orient, self.n_children).matrices(self, r)
         return self.fine_matrices_of(r)
 
     def fine_matrices_of(self, r) -> np.ndarray:
@@ -708,19 +711,33 @@ class Sampling:
         return oversampled_translations(self.translations, self.offset_step, self.oversampling)
 
 
-#: Coarse orientations up to which Sampling.fine_matrices keeps a table of every child's matrix (HEALPix order 3,
-#: 73,728 orientations: 42 MB; a local search at order 4 and beyond computes the ones it needs).
+#: Coarse orientations up to which Sampling.fine_matrices keeps every child's matrix it has computed (HEALPix
+#: order 3, 36,864 orientations: 21 MB at most; local searches at order 4 and beyond compute the ones they need).
 FINE_TABLE_MAX_ORIENT = 1 << 17
 
 
-@lru_cache(maxsize=2)
-def _fine_table(order: int, sym: str, psi_step: float | None, perturb: float, oversampling: int) -> np.ndarray:
-    """The fine matrices of every coarse orientation of a sampling (read-only): the same values as computing
-    them for any subset (each matrix is computed on its own)."""
-    smp = Sampling(order, sym, psi_step, perturb=perturb, oversampling=oversampling)
-    table = smp.fine_matrices_of(np.arange(smp.n_orient))
-    table.setflags(write=False)
-    return table
+class _FineTable:
+    """The fine matrices of one sampling's coarse orientations, each computed the first time a row asks for it
+    (the same values as computing it alone: each matrix is computed on its own)."""
+
+    def __init__(self, n_orient: int, n_children: int):
+        self.table = np.empty((n_orient, n_children, 3, 3))
+        self.done = np.zeros(n_orient, dtype=bool)
+        self.lock = threading.Lock()  # two jobs of one process may share a sampling
+
+    def matrices(self, smp: Sampling, r: np.ndarray) -> np.ndarray:
+        with self.lock:
+            missing = np.unique(r[~self.done[r]])
+            if missing.size:
+                self.table[missing] = smp.fine_matrices_of(missing)
+                self.done[missing] = True
+            return self.table[r]
+
+
+@lru_cache(maxsize=4)
+def _fine_table(key: tuple, n_orient: int, n_children: int) -> _FineTable:
+    """The kept fine matrices of the sampling ``key`` (order, symmetry, psi step, perturbation, oversampling)."""
+    return _FineTable(n_orient, n_children)
 
 
 @dataclass
