@@ -7,6 +7,9 @@ With --kernel_trace N, iteration N also runs under torch.profiler (CUPTI: every 
 cuBLAS's included; needs PyTorch): per timed step, its synchronised wall against the time the GPU was busy in it and
 its kernel count, and per kernel name its count and time, so that launch and host overhead is told from GPU work.
 
+With --host_profile N, iteration N runs under cProfile (without the synchronised timers: use --no_timers): the
+Python functions that take the host's time (CuPy's per-call overhead included), by own time and by cumulative time.
+
 Run: python benchmarks/profile_job.py [--out results/x.json] [--kernel_trace 1] -- class3d --i particles.star ...
 """
 
@@ -75,6 +78,30 @@ class KernelTrace:
         self.prof.__exit__(None, None, None)
         self.prof.export_chrome_trace(str(self.path))
         return summarise_trace(json.loads(self.path.read_text()))
+
+
+class HostProfile:
+    """cProfile around one iteration; ``stop`` returns the top functions by own and by cumulative time."""
+
+    def __init__(self, top: int = 40):
+        self.top, self.prof = top, None
+
+    def start(self):
+        import cProfile  # noqa: PLC0415
+
+        self.prof = cProfile.Profile()
+        self.prof.enable()
+
+    def stop(self) -> dict:
+        import pstats  # noqa: PLC0415
+
+        self.prof.disable()
+        st = pstats.Stats(self.prof).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, ...)
+        rows = [{"function": f"{Path(f).name}:{line}({name})", "calls": int(nc), "own_ms": round(tt * 1e3, 2),
+                 "cumulative_ms": round(ct * 1e3, 2)} for (f, line, name), (_, nc, tt, ct, _) in st.items()]
+        return {"total_own_ms": round(sum(r["own_ms"] for r in rows), 1),
+                "by_own": sorted(rows, key=lambda r: -r["own_ms"])[:self.top],
+                "by_cumulative": sorted(rows, key=lambda r: -r["cumulative_ms"])[:self.top]}
 
 
 def _covered(starts, ends):
@@ -175,8 +202,12 @@ def main():
                     help="no synchronised timers: only the iteration walls (a plain run with the overrides above)")
     ap.add_argument("--kernel_trace", type=int, default=0,
                     help="iteration to run under torch.profiler (CUPTI), summarised per step and per kernel")
+    ap.add_argument("--host_profile", type=int, default=0,
+                    help="iteration to run under cProfile (host time per Python function; with --no_timers)")
     a = ap.parse_args(argv[:split])
     TRACE["timers"] = not a.no_timers
+    host = HostProfile() if a.host_profile else None
+    host_summary = None
     tracer = KernelTrace(Path(a.out or "profile.json").with_suffix(".trace.json")) if a.kernel_trace else None
     trace_summary = None
     gpu_kernels.ENABLED = not a.array_code
@@ -247,6 +278,8 @@ def main():
             marks.append(started)
             if tracer and a.kernel_trace == 1:
                 tracer.start()
+            if host and a.host_profile == 1:
+                host.start()
         if isinstance(ev, Message):
             print(" ", ev.text, flush=True)
         if isinstance(ev, IterationFinished):
@@ -262,14 +295,19 @@ def main():
             if tracer and ev.iteration == a.kernel_trace:
                 trace_summary = {"iteration": ev.iteration, **tracer.stop()}
                 marks[-1] = time.time() - t0  # the trace's export is not the next iteration's
+            if host and ev.iteration == a.host_profile:
+                host_summary = {"iteration": ev.iteration, **host.stop()}
             if tracer and ev.iteration == a.kernel_trace - 1:
                 tracer.start()
+            if host and ev.iteration == a.host_profile - 1:
+                host.start()
     res = {"hardware": be.name, "argv": argv, "fused_kernels": gpu_kernels.ENABLED, "read_ahead": em.READ_AHEAD,
            "fine_chunk_bytes": backend.CHUNK_BYTES,
            "shared_layout_factor": estep.SHARED_LAYOUT_FACTOR,
            "timers": TRACE["timers"], "total_s": time.time() - t0, "initialisation_s": started,
            "initialisation_steps_s": init_steps,
-           "iterations": per_it, "kernel_trace": trace_summary}
+           "iterations": per_it, "kernel_trace": trace_summary,
+           "host_profile": host_summary}
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
 
