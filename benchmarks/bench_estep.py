@@ -183,8 +183,8 @@ def main():
                     help="box:healpix_order:batch[:classes], comma-separated")
     ap.add_argument("--cases_2d", default="", help="2D classification cases box:classes:batch, e.g. 128:100:256")
     ap.add_argument("--fine_chunk_mib", type=int, default=CHUNK_BYTES >> 20,
-                    help="fine-pass chunk budget (default EStepSetup's; a job plans 3 %% of the memory left after "
-                         "references and accumulators, up to 2048 on an 80 GB GPU: backend.FINE_CHUNK_FRACTION)")
+                    help="fine-pass chunk budget (default EStepSetup's; a job plans 6 %% of the memory left after "
+                         "references and accumulators, up to 8192: backend.FINE_CHUNK_FRACTION)")
     ap.add_argument("--tf32", action="store_true", help="the GEMMs in TF32 (the jobs' --tf32); fractions stay "
                     "relative to the float32 rate, and the TF32 rate of the same product is recorded beside it")
     args = ap.parse_args()

@@ -59,7 +59,7 @@ def main():
                     help="also run this many batches under cProfile (no synchronising timers) and keep the 25 "
                          "functions with the most own host time per batch")
     ap.add_argument("--fine_chunk_mib", type=int, default=CHUNK_BYTES >> 20,
-                    help="fine-pass chunk budget (default EStepSetup's; a job plans up to 2048 on an 80 GB GPU)")
+                    help="fine chunk budget (default EStepSetup's; a job plans up to 8192, 6 %% of the free memory)")
     a = ap.parse_args()
     be = select_backend(cpu=a.cpu)
     xp = be.xp

@@ -8,7 +8,10 @@ cuBLAS's included; needs PyTorch): per timed step, its synchronised wall against
 its kernel count, and per kernel name its count and time, so that launch and host overhead is told from GPU work.
 
 With --host_profile N, iteration N runs under cProfile (without the synchronised timers: use --no_timers): the
-Python functions that take the host's time (CuPy's per-call overhead included), by own time and by cumulative time.
+Python functions that take the job thread's host time (CuPy's per-call overhead included; not the read-ahead or
+writer threads), by own time and by cumulative time. Both start when iteration N-1's IterationFinished event
+arrives (inside that iteration's file writing, whose tail they see) and stop at iteration N's, which is yielded
+while its own writing is under way (the trace then lacks that step's mark); their start-up counts in iteration N.
 
 Run: python benchmarks/profile_job.py [--out results/x.json] [--kernel_trace 1] -- class3d --i particles.star ...
 """
@@ -292,11 +295,11 @@ def main():
             print(f"iteration {ev.iteration}: {per_it[-1]['wall_s']:.1f} s  {ev.summary}", flush=True)
             for k, v in per_it[-1]["steps_s"].items():
                 print(f"    {k:<40} {v:8.2f} s  ({COUNTS[k]} calls so far)")
+            if host and ev.iteration == a.host_profile:  # first: the trace's export below is not the iteration's
+                host_summary = {"iteration": ev.iteration, **host.stop()}
             if tracer and ev.iteration == a.kernel_trace:
                 trace_summary = {"iteration": ev.iteration, **tracer.stop()}
                 marks[-1] = time.time() - t0  # the trace's export is not the next iteration's
-            if host and ev.iteration == a.host_profile:
-                host_summary = {"iteration": ev.iteration, **host.stop()}
             if tracer and ev.iteration == a.kernel_trace - 1:
                 tracer.start()
             if host and ev.iteration == a.host_profile - 1:

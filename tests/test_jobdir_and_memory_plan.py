@@ -73,6 +73,13 @@ def test_fine_chunk_budget_grows_with_free_memory_within_its_bounds():
     assert large.fine_chunk_bytes == MAX_FINE_CHUNK_BYTES
     left = (30 << 30) - middle.reference_bytes - middle.accumulator_bytes
     assert middle.fine_chunk_bytes == int(FINE_CHUNK_FRACTION * left)
+    # 2D classification keeps its own, smaller fraction and bound
+    from napari_gpu_relion.compute.backend import FINE_CHUNK_FRACTION_2D, MAX_FINE_CHUNK_BYTES_2D
+
+    assert plan_memory(400 << 30, **(kw | {"ndim": 2})).fine_chunk_bytes == MAX_FINE_CHUNK_BYTES_2D
+    mid2 = plan_memory(30 << 30, **(kw | {"ndim": 2}))
+    assert mid2.fine_chunk_bytes == int(FINE_CHUNK_FRACTION_2D * ((30 << 30) - mid2.reference_bytes
+                                                                   - mid2.accumulator_bytes))
     # on the CPU the chunk is fixed: the order of the sums, and so the numbers, do not depend on the host's memory
     fixed = {plan_memory(f, adaptive_chunks=False, **kw).fine_chunk_bytes for f in (2 << 30, 30 << 30, 80 << 30)}
     assert fixed == {CHUNK_BYTES}

@@ -415,7 +415,37 @@ def test_local_search_orders_compute_only_the_asked_fine_matrices():
 
     s = sm.Sampling(order=4)
     assert s.n_orient > sm.FINE_TABLE_MAX_ORIENT
-    sm._fine_table.cache_clear()
     r = np.array([0, 5, s.n_orient - 1])
     assert np.array_equal(s.fine_matrices(r), s.fine_matrices_of(r))
-    assert sm._fine_table.cache_info().currsize == 0
+    assert s._fine is None
+
+
+def test_kept_fine_matrices_follow_a_changed_perturbation():
+    """A sampling whose perturbation is changed after matrices were kept gives the new perturbation's matrices."""
+    from napari_gpu_relion.compute import sampling as sm
+
+    s = sm.Sampling(order=1, perturb=0.2)
+    r = np.arange(0, s.n_orient, 7)
+    before = s.fine_matrices(r)
+    s.perturb = -0.3
+    assert np.array_equal(s.fine_matrices(r), sm.Sampling(order=1, perturb=-0.3).fine_matrices_of(r))
+    assert not np.array_equal(before, s.fine_matrices(r))
+
+
+@pytest.mark.parametrize("n_classes", [1, 3])
+def test_local_candidates_in_pieces_equal_one_call(monkeypatch, n_classes):
+    """local_candidates makes its (particles x directions) tables for LOCAL_CANDIDATE_BATCH particles at a time:
+    the same candidate rows, log priors and padding as one call over all particles."""
+    from napari_gpu_relion.compute import sampling as sm
+
+    rng = np.random.default_rng(3)
+    angles = np.stack([rng.uniform(-180, 180, 23), rng.uniform(0, 180, 23), rng.uniform(-180, 180, 23)], axis=1)
+    smp = sm.Sampling(order=3)
+    sigma = rng.uniform(2.0, 9.0)  # a spread of window sizes: the pieces' widths differ
+    whole = sm.local_candidates(angles, smp, sigma, "C1", n_classes)
+    monkeypatch.setattr(sm, "LOCAL_CANDIDATE_BATCH", 4)
+    pieces = sm.local_candidates(angles, smp, sigma, "C1", n_classes)
+    assert whole[0].shape == pieces[0].shape
+    assert np.array_equal(whole[0], pieces[0]) and np.array_equal(whole[1], pieces[1])
+    widths = {int((sm.local_candidates(angles[i:i + 4], smp, sigma)[0] >= 0).sum(1).max()) for i in range(0, 23, 4)}
+    assert len(widths) > 1  # the pieces were of different widths, so the padding was exercised

@@ -234,7 +234,7 @@ def select_backend(cpu: bool = False, gpu: int | None = None) -> Backend:
 BATCH_FRACTION = 0.15
 #: Most particles per E-step batch. On the CPU 3D batches stop at 512. On a GPU each batch and fine chunk costs
 #: a few hundred kernel launches from Python whatever its size, and a kernel trace of iteration 1 (flat
-#: posteriors) showed the GPU busy for a fifth of the time at 512 (benchmarks/README.md, twentieth session): 3D
+#: posteriors) showed the GPU busy 13-25 % of the time at 512 (benchmarks/README.md, twentieth session): 3D
 #: batches go up to 2048 there, as far as the memory allows (BATCH_FRACTION). 2D classification (small images,
 #: many classes) was 1.3x faster at 1024 than at 512.
 MAX_BATCH_3D = 512
@@ -246,9 +246,12 @@ CHUNK_BYTES = 1 << 28
 #: CHUNK_BYTES and MAX_FINE_CHUNK_BYTES. Fewer, larger chunks mean fewer launches and larger GEMMs: on the H100
 #: a 2 GiB chunk made a refine3d iteration at HEALPix order 3 (box 128, 5,000 particles) 1.8x faster than
 #: 256 MiB (3.8 -> 2.1 s) and iteration 1 1.2x (benchmarks/profile_job.py --fine_chunk_mib); with 2048-particle
-#: batches up to 8 GiB (on an H200, about 5 GiB on an 80 GB H100).
+#: batches up to 8 GiB (on an H200, about 5 GiB on an 80 GB H100). 2D classification keeps 3 % and 2 GiB (the
+#: larger chunk was measured in 3D only).
 FINE_CHUNK_FRACTION = 0.06
 MAX_FINE_CHUNK_BYTES = 1 << 33
+FINE_CHUNK_FRACTION_2D = 0.03
+MAX_FINE_CHUNK_BYTES_2D = 1 << 31
 #: Points per scatter-add call of the back-projection (bounds its index and weight arrays to ~400 MB).
 INSERT_CHUNK_POINTS = 1 << 23
 
@@ -393,8 +396,9 @@ def plan_memory(free_bytes: int, *, box: int, ndim: int, pad: int, n_references:
         cap = MAX_BATCH_2D if ndim == 2 else MAX_BATCH_3D_GPU if adaptive_chunks else MAX_BATCH_3D
         batch = int(max(1, min(cap, BATCH_FRACTION * left // max(per, 1))))
     left = max(0, free_bytes - ref_bytes - acc_bytes)
-    fine = int(min(MAX_FINE_CHUNK_BYTES, max(CHUNK_BYTES, FINE_CHUNK_FRACTION * left))) if adaptive_chunks \
-        else CHUNK_BYTES
+    fraction, most = (FINE_CHUNK_FRACTION_2D, MAX_FINE_CHUNK_BYTES_2D) if ndim == 2 else \
+        (FINE_CHUNK_FRACTION, MAX_FINE_CHUNK_BYTES)
+    fine = int(min(most, max(CHUNK_BYTES, fraction * left))) if adaptive_chunks else CHUNK_BYTES
     union = union_budget(free_bytes, ref_bytes + acc_bytes, largest_transient, batch * per, fine)
     return MemoryPlan(int(free_bytes), ref_bytes, acc_bytes, per, batch, fine, rows_per_particle, translations,
                       union)

@@ -562,6 +562,11 @@ def local_search(prior_rot, prior_tilt, prior_psi, sigma_deg, order: int, sym: s
     )
 
 
+#: Particles per local_search call in local_candidates: its (particles x directions) float64 tables are not in
+#: the memory plan (at HEALPix order 7, 196,608 directions: 0.8 GB per table for 512 particles).
+LOCAL_CANDIDATE_BATCH = 512
+
+
 def local_candidates(angles: np.ndarray, sampling, sigma_deg: float, sym: str = "C1", n_classes: int = 1,
                      xp=np) -> tuple[np.ndarray, np.ndarray]:
     """Per-particle coarse candidate rows and log priors (I, n) of RELION's local searches: every (direction,
@@ -569,22 +574,42 @@ def local_candidates(angles: np.ndarray, sampling, sigma_deg: float, sym: str = 
     degrees), with the Gaussian log prior of direction and psi, rows direction x n_psi + psi; the same window
     in every class (rows are class-major, class k adds k x n_orient); -1 pads (log prior -inf). ``xp``: where
     the (I, n_dirs) distance tables are made and the results live (CuPy: on the GPU, where a batch of 512
-    particles against the 12,288 directions of HEALPix order 5 costs milliseconds instead of seconds)."""
-    ls = local_search(angles[:, 0], angles[:, 1], angles[:, 2], sigma_deg, sampling.order, sym, sampling.psi_step,
-                      xp=xp)
-    n_psi = ls.psi_mask.shape[1]
-    d_idx, d_ok = _kept_first(ls.dir_mask)  # (I, nd), few directions per particle
-    p_idx, p_ok = _kept_first(ls.psi_mask)  # (I, np)
-    ok = (d_ok[:, :, None] & p_ok[:, None, :]).reshape(len(angles), -1)
-    cand = xp.where(ok, (d_idx[:, :, None] * n_psi + p_idx[:, None, :]).reshape(len(angles), -1), -1)
-    lp = (xp.take_along_axis(ls.dir_log_prior, d_idx, axis=1)[:, :, None]
-          + xp.take_along_axis(ls.psi_log_prior, p_idx, axis=1)[:, None, :]).reshape(len(angles), -1)
-    lpc = xp.where(ok, lp, -np.inf)
+    particles against the 12,288 directions of HEALPix order 5 costs milliseconds instead of seconds). In pieces of
+    LOCAL_CANDIDATE_BATCH particles, padded to the widest: the same rows as one call."""
+    n = len(angles)
+    parts = [_kept_windows(angles[s:s + LOCAL_CANDIDATE_BATCH], sampling, sigma_deg, sym, xp)
+             for s in range(0, max(1, n), LOCAL_CANDIDATE_BATCH)]
+    nd = max(q[0].shape[1] for q in parts)
+    npsi = max(q[3].shape[1] for q in parts)
+
+    def stacked(j: int, width: int, fill):  # part j of every piece, padded to the widest piece
+        out = xp.full((n, width), fill, dtype=parts[0][j].dtype)
+        for i, q in enumerate(parts):
+            out[i * LOCAL_CANDIDATE_BATCH:i * LOCAL_CANDIDATE_BATCH + q[j].shape[0], :q[j].shape[1]] = q[j]
+        return out
+
+    d_idx, d_ok, d_lp = stacked(0, nd, 0), stacked(1, nd, False), stacked(2, nd, 0.0)
+    p_idx, p_ok, p_lp = stacked(3, npsi, 0), stacked(4, npsi, False), stacked(5, npsi, 0.0)
+    n_psi = parts[0][6]
+    ok = (d_ok[:, :, None] & p_ok[:, None, :]).reshape(n, -1)
+    cand = xp.where(ok, (d_idx[:, :, None] * n_psi + p_idx[:, None, :]).reshape(n, -1), -1)
+    lpc = xp.where(ok, (d_lp[:, :, None] + p_lp[:, None, :]).reshape(n, -1), -np.inf)
     if n_classes > 1:
         R = sampling.n_orient
         cand = xp.concatenate([xp.where(cand >= 0, cand + k * R, -1) for k in range(n_classes)], axis=1)
         lpc = xp.concatenate([lpc] * n_classes, axis=1)
     return cand, lpc
+
+
+def _kept_windows(angles: np.ndarray, sampling, sigma_deg: float, sym: str, xp):
+    """For one piece of particles: the kept directions and psi of each (_kept_first: indices, validity) with
+    their log priors, (I, nd) x 3 and (I, np) x 3, padded to the piece's largest counts, and the psi count."""
+    ls = local_search(angles[:, 0], angles[:, 1], angles[:, 2], sigma_deg, sampling.order, sym, sampling.psi_step,
+                      xp=xp)
+    d_idx, d_ok = _kept_first(ls.dir_mask)  # (I, nd), few directions per particle
+    p_idx, p_ok = _kept_first(ls.psi_mask)  # (I, np)
+    return (d_idx, d_ok, xp.take_along_axis(ls.dir_log_prior, d_idx, axis=1),
+            p_idx, p_ok, xp.take_along_axis(ls.psi_log_prior, p_idx, axis=1), int(ls.psi_mask.shape[1]))
 
 
 def _kept_first(mask):
@@ -628,6 +653,7 @@ class Sampling:
     psi: np.ndarray = field(init=False)
     translations: np.ndarray = field(init=False)  # (T, 2) pixels, the perturbation included (the searched ones)
     grid_translations: np.ndarray = field(init=False)  # (T, 2) the same before the perturbation (RELION's prior)
+    _fine: _FineTable | None = field(default=None, init=False, repr=False, compare=False)  # fine_matrices kept
 
     def __post_init__(self):
         self.dir_pix, self.rot, self.tilt = direction_grid(self.order, self.sym)
@@ -689,10 +715,12 @@ class Sampling:
         class's rows share the orientations), and computing them took 13 ms per batch at HEALPix order 2, 30 ms
         with 4 classes."""
         r = np.asarray(r)
-        if self.n_orient <= FINE_TABLE_MAX_ORIENT:
-            key = (self.order, self.sym, self.psi_step, float(self.perturb), self.oversampling)
-            return _fine_table(key, self.n_orient, self.n_children).matrices(self, r)
-        return self.fine_matrices_of(r)
+        if self.n_orient > FINE_TABLE_MAX_ORIENT:
+            return self.fine_matrices_of(r)
+        key = (self.order, self.sym, self.psi_step, float(self.perturb), self.oversampling)
+        if self._fine is None or self._fine.key != key:  # a field changed since: start again
+            self._fine = _FineTable(key, self.n_orient, self.n_children)
+        return self._fine.matrices(self, r)
 
     def fine_matrices_of(self, r) -> np.ndarray:
         """fine_matrices computed for r alone (no table)."""
@@ -711,8 +739,9 @@ class Sampling:
         return oversampled_translations(self.translations, self.offset_step, self.oversampling)
 
 
-#: Coarse orientations up to which Sampling.fine_matrices keeps every child's matrix it has computed (HEALPix
-#: order 3, 36,864 orientations: 21 MB at most; local searches at order 4 and beyond compute the ones they need).
+#: Coarse orientations up to which Sampling.fine_matrices keeps every child's matrix it has computed (at most
+#: 72 bytes x 8 children each: 21 MB at HEALPix order 3 in C1, 75 MB at the limit; larger grids, local searches
+#: at order 4 and beyond in C1, compute the ones they need). The kept matrices live as long as the sampling.
 FINE_TABLE_MAX_ORIENT = 1 << 17
 
 
@@ -720,7 +749,8 @@ class _FineTable:
     """The fine matrices of one sampling's coarse orientations, each computed the first time a row asks for it
     (the same values as computing it alone: each matrix is computed on its own)."""
 
-    def __init__(self, n_orient: int, n_children: int):
+    def __init__(self, key: tuple, n_orient: int, n_children: int):
+        self.key = key  # (order, sym, psi_step, perturb, oversampling) of the sampling they were computed for
         self.table = np.empty((n_orient, n_children, 3, 3))
         self.done = np.zeros(n_orient, dtype=bool)
         self.lock = threading.Lock()  # two jobs of one process may share a sampling
@@ -732,12 +762,6 @@ class _FineTable:
                 self.table[missing] = smp.fine_matrices_of(missing)
                 self.done[missing] = True
             return self.table[r]
-
-
-@lru_cache(maxsize=4)
-def _fine_table(key: tuple, n_orient: int, n_children: int) -> _FineTable:
-    """The kept fine matrices of the sampling ``key`` (order, symmetry, psi step, perturbation, oversampling)."""
-    return _FineTable(n_orient, n_children)
 
 
 @dataclass
