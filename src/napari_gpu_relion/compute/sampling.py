@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -579,18 +580,18 @@ def local_candidates(angles: np.ndarray, sampling, sigma_deg: float, sym: str = 
     n = len(angles)
     parts = [_kept_windows(angles[s:s + LOCAL_CANDIDATE_BATCH], sampling, sigma_deg, sym, xp)
              for s in range(0, max(1, n), LOCAL_CANDIDATE_BATCH)]
-    nd = max(q[0].shape[1] for q in parts)
-    npsi = max(q[3].shape[1] for q in parts)
 
-    def stacked(j: int, width: int, fill):  # part j of every piece, padded to the widest piece
-        out = xp.full((n, width), fill, dtype=parts[0][j].dtype)
+    def stacked(name: str, fill):  # one field of every piece, padded to the widest piece
+        width = max(getattr(q, name).shape[1] for q in parts)
+        out = xp.full((n, width), fill, dtype=getattr(parts[0], name).dtype)
         for i, q in enumerate(parts):
-            out[i * LOCAL_CANDIDATE_BATCH:i * LOCAL_CANDIDATE_BATCH + q[j].shape[0], :q[j].shape[1]] = q[j]
+            a = getattr(q, name)
+            out[i * LOCAL_CANDIDATE_BATCH:i * LOCAL_CANDIDATE_BATCH + a.shape[0], :a.shape[1]] = a
         return out
 
-    d_idx, d_ok, d_lp = stacked(0, nd, 0), stacked(1, nd, False), stacked(2, nd, 0.0)
-    p_idx, p_ok, p_lp = stacked(3, npsi, 0), stacked(4, npsi, False), stacked(5, npsi, 0.0)
-    n_psi = parts[0][6]
+    d_idx, d_ok, d_lp = stacked("d_idx", 0), stacked("d_ok", False), stacked("d_lp", 0.0)
+    p_idx, p_ok, p_lp = stacked("p_idx", 0), stacked("p_ok", False), stacked("p_lp", 0.0)
+    n_psi = parts[0].n_psi
     ok = (d_ok[:, :, None] & p_ok[:, None, :]).reshape(n, -1)
     cand = xp.where(ok, (d_idx[:, :, None] * n_psi + p_idx[:, None, :]).reshape(n, -1), -1)
     lpc = xp.where(ok, (d_lp[:, :, None] + p_lp[:, None, :]).reshape(n, -1), -np.inf)
@@ -601,15 +602,26 @@ def local_candidates(angles: np.ndarray, sampling, sigma_deg: float, sym: str = 
     return cand, lpc
 
 
-def _kept_windows(angles: np.ndarray, sampling, sigma_deg: float, sym: str, xp):
-    """For one piece of particles: the kept directions and psi of each (_kept_first: indices, validity) with
-    their log priors, (I, nd) x 3 and (I, np) x 3, padded to the piece's largest counts, and the psi count."""
+class _KeptWindows(NamedTuple):
+    """One piece of particles' kept directions and psi (_kept_first: indices, validity) with their log priors,
+    (I, nd) and (I, np), padded to the piece's largest counts; n_psi the psi grid's size."""
+
+    d_idx: object
+    d_ok: object
+    d_lp: object
+    p_idx: object
+    p_ok: object
+    p_lp: object
+    n_psi: int
+
+
+def _kept_windows(angles: np.ndarray, sampling, sigma_deg: float, sym: str, xp) -> _KeptWindows:
     ls = local_search(angles[:, 0], angles[:, 1], angles[:, 2], sigma_deg, sampling.order, sym, sampling.psi_step,
                       xp=xp)
     d_idx, d_ok = _kept_first(ls.dir_mask)  # (I, nd), few directions per particle
     p_idx, p_ok = _kept_first(ls.psi_mask)  # (I, np)
-    return (d_idx, d_ok, xp.take_along_axis(ls.dir_log_prior, d_idx, axis=1),
-            p_idx, p_ok, xp.take_along_axis(ls.psi_log_prior, p_idx, axis=1), int(ls.psi_mask.shape[1]))
+    return _KeptWindows(d_idx, d_ok, xp.take_along_axis(ls.dir_log_prior, d_idx, axis=1),
+                        p_idx, p_ok, xp.take_along_axis(ls.psi_log_prior, p_idx, axis=1), int(ls.psi_mask.shape[1]))
 
 
 def _kept_first(mask):
