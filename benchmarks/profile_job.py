@@ -189,6 +189,49 @@ def wrap_generator(owner, name, be, label):
     setattr(owner, name, timed)
 
 
+def _run_once(module, params, a, tracer, host) -> dict:
+    """One run of the job: per-iteration walls and steps, the initialisation, the trace and host summaries."""
+    TIMES.clear()
+    COUNTS.clear()
+    trace_summary = host_summary = None
+    t0 = time.time()
+    per_it, marks, last, last_calls = [], [0.0], dict(), dict()
+    started, init_steps = None, {}
+    for ev in module.run(params):
+        if isinstance(ev, Started):  # the initialisation (references, noise spectra, memory plan) has ended
+            started = time.time() - t0
+            init_steps = {k: v for k, v in sorted(TIMES.items(), key=lambda kv: -kv[1]) if v > 1e-3}
+            last, last_calls = dict(TIMES), dict(COUNTS)  # the initialisation's steps are not iteration 1's
+            marks.append(started)
+            if tracer and a.kernel_trace == 1:
+                tracer.start()
+            if host and a.host_profile == 1:
+                host.start()
+        if isinstance(ev, Message):
+            print(" ", ev.text, flush=True)
+        if isinstance(ev, IterationFinished):
+            marks.append(time.time() - t0)
+            snap = {k: v - last.get(k, 0.0) for k, v in TIMES.items() if v - last.get(k, 0.0) > 1e-3}
+            calls = {k: v - last_calls.get(k, 0) for k, v in COUNTS.items() if v - last_calls.get(k, 0)}
+            last, last_calls = dict(TIMES), dict(COUNTS)
+            per_it.append({"iteration": ev.iteration, "wall_s": marks[-1] - marks[-2],
+                           "steps_s": dict(sorted(snap.items(), key=lambda kv: -kv[1])), "calls": calls})
+            print(f"iteration {ev.iteration}: {per_it[-1]['wall_s']:.1f} s  {ev.summary}", flush=True)
+            for k, v in per_it[-1]["steps_s"].items():
+                print(f"    {k:<40} {v:8.2f} s  ({COUNTS[k]} calls so far)")
+            if host and ev.iteration == a.host_profile:  # first: the trace's export below is not the iteration's
+                host_summary = {"iteration": ev.iteration, **host.stop()}
+            if tracer and ev.iteration == a.kernel_trace:
+                trace_summary = {"iteration": ev.iteration, **tracer.stop()}
+                marks[-1] = time.time() - t0  # the trace's export is not the next iteration's
+            if tracer and ev.iteration == a.kernel_trace - 1:
+                tracer.start()
+            if host and ev.iteration == a.host_profile - 1:
+                host.start()
+    return {"total_s": time.time() - t0, "initialisation_s": started, "initialisation_steps_s": init_steps,
+            "iterations": per_it, "kernel_trace": trace_summary, "host_profile": host_summary}
+
+
 def main():
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
@@ -205,14 +248,15 @@ def main():
                     help="no synchronised timers: only the iteration walls (a plain run with the overrides above)")
     ap.add_argument("--kernel_trace", type=int, default=0,
                     help="iteration to run under torch.profiler (CUPTI), summarised per step and per kernel")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the job this many times in one process (later runs into <folder>_repN): iteration 1 "
+                         "of a later run has no first-use costs (kernel loading) left")
     ap.add_argument("--host_profile", type=int, default=0,
                     help="iteration to run under cProfile (host time per Python function; with --no_timers)")
     a = ap.parse_args(argv[:split])
     TRACE["timers"] = not a.no_timers
     host = HostProfile() if a.host_profile else None
-    host_summary = None
     tracer = KernelTrace(Path(a.out or "profile.json").with_suffix(".trace.json")) if a.kernel_trace else None
-    trace_summary = None
     gpu_kernels.ENABLED = not a.array_code
     em.READ_AHEAD = not a.no_read_ahead
     if a.shared_factor:
@@ -270,47 +314,25 @@ def main():
             wrap_generator(cls, name, be, f"job step: {name}")
         for name in ("maximization", "update_resolution"):
             wrap(cls, name, be, f"job step: {name}")
-    t0 = time.time()
-    per_it, marks, last, last_calls = [], [0.0], dict(), dict()
-    started, init_steps = None, {}
-    for ev in module.run(params):
-        if isinstance(ev, Started):  # the initialisation (references, noise spectra, memory plan) has ended
-            started = time.time() - t0
-            init_steps = {k: v for k, v in sorted(TIMES.items(), key=lambda kv: -kv[1]) if v > 1e-3}
-            last, last_calls = dict(TIMES), dict(COUNTS)  # the initialisation's steps are not iteration 1's
-            marks.append(started)
-            if tracer and a.kernel_trace == 1:
-                tracer.start()
-            if host and a.host_profile == 1:
-                host.start()
-        if isinstance(ev, Message):
-            print(" ", ev.text, flush=True)
-        if isinstance(ev, IterationFinished):
-            marks.append(time.time() - t0)
-            snap = {k: v - last.get(k, 0.0) for k, v in TIMES.items() if v - last.get(k, 0.0) > 1e-3}
-            calls = {k: v - last_calls.get(k, 0) for k, v in COUNTS.items() if v - last_calls.get(k, 0)}
-            last, last_calls = dict(TIMES), dict(COUNTS)
-            per_it.append({"iteration": ev.iteration, "wall_s": marks[-1] - marks[-2],
-                           "steps_s": dict(sorted(snap.items(), key=lambda kv: -kv[1])), "calls": calls})
-            print(f"iteration {ev.iteration}: {per_it[-1]['wall_s']:.1f} s  {ev.summary}", flush=True)
-            for k, v in per_it[-1]["steps_s"].items():
-                print(f"    {k:<40} {v:8.2f} s  ({COUNTS[k]} calls so far)")
-            if host and ev.iteration == a.host_profile:  # first: the trace's export below is not the iteration's
-                host_summary = {"iteration": ev.iteration, **host.stop()}
-            if tracer and ev.iteration == a.kernel_trace:
-                trace_summary = {"iteration": ev.iteration, **tracer.stop()}
-                marks[-1] = time.time() - t0  # the trace's export is not the next iteration's
-            if tracer and ev.iteration == a.kernel_trace - 1:
-                tracer.start()
-            if host and ev.iteration == a.host_profile - 1:
-                host.start()
+    runs = []
+    for rep in range(max(1, a.repeat)):
+        p = params
+        if rep:  # the same job again in this process, into <folder>_repN: what the first run paid once shows
+            values = {f.name: getattr(params, f.name) for f in fields(module.Params)}
+            values["o"] = Path(f"{Path(params.o).parent}_rep{rep}") / Path(params.o).name
+            p = module.Params(**values)
+        runs.append(_run_once(module, p, a, tracer if not rep else None, host if not rep else None))
+    per_it, started, init_steps, total = (runs[0][k] for k in ("iterations", "initialisation_s",
+                                                               "initialisation_steps_s", "total_s"))
+    trace_summary, host_summary = runs[0]["kernel_trace"], runs[0]["host_profile"]
     res = {"hardware": be.name, "argv": argv, "fused_kernels": gpu_kernels.ENABLED, "read_ahead": em.READ_AHEAD,
            "fine_chunk_bytes": backend.CHUNK_BYTES,
            "shared_layout_factor": estep.SHARED_LAYOUT_FACTOR,
-           "timers": TRACE["timers"], "total_s": time.time() - t0, "initialisation_s": started,
+           "timers": TRACE["timers"], "total_s": total, "initialisation_s": started,
            "initialisation_steps_s": init_steps,
            "iterations": per_it, "kernel_trace": trace_summary,
-           "host_profile": host_summary}
+           "host_profile": host_summary,
+           "repeats": [{k: r[k] for k in ("total_s", "initialisation_s", "iterations")} for r in runs[1:]]}
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
 

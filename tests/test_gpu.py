@@ -509,3 +509,69 @@ def test_rows_sorted_by_one_radix_sort_of_keys_equal_numpys_sort_and_keep_the_th
     k1, w1 = expectation.significance_threshold(cp.asarray(p), 0.999)
     assert np.array_equal(k1.get(), k0) and np.array_equal(w1.get(), w0)
     assert len(set((np.asarray(k0) + 1 > m // 4).tolist())) == 2  # both kinds of row are there
+
+
+@pytest.mark.parametrize("rows,m,nbins", [(0, 3_000_001, 97), (300, 2001, 65), (2, 50_000, 2048), (70_000, 7, 4)])
+def test_binned_sums_equal_float64_direct_sums(rows, m, nbins):
+    """gpu_kernels.binned_sum (shell sums by block-local histograms) against a float64 NumPy sum per bin, with
+    indices below 0 and at or beyond nbins dropped; rows 0 means one (m,) row; None counts."""
+    from napari_gpu_relion.compute import gpu_kernels  # noqa: PLC0415
+
+    rng = np.random.default_rng()
+    idx = rng.integers(-3, nbins + 3, m)
+    w = rng.normal(size=(max(rows, 1), m))
+    ok = (idx >= 0) & (idx < nbins)
+    want = np.stack([np.bincount(idx[ok], weights=r[ok], minlength=nbins) for r in w])
+    got = gpu_kernels.binned_sum(cp.asarray(idx.astype(np.int32)), cp.asarray(w[0] if rows == 0 else w), nbins).get()
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= 1e-9 * max(1.0, np.abs(w).sum(axis=1).max())
+    counts = gpu_kernels.binned_sum(cp.asarray(idx), None, nbins).get()
+    assert np.array_equal(counts[0], np.bincount(idx[ok], minlength=nbins).astype(np.float64))
+
+
+def test_shell_sums_on_the_gpu_equal_numpy_for_batches_and_the_mstep():
+    """fourier.shell_sum with batch axes, and the M-step's shell sums (reference_tau2, reference_sigma2) of one
+    reference and one accumulator, on CuPy (binned_sum) and NumPy (bincount)."""
+    from napari_gpu_relion.compute.fourier import shell_grid, shell_sum  # noqa: PLC0415
+    from napari_gpu_relion.compute.maximization import reference_sigma2, reference_tau2  # noqa: PLC0415
+
+    rng = np.random.default_rng()
+    sh = shell_grid(40, 2, np)
+    v = rng.normal(size=(3, 5) + sh.shape)
+    assert np.allclose(shell_sum(cp.asarray(v), cp.asarray(sh), 21).get(), shell_sum(v, sh, 21), rtol=1e-12, atol=1e-9)
+    vol = rng.normal(size=(32, 32, 32))
+    assert np.allclose(reference_tau2(prepare_reference(cp.asarray(vol))), reference_tau2(prepare_reference(vol)),
+                       rtol=1e-6)
+    ang = rng.uniform([-180, 0, -180], [180, 180, 180], (50, 3))
+    imgs = rng.normal(size=(50, 32, 32))
+    bps = []
+    for xp in (np, cp):
+        bp = BackProjector(32, 2, xp=xp)
+        F = rfft_centered(xp.asarray(imgs), 2)
+        bp.insert_images(xp.asarray(euler_to_matrix(*ang.T)), F, xp.ones(F.shape))
+        bps.append(reference_sigma2(bp))
+    assert np.allclose(bps[1], bps[0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("E,n,C", [(60_000, 37, 300), (5, 9, 1), (20_000, 4000, 64)])
+def test_segment_rows_sum_equals_a_float64_direct_sum(E, n, C):
+    """gpu_kernels.segment_rows_sum (the fine pass's per-row sums, sorted entries) against a float64 sum per
+    row, entries outside 0..n-1 dropped, rows without entries zero; and segment_sum on the GPU and the CPU."""
+    from napari_gpu_relion.compute import gpu_kernels  # noqa: PLC0415
+    from napari_gpu_relion.compute.expectation import segment_sum  # noqa: PLC0415
+
+    rng = np.random.default_rng()
+    rows = rng.integers(-2, n + 2, E)
+    rows[rows == n // 2] = n // 3  # one row with no entries
+    vals = rng.normal(size=(E, C)).astype(np.float32)
+    want = np.zeros((n, C))
+    ok = (rows >= 0) & (rows < n)
+    np.add.at(want, rows[ok], vals[ok].astype(np.float64))
+    got = gpu_kernels.segment_rows_sum(cp.asarray(rows), cp.asarray(vals), n).get()
+    scale = np.sqrt(np.maximum(np.bincount(rows[ok], minlength=n), 1))[:, None]
+    assert np.abs(got - want).max() <= 1e-5 * scale.max() * np.abs(vals).max() * 10
+    assert not got[n // 2].any()
+    inside = np.where(ok)[0]
+    gpu = segment_sum(cp.asarray(rows[inside]), cp.asarray(vals[inside]), n).get()
+    cpu = segment_sum(rows[inside], vals[inside], n)
+    assert np.allclose(gpu, cpu, rtol=1e-4, atol=1e-4 * np.abs(cpu).max())

@@ -1,5 +1,8 @@
 """Fused CUDA kernels for the two trilinear steps that dominate local searches and the final iteration:
-slice extraction (projector.interpolate) and slice insertion (backprojector's scatter-add).
+slice extraction (projector.interpolate) and slice insertion (backprojector's scatter-add); and two sums that
+CuPy does with atomic adds into few addresses (``bincount`` with weights, ``scatter_add``), where every thread
+of the GPU waits on the same ~100 shells or on the rows that all particles share: binned_sum (shell sums) and
+segment_rows_sum (per-row sums of the fine pass's gathered chunks).
 
 Each kernel does per point what the array code does as a chain of CuPy operations (rotated frequency,
 Hermitian mate, r_max test, 8 corner indices and weights, gather or atomic add) in one pass, without the
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backend import get_array_module, launch_grid_stride
+from .backend import get_array_module, launch_grid_stride, raw_module
 
 #: Off only to measure the array code on a GPU (benchmarks) or to compare with it (tests).
 ENABLED = True
@@ -156,7 +159,62 @@ extern "C" __global__ void insert_splat(
         }
     }
 }
+
+extern "C" __global__ void binned_sum(
+        const long long* __restrict__ index, const double* __restrict__ w, const long long m,
+        const long long n_rows, const int nbins, const int has_w, double* __restrict__ out) {
+    // out[row, k] += sum of w[row, j] (1 without w) over j < m with index[j] == k: one histogram of nbins
+    // float64 in shared memory per block, added to the output once per bin
+    extern __shared__ double hist[];
+    for (long long row = blockIdx.y; row < n_rows; row += gridDim.y) {
+        for (int k = threadIdx.x; k < nbins; k += blockDim.x) hist[k] = 0.0;
+        __syncthreads();
+        const double* wr = w + row * m;
+        for (long long j = blockIdx.x * (long long)blockDim.x + threadIdx.x; j < m;
+             j += (long long)gridDim.x * blockDim.x) {
+            const long long k = index[j];
+            if (k >= 0 && k < nbins) atomicAdd(hist + k, has_w ? wr[j] : 1.0);
+        }
+        __syncthreads();
+        for (int k = threadIdx.x; k < nbins; k += blockDim.x) {
+            const double v = hist[k];
+            if (v != 0.0) atomicAdd(out + row * nbins + k, v);
+        }
+        __syncthreads();
+    }
+}
+
+extern "C" __global__ void segment_rows_sum(
+        const float* __restrict__ vals, const long long* __restrict__ order, const long long* __restrict__ start,
+        const long long n, const long long C, float* __restrict__ out) {
+    // out[t, c] = sum over e = start[t] .. start[t+1]-1 of vals[order[e], c], in that order: no atomics. The
+    // block's threads share one row t (blockIdx.y) and read SEG entries' rows at once (independent loads in
+    // flight: a row has tens to hundreds of entries, one dependent load after another would wait on latency)
+    const int SEG = 8;
+    for (long long t = blockIdx.y; t < n; t += gridDim.y) {
+        const long long e0 = start[t], e1 = start[t + 1];
+        for (long long c = blockIdx.x * (long long)blockDim.x + threadIdx.x; c < C;
+             c += (long long)gridDim.x * blockDim.x) {
+            float acc = 0.f;
+            long long e = e0;
+            for (; e + SEG <= e1; e += SEG) {
+                float v[SEG];
+#pragma unroll
+                for (int k = 0; k < SEG; ++k) v[k] = __ldg(vals + __ldg(order + e + k) * C + c);
+#pragma unroll
+                for (int k = 0; k < SEG; ++k) acc = __fadd_rn(acc, v[k]);
+            }
+            for (; e < e1; ++e) acc = __fadd_rn(acc, __ldg(vals + __ldg(order + e) * C + c));
+            out[t * C + c] = acc;
+        }
+    }
+}
 """
+
+#: binned_sum keeps one float64 histogram per block in shared memory (16 KiB at this many bins); more bins
+#: take CuPy's bincount.
+BINNED_SUM_MAX_BINS = 2048
+
 
 def _launch(name: str, n: int, args) -> None:
     launch_grid_stride(_SOURCE, name, n, args)
@@ -231,3 +289,56 @@ def insert_slices(targets: tuple, A, kx, ky, values, weights, pad: int, rmp2: fl
             (re, im, wt, A, kx, ky, values, weights, idx if idx is not None else np.uint64(0),
              np.int64(grid_size), np.int32(P), np.int32(d), np.float64(pad), np.float64(rmp2), np.int64(R),
              np.int64(npix)))
+
+
+def binned_sum_applies(index, weights) -> bool:
+    """binned_sum takes these: enabled and CuPy arrays (weights None counts)."""
+    return _on_gpu(index) and (weights is None or _on_gpu(weights))
+
+
+def binned_sum(index, weights, nbins: int):
+    """(rows, nbins) float64: per row of ``weights`` (rows, m) (or (m,), one row; None counts), the sum of its
+    values whose ``index`` (m,) is k, for k < nbins (other indices are dropped). Block-local shared-memory
+    histograms, then one atomic add per bin and block: the order of the float64 additions is not fixed."""
+    import cupy as cp  # noqa: PLC0415
+
+    if not binned_sum_applies(index, weights) or nbins > BINNED_SUM_MAX_BINS:
+        raise ValueError(f"binned_sum takes CuPy arrays and at most {BINNED_SUM_MAX_BINS} bins, not {nbins}")
+    idx = cp.ascontiguousarray(index, dtype=np.int64).reshape(-1)
+    m = int(idx.size)
+    w = None if weights is None else cp.ascontiguousarray(weights, dtype=np.float64).reshape(-1, m)
+    rows = 1 if w is None else int(w.shape[0])
+    out = cp.zeros((rows, nbins), dtype=np.float64)
+    if m == 0 or rows == 0 or nbins == 0:
+        return out
+    block = 256
+    bx = int(max(1, min(-(-m // (block * 16)), -(-2048 // rows))))
+    grid = (bx, int(min(rows, 65535)))
+    raw_module(_SOURCE).get_function("binned_sum")(
+        grid, (block,), (idx, w if w is not None else np.uint64(0), np.int64(m), np.int64(rows), np.int32(nbins),
+                         np.int32(w is not None), out), shared_mem=8 * nbins)
+    return out
+
+
+def segment_rows_sum(rows, values, n: int):
+    """(n, C) float32: out[r] = the sum of the rows of ``values`` (E, C) whose ``rows`` (E,) entry is r (entries
+    outside 0..n-1 are dropped), each in the order of the entries: a stable sort of the entries by row, then one
+    thread per output element. For many entries per row (every particle of a chunk adds into the same fine
+    orientations), where atomic adds into shared addresses serialise."""
+    import cupy as cp  # noqa: PLC0415
+
+    if not _on_gpu(rows, values):
+        raise ValueError("segment_rows_sum takes CuPy arrays")
+    rows = cp.ascontiguousarray(rows, dtype=np.int64).reshape(-1)
+    vals = cp.ascontiguousarray(values, dtype=np.float32).reshape(rows.size, -1)
+    C = int(vals.shape[1])
+    out = cp.empty((n, C), dtype=np.float32)
+    if n == 0 or C == 0:
+        return out
+    order = cp.argsort(rows, kind="stable")
+    start = cp.searchsorted(rows[order], cp.arange(n + 1, dtype=np.int64), side="left")
+    block = 256
+    grid = (int(min(-(-C // block), 1 << 16)), int(min(n, 65535)))
+    raw_module(_SOURCE).get_function("segment_rows_sum")(
+        grid, (block,), (vals, order, start, np.int64(n), np.int64(C), out))
+    return out

@@ -18,7 +18,9 @@ from .fourier import (
     radial_average,
     rfft_centered,
     round_half_away,
+    shell_count,
     shell_grid,
+    shell_sum,
 )
 from .fsc import fsc_from_fts
 from .masks import soft_mask_outside
@@ -61,15 +63,15 @@ def _shell_sums(bp: BackProjector, values=None) -> tuple:
     ``values(slab)`` (an array over those grid rows), its sum. Slab by slab: no grid-sized temporaries."""
     xp, n = bp.xp, bp.size // 2 + 1
     lim2 = float(round_half_away(np.float64(bp.pad * bp.r_max))) ** 2
-    cnt, tot = xp.zeros(n + 1), xp.zeros(n + 1)
+    cnt, tot = xp.zeros(n), xp.zeros(n)
     for sl, ks in half_grid_box_slabs(bp.padded_size, np.sqrt(lim2), bp.ndim, xp):  # only voxels that can count
         q2 = sum(k.astype(np.float64) ** 2 for k in ks)
         shells = round_half_away(xp.sqrt(q2) / bp.pad).astype(np.int64)
-        sh = xp.where((q2 < lim2) & (shells < n), shells, n).reshape(-1)
-        cnt += xp.bincount(sh, minlength=n + 1)
+        sh = xp.where((q2 < lim2) & (shells < n), shells, n)  # n: dropped
+        cnt += shell_count(sh, n)
         if values is not None:
-            tot += xp.bincount(sh, weights=xp.broadcast_to(values(sl), q2.shape).reshape(-1), minlength=n + 1)
-    return cnt[:n], tot[:n]
+            tot += shell_sum(xp.broadcast_to(values(sl), q2.shape), sh, n)
+    return cnt, tot
 
 
 def reference_sigma2(bp: BackProjector) -> np.ndarray:
@@ -211,16 +213,14 @@ def reference_tau2(ref) -> np.ndarray:
     xp = get_array_module(ref.data)
     n = ref.size // 2 + 1
     lim2 = float(round_half_away(np.float64(ref.pad * ref.r_max))) ** 2
-    tot, cnt = xp.zeros(n + 1), xp.zeros(n + 1)
+    tot, cnt = xp.zeros(n), xp.zeros(n)
     for sl, ks in half_grid_slabs(ref.data.shape[0], ref.ndim, xp):
         q2 = sum(k.astype(np.float64) ** 2 for k in ks)
         shells = round_half_away(xp.sqrt(q2) / ref.pad).astype(np.int64)
-        sh = xp.where((shells < n) & (q2 <= lim2), shells, n).reshape(-1)
+        sh = xp.where((shells < n) & (q2 <= lim2), shells, n)  # n: dropped
         d = ref.data[sl]
-        tot += xp.bincount(sh, weights=(d.real.astype(np.float64) ** 2 + d.imag.astype(np.float64) ** 2).reshape(-1),
-                           minlength=n + 1)
-        cnt += xp.bincount(sh, minlength=n + 1)
-    tot, cnt = tot[:n], cnt[:n]
+        tot += shell_sum(d.real.astype(np.float64) ** 2 + d.imag.astype(np.float64) ** 2, sh, n)
+        cnt += shell_count(sh, n)
     out = xp.where(cnt > 0, tot / (2.0 * xp.maximum(cnt, 1)), 0.0)
     return np.asarray(to_host(out), dtype=np.float64)
 
