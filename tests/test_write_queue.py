@@ -114,6 +114,26 @@ def test_kept_images_are_read_from_their_stack_once_and_equal_the_disk(tmp_path)
     np.testing.assert_array_equal(ps.images(np.arange(len(ps))[::-1]), disk[::-1])
 
 
+def test_a_particle_set_parses_its_image_names_once_and_reads_the_same_images(tmp_path, monkeypatch):
+    """The job's reads (block by block, by a background reader) and its data STAR's names use the locations
+    parsed when the set was loaded: the same images as load_images parsing the names, the same rlnImageName."""
+    from napari_gpu_relion.io import particle_images  # noqa: PLC0415
+
+    star = _copy_sample(tmp_path / "d")
+    ps = load_particle_set(star, ctf=True, halves=False)
+    parsed = []
+    parse = particle_images._parse_names
+    monkeypatch.setattr(particle_images, "_parse_names", lambda *a: parsed.append(1) or parse(*a))
+    rows = np.array([len(ps) - 1, 3, 0, 3])
+    got = ps.images(rows)
+    names = particles.data_star_table(tmp_path / "elsewhere" / "run_it001_data.star", ps)["rlnImageName"]
+    assert parsed == []
+    np.testing.assert_array_equal(got, particle_images.load_images(ps.table, rows=rows))
+    assert parsed == [1]
+    assert names.tolist() == particle_images.image_names_for(ps.table, tmp_path / "elsewhere" / "x.star").tolist()
+    assert names.iloc[0] != ps.table.particles["rlnImageName"].iloc[0]  # made absolute: another folder
+
+
 def test_images_are_kept_when_asked_or_small_and_a_request_larger_than_the_ram_is_refused():
     ps = load_particle_set(SAMPLE / "particles.star", ctf=True, halves=False)
     need = ps.image_bytes

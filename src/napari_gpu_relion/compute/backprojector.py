@@ -11,7 +11,7 @@ import numpy as np
 
 from . import gpu_kernels
 from .backend import CHUNK_BYTES, INSERT_CHUNK_POINTS, get_array_module, is_out_of_memory, to_host
-from .fourier import _fft_module, half_grid_indices, round_half_away
+from .fourier import _fft_module, half_grid_indices, round_half_away, shell_count, shell_sum
 from .masks import soft_edge_weight
 from .projector import _corner_indices, interpolate, pixel_list, rotated_frequencies, stack_offsets
 
@@ -124,10 +124,8 @@ def reconstruct_grids(data_re, data_im, weight, size: int, pad: int, ndim: int, 
         b = min(rows, a + step)
         inside, shells, rf = geometry(a, b)
         W, _ = regularised_weight(a, b, inside, shells)
-        idx = (xp.arange(B)[:, None] * (nsh + 1) + rf.reshape(1, -1)).reshape(-1)
-        sums += xp.bincount(idx, weights=xp.where(inside[None], W, 0).reshape(-1),
-                            minlength=B * (nsh + 1)).reshape(B, nsh + 1)
-        cnts += xp.bincount(rf.reshape(-1), minlength=nsh + 1)
+        sums += shell_sum(xp.where(inside[None], W, 0), rf, nsh + 1)  # (B, nsh + 1)
+        cnts += shell_count(rf, nsh + 1)
     wbar = sums / xp.maximum(cnts, 1)[None] / 1000.0
 
     def vhat(a: int, b: int):

@@ -587,17 +587,19 @@ def _no_check() -> None:
 
 def segment_sum(rows, values, n: int):
     """out[r] = sum of values[j] with rows[j] == r, for r < n: (n, ...) float32. A sparse-matrix product on
-    the CPU (NumPy's add.at is an order of magnitude slower); on the GPU the entries sorted by row and summed
-    per row in that order (gpu_kernels.segment_rows_sum): every particle of a chunk adds into the same fine
-    orientations, where CuPy's scatter_add serialises on atomic adds into the same addresses (~90 ms of an
-    H200's first 3D-classification iteration)."""
+    the CPU (NumPy's add.at is an order of magnitude slower). On the GPU, rows of at least
+    gpu_kernels.SEGMENT_ROWS_MIN_COLUMNS values (the fine pass's slices and their weights) are summed by
+    gpu_kernels.segment_rows_sum (entries sorted by row, each output element summed by one thread: 4x CuPy's
+    scatter_add at a chunk's shapes on an H200, whose atomic adds into the orientations every particle shares
+    serialise); narrower rows (a weight per row, the offset moments of K classes) keep scatter_add, since one
+    thread per output element would add tens of thousands of entries one after another."""
     xp = get_array_module(values)
     vals = values.reshape(values.shape[0], -1)
     if xp is np:
         S = csr_matrix((np.ones(rows.size, np.float32), (np.asarray(rows), np.arange(rows.size))),
                        shape=(n, rows.size))
         out = np.asarray(S @ vals, dtype=np.float32)
-    elif gpu_kernels.ENABLED:
+    elif gpu_kernels.ENABLED and vals.shape[1] >= gpu_kernels.SEGMENT_ROWS_MIN_COLUMNS:
         out = gpu_kernels.segment_rows_sum(rows, vals, n)
     else:
         import cupyx  # noqa: PLC0415

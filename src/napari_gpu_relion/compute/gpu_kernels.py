@@ -211,6 +211,10 @@ extern "C" __global__ void segment_rows_sum(
 }
 """
 
+#: segment_rows_sum for rows of at least this many values (one thread per output element: with a few values per
+#: row, a few threads would add all entries one after another; CuPy's scatter_add is faster there).
+SEGMENT_ROWS_MIN_COLUMNS = 64
+
 #: binned_sum keeps one float64 histogram per block in shared memory (16 KiB at this many bins); more bins
 #: take CuPy's bincount.
 BINNED_SUM_MAX_BINS = 2048
@@ -323,8 +327,9 @@ def binned_sum(index, weights, nbins: int):
 def segment_rows_sum(rows, values, n: int):
     """(n, C) float32: out[r] = the sum of the rows of ``values`` (E, C) whose ``rows`` (E,) entry is r (entries
     outside 0..n-1 are dropped), each in the order of the entries: a stable sort of the entries by row, then one
-    thread per output element. For many entries per row (every particle of a chunk adds into the same fine
-    orientations), where atomic adds into shared addresses serialise."""
+    thread per output element. For wide rows (SEGMENT_ROWS_MIN_COLUMNS values or more) with many entries each
+    (every particle of a chunk adds into the same fine orientations), where atomic adds into shared addresses
+    serialise; narrow rows with many entries are slow here (one thread adds a whole row's entries)."""
     import cupy as cp  # noqa: PLC0415
 
     if not _on_gpu(rows, values):

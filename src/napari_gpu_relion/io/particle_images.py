@@ -132,13 +132,15 @@ def image_locations(table: ParticleTable, project_dir: str | os.PathLike | None 
     return _locations(table.particles, table, project_dir)
 
 
-def image_names_for(table: ParticleTable, out_path: str | os.PathLike) -> pd.Series:
+def image_names_for(table: ParticleTable, out_path: str | os.PathLike,
+                    locations: tuple[list[Path], np.ndarray] | None = None) -> pd.Series:
     """rlnImageName of ``table``'s rows for a STAR file written at ``out_path``: unchanged when the stacks are
     found from there by the same rule as on reading (RELION's project-relative names), otherwise with absolute
-    stack paths, so that a job's output STAR in another folder still finds its images."""
+    stack paths, so that a job's output STAR in another folder still finds its images. ``locations``: the
+    table's image_locations when known (a job writing every iteration parses the names once)."""
     names = table.particles["rlnImageName"].astype(str)
     try:
-        paths, idx = image_locations(table)
+        paths, idx = image_locations(table) if locations is None else locations
     except InputError:  # the stacks are not here at all: nothing better to write than the names as they are
         return names
     if not paths:
@@ -165,13 +167,15 @@ def _volume_problem(stack_path: Path, info: MrcHeaderInfo) -> str | None:
             f"particle images; particle stacks are .mrcs files (if it really holds {n} images, save it as .mrcs)")
 
 
-def check_image_stacks(table: ParticleTable, project_dir: str | os.PathLike | None = None) -> None:
+def check_image_stacks(table: ParticleTable, project_dir: str | os.PathLike | None = None
+                       ) -> tuple[list[Path], np.ndarray]:
     """Before any work: every stack the table names exists, is a stack of images (not a 3D map), holds the image
     numbers asked for, and holds images of the table's rlnImageSize. Reads one header per stack, no pixels.
-    InputError naming the STAR file, the line of the first row concerned, the stack and the image otherwise."""
+    InputError naming the STAR file, the line of the first row concerned, the stack and the image otherwise.
+    Returns every row's location (image_locations), for load_images."""
     parts = table.particles
     if not len(parts):
-        return
+        return [], np.zeros(0, dtype=np.int64)
     star = _s(table.path)
     paths, idx = _locations(parts, table, project_dir)
     codes, stacks = pd.factorize(pd.Series(paths, dtype=object))
@@ -214,18 +218,24 @@ def check_image_stacks(table: ParticleTable, project_dir: str | os.PathLike | No
             raise InputError(f"images in {stacks[k]} are {sizes[k, 0]} x {sizes[k, 1]} px but those in {stacks[0]} "
                              f"are {sizes[0, 0]} x {sizes[0, 1]} px", path=star,
                              line=table.line_of(parts.index[int(first[k])]), column="rlnImageName")
+    return paths, idx
 
 
 def load_images(table: ParticleTable, rows: Iterable[int] | None = None,
-                project_dir: str | os.PathLike | None = None, check_values: bool = False) -> np.ndarray:
+                project_dir: str | os.PathLike | None = None, check_values: bool = False,
+                locations: tuple[list[Path], np.ndarray] | None = None) -> np.ndarray:
     """Particle images as float32 (n, N, N), in row order; ``rows`` are 0-based positions (default: all).
 
     Each stack file is opened once and only the needed images are read. InputError (naming the STAR file,
     the row's line, the stack and the index) for a missing stack, a 3D map named as a stack, an image number
     beyond the stack, or images whose size disagrees with rlnImageSize; with ``check_values`` (the jobs) also for
     an image with NaN or infinite pixels or a blank one (every pixel equal), which no job can use.
+    ``locations``: every row's (stack, index) as image_locations or check_image_stacks gave them for this table,
+    so that a job reading its images block by block parses the names once, not per block (the parsing holds
+    Python's lock, 6 ms per block of 128 names, which a background reader takes from the job's thread).
     """
     parts = table.particles
+    positions = None
     if rows is not None:
         positions = np.asarray(rows if isinstance(rows, np.ndarray) else list(rows), dtype=np.int64).ravel()
         if positions.size and (positions.min() < 0 or positions.max() >= len(parts)):
@@ -233,7 +243,12 @@ def load_images(table: ParticleTable, rows: Iterable[int] | None = None,
                              f"{positions.min()}..{positions.max()}", path=_s(table.path))
         parts = parts.iloc[positions]
     star = _s(table.path)
-    paths, idx = _locations(parts, table, project_dir)
+    if locations is None:
+        paths, idx = _locations(parts, table, project_dir)
+    elif positions is None:
+        paths, idx = locations
+    else:
+        paths, idx = [locations[0][p] for p in positions], locations[1][positions]
     expected = parts["rlnImageSize"].to_numpy() if "rlnImageSize" in parts.columns else None
     groups: dict[Path, list[int]] = {}
     for pos, q in enumerate(paths):

@@ -46,6 +46,7 @@ class ParticleSet:
     kept: np.ndarray | None = None  # (n, box, box) float32 images kept in memory (NumPy or CuPy)
     in_memory: np.ndarray | None = None  # (n,) bool: the row's image is in ``kept``
     ahead: ImageReadAhead | None = None  # the background reader of the images not yet kept (read_ahead)
+    locations: tuple | None = None  # every row's (stack path, image index), parsed once (check_image_stacks)
 
     def __post_init__(self):
         n = len(self.table)
@@ -148,7 +149,8 @@ class ParticleSet:
 
     def _read(self, rows: np.ndarray) -> np.ndarray:
         check = not self.checked[rows].all()
-        out = load_images(self.table, rows=rows, check_values=check).astype(np.float32, copy=False)
+        out = load_images(self.table, rows=rows, check_values=check, locations=self.locations).astype(
+            np.float32, copy=False)
         self.checked[rows] = True
         return out
 
@@ -160,7 +162,7 @@ def load_particle_set(path: Path, ctf: bool, seed: int = 0, halves: bool = True)
     """Read a particles STAR for refinement; clear errors (file, column) for what is missing. Particles
     without rlnRandomSubset are split into random halves (kept when present, as RELION does)."""
     table = read_particles(path, require=("rlnImageName",))
-    check_image_stacks(table)  # every stack there, an image stack, long enough, of the box size: before any work
+    locations = check_image_stacks(table)  # every stack there, an image stack, long enough, of the box size
     df = table.particles
     n = len(df)
     if ctf:
@@ -203,7 +205,7 @@ def load_particle_set(path: Path, ctf: bool, seed: int = 0, halves: bool = True)
         u, sg = np.unique(df[key].astype(str).to_numpy(), return_inverse=True)
         names = list(u)
     return ParticleSet(table, apix, box, ang, off, norm, subset, og0, sg, names,
-                       CtfParams.from_table(df) if ctf else None)
+                       CtfParams.from_table(df) if ctf else None, locations=locations)
 
 
 def data_table(ps: ParticleSet) -> pd.DataFrame:
@@ -228,6 +230,6 @@ def data_star_table(path: Path, ps: ParticleSet) -> pd.DataFrame:
     """The table of run_itNNN_data.star at ``path`` (image names relative to it), with its own copy of every
     column: later changes to the particle set do not reach it (it may be written on another thread)."""
     df = data_table(ps)
-    df["rlnImageName"] = image_names_for(ps.table, path).to_numpy()
+    df["rlnImageName"] = image_names_for(ps.table, path, ps.locations).to_numpy()
     return df.copy(deep=True)
 
