@@ -314,6 +314,8 @@ def main():
             wrap_generator(cls, name, be, f"job step: {name}")
         for name in ("maximization", "update_resolution"):
             wrap(cls, name, be, f"job step: {name}")
+    if a.repeat > 1 and getattr(params, "o", None) is None:
+        sys.exit("--repeat needs the job's --o (each run writes into <folder>_repN)")
     runs = []
     for rep in range(max(1, a.repeat)):
         p = params

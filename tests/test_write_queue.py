@@ -121,15 +121,21 @@ def test_a_particle_set_parses_its_image_names_once_and_reads_the_same_images(tm
 
     star = _copy_sample(tmp_path / "d")
     ps = load_particle_set(star, ctf=True, halves=False)
+    ps.keep_images_in_memory()
+    ps.read_ahead(np.arange(len(ps))[::-1])  # a background reader, as the jobs run it
     parsed = []
     parse = particle_images._parse_names
     monkeypatch.setattr(particle_images, "_parse_names", lambda *a: parsed.append(1) or parse(*a))
     rows = np.array([len(ps) - 1, 3, 0, 3])
     got = ps.images(rows)
+    got_all = ps.images(np.arange(len(ps)))
     names = particles.data_star_table(tmp_path / "elsewhere" / "run_it001_data.star", ps)["rlnImageName"]
     assert parsed == []
     np.testing.assert_array_equal(got, particle_images.load_images(ps.table, rows=rows))
     assert parsed == [1]
+    np.testing.assert_array_equal(got_all, particle_images.load_images(ps.table))
+    with pytest.raises(ValueError, match="locations of 3 rows"):
+        particle_images.load_images(ps.table, rows=[0], locations=([Path("x")] * 3, np.zeros(3, dtype=np.int64)))
     assert names.tolist() == particle_images.image_names_for(ps.table, tmp_path / "elsewhere" / "x.star").tolist()
     assert names.iloc[0] != ps.table.particles["rlnImageName"].iloc[0]  # made absolute: another folder
 

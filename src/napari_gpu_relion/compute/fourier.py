@@ -175,6 +175,8 @@ def shell_sum(values, shells, nshells: int):
     if values is None:
         values = xp.ones(shells.shape, dtype=np.float64) if xp is np else None
     lead = () if values is None else values.shape[: values.ndim - shells.ndim]
+    if shells.size == 0:
+        return xp.zeros(lead + (nshells,))
     if (xp is not np and nshells <= gpu_kernels.BINNED_SUM_MAX_BINS
             and gpu_kernels.binned_sum_applies(shells, values)):
         w = None if values is None else values.reshape((-1, shells.size))

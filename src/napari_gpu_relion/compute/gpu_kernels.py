@@ -335,6 +335,8 @@ def segment_rows_sum(rows, values, n: int):
     if not _on_gpu(rows, values):
         raise ValueError("segment_rows_sum takes CuPy arrays")
     rows = cp.ascontiguousarray(rows, dtype=np.int64).reshape(-1)
+    if values.shape[0] != rows.size:
+        raise ValueError(f"segment_rows_sum: {values.shape[0]} rows of values for {rows.size} row indices")
     vals = cp.ascontiguousarray(values, dtype=np.float32).reshape(rows.size, -1)
     C = int(vals.shape[1])
     out = cp.empty((n, C), dtype=np.float32)

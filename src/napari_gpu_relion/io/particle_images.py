@@ -243,6 +243,8 @@ def load_images(table: ParticleTable, rows: Iterable[int] | None = None,
                              f"{positions.min()}..{positions.max()}", path=_s(table.path))
         parts = parts.iloc[positions]
     star = _s(table.path)
+    if locations is not None and len(locations[1]) != len(table.particles):
+        raise ValueError(f"locations of {len(locations[1])} rows for a table of {len(table.particles)}")
     if locations is None:
         paths, idx = _locations(parts, table, project_dir)
     elif positions is None:

@@ -4,7 +4,7 @@ run_itNNN_data.star."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +46,8 @@ class ParticleSet:
     kept: np.ndarray | None = None  # (n, box, box) float32 images kept in memory (NumPy or CuPy)
     in_memory: np.ndarray | None = None  # (n,) bool: the row's image is in ``kept``
     ahead: ImageReadAhead | None = None  # the background reader of the images not yet kept (read_ahead)
-    locations: tuple | None = None  # every row's (stack path, image index), parsed once (check_image_stacks)
+    # every row's (stack path, image index), parsed once (check_image_stacks)
+    locations: tuple | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         n = len(self.table)
