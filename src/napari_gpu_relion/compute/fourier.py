@@ -172,8 +172,6 @@ def shell_sum(values, shells, nshells: int):
     from . import gpu_kernels  # noqa: PLC0415 - imports no CuPy
 
     xp = get_array_module(shells if values is None else values)
-    if values is None:
-        values = xp.ones(shells.shape, dtype=np.float64) if xp is np else None
     lead = () if values is None else values.shape[: values.ndim - shells.ndim]
     if shells.size == 0:
         return xp.zeros(lead + (nshells,))

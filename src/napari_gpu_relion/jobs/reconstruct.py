@@ -117,7 +117,7 @@ def _run(p: Params) -> Iterator:
     table = load_for_reconstruction(Path(p.i), p.ctf, p.subset)
     apix = p.angpix if p.angpix > 0 else table.pixel_size
     offsets = particle_offsets_px(table, apix)
-    check_image_stacks(table)  # every stack there, an image stack, long enough, of the box size: before any work
+    locations = check_image_stacks(table)  # every stack there, an image stack, long enough, of the box size
     df = table.particles
     n = len(df)
     N = table.box_size
@@ -141,7 +141,7 @@ def _run(p: Params) -> Iterator:
 
     def work(j0: int, j1: int) -> None:
         i0, i1 = int(mine[j0]), int(mine[j1 - 1]) + 1
-        imgs = xp.asarray(load_images(table, rows=np.arange(i0, i1), check_values=True))
+        imgs = xp.asarray(load_images(table, rows=np.arange(i0, i1), check_values=True, locations=locations))
         F = rfft_centered(imgs.astype(np.float32), 2)
         F = phase_shift_2d(F, xp.asarray(offsets[i0:i1]), N)  # shifting by +origin centres the particle
         A = xp.asarray(euler_to_matrix(ang[i0:i1, 0], ang[i0:i1, 1], ang[i0:i1, 2]))
