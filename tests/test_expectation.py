@@ -8,12 +8,14 @@ from napari_gpu_relion.compute.expectation import (
     as_slices,
     fine_sums,
     gemm_width,
+    grouped_sum,
     particle_terms,
     pixel_set,
     posterior_weights,
     scores_gathered,
     scores_shared,
     segment_sum,
+    segments_of,
     translation_ramps,
 )
 from napari_gpu_relion.compute.fourier import rfft_centered
@@ -212,6 +214,23 @@ def test_segment_sum_adds_repeated_rows():
     vals = np.arange(10, dtype=np.float32).reshape(5, 2)
     out = segment_sum(rows, vals, 4)
     np.testing.assert_array_equal(out, [[2, 3], [8, 9], [0 + 4 + 6, 1 + 5 + 7], [0, 0]])
+
+
+def test_segments_group_like_unique_and_grouped_sums_equal_direct_sums():
+    """segments_of: np.unique's distinct keys and inverse; grouped_sum: a float64 sum per group."""
+    rng = np.random.default_rng(3)
+    keys = rng.integers(0, 50, (40, 7)) * 3 + 1000  # gaps between the keys, not 0..n-1
+    vals = rng.normal(size=(keys.size, 5)).astype(np.float32)
+    g = segments_of(keys)
+    d, inv = np.unique(keys, return_inverse=True)
+    np.testing.assert_array_equal(g.distinct, d)
+    np.testing.assert_array_equal(g.inverse, inv.reshape(-1))
+    assert g.n == d.size
+    want = np.zeros((d.size, 5))
+    np.add.at(want, inv.reshape(-1), vals.astype(np.float64))
+    np.testing.assert_allclose(grouped_sum(g, vals), want, rtol=1e-5, atol=1e-5)
+    empty = segments_of(np.zeros(0, dtype=np.int64))
+    assert empty.n == 0 and grouped_sum(empty, np.zeros((0, 5), np.float32)).shape == (0, 5)
 
 
 def test_pixel_set_is_unique_half_grid_within_radius():

@@ -58,11 +58,13 @@ from .expectation import (
     fine_sums,
     gather_pixels,
     gemm_width,
+    grouped_sum,
     particle_terms,
     posterior_weights,
     scores_gathered,
     scores_shared,
     segment_sum,
+    segments_of,
     signal_products,
     translation_ramps,
 )
@@ -897,10 +899,9 @@ def _accumulate_chunk(b: _Batch, fine: _FineData, acc: _FineSums, lay: _ChunkLay
     else:
         # summed onto the fine orientations the chunk touches, not onto a copy of the whole union's sums (12
         # bytes per pixel of every fine orientation of the union, per chunk): the same sums of the same values
-        touched, flat = xp.unique(lay.fine_rows.reshape(-1), return_inverse=True)
-        flat = flat.reshape(-1)
-        acc.slices[touched] += segment_sum(flat, fs.slices.reshape(-1, 2 * n_pixels), touched.size)
-        acc.slice_weights[touched] += segment_sum(flat, fs.slice_weights.reshape(-1, n_pixels), touched.size)
+        touched = segments_of(lay.fine_rows)  # one sort of the entries for the unique rows and both sums
+        acc.slices[touched.distinct] += grouped_sum(touched, fs.slices.reshape(-1, 2 * n_pixels))
+        acc.slice_weights[touched.distinct] += grouped_sum(touched, fs.slice_weights.reshape(-1, n_pixels))
         acc.row_weight += segment_sum(lay.parents.reshape(-1), rw_parent.reshape(-1, 1), acc.row_weight.size)[:, 0]
     # offset moments per class: sum w, sum w pos, sum w |pos|^2 (pos = o + t in Å) over each parent's children
     # and translations, then summed over the parents of each class

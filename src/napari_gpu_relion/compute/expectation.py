@@ -25,7 +25,7 @@ import numpy as np
 from scipy.sparse import csr_matrix
 
 from . import gpu_kernels, gpu_posterior
-from .backend import get_array_module
+from .backend import get_array_module, to_host
 from .fourier import round_half_away, signed_index
 
 # ----------------------------------------------------------------------------------------------------------
@@ -401,7 +401,7 @@ def significance_threshold(p, adaptive_fraction: float, maxsig: int = -1, candid
     xp = get_array_module(p)
     I, n = p.shape
     eps = candidate_floor(adaptive_fraction, n)
-    if maxsig > 0 or eps <= 0:
+    if maxsig > 0 or eps <= 0 or I == 0:
         return _threshold_by_sort(p, adaptive_fraction, maxsig)
     if candidates is None:
         cand = p >= np.float32(eps)
@@ -409,16 +409,16 @@ def significance_threshold(p, adaptive_fraction: float, maxsig: int = -1, candid
     else:
         cand, (counts, packed) = None, candidates
     wide = (counts == 0) | (counts > n // 4)
-    n_wide = int(wide.sum())
+    # one transfer for both numbers the host needs: how many rows are wide, the largest count of the others
+    n_wide, m = (int(v) for v in to_host(xp.stack([wide.sum(), xp.where(wide, 0, counts).max()])))
     if n_wide == I:
         return _threshold_by_sort(p, adaptive_fraction)
 
-    def packed_of(sel):  # the candidates of rows sel, packed into (rows, their largest count), -1 after
+    def packed_of(sel):  # the candidates of rows sel, packed into (rows, their largest count m), -1 after
         c = counts[sel]
         if cand is None:
-            m = int(c.max())
             return xp.where(xp.arange(m)[None, :] < c[:, None], packed[sel, :m], np.float32(-1.0)), c
-        return _pack_candidates(p[sel], cand[sel], c), c
+        return _pack_candidates(p[sel], cand[sel], c, m), c
 
     if n_wide == 0:
         return _threshold_of_candidates(p, *packed_of(slice(None)), adaptive_fraction)
@@ -430,11 +430,10 @@ def significance_threshold(p, adaptive_fraction: float, maxsig: int = -1, candid
     return k, wsig
 
 
-def _pack_candidates(p, cand, counts):
-    """Each row's candidates ``cand`` (``counts`` per row) packed into an (I, max count) array, -1 after."""
+def _pack_candidates(p, cand, counts, m: int):
+    """Each row's candidates ``cand`` (``counts`` per row, at most m) packed into an (I, m) array, -1 after."""
     xp = get_array_module(p)
     I = p.shape[0]
-    m = int(counts.max())
     rows, cols = xp.nonzero(cand)
     pos = xp.arange(rows.size) - (xp.cumsum(counts) - counts)[rows]
     vals = xp.full((I, m), -1.0, dtype=p.dtype)
@@ -585,22 +584,66 @@ def _no_check() -> None:
     """The cancel check of a computation nobody can cancel."""
 
 
-def segment_sum(rows, values, n: int):
+@dataclass(frozen=True)
+class Segments:
+    """Entries grouped by an integer key: the distinct keys ascending, each entry's group (``inverse``), and on a
+    GPU the entries in group order (a stable sort: within a group by ascending entry) with each group's first
+    position in it (``start``, one more than the groups): gpu_kernels.segment_rows_sum's sort, made once for
+    every array summed over the same groups."""
+
+    distinct: object  # (n,) ascending keys
+    inverse: object  # (E,) each entry's group
+    order: object = None  # (E,) GPU only
+    start: object = None  # (n + 1,) GPU only
+
+    @property
+    def n(self) -> int:
+        return int(self.distinct.size)
+
+
+def segments_of(keys) -> Segments:
+    """The groups of the entries of ``keys`` (any shape, flattened): np.unique(keys, return_inverse=True) with,
+    on a GPU, the one stable sort that finds them kept for segment_sum."""
+    xp = get_array_module(keys)
+    keys = keys.reshape(-1)
+    if xp is np:
+        distinct, inverse = np.unique(keys, return_inverse=True)
+        return Segments(distinct, inverse.reshape(-1))
+    E = int(keys.size)
+    order = xp.argsort(keys, kind="stable")
+    ordered = keys[order]
+    first = xp.ones(E, dtype=bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    heads = xp.flatnonzero(first)
+    inverse = xp.empty(E, dtype=np.int64)
+    inverse[order] = xp.cumsum(first, dtype=np.int64) - 1
+    start = xp.concatenate([heads, xp.asarray([E], dtype=heads.dtype)])
+    return Segments(ordered[heads], inverse, order, start)
+
+
+def grouped_sum(groups: Segments, values):
+    """(groups.n, ...) float32: the sum of the rows of ``values`` (E, ...) over each group: segment_sum with the
+    groups' sort made once."""
+    return segment_sum(groups.inverse, values, groups.n, groups)
+
+
+def segment_sum(rows, values, n: int, groups: Segments | None = None):
     """out[r] = sum of values[j] with rows[j] == r, for r < n: (n, ...) float32. A sparse-matrix product on
     the CPU (NumPy's add.at is an order of magnitude slower). On the GPU, rows of at least
     gpu_kernels.SEGMENT_ROWS_MIN_COLUMNS values (the fine pass's slices and their weights) are summed by
     gpu_kernels.segment_rows_sum (entries sorted by row, each output element summed by one thread: 4x CuPy's
     scatter_add at a chunk's shapes on an H200, whose atomic adds into the orientations every particle shares
     serialise); narrower rows (a weight per row, the offset moments of K classes) keep scatter_add, since one
-    thread per output element would add tens of thousands of entries one after another."""
+    thread per output element would add tens of thousands of entries one after another. ``groups``: the
+    Segments whose inverse ``rows`` is (grouped_sum), so that the kernel does not sort the entries again."""
     xp = get_array_module(values)
-    vals = values.reshape(values.shape[0], -1)
+    vals = values.reshape(values.shape[0], int(np.prod(values.shape[1:])))  # not -1: no entries is an (0, C)
     if xp is np:
         S = csr_matrix((np.ones(rows.size, np.float32), (np.asarray(rows), np.arange(rows.size))),
                        shape=(n, rows.size))
         out = np.asarray(S @ vals, dtype=np.float32)
     elif gpu_kernels.ENABLED and vals.shape[1] >= gpu_kernels.SEGMENT_ROWS_MIN_COLUMNS:
-        out = gpu_kernels.segment_rows_sum(rows, vals, n)
+        out = gpu_kernels.segment_rows_sum(rows, vals, n, None if groups is None else (groups.order, groups.start))
     else:
         import cupyx  # noqa: PLC0415
 

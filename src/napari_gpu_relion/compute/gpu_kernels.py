@@ -324,12 +324,14 @@ def binned_sum(index, weights, nbins: int):
     return out
 
 
-def segment_rows_sum(rows, values, n: int):
+def segment_rows_sum(rows, values, n: int, sorted_entries=None):
     """(n, C) float32: out[r] = the sum of the rows of ``values`` (E, C) whose ``rows`` (E,) entry is r (entries
     outside 0..n-1 are dropped), each in the order of the entries: a stable sort of the entries by row, then one
     thread per output element. For wide rows (SEGMENT_ROWS_MIN_COLUMNS values or more) with many entries each
     (every particle of a chunk adds into the same fine orientations), where atomic adds into shared addresses
-    serialise; narrow rows with many entries are slow here (one thread adds a whole row's entries)."""
+    serialise; narrow rows with many entries are slow here (one thread adds a whole row's entries).
+    ``sorted_entries`` = (order (E,), start (n + 1,)): that sort made already (expectation.segments_of), so that
+    sums of several arrays over the same rows sort once."""
     import cupy as cp  # noqa: PLC0415
 
     if not _on_gpu(rows, values):
@@ -342,8 +344,14 @@ def segment_rows_sum(rows, values, n: int):
     out = cp.empty((n, C), dtype=np.float32)
     if n == 0 or C == 0:
         return out
-    order = cp.argsort(rows, kind="stable")
-    start = cp.searchsorted(rows[order], cp.arange(n + 1, dtype=np.int64), side="left")
+    if sorted_entries is None:
+        order = cp.argsort(rows, kind="stable")
+        start = cp.searchsorted(rows[order], cp.arange(n + 1, dtype=np.int64), side="left")
+    else:
+        order, start = (cp.ascontiguousarray(a, dtype=np.int64).reshape(-1) for a in sorted_entries)
+        if order.size != rows.size or start.size != n + 1:
+            raise ValueError(f"segment_rows_sum: a sort of {order.size} entries into {start.size - 1} rows given "
+                             f"for {rows.size} entries into {n} rows")
     block = 256
     grid = (int(min(-(-C // block), 1 << 16)), int(min(n, 65535)))
     raw_module(_SOURCE).get_function("segment_rows_sum")(
