@@ -31,6 +31,9 @@ def test_the_medium_set_runs_relions_whole_auto_refine_schedule(tmp_path):
     assert (full[name].healpix_order, full[name].auto_local_healpix_order, full[name].auto_iter_max) == \
         (2, 4, default_max)  # to convergence and the final iteration, as a user's run
     assert short[name].auto_iter_max == 3
+    # RELION's GUI passes --norm --scale to every job: the classification's per-class scale sums are compiled too
+    cls = next(p for n, p in full.items() if n.startswith("3D classification"))
+    assert cls.norm and cls.scale and cls.K > 1
 
 
 def test_without_a_gpu_nothing_is_compiled():

@@ -11,7 +11,7 @@ import numpy as np
 
 from . import gpu_kernels
 from .backend import CHUNK_BYTES, INSERT_CHUNK_POINTS, get_array_module, is_out_of_memory, to_host
-from .fourier import _fft_module, half_grid_indices, round_half_away, shell_count, shell_sum
+from .fourier import _fft_module, half_grid_indices, round_half_away, shell_count, shell_sum, signed_index
 from .masks import soft_edge_weight
 from .projector import _corner_indices, interpolate, pixel_list, rotated_frequencies, stack_offsets
 
@@ -117,11 +117,22 @@ def reconstruct_grids(data_re, data_im, weight, size: int, pad: int, ndim: int, 
             W = W + add
         return W, sl
 
-    # pass 1: the floor, shell mean of W / 1000 over shells FLOOR(|q|/pf) inside the sphere
+    signed = signed_index(P, np)
+
+    def outside(a: int, b: int) -> bool:
+        """Slab a:b lies wholly outside the sphere (its smallest |ky| (3D) or kx (2D) reaches it): it adds nothing
+        to the floor's sums and its regularised map is 0 (early iterations: most of the padded grid)."""
+        k = signed[a:b] if ndim == 3 else np.arange(a, b)
+        return float(np.min(k.astype(np.float64) ** 2)) >= lim2
+
+    # pass 1: the floor, shell mean of W / 1000 over shells FLOOR(|q|/pf) inside the sphere (the count of the
+    # dropped bin nsh, whose sum is 0, is the only number the skipped slabs would change)
     sums = xp.zeros((B, nsh + 1))
     cnts = xp.zeros(nsh + 1)
     for a in range(0, rows, step):
         b = min(rows, a + step)
+        if outside(a, b):
+            continue
         inside, shells, rf = geometry(a, b)
         W, _ = regularised_weight(a, b, inside, shells)
         sums += shell_sum(xp.where(inside[None], W, 0), rf, nsh + 1)  # (B, nsh + 1)
@@ -130,6 +141,8 @@ def reconstruct_grids(data_re, data_im, weight, size: int, pad: int, ndim: int, 
 
     def vhat(a: int, b: int):
         """The regularised Fourier map of slab a:b: data / max(W, floor) inside the sphere, 0 elsewhere."""
+        if outside(a, b):
+            return xp.zeros((B, P) + ((b - a, H) if ndim == 3 else (b - a,)), dtype=np.complex128)
         inside, shells, rf = geometry(a, b)
         W, sl = regularised_weight(a, b, inside, shells)
         denom = xp.maximum(W, wbar[:, xp.minimum(rf, nsh)])
@@ -146,6 +159,9 @@ def reconstruct_grids(data_re, data_im, weight, size: int, pad: int, ndim: int, 
         A = xp.empty((B, N, P, H), dtype=np.complex128)
         for a in range(0, rows, step):
             b = min(rows, a + step)
+            if outside(a, b):  # the transform of zeros
+                A[:, :, a:b] = 0
+                continue
             A[:, :, a:b] = fft.ifft(vhat(a, b), axis=1, norm="forward", **kw)[:, crop]
         zstep = int(max(1, min(N, max_bytes // (B * P * H * 32))))
         C = xp.empty((B, N, N, H), dtype=np.complex128)

@@ -610,6 +610,9 @@ def segments_of(keys) -> Segments:
         distinct, inverse = np.unique(keys, return_inverse=True)
         return Segments(distinct, inverse.reshape(-1))
     E = int(keys.size)
+    if E == 0:
+        none = xp.zeros(0, dtype=np.int64)
+        return Segments(keys, none, none, xp.zeros(1, dtype=np.int64))
     order = xp.argsort(keys, kind="stable")
     ordered = keys[order]
     first = xp.ones(E, dtype=bool)

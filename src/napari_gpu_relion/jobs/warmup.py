@@ -5,7 +5,8 @@ CuPy compiles each CUDA kernel the first time a process uses it and keeps the re
 cache is empty, a user's first job pays for all of them: about 100 s of a box-128 auto-refine on an H100 (155 s
 against 48 s with a warm cache, benchmarks/README.md). RELION ships compiled kernels, so without this its first
 run and ours are not alike. The warm-up runs the EM jobs on a tiny simulated set (box 32, 200 particles) with the
-options of a typical run (CTF, solvent flattening, masks with zeros and with noise, norm and scale corrections,
+options of a typical run (CTF, solvent flattening, masks with zeros and with noise, norm and scale corrections in
+the refinement and in the classification (whose group-scale sums run per class),
 padding 2, global and local searches, the final iteration), so that the kernels the real jobs use are compiled
 here. CuPy specialises some kernels by size as well as by type (its reductions pick other kernels for long rows
 than for short ones; dimensions of length 1 drop out of the indexing code), so the runs are repeated on a
@@ -86,9 +87,9 @@ def _runs(data: Path, out: Path, gpu: str, full: bool) -> list[tuple[str, object
         ("3D auto-refine, local searches from the start, masks filled with noise", refine3d, refine3d.Params(
             o=out / "refine_local" / "run", healpix_order=2, auto_local_healpix_order=2, auto_iter_max=1, pad=2,
             **ref, **common)),
-        ("3D classification, K=2", class3d, class3d.Params(
-            o=out / "class3d" / "run", K=2, iter=2, healpix_order=2 if full else 1, zero_mask=True, pad=2, **ref,
-            **common)),
+        ("3D classification, K=2, norm and scale corrections", class3d, class3d.Params(
+            o=out / "class3d" / "run", K=2, iter=2, healpix_order=2 if full else 1, zero_mask=True, pad=2, norm=True,
+            scale=True, **ref, **common)),
         ("2D classification, K=2", class2d, class2d.Params(
             o=out / "class2d" / "run", K=2, iter=2, zero_mask=True, **common)),
     ]
