@@ -339,7 +339,7 @@ def segment_rows_sum(rows, values, n: int, sorted_entries=None):
     rows = cp.ascontiguousarray(rows, dtype=np.int64).reshape(-1)
     if values.shape[0] != rows.size:
         raise ValueError(f"segment_rows_sum: {values.shape[0]} rows of values for {rows.size} row indices")
-    vals = cp.ascontiguousarray(values, dtype=np.float32).reshape(rows.size, -1)
+    vals = cp.ascontiguousarray(values, dtype=np.float32).reshape(rows.size, int(np.prod(values.shape[1:])))
     C = int(vals.shape[1])
     out = cp.empty((n, C), dtype=np.float32)
     if n == 0 or C == 0:
