@@ -8,8 +8,9 @@ Two steps, both on the GPU machine with RELION built from ../shared/relion_gpu (
    variance for the requested SNR (signal variance over the box / noise variance). Writes particles.star (both
    states), truth.star (angles, offsets, state per image name) and ref.mrc (state 1; both programs low-pass it
    to --ini_high themselves).
-2. ``run``: one job (class3d, refine3d or class2d) by RELION (its usual one-GPU layout, or ``--relion_ranks N``) and ours (one process, or ``--ours_ranks N`` under mpiexec)
-   and by us, with identical options, one after the other; per-iteration times from the run_itNNN files' times,
+2. ``run``: one job (class3d, refine3d or class2d) by RELION (its usual one-GPU layout, or ``--relion_ranks N``)
+   and by us (one process, or ``--ours_ranks N`` under mpiexec), with identical options, one after the other;
+   per-iteration times from the run_itNNN files' times,
    resolution of the final half maps (our FSC of both programs' unfiltered half maps, unmasked: one method for
    both), median angular error against the truth, class purity and the fraction of particles that changed class
    per iteration. Writes JSON naming the GPU.
@@ -26,6 +27,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -329,7 +331,8 @@ def our_command(a, job: str, root: str) -> list[str]:
         opts += " --center_classes"
     extra = (a.ours_extra.split() if a.ours_extra else []) + (["--cpu"] if a.cpu else [])
     # --ours_ranks N: our MPI layout, N ranks sharing the machine's GPUs in turn (RELION's side keeps its own layout)
-    mpi = [a.mpiexec or shutil.which("mpiexec") or "mpiexec", "-n", str(a.ours_ranks)] if a.ours_ranks > 1 else []
+    mpiexec = shlex.split(a.mpiexec) if a.mpiexec else [shutil.which("mpiexec") or "mpiexec"]  # may carry flags
+    mpi = [*mpiexec, "-n", str(a.ours_ranks)] if a.ours_ranks > 1 else []
     return [*mpi, sys.executable, "-m", "napari_gpu_relion.cli", job, *opts.split(), *extra]
 
 
@@ -417,7 +420,8 @@ def main(argv=None):
     r.add_argument("--relion_ranks", type=int, default=1)
     r.add_argument("--ours_ranks", type=int, default=1,
                    help="our job under mpiexec with this many ranks (on one GPU they share it)")
-    r.add_argument("--mpiexec", default="", help="the mpiexec for --ours_ranks (default: the one on PATH)")
+    r.add_argument("--mpiexec", default="",
+                   help="the mpiexec for --ours_ranks, with any flags of its own (default: the one on PATH)")
     r.add_argument("--relion_j", type=int, default=4)
     r.add_argument("--relion_pool", type=int, default=30)
     r.add_argument("--relion_extra", default="",

@@ -72,6 +72,14 @@ def _enforce_hermitian(re, im, w, ndim: int) -> None:
     re[sl], im[sl], w[sl] = new
 
 
+def slab_outside_sphere(P: int, ndim: int, a: int, b: int, lim2: float) -> bool:
+    """reconstruct_grids' slab a:b of a padded half grid of size P (rows of ky in 3D, columns of kx in 2D) lies
+    wholly outside the sphere q^2 < lim2 (its smallest k^2 reaches lim2): it adds nothing to the floor's sums and
+    its regularised map is 0, so it is skipped (early iterations: most of the padded grid)."""
+    k = signed_index(P, np)[a:b] if ndim == 3 else np.arange(a, b)
+    return float(np.min(k.astype(np.float64) ** 2)) >= lim2
+
+
 def reconstruct_grids(data_re, data_im, weight, size: int, pad: int, ndim: int, r_max: float, tau2=None,
                       tau2_fudge: float = 1.0, minres_map: int = 5, soft_edge: bool = True,
                       max_bytes: int = CHUNK_BYTES, out_dtype=np.float32):
@@ -117,13 +125,8 @@ def reconstruct_grids(data_re, data_im, weight, size: int, pad: int, ndim: int, 
             W = W + add
         return W, sl
 
-    signed = signed_index(P, np)
-
     def outside(a: int, b: int) -> bool:
-        """Slab a:b lies wholly outside the sphere (its smallest |ky| (3D) or kx (2D) reaches it): it adds nothing
-        to the floor's sums and its regularised map is 0 (early iterations: most of the padded grid)."""
-        k = signed[a:b] if ndim == 3 else np.arange(a, b)
-        return float(np.min(k.astype(np.float64) ** 2)) >= lim2
+        return slab_outside_sphere(P, ndim, a, b, lim2)
 
     # pass 1: the floor, shell mean of W / 1000 over shells FLOOR(|q|/pf) inside the sphere (the count of the
     # dropped bin nsh, whose sum is 0, is the only number the skipped slabs would change)

@@ -639,6 +639,8 @@ def segment_sum(rows, values, n: int, groups: Segments | None = None):
     serialise); narrower rows (a weight per row, the offset moments of K classes) keep scatter_add, since one
     thread per output element would add tens of thousands of entries one after another. ``groups``: the
     Segments whose inverse ``rows`` is (grouped_sum), so that the kernel does not sort the entries again."""
+    if groups is not None and rows is not groups.inverse:
+        raise ValueError("segment_sum: the rows of groups= must be its inverse (grouped_sum)")
     xp = get_array_module(values)
     vals = values.reshape(values.shape[0], int(np.prod(values.shape[1:])))  # not -1: no entries is an (0, C)
     if xp is np:
