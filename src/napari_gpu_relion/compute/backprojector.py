@@ -125,16 +125,13 @@ def reconstruct_grids(data_re, data_im, weight, size: int, pad: int, ndim: int, 
             W = W + add
         return W, sl
 
-    def outside(a: int, b: int) -> bool:
-        return slab_outside_sphere(P, ndim, a, b, lim2)
-
     # pass 1: the floor, shell mean of W / 1000 over shells FLOOR(|q|/pf) inside the sphere (the count of the
     # dropped bin nsh, whose sum is 0, is the only number the skipped slabs would change)
     sums = xp.zeros((B, nsh + 1))
     cnts = xp.zeros(nsh + 1)
     for a in range(0, rows, step):
         b = min(rows, a + step)
-        if outside(a, b):
+        if slab_outside_sphere(P, ndim, a, b, lim2):
             continue
         inside, shells, rf = geometry(a, b)
         W, _ = regularised_weight(a, b, inside, shells)
@@ -144,7 +141,7 @@ def reconstruct_grids(data_re, data_im, weight, size: int, pad: int, ndim: int, 
 
     def vhat(a: int, b: int):
         """The regularised Fourier map of slab a:b: data / max(W, floor) inside the sphere, 0 elsewhere."""
-        if outside(a, b):
+        if slab_outside_sphere(P, ndim, a, b, lim2):
             return xp.zeros((B, P) + ((b - a, H) if ndim == 3 else (b - a,)), dtype=np.complex128)
         inside, shells, rf = geometry(a, b)
         W, sl = regularised_weight(a, b, inside, shells)
@@ -162,7 +159,7 @@ def reconstruct_grids(data_re, data_im, weight, size: int, pad: int, ndim: int, 
         A = xp.empty((B, N, P, H), dtype=np.complex128)
         for a in range(0, rows, step):
             b = min(rows, a + step)
-            if outside(a, b):  # the transform of zeros
+            if slab_outside_sphere(P, ndim, a, b, lim2):  # the transform of zeros
                 A[:, :, a:b] = 0
                 continue
             A[:, :, a:b] = fft.ifft(vhat(a, b), axis=1, norm="forward", **kw)[:, crop]

@@ -627,20 +627,22 @@ def segments_of(keys) -> Segments:
 def grouped_sum(groups: Segments, values):
     """(groups.n, ...) float32: the sum of the rows of ``values`` (E, ...) over each group: segment_sum with the
     groups' sort made once."""
-    return segment_sum(groups.inverse, values, groups.n, groups)
+    return _segment_sum(groups.inverse, values, groups.n, (groups.order, groups.start))
 
 
-def segment_sum(rows, values, n: int, groups: Segments | None = None):
+def segment_sum(rows, values, n: int):
     """out[r] = sum of values[j] with rows[j] == r, for r < n: (n, ...) float32. A sparse-matrix product on
     the CPU (NumPy's add.at is an order of magnitude slower). On the GPU, rows of at least
     gpu_kernels.SEGMENT_ROWS_MIN_COLUMNS values (the fine pass's slices and their weights) are summed by
     gpu_kernels.segment_rows_sum (entries sorted by row, each output element summed by one thread: 4x CuPy's
     scatter_add at a chunk's shapes on an H200, whose atomic adds into the orientations every particle shares
     serialise); narrower rows (a weight per row, the offset moments of K classes) keep scatter_add, since one
-    thread per output element would add tens of thousands of entries one after another. ``groups``: the
-    Segments whose inverse ``rows`` is (grouped_sum), so that the kernel does not sort the entries again."""
-    if groups is not None and rows is not groups.inverse:
-        raise ValueError("segment_sum: the rows of groups= must be its inverse (grouped_sum)")
+    thread per output element would add tens of thousands of entries one after another."""
+    return _segment_sum(rows, values, n, None)
+
+
+def _segment_sum(rows, values, n: int, sorted_entries):
+    """segment_sum; ``sorted_entries`` (order, start): the entries' sort by row made already (grouped_sum)."""
     xp = get_array_module(values)
     vals = values.reshape(values.shape[0], int(np.prod(values.shape[1:])))  # not -1: no entries is an (0, C)
     if xp is np:
@@ -648,7 +650,7 @@ def segment_sum(rows, values, n: int, groups: Segments | None = None):
                        shape=(n, rows.size))
         out = np.asarray(S @ vals, dtype=np.float32)
     elif gpu_kernels.ENABLED and vals.shape[1] >= gpu_kernels.SEGMENT_ROWS_MIN_COLUMNS:
-        out = gpu_kernels.segment_rows_sum(rows, vals, n, None if groups is None else (groups.order, groups.start))
+        out = gpu_kernels.segment_rows_sum(rows, vals, n, sorted_entries)
     else:
         import cupyx  # noqa: PLC0415
 
