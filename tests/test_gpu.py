@@ -602,3 +602,45 @@ def test_segments_on_the_gpu_equal_unique_and_sum_as_without_them(E, C):
     want = np.zeros((d.size, C))
     np.add.at(want, inv.reshape(-1), vals.get().astype(np.float64))
     assert np.allclose(got, want, rtol=1e-4, atol=1e-4 * max(np.abs(want).max(initial=0), 1))
+
+
+_PRELOAD_SCRIPT = r"""
+import json, sys, time
+import cupy as cp
+from napari_gpu_relion.jobs import kernel_preload as kp
+from napari_gpu_relion.compute.gpu_kernels import segment_rows_sum
+kp.install()
+job = kp.Preload("preload_test", 0).start()
+if job.thread is not None:
+    job.thread.join()
+ahead = len(kp._ready)
+x = cp.arange(1000, dtype=cp.float32)
+y = (x * 2.5 + 1.0).sum()  # elementwise and reduction kernels
+vals = cp.arange(12, dtype=cp.float32).reshape(4, 3)
+s = segment_rows_sum(vals, cp.asarray([0, 1, 0, 1]), 2)  # one of our raw modules
+print(json.dumps({"ahead": ahead, "left": len(kp._ready), "y": float(y), "s": s.get().tolist(),
+                  "used": len(kp._used)}))
+job.finish(save=True)
+"""
+
+
+def test_kernel_preload_hands_a_fresh_process_the_modules_of_the_last_and_the_same_numbers(tmp_path):
+    """Two fresh processes with one kernel cache: the first records its modules, the second loads them in the
+    preload thread before it computes, is handed them (none left over), and computes the same numbers."""
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    env = dict(os.environ, CUPY_CACHE_DIR=str(tmp_path / "cache"), NAPARI_GPU_RELION_KERNEL_PRELOAD="1")
+    runs = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", _PRELOAD_SCRIPT], env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["ahead"] == 0 and first["used"] >= 3
+    assert second["ahead"] == second["used"] == first["used"] and second["left"] == 0
+    assert second["y"] == first["y"] == float(sum(2.5 * i + 1.0 for i in range(1000)))
+    assert second["s"] == first["s"] == [[6.0, 8.0, 10.0], [12.0, 14.0, 16.0]]

@@ -280,3 +280,29 @@ def test_stop_reading_ends_the_reader_soon_and_the_rest_is_read_when_asked(tmp_p
     assert not reader.alive and time.perf_counter() - t0 < 1.0
     assert ps.ahead is None and not ps.in_memory.all()
     np.testing.assert_array_equal(ps.images(np.arange(len(ps))), disk)
+
+
+def test_a_data_star_handed_to_the_writer_says_the_state_when_handed_over_not_later(tmp_path):
+    """save_data_star copies the particles' values (particle_state) and the write thread makes the table: changes
+    the next iteration makes to the set afterwards are not in the file, and the file equals the table made at once."""
+    from napari_gpu_relion.io.star import read_star  # noqa: PLC0415
+
+    star = _copy_sample(tmp_path / "d")
+    ps = load_particle_set(star, ctf=True, halves=False)
+    ps.angles[:] = np.arange(3 * len(ps)).reshape(-1, 3)
+    ps.classes[:] = 2
+    ps.pmax[:] = 0.25
+    path = tmp_path / "run" / "run_it001_data.star"
+    expected = particles.data_star_table(path, ps)
+    state = particles.particle_state(ps)
+    ps.angles += 100.0
+    ps.classes[:] = 0
+    ps.pmax[:] = 0.75
+    ps.offsets_px += 3.0
+    particles.write_data_star(path, state)
+    got = read_star(path)["particles"]
+    for col in ("rlnAngleRot", "rlnAnglePsi", "rlnClassNumber", "rlnMaxValueProbDistribution", "rlnOriginXAngst"):
+        np.testing.assert_allclose(got[col].to_numpy(float), expected[col].to_numpy(float), rtol=1e-6)
+    assert got["rlnImageName"].tolist() == expected["rlnImageName"].tolist()
+    assert got["rlnClassNumber"].tolist() == [3] * len(ps)
+    assert state.kept is None and state.ahead is None

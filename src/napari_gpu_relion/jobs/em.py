@@ -69,7 +69,7 @@ from ..io.model_star import (
 )
 from ..io.mrc import read_mrc, require_usable_map
 from ..io.particle_images import parse_image_name
-from ..io.star import read_star, write_particles
+from ..io.star import read_star
 from ..io.write_queue import WriteQueue
 from ..parallel import world
 from .common import (
@@ -85,7 +85,8 @@ from .common import (
 )
 from .distributed import merge_particles, root_events, sum_estep
 from .events import Finished, Message, Progress, Started
-from .particles import ParticleSet, data_star_table, load_particle_set
+from .kernel_preload import Preload
+from .particles import ParticleSet, load_particle_set, particle_state, write_data_star
 
 #: Width of the raised-cosine edge of the particle mask (pixels), RELION's default.
 MASK_EDGE = 5.0
@@ -300,12 +301,22 @@ class EMJob:
         if self.continued:
             self.p, self.opt = continued_params(type(p), p)
         self.files = RunFiles.from_output(self.p.o)
+        self.be: Backend = backend_for(self.p)
+        # the GPU kernels of the last job of this kind load in the background while this one reads its particles
+        # and prepares its references (kernel_preload); stopped when the job ends, or here if it cannot start
+        self.preload = Preload(self.name, self.be.device).start()
+        try:
+            self._read_inputs()
+        except BaseException:
+            self.preload.finish(save=False)
+            raise
+
+    def _read_inputs(self) -> None:
         self.ps: ParticleSet = load_particle_set(Path(self.p.i), self.p.ctf, seed=self.p.random_seed,
                                                  halves=self.needs_halves)
         self.N, self.apix = self.ps.box, self.ps.pixel_size
         self.images_note = keep_images(self.ps, self.p.preread_images, host_available_bytes())
         self.diameter, self.mask_r = particle_mask(self.ps, self.p.particle_diameter, MASK_EDGE)
-        self.be: Backend = backend_for(self.p)
         self.halves = ([np.flatnonzero(self.ps.subset == h) for h in (1, 2)] if self.needs_halves
                        else [np.arange(len(self.ps))])
         # the average norm correction starts at the particles' mean rlnNormCorrection (1 for new particles, as
@@ -565,9 +576,9 @@ class EMJob:
         self.writer.put(fn, *args, **kwargs)
 
     def save_data_star(self, path: Path) -> Path:
-        """The particles' current state as RELION's run_itNNN_data.star (the table made now, written by the
-        WriteQueue)."""
-        self.save(write_particles, path, data_star_table(path, self.ps), self.ps.table.optics)
+        """The particles' current state as RELION's run_itNNN_data.star (their values copied now; the table is made
+        and written by the WriteQueue, while the next iteration computes)."""
+        self.save(write_data_star, path, particle_state(self.ps))
         return Path(path)
 
     def write_optimiser(self, it: Iteration, data: Path, models: list[Path]) -> Path:
@@ -618,6 +629,7 @@ def _iterate(job: EMJob, tf32_note: str | None) -> Iterator:
         yield from _loop(job, tf32_note)
         done = True
     finally:
+        job.preload.finish(save=done and job.comm.is_root)  # the kernels this job used, for the next one
         if done:
             job.writer.close()
         else:

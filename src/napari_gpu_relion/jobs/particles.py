@@ -4,7 +4,7 @@ run_itNNN_data.star."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +14,7 @@ from ..compute.backend import get_array_module
 from ..compute.ctf import CtfParams
 from ..errors import InputError
 from ..io.particle_images import check_image_stacks, image_names_for, load_images
-from ..io.star import ParticleTable, read_particles
+from ..io.star import ParticleTable, read_particles, write_particles
 from .read_ahead import AHEAD_BYTES, BLOCK_ROWS, ImageReadAhead
 
 ANGLES = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")
@@ -225,6 +225,21 @@ def data_table(ps: ParticleSet) -> pd.DataFrame:
     df["rlnNrOfSignificantSamples"] = ps.nr_significant
     df["rlnRandomSubset"] = ps.subset
     return df
+
+
+def particle_state(ps: ParticleSet) -> ParticleSet:
+    """A particle set with its own copy of every per-particle value the iterations change, sharing the (unchanged)
+    table: what one iteration's data.star says, handed to the write thread while the next iteration changes ps."""
+    return replace(ps, angles=ps.angles.copy(), offsets_px=ps.offsets_px.copy(), norm=ps.norm.copy(),
+                   subset=ps.subset.copy(), classes=ps.classes.copy(), pmax=ps.pmax.copy(),
+                   nr_significant=ps.nr_significant.copy(), log_likelihood=ps.log_likelihood.copy(),
+                   residual_power=ps.residual_power.copy(), checked=ps.checked.copy(), kept=None, in_memory=None,
+                   ahead=None)
+
+
+def write_data_star(path: Path, ps: ParticleSet) -> None:
+    """run_itNNN_data.star of ``ps`` (a particle_state: the table is made on the thread that writes it)."""
+    write_particles(path, data_star_table(path, ps), ps.table.optics)
 
 
 def data_star_table(path: Path, ps: ParticleSet) -> pd.DataFrame:

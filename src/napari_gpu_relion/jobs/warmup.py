@@ -16,7 +16,6 @@ lists what a real job still compiles after the warm-up (benchmarks/README.md, "K
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ from ..errors import InputError
 from . import class2d, class3d, refine3d
 from .common import backend_for, param
 from .events import Finished, Message, Started
+from .kernel_preload import kernel_cache_dir
 from .simulate import make_sample_data
 
 JOB_NAME = "warmup"
@@ -58,11 +58,6 @@ def warmup_sets(boxes: str) -> list[dict]:
         out.append({"box": b, "angpix": 192.0 / b, "n_particles": 200 if b <= 32 else 1000, "snr": 0.1,
                     "diameter": 140.0, "ini_high": 60.0, "n_micrographs": 0})
     return out
-
-
-def kernel_cache_dir() -> Path:
-    """CuPy's on-disk kernel cache (CUPY_CACHE_DIR, else ~/.cupy/kernel_cache)."""
-    return Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
 
 
 def cached_kernels() -> int:

@@ -1,0 +1,210 @@
+"""Load the GPU kernels a job will use while it starts up, instead of one by one at their first use.
+
+CuPy builds each kernel the first time a process uses it: it makes the kernel's source, finds the compiled code in
+its on-disk cache (``napari-gpu-relion warmup`` fills that cache), hashes, reads and loads it. A class3d job's
+first iteration met 186 such first uses, about 0.2-0.3 s of host time while the GPU waited (benchmarks/README.md,
+"Twenty-second session"); RELION's kernels are linked into its binary. The first iteration of every job pays this
+again, because the loaded modules live only as long as the process.
+
+Here every module a job loads through CuPy's compile path is recorded (its source and options) and, when the job
+ends, written to a manifest per job kind beside CuPy's kernel cache. The next job of that kind starts a background
+thread that loads those modules (and fetches their functions) while the job reads its particles and prepares its
+references; a module the job then asks for is handed over already loaded. A module the thread has not reached yet
+is loaded by the job as before, so the manifest changes when, never what, a job computes. Without CuPy, without a
+manifest, or with a CuPy whose compile path differs (``install`` returns False), nothing happens.
+
+NAPARI_GPU_RELION_KERNEL_PRELOAD=0 turns the background loading off (to measure what it saves); recording stays on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+
+from ..io.atomic import atomic_path
+
+log = logging.getLogger("napari_gpu_relion")
+
+#: At most this many modules per manifest: the last run's, in the order it first used them, then older runs' (a
+#: run with other options may use others); what the thread has not loaded when iteration 1 starts it loads during
+#: it, in the gaps the job leaves while it waits on the GPU.
+MAX_ENTRIES = 1000
+#: The compile function of CuPy 13-15 that every kernel (elementwise, reduction, raw module) goes through.
+_TARGET = "_compile_module_with_cache"
+_HEADERS = "<cupy headers>"  # stands for CuPy's header source in a manifest (the same for every kernel)
+_GLOBAL = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\([^)]*\)\s+)?void\s+(\w+)')
+
+_lock = threading.Lock()
+_state: dict = {"installed": None, "original": None, "headers": None}
+_used: dict = {}  # key -> manifest entry of every module this process loaded, in first-use order
+_ready: dict = {}  # (device, key) -> Module loaded ahead by a preload thread, not yet handed over
+
+
+def enabled() -> bool:
+    """Whether jobs preload (the environment may turn it off for measurements)."""
+    return os.environ.get("NAPARI_GPU_RELION_KERNEL_PRELOAD", "1").strip() not in ("0", "false", "no", "off")
+
+
+def kernel_cache_dir() -> Path:
+    """CuPy's on-disk kernel cache (CUPY_CACHE_DIR, else ~/.cupy/kernel_cache)."""
+    return Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+
+
+def manifest_path(job: str) -> Path:
+    return kernel_cache_dir() / "napari_gpu_relion_preload" / f"{job}.json"
+
+
+def _headers(cupy) -> str | None:
+    if _state["headers"] is None:
+        try:
+            _state["headers"] = cupy._core.core._get_header_source()
+        except Exception:  # noqa: BLE001 - another CuPy: entries with headers are then not recorded
+            _state["headers"] = ""
+    return _state["headers"] or None
+
+
+def _plain(v) -> bool:
+    return v is None or isinstance(v, bool | int | str) or (isinstance(v, tuple | list) and
+                                                             all(isinstance(x, str) for x in v))
+
+
+def _entry(source, options, kw: dict, headers: str | None) -> dict | None:
+    """The manifest entry of one compile call, or None when it cannot be written down (a log stream, an
+    unknown argument, headers other than CuPy's)."""
+    if not isinstance(source, str) or not _plain(options):
+        return None
+    out = {}
+    for k, v in kw.items():
+        if k == "extra_source" and v is not None:
+            if headers is None or not (v is headers or v == headers):
+                return None
+            v = _HEADERS
+        elif not _plain(v):
+            return None
+        out[k] = list(v) if isinstance(v, tuple) else v
+    return {"source": source, "options": list(options), "kw": out}
+
+
+def _read_manifest(path: Path) -> list[dict]:
+    """The well-formed entries of a manifest ([] when it is missing or unreadable)."""
+    try:
+        modules = json.loads(path.read_text())["modules"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    if not isinstance(modules, list):
+        return []
+    return [e for e in modules if isinstance(e, dict) and isinstance(e.get("source"), str)
+            and isinstance(e.get("options"), list) and isinstance(e.get("kw"), dict)]
+
+
+def _key(e: dict) -> str:
+    return json.dumps([e["source"], e["options"], sorted(e["kw"].items())])
+
+
+def _call_args(e: dict, headers: str | None) -> tuple[str, tuple, dict]:
+    kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in e["kw"].items()}
+    if kw.get("extra_source") == _HEADERS:
+        kw["extra_source"] = headers
+    return e["source"], tuple(e["options"]), kw
+
+
+def install() -> bool:
+    """Wrap CuPy's compile function (once per process): record every module, hand over preloaded ones. False
+    when CuPy is not there or has no such function."""
+    with _lock:
+        if _state["installed"] is not None:
+            return _state["installed"]
+        try:
+            import cupy  # noqa: PLC0415
+            from cupy.cuda import compiler  # noqa: PLC0415
+
+            original = getattr(compiler, _TARGET)
+        except Exception:  # noqa: BLE001 - no CuPy, or one without this function: no preloading
+            _state["installed"] = False
+            return False
+
+        def compile_module(source, options=(), **kw):
+            e = _entry(source, options, kw, _headers(cupy))
+            if e is None:
+                return original(source, options, **kw)
+            key = _key(e)
+            _used.setdefault(key, e)
+            mod = _ready.pop((cupy.cuda.runtime.getDevice(), key), None)
+            return mod if mod is not None else original(source, options, **kw)
+
+        _state["original"] = original
+        setattr(compiler, _TARGET, compile_module)
+        _state["installed"] = True
+        return True
+
+
+def _load(job: str, device: int, stop: threading.Event) -> None:
+    """The preload thread: every module of the job's manifest not yet loaded in this process, in first-use order,
+    with its functions fetched (CUDA loads a function's code at its first fetch)."""
+    import cupy  # noqa: PLC0415
+
+    entries = _read_manifest(manifest_path(job))
+    headers = _headers(cupy)
+    with cupy.cuda.Device(device):
+        for e in entries:
+            if stop.is_set():
+                return
+            try:
+                key = _key(e)
+                if key in _used or (device, key) in _ready:
+                    continue
+                source, options, kw = _call_args(e, headers)
+                mod = _state["original"](source, options, **kw)
+                if not kw.get("name_expressions"):
+                    for name in _GLOBAL.findall(source):
+                        mod.get_function(name)
+                if key not in _used:  # the job may have loaded it meanwhile
+                    _ready[(device, key)] = mod
+            except Exception as exc:  # noqa: BLE001 - a module that does not load here is loaded at its use
+                log.debug("kernel preload: %s", exc)
+
+
+class Preload:
+    """The background loading of one job's kernels: ``start`` when the job starts, ``finish`` when it ends."""
+
+    def __init__(self, job: str, device: int | None):
+        self.job, self.device = job, device
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> Preload:
+        if self.device is not None and install() and enabled() and manifest_path(self.job).is_file():
+            self.thread = threading.Thread(target=_load, args=(self.job, self.device, self.stop),
+                                           name=f"kernel preload ({self.job})", daemon=True)
+            self.thread.start()
+        return self
+
+    def finish(self, save: bool) -> None:
+        """Stop the thread; with ``save``, write the manifest: the modules this process used, then the older
+        manifest's others."""
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join()
+        if save and self.device is not None and _state["installed"]:
+            save_manifest(self.job)
+
+
+def save_manifest(job: str) -> Path | None:
+    """Write the manifest of ``job`` (None when this process used no module)."""
+    mine = list(_used.values())
+    if not mine:
+        return None
+    path = manifest_path(job)
+    seen = set(_used)
+    merged = mine + [e for e in _read_manifest(path) if _key(e) not in seen]
+    try:
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps({"modules": merged[:MAX_ENTRIES]}))
+    except OSError as exc:  # a read-only cache: the next job loads its kernels at their first use, as before
+        log.debug("kernel preload manifest not written: %s", exc)
+        return None
+    return path
