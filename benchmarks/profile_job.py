@@ -86,7 +86,7 @@ class KernelTrace:
 class HostProfile:
     """cProfile around one iteration; ``stop`` returns the top functions by own and by cumulative time."""
 
-    def __init__(self, top: int = 40):
+    def __init__(self, top: int = 150):
         self.top, self.prof = top, None
 
     def start(self):
@@ -250,7 +250,7 @@ def main():
                     help="iteration to run under torch.profiler (CUPTI), summarised per step and per kernel")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the job this many times in one process (later runs into <folder>_repN): iteration 1 "
-                         "of a later run has no first-use costs (kernel loading) left")
+                         "of a later run has no first-use costs (kernel loading) left; --host_profile profiles each")
     ap.add_argument("--host_profile", type=int, default=0,
                     help="iteration to run under cProfile (host time per Python function; with --no_timers)")
     a = ap.parse_args(argv[:split])
@@ -323,7 +323,7 @@ def main():
             values = {f.name: getattr(params, f.name) for f in fields(module.Params)}
             values["o"] = Path(f"{Path(params.o).parent}_rep{rep}") / Path(params.o).name
             p = module.Params(**values)
-        runs.append(_run_once(module, p, a, tracer if not rep else None, host if not rep else None))
+        runs.append(_run_once(module, p, a, tracer if not rep else None, HostProfile() if host and rep else host))
     per_it, started, init_steps, total = (runs[0][k] for k in ("iterations", "initialisation_s",
                                                                "initialisation_steps_s", "total_s"))
     trace_summary, host_summary = runs[0]["kernel_trace"], runs[0]["host_profile"]
@@ -334,7 +334,8 @@ def main():
            "initialisation_steps_s": init_steps,
            "iterations": per_it, "kernel_trace": trace_summary,
            "host_profile": host_summary,
-           "repeats": [{k: r[k] for k in ("total_s", "initialisation_s", "iterations")} for r in runs[1:]]}
+           "repeats": [{k: r[k] for k in ("total_s", "initialisation_s", "iterations", "host_profile")}
+                       for r in runs[1:]]}
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
 

@@ -617,7 +617,7 @@ ahead = len(kp._ready)
 x = cp.arange(1000, dtype=cp.float32)
 y = (x * 2.5 + 1.0).sum()  # elementwise and reduction kernels
 vals = cp.arange(12, dtype=cp.float32).reshape(4, 3)
-s = segment_rows_sum(vals, cp.asarray([0, 1, 0, 1]), 2)  # one of our raw modules
+s = segment_rows_sum(cp.asarray([0, 1, 0, 1]), vals, 2)  # one of our raw modules
 print(json.dumps({"ahead": ahead, "left": len(kp._ready), "y": float(y), "s": s.get().tolist(),
                   "used": len(kp._used)}))
 job.finish(save=True)

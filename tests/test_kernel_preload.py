@@ -91,6 +91,8 @@ def test_a_job_records_its_modules_and_the_next_is_handed_them_loaded_ahead(monk
     assert other is not loaded and len(calls) == 2 and calls[1][3] == threading.current_thread().name
     compiler._compile_module_with_cache(SRC_B, (), extra_source=HEADERS)
     second.finish(save=True)
+    line = second.summary()
+    assert "1 modules loaded ahead" in line and "1 of them used; 2 loaded at their first use" in line
     modules = json.loads(kp.manifest_path("class3d").read_text())["modules"]
     assert [(m["source"], m["options"]) for m in modules] == [(SRC_A, ["-O3"]), (SRC_A, ["-O2"]), (SRC_B, [])]
     assert not kp.manifest_path("refine3d").exists()  # one manifest per job kind

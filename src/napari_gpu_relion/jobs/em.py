@@ -638,6 +638,9 @@ def _iterate(job: EMJob, tf32_note: str | None) -> Iterator:
             except Exception:  # noqa: BLE001 - the job's own error (or cancel) is the one to report
                 pass
     if job.comm.is_root:
+        line = job.preload.summary()
+        if line:
+            yield Message(line)
         yield job.finished()
 
 

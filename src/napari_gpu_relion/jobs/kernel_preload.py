@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import threading
+import time
 from pathlib import Path
 
 from ..io.atomic import atomic_path
@@ -40,6 +41,7 @@ _GLOBAL = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\([^)]*\)
 
 _lock = threading.Lock()
 _state: dict = {"installed": None, "original": None, "headers": None}
+_stats = {"handed": 0, "job_loads": 0, "job_s": 0.0, "ahead": 0, "ahead_s": 0.0}  # this process's, cumulative
 _used: dict = {}  # key -> manifest entry of every module this process loaded, in first-use order
 _ready: dict = {}  # (device, key) -> Module loaded ahead by a preload thread, not yet handed over
 
@@ -129,12 +131,19 @@ def install() -> bool:
 
         def compile_module(source, options=(), **kw):
             e = _entry(source, options, kw, _headers(cupy))
-            if e is None:
+            key = None if e is None else _key(e)
+            if key is not None:
+                _used.setdefault(key, e)
+                mod = _ready.pop((cupy.cuda.runtime.getDevice(), key), None)
+                if mod is not None:
+                    _stats["handed"] += 1
+                    return mod
+            t = time.perf_counter()
+            try:
                 return original(source, options, **kw)
-            key = _key(e)
-            _used.setdefault(key, e)
-            mod = _ready.pop((cupy.cuda.runtime.getDevice(), key), None)
-            return mod if mod is not None else original(source, options, **kw)
+            finally:
+                _stats["job_loads"] += 1
+                _stats["job_s"] += time.perf_counter() - t
 
         _state["original"] = original
         setattr(compiler, _TARGET, compile_module)
@@ -142,12 +151,18 @@ def install() -> bool:
         return True
 
 
-def _load(job: str, device: int, stop: threading.Event) -> None:
+def _load(job: str, device: int, stop: threading.Event, report: dict) -> None:
     """The preload thread: every module of the job's manifest not yet loaded in this process, in first-use order,
     with its functions fetched (CUDA loads a function's code at its first fetch)."""
+    try:
+        _load_entries(_read_manifest(manifest_path(job)), device, stop)
+    finally:
+        report["finished"] = time.perf_counter()
+
+
+def _load_entries(entries: list[dict], device: int, stop: threading.Event) -> None:
     import cupy  # noqa: PLC0415
 
-    entries = _read_manifest(manifest_path(job))
     headers = _headers(cupy)
     with cupy.cuda.Device(device):
         for e in entries:
@@ -158,12 +173,15 @@ def _load(job: str, device: int, stop: threading.Event) -> None:
                 if key in _used or (device, key) in _ready:
                     continue
                 source, options, kw = _call_args(e, headers)
+                t = time.perf_counter()
                 mod = _state["original"](source, options, **kw)
                 if not kw.get("name_expressions"):
                     for name in _GLOBAL.findall(source):
                         mod.get_function(name)
                 if key not in _used:  # the job may have loaded it meanwhile
                     _ready[(device, key)] = mod
+                _stats["ahead"] += 1
+                _stats["ahead_s"] += time.perf_counter() - t
             except Exception as exc:  # noqa: BLE001 - a module that does not load here is loaded at its use
                 log.debug("kernel preload: %s", exc)
 
@@ -175,10 +193,12 @@ class Preload:
         self.job, self.device = job, device
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
+        self.t0, self.before, self.done, self.report = time.perf_counter(), dict(_stats), None, {}
 
     def start(self) -> Preload:
+        self.t0, self.before = time.perf_counter(), dict(_stats)
         if self.device is not None and install() and enabled() and manifest_path(self.job).is_file():
-            self.thread = threading.Thread(target=_load, args=(self.job, self.device, self.stop),
+            self.thread = threading.Thread(target=_load, args=(self.job, self.device, self.stop, self.report),
                                            name=f"kernel preload ({self.job})", daemon=True)
             self.thread.start()
         return self
@@ -189,8 +209,20 @@ class Preload:
         self.stop.set()
         if self.thread is not None:
             self.thread.join()
+        self.done = {k: _stats[k] - self.before[k] for k in _stats}
         if save and self.device is not None and _state["installed"]:
             save_manifest(self.job)
+
+
+    def summary(self) -> str | None:
+        """One line of what the preload did for this job (after finish; None where nothing was loaded)."""
+        d = self.done
+        if not d or not (d["handed"] or d["job_loads"] or d["ahead"]):
+            return None
+        end = self.report.get("finished")
+        when = "" if end is None else f", done {end - self.t0:.2f} s after the job started"
+        return (f"GPU kernels: {d['ahead']} modules loaded ahead ({d['ahead_s']:.2f} s in the background{when}), "
+                f"{d['handed']} of them used; {d['job_loads']} loaded at their first use ({d['job_s']:.2f} s)")
 
 
 def save_manifest(job: str) -> Path | None:
