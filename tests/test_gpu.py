@@ -551,6 +551,21 @@ def test_shell_sums_on_the_gpu_equal_numpy_for_batches_and_the_mstep():
         bp.insert_images(xp.asarray(euler_to_matrix(*ang.T)), F, xp.ones(F.shape))
         bps.append(reference_sigma2(bp))
     assert np.allclose(bps[1], bps[0], rtol=1e-6)
+    # every class in one pass (references_tau2, ssnr_maps): the GPU gives NumPy's values, class by class
+    from napari_gpu_relion.compute.backprojector import BackProjectorStack  # noqa: PLC0415
+    from napari_gpu_relion.compute.maximization import references_tau2, ssnr_maps  # noqa: PLC0415
+
+    vols = rng.normal(size=(3, 32, 32, 32))
+    t_cpu = references_tau2([prepare_reference(v, 2, 11.0) for v in vols])
+    t_gpu = references_tau2([prepare_reference(cp.asarray(v), 2, 11.0) for v in vols])
+    assert all(np.allclose(g, c, rtol=1e-6) for g, c in zip(t_gpu, t_cpu, strict=True))
+    w = rng.random((3,) + BackProjectorStack(3, 32, 2, 12.0).arrays[2].shape[1:])
+    maps = []
+    for xp in (np, cp):
+        stack = BackProjectorStack(3, 32, 2, 12.0, xp=xp)
+        stack.arrays[2][:] = xp.asarray(w)
+        maps.append(ssnr_maps(stack, np.stack(t_cpu), 4.0))
+    assert all(np.allclose(g, c, rtol=1e-9) for g, c in zip(maps[1], maps[0], strict=True))
 
 
 @pytest.mark.parametrize("E,n,C", [(60_000, 37, 300), (5, 9, 1), (20_000, 4000, 64)])

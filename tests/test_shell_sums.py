@@ -7,8 +7,14 @@ import numpy as np
 import pytest
 
 from napari_gpu_relion.compute import fourier
-from napari_gpu_relion.compute.backprojector import BackProjector
-from napari_gpu_relion.compute.maximization import reference_sigma2, reference_tau2, ssnr_map
+from napari_gpu_relion.compute.backprojector import BackProjector, BackProjectorStack
+from napari_gpu_relion.compute.maximization import (
+    reference_sigma2,
+    reference_tau2,
+    references_tau2,
+    ssnr_map,
+    ssnr_maps,
+)
 from napari_gpu_relion.compute.projector import prepare_reference
 
 N, PAD = 24, 2
@@ -69,3 +75,36 @@ def test_box_slabs_visit_exactly_the_voxels_of_the_box_once_with_their_component
     seen = np.concatenate(seen)
     assert seen.size == np.unique(seen).size  # each voxel once
     np.testing.assert_array_equal(np.sort(seen), np.flatnonzero(inside))
+
+
+@pytest.mark.parametrize("ndim,slab", [(3, 1 << 28), (3, 1 << 12), (2, 1 << 28)])
+def test_the_classes_in_one_pass_equal_each_class_alone_and_the_direct_sums(ndim, slab, monkeypatch):
+    """references_tau2 and ssnr_maps (every class of an iteration in one pass over the grids, each slab's shells
+    made once) give each class what the direct float64 sums over the whole grid give, for any slab size, in 2D
+    (2D classification) and 3D."""
+    monkeypatch.setattr(fourier, "SLAB_BYTES", slab)
+    rng = np.random.default_rng(3)
+    n, P, r_max = N // 2 + 1, PAD * N, 8.0
+    k = [np.where(np.arange(P) <= P // 2, np.arange(P), np.arange(P) - P).astype(float)] * (ndim - 1)
+    k.append(np.arange(P // 2 + 1).astype(float))
+    q2 = sum(np.expand_dims(c, [a for a in range(ndim) if a != i]) ** 2 for i, c in enumerate(k))
+    shells = np.floor(np.sqrt(q2) / PAD + 0.5).astype(int)
+    refs = [prepare_reference(rng.normal(size=(N,) * ndim), PAD, r_max) for _ in range(3)]
+    got = references_tau2(refs)
+    for ref, g in zip(refs, got, strict=True):
+        power = np.abs(ref.data.astype(np.complex128)) ** 2 / 2
+        want = np.nan_to_num(_shell_mean(power, q2 <= (PAD * r_max) ** 2, shells, n))
+        np.testing.assert_allclose(g, want, rtol=1e-12, atol=0)
+        np.testing.assert_allclose(g, reference_tau2(ref), rtol=1e-12, atol=0)
+    assert len({g.tobytes() for g in got}) == 3  # three different maps, three different spectra
+    stack = BackProjectorStack(3, N, PAD, 9.0, ndim)
+    stack.arrays[2][:] = rng.random(stack.arrays[2].shape)
+    stack.arrays[2][1] *= 5.0
+    tau2 = rng.random((3, n)) + 0.1
+    inside = (q2 < (PAD * 9.0) ** 2) & (shells < n)
+    for k_, (g, bp) in enumerate(zip(ssnr_maps(stack, tau2, 4.0), stack.members, strict=True)):
+        mean_w = _shell_mean(bp.weight, inside, shells, n)
+        want = np.where(np.isnan(mean_w), 999.0, PAD**ndim * 4.0 * tau2[k_] * mean_w)
+        want[np.arange(n) > 9.0] = 0.0
+        np.testing.assert_allclose(g, want, rtol=1e-12)
+        np.testing.assert_allclose(g, ssnr_map(bp, tau2[k_], 4.0), rtol=1e-12)

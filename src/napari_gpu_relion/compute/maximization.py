@@ -58,20 +58,32 @@ def initial_sigma2(power_each: np.ndarray, power_of_mean: np.ndarray) -> np.ndar
     return s
 
 
-def _shell_sums(bp: BackProjector, values=None) -> tuple:
-    """Per shell ROUND(|q|/pf), shells 0..N/2, over the padded voxels within pf r_max: the voxel count and, for
-    ``values(slab)`` (an array over those grid rows), its sum. Slab by slab: no grid-sized temporaries."""
-    xp, n = bp.xp, bp.size // 2 + 1
-    lim2 = float(round_half_away(np.float64(bp.pad * bp.r_max))) ** 2
-    cnt, tot = xp.zeros(n), xp.zeros(n)
-    for sl, ks in half_grid_box_slabs(bp.padded_size, np.sqrt(lim2), bp.ndim, xp):  # only voxels that can count
+def _grid_shell_sums(padded_size: int, pad: int, size: int, r_max: float, ndim: int, xp, values=None,
+                     lead: int | None = None, inclusive: bool = False) -> tuple:
+    """Per shell ROUND(|q|/pf), shells 0..N/2 (N = ``size``), over the voxels of a padded half grid within pf r_max
+    (|q|^2 < ROUND(pf r_max)^2, or <= with ``inclusive``): the voxel count (n,) and, for ``values(index)`` (the
+    grid's values at ``index``, with ``lead`` grids along a leading axis where it is given), their sums ((n,) or
+    (lead, n)). Slab by slab over the box around that sphere: no grid-sized temporaries, and the shells of each
+    slab are made once for every grid."""
+    n = size // 2 + 1
+    lim2 = float(round_half_away(np.float64(pad * r_max))) ** 2
+    cnt = xp.zeros(n)
+    tot = xp.zeros(n if lead is None else (lead, n))
+    for sl, ks in half_grid_box_slabs(padded_size, np.sqrt(lim2), ndim, xp, bytes_per_voxel=64 * (lead or 1)):
         q2 = sum(k.astype(np.float64) ** 2 for k in ks)
-        shells = round_half_away(xp.sqrt(q2) / bp.pad).astype(np.int64)
-        sh = xp.where((q2 < lim2) & (shells < n), shells, n)  # n: dropped
+        shells = round_half_away(xp.sqrt(q2) / pad).astype(np.int64)
+        within = (q2 <= lim2) if inclusive else (q2 < lim2)
+        sh = xp.where(within & (shells < n), shells, n)  # n: dropped
         cnt += shell_count(sh, n)
         if values is not None:
-            tot += shell_sum(xp.broadcast_to(values(sl), q2.shape), sh, n)
+            v = values(sl if isinstance(sl, tuple) else (sl,))
+            tot += shell_sum(xp.broadcast_to(v, v.shape[: v.ndim - q2.ndim] + q2.shape), sh, n)
     return cnt, tot
+
+
+def _shell_sums(bp: BackProjector, values=None) -> tuple:
+    """_grid_shell_sums over an accumulator's padded grid within pf r_max."""
+    return _grid_shell_sums(bp.padded_size, bp.pad, bp.size, bp.r_max, bp.ndim, bp.xp, values)
 
 
 def reference_sigma2(bp: BackProjector) -> np.ndarray:
@@ -210,32 +222,52 @@ def reference_tau2(ref) -> np.ndarray:
     prepared reference (projector.FourierReference) in shell r = ROUND(|q|/pf), shells 0..N/2, counting only the
     voxels the reference holds, |q|^2 <= ROUND(pf r_max)^2, as RELION's computeFourierTransformMap does (the
     outermost shell is half outside: averaging its zeros too would halve its tau2). Slab by slab."""
-    xp = get_array_module(ref.data)
-    n = ref.size // 2 + 1
-    lim2 = float(round_half_away(np.float64(ref.pad * ref.r_max))) ** 2
-    tot, cnt = xp.zeros(n), xp.zeros(n)
-    for sl, ks in half_grid_slabs(ref.data.shape[0], ref.ndim, xp):
-        q2 = sum(k.astype(np.float64) ** 2 for k in ks)
-        shells = round_half_away(xp.sqrt(q2) / ref.pad).astype(np.int64)
-        sh = xp.where((shells < n) & (q2 <= lim2), shells, n)  # n: dropped
-        d = ref.data[sl]
-        tot += shell_sum(d.real.astype(np.float64) ** 2 + d.imag.astype(np.float64) ** 2, sh, n)
-        cnt += shell_count(sh, n)
-    out = xp.where(cnt > 0, tot / (2.0 * xp.maximum(cnt, 1)), 0.0)
-    return np.asarray(to_host(out), dtype=np.float64)
+    return references_tau2([ref])[0]
+
+
+def references_tau2(refs: list) -> list[np.ndarray]:
+    """reference_tau2 of each of ``refs``; references of one geometry (the classes of an iteration) in one pass
+    over the grid, which makes each slab's shells once for all of them."""
+    first = refs[0]
+    if any(r.data.shape != first.data.shape or r.pad != first.pad or r.r_max != first.r_max or r.size != first.size
+           for r in refs):
+        return [reference_tau2(r) for r in refs]
+    xp, K = get_array_module(first.data), len(refs)
+
+    def power(index):
+        d = [r.data[index] for r in refs]
+        return xp.stack([x.real.astype(np.float64) ** 2 + x.imag.astype(np.float64) ** 2 for x in d])
+
+    cnt, tot = _grid_shell_sums(first.padded_size, first.pad, first.size, first.r_max, first.ndim, xp, power,
+                                lead=K, inclusive=True)
+    out = to_host(xp.where(cnt > 0, tot / (2.0 * xp.maximum(cnt, 1)), 0.0)).astype(np.float64).reshape(K, -1)
+    return list(out)
 
 
 def ssnr_map(bp, tau2: np.ndarray, tau2_fudge: float) -> np.ndarray:
     """Classification SSNR_MAP ("data_vs_prior", relion_algorithm.md 4.3): the shell average of
     pf^ndim T tau2(r) weight over the padded voxels within pf r_max; 0 beyond r_max, 999 in empty shells."""
-    xp, n = bp.xp, bp.size // 2 + 1
-    t2 = np.asarray(tau2, np.float64)[:n]
     # sum over shell r of pf^ndim T tau2(r) weight = pf^ndim T tau2(r) x (sum of the weights in shell r)
     cnt, wsum = _shell_sums(bp, lambda sl: bp.weight[sl])
-    val = (bp.pad**bp.ndim * tau2_fudge) * xp.asarray(t2) * wsum
-    out = xp.where(cnt > 0, val / xp.maximum(cnt, 1), 999.0)
-    out = np.asarray(to_host(out), dtype=np.float64)
-    out[np.arange(n) > bp.r_max] = 0.0
+    return _ssnr_from_sums(cnt, wsum, tau2, tau2_fudge, bp.pad**bp.ndim, bp.r_max, bp.xp)
+
+
+def ssnr_maps(stack, tau2, tau2_fudge: float) -> list[np.ndarray]:
+    """ssnr_map of every member of a BackProjectorStack (``tau2`` (K, shells)), in one pass over the grids."""
+    K, w = len(stack.members), stack.arrays[2]
+    cnt, wsum = _grid_shell_sums(stack.pad * stack.size, stack.pad, stack.size, stack.r_max, stack.ndim, stack.xp,
+                                 lambda index: w[(slice(None),) + index], lead=K)
+    wsum = wsum.reshape(K, -1)
+    return [_ssnr_from_sums(cnt, wsum[k], tau2[k], tau2_fudge, stack.pad**stack.ndim, stack.r_max, stack.xp)
+            for k in range(K)]
+
+
+def _ssnr_from_sums(cnt, wsum, tau2, tau2_fudge: float, pad_ndim: int, r_max: float, xp) -> np.ndarray:
+    n = cnt.shape[0]
+    t2 = np.asarray(to_host(tau2), np.float64)[:n]
+    val = (pad_ndim * tau2_fudge) * xp.asarray(t2) * wsum
+    out = np.asarray(to_host(xp.where(cnt > 0, val / xp.maximum(cnt, 1), 999.0)), dtype=np.float64)
+    out[np.arange(n) > r_max] = 0.0
     return out
 
 
@@ -261,11 +293,10 @@ def reconstruct_classes(stack, tau2: list, tau2_fudge: float, class_weight: np.n
     Returns the new maps (K, N, ...) float64 (an empty class keeps ``old_refs[k]``, as RELION does) and the
     SSNR_MAP curves."""
     stack.enforce_hermitian()
-    ssnr_all = []
-    for k, bp in enumerate(stack.members):  # K classes (symmetrisation and the SSNR are per class)
-        if sym_matrices is not None and len(sym_matrices) > 1:
+    if sym_matrices is not None and len(sym_matrices) > 1:
+        for bp in stack.members:  # symmetrisation per class
             bp.symmetrise(sym_matrices)
-        ssnr_all.append(ssnr_map(bp, tau2[k], tau2_fudge))
+    ssnr_all = ssnr_maps(stack, np.stack([to_host(t) for t in tau2]), tau2_fudge)  # one pass over the K grids
     maps = to_host(stack.reconstruct(np.stack([to_host(t) for t in tau2]), tau2_fudge)).astype(np.float64)
     keep = (np.asarray(class_weight) > 0).reshape((-1,) + (1,) * (maps.ndim - 1))
     return np.where(keep, maps, np.asarray(old_refs, dtype=np.float64)), ssnr_all

@@ -25,7 +25,7 @@ from ..compute.maximization import (
     class_offset_priors,
     coarse_image_size,
     reconstruct_classes,
-    reference_tau2,
+    references_tau2,
     update_sigma2,
     update_sigma_offset,
 )
@@ -128,7 +128,7 @@ class Class2D(em_classification.Classification):
 
     def maximization(self, it: em.Iteration) -> None:
         p, m, sums = self.p, self.model, it.sums[0]
-        tau2 = [reference_tau2(f) for f in it.references[0]]
+        tau2 = references_tau2(it.references[0])
         new_refs, it.ssnr = reconstruct_classes(it.accumulators[0], tau2, p.tau2_fudge, sums.pdf_class, m.refs[0])
         m.sigma2[0] = update_sigma2(sums.sigma2, sums.sumw_group, self.N)
         self.state.sigma_offset_A = update_sigma_offset(sums.sigma_offset, sums.sum_weight)

@@ -34,7 +34,7 @@ from ..compute.maximization import (
     coarse_image_size,
     normalised_direction_priors,
     reconstruct_classes,
-    reference_tau2,
+    references_tau2,
     update_sigma2,
     update_sigma_offset,
 )
@@ -173,7 +173,7 @@ class Class3D(em_classification.Classification):
         p, m, sums = self.p, self.model, it.sums[0]
         if p.skip_align:  # the input angles and offsets, exactly (not their round trip through matrices)
             self.ps.angles[:], self.ps.offsets_px[:] = self.input_angles, self.input_offsets
-        tau2 = [reference_tau2(f) for f in it.references[0]]  # of the references this iteration aligned to
+        tau2 = references_tau2(it.references[0])  # of the references this iteration aligned to
         new_refs, it.ssnr = reconstruct_classes(it.accumulators[0], tau2, p.tau2_fudge, sums.pdf_class,
                                                 m.refs[0], self.sym.matrices)
         if not it.cc:

@@ -45,7 +45,7 @@ from ..compute.maximization import (
     initial_data_vs_prior,
     initial_noise_spectrum,
     normalised_direction_priors,
-    reference_tau2,
+    references_tau2,
     update_norm,
     update_scales,
 )
@@ -388,7 +388,7 @@ class EMJob:
             return None
         dvp = self.data_vs_prior
         if dvp is None:
-            tau2 = np.stack([reference_tau2(f) for f in refs])
+            tau2 = np.stack(references_tau2(refs))
             dvp = initial_data_vs_prior(tau2, self.model.sigma2[h], self.model.pdf_class[h], len(self.ps),
                                         self.p.tau2_fudge, self.ndim)
         shells = np.asarray(to_host(pix.shell), np.int64)
