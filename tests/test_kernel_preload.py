@@ -68,7 +68,8 @@ def _fake_cupy(monkeypatch, tmp_path):
 def test_a_job_records_its_modules_and_the_next_is_handed_them_loaded_ahead(monkeypatch, tmp_path):
     compiler, calls = _fake_cupy(monkeypatch, tmp_path)
     first = kp.Preload("class3d", 0).start()
-    assert first.thread is None  # no manifest yet
+    first.thread.join()
+    assert calls == [] and kp._ready == {}  # no manifest yet: nothing loaded ahead
     compiler._compile_module_with_cache(SRC_A, ("-O3",), extra_source=HEADERS, name_expressions=None)
     compiler._compile_module_with_cache(SRC_B, ("-O3",), extra_source="other headers")  # not written down
     compiler._compile_module_with_cache(SRC_B, (), log_stream=object())  # nor this
@@ -115,6 +116,7 @@ def test_modules_already_loaded_in_the_process_are_not_loaded_again_and_off_mean
     assert kp.Preload("refine3d", 0).start().thread is None
     monkeypatch.delenv("NAPARI_GPU_RELION_KERNEL_PRELOAD")
     assert kp.Preload("refine3d", None).start().thread is None  # the CPU
+    assert calls[-1][0] == SRC_A and len(calls) == 2  # neither started a thread that loaded anything
 
 
 @pytest.mark.parametrize("text", ["", "{not json", json.dumps({"modules": [{"source": 3}]})])

@@ -10,8 +10,10 @@ Here every module a job loads through CuPy's compile path is recorded (its sourc
 ends, written to a manifest per job kind beside CuPy's kernel cache. The next job of that kind starts a background
 thread that loads those modules (and fetches their functions) while the job reads its particles and prepares its
 references; a module the job then asks for is handed over already loaded. A module the thread has not reached yet
-is loaded by the job as before, so the manifest changes when, never what, a job computes. Without CuPy, without a
-manifest, or with a CuPy whose compile path differs (``install`` returns False), nothing happens.
+is loaded by the job as before, so the manifest changes when, never what, a job computes. Then the thread makes a few
+sorts and matrix products, which load the thrust and cuBLAS kernels that CuPy's own first sorts and products would
+otherwise load in iteration 1 (_warm_libraries). Without CuPy, or with a CuPy whose compile path differs
+(``install`` returns False), nothing happens; without a manifest only the libraries are warmed.
 
 NAPARI_GPU_RELION_KERNEL_PRELOAD=0 turns the background loading off (to measure what it saves); recording stays on.
 """
@@ -25,6 +27,8 @@ import re
 import threading
 import time
 from pathlib import Path
+
+import numpy as np
 
 from ..io.atomic import atomic_path
 
@@ -156,8 +160,40 @@ def _load(job: str, device: int, stop: threading.Event, report: dict) -> None:
     with its functions fetched (CUDA loads a function's code at its first fetch)."""
     try:
         _load_entries(_read_manifest(manifest_path(job)), device, stop)
+        if not stop.is_set():
+            report["libraries_s"] = _warm_libraries(device)
     finally:
         report["finished"] = time.perf_counter()
+
+
+def _warm_libraries(device: int) -> float:
+    """The first use of CuPy's sorts (thrust) and of cuBLAS's products loads their kernels into the process (CUDA
+    loads a library's kernels at their first launch): about 0.2 s each in a class3d's first iteration on an H200
+    (benchmarks/README.md, "Twenty-third session"). Sorts and products of the kinds the E-step makes (keys of
+    each dtype, flat and along rows, at small and large sizes; float32 products, flat and batched, of small and
+    large shapes) run here once, so that the job's first ones find those kernels loaded. Only what loads in the
+    process is shared: cuBLAS handles and FFT plans are per thread, and TF32 (a process-wide setting of CuPy's)
+    is left alone. Returns the seconds it took."""
+    import cupy as cp  # noqa: PLC0415
+
+    t = time.perf_counter()
+    try:
+        with cp.cuda.Device(device):
+            for dt in (np.float32, np.float64, np.int64, np.int32):
+                for shape in ((300,), (400_000,), (64, 700)):
+                    a = cp.arange(int(np.prod(shape)), dtype=dt)[::-1].reshape(shape)
+                    cp.sort(a, axis=-1)
+                    cp.argsort(a, axis=-1, kind="stable")
+            cp.unique(cp.arange(5000) % 77, return_inverse=True)
+            for m, k, n in ((64, 64, 64), (300, 1000, 40), (4096, 1600, 4096), (50_000, 128, 96), (8, 2000, 3000)):
+                cp.matmul(cp.ones((m, k), np.float32), cp.ones((k, n), np.float32))
+            for b, m, k, n in ((700, 1, 400, 900), (700, 100, 940, 600), (64, 24, 2000, 40), (16, 300, 64, 300)):
+                cp.matmul(cp.ones((b, m, k), np.float32), cp.ones((b, k, n), np.float32))
+            cp.einsum("itk,tk->ik", cp.ones((50, 24, 500), np.float32), cp.ones((24, 500), np.float32))
+            cp.cuda.Device(device).synchronize()
+    except Exception as exc:  # noqa: BLE001 - whatever does not warm here warms at its first use
+        log.debug("kernel preload, libraries: %s", exc)
+    return time.perf_counter() - t
 
 
 def _load_entries(entries: list[dict], device: int, stop: threading.Event) -> None:
@@ -197,7 +233,7 @@ class Preload:
 
     def start(self) -> Preload:
         self.t0, self.before = time.perf_counter(), dict(_stats)
-        if self.device is not None and install() and enabled() and manifest_path(self.job).is_file():
+        if self.device is not None and install() and enabled():
             self.thread = threading.Thread(target=_load, args=(self.job, self.device, self.stop, self.report),
                                            name=f"kernel preload ({self.job})", daemon=True)
             self.thread.start()
@@ -221,8 +257,10 @@ class Preload:
             return None
         end = self.report.get("finished")
         when = "" if end is None else f", done {end - self.t0:.2f} s after the job started"
-        return (f"GPU kernels: {d['ahead']} modules loaded ahead ({d['ahead_s']:.2f} s in the background{when}), "
-                f"{d['handed']} of them used; {d['job_loads']} loaded at their first use ({d['job_s']:.2f} s)")
+        libs = self.report.get("libraries_s")
+        libs = "" if libs is None else f", sorts and matrix products warmed ({libs:.2f} s)"
+        return (f"GPU kernels: {d['ahead']} modules loaded ahead ({d['ahead_s']:.2f} s in the background{libs}"
+                f"{when}), {d['handed']} of them used; {d['job_loads']} loaded at their first use ({d['job_s']:.2f} s)")
 
 
 def save_manifest(job: str) -> Path | None:
