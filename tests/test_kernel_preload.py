@@ -138,3 +138,30 @@ def test_without_cupy_nothing_is_installed(monkeypatch, tmp_path):
     monkeypatch.setattr(kp, "_state", {"installed": None, "original": None, "headers": None})
     assert kp.install() is False
     assert kp.Preload("class3d", 0).start().thread is None
+
+
+def test_a_job_that_ends_does_not_wait_for_a_module_being_compiled(monkeypatch, tmp_path):
+    """A cancel at the start of a job on a new machine: the thread may be compiling a module (seconds); the job's
+    end stops it between modules and waits at most FINISH_WAIT_S, and what the thread loads later is not lost."""
+    import time  # noqa: PLC0415
+
+    compiler, calls = _fake_cupy(monkeypatch, tmp_path)
+    kp.install()
+    compiler._compile_module_with_cache(SRC_A, (), extra_source=HEADERS)
+    compiler._compile_module_with_cache(SRC_B, (), extra_source=HEADERS)
+    kp.save_manifest("class3d")
+    compiler, calls = _fake_cupy(monkeypatch, tmp_path)
+    slow = compiler._compile_module_with_cache
+
+    def compiling(source, options=(), **kw):
+        time.sleep(2.0)
+        return slow(source, options, **kw)
+
+    compiler._compile_module_with_cache = compiling
+    job = kp.Preload("class3d", 0).start()
+    time.sleep(0.2)  # the thread is compiling SRC_A
+    t = time.perf_counter()
+    job.finish(save=False)
+    assert time.perf_counter() - t < kp.FINISH_WAIT_S + 0.3
+    job.thread.join()
+    assert [c[0] for c in calls] == [SRC_A]  # stopped before SRC_B

@@ -40,6 +40,8 @@ log = logging.getLogger("napari_gpu_relion")
 MAX_ENTRIES = 1000
 #: The compile function of CuPy 13-15 that every kernel (elementwise, reduction, raw module) goes through.
 _TARGET = "_compile_module_with_cache"
+#: How long a job that ends waits for the preload thread to stop (seconds).
+FINISH_WAIT_S = 0.5
 _HEADERS = "<cupy headers>"  # stands for CuPy's header source in a manifest (the same for every kernel)
 _GLOBAL = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\([^)]*\)\s+)?void\s+(\w+)')
 
@@ -161,12 +163,12 @@ def _load(job: str, device: int, stop: threading.Event, report: dict) -> None:
     try:
         _load_entries(_read_manifest(manifest_path(job)), device, stop)
         if not stop.is_set():
-            report["libraries_s"] = _warm_libraries(device)
+            report["libraries_s"] = _warm_libraries(device, stop)
     finally:
         report["finished"] = time.perf_counter()
 
 
-def _warm_libraries(device: int) -> float:
+def _warm_libraries(device: int, stop: threading.Event) -> float:
     """The first use of CuPy's sorts (thrust) and of cuBLAS's products loads their kernels into the process (CUDA
     loads a library's kernels at their first launch): about 0.2 s each in a class3d's first iteration on an H200
     (benchmarks/README.md, "Twenty-third session"). Sorts and products of the kinds the E-step makes (keys of
@@ -180,6 +182,8 @@ def _warm_libraries(device: int) -> float:
     try:
         with cp.cuda.Device(device):
             for dt in (np.float32, np.float64, np.int64, np.int32):
+                if stop.is_set():
+                    return time.perf_counter() - t
                 for shape in ((300,), (400_000,), (64, 700)):
                     a = cp.arange(int(np.prod(shape)), dtype=dt)[::-1].reshape(shape)
                     cp.sort(a, axis=-1)
@@ -241,10 +245,11 @@ class Preload:
 
     def finish(self, save: bool) -> None:
         """Stop the thread; with ``save``, write the manifest: the modules this process used, then the older
-        manifest's others."""
+        manifest's others. The thread stops between two modules; one being compiled (a new machine) is not
+        waited for beyond FINISH_WAIT_S, so that a cancelled job ends at once (the thread ends on its own)."""
         self.stop.set()
         if self.thread is not None:
-            self.thread.join()
+            self.thread.join(FINISH_WAIT_S)
         self.done = {k: _stats[k] - self.before[k] for k in _stats}
         if save and self.device is not None and _state["installed"]:
             save_manifest(self.job)
