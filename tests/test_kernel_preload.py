@@ -65,6 +65,14 @@ def _fake_cupy(monkeypatch, tmp_path):
     return compiler, calls
 
 
+def _a_process_that_used_a_and_b(monkeypatch, tmp_path, job: str) -> None:
+    compiler, _ = _fake_cupy(monkeypatch, tmp_path)
+    kp.install()
+    compiler._compile_module_with_cache(SRC_A, (), extra_source=HEADERS)
+    compiler._compile_module_with_cache(SRC_B, (), extra_source=HEADERS)
+    kp.save_manifest(job)
+
+
 def test_a_job_records_its_modules_and_the_next_is_handed_them_loaded_ahead(monkeypatch, tmp_path):
     compiler, calls = _fake_cupy(monkeypatch, tmp_path)
     first = kp.Preload("class3d", 0).start()
@@ -100,11 +108,7 @@ def test_a_job_records_its_modules_and_the_next_is_handed_them_loaded_ahead(monk
 
 
 def test_modules_already_loaded_in_the_process_are_not_loaded_again_and_off_means_off(monkeypatch, tmp_path):
-    compiler, calls = _fake_cupy(monkeypatch, tmp_path)
-    kp.install()
-    compiler._compile_module_with_cache(SRC_A, (), extra_source=HEADERS)
-    compiler._compile_module_with_cache(SRC_B, (), extra_source=HEADERS)
-    kp.save_manifest("refine3d")
+    _a_process_that_used_a_and_b(monkeypatch, tmp_path, "refine3d")
     compiler, calls = _fake_cupy(monkeypatch, tmp_path)
     kp.install()
     compiler._compile_module_with_cache(SRC_B, (), extra_source=HEADERS)  # this process has it already
@@ -145,11 +149,7 @@ def test_a_job_that_ends_does_not_wait_for_a_module_being_compiled(monkeypatch, 
     end stops it between modules and waits at most FINISH_WAIT_S, and what the thread loads later is not lost."""
     import time  # noqa: PLC0415
 
-    compiler, calls = _fake_cupy(monkeypatch, tmp_path)
-    kp.install()
-    compiler._compile_module_with_cache(SRC_A, (), extra_source=HEADERS)
-    compiler._compile_module_with_cache(SRC_B, (), extra_source=HEADERS)
-    kp.save_manifest("class3d")
+    _a_process_that_used_a_and_b(monkeypatch, tmp_path, "class3d")
     compiler, calls = _fake_cupy(monkeypatch, tmp_path)
     slow = compiler._compile_module_with_cache
 
