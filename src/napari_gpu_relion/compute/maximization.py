@@ -257,17 +257,18 @@ def ssnr_maps(stack, tau2, tau2_fudge: float) -> list[np.ndarray]:
     K, w = len(stack.members), stack.arrays[2]
     cnt, wsum = _grid_shell_sums(stack.pad * stack.size, stack.pad, stack.size, stack.r_max, stack.ndim, stack.xp,
                                  lambda index: w[(slice(None),) + index], lead=K)
-    wsum = wsum.reshape(K, -1)
-    return [_ssnr_from_sums(cnt, wsum[k], tau2[k], tau2_fudge, stack.pad**stack.ndim, stack.r_max, stack.xp)
-            for k in range(K)]
+    return list(_ssnr_from_sums(cnt, wsum.reshape(K, -1), tau2, tau2_fudge, stack.pad**stack.ndim, stack.r_max,
+                                stack.xp))
 
 
 def _ssnr_from_sums(cnt, wsum, tau2, tau2_fudge: float, pad_ndim: int, r_max: float, xp) -> np.ndarray:
+    """SSNR_MAP from the voxel counts (n,) and the weight sums (n,) or (K, n) per shell, with tau2 of the same
+    shape (columns beyond n ignored): one array, one copy to the host."""
     n = cnt.shape[0]
-    t2 = np.asarray(to_host(tau2), np.float64)[:n]
+    t2 = np.asarray(to_host(tau2), np.float64)[..., :n]
     val = (pad_ndim * tau2_fudge) * xp.asarray(t2) * wsum
     out = np.asarray(to_host(xp.where(cnt > 0, val / xp.maximum(cnt, 1), 999.0)), dtype=np.float64)
-    out[np.arange(n) > r_max] = 0.0
+    out[..., np.arange(n) > r_max] = 0.0
     return out
 
 
@@ -296,8 +297,9 @@ def reconstruct_classes(stack, tau2: list, tau2_fudge: float, class_weight: np.n
     if sym_matrices is not None and len(sym_matrices) > 1:
         for bp in stack.members:  # symmetrisation per class
             bp.symmetrise(sym_matrices)
-    ssnr_all = ssnr_maps(stack, np.stack([to_host(t) for t in tau2]), tau2_fudge)  # one pass over the K grids
-    maps = to_host(stack.reconstruct(np.stack([to_host(t) for t in tau2]), tau2_fudge)).astype(np.float64)
+    tau2 = np.stack([to_host(t) for t in tau2])
+    ssnr_all = ssnr_maps(stack, tau2, tau2_fudge)  # one pass over the K grids
+    maps = to_host(stack.reconstruct(tau2, tau2_fudge)).astype(np.float64)
     keep = (np.asarray(class_weight) > 0).reshape((-1,) + (1,) * (maps.ndim - 1))
     return np.where(keep, maps, np.asarray(old_refs, dtype=np.float64)), ssnr_all
 

@@ -170,6 +170,32 @@ def _load(job: str, device: int, stop: threading.Event, report: dict) -> None:
         report["finished"] = time.perf_counter()
 
 
+def _load_entries(entries: list[dict], device: int, stop: threading.Event) -> None:
+    import cupy  # noqa: PLC0415
+
+    headers = _headers(cupy)
+    with cupy.cuda.Device(device):
+        for e in entries:
+            if stop.is_set():
+                return
+            try:
+                key = _key(e)
+                if key in _used or (device, key) in _ready:
+                    continue
+                source, options, kw = _call_args(e, headers)
+                t = time.perf_counter()
+                mod = _state["original"](source, options, **kw)
+                if not kw.get("name_expressions"):
+                    for name in _GLOBAL.findall(source):
+                        mod.get_function(name)
+                if key not in _used:  # the job may have loaded it meanwhile
+                    _ready[(device, key)] = mod
+                _stats["ahead"] += 1
+                _stats["ahead_s"] += time.perf_counter() - t
+            except Exception as exc:  # noqa: BLE001 - a module that does not load here is loaded at its use
+                log.debug("kernel preload: %s", exc)
+
+
 def _warm_libraries(device: int, stop: threading.Event) -> float:
     """The first use of CuPy's sorts (thrust) and of cuBLAS's products loads their kernels into the process (CUDA
     loads a library's kernels at their first launch): about 0.2 s each in a class3d's first iteration on an H200
@@ -202,32 +228,6 @@ def _warm_libraries(device: int, stop: threading.Event) -> float:
     return time.perf_counter() - t
 
 
-def _load_entries(entries: list[dict], device: int, stop: threading.Event) -> None:
-    import cupy  # noqa: PLC0415
-
-    headers = _headers(cupy)
-    with cupy.cuda.Device(device):
-        for e in entries:
-            if stop.is_set():
-                return
-            try:
-                key = _key(e)
-                if key in _used or (device, key) in _ready:
-                    continue
-                source, options, kw = _call_args(e, headers)
-                t = time.perf_counter()
-                mod = _state["original"](source, options, **kw)
-                if not kw.get("name_expressions"):
-                    for name in _GLOBAL.findall(source):
-                        mod.get_function(name)
-                if key not in _used:  # the job may have loaded it meanwhile
-                    _ready[(device, key)] = mod
-                _stats["ahead"] += 1
-                _stats["ahead_s"] += time.perf_counter() - t
-            except Exception as exc:  # noqa: BLE001 - a module that does not load here is loaded at its use
-                log.debug("kernel preload: %s", exc)
-
-
 class Preload:
     """The background loading of one job's kernels: ``start`` when the job starts, ``finish`` when it ends."""
 
@@ -238,7 +238,6 @@ class Preload:
         self.t0, self.before, self.done, self.report = time.perf_counter(), dict(_stats), None, {}
 
     def start(self) -> Preload:
-        self.t0, self.before = time.perf_counter(), dict(_stats)
         if self.device is not None and install() and enabled():
             self.thread = threading.Thread(target=_load, args=(self.job, self.device, self.stop, self.report),
                                            name=f"kernel preload ({self.job})", daemon=True)
@@ -255,7 +254,6 @@ class Preload:
         self.done = {k: _stats[k] - self.before[k] for k in _stats}
         if save and self.device is not None and _state["installed"]:
             save_manifest(self.job)
-
 
     def summary(self) -> str | None:
         """One line of what the preload did for this job (after finish; None where nothing was loaded)."""
