@@ -183,3 +183,124 @@ def test_bad_mrc_files_name_the_file(tmp_path):
     copy = tmp_path / "copy.mrcs"
     shutil.copy(REAL / "relion31.mrcs", copy)
     assert read_mrc(copy).data.shape == (5, 256, 256)
+
+
+def _stack_file(path: Path, n: int = 300, box: int = 8, dtype=np.float32, byteorder: str = "=") -> np.ndarray:
+    """A stack of n distinct images (every pixel a function of its image's number) in ``path``."""
+    data = (np.arange(n * box * box, dtype=np.float64).reshape(n, box, box) * 0.25).astype(dtype)
+    with mrcfile.new(path, overwrite=True) as m:
+        m.set_data(data.astype(np.dtype(dtype).newbyteorder(byteorder)) if byteorder != "=" else data)
+    return data
+
+
+@pytest.mark.parametrize("pattern", ["consecutive", "half", "shuffled", "scattered", "repeats", "one"])
+def test_lazy_stack_reads_the_asked_images_by_any_path(tmp_path, monkeypatch, pattern):
+    """Whatever the index pattern (the direct reads of windows, with gaps read into scratch, or the memory map),
+    the images are the file's, in the order asked for, into ``out`` when given."""
+    data = _stack_file(tmp_path / "s.mrcs")
+    real_windows = LazyStack._read_windows
+    rng = np.random.default_rng(1)
+    idx = {"consecutive": np.arange(40, 200),
+           "half": np.flatnonzero(rng.permutation(np.arange(300) % 2) == 1)[:128],  # gaps of 1-5 images
+           "shuffled": rng.permutation(np.arange(10, 150)),
+           "scattered": np.sort(rng.choice(300, 12, replace=False)),  # memory map
+           "repeats": np.array([5, 6, 7, 7, 8, 9, 10, 11, 12, 13, 14, 15]),  # memory map
+           "one": np.array([299])}[pattern]
+    direct = []
+    monkeypatch.setattr(LazyStack, "_read_windows", lambda self, *a: direct.append(1) or real_windows(self, *a))
+    with LazyStack(tmp_path / "s.mrcs") as st:
+        np.testing.assert_array_equal(st.read(idx), data[idx])
+        assert bool(direct) == (pattern in ("consecutive", "half", "shuffled"))
+        out = np.full((idx.size, 8, 8), -1.0, np.float32)
+        assert st.read(idx, out=out) is out
+        np.testing.assert_array_equal(out, data[idx])
+        with pytest.raises(ValueError, match="C-contiguous float32"):
+            st.read(idx, out=np.empty((idx.size, 8, 8), np.float64))
+
+
+def test_lazy_stack_direct_reads_survive_short_reads_and_no_preadv(tmp_path, monkeypatch):
+    """A system that returns fewer bytes than asked per read (allowed by POSIX), or has no positioned scatter
+    read, still gives every image."""
+    import napari_gpu_relion.io.mrc as mrc_module
+
+    data = _stack_file(tmp_path / "s.mrcs")
+    idx = np.flatnonzero(np.arange(300) % 3 != 0)[:150]  # runs of two with one-image gaps
+    real = mrc_module.os.preadv
+    calls = []
+
+    def short(fd, buffers, offset):  # at most 1000 bytes per call
+        calls.append(offset)
+        first = memoryview(buffers[0]).cast("B")
+        return real(fd, [first[:1000]], offset)
+
+    monkeypatch.setattr(mrc_module.os, "preadv", short)
+    with LazyStack(tmp_path / "s.mrcs") as st:
+        np.testing.assert_array_equal(st.read(idx), data[idx])
+    assert len(calls) > 100  # the loop went on after each short read
+    monkeypatch.delattr(mrc_module.os, "preadv")
+    with LazyStack(tmp_path / "s.mrcs") as st:
+        np.testing.assert_array_equal(st.read(idx[::-1]), data[idx[::-1]])
+
+
+@pytest.mark.parametrize("dtype,byteorder", [(np.float32, ">"), (np.int16, "="), (np.float16, "=")])
+def test_lazy_stack_other_modes_and_byte_orders_go_through_the_map(tmp_path, dtype, byteorder):
+    data = _stack_file(tmp_path / "s.mrcs", n=50, dtype=dtype, byteorder=byteorder)
+    with LazyStack(tmp_path / "s.mrcs") as st:
+        assert not st._direct
+        got = st.read(np.arange(5, 45))
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, data[5:45].astype(np.float32))
+
+
+def test_unusable_image_names_the_first_bad_image_and_what_is_wrong():
+    from napari_gpu_relion.io.mrc import unusable_image
+
+    imgs = np.random.default_rng(0).standard_normal((6, 5, 5)).astype(np.float32)
+    assert unusable_image(imgs) is None
+    for value, kind in ((np.nan, "NaN"), (np.inf, "infinite"), (-np.inf, "infinite")):
+        bad = imgs.copy()
+        bad[4, 1, 2] = value
+        bad[4, 3, 3] = value
+        bad[5, 0, 0] = value
+        assert unusable_image(bad) == (4, f"2 of 25 pixels are {kind}")
+    mixed = imgs.copy()
+    mixed[2, 0, 0], mixed[2, 0, 1] = np.inf, np.nan  # NaN named first
+    assert unusable_image(mixed) == (2, "2 of 25 pixels are NaN")
+    blank = imgs.copy()
+    blank[3] = 1.5
+    assert unusable_image(blank) == (3, "every pixel is 1.5 (blank)")
+    assert unusable_image(np.full((2, 3, 3), 7, np.int16)) == (0, "every pixel is 7 (blank)")
+
+
+def test_load_images_from_several_stacks_with_kept_headers(tmp_path):
+    """Rows of three stacks in any order, read with the headers kept between calls: the same images as each
+    stack's own, and each header parsed once."""
+    import pandas as pd
+    import starfile
+
+    import napari_gpu_relion.io.mrc as mrc_module
+    from napari_gpu_relion.io.particle_images import load_images
+    from napari_gpu_relion.io.star import read_particles
+
+    stacks = [_stack_file(tmp_path / f"m{k}.mrcs", n=40) + 1000 * k for k in range(3)]
+    for k, s in enumerate(stacks):
+        with mrcfile.new(tmp_path / f"m{k}.mrcs", overwrite=True) as m:
+            m.set_data(s)
+    names = [f"{i + 1:06d}@m{k}.mrcs" for k in range(3) for i in range(40)]
+    starfile.write({"optics": pd.DataFrame({"rlnOpticsGroup": [1], "rlnImagePixelSize": [1.0], "rlnImageSize": [8],
+                                            "rlnImageDimensionality": [2]}),
+                    "particles": pd.DataFrame({"rlnImageName": names, "rlnOpticsGroup": 1})}, tmp_path / "p.star")
+    table = read_particles(tmp_path / "p.star")
+    every = np.concatenate(stacks)
+    parsed = []
+    real = mrc_module.mrc_header_info
+    headers: dict = {}
+    try:
+        mrc_module.mrc_header_info = lambda p: parsed.append(p) or real(p)
+        rng = np.random.default_rng(2)
+        for rows in (np.arange(120), rng.permutation(120)[:50], np.arange(30, 90), np.array([119, 0, 60])):
+            np.testing.assert_array_equal(load_images(table, rows=rows, headers=headers, check_values=True),
+                                          every[rows])
+    finally:
+        mrc_module.mrc_header_info = real
+    assert len(parsed) == 3 and set(headers) == {tmp_path / f"m{k}.mrcs" for k in range(3)}

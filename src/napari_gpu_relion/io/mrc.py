@@ -158,6 +158,39 @@ def read_mrc(path: str | os.PathLike, *, mmap: bool = False) -> MrcData:
     return MrcData(data=data, pixel_size=info.pixel_size, path=p)
 
 
+def _read_exactly(fh, views: list[memoryview], offset: int, path: Path) -> None:
+    """Fill the byte buffers ``views`` one after another from file ``fh``, starting at byte ``offset``: positioned
+    scatter reads where the system has them (threads reading one file share no position; Python's lock is
+    released during each), else seek and read."""
+    views = [v.cast("B") for v in views]
+    while views:
+        if hasattr(os, "preadv"):
+            n = os.preadv(fh.fileno(), views[:_IOV_MAX], offset)
+        else:
+            fh.seek(offset)
+            n = fh.readinto(views[0])
+        if not n:
+            raise InputError(f"the file ends before the images asked for (at byte {offset})", path=str(path))
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+
+
+def _iov_max() -> int:
+    """Buffers one scatter read takes (1024 on Linux and macOS; POSIX guarantees 16)."""
+    try:
+        n = os.sysconf("SC_IOV_MAX")
+    except (AttributeError, ValueError, OSError):
+        n = -1
+    return int(min(n, 1024)) if n > 0 else 16
+
+
+_IOV_MAX = _iov_max()
+
+
 def is_stack(path: str | os.PathLike) -> bool:
     """True for an image stack: suffix ``.mrcs``, or header space group 0 with more than one section."""
     p = Path(path)
@@ -175,15 +208,16 @@ def unusable_image(images: np.ndarray) -> tuple[int, str] | None:
     if arr.ndim < 2 or arr.size == 0:
         return None
     flat = arr.reshape(arr.shape[0] if arr.ndim > 2 else 1, -1)
-    if np.issubdtype(flat.dtype, np.floating):
-        finite = np.isfinite(flat)
-        if not finite.all():
-            bad = ~finite.all(axis=1)
-            k = int(np.argmax(bad))
-            n_bad = int((~finite[k]).sum())
-            kinds = "NaN" if np.isnan(flat[k]).any() else "infinite"
-            return k, f"{n_bad} of {flat.shape[1]} pixels are {kinds}"
+    # two passes over the pixels: a NaN makes an image's minimum and maximum NaN, an infinite pixel one of them
+    # infinite; the count and kind are found for the one image reported
     lo, hi = flat.min(axis=1), flat.max(axis=1)
+    if np.issubdtype(flat.dtype, np.floating):
+        bad = ~(np.isfinite(lo) & np.isfinite(hi))
+        if bad.any():
+            k = int(np.argmax(bad))
+            finite = np.isfinite(flat[k])
+            kinds = "NaN" if np.isnan(flat[k]).any() else "infinite"
+            return k, f"{int((~finite).sum())} of {flat.shape[1]} pixels are {kinds}"
     blank = lo == hi
     if blank.any():
         k = int(np.argmax(blank))
@@ -266,16 +300,26 @@ def write_mrc(path: str | os.PathLike, data: np.ndarray, pixel_size: float | Non
     return p
 
 
+#: Images are read straight from the file (LazyStack.read) in windows of the stack that hold the asked images with
+#: gaps of at most this many other images between them (read too, into a scratch buffer: one system call per
+#: window instead of one per run; a random half's rows have gaps of one or two images)...
+DIRECT_READ_MAX_GAP = 8
+#: ...when there is at most one window per this many images asked for; more scattered rows (a few images from each
+#: of many places in a stack) are read through the memory map.
+DIRECT_READ_MIN_IMAGES_PER_WINDOW = 8
+
+
 class LazyStack:
     """A particle stack opened by memory map; images are read only when asked for.
 
     A single 2D image is a stack of one; a 3D ``.mrc`` volume-typed file is treated as its sections (RELION
-    does the same when a STAR file points into it with ``n@file.mrc``).
+    does the same when a STAR file points into it with ``n@file.mrc``). ``info``: the file's header parsed
+    already (mrc_header_info), so that a reader opening the stack block after block parses it once.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, info: MrcHeaderInfo | None = None):
         self.path = Path(path)
-        self.info = info = mrc_header_info(self.path)
+        self.info = info = mrc_header_info(self.path) if info is None else info
         if len(info.shape) == 4:
             raise InputError(f"expected an image stack but the file is a stack of volumes {info.shape}",
                              path=str(self.path))
@@ -285,18 +329,26 @@ class LazyStack:
         self._mm: np.ndarray | None = mm
         self.shape: tuple[int, int, int] = tuple(int(s) for s in mm.shape)  # type: ignore[assignment]
         self.pixel_size: float | None = info.pixel_size
+        # float32 in this machine's byte order: images can be read from the file into their array directly
+        self._direct = info.dtype == np.dtype(np.float32)
 
     def __len__(self) -> int:
         return self.shape[0]
 
-    def read(self, indices: int | np.ndarray | list[int]) -> np.ndarray:
-        """Images at 0-based ``indices`` as float32 (n, y, x); InputError for an index outside the stack."""
+    def read(self, indices: int | np.ndarray | list[int], out: np.ndarray | None = None) -> np.ndarray:
+        """Images at 0-based ``indices`` as float32 (n, y, x); InputError for an index outside the stack.
+        ``out``: a C-contiguous float32 (n, y, x) array to read them into (returned).
+
+        Float32 stacks in this machine's byte order are read by runs of consecutive images, each with one
+        positioned read into the result (the kernel copies from its page cache; Python's lock is released
+        meanwhile, so a reader thread hardly slows the job's thread and is not slowed by it), when the indices
+        form runs of DIRECT_READ_MIN_RUN images or more on average (a job reads its particles in stack order) or
+        lie within DIRECT_READ_SPAN times their number of images (one random half's rows: every image between
+        the first and the last is read at once); scattered indices and other modes go through the memory map."""
         if self._mm is None:
             raise ValueError(f"{self.path}: stack is closed")
         idx = np.atleast_1d(np.asarray(indices))
-        if idx.size == 0:
-            return np.empty((0,) + self.shape[1:], dtype=np.float32)
-        if not np.issubdtype(idx.dtype, np.integer):
+        if idx.size and not np.issubdtype(idx.dtype, np.integer):
             raise InputError(f"image indices must be integers, got {idx.dtype}", path=str(self.path))
         idx = idx.ravel().astype(np.int64)
         bad = (idx < 0) | (idx >= len(self))
@@ -304,7 +356,49 @@ class LazyStack:
             first = int(idx[np.argmax(bad)])
             raise InputError(f"image index {first} (0-based; {first + 1} counting from 1) is outside the "
                              f"stack of {len(self)} images", path=str(self.path))
-        return np.asarray(self._mm[idx], dtype=np.float32)
+        shape = (idx.size,) + self.shape[1:]
+        if out is not None and (out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous):
+            raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
+        if idx.size and self._direct:
+            order = np.argsort(idx, kind="stable")
+            ordered = idx[order]
+            step = np.diff(ordered)
+            windows = np.flatnonzero(step > DIRECT_READ_MAX_GAP + 1) + 1  # where a new window starts
+            if step.all() and (windows.size + 1) * DIRECT_READ_MIN_IMAGES_PER_WINDOW <= idx.size:  # no repeats
+                in_order = bool((np.diff(idx) > 0).all())
+                dest = out if out is not None and in_order else np.empty(shape, dtype=np.float32)
+                self._read_windows(ordered, step, windows, dest)
+                if in_order:
+                    return dest
+                res = out if out is not None else np.empty(shape, dtype=np.float32)
+                res[order] = dest
+                return res
+        if out is None:
+            return np.asarray(self._mm[idx], dtype=np.float32)
+        out[...] = self._mm[idx]
+        return out
+
+    def _read_windows(self, ordered: np.ndarray, step: np.ndarray, windows: np.ndarray, dest: np.ndarray) -> None:
+        """Images ``ordered`` (ascending, no repeats; ``step`` its differences, ``windows`` the positions that
+        start a window) into ``dest`` (n, y, x) float32: one positioned read per window, the images between the
+        asked ones into a scratch buffer."""
+        ib = int(np.prod(self.shape[1:])) * 4  # bytes per image
+        flat = dest.reshape(-1).view(np.uint8)
+        gap = step - 1
+        scratch = np.empty(int(gap.max(initial=0)) * ib, dtype=np.uint8)
+        runs = np.flatnonzero(np.diff(ordered, prepend=-2) != 1)  # positions where a run of consecutive images starts
+        ends = np.append(runs[1:], ordered.size)
+        bounds = np.append(np.insert(windows, 0, 0), ordered.size)
+        with open(self.path, "rb", buffering=0) as fh:
+            for w0, w1 in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+                views = []
+                for a, b in zip(runs.tolist(), ends.tolist(), strict=True):
+                    if a < w0 or a >= w1:
+                        continue
+                    if views:  # the images between the previous run and this one
+                        views.append(memoryview(scratch[:int(gap[a - 1]) * ib]))
+                    views.append(memoryview(flat[a * ib:b * ib]))
+                _read_exactly(fh, views, self.info.offset + int(ordered[w0]) * ib, self.path)
 
     def close(self) -> None:
         """Drop the memory map (the OS unmaps it once no array views remain)."""

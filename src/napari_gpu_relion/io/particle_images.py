@@ -223,7 +223,8 @@ def check_image_stacks(table: ParticleTable, project_dir: str | os.PathLike | No
 
 def load_images(table: ParticleTable, rows: Iterable[int] | None = None,
                 project_dir: str | os.PathLike | None = None, check_values: bool = False,
-                locations: tuple[list[Path], np.ndarray] | None = None) -> np.ndarray:
+                locations: tuple[list[Path], np.ndarray] | None = None,
+                headers: dict[Path, MrcHeaderInfo] | None = None) -> np.ndarray:
     """Particle images as float32 (n, N, N), in row order; ``rows`` are 0-based positions (default: all).
 
     Each stack file is opened once and only the needed images are read. InputError (naming the STAR file,
@@ -233,6 +234,7 @@ def load_images(table: ParticleTable, rows: Iterable[int] | None = None,
     ``locations``: every row's (stack, index) as image_locations or check_image_stacks gave them for this table,
     so that a job reading its images block by block parses the names once, not per block (the parsing holds
     Python's lock, 6 ms per block of 128 names, which a background reader takes from the job's thread).
+    ``headers``: the stacks' parsed headers by path, kept by such a job between blocks (filled here).
     """
     parts = table.particles
     positions = None
@@ -263,7 +265,10 @@ def load_images(table: ParticleTable, rows: Iterable[int] | None = None,
             raise InputError(f"image stack {stack_path} not found (named in rlnImageName "
                              f"{parts['rlnImageName'].iloc[sel[0]]!r})", path=star, line=first_line,
                              column="rlnImageName")
-        with LazyStack(stack_path) as stack:
+        info = None if headers is None else headers.get(stack_path)
+        with LazyStack(stack_path, info) as stack:
+            if headers is not None:
+                headers[stack_path] = stack.info
             problem = _volume_problem(stack_path, stack.info)
             if problem is not None:
                 raise InputError(problem, path=star, line=first_line, column="rlnImageName")
@@ -288,14 +293,17 @@ def load_images(table: ParticleTable, rows: Iterable[int] | None = None,
                 raise InputError(f"images in {stack_path} are {ny} x {nx} px but earlier stacks have "
                                  f"{out.shape[1]} x {out.shape[2]} px", path=star, line=first_line,
                                  column="rlnImageName")
-            images = stack.read(idx[sel])
+            if sel[-1] - sel[0] + 1 == sel.size:  # consecutive rows of the result (rows in stack order): read in place
+                images = stack.read(idx[sel], out=out[sel[0]:sel[-1] + 1])
+            else:
+                images = stack.read(idx[sel])
+                out[sel] = images
             bad = unusable_image(images) if check_values else None
             if bad is not None:
                 pos = int(sel[bad[0]])
                 raise InputError(f"image {idx[pos] + 1} of stack {stack_path} ({parts['rlnImageName'].iloc[pos]!r}) "
                                  f"cannot be used: {bad[1]}", path=star, line=table.line_of(parts.index[pos]),
                                  column="rlnImageName")
-            out[sel] = images
     if out is None:
         box = int(expected[0]) if expected is not None and len(expected) else 0
         out = np.empty((0, box, box), dtype=np.float32)

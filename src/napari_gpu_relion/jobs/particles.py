@@ -48,6 +48,8 @@ class ParticleSet:
     ahead: ImageReadAhead | None = None  # the background reader of the images not yet kept (read_ahead)
     # every row's (stack path, image index), parsed once (check_image_stacks)
     locations: tuple | None = field(default=None, repr=False, compare=False)
+    # the stacks' headers, parsed on their first reading (the reader and the job's thread read block by block)
+    headers: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         n = len(self.table)
@@ -150,8 +152,8 @@ class ParticleSet:
 
     def _read(self, rows: np.ndarray) -> np.ndarray:
         check = not self.checked[rows].all()
-        out = load_images(self.table, rows=rows, check_values=check, locations=self.locations).astype(
-            np.float32, copy=False)
+        out = load_images(self.table, rows=rows, check_values=check, locations=self.locations,
+                          headers=self.headers).astype(np.float32, copy=False)
         self.checked[rows] = True
         return out
 
