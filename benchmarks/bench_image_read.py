@@ -1,0 +1,126 @@
+"""How fast a job's particle images are read, and how much a background reader slows the job's thread.
+
+Writes a stack of n box x box float32 images and its particles STAR (once, into --dir), then reads every image in
+blocks of jobs/read_ahead.BLOCK_ROWS rows, the way the read-ahead thread does (ParticleSet._read: the value check
+included), in the order a job asks for them: ``stack`` (class2d/class3d: the STAR's order) or ``halves`` (refine3d:
+one random half, then the other). Each read path (``direct``: io/mrc.LazyStack's positioned scatter reads;
+``map``: the memory map, the path before them) is timed alone, then beside a thread that stands in for a job's
+thread (Python work with a short call that releases Python's lock every ~50 statements, like CuPy's launches):
+the job thread's work lost while the reader runs is what the reader costs the job.
+
+Run: python benchmarks/bench_image_read.py --out benchmarks/results/image_read_<machine>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import threading
+import time
+from pathlib import Path
+
+import mrcfile
+import numpy as np
+import pandas as pd
+import starfile
+
+from napari_gpu_relion.io import mrc
+from napari_gpu_relion.jobs.particles import load_particle_set
+from napari_gpu_relion.jobs.read_ahead import BLOCK_ROWS
+
+_BUF = bytes(4096)
+
+
+def make_data(folder: Path, n: int, box: int) -> Path:
+    star = folder / f"particles_{n}_{box}.star"
+    if star.exists():
+        return star
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    with mrcfile.new(folder / f"stack_{n}_{box}.mrcs", overwrite=True) as m:
+        m.set_data(rng.standard_normal((n, box, box), dtype=np.float32))
+        m.voxel_size = 2.0
+    optics = pd.DataFrame({"rlnOpticsGroup": [1], "rlnImagePixelSize": [2.0], "rlnImageSize": [box],
+                           "rlnImageDimensionality": [2]})
+    parts = pd.DataFrame({"rlnImageName": [f"{i + 1:06d}@stack_{n}_{box}.mrcs" for i in range(n)],
+                          "rlnOpticsGroup": 1, "rlnRandomSubset": rng.permutation(np.arange(n) % 2) + 1})
+    starfile.write({"optics": optics, "particles": parts}, star, overwrite=True)
+    return star
+
+
+def job_thread(stop: threading.Event, out: list) -> None:
+    """Python work with a lock-releasing call every 50 statements; out gets the loops done."""
+    n, d = 0, {}
+    while not stop.is_set():
+        for i in range(1000):
+            d[i] = i * 2
+            if i % 50 == 49:
+                hashlib.sha256(_BUF).digest()
+        n += 1
+    out.append(n)
+
+
+def measure(star: Path, order_kind: str, path_kind: str) -> dict:
+    saved = mrc.DIRECT_READ_MIN_IMAGES_PER_WINDOW
+    if path_kind == "map":
+        mrc.DIRECT_READ_MIN_IMAGES_PER_WINDOW = 1 << 40  # never direct
+    try:
+        ps = load_particle_set(star, ctf=False)
+        order = np.arange(len(ps)) if order_kind == "stack" else \
+            np.concatenate([np.flatnonzero(ps.subset == h) for h in (1, 2)])
+        blocks = [order[i:i + BLOCK_ROWS] for i in range(0, len(order), BLOCK_ROWS)]
+
+        def read_all() -> float:
+            ps.checked[:] = False  # every image checked, as in a job's first iteration
+            t = time.perf_counter()
+            for b in blocks:
+                ps._read(b)
+            return time.perf_counter() - t
+
+        read_all()  # the page cache holds the stack (a job's data read before)
+        alone = min(read_all() for _ in range(3))
+        rates = {}
+        for beside in (False, True):
+            stop, loops = threading.Event(), []
+            th = threading.Thread(target=job_thread, args=(stop, loops))
+            th.start()
+            t = time.perf_counter()
+            if beside:
+                read_all()
+            else:
+                time.sleep(max(alone, 0.2))
+            dt = time.perf_counter() - t
+            stop.set()
+            th.join()
+            rates[beside] = (loops[0] / dt, dt)
+        lost = rates[True][1] * (1.0 - rates[True][0] / rates[False][0])
+        gb = len(order) * ps.box * ps.box * 4 / 1e9
+        return {"order": order_kind, "path": path_kind, "read_alone_s": round(alone, 4),
+                "gb_per_s": round(gb / alone, 2), "read_beside_job_s": round(rates[True][1], 4),
+                "job_thread_lost_s": round(lost, 4)}
+    finally:
+        mrc.DIRECT_READ_MIN_IMAGES_PER_WINDOW = saved
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=10000)
+    ap.add_argument("--box", type=int, default=128)
+    ap.add_argument("--dir", default="/tmp/bench_image_read")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    star = make_data(Path(a.dir), a.n, a.box)
+    rows = [measure(star, o, p) for o in ("stack", "halves") for p in ("direct", "map")]
+    for r in rows:
+        print(r)
+    res = {"hardware": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+           "n": a.n, "box": a.box, "block_rows": BLOCK_ROWS, "rows": rows}
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
