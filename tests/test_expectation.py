@@ -216,19 +216,26 @@ def test_segment_sum_adds_repeated_rows():
     np.testing.assert_array_equal(out, [[2, 3], [8, 9], [0 + 4 + 6, 1 + 5 + 7], [0, 0]])
 
 
-def test_segments_group_like_unique_and_grouped_sums_equal_direct_sums():
-    """segments_of: np.unique's distinct keys and inverse; grouped_sum: a float64 sum per group."""
+@pytest.mark.parametrize("padded", [False, True])
+def test_segments_group_like_unique_and_grouped_sums_equal_direct_sums(padded):
+    """segments_of: np.unique's distinct keys and inverse; grouped_sum: a float64 sum per group. Negative keys
+    (a gathered chunk's padding) are in no group: inverse -1, left out of the sums."""
     rng = np.random.default_rng(3)
     keys = rng.integers(0, 50, (40, 7)) * 3 + 1000  # gaps between the keys, not 0..n-1
+    if padded:
+        keys[:, 4:] = -1
     vals = rng.normal(size=(keys.size, 5)).astype(np.float32)
     g = segments_of(keys)
-    d, inv = np.unique(keys, return_inverse=True)
+    flat = keys.reshape(-1)
+    valid = flat >= 0
+    d, inv = np.unique(flat[valid], return_inverse=True)
     np.testing.assert_array_equal(g.distinct, d)
-    np.testing.assert_array_equal(g.inverse, inv.reshape(-1))
-    assert g.n == d.size
+    np.testing.assert_array_equal(g.inverse[valid], inv.reshape(-1))
+    assert (g.inverse[~valid] == -1).all() and g.n == d.size
     want = np.zeros((d.size, 5))
-    np.add.at(want, inv.reshape(-1), vals.astype(np.float64))
+    np.add.at(want, inv.reshape(-1), vals[valid].astype(np.float64))
     np.testing.assert_allclose(grouped_sum(g, vals), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(segment_sum(g.inverse, vals, g.n), want, rtol=1e-5, atol=1e-5)
     empty = segments_of(np.zeros(0, dtype=np.int64))
     assert empty.n == 0 and grouped_sum(empty, np.zeros((0, 5), np.float32)).shape == (0, 5)
 

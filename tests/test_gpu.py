@@ -594,28 +594,33 @@ def test_segment_rows_sum_equals_a_float64_direct_sum(E, n, C):
     assert np.allclose(gpu, cpu, rtol=1e-4, atol=1e-4 * np.abs(cpu).max())
 
 
-@pytest.mark.parametrize("E,C", [(200_000, 300), (7, 64), (50_000, 1), (0, 300)])
-def test_segments_on_the_gpu_equal_unique_and_sum_as_without_them(E, C):
+@pytest.mark.parametrize("E,C,padded", [(200_000, 300, 0.0), (200_000, 300, 0.3), (7, 64, 0.0), (50_000, 1, 0.3),
+                                        (0, 300, 0.0), (40, 64, 1.0)])
+def test_segments_on_the_gpu_equal_unique_and_sum_as_without_them(E, C, padded):
     """segments_of on the GPU: np.unique's distinct keys and inverse; grouped_sum with its one sort gives the
     same float32 values, bit for bit, as segment_sum sorting the inverse itself (the same stable order), where
     the sorted-entry kernel sums (rows of SEGMENT_ROWS_MIN_COLUMNS values or more; narrower rows are summed by
-    scatter_add's atomics, whose order is not fixed)."""
+    scatter_add's atomics, whose order is not fixed). A fraction ``padded`` of the keys is -1 (a gathered chunk's
+    padding): in no group, inverse -1, left out of every sum."""
     from napari_gpu_relion.compute import gpu_kernels  # noqa: PLC0415
     from napari_gpu_relion.compute.expectation import grouped_sum, segment_sum, segments_of  # noqa: PLC0415
 
     rng = np.random.default_rng(E + C)
     keys = rng.integers(0, max(E // 40, 1), E) * 7 + 3
+    keys[rng.random(E) < padded] = -1
+    valid = keys >= 0
     vals = cp.asarray(rng.normal(size=(E, C)).astype(np.float32))
     g = segments_of(cp.asarray(keys))
-    d, inv = np.unique(keys, return_inverse=True)
+    d, inv = np.unique(keys[valid], return_inverse=True)
     np.testing.assert_array_equal(g.distinct.get(), d)
-    np.testing.assert_array_equal(g.inverse.get(), inv.reshape(-1))
+    np.testing.assert_array_equal(g.inverse.get()[valid], inv.reshape(-1))
+    assert (g.inverse.get()[~valid] == -1).all()
     assert g.start.size == d.size + 1 and int(g.start[-1]) == E
     got = grouped_sum(g, vals).get()
     if C >= gpu_kernels.SEGMENT_ROWS_MIN_COLUMNS:
         np.testing.assert_array_equal(got, segment_sum(g.inverse, vals, g.n).get())
     want = np.zeros((d.size, C))
-    np.add.at(want, inv.reshape(-1), vals.get().astype(np.float64))
+    np.add.at(want, inv.reshape(-1), vals.get()[valid].astype(np.float64))
     assert np.allclose(got, want, rtol=1e-4, atol=1e-4 * max(np.abs(want).max(initial=0), 1))
 
 

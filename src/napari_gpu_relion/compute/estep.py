@@ -807,6 +807,9 @@ class _ChunkLayout:
     entry_particle: object  # (e,) each entry's particle within the chunk
     entry_column: object  # (e,) each entry's parent column
     fine_rows: object  # indices into the fine slices: (n_par * n_children,) shared or (ni, n_par * n_children)
+    # gathered: fine_rows with -1 for the padding after each particle's own parents (parent 0, weight 0), which
+    # the sums onto the fine rows leave out (segments_of); None when shared
+    sum_rows: object = None
 
     @property
     def n_parents(self) -> int:
@@ -833,9 +836,13 @@ def _chunk_layout(b: _Batch, rows: _SignificantRows, a0: int, a1: int, n_childre
     else:
         starts = xp.asarray(rows.start[a0:a1] - rows.start[a0])
         column = xp.arange(e1 - e0) - starts[entry_particle]
-        parents = xp.zeros((ni, largest), dtype=np.int64)
+        parents = xp.full((ni, largest), -1, dtype=np.int64)
         parents[entry_particle, column] = union_index
+        sum_rows = parents[:, :, None] * n_children + child[None]
+        sum_rows = xp.where(parents[:, :, None] >= 0, sum_rows, -1).reshape(ni, -1)
+        parents = xp.maximum(parents, 0)  # the padding scores parent 0, masked by its -inf prior
         fine_rows = (parents[:, :, None] * n_children + child[None]).reshape(ni, -1)
+        return _ChunkLayout(shared, distinct, parents, entry_particle, column, fine_rows, sum_rows)
     return _ChunkLayout(shared, distinct, parents, entry_particle, column, fine_rows)
 
 
@@ -899,7 +906,7 @@ def _accumulate_chunk(b: _Batch, fine: _FineData, acc: _FineSums, lay: _ChunkLay
     else:
         # summed onto the fine orientations the chunk touches, not onto a copy of the whole union's sums (12
         # bytes per pixel of every fine orientation of the union, per chunk): the same sums of the same values
-        touched = segments_of(lay.fine_rows)  # one sort of the entries for the unique rows and both sums
+        touched = segments_of(lay.sum_rows)  # one sort of the entries for the unique rows and both sums
         acc.slices[touched.distinct] += grouped_sum(touched, fs.slices.reshape(-1, 2 * n_pixels))
         acc.slice_weights[touched.distinct] += grouped_sum(touched, fs.slice_weights.reshape(-1, n_pixels))
         acc.row_weight += segment_sum(lay.parents.reshape(-1), rw_parent.reshape(-1, 1), acc.row_weight.size)[:, 0]

@@ -603,20 +603,28 @@ class Segments:
 
 def segments_of(keys) -> Segments:
     """The groups of the entries of ``keys`` (any shape, flattened): np.unique(keys, return_inverse=True) with,
-    on a GPU, the one stable sort that finds them kept for segment_sum."""
+    on a GPU, the one stable sort that finds them kept for segment_sum. Entries with a negative key belong to no
+    group (inverse -1; the sums leave them out): a gathered chunk's padding, which would otherwise make one long
+    group that a single GPU thread per value adds up one entry after another."""
     xp = get_array_module(keys)
     keys = keys.reshape(-1)
     if xp is np:
-        distinct, inverse = np.unique(keys, return_inverse=True)
-        return Segments(distinct, inverse.reshape(-1))
+        valid = keys >= 0
+        if valid.all():
+            distinct, inverse = np.unique(keys, return_inverse=True)
+            return Segments(distinct, inverse.reshape(-1))
+        distinct, inv = np.unique(keys[valid], return_inverse=True)
+        inverse = np.full(keys.size, -1, dtype=np.int64)
+        inverse[valid] = inv.reshape(-1)
+        return Segments(distinct, inverse)
     E = int(keys.size)
     if E == 0:
         none = xp.zeros(0, dtype=np.int64)
         return Segments(keys, none, none, xp.zeros(1, dtype=np.int64))
     order = xp.argsort(keys, kind="stable")
     ordered = keys[order]
-    first = xp.ones(E, dtype=bool)
-    first[1:] = ordered[1:] != ordered[:-1]
+    first = ordered >= 0  # the negative keys sort first, before every group's head: in no group
+    first[1:] &= ordered[1:] != ordered[:-1]
     heads = xp.flatnonzero(first)
     inverse = xp.empty(E, dtype=np.int64)
     inverse[order] = xp.cumsum(first, dtype=np.int64) - 1
@@ -637,7 +645,8 @@ def segment_sum(rows, values, n: int):
     gpu_kernels.segment_rows_sum (entries sorted by row, each output element summed by one thread: 4x CuPy's
     scatter_add at a chunk's shapes on an H200, whose atomic adds into the orientations every particle shares
     serialise); narrower rows (a weight per row, the offset moments of K classes) keep scatter_add, since one
-    thread per output element would add tens of thousands of entries one after another."""
+    thread per output element would add tens of thousands of entries one after another. Entries of a negative
+    row are left out."""
     return _segment_sum(rows, values, n, None)
 
 
@@ -646,14 +655,16 @@ def _segment_sum(rows, values, n: int, sorted_entries):
     xp = get_array_module(values)
     vals = values.reshape(values.shape[0], int(np.prod(values.shape[1:])))  # not -1: no entries is an (0, C)
     if xp is np:
-        S = csr_matrix((np.ones(rows.size, np.float32), (np.asarray(rows), np.arange(rows.size))),
-                       shape=(n, rows.size))
+        rows = np.asarray(rows).reshape(-1)
+        take = np.flatnonzero((rows >= 0) & (rows < n))  # negative rows: entries in no group (segments_of)
+        S = csr_matrix((np.ones(take.size, np.float32), (rows[take], take)), shape=(n, rows.size))
         out = np.asarray(S @ vals, dtype=np.float32)
     elif gpu_kernels.ENABLED and vals.shape[1] >= gpu_kernels.SEGMENT_ROWS_MIN_COLUMNS:
         out = gpu_kernels.segment_rows_sum(rows, vals, n, sorted_entries)
     else:
         import cupyx  # noqa: PLC0415
 
-        out = xp.zeros((n, vals.shape[1]), dtype=np.float32)
-        cupyx.scatter_add(out, rows, vals.astype(np.float32, copy=False))
+        out = xp.zeros((n + 1, vals.shape[1]), dtype=np.float32)  # entries of a negative row into the extra one
+        cupyx.scatter_add(out, xp.where(rows >= 0, rows, n), vals.astype(np.float32, copy=False))
+        out = out[:n]
     return out.reshape((n,) + values.shape[1:])

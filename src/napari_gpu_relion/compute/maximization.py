@@ -291,17 +291,20 @@ def reconstruct_classes(stack, tau2: list, tau2_fudge: float, class_weight: np.n
                         sym_matrices: np.ndarray | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
     """The classification M-step of the class maps: Hermitian pairing of every class, point-group symmetrisation
     (``sym_matrices``, 3D), SSNR_MAP per class and one batched MAP reconstruction with each class's tau2.
-    Returns the new maps (K, N, ...) float64 (an empty class keeps ``old_refs[k]``, as RELION does) and the
-    SSNR_MAP curves."""
+    Returns the new maps (K, N, ...) float32, on the stack's device (an empty class keeps ``old_refs[k]``, as
+    RELION does; the maps are float32 values, so no rounding), and the SSNR_MAP curves."""
     stack.enforce_hermitian()
     if sym_matrices is not None and len(sym_matrices) > 1:
         for bp in stack.members:  # symmetrisation per class
             bp.symmetrise(sym_matrices)
     tau2 = np.stack([to_host(t) for t in tau2])
     ssnr_all = ssnr_maps(stack, tau2, tau2_fudge)  # one pass over the K grids
-    maps = to_host(stack.reconstruct(tau2, tau2_fudge)).astype(np.float64)
-    keep = (np.asarray(class_weight) > 0).reshape((-1,) + (1,) * (maps.ndim - 1))
-    return np.where(keep, maps, np.asarray(old_refs, dtype=np.float64)), ssnr_all
+    maps = stack.reconstruct(tau2, tau2_fudge).astype(np.float32, copy=False)
+    empty = np.flatnonzero(np.asarray(class_weight) <= 0)
+    if empty.size:
+        xp = get_array_module(maps)
+        maps[xp.asarray(empty)] = xp.asarray(np.asarray(old_refs)[empty], dtype=np.float32)
+    return maps, ssnr_all
 
 
 def class_offset_priors(offset_sum_A: np.ndarray, class_weight: np.ndarray) -> np.ndarray:

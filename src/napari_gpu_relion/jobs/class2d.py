@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..compute.backend import to_host
 from ..compute.masks import soft_spherical_mask
 from ..compute.maximization import (
     class_offset_priors,
@@ -129,7 +130,8 @@ class Class2D(em_classification.Classification):
     def maximization(self, it: em.Iteration) -> None:
         p, m, sums = self.p, self.model, it.sums[0]
         tau2 = references_tau2(it.references[0])
-        new_refs, it.ssnr = reconstruct_classes(it.accumulators[0], tau2, p.tau2_fudge, sums.pdf_class, m.refs[0])
+        maps, it.ssnr = reconstruct_classes(it.accumulators[0], tau2, p.tau2_fudge, sums.pdf_class, m.refs[0])
+        new_refs = to_host(maps).astype(np.float64)
         m.sigma2[0] = update_sigma2(sums.sigma2, sums.sumw_group, self.N)
         self.state.sigma_offset_A = update_sigma_offset(sums.sigma_offset, sums.sum_weight)
         self.update_corrections(it.sums)

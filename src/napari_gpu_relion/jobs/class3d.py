@@ -174,8 +174,11 @@ class Class3D(em_classification.Classification):
         if p.skip_align:  # the input angles and offsets, exactly (not their round trip through matrices)
             self.ps.angles[:], self.ps.offsets_px[:] = self.input_angles, self.input_offsets
         tau2 = references_tau2(it.references[0])  # of the references this iteration aligned to
-        new_refs, it.ssnr = reconstruct_classes(it.accumulators[0], tau2, p.tau2_fudge, sums.pdf_class,
-                                                m.refs[0], self.sym.matrices)
+        maps, it.ssnr = reconstruct_classes(it.accumulators[0], tau2, p.tau2_fudge, sums.pdf_class, m.refs[0],
+                                            self.sym.matrices)
+        if p.flatten_solvent:  # on the device, in float64 as on the host, then rounded as the maps are kept
+            maps = (maps.astype(np.float64) * self.solvent_mask[None]).astype(np.float32)
+        new_refs = to_host(maps)  # float32: one copy to the host
         if not it.cc:
             m.sigma2[0] = update_sigma2(sums.sigma2, sums.sumw_group, self.N)
             self.state.sigma_offset_A = update_sigma_offset(sums.sigma_offset, sums.sum_weight)
@@ -183,10 +186,9 @@ class Class3D(em_classification.Classification):
         m.pdf_class[0] = sums.pdf_class / max(sums.pdf_class.sum(), 1e-300)
         if not p.skip_align:
             m.pdf_dir[0] = normalised_direction_priors(sums.pdf_direction)
-        if p.flatten_solvent:
-            new_refs = new_refs * to_host(self.solvent_mask)[None]
         if it.cc:  # RELION re-applies the initial low-pass after a CC iteration and copies class 1 to every class
-            new_refs = np.stack([lowpass_map(v, self.apix, p.ini_high) if p.ini_high > 0 else v for v in new_refs])
+            new_refs = np.stack([lowpass_map(v.astype(np.float64), self.apix, p.ini_high) if p.ini_high > 0 else v
+                                 for v in new_refs])
             if self.seeding:
                 new_refs = np.repeat(new_refs[:1], self.K, axis=0)
                 m.pdf_class[0] = np.full(self.K, 1.0 / self.K)
