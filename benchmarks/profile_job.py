@@ -99,12 +99,22 @@ class HostProfile:
         import pstats  # noqa: PLC0415
 
         self.prof.disable()
-        st = pstats.Stats(self.prof).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, ...)
-        rows = [{"function": f"{Path(f).name}:{line}({name})", "calls": int(nc), "own_ms": round(tt * 1e3, 2),
-                 "cumulative_ms": round(ct * 1e3, 2)} for (f, line, name), (_, nc, tt, ct, _) in st.items()]
+        st = pstats.Stats(self.prof).stats  # (file, line, name) -> (prim. calls, calls, own, cumulative, callers)
+
+        def name(key) -> str:
+            f, line, fn = key
+            return f"{Path(f).name}:{line}({fn})"
+
+        rows = [{"function": name(k), "calls": int(nc), "own_ms": round(tt * 1e3, 2),
+                 "cumulative_ms": round(ct * 1e3, 2)} for k, (_, nc, tt, ct, _) in st.items()]
+        # who calls the functions of most own time (CuPy's C functions say nothing of where they are called from)
+        heavy = sorted(st.items(), key=lambda kv: -kv[1][2])[:20]
+        callers = {name(k): sorted(({"caller": name(c), "calls": int(v[1]), "own_ms": round(v[2] * 1e3, 2)}
+                                    for c, v in v5[4].items()), key=lambda r: -r["own_ms"])[:8]
+                   for k, v5 in heavy}
         return {"total_own_ms": round(sum(r["own_ms"] for r in rows), 1),
                 "by_own": sorted(rows, key=lambda r: -r["own_ms"])[:self.top],
-                "by_cumulative": sorted(rows, key=lambda r: -r["cumulative_ms"])[:self.top]}
+                "by_cumulative": sorted(rows, key=lambda r: -r["cumulative_ms"])[:self.top], "callers": callers}
 
 
 def _covered(starts, ends):

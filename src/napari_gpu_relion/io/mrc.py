@@ -310,7 +310,7 @@ DIRECT_READ_MIN_IMAGES_PER_WINDOW = 8
 
 
 class LazyStack:
-    """A particle stack opened by memory map; images are read only when asked for.
+    """A particle stack, read only where images are asked for (positioned reads or a memory map).
 
     A single 2D image is a stack of one; a 3D ``.mrc`` volume-typed file is treated as its sections (RELION
     does the same when a STAR file points into it with ``n@file.mrc``). ``info``: the file's header parsed
@@ -323,11 +323,10 @@ class LazyStack:
         if len(info.shape) == 4:
             raise InputError(f"expected an image stack but the file is a stack of volumes {info.shape}",
                              path=str(self.path))
-        mm = _memmap(self.path, info)
-        if mm.ndim == 2:
-            mm = mm.reshape((1,) + mm.shape)
-        self._mm: np.ndarray | None = mm
-        self.shape: tuple[int, int, int] = tuple(int(s) for s in mm.shape)  # type: ignore[assignment]
+        shape = tuple(int(s) for s in info.shape)
+        self.shape: tuple[int, int, int] = (1,) + shape if len(shape) == 2 else shape  # type: ignore[assignment]
+        self._open = True
+        self._mm: np.ndarray | None = None  # mapped at the first read that needs it (mapping and unmapping cost)
         self.pixel_size: float | None = info.pixel_size
         # float32 in this machine's byte order: images can be read from the file into their array directly
         self._direct = info.dtype == np.dtype(np.float32)
@@ -345,7 +344,7 @@ class LazyStack:
         form runs of DIRECT_READ_MIN_RUN images or more on average (a job reads its particles in stack order) or
         lie within DIRECT_READ_SPAN times their number of images (one random half's rows: every image between
         the first and the last is read at once); scattered indices and other modes go through the memory map."""
-        if self._mm is None:
+        if not self._open:
             raise ValueError(f"{self.path}: stack is closed")
         idx = np.atleast_1d(np.asarray(indices))
         if idx.size and not np.issubdtype(idx.dtype, np.integer):
@@ -373,6 +372,8 @@ class LazyStack:
                 res = out if out is not None else np.empty(shape, dtype=np.float32)
                 res[order] = dest
                 return res
+        if self._mm is None:
+            self._mm = _memmap(self.path, self.info).reshape(self.shape)
         if out is None:
             return np.asarray(self._mm[idx], dtype=np.float32)
         out[...] = self._mm[idx]
@@ -402,6 +403,7 @@ class LazyStack:
 
     def close(self) -> None:
         """Drop the memory map (the OS unmaps it once no array views remain)."""
+        self._open = False
         self._mm = None
 
     def __enter__(self) -> LazyStack:
