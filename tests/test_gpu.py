@@ -666,3 +666,31 @@ def test_kernel_preload_hands_a_fresh_process_the_modules_of_the_last_and_the_sa
     assert second["left"] == 0 and second["job_loads"] == 0
     assert second["y"] == first["y"] == float(sum(2.5 * i + 1.0 for i in range(1000)))
     assert second["s"] == first["s"] == [[6.0, 8.0, 10.0], [12.0, 14.0, 16.0]]
+
+
+@pytest.mark.parametrize("shape", [(7, 5, 300), (1, 9, 1), (33, 4, 2049)])
+def test_finish_scores_in_place_equals_the_array_codes_scores(shape):
+    """gpu_kernels.finish_scores: pnorm - 2 cross in place, bit for bit the array code's float32 values, with the
+    norms broadcast over the translations as both score paths give them."""
+    from napari_gpu_relion.compute import gpu_kernels  # noqa: PLC0415
+
+    rng = np.random.default_rng(sum(shape))
+    cross = cp.asarray(rng.normal(size=shape).astype(np.float32) * 1e3)
+    pnorm = cp.asarray(rng.random((shape[0], 1, shape[2])).astype(np.float32) * 1e4)
+    want = (pnorm - 2.0 * cross).get()
+    got = gpu_kernels.finish_scores(cross, pnorm)
+    assert got is cross
+    np.testing.assert_array_equal(got.get(), want)
+    with pytest.raises(ValueError, match="C-contiguous float32"):
+        gpu_kernels.finish_scores(cross.astype(np.float64), pnorm)
+
+
+@pytest.mark.parametrize("shape", [(5, 21, 3000), (1, 1, 7), (3, 4, 1), (0, 3, 5)])
+def test_any_over_the_middle_axis_equals_cupys_reduction(shape):
+    """gpu_kernels.any_over_middle: the coarse pass's significant rows, exactly CuPy's any(axis=1)."""
+    from napari_gpu_relion.compute import gpu_kernels  # noqa: PLC0415
+
+    a = cp.asarray(np.random.default_rng(sum(shape)).random(shape) < 0.02)
+    np.testing.assert_array_equal(gpu_kernels.any_over_middle(a).get(), a.any(axis=1).get())
+    with pytest.raises(ValueError, match="C-contiguous 3-D bool"):
+        gpu_kernels.any_over_middle(cp.zeros((2, 3, 4), dtype=bool).transpose(0, 2, 1))

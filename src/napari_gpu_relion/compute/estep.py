@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from . import gpu_kernels
 from .backend import (
     CHUNK_BYTES,
     INSERT_CHUNK_POINTS,
@@ -570,7 +571,8 @@ def _significant_rows(b: _Batch, coarse: _CoarseResult, candidate_log_prior) -> 
     sig = coarse.significant
     cand = coarse.candidates
     n_cols = sig.shape[2]
-    sig_rows = sig.any(axis=1)  # (I, n)
+    on_gpu = xp is not np and gpu_kernels.ENABLED and sig.flags.c_contiguous
+    sig_rows = gpu_kernels.any_over_middle(sig) if on_gpu else sig.any(axis=1)  # (I, n)
     counts = to_host(sig_rows.sum(axis=1))
     order = np.argsort(counts, kind="stable")
     rank = np.empty(b.n_particles, dtype=np.int64)

@@ -191,6 +191,9 @@ def _finish_scores(cross, pnorm, terms: ParticleTerms):
     if terms.cc:
         den = xp.sqrt(xp.maximum(pnorm, 1e-30)) * terms.xnorm[:, None, None].astype(np.float32)
         return -cross / xp.maximum(den, 1e-30)
+    if xp is not np and gpu_kernels.ENABLED and cross.dtype == np.float32 and pnorm.dtype == np.float32 \
+            and cross.flags.c_contiguous:
+        return gpu_kernels.finish_scores(cross, pnorm)  # in place over the GEMM's output, one pass
     return pnorm - 2.0 * cross
 
 

@@ -2,7 +2,10 @@
 slice extraction (projector.interpolate) and slice insertion (backprojector's scatter-add); and two sums that
 CuPy does with atomic adds into few addresses (``bincount`` with weights, ``scatter_add``), where every thread
 of the GPU waits on the same ~100 shells or on the rows that all particles share: binned_sum (shell sums) and
-segment_rows_sum (per-row sums of the fine pass's gathered chunks).
+segment_rows_sum (per-row sums of the fine pass's gathered chunks); and the last step of the scores, pnorm - 2 cross,
+in place over the GEMM's output (finish_scores: one pass over the largest array of an E-step instead of two); and
+any_over_middle, the coarse pass's significant rows (CuPy's reduction over a middle axis of few elements ran at
+a tenth of the memory bandwidth).
 
 Each kernel does per point what the array code does as a chain of CuPy operations (rotated frequency,
 Hermitian mate, r_max test, 8 corner indices and weights, gather or atomic add) in one pass, without the
@@ -15,6 +18,8 @@ Importing this module never imports CuPy; the kernels compile on first use (CuPy
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -218,6 +223,49 @@ SEGMENT_ROWS_MIN_COLUMNS = 64
 #: binned_sum keeps one float64 histogram per block in shared memory (16 KiB at this many bins); more bins
 #: take CuPy's bincount.
 BINNED_SUM_MAX_BINS = 2048
+
+
+@functools.cache
+def _finish_kernel():
+    import cupy as cp  # noqa: PLC0415
+
+    # c = pnorm - 2 c in float32: 2 c is exact, so one rounding, as the array code's two operations have
+    return cp.ElementwiseKernel("float32 pnorm", "float32 c", "c = pnorm - 2.0f * c", "ngr_finish_scores")
+
+
+def finish_scores(cross, pnorm):
+    """cross (I, T, R) float32 C-contiguous becomes pnorm - 2 cross in place (pnorm (I, 1, R) float32, broadcast):
+    the diff2 of expectation._finish_scores, the same float32 values, in one pass; returns cross."""
+    if not (_on_gpu(cross, pnorm) and cross.dtype == np.float32 and pnorm.dtype == np.float32
+            and cross.flags.c_contiguous):
+        raise ValueError("finish_scores takes C-contiguous float32 CuPy scores and float32 norms")
+    _finish_kernel()(pnorm, cross)
+    return cross
+
+
+@functools.cache
+def _any_kernel():
+    import cupy as cp  # noqa: PLC0415
+
+    return cp.ElementwiseKernel(
+        "raw bool a, int64 T, int64 n", "bool out",
+        "const long long p = i / n, c = i - p * n; bool v = false; "
+        "for (long long t = 0; t < T; ++t) v |= a[(p * T + t) * n + c]; out = v;",
+        "ngr_any_over_middle")
+
+
+def any_over_middle(a):
+    """a.any(axis=1) of a C-contiguous bool CuPy array (I, T, n) -> (I, n): one thread per output, reading the T
+    values of its column (consecutive threads read consecutive bytes)."""
+    import cupy as cp  # noqa: PLC0415
+
+    if not (_on_gpu(a) and a.dtype == np.bool_ and a.ndim == 3 and a.flags.c_contiguous):
+        raise ValueError("any_over_middle takes a C-contiguous 3-D bool CuPy array")
+    I, T, n = (int(s) for s in a.shape)
+    out = cp.empty((I, n), dtype=bool)
+    if out.size:
+        _any_kernel()(a, np.int64(T), np.int64(n), out)
+    return out
 
 
 def _launch(name: str, n: int, args) -> None:
