@@ -193,7 +193,7 @@ def _stack_file(path: Path, n: int = 300, box: int = 8, dtype=np.float32, byteor
     return data
 
 
-@pytest.mark.parametrize("pattern", ["consecutive", "half", "shuffled", "scattered", "repeats", "one"])
+@pytest.mark.parametrize("pattern", ["consecutive", "half", "shuffled", "two_windows", "scattered", "repeats", "one"])
 def test_lazy_stack_reads_the_asked_images_by_any_path(tmp_path, monkeypatch, pattern):
     """Whatever the index pattern (the direct reads of windows, with gaps read into scratch, or the memory map),
     the images are the file's, in the order asked for, into ``out`` when given."""
@@ -203,6 +203,7 @@ def test_lazy_stack_reads_the_asked_images_by_any_path(tmp_path, monkeypatch, pa
     idx = {"consecutive": np.arange(40, 200),
            "half": np.flatnonzero(rng.permutation(np.arange(300) % 2) == 1)[:128],  # gaps of 1-5 images
            "shuffled": rng.permutation(np.arange(10, 150)),
+           "two_windows": np.r_[250:290:3, 0:20],  # gaps of 2 in one window, none in the other, 230 between them
            "scattered": np.sort(rng.choice(300, 12, replace=False)),  # memory map
            "repeats": np.array([5, 6, 7, 7, 8, 9, 10, 11, 12, 13, 14, 15]),  # memory map
            "one": np.array([299])}[pattern]
@@ -210,7 +211,7 @@ def test_lazy_stack_reads_the_asked_images_by_any_path(tmp_path, monkeypatch, pa
     monkeypatch.setattr(LazyStack, "_read_windows", lambda self, *a: direct.append(1) or real_windows(self, *a))
     with LazyStack(tmp_path / "s.mrcs") as st:
         np.testing.assert_array_equal(st.read(idx), data[idx])
-        assert bool(direct) == (pattern in ("consecutive", "half", "shuffled"))
+        assert bool(direct) == (pattern in ("consecutive", "half", "shuffled", "two_windows"))
         out = np.full((idx.size, 8, 8), -1.0, np.float32)
         assert st.read(idx, out=out) is out
         np.testing.assert_array_equal(out, data[idx])

@@ -386,20 +386,24 @@ class LazyStack:
         ib = int(np.prod(self.shape[1:])) * 4  # bytes per image
         flat = dest.reshape(-1).view(np.uint8)
         gap = step - 1
-        scratch = np.empty(int(gap.max(initial=0)) * ib, dtype=np.uint8)
+        inner = gap[gap <= DIRECT_READ_MAX_GAP]  # the gaps within windows (those between windows are not read)
+        scratch = np.empty(int(inner.max(initial=0)) * ib, dtype=np.uint8)
         runs = np.flatnonzero(np.diff(ordered, prepend=-2) != 1)  # positions where a run of consecutive images starts
         ends = np.append(runs[1:], ordered.size)
-        bounds = np.append(np.insert(windows, 0, 0), ordered.size)
+        window_of_run = np.searchsorted(windows, runs, side="right")  # windows start at runs' starts
         with open(self.path, "rb", buffering=0) as fh:
-            for w0, w1 in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
-                views = []
-                for a, b in zip(runs.tolist(), ends.tolist(), strict=True):
-                    if a < w0 or a >= w1:
-                        continue
-                    if views:  # the images between the previous run and this one
-                        views.append(memoryview(scratch[:int(gap[a - 1]) * ib]))
-                    views.append(memoryview(flat[a * ib:b * ib]))
-                _read_exactly(fh, views, self.info.offset + int(ordered[w0]) * ib, self.path)
+            views: list = []
+            first = 0
+            for r, (a, b) in enumerate(zip(runs.tolist(), ends.tolist(), strict=True)):
+                if views and window_of_run[r] != window_of_run[r - 1]:  # a new window: read the last one
+                    _read_exactly(fh, views, self.info.offset + int(ordered[first]) * ib, self.path)
+                    views = []
+                if views:  # the images between the previous run and this one
+                    views.append(memoryview(scratch[:int(gap[a - 1]) * ib]))
+                else:
+                    first = a
+                views.append(memoryview(flat[a * ib:b * ib]))
+            _read_exactly(fh, views, self.info.offset + int(ordered[first]) * ib, self.path)
 
     def close(self) -> None:
         """Drop the memory map (the OS unmaps it once no array views remain)."""
