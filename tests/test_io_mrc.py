@@ -224,7 +224,7 @@ def test_lazy_stack_direct_reads_survive_short_reads_and_no_preadv(tmp_path, mon
     read, still gives every image."""
     import napari_gpu_relion.io.mrc as mrc_module
 
-    data = _stack_file(tmp_path / "s.mrcs")
+    data = _stack_file(tmp_path / "s.mrcs", box=32)  # 4 KiB per image: each 1000-byte read ends inside a buffer
     idx = np.flatnonzero(np.arange(300) % 3 != 0)[:150]  # runs of two with one-image gaps
     real = mrc_module.os.preadv
     calls = []

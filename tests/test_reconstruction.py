@@ -212,3 +212,32 @@ def test_insertion_stays_inside_the_block_that_mpi_sums(ndim, N, pad, r_max):
     # the block reaches its own edge (insertion_reach is not larger than needed by more than a voxel)
     r = np.sqrt(sum(np.minimum(i, bp.padded_size - i).astype(float) ** 2 for i in np.nonzero(bp.weight)))
     assert r.max() > pad * r_max - 1
+
+
+@pytest.mark.parametrize("weights", [(1.0, 2.0), (1.0, 0.0), (np.nan, 3.0)])
+def test_reconstruct_classes_keeps_the_old_map_of_an_empty_class_to_the_bit(weights):
+    """reconstruct_classes: the stack's float32 maps; a class without weight (0 or NaN) keeps its old map
+    exactly, float64 values included (the first iteration's references need not be float32 values), the others
+    are the stack's reconstruction."""
+    from napari_gpu_relion.compute.maximization import reconstruct_classes
+
+    rng = np.random.default_rng(2)
+    N, K = 16, 2
+    A = euler_to_matrix(*(rng.uniform(-180, 180, (3, 40)) * np.array([[1], [0.5], [1]])))
+    ky, kx, _ = pixel_list(N, 6, unique=True)
+    stack = BackProjectorStack(K, N, 2, 6)
+    vals = rng.standard_normal((40, kx.size)) + 1j * rng.standard_normal((40, kx.size))
+    insert_by_class(stack.members, rng.integers(0, K, 40), A, kx, ky, vals, np.ones((40, kx.size)))
+    tau2 = [np.full(N // 2 + 1, 2.0)] * K
+    old = rng.standard_normal((K, N, N, N))  # float64 values that float32 cannot hold
+    want = BackProjectorStack(K, N, 2, 6)
+    for a, b in zip(want.arrays, stack.arrays, strict=True):
+        a[...] = b
+    want.enforce_hermitian()
+    fresh = want.reconstruct(np.stack(tau2), 1.0)
+    maps, ssnr = reconstruct_classes(stack, tau2, 1.0, np.array(weights), old)
+    assert len(ssnr) == K
+    empty = [k for k in range(K) if not weights[k] > 0]
+    assert maps.dtype == (np.float64 if empty else np.float32)
+    for k in range(K):
+        np.testing.assert_array_equal(maps[k], old[k] if k in empty else fresh[k])

@@ -659,7 +659,7 @@ def _segment_sum(rows, values, n: int, sorted_entries):
     vals = values.reshape(values.shape[0], int(np.prod(values.shape[1:])))  # not -1: no entries is an (0, C)
     if xp is np:
         rows = np.asarray(rows).reshape(-1)
-        take = np.flatnonzero((rows >= 0) & (rows < n))  # negative rows: entries in no group (segments_of)
+        take = np.flatnonzero(rows >= 0)  # negative rows: entries in no group (segments_of); rows >= n raise
         S = csr_matrix((np.ones(take.size, np.float32), (rows[take], take)), shape=(n, rows.size))
         out = np.asarray(S @ vals, dtype=np.float32)
     elif gpu_kernels.ENABLED and vals.shape[1] >= gpu_kernels.SEGMENT_ROWS_MIN_COLUMNS:

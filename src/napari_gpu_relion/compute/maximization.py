@@ -291,8 +291,9 @@ def reconstruct_classes(stack, tau2: list, tau2_fudge: float, class_weight: np.n
                         sym_matrices: np.ndarray | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
     """The classification M-step of the class maps: Hermitian pairing of every class, point-group symmetrisation
     (``sym_matrices``, 3D), SSNR_MAP per class and one batched MAP reconstruction with each class's tau2.
-    Returns the new maps (K, N, ...) float32, on the stack's device (an empty class keeps ``old_refs[k]``, as
-    RELION does; the maps are float32 values, so no rounding), and the SSNR_MAP curves."""
+    Returns the new maps (K, N, ...) on the stack's device, float32 as reconstructed, and the SSNR_MAP curves. An
+    empty class (no weight) keeps ``old_refs[k]``, as RELION does; the maps are then float64, since the first
+    iteration's references need not be float32 values."""
     stack.enforce_hermitian()
     if sym_matrices is not None and len(sym_matrices) > 1:
         for bp in stack.members:  # symmetrisation per class
@@ -300,10 +301,11 @@ def reconstruct_classes(stack, tau2: list, tau2_fudge: float, class_weight: np.n
     tau2 = np.stack([to_host(t) for t in tau2])
     ssnr_all = ssnr_maps(stack, tau2, tau2_fudge)  # one pass over the K grids
     maps = stack.reconstruct(tau2, tau2_fudge).astype(np.float32, copy=False)
-    empty = np.flatnonzero(np.asarray(class_weight) <= 0)
+    empty = np.flatnonzero(~(np.asarray(class_weight) > 0))  # a NaN weight keeps the old map too
     if empty.size:
         xp = get_array_module(maps)
-        maps[xp.asarray(empty)] = xp.asarray(np.asarray(old_refs)[empty], dtype=np.float32)
+        maps = maps.astype(np.float64)
+        maps[xp.asarray(empty)] = xp.asarray(np.asarray(old_refs)[empty], dtype=np.float64)
     return maps, ssnr_all
 
 

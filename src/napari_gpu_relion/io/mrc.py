@@ -163,20 +163,21 @@ def _read_exactly(fh, views: list[memoryview], offset: int, path: Path) -> None:
     scatter reads where the system has them (threads reading one file share no position; Python's lock is
     released during each), else seek and read."""
     views = [v.cast("B") for v in views]
-    while views:
+    k = 0  # the first buffer not yet full
+    while k < len(views):
         if hasattr(os, "preadv"):
-            n = os.preadv(fh.fileno(), views[:_IOV_MAX], offset)
+            n = os.preadv(fh.fileno(), views[k:k + _IOV_MAX], offset)
         else:
             fh.seek(offset)
-            n = fh.readinto(views[0])
+            n = fh.readinto(views[k])
         if not n:
             raise InputError(f"the file ends before the images asked for (at byte {offset})", path=str(path))
         offset += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
+        while k < len(views) and n >= len(views[k]):
+            n -= len(views[k])
+            k += 1
         if n:
-            views[0] = views[0][n:]
+            views[k] = views[k][n:]
 
 
 def _iov_max() -> int:
@@ -341,9 +342,9 @@ class LazyStack:
         Float32 stacks in this machine's byte order are read by runs of consecutive images, each with one
         positioned read into the result (the kernel copies from its page cache; Python's lock is released
         meanwhile, so a reader thread hardly slows the job's thread and is not slowed by it), when the indices
-        form runs of DIRECT_READ_MIN_RUN images or more on average (a job reads its particles in stack order) or
-        lie within DIRECT_READ_SPAN times their number of images (one random half's rows: every image between
-        the first and the last is read at once); scattered indices and other modes go through the memory map."""
+        lie in windows of the stack with gaps of at most DIRECT_READ_MAX_GAP images between them (a job reads its
+        particles in stack order, or one random half's rows), at least DIRECT_READ_MIN_IMAGES_PER_WINDOW images per
+        window; scattered or repeated indices and other modes go through the memory map."""
         if not self._open:
             raise ValueError(f"{self.path}: stack is closed")
         idx = np.atleast_1d(np.asarray(indices))
@@ -358,6 +359,8 @@ class LazyStack:
         shape = (idx.size,) + self.shape[1:]
         if out is not None and (out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous):
             raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
+        if idx.size == 0:
+            return np.empty(shape, dtype=np.float32) if out is None else out
         if idx.size and self._direct:
             order = np.argsort(idx, kind="stable")
             ordered = idx[order]
@@ -373,7 +376,11 @@ class LazyStack:
                 res[order] = dest
                 return res
         if self._mm is None:
-            self._mm = _memmap(self.path, self.info).reshape(self.shape)
+            try:
+                self._mm = _memmap(self.path, self.info).reshape(self.shape)
+            except ValueError as exc:  # the file changed since its header was read (a job keeps headers)
+                raise InputError(f"the file no longer holds the images its header promised ({exc})",
+                                 path=str(self.path)) from exc
         if out is None:
             return np.asarray(self._mm[idx], dtype=np.float32)
         out[...] = self._mm[idx]

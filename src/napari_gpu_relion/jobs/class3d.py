@@ -176,9 +176,11 @@ class Class3D(em_classification.Classification):
         tau2 = references_tau2(it.references[0])  # of the references this iteration aligned to
         maps, it.ssnr = reconstruct_classes(it.accumulators[0], tau2, p.tau2_fudge, sums.pdf_class, m.refs[0],
                                             self.sym.matrices)
-        if p.flatten_solvent:  # on the device, in float64 as on the host, then rounded as the maps are kept
-            maps = (maps.astype(np.float64) * self.solvent_mask[None]).astype(np.float32)
-        new_refs = to_host(maps)  # float32: one copy to the host
+        if p.flatten_solvent:  # on the device, in float64 as on the host, then rounded as the maps are kept (after
+            maps = maps.astype(np.float64) * self.solvent_mask[None]  # the low-pass of a CC iteration: one rounding)
+            if not (it.cc and p.ini_high > 0):
+                maps = maps.astype(np.float32)
+        new_refs = to_host(maps)  # one copy to the host (float32 unless a class was empty or a low-pass follows)
         if not it.cc:
             m.sigma2[0] = update_sigma2(sums.sigma2, sums.sumw_group, self.N)
             self.state.sigma_offset_A = update_sigma_offset(sums.sigma_offset, sums.sum_weight)
