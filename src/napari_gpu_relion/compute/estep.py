@@ -571,8 +571,7 @@ def _significant_rows(b: _Batch, coarse: _CoarseResult, candidate_log_prior) -> 
     sig = coarse.significant
     cand = coarse.candidates
     n_cols = sig.shape[2]
-    on_gpu = xp is not np and gpu_kernels.ENABLED and sig.flags.c_contiguous
-    sig_rows = gpu_kernels.any_over_middle(sig) if on_gpu else sig.any(axis=1)  # (I, n)
+    sig_rows = gpu_kernels.any_over_middle(sig) if gpu_kernels.any_over_middle_applies(sig) else sig.any(axis=1)
     counts = to_host(sig_rows.sum(axis=1))
     order = np.argsort(counts, kind="stable")
     rank = np.empty(b.n_particles, dtype=np.int64)
@@ -809,8 +808,8 @@ class _ChunkLayout:
     entry_particle: object  # (e,) each entry's particle within the chunk
     entry_column: object  # (e,) each entry's parent column
     fine_rows: object  # indices into the fine slices: (n_par * n_children,) shared or (ni, n_par * n_children)
-    # gathered: fine_rows with -1 for the padding after each particle's own parents (parent 0, weight 0), which
-    # the sums onto the fine rows leave out (segments_of); None when shared
+    # gathered: fine_rows with negative rows for the padding after each particle's own parents (scored as parent
+    # 0, weight 0), which the sums onto the fine rows leave out (segments_of); None when shared
     sum_rows: object = None
 
     @property
@@ -840,8 +839,7 @@ def _chunk_layout(b: _Batch, rows: _SignificantRows, a0: int, a1: int, n_childre
         column = xp.arange(e1 - e0) - starts[entry_particle]
         parents = xp.full((ni, largest), -1, dtype=np.int64)
         parents[entry_particle, column] = union_index
-        sum_rows = parents[:, :, None] * n_children + child[None]
-        sum_rows = xp.where(parents[:, :, None] >= 0, sum_rows, -1).reshape(ni, -1)
+        sum_rows = (parents[:, :, None] * n_children + child[None]).reshape(ni, -1)  # < 0 for the padding
         parents = xp.maximum(parents, 0)  # the padding scores parent 0, masked by its -inf prior
         fine_rows = (parents[:, :, None] * n_children + child[None]).reshape(ni, -1)
         return _ChunkLayout(shared, distinct, parents, entry_particle, column, fine_rows, sum_rows)

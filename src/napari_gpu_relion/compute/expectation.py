@@ -191,8 +191,7 @@ def _finish_scores(cross, pnorm, terms: ParticleTerms):
     if terms.cc:
         den = xp.sqrt(xp.maximum(pnorm, 1e-30)) * terms.xnorm[:, None, None].astype(np.float32)
         return -cross / xp.maximum(den, 1e-30)
-    if xp is not np and gpu_kernels.ENABLED and cross.dtype == np.float32 and pnorm.dtype == np.float32 \
-            and cross.flags.c_contiguous:
+    if gpu_kernels.finish_scores_applies(cross, pnorm):
         return gpu_kernels.finish_scores(cross, pnorm)  # in place over the GEMM's output, one pass
     return pnorm - 2.0 * cross
 
@@ -613,9 +612,6 @@ def segments_of(keys) -> Segments:
     keys = keys.reshape(-1)
     if xp is np:
         valid = keys >= 0
-        if valid.all():
-            distinct, inverse = np.unique(keys, return_inverse=True)
-            return Segments(distinct, inverse.reshape(-1))
         distinct, inv = np.unique(keys[valid], return_inverse=True)
         inverse = np.full(keys.size, -1, dtype=np.int64)
         inverse[valid] = inv.reshape(-1)

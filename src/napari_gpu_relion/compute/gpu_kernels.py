@@ -233,11 +233,16 @@ def _finish_kernel():
     return cp.ElementwiseKernel("float32 pnorm", "float32 c", "c = pnorm - 2.0f * c", "ngr_finish_scores")
 
 
+def finish_scores_applies(cross, pnorm) -> bool:
+    """finish_scores takes these: enabled, CuPy arrays, float32, the scores C-contiguous."""
+    return (_on_gpu(cross, pnorm) and cross.dtype == np.float32 and pnorm.dtype == np.float32
+            and cross.flags.c_contiguous)
+
+
 def finish_scores(cross, pnorm):
     """cross (I, T, R) float32 C-contiguous becomes pnorm - 2 cross in place (pnorm (I, 1, R) float32, broadcast):
     the diff2 of expectation._finish_scores, the same float32 values, in one pass; returns cross."""
-    if not (_on_gpu(cross, pnorm) and cross.dtype == np.float32 and pnorm.dtype == np.float32
-            and cross.flags.c_contiguous):
+    if not finish_scores_applies(cross, pnorm):
         raise ValueError("finish_scores takes C-contiguous float32 CuPy scores and float32 norms")
     _finish_kernel()(pnorm, cross)
     return cross
@@ -254,12 +259,17 @@ def _any_kernel():
         "ngr_any_over_middle")
 
 
+def any_over_middle_applies(a) -> bool:
+    """any_over_middle takes this: enabled, a C-contiguous 3-D bool CuPy array."""
+    return _on_gpu(a) and a.dtype == np.bool_ and a.ndim == 3 and a.flags.c_contiguous
+
+
 def any_over_middle(a):
     """a.any(axis=1) of a C-contiguous bool CuPy array (I, T, n) -> (I, n): one thread per output, reading the T
     values of its column (consecutive threads read consecutive bytes)."""
     import cupy as cp  # noqa: PLC0415
 
-    if not (_on_gpu(a) and a.dtype == np.bool_ and a.ndim == 3 and a.flags.c_contiguous):
+    if not any_over_middle_applies(a):
         raise ValueError("any_over_middle takes a C-contiguous 3-D bool CuPy array")
     I, T, n = (int(s) for s in a.shape)
     out = cp.empty((I, n), dtype=bool)

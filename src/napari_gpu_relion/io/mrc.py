@@ -339,12 +339,11 @@ class LazyStack:
         """Images at 0-based ``indices`` as float32 (n, y, x); InputError for an index outside the stack.
         ``out``: a C-contiguous float32 (n, y, x) array to read them into (returned).
 
-        Float32 stacks in this machine's byte order are read by runs of consecutive images, each with one
-        positioned read into the result (the kernel copies from its page cache; Python's lock is released
-        meanwhile, so a reader thread hardly slows the job's thread and is not slowed by it), when the indices
-        lie in windows of the stack with gaps of at most DIRECT_READ_MAX_GAP images between them (a job reads its
-        particles in stack order, or one random half's rows), at least DIRECT_READ_MIN_IMAGES_PER_WINDOW images per
-        window; scattered or repeated indices and other modes go through the memory map."""
+        Float32 stacks in this machine's byte order are read by one positioned scatter read per window of the
+        stack, straight into the result (the kernel copies from its page cache; Python's lock is released
+        meanwhile), when the indices lie in windows with gaps of at most DIRECT_READ_MAX_GAP images (a job reads
+        its particles in stack order, or one random half's rows), at least DIRECT_READ_MIN_IMAGES_PER_WINDOW
+        images per window; scattered or repeated indices and other modes go through the memory map."""
         if not self._open:
             raise ValueError(f"{self.path}: stack is closed")
         idx = np.atleast_1d(np.asarray(indices))
@@ -361,7 +360,7 @@ class LazyStack:
             raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
         if idx.size == 0:
             return np.empty(shape, dtype=np.float32) if out is None else out
-        if idx.size and self._direct:
+        if self._direct:
             order = np.argsort(idx, kind="stable")
             ordered = idx[order]
             step = np.diff(ordered)
