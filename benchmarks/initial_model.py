@@ -64,7 +64,7 @@ from napari_gpu_relion.io.model_star import read_optimiser_star
 from napari_gpu_relion.io.mrc import read_mrc, write_mrc
 from napari_gpu_relion.jobs import initial_model, refine3d
 from napari_gpu_relion.jobs.common import flag_of
-from napari_gpu_relion.jobs.events import Finished
+from napari_gpu_relion.events import Finished
 from napari_gpu_relion.jobs.simulate import make_sample_data
 
 #: What the truth is compared at, and the "usable model" threshold (issue #22: >= 0.8 to 30 Å).

@@ -24,7 +24,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from napari_gpu_relion import cli
-from napari_gpu_relion.jobs.events import IterationFinished, Message
+from napari_gpu_relion.events import IterationFinished, Message
 
 RECORDS: list[dict] = []
 STATE = {"iteration": 1}

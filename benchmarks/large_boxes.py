@@ -59,7 +59,7 @@ from napari_gpu_relion.compute.masks import soft_spherical_mask
 from napari_gpu_relion.compute.memory_plan import GIB, choose_padding
 from napari_gpu_relion.io.mrc import write_mrc
 from napari_gpu_relion.jobs import em, postprocess, refine3d
-from napari_gpu_relion.jobs.events import Finished, IterationFinished, Message
+from napari_gpu_relion.events import Finished, IterationFinished, Message
 from napari_gpu_relion.jobs.simulate import make_sample_data
 
 #: The free memory the plan assumes for --dry_run without --memory_limit (an H100 80GB with CuPy loaded).

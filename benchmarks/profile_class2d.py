@@ -18,7 +18,7 @@ import numpy as np
 from napari_gpu_relion.compute import backprojector, estep
 from napari_gpu_relion.compute.backend import select_backend
 from napari_gpu_relion.jobs import class2d, em
-from napari_gpu_relion.jobs.events import IterationFinished
+from napari_gpu_relion.events import IterationFinished
 from napari_gpu_relion.jobs.simulate import make_views_and_junk
 
 TIMES: dict = defaultdict(float)

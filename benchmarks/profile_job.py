@@ -31,7 +31,7 @@ from napari_gpu_relion import cli
 from napari_gpu_relion.compute import backend, backprojector, estep, expectation, gpu_kernels, maximization
 from napari_gpu_relion.compute.backend import select_backend
 from napari_gpu_relion.jobs import em
-from napari_gpu_relion.jobs.events import IterationFinished, Message, Started
+from napari_gpu_relion.events import IterationFinished, Message, Started
 
 TIMES: dict = defaultdict(float)
 COUNTS: dict = defaultdict(int)

@@ -25,7 +25,7 @@ from napari_gpu_relion.compute.ground_truth import aligned_correlation
 from napari_gpu_relion.io.jobdir import RunFiles
 from napari_gpu_relion.io.mrc import read_mrc
 from napari_gpu_relion.jobs import class2d
-from napari_gpu_relion.jobs.events import IterationFinished, Message
+from napari_gpu_relion.events import IterationFinished, Message
 from napari_gpu_relion.jobs.simulate import make_views_and_junk
 
 VIEWS = np.array([[0, 90, 0], [90, 90, 0], [0, 0, 0], [45, 45, 0], [135, 60, 0]], dtype=float)

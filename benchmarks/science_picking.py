@@ -41,7 +41,7 @@ from napari_gpu_relion.compute.ground_truth import pick_matches
 from napari_gpu_relion.io.mrc import write_mrc
 from napari_gpu_relion.io.star import write_particles
 from napari_gpu_relion.jobs import autopick
-from napari_gpu_relion.jobs.events import MicrographPicked
+from napari_gpu_relion.events import MicrographPicked
 
 APIX, BOX, DIAM = 3.0, 64, 150.0
 

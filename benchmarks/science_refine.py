@@ -26,7 +26,7 @@ from napari_gpu_relion.io.jobdir import RunFiles
 from napari_gpu_relion.io.mrc import read_mrc
 from napari_gpu_relion.jobs import reconstruct, refine3d
 from napari_gpu_relion.jobs.em import read_optimiser_star
-from napari_gpu_relion.jobs.events import Message
+from napari_gpu_relion.events import Message
 from napari_gpu_relion.jobs.simulate import make_sample_data
 
 ANG = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")

@@ -21,7 +21,7 @@ from napari_gpu_relion.errors import InputError
 from napari_gpu_relion.io.mrc import write_mrc
 from napari_gpu_relion.io.star import read_coordinates, read_star, write_particles
 from napari_gpu_relion.jobs import autopick
-from napari_gpu_relion.jobs.events import Finished, Message, MicrographPicked
+from napari_gpu_relion.events import Finished, Message, MicrographPicked
 
 APIX, BOX, DIAM = 3.0, 64, 150.0
 

@@ -87,7 +87,7 @@ def test_a_batch_below_one_is_refused(data, tmp_path):
 def test_tf32_on_the_cpu_says_it_has_no_effect_and_changes_nothing(data, tmp_path):
     """--tf32 is a GPU option (tests/test_gpu.py checks that it rounds there): on the CPU the job says it has no
     effect and gives bit-identical results."""
-    from napari_gpu_relion.jobs.events import Message  # noqa: PLC0415
+    from napari_gpu_relion.events import Message  # noqa: PLC0415
 
     out, said = {}, {}
     for tf32 in (False, True):

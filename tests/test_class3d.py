@@ -14,7 +14,7 @@ from napari_gpu_relion.compute.ground_truth import class_assignment_report
 from napari_gpu_relion.errors import InputError
 from napari_gpu_relion.io.mrc import read_mrc
 from napari_gpu_relion.jobs import class3d, em
-from napari_gpu_relion.jobs.events import Finished
+from napari_gpu_relion.events import Finished
 from napari_gpu_relion.jobs.simulate import make_sample_data
 
 

@@ -17,7 +17,7 @@ from napari_gpu_relion.io.mrc import write_mrc
 from napari_gpu_relion.io.particle_images import load_images
 from napari_gpu_relion.io.star import read_particles, write_coordinates, write_particles
 from napari_gpu_relion.jobs import extract
-from napari_gpu_relion.jobs.events import Finished
+from napari_gpu_relion.events import Finished
 
 APIX, BOX = 3.0, 64
 

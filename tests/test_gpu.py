@@ -234,7 +234,7 @@ def test_a_tf32_job_says_so_and_leaves_its_thread_in_float32(tmp_path):
     >= 98 % of the particles (4 of 200; at iteration 1 of class3d K=4 on 10,000 particles TF32 moved 0.43 %,
     benchmarks/README.md "TF32"), and its thread's products are float32 again once it has ended."""
     from napari_gpu_relion.jobs import class2d  # noqa: PLC0415
-    from napari_gpu_relion.jobs.events import Message  # noqa: PLC0415
+    from napari_gpu_relion.events import Message  # noqa: PLC0415
     from napari_gpu_relion.jobs.simulate import make_sample_data  # noqa: PLC0415
 
     data = make_sample_data(tmp_path / "data", box=32, angpix=6.0, n_particles=200, snr=0.2, diameter=134.4,
@@ -384,7 +384,7 @@ def test_images_kept_on_the_gpu_give_the_same_refinement_as_images_read_from_the
 
     from napari_gpu_relion.compute.geometry import angular_distance_deg  # noqa: PLC0415
     from napari_gpu_relion.jobs import em, refine3d  # noqa: PLC0415
-    from napari_gpu_relion.jobs.events import Message  # noqa: PLC0415
+    from napari_gpu_relion.events import Message  # noqa: PLC0415
     from napari_gpu_relion.jobs.simulate import make_sample_data  # noqa: PLC0415
 
     data = make_sample_data(tmp_path / "data", box=32, angpix=6.0, n_particles=200, snr=0.1, diameter=140.0,

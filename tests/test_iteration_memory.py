@@ -15,7 +15,7 @@ from napari_gpu_relion.compute.projector import pixel_list
 from napari_gpu_relion.compute.simulate import random_rotations
 from napari_gpu_relion.io.mrc import read_mrc
 from napari_gpu_relion.jobs import em, refine3d
-from napari_gpu_relion.jobs.events import Message
+from napari_gpu_relion.events import Message
 from napari_gpu_relion.jobs.simulate import make_sample_data
 
 BOX = 96  # 300 Å over 80 % of the box, 3.9 Å/px: ~10 s on 2 cores (smaller boxes at coarser pixels are slower)

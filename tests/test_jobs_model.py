@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 from relion_files import class2d_iteration, refine_iteration
 
-from napari_gpu_relion.jobs.events import Finished, IterationFinished
+from napari_gpu_relion.events import Finished, IterationFinished
 from napari_gpu_relion.widgets import jobs_model as jm
 
 

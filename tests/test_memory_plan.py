@@ -34,7 +34,7 @@ from napari_gpu_relion.compute.memory_plan import (
 from napari_gpu_relion.compute.projector import prepare_reference
 from napari_gpu_relion.compute.sampling import Sampling
 from napari_gpu_relion.jobs import em, refine3d
-from napari_gpu_relion.jobs.events import Message
+from napari_gpu_relion.events import Message
 from napari_gpu_relion.jobs.simulate import make_sample_data
 
 

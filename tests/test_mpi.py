@@ -381,7 +381,7 @@ def test_a_job_under_mpiexec_as_a_child_sends_the_events_of_one_in_process(data)
     (Started naming 2 ranks, the class averages as arrays, the iteration, Finished) and equal the job's files."""
     from napari_gpu_relion import mpi_child  # noqa: PLC0415
     from napari_gpu_relion.jobs import class2d  # noqa: PLC0415
-    from napari_gpu_relion.jobs.events import ClassAveragesUpdated, Finished, IterationFinished, Started  # noqa: PLC0415
+    from napari_gpu_relion.events import ClassAveragesUpdated, Finished, IterationFinished, Started  # noqa: PLC0415
 
     p = class2d.Params(i=data / "particles.star", o=data / "W2/run", K=4, iter=1, ctf=True, particle_diameter=150.0,
                        cpu=True)
@@ -396,7 +396,7 @@ def test_a_job_under_mpiexec_as_a_child_sends_the_events_of_one_in_process(data)
 def test_cancelling_a_child_mpi_job_ends_every_rank(data):
     from napari_gpu_relion import mpi_child  # noqa: PLC0415
     from napari_gpu_relion.jobs import class2d  # noqa: PLC0415
-    from napari_gpu_relion.jobs.events import Progress  # noqa: PLC0415
+    from napari_gpu_relion.events import Progress  # noqa: PLC0415
 
     out = data / "Wcancel"
     p = class2d.Params(i=data / "particles.star", o=out / "run", K=4, iter=20, ctf=True, particle_diameter=150.0,

@@ -20,7 +20,7 @@ from napari.utils.interactions import (  # noqa: E402
 
 from napari_gpu_relion.io.micrographs import read_coordinate_list  # noqa: E402
 from napari_gpu_relion.io.star import read_coordinates, write_star_blocks  # noqa: E402
-from napari_gpu_relion.jobs.events import ClassAveragesUpdated, Finished, MicrographPicked  # noqa: E402
+from napari_gpu_relion.events import ClassAveragesUpdated, Finished, MicrographPicked  # noqa: E402
 from napari_gpu_relion.widgets.display import (  # noqa: E402
     LiveDisplay,
     class_at,

@@ -17,7 +17,7 @@ from magicgui.widgets import CheckBox, FileEdit, FloatSpinBox, LineEdit, SpinBox
 from napari_gpu_relion.errors import InputError  # noqa: E402
 from napari_gpu_relion.io.atomic import atomic_path  # noqa: E402
 from napari_gpu_relion.io.mrc import read_mrc  # noqa: E402
-from napari_gpu_relion.jobs.events import (  # noqa: E402
+from napari_gpu_relion.events import (  # noqa: E402
     Finished,
     FscUpdated,
     MapUpdated,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from napari_gpu_relion.jobs.events import Progress
+from napari_gpu_relion.events import Progress
 from napari_gpu_relion.widgets.progress_model import BAR_STEPS, ProgressClock, format_duration, run_fraction
 
 

@@ -187,7 +187,7 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_result(small_data, tm
     """An E-step batch that does not fit is retried at half the size: the job goes on, says so, and its angles
     are those of a run that used the small batch from the start."""
     from napari_gpu_relion.jobs import em
-    from napari_gpu_relion.jobs.events import Message
+    from napari_gpu_relion.events import Message
 
     real = em.expectation_batch
 

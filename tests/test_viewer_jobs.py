@@ -19,7 +19,7 @@ pytest.importorskip("napari")
 from qtpy.QtWidgets import QApplication, QDockWidget  # noqa: E402
 
 from napari_gpu_relion.errors import InputError  # noqa: E402
-from napari_gpu_relion.jobs.events import (  # noqa: E402
+from napari_gpu_relion.events import (  # noqa: E402
     Finished,
     FscUpdated,
     MicrographPicked,

@@ -11,7 +11,7 @@ pytest.importorskip("napari")
 
 from qtpy.QtWidgets import QApplication  # noqa: E402
 
-from napari_gpu_relion.jobs.events import ClassAveragesUpdated, MapUpdated, MicrographPicked  # noqa: E402
+from napari_gpu_relion.events import ClassAveragesUpdated, MapUpdated, MicrographPicked  # noqa: E402
 from napari_gpu_relion.widgets.display import LiveDisplay  # noqa: E402
 
 PLUGIN = "napari-gpu-relion"

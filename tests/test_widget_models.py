@@ -220,7 +220,7 @@ def test_models_import_without_qt_or_napari():
         model.add(0, 3.0, 4.0)
         model.coordinate_tables()
         import numpy as np
-        from napari_gpu_relion.jobs.events import MapUpdated
+        from napari_gpu_relion.events import MapUpdated
         from napari_gpu_relion.widgets.display_model import prepare_map
         from napari_gpu_relion.widgets.form_model import form_layout
         from napari_gpu_relion.widgets.style import PICK_COLORS
@@ -323,7 +323,7 @@ def test_form_layout_groups_options_in_relion_like_tabs_basic_first():
 
 
 def test_bin_volume_averages_blocks_and_prepare_map_keeps_the_map_in_place():
-    from napari_gpu_relion.jobs.events import MapUpdated
+    from napari_gpu_relion.events import MapUpdated
     from napari_gpu_relion.widgets.display_model import bin_volume, prepare_map
 
     vol = np.arange(6 * 6 * 6, dtype=np.float32).reshape(6, 6, 6)
@@ -351,7 +351,7 @@ def test_iso_mesh_is_the_surface_at_the_level():
 
 
 def test_prepare_classes_composes_the_grid_off_the_gui_thread():
-    from napari_gpu_relion.jobs.events import ClassAveragesUpdated
+    from napari_gpu_relion.events import ClassAveragesUpdated
     from napari_gpu_relion.widgets.display_model import prepare_classes, prepare_event
 
     imgs = np.stack([np.full((8, 8), k, np.float32) + np.eye(8, dtype=np.float32) for k in range(3)])
@@ -426,7 +426,7 @@ def test_extraction_boxes_cover_exactly_the_pixels_extraction_cut():
 
 
 def test_extraction_gallery_is_composed_like_the_class_grid():
-    from napari_gpu_relion.jobs.events import ParticlesExtracted
+    from napari_gpu_relion.events import ParticlesExtracted
     from napari_gpu_relion.widgets.class_grid_model import ClassGrid
     from napari_gpu_relion.widgets.display_model import prepare_extraction
 

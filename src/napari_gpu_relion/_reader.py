@@ -367,7 +367,7 @@ def star_kind(path: str | os.PathLike) -> str | None:
 def postprocess_fsc(path: str | os.PathLike) -> Any:
     """The FSC curves of a post-processing STAR (RELION's postprocess.star or ours) as an FscUpdated event:
     curves against rlnResolution (1/Å), the resolution from rlnFinalResolution (FSC 0.143)."""
-    from .jobs.events import FscUpdated
+    from .events import FscUpdated
 
     blocks = read_star(path)
     fsc = blocks.get("fsc")

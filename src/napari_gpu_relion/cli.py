@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .errors import InputError, os_error_line, user_error_line
 from .jobs.common import flag_of
-from .jobs.events import Finished, FscUpdated, IterationFinished, Message, Progress, Started
+from .events import Finished, FscUpdated, IterationFinished, Message, Progress, Started
 from .mpi_child import event_sender
 from .parallel import launched_by_mpi, launcher_rank, rank_error, rank_prefix
 

@@ -41,7 +41,7 @@ from ..io.star import write_coordinates
 from ..parallel import world
 from .common import backend_for, check_cancel, check_output_folder, check_pixel_size, param, prepare_output, write_note
 from .distributed import root_events
-from .events import Finished, Message, MicrographPicked, Progress, Started
+from ..events import Finished, Message, MicrographPicked, Progress, Started
 
 JOB_NAME = "autopick"
 #: Template figures of merit (--fom): the matched-filter z-score (default) and RELION's probability ratio.

@@ -36,7 +36,7 @@ from ..errors import InputError
 from ..io.mrc import write_mrc
 from . import em, em_classification
 from .common import param
-from .events import ClassAveragesUpdated, Finished, IterationFinished, Message
+from ..events import ClassAveragesUpdated, Finished, IterationFinished, Message
 
 JOB_NAME = "class2d"
 #: RELION uses up to 1000 random particles for the starting class averages.

@@ -43,7 +43,7 @@ from ..compute.sampling import GivenOrientations, Sampling
 from ..io.mrc import write_mrc
 from . import em, em_classification
 from .common import param
-from .events import Finished, IterationFinished, MapUpdated, Message
+from ..events import Finished, IterationFinished, MapUpdated, Message
 
 JOB_NAME = "class3d"
 SEEDING = "rlnGpuRelionClassSeeding"

@@ -17,7 +17,7 @@ from ..compute.backend import Backend, free_cached_memory, is_out_of_memory, sel
 from ..errors import InputError, JobCancelled, os_error_line
 from ..io.atomic import remove_stale_temporaries
 from ..parallel import gpu_for_rank, world
-from .events import Message
+from ..events import Message
 
 #: Bytes of an MRC header, and a margin for the small files of a job (note.txt, STAR headers).
 _MRC_HEADER = 1024

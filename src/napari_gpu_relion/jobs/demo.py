@@ -37,7 +37,7 @@ from ..io.mrc import read_mrc, write_mrc
 from ..io.star import read_coordinates, read_particles
 from . import autopick, class2d, extract, initial_model, mask_create, postprocess, reconstruct, refine3d, select
 from .common import param
-from .events import Finished, Message, Started
+from ..events import Finished, Message, Started
 from .simulate import make_sample_data, sample_data_dir
 
 JOB_NAME = "demo"

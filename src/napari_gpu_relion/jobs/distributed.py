@@ -18,7 +18,7 @@ import numpy as np
 from ..compute.backprojector import insertion_reach, support_index
 from ..compute.estep import EStepSums
 from ..parallel import SingleProcess
-from .events import Message, Started
+from ..events import Message, Started
 
 #: EStepSums fields that are sums over particles (arrays, then scalars); the others describe the shapes.
 SUMMED_ARRAYS = ("sigma2", "sumw_group", "pdf_class", "pdf_direction", "offset_sum", "xa", "aa")

@@ -84,7 +84,7 @@ from .common import (
     write_note,
 )
 from .distributed import merge_particles, root_events, sum_estep
-from .events import Finished, Message, Progress, Started
+from ..events import Finished, Message, Progress, Started
 from .kernel_preload import Preload
 from .particles import ParticleSet, load_particle_set, particle_state, write_data_star
 

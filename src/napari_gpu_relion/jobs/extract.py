@@ -42,7 +42,7 @@ from .common import (
     write_note,
 )
 from .distributed import root_events
-from .events import Finished, Message, ParticlesExtracted, Progress, Started
+from ..events import Finished, Message, ParticlesExtracted, Progress, Started
 
 JOB_NAME = "extract"
 #: Extracted images per micrograph sent to the viewer's gallery (ParticlesExtracted); the stack has them all.

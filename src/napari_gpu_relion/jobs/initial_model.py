@@ -67,7 +67,7 @@ from ..io.jobdir import project_path
 from ..io.mrc import read_mrc, write_mrc
 from . import em, em_classification
 from .common import param
-from .events import Finished, IterationFinished, MapUpdated, Message
+from ..events import Finished, IterationFinished, MapUpdated, Message
 
 JOB_NAME = "initial_model"
 #: RELION's --maxsig in gradient iterations of a 3D job: 100 significant coarse samples per class and particle.

@@ -32,7 +32,7 @@ from .common import (
     require_file,
     write_note,
 )
-from .events import Finished, FscUpdated, MapUpdated, Message, Progress, Started
+from ..events import Finished, FscUpdated, MapUpdated, Message, Progress, Started
 
 JOB_NAME = "postprocess"
 

@@ -37,7 +37,7 @@ from .common import (
     write_note,
 )
 from .distributed import accumulator_grids, root_events
-from .events import Finished, MapUpdated, Message, Progress, Started
+from ..events import Finished, MapUpdated, Message, Progress, Started
 
 JOB_NAME = "reconstruct"
 

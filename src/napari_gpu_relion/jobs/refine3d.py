@@ -44,7 +44,7 @@ from ..io.model_star import write_model_star
 from ..io.mrc import write_mrc
 from . import em
 from .common import param
-from .events import Finished, FscUpdated, IterationFinished, MapUpdated, Message
+from ..events import Finished, FscUpdated, IterationFinished, MapUpdated, Message
 
 JOB_NAME = "refine3d"
 

@@ -20,7 +20,7 @@ from ..io.jobdir import model_for_data
 from ..io.particle_images import image_names_for
 from ..io.star import ParticleTable, read_particles, read_star, write_particles
 from .common import check_output_file, param, prepare_output, require_file, write_note
-from .events import Finished, Started
+from ..events import Finished, Started
 
 JOB_NAME = "select"
 

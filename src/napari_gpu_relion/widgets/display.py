@@ -4,7 +4,7 @@ A thin view. The pick and class-selection state lives in plain models (no Qt, no
 :class:`~napari_gpu_relion.widgets.pick_model.PickModel` and
 :class:`~napari_gpu_relion.widgets.class_grid_model.ClassGrid`; the plots are in widgets/plots.py. Here:
 
-* :class:`~napari_gpu_relion.jobs.events.MapUpdated`: one Surface layer per ``event.name``, created once: the
+* :class:`~napari_gpu_relion.events.MapUpdated`: one Surface layer per ``event.name``, created once: the
   map's iso-surface mesh (Å scale; level, mesh and binning of maps larger than 128 voxels a side computed in the
   worker thread by widgets/display_model.py), then updated in place. Maps are always shown in
   3D, where they can be seen: a new map switches the viewer to 3D, frames the maps, and hides the 2D layers
@@ -12,15 +12,15 @@ A thin view. The pick and class-selection state lives in plain models (no Qt, no
   shows them again and takes the maps out of the layer list meanwhile (kept, still updated, and put back in 3D),
   so that the map's z axis does not lengthen the micrograph slider. A new 2D result (picks, class grid) switches
   back to 2D. The second half map of a refinement starts hidden (it lies on the first).
-* :class:`~napari_gpu_relion.jobs.events.FscUpdated`: one dock "FSC" showing the plot that
+* :class:`~napari_gpu_relion.events.FscUpdated`: one dock "FSC" showing the plot that
   :meth:`LiveDisplay.prepare_event` drew in the worker thread (widgets/plots.py).
-* :class:`~napari_gpu_relion.jobs.events.MicrographPicked`: into the PickModel, shown as one Points layer "picks"
+* :class:`~napari_gpu_relion.events.MicrographPicked`: into the PickModel, shown as one Points layer "picks"
   (mic, y, x; row i of the model is point i), features fom, class, psi, mic and manual, ``shown`` from the
   model's threshold. Points added by hand get RELION's manual-pick markers (fom, class, psi = -999), ``manual``
   True and ``mic`` from their slice; the user's edits of the layer are read back into the model before it is
   used again, so they survive later picks of the job. The picking dock has the layer made, empty, when it opens
   (:meth:`LiveDisplay.prepare_picks_layer`), so that the picks only fill it in place.
-* :class:`~napari_gpu_relion.jobs.events.ClassAveragesUpdated`: a ClassGrid drawn as one image (in Å, placed
+* :class:`~napari_gpu_relion.events.ClassAveragesUpdated`: a ClassGrid drawn as one image (in Å, placed
   to the right of the micrographs so that neither hides the other), a Points layer "<name> labels" and a Shapes
   layer "<name> selection" outlining the selected classes. A click on a tile (grid,
   labels or selection layer active, pan/zoom mode) toggles its class. The model lives in the grid layer's
@@ -59,7 +59,7 @@ from qtpy.QtCore import QTimer
 
 from .._reader import points_kwargs
 from ..compute.angular_distribution import angular_histogram
-from ..jobs.events import ClassAveragesUpdated, FscUpdated, MapUpdated, MicrographPicked, ParticlesExtracted
+from ..events import ClassAveragesUpdated, FscUpdated, MapUpdated, MicrographPicked, ParticlesExtracted
 from . import plots
 from .class_grid_model import ClassGrid, class_at, grid_shape, tile_at, tile_corners
 from .display_model import (

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from .._reader import iso_level
-from ..jobs.events import ClassAveragesUpdated, FscUpdated, MapUpdated, ParticlesExtracted
+from ..events import ClassAveragesUpdated, FscUpdated, MapUpdated, ParticlesExtracted
 from .class_grid_model import ClassGrid, compose_tiles
 
 __all__ = ["MAX_DISPLAY_BOX", "PreparedMap", "PreparedClasses", "PreparedFsc", "PreparedExtraction", "bin_volume",

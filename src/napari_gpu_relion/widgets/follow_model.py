@@ -38,7 +38,7 @@ from ..compute.fsc import resolution_shell
 from ..errors import InputError
 from ..io.mrc import mrc_header_info, read_mrc
 from ..io.star import read_star
-from ..jobs.events import ClassAveragesUpdated, FscUpdated, MapUpdated
+from ..events import ClassAveragesUpdated, FscUpdated, MapUpdated
 
 __all__ = ["SETTLE_S", "Snapshot", "FolderFollower", "is_job_folder", "model_snapshot", "snapshot_events"]
 

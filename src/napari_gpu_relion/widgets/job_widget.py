@@ -65,7 +65,7 @@ from superqt import QCollapsible
 
 from ..compute.backend import gpu_available
 from ..errors import InputError
-from ..jobs.events import (
+from ..events import (
     ClassAveragesUpdated,
     Finished,
     FscUpdated,

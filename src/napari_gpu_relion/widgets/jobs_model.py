@@ -523,7 +523,7 @@ class SessionJobs:
         entry = _SessionJob(name, folder, job, params, weakref.ref(widget) if widget is not None else None)
         self._jobs = [e for e in self._jobs if not _same(e.folder, folder) or e.job != name]
         self._jobs.append(entry)
-        from ..jobs.events import Finished, IterationFinished  # no Qt: the job events
+        from ..events import Finished, IterationFinished  # no Qt: the job events
 
         if hasattr(job, "state_callbacks"):
             job.state_callbacks.append(self._changed)

@@ -29,7 +29,7 @@ from qtpy.QtCore import QTimer
 from qtpy.QtWidgets import QAbstractItemView, QFileDialog, QHeaderView, QListWidget, QTableWidget, QTableWidgetItem
 
 from ..errors import InputError
-from ..jobs.events import Event
+from ..events import Event
 from .display import LiveDisplay
 from .follow_model import SETTLE_S, FolderFollower
 from .job_widget import wrapping

@@ -23,7 +23,7 @@ from qtpy.QtGui import QImage, QPixmap
 from qtpy.QtWidgets import QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from ..compute.angular_distribution import AngularHistogram
-from ..jobs.events import FscUpdated
+from ..events import FscUpdated
 
 if TYPE_CHECKING:
     import napari

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..jobs.events import Progress
+from ..events import Progress
 
 __all__ = ["BAR_STEPS", "MIN_SECONDS_FOR_ETA", "ProgressClock", "ProgressReport", "format_duration", "run_fraction"]
 

@@ -22,7 +22,7 @@ from ..errors import InputError
 from ..io.jobdir import RunFiles
 from ..io.star import read_particles
 from ..jobs import refine3d
-from ..jobs.events import Finished
+from ..events import Finished
 from .job_widget import JobWidget
 from .plots import render_angular_distribution
 from .runner import error_message

@@ -1,6 +1,6 @@
 """Run job generators in background threads and hand their events to the GUI thread.
 
-A job is any callable returning an iterator of :mod:`~napari_gpu_relion.jobs.events` (``job.run(params)``).
+A job is any callable returning an iterator of :mod:`~napari_gpu_relion.events` (``job.run(params)``).
 :class:`JobRunner` wraps it in a napari generator worker and:
 
 * dispatches each event to callbacks registered per event type, in the GUI thread (queued Qt signals);
@@ -44,7 +44,7 @@ from qtpy.QtWidgets import QApplication
 
 from ..errors import InputError, JobCancelled, os_error_line
 from ..jobs.common import cancel_scope
-from ..jobs.events import Finished, Message, Progress, Started
+from ..events import Finished, Message, Progress, Started
 
 __all__ = ["JobError", "JobState", "Job", "JobRunner", "get_runner", "close_all_runners", "error_message", "frozen_gc",
            "note_gui_busy", "wait_after_collection"]
