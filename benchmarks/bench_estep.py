@@ -24,7 +24,6 @@ import time
 import numpy as np
 from bench_reconstruction import timed  # the same timer (benchmarks/ is the script folder)
 
-from napari_gpu_relion.compute.backend import CHUNK_BYTES, select_backend, set_matmul_tf32
 from napari_gpu_relion.compute.backprojector import BackProjectorStack
 from napari_gpu_relion.compute.ctf import CtfParams, ctf_from_frequencies
 from napari_gpu_relion.compute.estep import EStepSetup, EStepSums, PreparedBatch, expectation_batch
@@ -38,6 +37,8 @@ from napari_gpu_relion.compute.expectation import (
 from napari_gpu_relion.compute.geometry import euler_to_matrix
 from napari_gpu_relion.compute.projector import prepare_reference, project_pixels
 from napari_gpu_relion.compute.sampling import Sampling
+from napari_gpu_relion.runtime.device import select_backend, set_matmul_tf32
+from napari_gpu_relion.runtime.memory import CHUNK_BYTES
 
 
 def sgemm_rate(be, n=8192):

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from napari_gpu_relion.compute.backend import free_cached_memory, select_backend, template_pick_batch
 from napari_gpu_relion.compute.ctf import CtfParams
 from napari_gpu_relion.jobs import autopick as ap
+from napari_gpu_relion.runtime.device import select_backend
+from napari_gpu_relion.runtime.memory import free_cached_memory, template_pick_batch
 
 
 def micrographs(n: int, size: int, apix: float, seed: int = 0) -> list[np.ndarray]:

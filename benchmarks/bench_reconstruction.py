@@ -15,12 +15,12 @@ import time
 import numpy as np
 
 from napari_gpu_relion.compute import gpu_kernels
-from napari_gpu_relion.compute.backend import select_backend
 from napari_gpu_relion.compute.backprojector import BackProjector
 from napari_gpu_relion.compute.ctf import CtfParams, ctf_half_grid
 from napari_gpu_relion.compute.fourier import phase_shift_2d, rfft_centered
 from napari_gpu_relion.compute.geometry import euler_to_matrix
 from napari_gpu_relion.compute.projector import prepare_reference, project
+from napari_gpu_relion.runtime.device import select_backend
 
 
 def timed(be, fn, reps=3):

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from napari_gpu_relion.cli import build_parser
-from napari_gpu_relion.compute.fourier import power_spectrum
+from napari_gpu_relion.compute.fourier import radial_average, rfft_centered
 from napari_gpu_relion.io.model_star import read_model_star
 from napari_gpu_relion.io.mrc import read_mrc
 from napari_gpu_relion.jobs import refine3d
@@ -36,6 +36,12 @@ def our_params(command: str, data: Path) -> refine3d.Params:
         kw[k] = str(data / kw[k])
     kw["o"] = str(data / "iteration0_scratch" / "run")
     return refine3d.Params(**kw)
+
+
+def power_spectrum(x: np.ndarray, ndim: int = 3) -> np.ndarray:
+    """Per-shell mean |X|^2 (RELION normalisation), shells 0..N/2."""
+    F = rfft_centered(x, ndim)
+    return radial_average(F.real**2 + F.imag**2, x.shape[-1], ndim)
 
 
 def ratio(a: np.ndarray, b: np.ndarray) -> list[float]:

@@ -56,16 +56,16 @@ import starfile
 from science_refine import half_map_resolution
 from vs_relion import ANG, particles_of, relion
 
-from napari_gpu_relion.compute.backend import select_backend
 from napari_gpu_relion.compute.geometry import angular_distance_deg, euler_to_matrix
 from napari_gpu_relion.compute.initial_model import aligned_map_correlation
+from napari_gpu_relion.events import Finished
 from napari_gpu_relion.io.jobdir import RunFiles
 from napari_gpu_relion.io.model_star import read_optimiser_star
 from napari_gpu_relion.io.mrc import read_mrc, write_mrc
 from napari_gpu_relion.jobs import initial_model, refine3d
 from napari_gpu_relion.jobs.common import flag_of
-from napari_gpu_relion.events import Finished
 from napari_gpu_relion.jobs.simulate import make_sample_data
+from napari_gpu_relion.runtime.device import select_backend
 
 #: What the truth is compared at, and the "usable model" threshold (issue #22: >= 0.8 to 30 Å).
 RESOLUTIONS_A = (30.0, 20.0)

@@ -54,13 +54,14 @@ import threading
 import time
 from pathlib import Path
 
-from napari_gpu_relion.compute.backend import MemoryTrace, free_cached_memory, select_backend, to_host
+from napari_gpu_relion.compute.backend import to_host
 from napari_gpu_relion.compute.masks import soft_spherical_mask
-from napari_gpu_relion.compute.memory_plan import GIB, choose_padding
+from napari_gpu_relion.events import Finished, IterationFinished, Message
 from napari_gpu_relion.io.mrc import write_mrc
 from napari_gpu_relion.jobs import em, postprocess, refine3d
-from napari_gpu_relion.events import Finished, IterationFinished, Message
 from napari_gpu_relion.jobs.simulate import make_sample_data
+from napari_gpu_relion.runtime.device import select_backend
+from napari_gpu_relion.runtime.memory import GIB, MemoryTrace, choose_padding, free_cached_memory
 
 #: The free memory the plan assumes for --dry_run without --memory_limit (an H100 80GB with CuPy loaded).
 DRY_RUN_FREE_GIB = 78.6

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
+from napari_gpu_relion.events import Finished, MicrographPicked
 from napari_gpu_relion.io.mrc import read_mrc
 from napari_gpu_relion.jobs import autopick
-from napari_gpu_relion.events import Finished, MicrographPicked
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from napari_gpu_relion.compute import backprojector, estep
-from napari_gpu_relion.compute.backend import select_backend
-from napari_gpu_relion.jobs import class2d, em
 from napari_gpu_relion.events import IterationFinished
+from napari_gpu_relion.jobs import class2d, em
 from napari_gpu_relion.jobs.simulate import make_views_and_junk
+from napari_gpu_relion.runtime.device import select_backend
 
 TIMES: dict = defaultdict(float)
 COUNTS: dict = defaultdict(int)

@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 
 from napari_gpu_relion.compute import estep
-from napari_gpu_relion.compute.backend import CHUNK_BYTES, select_backend
 from napari_gpu_relion.compute.backprojector import BackProjectorStack
 from napari_gpu_relion.compute.estep import (
     EStepSetup,
@@ -31,6 +30,8 @@ from napari_gpu_relion.compute.estep import (
 from napari_gpu_relion.compute.expectation import pixel_set
 from napari_gpu_relion.compute.masks import soft_spherical_mask
 from napari_gpu_relion.compute.projector import prepare_reference
+from napari_gpu_relion.runtime.device import select_backend
+from napari_gpu_relion.runtime.memory import CHUNK_BYTES
 
 TIMES: dict = defaultdict(float)
 

@@ -28,10 +28,11 @@ from dataclasses import fields
 from pathlib import Path
 
 from napari_gpu_relion import cli
-from napari_gpu_relion.compute import backend, backprojector, estep, expectation, gpu_kernels, maximization
-from napari_gpu_relion.compute.backend import select_backend
-from napari_gpu_relion.jobs import em
+from napari_gpu_relion.compute import backprojector, estep, expectation, gpu_kernels, maximization
 from napari_gpu_relion.events import IterationFinished, Message, Started
+from napari_gpu_relion.jobs import em
+from napari_gpu_relion.runtime import memory
+from napari_gpu_relion.runtime.device import select_backend
 
 TIMES: dict = defaultdict(float)
 COUNTS: dict = defaultdict(int)
@@ -272,7 +273,7 @@ def main():
     if a.shared_factor:
         estep.SHARED_LAYOUT_FACTOR = a.shared_factor
     if a.fine_chunk_mib:  # the plan's chunk is clamped to [CHUNK_BYTES, MAX_FINE_CHUNK_BYTES]: pin both
-        backend.CHUNK_BYTES = backend.MAX_FINE_CHUNK_BYTES = a.fine_chunk_mib << 20
+        memory.CHUNK_BYTES = memory.MAX_FINE_CHUNK_BYTES = a.fine_chunk_mib << 20
     args = cli.build_parser().parse_args(argv[split + 1:])
     module = importlib.import_module(args._module)
     params = module.Params(**{f.name: getattr(args, f.name) for f in fields(module.Params)})
@@ -338,7 +339,7 @@ def main():
                                                                "initialisation_steps_s", "total_s"))
     trace_summary, host_summary = runs[0]["kernel_trace"], runs[0]["host_profile"]
     res = {"hardware": be.name, "argv": argv, "fused_kernels": gpu_kernels.ENABLED, "read_ahead": em.READ_AHEAD,
-           "fine_chunk_bytes": backend.CHUNK_BYTES,
+           "fine_chunk_bytes": memory.CHUNK_BYTES,
            "shared_layout_factor": estep.SHARED_LAYOUT_FACTOR,
            "timers": TRACE["timers"], "total_s": total, "initialisation_s": started,
            "initialisation_steps_s": init_steps,

@@ -29,8 +29,8 @@ import starfile
 
 import napari_gpu_relion
 from napari_gpu_relion.compute.geometry import angular_distance_deg, euler_to_matrix
-from napari_gpu_relion.jobs import refine3d
 from napari_gpu_relion.events import Finished, Message
+from napari_gpu_relion.jobs import refine3d
 from napari_gpu_relion.jobs.simulate import make_sample_data
 
 ANG = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")

@@ -20,13 +20,13 @@ from pathlib import Path
 import numpy as np
 import starfile
 
-from napari_gpu_relion.compute.backend import select_backend
 from napari_gpu_relion.compute.ground_truth import aligned_correlation
+from napari_gpu_relion.events import IterationFinished, Message
 from napari_gpu_relion.io.jobdir import RunFiles
 from napari_gpu_relion.io.mrc import read_mrc
 from napari_gpu_relion.jobs import class2d
-from napari_gpu_relion.events import IterationFinished, Message
 from napari_gpu_relion.jobs.simulate import make_views_and_junk
+from napari_gpu_relion.runtime.device import select_backend
 
 VIEWS = np.array([[0, 90, 0], [90, 90, 0], [0, 0, 0], [45, 45, 0], [135, 60, 0]], dtype=float)
 

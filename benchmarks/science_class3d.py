@@ -18,12 +18,12 @@ from pathlib import Path
 
 import starfile
 
-from napari_gpu_relion.compute.backend import select_backend
 from napari_gpu_relion.compute.ground_truth import class_assignment_report
+from napari_gpu_relion.events import IterationFinished, Message
 from napari_gpu_relion.io.jobdir import RunFiles
 from napari_gpu_relion.jobs import class3d
-from napari_gpu_relion.events import IterationFinished, Message
 from napari_gpu_relion.jobs.simulate import make_sample_data
+from napari_gpu_relion.runtime.device import select_backend
 
 
 def main():

@@ -34,14 +34,14 @@ import numpy as np
 import pandas as pd
 
 from napari_gpu_relion.compute import simulate as sim
-from napari_gpu_relion.compute.backend import select_backend
 from napari_gpu_relion.compute.fourier import irfft_centered, radius_grid, rfft_centered
 from napari_gpu_relion.compute.geometry import euler_to_matrix
 from napari_gpu_relion.compute.ground_truth import pick_matches
+from napari_gpu_relion.events import MicrographPicked
 from napari_gpu_relion.io.mrc import write_mrc
 from napari_gpu_relion.io.star import write_particles
 from napari_gpu_relion.jobs import autopick
-from napari_gpu_relion.events import MicrographPicked
+from napari_gpu_relion.runtime.device import select_backend
 
 APIX, BOX, DIAM = 3.0, 64, 150.0
 

@@ -19,15 +19,15 @@ from pathlib import Path
 import numpy as np
 import starfile
 
-from napari_gpu_relion.compute.backend import select_backend
 from napari_gpu_relion.compute.fsc import fsc, resolution_A
 from napari_gpu_relion.compute.geometry import angular_distance_deg, euler_to_matrix
+from napari_gpu_relion.events import Message
 from napari_gpu_relion.io.jobdir import RunFiles
 from napari_gpu_relion.io.mrc import read_mrc
 from napari_gpu_relion.jobs import reconstruct, refine3d
 from napari_gpu_relion.jobs.em import read_optimiser_star
-from napari_gpu_relion.events import Message
 from napari_gpu_relion.jobs.simulate import make_sample_data
+from napari_gpu_relion.runtime.device import select_backend
 
 ANG = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")
 

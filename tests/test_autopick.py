@@ -18,10 +18,10 @@ from napari_gpu_relion.compute.fourier import radius_grid
 from napari_gpu_relion.compute.geometry import euler_to_matrix
 from napari_gpu_relion.compute.ground_truth import pick_matches
 from napari_gpu_relion.errors import InputError
+from napari_gpu_relion.events import Finished, Message, MicrographPicked
 from napari_gpu_relion.io.mrc import write_mrc
 from napari_gpu_relion.io.star import read_coordinates, read_star, write_particles
 from napari_gpu_relion.jobs import autopick
-from napari_gpu_relion.events import Finished, Message, MicrographPicked
 
 APIX, BOX, DIAM = 3.0, 64, 150.0
 

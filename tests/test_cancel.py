@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from napari_gpu_relion.cancel import cancel_scope, check_cancel
 from napari_gpu_relion.compute import expectation as ex
 from napari_gpu_relion.errors import JobCancelled
-from napari_gpu_relion.jobs import class2d, refine3d
-from napari_gpu_relion.jobs.common import cancel_scope, check_cancel
 from napari_gpu_relion.events import Message, Progress
+from napari_gpu_relion.jobs import class2d, refine3d
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_data"
 

@@ -12,9 +12,9 @@ from napari_gpu_relion.compute.estep import prepare_batch
 from napari_gpu_relion.compute.fourier import irfft_centered, phase_shift_2d, rfft_centered
 from napari_gpu_relion.compute.ground_truth import class_assignment_report
 from napari_gpu_relion.errors import InputError
+from napari_gpu_relion.events import Finished
 from napari_gpu_relion.io.mrc import read_mrc
 from napari_gpu_relion.jobs import class3d, em
-from napari_gpu_relion.events import Finished
 from napari_gpu_relion.jobs.simulate import make_sample_data
 
 

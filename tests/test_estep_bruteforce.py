@@ -31,11 +31,6 @@ import numpy as np
 import pytest
 
 from napari_gpu_relion.compute import estep
-from napari_gpu_relion.compute.backend import (
-    fine_bytes_per_particle,
-    fine_bytes_per_sample,
-    union_bytes_per_orientation,
-)
 from napari_gpu_relion.compute.backprojector import BackProjector, BackProjectorStack
 from napari_gpu_relion.compute.ctf import CtfParams
 from napari_gpu_relion.compute.estep import (
@@ -51,6 +46,11 @@ from napari_gpu_relion.compute.estep import (
 from napari_gpu_relion.compute.expectation import pixel_set
 from napari_gpu_relion.compute.fourier import irfft_centered
 from napari_gpu_relion.compute.geometry import euler_to_matrix
+from napari_gpu_relion.compute.memory_model import (
+    fine_bytes_per_particle,
+    fine_bytes_per_sample,
+    union_bytes_per_orientation,
+)
 from napari_gpu_relion.compute.projector import prepare_reference, project_pixels
 from napari_gpu_relion.compute.sampling import healpix_directions
 
@@ -716,8 +716,8 @@ def test_out_of_memory_after_the_sums_grew_stops_the_batch_without_a_retry(monke
     """Memory runs out while a group inserts its slices: the sums already hold part of the batch, so the error
     is SumsAlreadyAddedError, which the batch loop does not retry (a retry would count the part twice)."""
     from napari_gpu_relion.compute import estep
-    from napari_gpu_relion.compute.backend import SumsAlreadyAddedError, is_out_of_memory
-    from napari_gpu_relion.jobs.common import batched_with_oom_retry
+    from napari_gpu_relion.errors import SumsAlreadyAddedError, is_out_of_memory
+    from napari_gpu_relion.runtime.memory import batched_with_oom_retry
 
     def insert(*args, **kwargs):
         raise OutOfMemoryError("out of memory allocating 1,073,741,824 bytes")
@@ -745,7 +745,7 @@ def test_out_of_memory_for_one_particle_twice_is_retryable_only_before_any_group
     may retry a smaller batch (an out-of-memory error); once an earlier group is in the sums it may not
     (SumsAlreadyAddedError)."""
     from napari_gpu_relion.compute import estep
-    from napari_gpu_relion.compute.backend import SumsAlreadyAddedError, is_out_of_memory
+    from napari_gpu_relion.errors import SumsAlreadyAddedError, is_out_of_memory
 
     real_chunk = estep._fine_chunk
     seen: list[int] = []

@@ -12,12 +12,12 @@ import pytest
 from napari_gpu_relion.compute import extraction as ex
 from napari_gpu_relion.compute import simulate as sim
 from napari_gpu_relion.errors import InputError
+from napari_gpu_relion.events import Finished
 from napari_gpu_relion.io.micrographs import write_coordinate_list
 from napari_gpu_relion.io.mrc import write_mrc
 from napari_gpu_relion.io.particle_images import load_images
 from napari_gpu_relion.io.star import read_particles, write_coordinates, write_particles
 from napari_gpu_relion.jobs import extract
-from napari_gpu_relion.events import Finished
 
 APIX, BOX = 3.0, 64
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from relion_files import class2d_iteration, copy_real, refine_iteration
 
-from napari_gpu_relion.io.mrc import write_mrc
 from napari_gpu_relion.events import ClassAveragesUpdated, FscUpdated, MapUpdated
+from napari_gpu_relion.io.mrc import write_mrc
 from napari_gpu_relion.widgets.follow_model import FolderFollower, is_job_folder
 
 JOB = "Class2D/job010"

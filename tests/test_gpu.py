@@ -176,7 +176,7 @@ def test_tf32_switch_rounds_both_product_paths_and_switches_back():
     """--tf32's switch: with it on, CuPy's 2-D product (cublasGemmEx) and batched product
     (cublasGemmStridedBatchedEx) differ from float64 by TF32's rounding (inputs to 10 bits: ~1e-4 relative),
     with it off by float32's (~1e-7); switching off restores float32 exactly."""
-    from napari_gpu_relion.compute.backend import select_backend, set_matmul_tf32  # noqa: PLC0415
+    from napari_gpu_relion.runtime.device import select_backend, set_matmul_tf32
 
     be = select_backend(gpu=0)
     rng = np.random.default_rng(3)
@@ -233,8 +233,8 @@ def test_a_tf32_job_says_so_and_leaves_its_thread_in_float32(tmp_path):
     """--tf32 on the GPU: the job says its products run in TF32, gives the classes of the float32 job for
     >= 98 % of the particles (4 of 200; at iteration 1 of class3d K=4 on 10,000 particles TF32 moved 0.43 %,
     benchmarks/README.md "TF32"), and its thread's products are float32 again once it has ended."""
-    from napari_gpu_relion.jobs import class2d  # noqa: PLC0415
     from napari_gpu_relion.events import Message  # noqa: PLC0415
+    from napari_gpu_relion.jobs import class2d  # noqa: PLC0415
     from napari_gpu_relion.jobs.simulate import make_sample_data  # noqa: PLC0415
 
     data = make_sample_data(tmp_path / "data", box=32, angpix=6.0, n_particles=200, snr=0.2, diameter=134.4,
@@ -265,10 +265,11 @@ def test_coarse_tf32_is_tf32_in_its_block_only_and_keeps_the_float32_classes_and
     particles: the coarse pass only selects what the fine pass scores in float32."""
     import starfile  # noqa: PLC0415
 
-    from napari_gpu_relion.compute.backend import matmul_tf32, select_backend, set_matmul_tf32  # noqa: PLC0415
+    from napari_gpu_relion.compute.backend import matmul_tf32
     from napari_gpu_relion.compute.geometry import angular_distance_deg  # noqa: PLC0415
     from napari_gpu_relion.jobs import class3d  # noqa: PLC0415
     from napari_gpu_relion.jobs.simulate import make_sample_data  # noqa: PLC0415
+    from napari_gpu_relion.runtime.device import select_backend, set_matmul_tf32
 
     rng = np.random.default_rng(7)
     a = rng.standard_normal((512, 256)).astype(np.float32)
@@ -383,8 +384,8 @@ def test_images_kept_on_the_gpu_give_the_same_refinement_as_images_read_from_the
     import starfile  # noqa: PLC0415
 
     from napari_gpu_relion.compute.geometry import angular_distance_deg  # noqa: PLC0415
-    from napari_gpu_relion.jobs import em, refine3d  # noqa: PLC0415
     from napari_gpu_relion.events import Message  # noqa: PLC0415
+    from napari_gpu_relion.jobs import em, refine3d  # noqa: PLC0415
     from napari_gpu_relion.jobs.simulate import make_sample_data  # noqa: PLC0415
 
     data = make_sample_data(tmp_path / "data", box=32, angpix=6.0, n_particles=200, snr=0.1, diameter=140.0,

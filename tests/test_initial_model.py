@@ -27,9 +27,9 @@ from napari_gpu_relion.compute.initial_model import (
 )
 from napari_gpu_relion.compute.masks import soft_spherical_mask
 from napari_gpu_relion.errors import InputError
+from napari_gpu_relion.events import Finished, MapUpdated, Progress
 from napari_gpu_relion.io.mrc import read_mrc
 from napari_gpu_relion.jobs import initial_model
-from napari_gpu_relion.events import Finished, MapUpdated, Progress
 from napari_gpu_relion.jobs.simulate import make_sample_data
 
 

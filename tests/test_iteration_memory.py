@@ -8,15 +8,16 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from napari_gpu_relion.compute.backend import MemoryTrace, select_backend
 from napari_gpu_relion.compute.backprojector import BackProjector, grid_shape
 from napari_gpu_relion.compute.geometry import euler_to_matrix
 from napari_gpu_relion.compute.projector import pixel_list
 from napari_gpu_relion.compute.simulate import random_rotations
+from napari_gpu_relion.events import Message
 from napari_gpu_relion.io.mrc import read_mrc
 from napari_gpu_relion.jobs import em, refine3d
-from napari_gpu_relion.events import Message
 from napari_gpu_relion.jobs.simulate import make_sample_data
+from napari_gpu_relion.runtime.device import select_backend
+from napari_gpu_relion.runtime.memory import MemoryTrace
 
 BOX = 96  # 300 Å over 80 % of the box, 3.9 Å/px: ~10 s on 2 cores (smaller boxes at coarser pixels are slower)
 

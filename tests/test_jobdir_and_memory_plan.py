@@ -1,15 +1,9 @@
 """RELION's job-folder names (io/jobdir.py) and the memory plan's arithmetic (compute/backend.plan_memory)."""
 
 
-from napari_gpu_relion.compute.backend import (
-    BATCH_FRACTION,
-    MAX_BATCH_2D,
-    MAX_BATCH_3D,
-    MAX_BATCH_3D_GPU,
-    estep_bytes_per_particle,
-    plan_memory,
-)
+from napari_gpu_relion.compute.memory_model import estep_bytes_per_particle
 from napari_gpu_relion.io.jobdir import RunFiles, data_for_classes_stack, parse_run_file
+from napari_gpu_relion.runtime.memory import BATCH_FRACTION, MAX_BATCH_2D, MAX_BATCH_3D, MAX_BATCH_3D_GPU, plan_memory
 
 
 def test_run_files_spell_relion_names_under_the_rootname(tmp_path):
@@ -63,7 +57,7 @@ def test_memory_plan_batch_follows_the_free_memory_and_honours_batch():
 
 
 def test_fine_chunk_budget_grows_with_free_memory_within_its_bounds():
-    from napari_gpu_relion.compute.backend import CHUNK_BYTES, FINE_CHUNK_FRACTION, MAX_FINE_CHUNK_BYTES, plan_memory
+    from napari_gpu_relion.runtime.memory import CHUNK_BYTES, FINE_CHUNK_FRACTION, MAX_FINE_CHUNK_BYTES, plan_memory
 
     kw = dict(box=128, ndim=3, pad=2, n_references=2, rows_per_particle=4608, translations=21, coarse_pixels=400)
     small = plan_memory(2 << 30, **kw)
@@ -74,7 +68,7 @@ def test_fine_chunk_budget_grows_with_free_memory_within_its_bounds():
     left = (30 << 30) - middle.reference_bytes - middle.accumulator_bytes
     assert middle.fine_chunk_bytes == int(FINE_CHUNK_FRACTION * left)
     # 2D classification keeps its own, smaller fraction and bound
-    from napari_gpu_relion.compute.backend import FINE_CHUNK_FRACTION_2D, MAX_FINE_CHUNK_BYTES_2D
+    from napari_gpu_relion.runtime.memory import FINE_CHUNK_FRACTION_2D, MAX_FINE_CHUNK_BYTES_2D
 
     assert plan_memory(400 << 30, **(kw | {"ndim": 2})).fine_chunk_bytes == MAX_FINE_CHUNK_BYTES_2D
     mid2 = plan_memory(30 << 30, **(kw | {"ndim": 2}))

@@ -1,4 +1,4 @@
-"""The whole-run memory plan (compute/memory_plan.py, issue 21): its bytes per voxel are the real peaks of the
+"""The whole-run memory plan (runtime/memory.py, issue 21): its bytes per voxel are the real peaks of the
 code (measured with tracemalloc on NumPy), its arithmetic matches hand sums for large boxes, a padding that does
 not fit falls back to --pad 1 and says so, and a job that cannot fit is refused before it writes anything."""
 
@@ -10,32 +10,32 @@ import numpy as np
 import pytest
 
 from napari_gpu_relion import cli
-from napari_gpu_relion.compute import backend, estep, expectation, fourier
-from napari_gpu_relion.compute.backend import (
-    BATCH_FRACTION,
-    FINE_BYTES_PER_TRANSLATION_PIXEL,
-    PROJECT_BYTES_PER_POINT,
-    UNION_BYTES_PER_FINE_PIXEL,
-    plan_memory,
-    union_budget,
-    union_bytes_per_orientation,
-)
+from napari_gpu_relion.compute import estep, expectation, fourier, memory_model
 from napari_gpu_relion.compute.backprojector import BackProjector, reconstruct_grids
 from napari_gpu_relion.compute.expectation import pixel_set
 from napari_gpu_relion.compute.maximization import fsc_from_backprojectors, reference_sigma2, ssnr_map
-from napari_gpu_relion.compute.memory_plan import (
+from napari_gpu_relion.compute.memory_model import (
+    FINE_BYTES_PER_TRANSLATION_PIXEL,
+    PROJECT_BYTES_PER_POINT,
+    UNION_BYTES_PER_FINE_PIXEL,
+    union_bytes_per_orientation,
+)
+from napari_gpu_relion.compute.projector import prepare_reference
+from napari_gpu_relion.compute.sampling import Sampling
+from napari_gpu_relion.events import Message
+from napari_gpu_relion.jobs import em, refine3d
+from napari_gpu_relion.jobs.simulate import make_sample_data
+from napari_gpu_relion.runtime.memory import (
+    BATCH_FRACTION,
     GIB,
     choose_padding,
     job_memory,
     mstep_bytes,
+    plan_memory,
     prepare_bytes,
     refusal,
+    union_budget,
 )
-from napari_gpu_relion.compute.projector import prepare_reference
-from napari_gpu_relion.compute.sampling import Sampling
-from napari_gpu_relion.jobs import em, refine3d
-from napari_gpu_relion.events import Message
-from napari_gpu_relion.jobs.simulate import make_sample_data
 
 
 def _peak(fn) -> int:
@@ -113,7 +113,7 @@ def test_skipped_slabs_give_the_same_map_bit_for_bit(monkeypatch):
 
 
 def test_union_budget_by_hand():
-    """backend.union_budget: the run's largest planned transient less the batch, one fine chunk and the
+    """runtime.memory.union_budget: the run's largest planned transient less the batch, one fine chunk and the
     projection's temporaries (2^24 points x 176 bytes = 2.75 GiB), at least BATCH_FRACTION (0.15) of what is left
     after the references and accumulators, at most what is left after the batch and the chunk."""
     g = int(GIB)
@@ -148,7 +148,7 @@ def test_union_bytes_per_fine_pixel_are_the_measured_peak(monkeypatch):
     projection's temporaries of one chunk (PROJECT_BYTES_PER_POINT per point); measured with tracemalloc on NumPy,
     with a small projection chunk so that the union's own bytes dominate."""
     chunk = 1 << 14
-    monkeypatch.setattr(backend, "PROJECT_CHUNK_POINTS", chunk)
+    monkeypatch.setattr(memory_model, "PROJECT_CHUNK_POINTS", chunk)
     box = 48
     vol = np.random.default_rng(0).normal(size=(box,) * 3)
     ref = prepare_reference(vol, 2, r_max=box / 2)
@@ -264,8 +264,8 @@ def test_fine_chunks_count_each_particles_translations_by_hand():
     per particle) fits the budget: with 10 fine translations and 100 pixels, a sample is 10 x 40 + 100 x 24 =
     2,800 bytes and a particle's image at every translation 10 x 100 x 12 = 12,000 bytes."""
     per_sample, per_particle = 10 * 40 + 100 * 24, 10 * 100 * FINE_BYTES_PER_TRANSLATION_PIXEL
-    assert backend.fine_bytes_per_sample(10, 100) == per_sample
-    assert backend.fine_bytes_per_particle(10, 100) == per_particle
+    assert memory_model.fine_bytes_per_sample(10, 100) == per_sample
+    assert memory_model.fine_bytes_per_particle(10, 100) == per_particle
     counts = np.array([1, 1, 1, 2, 2, 5])
     one = 1 * 8 * per_sample + per_particle  # 34,400 bytes for a particle with one significant row
     chunks = estep.plan_fine_chunks(counts, 8, 10, 100, max_bytes=3 * one)
@@ -283,7 +283,7 @@ def test_fine_chunks_share_the_slices_of_a_union_most_of_which_each_particle_sco
     union of 12 rows costs 12 x 8 x 2,400 = 230,400 bytes of slices once and 12 x 8 x 400 + 12,000 = 50,400
     bytes per particle, so a 1,000,000-byte budget holds 15 particles (4 when each had its own slices:
     10 x 8 x 2,800 + 12,000 = 236,000 each). With counts below half the union the gathered rule stays."""
-    assert backend.fine_bytes_per_score(10) == 400 and backend.fine_bytes_per_slice(100) == 2400
+    assert memory_model.fine_bytes_per_score(10) == 400 and memory_model.fine_bytes_per_slice(100) == 2400
     flat = np.full(40, 10)
     assert estep.plan_fine_chunks(flat, 8, 10, 100, 1_000_000, n_union=12) == [(0, 15), (15, 30), (30, 40)]
     assert estep.plan_fine_chunks(flat, 8, 10, 100, 1_000_000) == [(a, min(a + 4, 40)) for a in range(0, 40, 4)]

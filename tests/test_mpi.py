@@ -23,13 +23,13 @@ import pytest
 import starfile
 
 import napari_gpu_relion
-from napari_gpu_relion import cli, parallel
+from napari_gpu_relion import cli
 from napari_gpu_relion.compute.backend import gpu_available
 from napari_gpu_relion.compute.estep import EStepSums
 from napari_gpu_relion.compute.geometry import angular_distance_deg, euler_to_matrix
 from napari_gpu_relion.io.star import read_coordinates
-from napari_gpu_relion.jobs import distributed
 from napari_gpu_relion.jobs.simulate import make_sample_data
+from napari_gpu_relion.runtime import device, distributed
 
 ANG = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")
 SRC = str(Path(napari_gpu_relion.__file__).resolve().parents[1])
@@ -55,7 +55,7 @@ needs_mpi = pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mpi_missi
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in parallel.LAUNCHER_VARIABLES}
+    env = {k: v for k, v in os.environ.items() if k not in distributed.LAUNCHER_VARIABLES}
     env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"  # 2-3 ranks on a small machine
     return env
@@ -106,36 +106,37 @@ def _close_maps(a: Path, b: Path, tol: float = 1e-3) -> None:
 
 
 def test_mpi_is_detected_only_under_a_launcher():
-    assert not parallel.launched_by_mpi({})
-    assert not parallel.launched_by_mpi({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"})  # sbatch, no srun -n
-    assert parallel.launched_by_mpi({"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4"})
+    assert not distributed.launched_by_mpi({})
+    assert not distributed.launched_by_mpi({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"})  # sbatch, no srun -n
+    assert distributed.launched_by_mpi({"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4"})
     for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"):
-        assert parallel.launched_by_mpi({v: "2"})
-    assert not parallel.launched_by_mpi({"PMI_SIZE": "2", "NAPARI_GPU_RELION_MPI": "0"})
-    assert parallel.launched_by_mpi({"NAPARI_GPU_RELION_MPI": "1"})
-    assert parallel.launcher_rank({"PMI_SIZE": "3", "PMI_RANK": "2"}) == 2
-    assert parallel.launcher_rank({}) is None
+        assert distributed.launched_by_mpi({v: "2"})
+    assert not distributed.launched_by_mpi({"PMI_SIZE": "2", "NAPARI_GPU_RELION_MPI": "0"})
+    assert distributed.launched_by_mpi({"NAPARI_GPU_RELION_MPI": "1"})
+    assert distributed.launcher_rank({"PMI_SIZE": "3", "PMI_RANK": "2"}) == 2
+    assert distributed.launcher_rank({}) is None
 
 
 def test_a_plain_run_never_imports_mpi4py():
-    code = ("import sys; from napari_gpu_relion import cli, parallel; cli.build_parser(); w = parallel.world(); "
+    code = ("import sys; from napari_gpu_relion import cli; from napari_gpu_relion.runtime import distributed; "
+            "cli.build_parser(); w = distributed.world(); "
             "assert (w.rank, w.size) == (0, 1); assert 'mpi4py' not in sys.modules, 'mpi4py imported'")
     r = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
 
 
 def test_relion_gpu_syntax_maps_ranks_in_turn():
-    assert [parallel.gpu_for_rank("0:1:2:3", r) for r in range(6)] == [0, 1, 2, 3, 0, 1]
-    assert [parallel.gpu_for_rank("1:1:0", r) for r in range(3)] == [1, 1, 0]  # two ranks share GPU 1
-    assert parallel.gpu_for_rank("0,1:2,3", 1) == 2  # RELION's threads per rank: the first GPU of the entry
-    assert parallel.gpu_for_rank("2", 5) == 2 and parallel.gpu_for_rank(3, 0) == 3
-    assert parallel.gpu_for_rank(None, 5) is None and parallel.gpu_for_rank(None, 5, n_devices=4) == 1
+    assert [device.gpu_for_rank("0:1:2:3", r) for r in range(6)] == [0, 1, 2, 3, 0, 1]
+    assert [device.gpu_for_rank("1:1:0", r) for r in range(3)] == [1, 1, 0]  # two ranks share GPU 1
+    assert device.gpu_for_rank("0,1:2,3", 1) == 2  # RELION's threads per rank: the first GPU of the entry
+    assert device.gpu_for_rank("2", 5) == 2 and device.gpu_for_rank(3, 0) == 3
+    assert device.gpu_for_rank(None, 5) is None and device.gpu_for_rank(None, 5, n_devices=4) == 1
     with pytest.raises(ValueError, match="0:1:2:3"):
-        parallel.gpu_for_rank("a:b", 0)
+        device.gpu_for_rank("a:b", 0)
 
 
 def test_shares_cover_every_item_once_in_order():
-    class Rank(parallel.SingleProcess):
+    class Rank(distributed.SingleProcess):
         def __init__(self, rank: int, size: int) -> None:
             super().__init__()
             self.rank, self.size = rank, size
@@ -166,9 +167,9 @@ def test_backends_of_several_ranks_are_described_once_each():
 
 COMM_SCRIPT = """
 import numpy as np
-from napari_gpu_relion import parallel
-parallel.CHUNK_BYTES = 64  # large arrays in several chunks
-w = parallel.world()
+from napari_gpu_relion.runtime import distributed
+distributed.CHUNK_BYTES = 64  # large arrays in several chunks
+w = distributed.world()
 r, n = w.rank, w.size
 big = np.full(100, r + 1.0)
 small = np.arange(3, dtype=np.int64) * (r + 1)
@@ -195,9 +196,9 @@ def test_the_communicator_sums_gathers_and_broadcasts(tmp_path):
 
 GPU_COMM_SCRIPT = """
 import numpy as np, cupy as cp
-from napari_gpu_relion import parallel
-parallel.CHUNK_BYTES, parallel.EXCHANGE_BYTES = 4096, 1024  # large arrays in several exchange chunks
-w = parallel.world()
+from napari_gpu_relion.runtime import distributed
+distributed.CHUNK_BYTES, distributed.EXCHANGE_BYTES = 4096, 1024  # large arrays in several exchange chunks
+w = distributed.world()
 r, n = w.rank, w.size
 rng = np.random.default_rng(r)
 vals = [rng.standard_normal(1000), rng.integers(-5, 5, 700), rng.standard_normal(300) + 1j * rng.standard_normal(300),
@@ -380,8 +381,8 @@ def test_a_job_under_mpiexec_as_a_child_sends_the_events_of_one_in_process(data)
     """What the napari widgets do for "MPI ranks" > 1: class2d on 2 ranks in a child process; its events arrive
     (Started naming 2 ranks, the class averages as arrays, the iteration, Finished) and equal the job's files."""
     from napari_gpu_relion import mpi_child  # noqa: PLC0415
-    from napari_gpu_relion.jobs import class2d  # noqa: PLC0415
     from napari_gpu_relion.events import ClassAveragesUpdated, Finished, IterationFinished, Started  # noqa: PLC0415
+    from napari_gpu_relion.jobs import class2d  # noqa: PLC0415
 
     p = class2d.Params(i=data / "particles.star", o=data / "W2/run", K=4, iter=1, ctf=True, particle_diameter=150.0,
                        cpu=True)
@@ -395,8 +396,8 @@ def test_a_job_under_mpiexec_as_a_child_sends_the_events_of_one_in_process(data)
 @needs_mpi
 def test_cancelling_a_child_mpi_job_ends_every_rank(data):
     from napari_gpu_relion import mpi_child  # noqa: PLC0415
-    from napari_gpu_relion.jobs import class2d  # noqa: PLC0415
     from napari_gpu_relion.events import Progress  # noqa: PLC0415
+    from napari_gpu_relion.jobs import class2d  # noqa: PLC0415
 
     out = data / "Wcancel"
     p = class2d.Params(i=data / "particles.star", o=out / "run", K=4, iter=20, ctf=True, particle_diameter=150.0,

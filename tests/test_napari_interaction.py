@@ -18,9 +18,9 @@ from napari.utils.interactions import (  # noqa: E402
     mouse_release_callbacks,
 )
 
+from napari_gpu_relion.events import ClassAveragesUpdated, Finished, MicrographPicked  # noqa: E402
 from napari_gpu_relion.io.micrographs import read_coordinate_list  # noqa: E402
 from napari_gpu_relion.io.star import read_coordinates, write_star_blocks  # noqa: E402
-from napari_gpu_relion.events import ClassAveragesUpdated, Finished, MicrographPicked  # noqa: E402
 from napari_gpu_relion.widgets.display import (  # noqa: E402
     LiveDisplay,
     class_at,

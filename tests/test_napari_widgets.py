@@ -15,8 +15,6 @@ pytest.importorskip("napari")
 from magicgui.widgets import CheckBox, FileEdit, FloatSpinBox, LineEdit, SpinBox  # noqa: E402
 
 from napari_gpu_relion.errors import InputError  # noqa: E402
-from napari_gpu_relion.io.atomic import atomic_path  # noqa: E402
-from napari_gpu_relion.io.mrc import read_mrc  # noqa: E402
 from napari_gpu_relion.events import (  # noqa: E402
     Finished,
     FscUpdated,
@@ -25,6 +23,8 @@ from napari_gpu_relion.events import (  # noqa: E402
     Progress,
     Started,
 )
+from napari_gpu_relion.io.atomic import atomic_path  # noqa: E402
+from napari_gpu_relion.io.mrc import read_mrc  # noqa: E402
 from napari_gpu_relion.widgets import job_widget as jw  # noqa: E402
 from napari_gpu_relion.widgets import runner as rn  # noqa: E402
 from napari_gpu_relion.widgets.display import LiveDisplay  # noqa: E402

@@ -186,8 +186,8 @@ def test_continue_from_an_optimiser_star_repeats_the_same_iterations(small_data,
 def test_out_of_memory_halves_the_batch_and_gives_the_same_result(small_data, tmp_path, monkeypatch):
     """An E-step batch that does not fit is retried at half the size: the job goes on, says so, and its angles
     are those of a run that used the small batch from the start."""
-    from napari_gpu_relion.jobs import em
     from napari_gpu_relion.events import Message
+    from napari_gpu_relion.jobs import em
 
     real = em.expectation_batch
 

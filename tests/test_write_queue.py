@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from napari_gpu_relion.errors import InputError
+from napari_gpu_relion.events import Finished
 from napari_gpu_relion.io.mrc import read_mrc
 from napari_gpu_relion.io.write_queue import WriteQueue
 from napari_gpu_relion.jobs import class3d, em, particles
 from napari_gpu_relion.jobs import refine3d as refine3d_job
-from napari_gpu_relion.events import Finished
 from napari_gpu_relion.jobs.particles import load_particle_set
 from napari_gpu_relion.jobs.simulate import make_sample_data
 

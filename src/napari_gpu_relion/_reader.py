@@ -4,13 +4,8 @@ post-processing and model STARs (shown through the live display); job folders (f
 ``get_reader(path)`` only looks at the suffix (and, for STAR files, at the labels in the file's first lines)
 and returns a reading function or None; the pixels are read when napari calls that function.
 
-Layers follow one convention (docs/napari_conventions.md, section 4):
-
-* array axes are (z, y, x) for maps, (n, y, x) for stacks and micrograph sets, (y, x) for one micrograph;
-* ``scale`` is the pixel size in Å on the spatial axes (1 on a stack axis), ``units`` angstrom on every axis
-  (napari uses units only when all layers agree on all axes, so stack axes carry angstrom too);
-* RELION picks (rlnCoordinateX, rlnCoordinateY) become napari points (row=Y, col=X), in micrograph pixels,
-  with the micrograph's scale so that they overlay it; scores live in ``features`` (fom, class, psi).
+Layers follow one convention (docs/napari_conventions.md, section 4), written down with the layer names, colormaps,
+units and layer keyword arguments in widgets/layers.py, which the widgets share.
 """
 
 from __future__ import annotations
@@ -23,13 +18,24 @@ from typing import Any
 import dask
 import dask.array as da
 import numpy as np
-import pandas as pd
 
 from .errors import InputError
-from .io.jobdir import project_path
 from .io.mrc import is_stack, mrc_header_info, read_mrc
 from .io.particle_images import load_images
-from .io.star import read_coordinates, read_micrographs, read_particles, read_star
+from .io.star import read_coordinates, read_particles
+from .widgets.layers import (
+    FSC_COLUMNS,
+    IMAGE_COLORMAP,
+    header_pixel_size,
+    iso_level,
+    layer_units,
+    map_kwargs,
+    micrographs_table,
+    points_kwargs,
+    postprocess_fsc,
+    project_file,
+    robust_limits,
+)
 
 __all__ = [
     "get_reader",
@@ -57,15 +63,8 @@ LAZY_STACK_BYTES = 256 * 2**20
 MAX_PARTICLES = 1000
 #: Pixels used to estimate contrast limits (a strided subsample).
 CONTRAST_SAMPLE_PIXELS = 2**20
-#: Point size (micrograph pixels) when the particle size is unknown.
-DEFAULT_POINT_SIZE = 64.0
 #: Labels sniffed from the start of a STAR file; larger headers are not expected.
 _SNIFF_BYTES = 1 << 20
-
-_FEATURE_DEFAULTS = {"fom": -999.0, "class": -999, "psi": -999.0}
-
-_ANGSTROM = "angstrom"
-_PIXEL = "pixel"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -122,68 +121,12 @@ def read_paths(path: str | Sequence[str]) -> list[LayerData]:
 # Display helpers
 
 
-def robust_limits(sample: np.ndarray, low: float = 0.5, high: float = 99.5) -> tuple[float, float]:
-    """Percentile contrast limits of a (sub)sample; a non-empty range even for flat images."""
-    values = np.asarray(sample, dtype=np.float32).ravel()
-    values = values[np.isfinite(values)]
-    if values.size == 0:
-        return 0.0, 1.0
-    lo, hi = (float(v) for v in np.percentile(values, [low, high]))
-    if not hi > lo:
-        lo, hi = float(values.min()), float(values.max())
-    if not hi > lo:
-        hi = lo + 1.0
-    return lo, hi
-
-
 def _subsample(image: np.ndarray, pixels: int = CONTRAST_SAMPLE_PIXELS) -> np.ndarray:
     """A strided view with about ``pixels`` values (reads only those rows of a memmap)."""
     arr = np.asarray(image) if not isinstance(image, np.ndarray) else image
     n = int(np.prod(arr.shape[-2:]))
     step = max(1, int(np.ceil(np.sqrt(n / pixels))))
     return np.asarray(arr[..., ::step, ::step], dtype=np.float32)
-
-
-def iso_level(volume: np.ndarray) -> float:
-    """An iso-surface threshold separating density from solvent.
-
-    Otsu's threshold of the voxel histogram, raised to median + 4 noise sigmas (sigma from the median
-    absolute deviation; most voxels of a map are solvent) when the map is noisy, so that the surface of a
-    noisy half map is not drawn through its noise. Computed on a subsample of at most ~1M voxels.
-    """
-    vol = np.asarray(volume, dtype=np.float32)
-    step = max(1, int(np.ceil((vol.size / 2**20) ** (1 / 3))))
-    values = vol[::step, ::step, ::step].ravel() if vol.ndim == 3 else vol.ravel()[::step]
-    values = values[np.isfinite(values)]
-    if values.size == 0:
-        return 0.0
-    lo, hi = float(values.min()), float(values.max())
-    if not hi > lo:
-        return lo
-    hist, edges = np.histogram(values, bins=256, range=(lo, hi))
-    centres = 0.5 * (edges[:-1] + edges[1:])
-    w0 = np.cumsum(hist).astype(np.float64)
-    w1 = w0[-1] - w0
-    m0 = np.cumsum(hist * centres)
-    mu0 = np.divide(m0, w0, out=np.zeros_like(m0), where=w0 > 0)
-    mu1 = np.divide(m0[-1] - m0, w1, out=np.zeros_like(m0), where=w1 > 0)
-    between = w0 * w1 * (mu0 - mu1) ** 2
-    otsu = float(edges[int(np.argmax(between)) + 1])
-    median = float(np.median(values))
-    noise = 1.4826 * float(np.median(np.abs(values - median)))
-    above_noise = median + 4.0 * noise
-    return above_noise if otsu < above_noise < hi else otsu
-
-
-def _units(ndim: int, pixel_size: float | None, stack_axes: int = 0) -> tuple[tuple, tuple]:
-    """(scale, units) for ``ndim`` axes whose first ``stack_axes`` are indices (not spatial)."""
-    p = float(pixel_size) if pixel_size else 1.0
-    spatial = _ANGSTROM if pixel_size else _PIXEL
-    scale = (1.0,) * stack_axes + (p,) * (ndim - stack_axes)
-    # Index axes (particle, micrograph) get the spatial unit too, with scale 1: napari needs one unit on
-    # every axis of every layer to draw a scale bar in Å (it warns and drops units otherwise).
-    units = (spatial,) * ndim
-    return scale, units
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -215,14 +158,14 @@ def micrograph_layer(path: str | os.PathLike) -> LayerData:
         data = data[0]
     if not data.dtype.isnative:
         data = np.asarray(data, dtype=data.dtype.newbyteorder("="))
-    scale, units = _units(2, mrc.pixel_size)
+    scale, units = layer_units(2, mrc.pixel_size)
     kwargs = {
         "name": p.stem,
         "scale": scale,
         "units": units,
         "axis_labels": ("y", "x"),
         "contrast_limits": robust_limits(_subsample(data)),
-        "colormap": "gray",
+        "colormap": IMAGE_COLORMAP,
         "metadata": {"path": str(p), "pixel_size": mrc.pixel_size, "kind": "micrograph"},
     }
     return data, kwargs, "image"
@@ -273,14 +216,14 @@ def stack_layer(path: str | os.PathLike) -> LayerData:
             data = data[np.newaxis]
         limits = robust_limits(_subsample(data[:: max(1, data.shape[0] // 64)]))
         lazy = False
-    scale, units = _units(3, info.pixel_size, stack_axes=1)
+    scale, units = layer_units(3, info.pixel_size, stack_axes=1)
     kwargs = {
         "name": p.stem,
         "scale": scale,
         "units": units,
         "axis_labels": ("n", "y", "x"),
         "contrast_limits": limits,
-        "colormap": "gray",
+        "colormap": IMAGE_COLORMAP,
         "metadata": {"path": str(p), "pixel_size": info.pixel_size, "kind": "stack", "lazy": lazy},
     }
     if lazy:
@@ -294,27 +237,6 @@ def map_layer(path: str | os.PathLike, name: str | None = None) -> LayerData:
     mrc = read_mrc(p)
     vol = np.asarray(mrc.data, dtype=np.float32)
     return (vol, map_kwargs(vol, mrc.pixel_size, name or p.stem, path=p), "image")
-
-
-def map_kwargs(vol: np.ndarray, pixel_size: float | None, name: str, path: Path | None = None) -> dict[str, Any]:
-    """Layer keyword arguments of a 3D map (shared with the live display of jobs)."""
-    scale, units = _units(3, pixel_size)
-    finite = vol[np.isfinite(vol)] if vol.size else vol
-    lo = float(finite.min()) if finite.size else 0.0
-    hi = float(finite.max()) if finite.size else 1.0
-    if not hi > lo:
-        hi = lo + 1.0
-    return {
-        "name": name,
-        "scale": scale,
-        "units": units,
-        "axis_labels": ("z", "y", "x"),
-        "contrast_limits": (lo, hi),
-        "colormap": "gray",
-        "rendering": "iso",
-        "iso_threshold": iso_level(vol),
-        "metadata": {"path": None if path is None else str(path), "pixel_size": pixel_size, "kind": "map"},
-    }
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -339,13 +261,6 @@ def _sniff_labels(path: str | os.PathLike) -> set[str]:
     return labels
 
 
-#: FSC columns of a post-processing STAR (RELION's and ours) and their names in the plot.
-FSC_COLUMNS = {"rlnFourierShellCorrelationCorrected": "corrected",
-               "rlnFourierShellCorrelationUnmaskedMaps": "unmasked",
-               "rlnFourierShellCorrelationMaskedMaps": "masked",
-               "rlnCorrectedFourierShellCorrelationPhaseRandomizedMaskedMaps": "phase randomised"}
-
-
 def star_kind(path: str | os.PathLike) -> str | None:
     """'particles' (rlnImageName), 'coordinates' (rlnCoordinateX/Y), 'micrographs' (rlnMicrographName),
     'postprocess' (FSC curves of a post-processing: rlnResolution and an FSC column), 'model' (the model STAR of a
@@ -362,21 +277,6 @@ def star_kind(path: str | os.PathLike) -> str | None:
     if {"rlnReferenceImage", "rlnClassDistribution"} <= labels:
         return "model"
     return None
-
-
-def postprocess_fsc(path: str | os.PathLike) -> Any:
-    """The FSC curves of a post-processing STAR (RELION's postprocess.star or ours) as an FscUpdated event:
-    curves against rlnResolution (1/Å), the resolution from rlnFinalResolution (FSC 0.143)."""
-    from .events import FscUpdated
-
-    blocks = read_star(path)
-    fsc = blocks.get("fsc")
-    if not isinstance(fsc, pd.DataFrame) or "rlnResolution" not in fsc.columns:
-        raise InputError("no data_fsc block with rlnResolution", path=str(path))
-    curves = {name: fsc[col].to_numpy(dtype=np.float64) for col, name in FSC_COLUMNS.items() if col in fsc.columns}
-    general = blocks.get("general")
-    final = float(general.get("rlnFinalResolution", np.nan)) if isinstance(general, dict) else float("nan")
-    return FscUpdated(fsc["rlnResolution"].to_numpy(dtype=np.float64), curves, final, 0.143)
 
 
 def open_fsc_plot(path: str | os.PathLike) -> list[LayerData]:
@@ -473,39 +373,6 @@ def find_micrograph(coord_path: str | os.PathLike) -> Path | None:
     return None
 
 
-def _header_pixel_size(path: Path | None) -> float | None:
-    if path is None:
-        return None
-    try:
-        return mrc_header_info(path).pixel_size
-    except InputError:
-        return None
-
-
-def points_kwargs(n_axes: int, pixel_size: float | None, features: dict[str, np.ndarray], name: str,
-                  size: float | None = None, metadata: dict | None = None) -> dict[str, Any]:
-    """Keyword arguments of a picks Points layer: (y, x) or (mic, y, x), Å scale, discs without fill."""
-    scale, units = _units(n_axes, pixel_size, stack_axes=n_axes - 2)
-    labels = ("y", "x") if n_axes == 2 else ("mic", "y", "x")
-    return {
-        "name": name,
-        "scale": scale,
-        "units": units,
-        "axis_labels": labels,
-        "features": features,
-        # a point added by hand gets RELION's "not given" markers (what the manual picker writes)
-        "feature_defaults": {k: _FEATURE_DEFAULTS.get(k, 0) for k in features},
-        "size": float(size) if size else DEFAULT_POINT_SIZE,
-        "symbol": "disc",
-        "face_color": "transparent",
-        "border_color": "yellow",
-        "border_width": 0.06,
-        "border_width_is_relative": True,
-        "projection_mode": "none",
-        "metadata": dict(metadata or {}, pixel_size=pixel_size, kind="picks"),
-    }
-
-
 def coordinate_features(df: Any) -> dict[str, np.ndarray]:
     """fom / class / psi feature columns from a read_coordinates table."""
     return {
@@ -537,7 +404,7 @@ def coordinate_layer(path: str | os.PathLike, pixel_size: float | None = None,
         data = yx
     micrograph = find_micrograph(p) if pixel_size is None else None
     if pixel_size is None:
-        pixel_size = _header_pixel_size(micrograph)
+        pixel_size = header_pixel_size(micrograph)
     if micrograph is not None:
         metadata["micrograph"] = str(micrograph)
     kwargs = points_kwargs(data.shape[1], pixel_size, coordinate_features(df), p.stem, size, metadata)
@@ -564,52 +431,18 @@ def particles_layer(path: str | os.PathLike, max_particles: int = MAX_PARTICLES)
         pixel_size: float | None = table.pixel_size
     except InputError:
         pixel_size = None
-    scale, units = _units(3, pixel_size, stack_axes=1)
+    scale, units = layer_units(3, pixel_size, stack_axes=1)
     kwargs = {
         "name": p.stem,
         "scale": scale,
         "units": units,
         "axis_labels": ("particle", "y", "x"),
         "contrast_limits": robust_limits(_subsample(images[:: max(1, len(images) // 64)])),
-        "colormap": "gray",
+        "colormap": IMAGE_COLORMAP,
         "metadata": {"path": str(p), "pixel_size": pixel_size, "kind": "particles", "n_particles": n,
                      "rows_shown": len(rows)},
     }
     return images, kwargs, "image"
-
-
-def _project_file(star: Path, name: str) -> Path:
-    """A path from a STAR table resolved like RELION: relative to the project folder (see
-    :func:`.io.jobdir.project_path`); InputError listing the folders tried when it is nowhere."""
-    found, tried = project_path(name, star)
-    if found is None:
-        looked = ", ".join(str(t) for t in tried)
-        raise InputError(f"file {name!r} not found; looked in {looked} (the current folder, then the STAR "
-                         "file's folder and its parents)", path=str(star))
-    return found
-
-
-def micrographs_table(path: str | os.PathLike) -> tuple[list[Path], float | None, Any]:
-    """Micrograph files (resolved), pixel size (Å or None) and the table of a micrographs STAR."""
-    p = Path(path)
-    try:
-        table = read_micrographs(p)
-        df = table.particles
-        try:
-            pixel_size: float | None = table.pixel_size
-        except InputError:
-            pixel_size = None
-    except InputError:
-        blocks = read_star(p)
-        df = next((b for b in blocks.values() if isinstance(b, pd.DataFrame) and "rlnMicrographName" in b.columns),
-                  None)
-        if df is None:
-            raise
-        pixel_size = None
-    files = [_project_file(p, str(n)) for n in df["rlnMicrographName"]]
-    if pixel_size is None and files:
-        pixel_size = _header_pixel_size(files[0])
-    return files, pixel_size, df
 
 
 def micrographs_layer(files: Sequence[Path], pixel_size: float | None, name: str,
@@ -627,14 +460,14 @@ def micrographs_layer(files: Sequence[Path], pixel_size: float | None, name: str
                for f, info in zip(files, infos, strict=True)]
     parts = [da.from_delayed(dask.delayed(r, pure=True)(0), shape=(ny, nx), dtype=np.float32) for r in readers]
     data = da.stack(parts)
-    scale, units = _units(3, pixel_size, stack_axes=1)
+    scale, units = layer_units(3, pixel_size, stack_axes=1)
     kwargs = {
         "name": name,
         "scale": scale,
         "units": units,
         "axis_labels": ("mic", "y", "x"),
         "contrast_limits": robust_limits(_subsample(readers[0](0))),
-        "colormap": "gray",
+        "colormap": IMAGE_COLORMAP,
         "cache": False,
         "metadata": dict(metadata or {}, pixel_size=pixel_size, kind="micrographs",
                          micrograph_names=[str(f) for f in files]),
@@ -648,7 +481,7 @@ def micrographs_layers(path: str | os.PathLike) -> list[LayerData]:
     files, pixel_size, df = micrographs_table(p)
     layers = [micrographs_layer(files, pixel_size, p.stem, {"path": str(p)})]
     if "rlnMicrographCoordinates" in df.columns:
-        coord_files = [_project_file(p, str(c)) for c in df["rlnMicrographCoordinates"]]
+        coord_files = [project_file(p, str(c)) for c in df["rlnMicrographCoordinates"]]
         layers.append(picks_over_stack(coord_files, pixel_size, f"{p.stem} picks"))
     return layers
 

@@ -10,6 +10,7 @@ from . import _reader
 from .errors import InputError
 from .io.star import read_particles
 from .jobs.simulate import sample_data_dir
+from .widgets.layers import DEFAULT_POINT_SIZE
 from .widgets.style import TRUE_PICK_COLOR, TRUE_PICK_SIZE_FRACTION, TRUE_PICK_SYMBOL
 
 __all__ = ["sample_micrographs", "sample_particles", "sample_reference", "sample_dir"]
@@ -49,7 +50,7 @@ def sample_micrographs() -> list[_reader.LayerData]:
     picks[1]["metadata"]["micrograph_names"] = [str(f) for f in files]
     # small yellow crosses: another shape and colour than the job's pick rings (widgets/style.py)
     picks[1].update(symbol=TRUE_PICK_SYMBOL, face_color=TRUE_PICK_COLOR, border_color=TRUE_PICK_COLOR,
-                    border_width=0.0, size=(box or _reader.DEFAULT_POINT_SIZE) * TRUE_PICK_SIZE_FRACTION)
+                    border_width=0.0, size=(box or DEFAULT_POINT_SIZE) * TRUE_PICK_SIZE_FRACTION)
     return [image, picks]
 
 

@@ -18,10 +18,10 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from .errors import InputError, os_error_line, user_error_line
-from .jobs.common import flag_of
 from .events import Finished, FscUpdated, IterationFinished, Message, Progress, Started
+from .jobs.common import flag_of
 from .mpi_child import event_sender
-from .parallel import launched_by_mpi, launcher_rank, rank_error, rank_prefix
+from .runtime.distributed import launched_by_mpi, launcher_rank, rank_error, rank_prefix
 
 __all__ = ["JOBS", "build_parser", "main", "os_error_line", "run_job"]
 

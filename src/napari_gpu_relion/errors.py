@@ -42,3 +42,18 @@ def user_error_line(exc: BaseException) -> str | None:
     else:
         return None
     return " ".join(text.splitlines())  # a message quoting a tool's multi-line text still prints as one line
+
+
+class SumsAlreadyAddedError(RuntimeError):
+    """Memory ran out after an E-step batch had added part of its sums: the batch cannot be run again with fewer
+    particles (its first part would count twice), so the job stops with this line instead of a wrong result."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for a GPU or host out-of-memory error (CuPy's OutOfMemoryError is a MemoryError), not for
+    SumsAlreadyAddedError (which must not be retried)."""
+    if isinstance(exc, SumsAlreadyAddedError):
+        return False
+    if isinstance(exc, MemoryError):
+        return True
+    return type(exc).__name__ in ("OutOfMemoryError", "CUFFT_ALLOC_FAILED") or "out of memory" in str(exc).lower()

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import is_out_of_memory
 from . import gpu_kernels
-from .backend import CHUNK_BYTES, INSERT_CHUNK_POINTS, get_array_module, is_out_of_memory, to_host
+from .backend import get_array_module, to_host
 from .fourier import _fft_module, half_grid_indices, round_half_away, shell_count, shell_sum, signed_index
 from .masks import soft_edge_weight
+from .memory_model import INSERT_CHUNK_POINTS, SLAB_BYTES
 from .projector import _corner_indices, interpolate, pixel_list, rotated_frequencies, stack_offsets
 
 
@@ -82,7 +84,7 @@ def slab_outside_sphere(P: int, ndim: int, a: int, b: int, lim2: float) -> bool:
 
 def reconstruct_grids(data_re, data_im, weight, size: int, pad: int, ndim: int, r_max: float, tau2=None,
                       tau2_fudge: float = 1.0, minres_map: int = 5, soft_edge: bool = True,
-                      max_bytes: int = CHUNK_BYTES, out_dtype=np.float32):
+                      max_bytes: int = SLAB_BYTES, out_dtype=np.float32):
     """BackProjector.reconstruct for B grids at once: data (B, *half grid) as real and imaginary parts, weight
     (B, *half grid), tau2 (B, shells) or None -> (B, N, ...) maps, float32 (``out_dtype``: float64 keeps the
     arithmetic's precision, for measuring it).
@@ -377,13 +379,6 @@ class BackProjector:
         self.weight.reshape(-1)[flat] = acc_w
 
     # ---- reconstruction -----------------------------------------------------------------------------
-    def padded_shells(self):
-        """Shell index ROUND(|q|/pf) and |q|^2 of each padded half-grid voxel."""
-        xp = self.xp
-        ks = half_grid_indices(self.padded_size, self.ndim, xp)
-        q2 = sum(k.astype(np.float64) ** 2 for k in ks)
-        return round_half_away(xp.sqrt(q2) / self.pad).astype(np.int64), q2
-
     def reconstruct(self, tau2=None, tau2_fudge: float = 1.0, minres_map: int = 5,
                     soft_edge: bool = True, out_dtype=np.float32):
         """Real-space map (N,)*ndim float32 from the accumulators (RELION BackProjector::reconstruct, default
@@ -418,7 +413,7 @@ class BackProjectorStack:
         """BackProjector.enforce_hermitian for every member at once."""
         _enforce_hermitian(*self.arrays, self.ndim)
 
-    def reconstruct(self, tau2, tau2_fudge: float = 1.0, max_bytes: int = CHUNK_BYTES):
+    def reconstruct(self, tau2, tau2_fudge: float = 1.0, max_bytes: int = SLAB_BYTES):
         """(K, N, ...) float32 maps of every member (BackProjector.reconstruct), ``tau2`` (K, shells) or None;
         members in chunks whose padded real-space grids fit ``max_bytes``."""
         xp = self.xp

@@ -33,22 +33,10 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from ..errors import SumsAlreadyAddedError, is_out_of_memory
+from ..marks import memory_mark
 from . import gpu_kernels
-from .backend import (
-    CHUNK_BYTES,
-    INSERT_CHUNK_POINTS,
-    SumsAlreadyAddedError,
-    fine_bytes_per_particle,
-    fine_bytes_per_score,
-    fine_bytes_per_slice,
-    free_pool,
-    get_array_module,
-    is_out_of_memory,
-    matmul_tf32,
-    memory_mark,
-    to_host,
-    union_bytes_per_orientation,
-)
+from .backend import free_pool, get_array_module, matmul_tf32, to_host
 from .backprojector import insert_by_class
 from .ctf import CtfParams, ctf_from_frequencies
 from .expectation import (
@@ -78,6 +66,14 @@ from .fourier import (
     shell_sum,
 )
 from .masks import soft_mask_outside
+from .memory_model import (
+    INSERT_CHUNK_POINTS,
+    SLAB_BYTES,
+    fine_bytes_per_particle,
+    fine_bytes_per_score,
+    fine_bytes_per_slice,
+    union_bytes_per_orientation,
+)
 from .noise import counter_normal
 from .projector import FourierReference, project_pixels, stack_references
 from .sampling import GivenOrientations as GivenOrientations  # re-exported (the jobs still import them from here)
@@ -229,7 +225,7 @@ class EStepSetup:
     coarse_tf32: bool = False
     relion_offset_prior: bool = True  # RELION 5's offset-prior arithmetic (_log_trans_prior); False: Å throughout
     scale_shells: object = None  # (K classes, pixels of the fine set) bool: the class's SSNR > 3 (group scale sums)
-    max_fine_bytes: int = CHUNK_BYTES  # budget of one fine-pass chunk (plan_fine_chunks)
+    max_fine_bytes: int = SLAB_BYTES  # budget of one fine-pass chunk (plan_fine_chunks)
     max_union_bytes: int = 1 << 62  # budget of the union of significant orientations of a group (plan_union_groups)
     P_coarse: object = None  # SliceSet (K * R, Kc) of the coarse slices for global searches (made once)
     #: The last union's fine slices (_UnionSlices), kept for the next batch: a batch whose union is the same rows,

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from .backend import get_array_module
+from .memory_model import SLAB_BYTES
 
 
 def _fft_module(xp):
@@ -88,9 +89,6 @@ def half_grid_indices(size: int, ndim: int = 2, xp=np):
         return s[:, None, None], s[None, :, None], kx[None, None, :]
     raise ValueError("ndim must be 2 or 3")
 
-
-#: Bytes of temporaries one slab of half_grid_slabs may make.
-SLAB_BYTES = 1 << 28
 
 
 def half_grid_slabs(size: int, ndim: int = 3, xp=np, bytes_per_voxel: int = 64):
@@ -282,12 +280,6 @@ def lowpass_map(vol, pixel_size: float, resolution_A: float, width_shells: float
     F = rfft_centered(vol, ndim)
     filt = lowpass_raised_cosine(N, N * pixel_size / resolution_A, width_shells, ndim, xp)
     return irfft_centered(F * filt.astype(F.real.dtype), N, ndim).astype(vol.dtype)
-
-
-def power_spectrum(x, ndim: int = 2):
-    """Per-shell mean |X|^2 (RELION normalisation), shells 0..N/2, for each box in a batch."""
-    F = rfft_centered(x, ndim)
-    return radial_average(F.real**2 + F.imag**2, x.shape[-1], ndim)
 
 
 def real_radius_grid(size: int, ndim: int = 3, xp=np):

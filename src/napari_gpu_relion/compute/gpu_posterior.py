@@ -1,7 +1,7 @@
 """Fused CUDA kernels for the log-domain posterior weights of an E-step pass (expectation.posterior_weights).
 
 The log weight of sample (i, r, c) of the scores diff2 (I, R, C) is lw = log_prior(i, r, c) - diff2 (float64).
-The log prior is a :class:`~.expectation.SampleLogPrior`: a small table indexed by (particle, row group, column
+The log prior is a :class:`~.sample_prior.SampleLogPrior`: a small table indexed by (particle, row group, column
 group) plus an optional per-column term, so it is read from cache, never written out as an (I, R, C) float64
 array. Two passes read the float32 scores:
 
@@ -28,6 +28,7 @@ import functools
 import numpy as np
 
 from .backend import get_array_module, raw_module
+from .sample_prior import SampleLogPrior
 
 #: Off only to compare with the array code (tests, benchmarks).
 ENABLED = True
@@ -143,8 +144,6 @@ def applies(diff2, log_prior) -> bool:
     """fused_weights takes these: enabled, float32 CuPy scores (I, R, C) with 0 < I <= 65,535 (the kernels' grid
     has one y block per particle) and R x C < 2^31, and a SampleLogPrior of CuPy float64 arrays whose table has a
     row per particle and covers R x C, and whose column term is (1 or I, C) (the kernels read them unchecked)."""
-    from .expectation import SampleLogPrior  # noqa: PLC0415 - expectation imports this module
-
     if not (ENABLED and isinstance(log_prior, SampleLogPrior) and get_array_module(diff2) is not np):
         return False
     if diff2.ndim != 3 or log_prior.table.ndim != 3:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backend import get_array_module, memory_mark, to_host
+from ..marks import memory_mark
+from .backend import get_array_module, to_host
 from .fourier import half_grid_slabs, irfft_centered, raised_cosine, rfft_centered, round_half_away
 from .fsc import fsc_weights
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import backend, gpu_kernels
+from . import gpu_kernels, memory_model
 from .backend import get_array_module
 from .fourier import _fft_module, half_grid_indices, real_radius_grid, rfft_centered
 
@@ -64,7 +64,7 @@ def stack_references(refs: list[FourierReference]) -> FourierReference:
 
 
 def prepare_reference(vol, pad: int = 2, r_max: float | None = None, gridding: bool = True,
-                      max_bytes: int = 1 << 28) -> FourierReference:
+                      max_bytes: int = memory_model.SLAB_BYTES) -> FourierReference:
     """Real-space map (N,)*ndim (3D map or 2D image) -> padded Fourier reference.
 
     Steps (RELION computeFourierTransformMap): divide by sinc^2 (gridding pre-correction), zero-pad centred
@@ -240,8 +240,8 @@ def project_pixels(ref: FourierReference, A, kx, ky, chunk_points: int | None = 
     """Reference values at image pixels (kx, ky) for each orientation: (R, Npix) complex64 (the GEMM-ready
     layout of the E-step). Coordinates in float32: their rounding (< 2e-5 px at box 256) is far below the
     trilinear interpolation error. For a stacked reference, ``index`` (R,) names the reference of each row.
-    Interpolated ``chunk_points`` points at a time (default backend.PROJECT_CHUNK_POINTS)."""
-    chunk_points = backend.PROJECT_CHUNK_POINTS if chunk_points is None else chunk_points
+    Interpolated ``chunk_points`` points at a time (default memory_model.PROJECT_CHUNK_POINTS)."""
+    chunk_points = memory_model.PROJECT_CHUNK_POINTS if chunk_points is None else chunk_points
     xp = get_array_module(ref.data)
     A = xp.asarray(A, dtype=np.float32)
     if ref.ndim == 2:

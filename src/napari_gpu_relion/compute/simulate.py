@@ -31,10 +31,6 @@ class Phantom:
     amplitudes: np.ndarray
     sigma_A: float
 
-    @property
-    def radius_A(self) -> float:
-        return float(np.sqrt((self.centres_A**2).sum(1)).max() + 2 * self.sigma_A)
-
 
 def pseudo_atomic_phantom(diameter_A: float = 150.0, n_atoms: int = 400, n_domains: int = 5,
                           sigma_A: float | None = None, seed: int = 0) -> Phantom:

@@ -113,20 +113,15 @@ def _centred(vol: np.ndarray, pixel_size: float, resolution_A: float) -> tuple[n
     return _shift(vol, shift), shift
 
 
-def align_to_symmetry(vol: np.ndarray, sym: str, pixel_size: float, resolution_A: float = 20.0,
-                      step_deg: float = 10.0, box: int = 32) -> dict:
-    """The rotation that puts ``vol``'s symmetry axes on those of group ``sym`` (RELION's axis conventions).
-
-    Returns {"matrix" (3, 3) to apply to the centred map, "shift_zyx" (voxels, applied first), "score" (mean
-    correlation with the generators' images at the best rotation, 1 = exactly symmetric), "score_unaligned"
-    (the same for the map as given, centred)}. The search uses the map low-passed to ``resolution_A`` Å and
-    resampled to ``box`` voxels; ``step_deg`` is its angular step."""
-    centred, shift = _centred(vol, pixel_size, resolution_A)
-    return _align_centred(centred, shift, sym, pixel_size, resolution_A, step_deg, box)
-
-
 def _align_centred(centred: np.ndarray, shift: np.ndarray, sym: str, pixel_size: float, resolution_A: float,
                    step_deg: float, box: int) -> dict:
+    """The rotation that puts the (centred) map's symmetry axes on those of group ``sym`` (RELION's axis
+    conventions).
+
+    Returns {"matrix" (3, 3) to apply to the centred map, "shift_zyx" (``shift``: voxels, applied first), "score"
+    (mean correlation with the generators' images at the best rotation, 1 = exactly symmetric), "score_unaligned"
+    (the same for the map as given, centred)}. The search uses the map low-passed to ``resolution_A`` Å and
+    resampled to ``box`` voxels; ``step_deg`` is its angular step."""
     group = symmetry_group(sym)
     N = centred.shape[0]
     b = min(box, N)
@@ -163,8 +158,8 @@ def _align_centred(centred: np.ndarray, shift: np.ndarray, sym: str, pixel_size:
 
 def align_and_symmetrize(vol: np.ndarray, sym: str, pixel_size: float, resolution_A: float = 20.0,
                          step_deg: float = 10.0, box: int = 32) -> tuple[np.ndarray, dict]:
-    """``vol`` centred, turned onto group ``sym``'s axes (``align_to_symmetry``) and averaged over the group
-    (cubic splines); returns (map as float32, the alignment)."""
+    """``vol`` centred, turned onto group ``sym``'s axes and averaged over the group (cubic splines); returns
+    (map as float32, the alignment: see ``_align_centred``)."""
     centred, shift = _centred(vol, pixel_size, resolution_A)
     al = _align_centred(centred, shift, sym, pixel_size, resolution_A, step_deg, box)
     aligned = rotate_map(centred, al["matrix"], order=3)

@@ -4,7 +4,9 @@ relion_refine's ``--o`` is a *rootname*: ``--o Refine3D/job001/run`` writes ``Re
 ``run_it001_model.star`` (``run_it001_half1_model.star`` in auto-refine), ``run_it001_optimiser.star``,
 ``run_it001_class001.mrc`` (``run_it001_half1_class001.mrc``; 2D: ``run_it001_classes.mrcs``) and, after an
 auto-refine converges, ``run_data.star``, ``run_model.star``, ``run_class001.mrc`` and
-``run_half1_class001_unfil.mrc``. :class:`RunFiles` makes and parses these names.
+``run_half1_class001_unfil.mrc``. :class:`RunFiles` makes and parses these names; :func:`iteration_model`,
+:func:`iteration_data` and :func:`final_model_root` read them from a folder's listing (a continued run's
+``run_ct3_it010_data.star`` has the rootname ``run_ct3``), :func:`job_number` the ``jobNNN`` of a job folder.
 
 Paths inside STAR files are relative to the RELION project folder, the folder RELION runs in.
 :func:`project_path` resolves them the same way everywhere (particles' stacks, micrographs, references, the
@@ -19,6 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _ITER = re.compile(r"^(?P<root>.+?)_it(?P<it>\d{3,})_(?P<rest>.+)$")
+_ITER_MODEL = re.compile(r"^(?P<root>.+?)_it(?P<it>\d{3,})_(?:half(?P<half>[12])_)?model\.star$")
+_ITER_DATA = re.compile(r"^(?P<root>.+?)_it(?P<it>\d{3,})_data\.star$")
+_FINAL_MODEL = re.compile(r"^(?P<root>.+)_model\.star$")
+_JOB_FOLDER = re.compile(r"^job(?P<number>\d+)$")
 
 
 def _tag(iteration: int | None) -> str:
@@ -109,6 +115,50 @@ def parse_run_file(path: str | os.PathLike) -> tuple[RunFiles, int | None, str]:
             return RunFiles(p.parent / p.name[: -len(what) - 1]), None, what
     stem, _, rest = p.name.rpartition("_")
     return RunFiles(p.parent / (stem or p.stem)), None, rest
+
+
+@dataclass(frozen=True)
+class IterationFile:
+    """What the name of an iteration's file says: ``run_it025_half1_model.star`` -> rootname ``run`` (the file name
+    prefix, without the folder), iteration 25, half set 1 (None outside auto-refine's half sets)."""
+
+    root: str
+    iteration: int
+    half: int | None = None
+
+
+def iteration_model(name: str | os.PathLike) -> IterationFile | None:
+    """The model STAR of an iteration: ``run_it025_model.star`` -> (``run``, 25, None),
+    ``run_it025_half2_model.star`` -> (``run``, 25, 2); None for any other name (final files included). Only the
+    last part of a path is read."""
+    m = _ITER_MODEL.match(Path(name).name)
+    if m is None:
+        return None
+    return IterationFile(m.group("root"), int(m.group("it")), int(m.group("half")) if m.group("half") else None)
+
+
+def iteration_data(name: str | os.PathLike) -> IterationFile | None:
+    """The data STAR of an iteration: ``run_it025_data.star`` -> (``run``, 25), ``run_ct3_it010_data.star`` (a run
+    continued from iteration 3) -> (``run_ct3``, 10); None for any other name. Only the last part of a path is
+    read."""
+    m = _ITER_DATA.match(Path(name).name)
+    return None if m is None else IterationFile(m.group("root"), int(m.group("it")))
+
+
+def final_model_root(name: str | os.PathLike) -> str | None:
+    """The rootname of a model STAR that is not an iteration's (an auto-refine's final ``run_model.star`` ->
+    ``run``); None for an iteration's model STAR (:func:`iteration_model`) and for any other name. Only the last
+    part of a path is read."""
+    text = Path(name).name
+    m = _FINAL_MODEL.match(text)
+    return None if m is None or _ITER_MODEL.match(text) else m.group("root")
+
+
+def job_number(name: str | os.PathLike) -> int | None:
+    """The NNN of a RELION job folder ``jobNNN`` (``Class2D/job005`` -> 5); None for any other name. Only the last
+    part of a path is read."""
+    m = _JOB_FOLDER.match(Path(name).name)
+    return None if m is None else int(m.group("number"))
 
 
 def data_for_classes_stack(stack: str | os.PathLike) -> Path | None:

@@ -16,10 +16,11 @@ import numpy as np
 import pandas as pd
 
 from ..errors import InputError
+from .image_names import parse_image_name
 from .jobdir import project_path
 from .mrc import LazyStack, MrcHeaderInfo, mrc_header_info, unusable_image
 
-if TYPE_CHECKING:  # star.py imports parse_image_name from here (box size of RELION 3.0 files)
+if TYPE_CHECKING:
     from .star import ParticleTable
 
 __all__ = ["parse_image_name", "image_locations", "image_names_for", "load_images", "check_image_stacks"]
@@ -27,28 +28,6 @@ __all__ = ["parse_image_name", "image_locations", "image_names_for", "load_image
 
 def _s(path: Path | None) -> str | None:
     return None if path is None else str(path)
-
-
-def parse_image_name(name: str) -> tuple[int, str]:
-    """``'000012@Particles/mic1.mrcs'`` -> ``(11, 'Particles/mic1.mrcs')`` (0-based index, stack path).
-
-    The number may have any width; it counts from 1. InputError for anything else.
-    """
-    text = str(name).strip()
-    number, at, stack = text.partition("@")
-    if not at:
-        raise InputError(f"image name {text!r} has no '@' (expected <number>@<stack file>)",
-                         column="rlnImageName")
-    if not number.isdigit():
-        raise InputError(f"image name {text!r}: {number!r} before '@' is not a whole number",
-                         column="rlnImageName")
-    if not stack or any(ch.isspace() for ch in stack):
-        raise InputError(f"image name {text!r} has no valid stack file after '@'", column="rlnImageName")
-    index = int(number)
-    if index < 1:
-        raise InputError(f"image name {text!r}: image numbers count from 1, got {index}",
-                         column="rlnImageName")
-    return index - 1, stack
 
 
 def _parse_names(parts: pd.DataFrame, table: ParticleTable) -> tuple[np.ndarray, list[str]]:

@@ -25,9 +25,9 @@ import starfile
 
 from ..errors import InputError
 from .atomic import atomic_path
+from .image_names import parse_image_name
 from .jobdir import project_path
 from .mrc import mrc_header_info
-from .particle_images import parse_image_name
 
 __all__ = [
     "ParticleTable",

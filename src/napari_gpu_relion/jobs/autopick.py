@@ -19,14 +19,16 @@ from pathlib import Path
 
 import numpy as np
 
+from ..cancel import check_cancel
 from ..compute import picking as pk
-from ..compute.backend import free_cached_memory, is_out_of_memory, template_pick_batch, to_host
+from ..compute.backend import to_host
 from ..compute.ctf import CtfParams, ctf_from_frequencies
 from ..compute.fourier import fourier_resize, half_grid_indices, irfft_centered, round_half_away
 from ..compute.geometry import euler_to_matrix
 from ..compute.projector import prepare_reference, project
 from ..compute.sampling import direction_grid
-from ..errors import InputError
+from ..errors import InputError, is_out_of_memory
+from ..events import Finished, Message, MicrographPicked, Progress, Started
 from ..io.micrographs import (
     SKIP_FLAG,
     MicrographList,
@@ -38,10 +40,10 @@ from ..io.micrographs import (
 )
 from ..io.mrc import is_stack, read_mrc, require_usable_map, write_mrc
 from ..io.star import write_coordinates
-from ..parallel import world
-from .common import backend_for, check_cancel, check_output_folder, check_pixel_size, param, prepare_output, write_note
-from .distributed import root_events
-from ..events import Finished, Message, MicrographPicked, Progress, Started
+from ..runtime.device import backend_for
+from ..runtime.distributed import root_events, world
+from ..runtime.memory import free_cached_memory, keep_template_cache, template_pick_batch
+from .common import check_output_folder, check_pixel_size, param, prepare_output, write_note
 
 JOB_NAME = "autopick"
 #: Template figures of merit (--fom): the matched-filter z-score (default) and RELION's probability ratio.
@@ -310,7 +312,7 @@ def _setup(shape: tuple[int, int], p: Params, apix: float, xp, refs: References 
         box_w = max(2, int(round_half_away(np.float64(s * g.scale / 2))) * 2)
         extra["ring_ww"], extra["n_ring_w"] = pk.ring_on_grid(g.w, box_w, refs.radius_px * g.scale, xp)
         cache_bytes = len(refs.refs) * len(psi) * g.w * (g.w // 2 + 1) * 8
-        extra["cache"] = {} if cache_bytes < 0.3 * be.free_bytes() else None
+        extra["cache"] = {} if keep_template_cache(cache_bytes, be.free_bytes()) else None
     return Setup(g, down, g.inside(skip, xp), extra)
 
 

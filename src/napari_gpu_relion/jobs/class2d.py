@@ -33,10 +33,10 @@ from ..compute.maximization import (
 from ..compute.references2d import center_of_mass, initial_class_averages, shift_images
 from ..compute.sampling import InPlaneSampling
 from ..errors import InputError
+from ..events import ClassAveragesUpdated, Finished, IterationFinished, Message
 from ..io.mrc import write_mrc
 from . import em, em_classification
 from .common import param
-from ..events import ClassAveragesUpdated, Finished, IterationFinished, Message
 
 JOB_NAME = "class2d"
 #: RELION uses up to 1000 random particles for the starting class averages.

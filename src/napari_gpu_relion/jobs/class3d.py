@@ -40,10 +40,10 @@ from ..compute.maximization import (
 )
 from ..compute.relion_random import relion_seed_classes
 from ..compute.sampling import GivenOrientations, Sampling
+from ..events import Finished, IterationFinished, MapUpdated, Message
 from ..io.mrc import write_mrc
 from . import em, em_classification
 from .common import param
-from ..events import Finished, IterationFinished, MapUpdated, Message
 
 JOB_NAME = "class3d"
 SEEDING = "rlnGpuRelionClassSeeding"

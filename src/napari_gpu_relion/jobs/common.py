@@ -1,23 +1,18 @@
-"""Plumbing shared by jobs: parameter fields with RELION flags, backend choice, note.txt, OOM-safe batching."""
+"""Plumbing shared by jobs: parameter fields with RELION flags, note.txt, checks of output folders and disk space."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shlex
 import shutil
 import sys
-import threading
-from collections.abc import Callable, Iterator
 from dataclasses import MISSING, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..compute.backend import Backend, free_cached_memory, is_out_of_memory, select_backend
-from ..errors import InputError, JobCancelled, os_error_line
-from ..io.atomic import remove_stale_temporaries
-from ..parallel import gpu_for_rank, world
+from ..errors import InputError, os_error_line
 from ..events import Message
+from ..io.atomic import remove_stale_temporaries
 
 #: Bytes of an MRC header, and a margin for the small files of a job (note.txt, STAR headers).
 _MRC_HEADER = 1024
@@ -68,27 +63,6 @@ def write_note(out_dir: Path, job: str, params) -> Path:
     return p
 
 
-def backend_for(params) -> Backend:
-    """The backend --cpu / --gpu ask for; an InputError when that GPU is not there (never a silent CPU run).
-    --gpu takes RELION's syntax: "0:1:2:3" maps the MPI ranks of a host to these GPUs in turn (several ranks
-    may share one); without --gpu the ranks of a host take its GPUs in turn. The chosen GPU becomes the
-    current CUDA device of this process."""
-    cpu, spec = bool(getattr(params, "cpu", False)), getattr(params, "gpu", None)
-    try:
-        comm = world()
-        gpu = gpu_for_rank(spec, comm.local_rank)
-        if gpu is None and comm.size > 1 and not cpu:
-            be = select_backend(cpu=False, gpu=None)
-            if be.is_gpu:
-                gpu = gpu_for_rank(None, comm.local_rank, be.xp.cuda.runtime.getDeviceCount())
-        be = select_backend(cpu=cpu, gpu=gpu)
-    except ValueError as exc:
-        raise InputError(str(exc)) from exc
-    if be.is_gpu:
-        be.xp.cuda.Device(be.device).use()
-    return be
-
-
 def require_file(path: Path | None, what: str, suffixes: tuple[str, ...] | None = None) -> None:
     if path is None:
         raise InputError(f"{what} is required")
@@ -97,58 +71,6 @@ def require_file(path: Path | None, what: str, suffixes: tuple[str, ...] | None 
         raise InputError(f"{what} does not exist or is not a file", path=str(p))
     if suffixes and p.suffix.lower() not in suffixes:
         raise InputError(f"{what} should end in {' or '.join(suffixes)}, got '{p.suffix}'", path=str(p))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Cancel points: a front end asks a job running in one of its threads to stop; the job (and the compute
-# functions it calls, which take a plain ``check_cancel`` callable) raise JobCancelled at the next cancel point.
-# A cancel point never lies inside the writing of a file, so what a job already wrote stays complete.
-
-_cancel = threading.local()
-
-
-@contextlib.contextmanager
-def cancel_scope(is_cancelled: Callable[[], bool]) -> Iterator[None]:
-    """While the block runs, :func:`check_cancel` called in this thread raises JobCancelled once
-    ``is_cancelled()`` is true (the widgets' job runner wraps every job it runs in one)."""
-    previous = getattr(_cancel, "is_cancelled", None)
-    _cancel.is_cancelled = is_cancelled
-    try:
-        yield
-    finally:
-        _cancel.is_cancelled = previous
-
-
-def check_cancel() -> None:
-    """A cancel point: raise JobCancelled if the front end running this job in this thread asked it to stop
-    (a no-op outside a :func:`cancel_scope`, e.g. on the command line). Cheap enough to call per chunk."""
-    is_cancelled = getattr(_cancel, "is_cancelled", None)
-    if is_cancelled is not None and is_cancelled():
-        raise JobCancelled("cancelled")
-
-
-def batched_with_oom_retry(n: int, batch: int, work: Callable[[int, int], None],
-                           backend: Backend) -> Iterator[tuple[int, int] | Message]:
-    """Call ``work(start, stop)`` over [0, n) in batches; on out-of-memory, free cached blocks, halve the batch
-    and retry the same range (never fails for memory unless one item alone does not fit).
-
-    Yields (done, n) after each batch, and a Message when the batch shrinks."""
-    i = 0
-    b = max(1, int(batch))
-    while i < n:
-        check_cancel()
-        j = min(n, i + b)
-        try:
-            work(i, j)
-        except Exception as exc:  # noqa: BLE001 - only memory errors are handled here
-            if not is_out_of_memory(exc) or b == 1:
-                raise
-            free_cached_memory(backend)
-            b = max(1, b // 2)
-            yield Message(f"out of memory with a batch of {j - i}; retrying with {b}", "warning")
-            continue
-        i = j
-        yield (i, n)
 
 
 def check_pixel_size(value: float, flag: str, source: str) -> None:

@@ -31,13 +31,13 @@ from ..compute.fsc import fsc, fsc_to_full, resolution_A, resolution_shell
 from ..compute.geometry import euler_to_matrix, rotation_angle_deg
 from ..compute.ground_truth import frame_aligned_angular_errors, pick_matches
 from ..compute.initial_model import aligned_map_correlation, invert_hand
+from ..events import Finished, Message, Started
 from ..io.jobdir import RunFiles
 from ..io.micrographs import read_coordinate_list
 from ..io.mrc import read_mrc, write_mrc
 from ..io.star import read_coordinates, read_particles
 from . import autopick, class2d, extract, initial_model, mask_create, postprocess, reconstruct, refine3d, select
 from .common import param
-from ..events import Finished, Message, Started
 from .simulate import make_sample_data, sample_data_dir
 
 JOB_NAME = "demo"

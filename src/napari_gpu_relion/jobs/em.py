@@ -23,18 +23,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..compute.backend import (
-    Backend,
-    MemoryPlan,
-    device_pool_line,
-    free_cached_memory,
-    host_available_bytes,
-    memory_mark,
-    memory_trace_active,
-    plan_memory,
-    set_matmul_tf32,
-    to_host,
-)
+from ..cancel import check_cancel
+from ..compute.backend import to_host
 from ..compute.backprojector import BackProjectorStack
 from ..compute.estep import EStepSetup, EStepSums, expectation_batch, prepare_batch
 from ..compute.expectation import PixelSet, pixel_set
@@ -49,12 +39,12 @@ from ..compute.maximization import (
     update_norm,
     update_scales,
 )
-from ..compute.memory_plan import JobMemory, choose_padding, refusal
 from ..compute.projector import prepare_reference
 from ..compute.sampling import local_candidates, local_search_rows
 from ..compute.schedule import EMState
 from ..compute.simulate import fit_box
 from ..errors import InputError
+from ..events import Finished, Message, Progress, Started
 from ..io.atomic import ensure_not_input
 from ..io.jobdir import RunFiles, project_path
 from ..io.model_star import (
@@ -71,20 +61,22 @@ from ..io.mrc import read_mrc, require_usable_map
 from ..io.particle_images import parse_image_name
 from ..io.star import read_star
 from ..io.write_queue import WriteQueue
-from ..parallel import world
-from .common import (
-    backend_for,
+from ..marks import memory_mark
+from ..runtime.device import Backend, backend_for, host_available_bytes, set_matmul_tf32
+from ..runtime.distributed import merge_particles, root_events, sum_estep, world
+from ..runtime.memory import (
+    JobMemory,
+    MemoryPlan,
     batched_with_oom_retry,
-    check_cancel,
-    check_output_folder,
-    em_iteration_bytes,
-    param,
-    prepare_output,
-    require_file,
-    write_note,
+    choose_padding,
+    device_pool_line,
+    free_cached_memory,
+    memory_trace_active,
+    plan_memory,
+    refusal,
+    release_cached,
 )
-from .distributed import merge_particles, root_events, sum_estep
-from ..events import Finished, Message, Progress, Started
+from .common import check_output_folder, em_iteration_bytes, param, prepare_output, require_file, write_note
 from .kernel_preload import Preload
 from .particles import ParticleSet, load_particle_set, particle_state, write_data_star
 
@@ -868,4 +860,4 @@ def run_estep(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, sums: EStepS
                       f"{setup.max_union_bytes / 1024**3:.2f} GiB; their fine passes ran in {sum(split)} groups "
                       f"of particles")
     setup.union_cache = None  # the kept union slices go with the half's last batch
-    be.release_cached()
+    release_cached(be)

@@ -17,9 +17,10 @@ import numpy as np
 import pandas as pd
 
 from ..compute import extraction as ex
-from ..compute.backend import free_cached_memory, to_host
+from ..compute.backend import to_host
 from ..compute.geometry import euler_to_matrix
 from ..errors import InputError
+from ..events import Finished, Message, ParticlesExtracted, Progress, Started
 from ..io.micrographs import (
     SKIP_FLAG,
     check_micrographs,
@@ -30,19 +31,10 @@ from ..io.micrographs import (
 )
 from ..io.mrc import write_mrc
 from ..io.star import read_coordinates, read_particles, write_particles
-from ..parallel import world
-from .common import (
-    backend_for,
-    batched_with_oom_retry,
-    check_output_folder,
-    check_pixel_size,
-    mrc_bytes,
-    param,
-    prepare_output,
-    write_note,
-)
-from .distributed import root_events
-from ..events import Finished, Message, ParticlesExtracted, Progress, Started
+from ..runtime.device import backend_for
+from ..runtime.distributed import root_events, world
+from ..runtime.memory import batched_with_oom_retry, free_cached_memory, image_batch
+from .common import check_output_folder, check_pixel_size, mrc_bytes, param, prepare_output, write_note
 
 JOB_NAME = "extract"
 #: Extracted images per micrograph sent to the viewer's gallery (ParticlesExtracted); the stack has them all.
@@ -241,7 +233,7 @@ def _run(p: Params) -> Iterator:
             continue
         stack = np.empty((len(df), b, b), np.float16 if p.float16 else np.float32)
         per = (B * B + 6 * b * b) * 16
-        batch = p.batch or int(max(1, min(len(df), 0.25 * be.free_bytes() // per)))
+        batch = p.batch or image_batch(be.free_bytes(), per, len(df))
 
         def work(i0: int, i1: int, mic=mic, xi=xi, yi=yi, stack=stack, seed=p.random_seed + k) -> None:
             boxes = ex.cut_boxes(mic, xi[i0:i1], yi[i0:i1], B)

@@ -62,12 +62,12 @@ from ..compute.sampling import Sampling
 from ..compute.simulate import random_rotations
 from ..compute.symmetry_alignment import align_and_symmetrize
 from ..errors import InputError
+from ..events import Finished, IterationFinished, MapUpdated, Message
 from ..io.atomic import copy_atomically
 from ..io.jobdir import project_path
 from ..io.mrc import read_mrc, write_mrc
 from . import em, em_classification
 from .common import param
-from ..events import Finished, IterationFinished, MapUpdated, Message
 
 JOB_NAME = "initial_model"
 #: RELION's --maxsig in gradient iterations of a 3D job: 100 significant coarse samples per class and particle.

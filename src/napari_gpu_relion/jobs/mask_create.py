@@ -10,10 +10,10 @@ import numpy as np
 
 from ..compute.masks import create_mask
 from ..errors import InputError
+from ..events import Finished, MapUpdated, Started
 from ..io.atomic import ensure_not_input
 from ..io.mrc import read_mrc, require_usable_map, write_mrc
 from .common import check_output_file, check_pixel_size, mrc_bytes, param, prepare_output, require_file, write_note
-from ..events import Finished, MapUpdated, Started
 
 JOB_NAME = "mask_create"
 

@@ -16,23 +16,17 @@ import pandas as pd
 
 from ..compute import fsc as F
 from ..compute import postprocessing as PP
-from ..compute.backend import free_cached_memory, memory_mark, to_host
+from ..compute.backend import to_host
 from ..compute.fourier import uncached_fft_plans
 from ..errors import InputError
+from ..events import Finished, FscUpdated, MapUpdated, Message, Progress, Started
 from ..io.atomic import ensure_not_input
 from ..io.mrc import read_mrc, require_usable_map, write_mrc
 from ..io.star import write_star_blocks
-from .common import (
-    backend_for,
-    check_output_folder,
-    check_pixel_size,
-    mrc_bytes,
-    param,
-    prepare_output,
-    require_file,
-    write_note,
-)
-from ..events import Finished, FscUpdated, MapUpdated, Message, Progress, Started
+from ..marks import memory_mark
+from ..runtime.device import backend_for
+from ..runtime.memory import free_cached_memory
+from .common import check_output_folder, check_pixel_size, mrc_bytes, param, prepare_output, require_file, write_note
 
 JOB_NAME = "postprocess"
 

@@ -13,31 +13,22 @@ from pathlib import Path
 
 import numpy as np
 
-from ..compute.backend import free_cached_memory, to_host
+from ..cancel import check_cancel
+from ..compute.backend import to_host
 from ..compute.backprojector import BackProjector
 from ..compute.ctf import CtfParams, ctf_half_grid
 from ..compute.fourier import phase_shift_2d, rfft_centered
 from ..compute.geometry import euler_to_matrix, symmetry_group
 from ..errors import InputError
+from ..events import Finished, MapUpdated, Message, Progress, Started
 from ..io.atomic import ensure_not_input
 from ..io.mrc import map_problem, write_mrc
 from ..io.particle_images import check_image_stacks, load_images
 from ..io.star import ParticleTable, read_particles
-from ..parallel import world
-from .common import (
-    backend_for,
-    batched_with_oom_retry,
-    check_cancel,
-    check_output_file,
-    check_pixel_size,
-    mrc_bytes,
-    param,
-    prepare_output,
-    require_file,
-    write_note,
-)
-from .distributed import accumulator_grids, root_events
-from ..events import Finished, MapUpdated, Message, Progress, Started
+from ..runtime.device import backend_for
+from ..runtime.distributed import accumulator_grids, root_events, world
+from ..runtime.memory import batched_with_oom_retry, free_cached_memory, image_batch
+from .common import check_output_file, check_pixel_size, mrc_bytes, param, prepare_output, require_file, write_note
 
 JOB_NAME = "reconstruct"
 
@@ -135,7 +126,7 @@ def _run(p: Params) -> Iterator:
     ctfp = CtfParams.from_table(df) if p.ctf else None
     bp = BackProjector(N, p.pad, r_max, ndim=3, xp=xp)
     per_image = 700 * N * N + 8 * N * N
-    batch = p.batch or int(max(1, min(4096, 0.25 * be.free_bytes() // per_image)))
+    batch = p.batch or image_batch(be.free_bytes(), per_image, n, most=4096)
 
     mine = comm.share(n)  # this rank's particles (all of them without MPI)
 

@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from ..compute.accuracy import accuracy_particles, estimate_accuracy
-from ..compute.backend import memory_mark, to_host
+from ..compute.backend import to_host
 from ..compute.backprojector import BackProjector
 from ..compute.expectation import pixel_set
 from ..compute.fourier import lowpass_map
@@ -40,11 +40,12 @@ from ..compute.maximization import (
 from ..compute.sampling import Sampling
 from ..compute.schedule import orientation_change_deg
 from ..errors import InputError
+from ..events import Finished, FscUpdated, IterationFinished, MapUpdated, Message
 from ..io.model_star import write_model_star
 from ..io.mrc import write_mrc
+from ..marks import memory_mark
 from . import em
 from .common import param
-from ..events import Finished, FscUpdated, IterationFinished, MapUpdated, Message
 
 JOB_NAME = "refine3d"
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InputError
+from ..events import Finished, Started
 from ..io.atomic import ensure_not_input
 from ..io.jobdir import model_for_data
 from ..io.particle_images import image_names_for
 from ..io.star import ParticleTable, read_particles, read_star, write_particles
 from .common import check_output_file, param, prepare_output, require_file, write_note
-from ..events import Finished, Started
 
 JOB_NAME = "select"
 

@@ -21,11 +21,11 @@ from ..compute.fourier import irfft_centered, lowpass_map, phase_shift_2d
 from ..compute.geometry import euler_to_matrix
 from ..compute.projector import prepare_reference, project
 from ..errors import InputError
+from ..events import Finished, Progress, Started
 from ..io.atomic import ensure_not_input
 from ..io.mrc import read_mrc, require_usable_map, write_mrc
 from ..io.star import write_coordinates, write_particles
 from .common import check_output_folder, mrc_bytes, param, prepare_output, require_file, write_note
-from ..events import Finished, Progress, Started
 
 JOB_NAME = "simulate"
 

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InputError
-from . import class2d, class3d, refine3d
-from .common import backend_for, param
 from ..events import Finished, Message, Started
+from ..runtime.device import backend_for
+from . import class2d, class3d, refine3d
+from .common import param
 from .kernel_preload import kernel_cache_dir
 from .simulate import make_sample_data
 

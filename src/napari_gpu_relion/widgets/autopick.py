@@ -20,12 +20,12 @@ import numpy as np
 from magicgui.widgets import FileEdit, FloatSlider, Label, PushButton
 from napari.utils.notifications import show_info
 
-from .._reader import micrographs_table
 from ..errors import InputError
 from ..io.micrographs import output_root, write_coordinate_list
 from ..io.star import write_coordinates
 from ..jobs import autopick
 from .job_widget import JobWidget, wrapping
+from .layers import micrographs_table
 from .micrograph_view import MicrographDisplay
 from .pick_model import PickModel
 from .plots import FomHistogramView

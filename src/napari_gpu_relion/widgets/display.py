@@ -57,7 +57,6 @@ import numpy as np
 import pandas as pd
 from qtpy.QtCore import QTimer
 
-from .._reader import points_kwargs
 from ..compute.angular_distribution import angular_histogram
 from ..events import ClassAveragesUpdated, FscUpdated, MapUpdated, MicrographPicked, ParticlesExtracted
 from . import plots
@@ -71,6 +70,16 @@ from .display_model import (
     prepare_event,
     prepare_extraction,
     prepare_map,
+)
+from .layers import (
+    ANGSTROM,
+    BOXES_LAYER,
+    GALLERY_LAYER,
+    IMAGE_COLORMAP,
+    MAP_COLORMAP,
+    PICKS_LAYER,
+    PIXEL,
+    points_kwargs,
 )
 from .per_viewer import one_per_viewer
 from .pick_model import MANUAL_PICK_VALUE, PickModel
@@ -94,14 +103,10 @@ __all__ = ["LiveDisplay", "grid_shape", "tile_at", "class_at", "tile_corners"]
 
 log = logging.getLogger(__name__)
 
-PICKS_LAYER = "picks"
 #: Metadata key of a picks layer made ahead of the picks (LiveDisplay.prepare_picks_layer), until its first picks.
 PREPARED_KEY = "made_ahead"
 #: Every character of a class label (ClassGrid.labels: "4: 35.0% 12 Å", "inf"/"nan" resolutions).
 LABEL_GLYPHS = "0123456789:.% Åinfa-"
-#: The boxes particle extraction cut (Points, squares of the box size over the micrographs) and its gallery.
-BOXES_LAYER = "extraction boxes"
-GALLERY_LAYER = "extracted particles"
 FSC_DOCK = "FSC"
 ANGDIST_DOCK = "Angular distribution"
 #: Key of a class grid layer's metadata that holds its ClassGrid.
@@ -113,11 +118,8 @@ CLICK_TOLERANCE = 5.0
 HIDDEN_AT_FIRST = ("half2",)
 #: Width (pixels) of the column of result plots beside the job dock.
 PLOT_DOCK_WIDTH = 320
-#: Colour of map surfaces (one value per vertex; light grey, shaded).
-MAP_COLORMAP = "gray"
 #: Gap (Å, at least one tile) between the micrographs and a class grid placed beside them.
 GRID_GAP_TILES = 1
-_ANGSTROM = "angstrom"
 #: Seconds between two display refreshes while a job streams results.
 MIN_REFRESH_INTERVAL = 0.1
 #: Smallest pause (s) between two items of one refresh, so that queued GUI events get their turn.
@@ -192,10 +194,6 @@ class LiveDisplay:
         clean-up (and no closure that could outlive them) when they close."""
         ref = weakref.WeakMethod(callback) if inspect.ismethod(callback) else _Strong(callback)
         self._listeners.setdefault(kind, []).append(ref)
-
-    def disconnect(self, kind: str, callback: Callable[..., None]) -> None:
-        """Stop calling ``callback`` (no error if it was not connected)."""
-        self._listeners[kind] = [r for r in self._listeners.get(kind, []) if r() not in (None, callback)]
 
     def _emit(self, kind: str, *args: Any) -> None:
         refs = self._listeners.get(kind, [])
@@ -371,7 +369,7 @@ class LiveDisplay:
             self._pending_maps = {ev.name: ev, **self._pending_maps}
             return None
         if layer is None:
-            kwargs = {"name": ev.name, **common, "units": (_ANGSTROM,) * vol.ndim,
+            kwargs = {"name": ev.name, **common, "units": (ANGSTROM,) * vol.ndim,
                       "axis_labels": ("z", "y", "x")[-vol.ndim:], "metadata": metadata,
                       "visible": ev.name.split()[-1] not in HIDDEN_AT_FIRST}
             if kind == "Surface":
@@ -382,7 +380,7 @@ class LiveDisplay:
                 else:
                     self._on_ndisplay()  # the 3D view: hide 2D layers shown meanwhile, frame the maps
             else:
-                layer = viewer.add_image(vol, contrast_limits=ev.contrast_limits, colormap="gray", **kwargs)
+                layer = viewer.add_image(vol, contrast_limits=ev.contrast_limits, colormap=IMAGE_COLORMAP, **kwargs)
         else:
             if tuple(layer.scale) != tuple(ev.display_scale) or tuple(layer.translate) != tuple(ev.display_translate):
                 layer.scale, layer.translate = common["scale"], common["translate"]
@@ -512,7 +510,7 @@ class LiveDisplay:
         ev = event if isinstance(event, PreparedClasses) else prepare_classes(event)
         model, image = ev.grid, ev.grid_image
         scale = (float(ev.pixel_size or 1.0),) * 2
-        units = (_ANGSTROM,) * 2 if ev.pixel_size else ("pixel",) * 2
+        units = (ANGSTROM,) * 2 if ev.pixel_size else (PIXEL,) * 2
         model.keep_selection_of(_grid_model(_find_layer(viewer, ev.name, "Image")))
         layer, translate = self._tile_image(ev.name, image, scale, units, model.tile_size, {"kind": "classes"})
         if translate:
@@ -572,7 +570,7 @@ class LiveDisplay:
         # one point whose transparent text holds every character a label can have: its first draw loads their
         # glyphs into the layer's font atlas now (the text visual rasterises each new character on the GUI thread)
         labels = viewer.add_points(np.zeros((1, 2)), name=lname, axis_labels=("y", "x"), size=0,
-                                   units=(_ANGSTROM,) * 2, features=pd.DataFrame({"label": [LABEL_GLYPHS]}),
+                                   units=(ANGSTROM,) * 2, features=pd.DataFrame({"label": [LABEL_GLYPHS]}),
                                    text={"string": "{label}", "anchor": "upper_left", "size": 8,
                                          "color": "transparent"},
                                    metadata={"kind": "class_labels", "grid": grid_name, PREPARED_KEY: True})
@@ -649,7 +647,7 @@ class LiveDisplay:
         image = ev.gallery_image
         scale = (float(ev.pixel_size or 1.0),) * 2
         tile = image.shape[-1] / max(1, grid_shape(len(ev.images))[1])
-        layer, translate = self._tile_image(GALLERY_LAYER, image, scale, (_ANGSTROM,) * 2, tile,
+        layer, translate = self._tile_image(GALLERY_LAYER, image, scale, (ANGSTROM,) * 2, tile,
                                             {"kind": "particle_gallery"})
         if translate is not None and viewer.dims.ndisplay == 2:
             viewer.reset_view()  # the new gallery beside the micrographs: frame both (it was off screen)
@@ -672,7 +670,7 @@ class LiveDisplay:
         self._to_2d_view()
         translate = (0.0, self._right_of_2d_layers(exclude=name, gap=GRID_GAP_TILES * tile_size * scale[1]))
         layer = viewer.add_image(image, name=name, scale=scale, translate=translate, units=units,
-                                 axis_labels=("y", "x"), colormap="gray", metadata=dict(metadata))
+                                 axis_labels=("y", "x"), colormap=IMAGE_COLORMAP, metadata=dict(metadata))
         return layer, translate[1]
 
     # -- class selection ---------------------------------------------------------------------------------
@@ -840,11 +838,6 @@ class LiveDisplay:
                 return float(md["pixel_size"])
         return None
 
-    def show_picks(self, event: MicrographPicked) -> Any:
-        """Replace the picks of micrograph ``event.index`` in the one picks layer (mic, y, x), now."""
-        self._store_picks(event)
-        return self._apply_picks()
-
     def _store_picks(self, event: MicrographPicked) -> None:
         """Put one micrograph's picks into the model (after taking in the user's edits, so they are not lost)."""
         self.pick_model().set_micrograph(event.index, event.name, event.coords, event.scores)
@@ -985,20 +978,6 @@ class LiveDisplay:
     def pick_fom_range(self) -> tuple[float, float] | None:
         """(lowest, upper end) of the FOM threshold slider (PickModel.slider_range); None without picks."""
         return self.pick_model().slider_range()
-
-    def reset_picks(self) -> None:
-        """Forget picks of a previous run (the layer is emptied in place)."""
-        self._picks.clear()
-        self._picks_dirty = False
-        self._picks_edited = False
-        layer = self.picks_layer()
-        if layer is not None:
-            self._applying_picks = True
-            try:
-                layer.data = np.empty((0, layer.ndim))
-            finally:
-                self._applying_picks = False
-            self._emit("picks", layer)
 
     # -- angular distribution ----------------------------------------------------------------------------
 

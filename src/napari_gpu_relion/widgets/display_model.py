@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from .._reader import iso_level
 from ..events import ClassAveragesUpdated, FscUpdated, MapUpdated, ParticlesExtracted
 from .class_grid_model import ClassGrid, compose_tiles
+from .layers import iso_level
 
 __all__ = ["MAX_DISPLAY_BOX", "PreparedMap", "PreparedClasses", "PreparedFsc", "PreparedExtraction", "bin_volume",
            "iso_mesh", "prepare_map", "prepare_classes", "prepare_extraction", "prepare_event", "extraction_boxes",
@@ -109,7 +109,7 @@ def iso_mesh(volume: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray]:
 
 def prepare_map(event: MapUpdated, max_box: int = MAX_DISPLAY_BOX) -> PreparedMap:
     """The display volume of a map (binned when its box exceeds ``max_box``), its scale and shift in Å, contrast
-    limits and iso-surface level (_reader.iso_level of the display volume)."""
+    limits and iso-surface level (layers.iso_level of the display volume)."""
     if isinstance(event, PreparedMap):
         return event
     vol = np.asarray(event.volume, dtype=np.float32)

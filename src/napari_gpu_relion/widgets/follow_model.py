@@ -36,9 +36,10 @@ import pandas as pd
 
 from ..compute.fsc import resolution_shell
 from ..errors import InputError
+from ..events import ClassAveragesUpdated, FscUpdated, MapUpdated
 from ..io.mrc import mrc_header_info, read_mrc
 from ..io.star import read_star
-from ..events import ClassAveragesUpdated, FscUpdated, MapUpdated
+from .layers import postprocess_fsc
 
 __all__ = ["SETTLE_S", "Snapshot", "FolderFollower", "is_job_folder", "model_snapshot", "snapshot_events"]
 
@@ -262,8 +263,6 @@ def snapshot_events(snap: Snapshot, label: str) -> list[Any]:
     """The events that show ``snap`` (read from its files): class grid, maps, FSC. Layer names start with
     ``label``."""
     if snap.kind == "postprocess":
-        from .._reader import postprocess_fsc
-
         events: list[Any] = [postprocess_fsc(snap.stars[0])]
         for image in snap.images:
             mrc = read_mrc(image)

@@ -63,7 +63,6 @@ from qtpy.QtWidgets import (
 )
 from superqt import QCollapsible
 
-from ..compute.backend import gpu_available
 from ..errors import InputError
 from ..events import (
     ClassAveragesUpdated,
@@ -78,6 +77,7 @@ from ..events import (
     Started,
 )
 from ..mpi_child import MPI_JOBS, mpi_available, run_under_mpi
+from ..runtime.device import device_key
 from .display import LiveDisplay
 from .form_model import form_layout, form_of
 from .jobs_model import SESSION
@@ -319,9 +319,7 @@ def mpi_ranks_input(job_name: str) -> SpinBox | None:
 def _device_of(params: Any) -> str:
     """Runner key: jobs on the same device run one after another. The device is the one the job will really
     use: a job that may use a GPU runs on the CPU where there is none, so it queues with the CPU jobs."""
-    if getattr(params, "cpu", False) or not hasattr(params, "gpu") or not gpu_available():
-        return "cpu"
-    return f"gpu{getattr(params, 'gpu', None) or 0}"
+    return device_key(params)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -23,8 +23,8 @@ from magicgui.widgets import Container, FloatSpinBox, Label, SpinBox
 from napari.qt.threading import create_worker
 from qtpy.QtCore import QTimer
 
-from .._reader import robust_limits
 from .display_model import display_micrograph
+from .layers import robust_limits
 
 if TYPE_CHECKING:
     import napari

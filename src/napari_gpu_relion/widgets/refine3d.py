@@ -19,10 +19,10 @@ from napari.qt.threading import create_worker
 
 from ..compute.angular_distribution import angular_histogram
 from ..errors import InputError
+from ..events import Finished
 from ..io.jobdir import RunFiles
 from ..io.star import read_particles
 from ..jobs import refine3d
-from ..events import Finished
 from .job_widget import JobWidget
 from .plots import render_angular_distribution
 from .runner import error_message

@@ -42,8 +42,8 @@ from napari.utils.notifications import show_error
 from qtpy.QtCore import QTimer
 from qtpy.QtWidgets import QApplication
 
+from ..cancel import cancel_scope
 from ..errors import InputError, JobCancelled, os_error_line
-from ..jobs.common import cancel_scope
 from ..events import Finished, Message, Progress, Started
 
 __all__ = ["JobError", "JobState", "Job", "JobRunner", "get_runner", "close_all_runners", "error_message", "frozen_gc",

@@ -1,4 +1,5 @@
-"""Scale-out over MPI ranks (mpi4py): the communicator the jobs use, of size 1 when not under MPI.
+"""Scale-out over MPI ranks (mpi4py): the communicator the jobs use, of size 1 when not under MPI, and what the
+jobs do with it (sum the E-step, merge per-particle results, pass rank 0's events on, assign fixed work to ranks).
 
 A job is the same code on every rank: it takes its share of the particles or micrographs (``share``), sums
 its accumulators with the other ranks (``sum_arrays``, through host buffers), gathers per-item results
@@ -19,15 +20,22 @@ which path (the EM jobs print it with each iteration's timing).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
 import time
+from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from .compute.backend import get_array_module, to_host
+from ..compute.backend import get_array_module, to_host
+from ..compute.backprojector import insertion_reach, support_index
+from ..compute.estep import EStepSums
+from ..compute.memory_model import SLAB_BYTES
+from ..events import Message, Started
 
 #: Environment variables that a launcher sets in every rank it starts (Open MPI, MPICH/Intel MPI (Hydra, PMI-1/2),
 #: PMIx (srun --mpi=pmix, Open MPI 5), MVAPICH2).
@@ -37,7 +45,7 @@ LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_
                         "PMI_LOCAL_RANK")
 #: Arrays larger than this are summed on their own, in chunks of this size (bytes); smaller ones are packed into
 #: one buffer per dtype, so one E-step's many small sums cost one collective.
-CHUNK_BYTES = 1 << 28
+CHUNK_BYTES = SLAB_BYTES
 #: Array types that NCCL sums on the device (complex as pairs of reals); others go through host buffers.
 NCCL_DTYPES = ("float64", "float32", "int64", "int32", "complex128", "complex64")
 ABORT_GRACE_S = 1.0  # seconds a failing rank waits after its message before MPI_Abort (see World.abort)
@@ -459,28 +467,6 @@ def world() -> SingleProcess:
     return _world
 
 
-def set_world(comm: SingleProcess | None) -> None:
-    """Replace the communicator (tests; None: detect again on the next ``world()``)."""
-    global _world
-    _world = comm
-
-
-def gpu_for_rank(spec: str | int | None, local: int, n_devices: int | None = None) -> int | None:
-    """The GPU of a rank from RELION's ``--gpu`` syntax: "0:1:2:3" gives the ranks of a host GPUs 0, 1, 2, 3 in
-    turn (rank ``local`` takes entry ``local % 4``; an entry "0,1" (RELION's threads) uses its first GPU); "2"
-    or 2 puts every rank on GPU 2; empty or None: GPU ``local % n_devices`` when ``n_devices`` is given, else
-    None (the backend's default)."""
-    if spec is None or str(spec).strip() == "":
-        return None if not n_devices else local % n_devices
-    fields = [f for f in str(spec).strip().split(":") if f.strip()]
-    if not fields:
-        return None if not n_devices else local % n_devices
-    entry = fields[local % len(fields)].split(",")[0].strip()
-    if not entry.isdigit():
-        raise ValueError(f"--gpu {spec!r}: expected GPU numbers separated by ':' (RELION's syntax, e.g. 0:1:2:3)")
-    return int(entry)
-
-
 #: Variables that give a rank's index in the whole job (before MPI is initialised).
 RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
 
@@ -514,3 +500,77 @@ def rank_prefix() -> str:
         return f"rank {w.rank} of {w.size} on {w.host}: "
     r = launcher_rank()
     return "" if r is None else f"rank {r} on {socket.gethostname()}: "
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What the jobs do with the communicator when they run over several MPI ranks: every rank runs the same job on its
+# share of the particles (or micrographs); these helpers sum what the E-step accumulated on each rank, merge the
+# per-particle results so that every rank holds the whole particle set (the M-step then runs on every rank on
+# identical sums and gives identical models), and pass only rank 0's events on. With one process
+# (``SingleProcess``) each of them is a no-op.
+# ----------------------------------------------------------------------------------------------------------
+
+#: EStepSums fields that are sums over particles (arrays, then scalars); the others describe the shapes.
+SUMMED_ARRAYS = ("sigma2", "sumw_group", "pdf_class", "pdf_direction", "offset_sum", "xa", "aa")
+SUMMED_SCALARS = ("sigma_offset", "sum_weight", "log_likelihood", "sum_pmax", "n_particles")
+SHAPE_FIELDS = ("backprojectors", "n_shells", "n_groups", "n_dirs", "n_scale_groups")
+#: The per-particle hidden variables the E-step sets (jobs/em.run_estep), merged from every rank.
+PARTICLE_RESULTS = ("angles", "offsets_px", "classes", "pmax", "nr_significant", "log_likelihood", "residual_power")
+
+
+def accumulator_grids(acc) -> list:
+    """The arrays of a BackProjector (data_re, data_im, weight) or of a BackProjectorStack (one array each)."""
+    return list(acc.arrays) if hasattr(acc, "arrays") else [acc.data_re, acc.data_im, acc.weight]
+
+
+def sum_estep(comm: SingleProcess, sums: EStepSums, acc) -> None:
+    """Sum one half's E-step accumulators over the ranks, in place: the back-projector grids and every summed
+    field of ``sums`` (one collective for the small arrays and scalars, one per large grid). Of the grids only
+    the block that insertion up to the accumulators' r_max can reach travels (at low resolution a small part of
+    the padded grid; the rest is zero on every rank)."""
+    if comm.size == 1:
+        return
+    grids = accumulator_grids(acc)
+    ix = support_index(grids[0].shape[-acc.ndim:], insertion_reach(acc.pad, acc.r_max), acc.xp)
+    block = grids if ix is None else [g[(Ellipsis, *ix)] for g in grids]  # copies of the block
+    comm.sum_arrays(block + [getattr(sums, f) for f in SUMMED_ARRAYS])
+    if ix is not None:
+        for g, b in zip(grids, block, strict=True):
+            g[(Ellipsis, *ix)] = b
+    totals = comm.sum_scalars([getattr(sums, f) for f in SUMMED_SCALARS])
+    for f, v in zip(SUMMED_SCALARS, totals, strict=True):
+        setattr(sums, f, type(getattr(sums, f))(round(v) if f == "n_particles" else v))
+
+
+def merge_particles(comm: SingleProcess, ps, mine: np.ndarray) -> None:
+    """Give every rank the E-step's per-particle results of every other rank's rows (``mine`` on this one)."""
+    if comm.size == 1:
+        return
+    for rows, values in comm.allgather((mine, [getattr(ps, f)[mine] for f in PARTICLE_RESULTS])):
+        for f, v in zip(PARTICLE_RESULTS, values, strict=True):
+            getattr(ps, f)[rows] = v
+
+
+def describe_backends(names: list[str]) -> str:
+    """"CPU (...)" for one rank; "3 MPI ranks: GPU 0 (...) x 2, GPU 1 (...)" for several."""
+    if len(names) == 1:
+        return names[0]
+    counts = Counter(names)
+    parts = [name if c == 1 else f"{name} x {c}" for name, c in counts.items()]
+    return f"{len(names)} MPI ranks: " + ", ".join(parts)
+
+
+def root_events(comm: SingleProcess, events: Iterator) -> Iterator:
+    """Run a job's event generator on every rank and pass on rank 0's events only. At the Started event (which
+    every rank reaches) rank 0 names the backends of all ranks and, in a Message, each rank's host and process
+    id (what a launcher's report of a killed process names)."""
+    for ev in events:
+        if isinstance(ev, Started) and comm.size > 1:
+            ranks = comm.gather((ev.backend, comm.host, os.getpid()))
+            if comm.is_root:
+                yield dataclasses.replace(ev, backend=describe_backends([b for b, _, _ in ranks]))
+                yield Message("MPI ranks (host:pid): " + ", ".join(f"{r} {h}:{pid}" for r, (_, h, pid)
+                                                                    in enumerate(ranks)))
+            continue
+        if comm.is_root:
+            yield ev

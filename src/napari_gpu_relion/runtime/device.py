@@ -1,0 +1,167 @@
+"""The device a job runs on: the array backend (CuPy on a usable GPU, NumPy otherwise), chosen once per process,
+and RELION's ``--gpu`` syntax, parsed in one place (:func:`parse_gpu`).
+
+A job calls :func:`backend_for` once with its parameters; the widgets name a job's device with :func:`device_key`
+(the same parsing). Compute functions never ask for a backend: they take arrays (``compute.backend``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+
+from ..compute.backend import _set_tf32, _try_cupy, to_host
+from ..errors import InputError
+from .distributed import world
+
+log = logging.getLogger("napari_gpu_relion")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The chosen array module and device. ``xp`` is numpy or cupy."""
+
+    xp: ModuleType
+    device: int | None  # CUDA device index, None on the CPU
+    name: str  # human-readable, e.g. "GPU 0 (NVIDIA H200, 139.8 GiB)" or "CPU (NumPy, 2 threads)"
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.device is not None
+
+    def asarray(self, a, dtype=None):
+        """Move ``a`` to this backend's device."""
+        if self.is_gpu:
+            with self.xp.cuda.Device(self.device):
+                return self.xp.asarray(a, dtype=dtype)
+        return np.asarray(to_host(a), dtype=dtype)
+
+    def free_bytes(self) -> int:
+        """Free memory for arrays on this device (bytes): device free memory plus CuPy's cached pool,
+        or available host memory on the CPU."""
+        if self.is_gpu:
+            with self.xp.cuda.Device(self.device):
+                free, _total = self.xp.cuda.runtime.memGetInfo()
+                pool = self.xp.get_default_memory_pool()
+                return int(free + pool.free_bytes())
+        return host_available_bytes()
+
+    def synchronize(self) -> None:
+        if self.is_gpu:
+            self.xp.cuda.Device(self.device).synchronize()
+
+
+def set_matmul_tf32(be: Backend, on: bool) -> bool:
+    """Let float32 matrix products of the calling thread run on tensor cores in TF32 (inputs rounded to a 10-bit
+    mantissa, float32 accumulation: about 8x the float32 rate of an H100), or back to full float32. cuBLAS handles
+    are per thread and device, so a job sets it in the thread that runs its E-steps. Covers both of CuPy's paths:
+    the handle's math mode (batched products, cublasGemmStridedBatchedEx) and CuPy's compute type for float32
+    (2-D products and einsum, cublasGemmEx), which is one setting per process: two jobs of one process that
+    run at once with different --tf32 share the last one's for their 2-D products. Returns whether TF32 is now
+    on (never on the CPU: NumPy has no TF32)."""
+    if not be.is_gpu:
+        return False
+    with be.xp.cuda.Device(be.device):
+        _set_tf32(be.xp, on)
+    return on
+
+
+def host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * 1024**3
+
+
+_selected: dict[tuple[bool, int | None], Backend] = {}
+
+
+def select_backend(cpu: bool = False, gpu: int | None = None) -> Backend:
+    """Choose the backend once: ``cpu=True`` forces NumPy; ``gpu=N`` asks for device N (an error if there is
+    no such GPU); neither: the first GPU when CuPy sees one, else NumPy. Logs one line saying which."""
+    key = (cpu, gpu)
+    if key in _selected:
+        return _selected[key]
+    if cpu:
+        be = Backend(np, None, f"CPU (NumPy, {os.cpu_count()} cores)")
+    else:
+        cp = _try_cupy()
+        if cp is None:
+            if gpu is not None:
+                raise ValueError(
+                    f"--gpu {gpu} was asked for, but no usable CUDA GPU with CuPy was found "
+                    "(install napari-gpu-relion[cuda12] or [cuda13], or run with --cpu)")
+            be = Backend(np, None, f"CPU (NumPy, {os.cpu_count()} cores; no usable GPU found)")
+        else:
+            n = cp.cuda.runtime.getDeviceCount()
+            dev = 0 if gpu is None else int(gpu)
+            if not 0 <= dev < n:
+                raise ValueError(f"--gpu {dev}: there are {n} GPU(s), numbered 0..{n - 1}")
+            props = cp.cuda.runtime.getDeviceProperties(dev)
+            name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+            total = props["totalGlobalMem"] / 1024**3
+            be = Backend(cp, dev, f"GPU {dev} ({name}, {total:.1f} GiB)")
+    log.info("napari-gpu-relion compute backend: %s", be.name)
+    _selected[key] = be
+    return be
+
+
+def parse_gpu(spec: str | int | None) -> tuple[int, ...]:
+    """RELION's ``--gpu``: GPU numbers separated by ':' ("0:1:2:3"; the ranks of a host take them in turn); an
+    entry "0,1" (RELION's threads of a rank) stands for its first GPU. Empty or None: () (no GPU named). A
+    ValueError names the value when it is not of that form."""
+    if spec is None or str(spec).strip() == "":
+        return ()
+    out = []
+    for entry in (f for f in str(spec).strip().split(":") if f.strip()):
+        first = entry.split(",")[0].strip()
+        if not first.isdigit():
+            raise ValueError(f"--gpu {spec!r}: expected GPU numbers separated by ':' (RELION's syntax, e.g. 0:1:2:3)")
+        out.append(int(first))
+    return tuple(out)
+
+
+def gpu_for_rank(spec: str | int | None, local: int, n_devices: int | None = None) -> int | None:
+    """The GPU of the rank with index ``local`` on its host: entry ``local % len`` of :func:`parse_gpu`
+    ("0:1:2:3": GPUs 0, 1, 2, 3 in turn; "2" puts every rank on GPU 2); none named: GPU ``local % n_devices``
+    when ``n_devices`` is given, else None (the backend's default)."""
+    gpus = parse_gpu(spec)
+    if gpus:
+        return gpus[local % len(gpus)]
+    return None if not n_devices else local % n_devices
+
+
+def device_key(params) -> str:
+    """The name of the device a job with these parameters runs on ("cpu", "gpu0", ...), for front ends that keep
+    one runner per device: the GPU of this process's first rank."""
+    if getattr(params, "cpu", False) or not hasattr(params, "gpu") or _try_cupy() is None:
+        return "cpu"
+    return f"gpu{gpu_for_rank(getattr(params, 'gpu', None), 0) or 0}"
+
+
+def backend_for(params) -> Backend:
+    """The backend --cpu / --gpu ask for; an InputError when that GPU is not there (never a silent CPU run).
+    --gpu takes RELION's syntax (:func:`parse_gpu`); without --gpu the ranks of a host take its GPUs in turn. The
+    chosen GPU becomes the current CUDA device of this process (CuPy's calls in the job's thread follow it)."""
+    cpu, spec = bool(getattr(params, "cpu", False)), getattr(params, "gpu", None)
+    try:
+        comm = world()
+        gpu = gpu_for_rank(spec, comm.local_rank)
+        if gpu is None and comm.size > 1 and not cpu:
+            be = select_backend(cpu=False, gpu=None)
+            if be.is_gpu:
+                gpu = gpu_for_rank(None, comm.local_rank, be.xp.cuda.runtime.getDeviceCount())
+        be = select_backend(cpu=cpu, gpu=gpu)
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
+    if be.is_gpu:
+        be.xp.cuda.Device(be.device).use()
+    return be
