@@ -628,7 +628,7 @@ def test_segments_on_the_gpu_equal_unique_and_sum_as_without_them(E, C, padded):
 _PRELOAD_SCRIPT = r"""
 import json, sys, time
 import cupy as cp
-from napari_gpu_relion.jobs import kernel_preload as kp
+from napari_gpu_relion.runtime import kernel_preload as kp
 from napari_gpu_relion.compute.gpu_kernels import segment_rows_sum
 kp.install()
 job = kp.Preload("preload_test", 0).start()

@@ -1,4 +1,4 @@
-"""The kernel preload (jobs/kernel_preload.py) against a stand-in for CuPy's compile function: what a job loads is
+"""The kernel preload (runtime/kernel_preload.py) against a stand-in for CuPy's compile function: what a job loads is
 recorded and written down, the next job's thread loads it ahead, and the job is handed the very module the thread
 loaded instead of loading it again; anything else goes to CuPy as before. tests/test_gpu.py runs it on real CuPy."""
 
@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from napari_gpu_relion.jobs import kernel_preload as kp
+from napari_gpu_relion.runtime import kernel_preload as kp
 
 HEADERS = "// cupy headers\n" * 50
 SRC_A = 'extern "C" __global__ void ka(float* x) {}\nextern "C" __global__ void kb(float* x) {}'

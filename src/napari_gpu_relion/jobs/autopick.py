@@ -19,23 +19,20 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cancel import check_cancel
 from ..compute import picking as pk
+from ..compute import template_reference as tr
 from ..compute.backend import to_host
 from ..compute.ctf import CtfParams, ctf_from_frequencies
-from ..compute.fourier import fourier_resize, half_grid_indices, irfft_centered, round_half_away
-from ..compute.geometry import euler_to_matrix
-from ..compute.projector import prepare_reference, project
+from ..compute.fourier import half_grid_indices, round_half_away
 from ..compute.sampling import direction_grid
 from ..errors import InputError, is_out_of_memory
-from ..events import Finished, Message, MicrographPicked, Progress, Started
+from ..events import Finished, Message, MicrographPicked, Started
 from ..io.micrographs import (
     SKIP_FLAG,
     MicrographList,
     check_micrographs,
     micrograph_list,
     output_root,
-    read_micrograph,
     write_coordinate_list,
 )
 from ..io.mrc import is_stack, read_mrc, require_usable_map, write_mrc
@@ -44,6 +41,7 @@ from ..runtime.device import backend_for
 from ..runtime.distributed import root_events, world
 from ..runtime.memory import free_cached_memory, keep_template_cache, template_pick_batch
 from .common import check_output_folder, check_pixel_size, param, prepare_output, write_note
+from .micrograph_driver import Round, failure_report, over_micrographs, read_or_skip
 
 JOB_NAME = "autopick"
 #: Template figures of merit (--fom): the matched-filter z-score (default) and RELION's probability ratio.
@@ -175,10 +173,7 @@ def load_references(p: Params, apix: float, odir: Path | None) -> tuple[Referenc
         if data.shape != (s, s, s) or s % 2:
             raise InputError(f"a 3D reference must be a cube with an even edge, got {data.shape}", path=str(p.ref))
         _, rot, tilt = direction_grid(p.healpix_order, p.sym)
-        A = euler_to_matrix(rot, tilt, np.zeros_like(rot))
-        r_max = s / 2 if p.lowpass <= 0 else min(s / 2, s * ref_px / p.lowpass)
-        F = project(prepare_reference(data.astype(np.float64), 2, r_max), A)
-        data = irfft_centered(F, s, 2).astype(np.float32)
+        data = tr.project_map(data, rot, tilt, ref_px, p.lowpass)
         angles = np.stack([rot, tilt, np.zeros_like(rot)], 1)
         projections = (data, ref_px)
         if odir is not None:
@@ -191,15 +186,15 @@ def load_references(p: Params, apix: float, odir: Path | None) -> tuple[Referenc
     if data.shape[-2] != s or s % 2:
         raise InputError(f"references must be square with an even edge, got {data.shape[-2:]}", path=str(p.ref))
     if abs(ref_px - apix) > 1e-6:
-        new = int(2 * round_half_away(np.float64(s / 2 * ref_px / apix)))
-        data = fourier_resize(data.astype(np.float64), new, 2).astype(np.float32)
+        data = tr.rescale_images(data, ref_px, apix)
+        new = data.shape[-1]
         notes.append(f"references rescaled from {s} px at {ref_px} Å/px to {new} px at {apix} Å/px")
         s = new
     diam = p.particle_diameter if p.particle_diameter > 0 else pk.auto_particle_diameter(data, apix)
     if diam <= 0 or diam > s * apix:
         raise InputError(f"particle diameter {diam:.1f} Å does not fit the {s}-pixel references "
                          f"({s * apix:.1f} Å); give --particle_diameter", path=str(p.ref))
-    R = int(round_half_away(np.float64(diam / (2 * apix)))) - p.shrink_particle_mask
+    R = tr.disc_radius(diam, apix, p.shrink_particle_mask)
     if R < 1:
         raise InputError(f"particle disc radius {R} px is too small (--particle_diameter {diam} Å, "
                          f"--shrink_particle_mask {p.shrink_particle_mask})")
@@ -300,8 +295,7 @@ def _setup(shape: tuple[int, int], p: Params, apix: float, xp, refs: References 
     else:
         s = refs.refs.shape[-1]
         skip = max(1, int((p.skip_side + s / 2) * g.scale))
-        psi_step = 360.0 / float(round_half_away(np.float64(360.0 / p.ang)))
-        psi = np.arange(int(round(360.0 / psi_step))) * psi_step
+        psi = tr.psi_angles(p.ang)
         refs_dev = xp.asarray(refs.refs)
         ring = ~refs.disc
         extra.update(
@@ -323,6 +317,27 @@ def _ctf_of(ml: MicrographList, row: int) -> CtfParams | None:
     if not ml.has_ctf:
         return None
     return CtfParams.from_table(ml.table.iloc[[row]])
+
+
+def _pick_items(items: list, st: Setup, refs: References | None, p: Params, apix: float, ml: MicrographList, be,
+                i: int) -> list:
+    """Picks of same-shape micrographs [(entry, raw)] (LoG: one batch; templates: the first alone, batches of
+    (reference, psi) pairs from runtime.memory) as (entry, X, Y, FOM, class, psi) host arrays; ``i``: the index
+    of the round's first micrograph (the LoG noise seed)."""
+    out = []
+    if p.LoG:
+        res = _log_batch([np.asarray(r) for _, r in items], st, p, apix, be.xp, p.random_seed + i)
+        for (e, _), (X, Y, v) in zip(items, res, strict=True):
+            z = np.zeros(len(X))
+            out.append((e, X, Y, v, z.astype(int), z))
+    else:
+        e, r = items[0]
+        n_pairs = len(refs.refs) * len(st.extra["psi"])
+        tb = p.batch or template_pick_batch(be.free_bytes(), st.grid.w, n_pairs)
+        X, Y, v, k, psi = _template_one(np.asarray(r), st, refs, p, apix, _ctf_of(ml, e.row), be.xp,
+                                        p.random_seed + e.row, tb)
+        out.append((e, X, Y, v, k, psi))
+    return out
 
 
 def run(p: Params) -> Iterator:
@@ -368,7 +383,6 @@ def _run(p: Params) -> Iterator:
         yield Message(f"{len(refs.refs)} references of {refs.refs.shape[-1]} px, particle diameter "
                       f"{refs.diameter_A:.1f} Å (disc radius {refs.radius_px} px)")
     setups: dict[tuple[int, int], Setup] = {}
-    read_failures: list[str] = []  # of this rank, since the last round (rank 0 adds every rank's to failures)
     done_names: list[str] = []
     done_files: list[str] = []
     n_picks = 0
@@ -376,21 +390,19 @@ def _run(p: Params) -> Iterator:
     # one LoG micrograph at a time unless --batch says otherwise: on the H100 batches of 4 were 4x slower than
     # single micrographs at 4096 px (benchmarks/results/picking_h100.json)
     mic_batch = max(1, p.batch) if (p.LoG and p.batch) else 1
-    block = comm.share(n)  # this rank's micrographs: [i, stop)
-    i, stop = (int(block[0]), int(block[-1]) + 1) if block.size else (n, n)
-    done = 0
-    while comm.any(i < stop):  # one round: every rank picks its next chunk (or none), rank 0 writes them all
-        check_cancel()  # before a micrograph (a cancel point; never between writing its files)
+
+    def pick(i: int, stop: int) -> Iterator:
+        """This rank's next micrograph(s) from entries[i]: read and pick; every rank, no file written."""
+        nonlocal mic_batch
         chunk = entries[i:min(i + mic_batch, stop)]
         raws: dict[tuple[int, int], list] = {}
+        read_failures = []
         for e in chunk:
-            try:
-                raw = read_micrograph(e.path)
+            raw, failure = read_or_skip(e, p.skip_bad_micrographs)
+            if failure is None:
                 raws.setdefault(raw.shape, []).append((e, raw))
-            except (InputError, OSError, ValueError) as exc:
-                if not p.skip_bad_micrographs:
-                    raise
-                read_failures.append(f"{e.name}: {exc}")
+            else:
+                read_failures.append(failure)
         results = []
         try:
             for shape, items in raws.items():
@@ -399,37 +411,19 @@ def _run(p: Params) -> Iterator:
                     g = setups[shape].grid
                     yield Message(f"{shape[1]} x {shape[0]} px micrographs: working grid {g.w} px "
                                   f"({apix / g.scale:.2f} Å/px)")
-                st = setups[shape]
-                if p.LoG:
-                    res = _log_batch([np.asarray(r) for _, r in items], st, p, apix, xp, p.random_seed + i)
-                    for (e, _), (X, Y, v) in zip(items, res, strict=True):
-                        z = np.zeros(len(X))
-                        results.append((e, X, Y, v, z.astype(int), z))
-                else:
-                    e, r = items[0]
-                    n_pairs = len(refs.refs) * len(st.extra["psi"])
-                    tb = p.batch or template_pick_batch(be.free_bytes(), st.grid.w, n_pairs)
-                    X, Y, v, k, psi = _template_one(np.asarray(r), st, refs, p, apix, _ctf_of(ml, e.row), xp,
-                                                    p.random_seed + e.row, tb)
-                    results.append((e, X, Y, v, k, psi))
+                results += _pick_items(items, setups[shape], refs, p, apix, ml, be, i)
         except Exception as exc:  # noqa: BLE001
             if is_out_of_memory(exc) and mic_batch > 1:
                 free_cached_memory(be)
                 mic_batch = max(1, mic_batch // 2)
                 yield Message(f"out of memory; retrying with {mic_batch} micrographs per batch", "warning")
-                results, chunk = [], []  # the same micrographs again in the next round
-            else:
-                raise
-        rounds = comm.gather((results, len(chunk), read_failures))
-        read_failures = []
-        if not comm.is_root:
-            i += len(chunk)
-            continue
-        results = [r for res, _, _ in rounds for r in res]
-        for _, _, fails in rounds:
-            failures += fails
-            for f in fails:
-                yield Message(f"skipping micrograph {f}", "warning")
+                return Round([], read_failures, 0)  # the same micrographs again in the next round
+            raise
+        return Round(results, read_failures, len(chunk))
+
+    def write(results: list) -> Iterator:
+        """Rank 0: every rank's picks of the round to their coordinate files, one MicrographPicked each."""
+        nonlocal n_picks
         for e, X, Y, v, k, psi in results:
             f = odir / (output_root(e.name) + "_autopick.star")
             write_coordinates(f, X, Y, fom=v, class_number=k, psi=psi)
@@ -438,9 +432,8 @@ def _run(p: Params) -> Iterator:
             n_picks += len(X)
             yield MicrographPicked(e.name, e.row, np.stack([X, Y], 1).astype(np.float64) if len(X) else
                                    np.zeros((0, 2)), np.asarray(v, np.float64))
-        i += len(chunk)
-        done += sum(c for _, c, _ in rounds)
-        yield Progress(done, n, "picking")
+
+    failures += yield from over_micrographs(comm, n, pick, write, "picking")
     if not comm.is_root:
         return
     # keep STAR order; write the list even when some micrographs failed
@@ -450,7 +443,7 @@ def _run(p: Params) -> Iterator:
     free_cached_memory(be)
     summary = f"{n_picks} particles picked from {len(done_names)} of {len(ml.entries)} micrographs ({mode})"
     if failures:
-        yield Message(f"{len(failures)} micrograph(s) could not be read:\n  " + "\n  ".join(failures), "warning")
+        yield failure_report(failures)
         summary += f"; {len(failures)} failed: " + ", ".join(f.split(":")[0] for f in failures)
     yield Finished({"coordinates": out}, summary)
 

@@ -64,6 +64,7 @@ from ..io.write_queue import WriteQueue
 from ..marks import memory_mark
 from ..runtime.device import Backend, backend_for, host_available_bytes, set_matmul_tf32
 from ..runtime.distributed import merge_particles, root_events, sum_estep, world
+from ..runtime.kernel_preload import Preload
 from ..runtime.memory import (
     JobMemory,
     MemoryPlan,
@@ -77,7 +78,6 @@ from ..runtime.memory import (
     release_cached,
 )
 from .common import check_output_folder, em_iteration_bytes, param, prepare_output, require_file, write_note
-from .kernel_preload import Preload
 from .particles import ParticleSet, load_particle_set, particle_state, write_data_star
 
 #: Width of the raised-cosine edge of the particle mask (pixels), RELION's default.

@@ -8,7 +8,8 @@ run and ours are not alike. The warm-up runs the EM jobs on a tiny simulated set
 options of a typical run (CTF, solvent flattening, masks with zeros and with noise, norm and scale corrections in
 the refinement and in the classification (whose group-scale sums run per class),
 padding 2, global and local searches, the final iteration), so that the kernels the real jobs use are compiled
-here. CuPy specialises some kernels by size as well as by type (its reductions pick other kernels for long rows
+here; before them it builds every specialisation of the registry's fused ops (runtime/kernels.py). CuPy
+specialises some kernels by size as well as by type (its reductions pick other kernels for long rows
 than for short ones; dimensions of length 1 drop out of the indexing code), so the runs are repeated on a
 medium set (box 96, 1,000 particles) whose arrays have the sizes of real jobs. benchmarks/kernel_compiles.py
 lists what a real job still compiles after the warm-up (benchmarks/README.md, "Kernel compilation").
@@ -24,10 +25,11 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..events import Finished, Message, Started
+from ..runtime import kernels
 from ..runtime.device import backend_for
+from ..runtime.kernel_preload import kernel_cache_dir
 from . import class2d, class3d, refine3d
 from .common import param
-from .kernel_preload import kernel_cache_dir
 from .simulate import make_sample_data
 
 JOB_NAME = "warmup"
@@ -99,6 +101,9 @@ def run(p: Params) -> Iterator:
         yield Finished({}, "no GPU: nothing to compile (the CPU runs NumPy)")
         return
     t0, before = time.time(), cached_kernels()
+    reg = kernels.build(be.device)
+    yield Message(f"  the registry's fused ops: {reg['ops']} specialisations built in {reg['seconds']:.1f} s, "
+                  f"{cached_kernels() - before} kernels compiled so far")
     with tempfile.TemporaryDirectory(prefix="ngr_warmup_") as tmp:
         out = Path(p.o) if p.o else Path(tmp)
         gpu = "0" if p.gpu is None else str(p.gpu)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ import pandas as pd
 from ..compute.fsc import resolution_shell
 from ..errors import InputError
 from ..events import ClassAveragesUpdated, FscUpdated, MapUpdated
+from ..io.jobdir import final_model_root, iteration_model
 from ..io.mrc import mrc_header_info, read_mrc
 from ..io.star import read_star
 from .layers import postprocess_fsc
@@ -45,8 +45,6 @@ __all__ = ["SETTLE_S", "Snapshot", "FolderFollower", "is_job_folder", "model_sna
 
 #: Seconds a file must be left unchanged before it is read (a file RELION is still writing changes).
 SETTLE_S = 1.0
-_MODEL = re.compile(r"^(?P<root>.+?)_it(?P<it>\d{3,})_(?:(?P<half>half[12])_)?model\.star$")
-_FINAL_MODEL = re.compile(r"^(?P<root>.+)_model\.star$")
 #: Order key of final files: after every iteration.
 _FINAL = 10**9
 
@@ -75,7 +73,7 @@ def is_job_folder(folder: str | os.PathLike) -> bool:
         names = os.listdir(folder)
     except OSError:
         return False
-    return any(_MODEL.match(n) for n in names) or "postprocess.star" in names or any(
+    return any(iteration_model(n) for n in names) or "postprocess.star" in names or any(
         n.endswith("_model.star") for n in names)
 
 
@@ -141,22 +139,21 @@ class FolderFollower:
             star = self.folder / "postprocess.star"
             with contextlib.suppress(OSError):
                 found.append(((_FINAL, star.stat().st_mtime_ns), "postprocess", None, [star]))
-        iterations: dict[tuple[str, int], set[str]] = {}
+        iterations: dict[tuple[str, int], set[int | None]] = {}
         for name in names:
-            m = _MODEL.match(name)
-            if m:
-                iterations.setdefault((m.group("root"), int(m.group("it"))), set()).add(m.group("half") or "")
+            f = iteration_model(name)
+            if f is not None:
+                iterations.setdefault((f.root, f.iteration), set()).add(f.half)
         for (root, it), halves in iterations.items():
-            if halves & {"half1", "half2"}:
+            if halves & {1, 2}:
                 stars = [self.folder / f"{root}_it{it:03d}_{h}_model.star" for h in ("half1", "half2")]
                 found.append(((it,), "refine3d", it, stars))
             else:
                 found.append(((it,), "class", it, [self.folder / f"{root}_it{it:03d}_model.star"]))
         roots = {root for root, _ in iterations}
         for name in names:
-            m = _FINAL_MODEL.match(name)
-            if m and not _MODEL.match(name) and (not roots or m.group("root") in roots) \
-                    and f"{m.group('root')}_class001.mrc" in names:
+            root = final_model_root(name)
+            if root is not None and (not roots or root in roots) and f"{root}_class001.mrc" in names:
                 found.append(((_FINAL - 1,), "refine3d", None, [self.folder / name]))
         return sorted(found, key=lambda c: c[0], reverse=True)
 
@@ -212,12 +209,13 @@ def model_snapshot(path: str | os.PathLike) -> Snapshot:
     or incomplete."""
     p = Path(path)
     follower = FolderFollower(p.parent, settle_s=0.0)
-    m = _MODEL.match(p.name)
-    if m and m.group("half"):
-        stars = [p.parent / f"{m.group('root')}_it{m.group('it')}_{h}_model.star" for h in ("half1", "half2")]
-        snap = follower.complete("refine3d", int(m.group("it")), [s for s in stars if s.is_file()], ())
-    elif m:
-        snap = follower.complete("class", int(m.group("it")), [p], ())
+    f = iteration_model(p)
+    if f is not None and f.half:
+        prefix = p.name[: -len(f"_half{f.half}_model.star")]  # <root>_itNNN as the name spells it
+        stars = [p.parent / f"{prefix}_half{h}_model.star" for h in (1, 2)]
+        snap = follower.complete("refine3d", f.iteration, [s for s in stars if s.is_file()], ())
+    elif f is not None:
+        snap = follower.complete("class", f.iteration, [p], ())
     else:
         snap = follower.complete("refine3d", None, [p], ())
     if snap is None:

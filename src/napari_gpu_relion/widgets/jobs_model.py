@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import re
 import shlex
 import time
 import weakref
@@ -32,6 +31,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from ..io.jobdir import iteration_data, iteration_model, job_number
 
 __all__ = [
     "JOB_TYPES",
@@ -107,10 +108,6 @@ _OUTPUT_FIELD = {"autopick": ("odir", None), "extract": ("o", None), "class2d": 
                  "mask_create": ("o", "mask.mrc"), "reconstruct": ("o", "reconstruct.mrc"),
                  "initial_model": ("o", None)}
 
-_JOB_DIR = re.compile(r"^job(\d+)$")
-_ITER_MODEL = re.compile(r"^(?P<root>.+?)_it(?P<it>\d{3,})_(?:half[12]_)?model\.star$")
-_ITER_DATA = re.compile(r"^(?P<root>.+?)_it(?P<it>\d{3,})_data\.star$")
-
 
 @dataclass(frozen=True)
 class Output:
@@ -142,8 +139,7 @@ class JobRecord:
     @property
     def number(self) -> int | None:
         """The NNN of a ``jobNNN`` folder."""
-        m = _JOB_DIR.match(self.folder.name)
-        return int(m.group(1)) if m else None
+        return job_number(self.folder)
 
     def display_folder(self, project: Path | None = None) -> str:
         """The folder relative to the project (``Class2D/job003``) when it lies inside it."""
@@ -214,7 +210,7 @@ def _input_path(value: str, folder: Path) -> Path:
     p = Path(value)
     if p.is_absolute():
         return p
-    project = folder.parent.parent if _JOB_DIR.match(folder.name) else folder
+    project = folder.parent.parent if job_number(folder) is not None else folder
     for base in (project, folder, Path.cwd()):  # RELION runs in the project; a command line may have run elsewhere
         if (base / p).exists():
             return base / p
@@ -244,9 +240,9 @@ def _iterations(folder: Path, names: list[str]) -> tuple[str | None, list[int]]:
     """(rootname, iterations with a model STAR) of a relion_refine-style folder."""
     roots: dict[str, set[int]] = {}
     for name in names:
-        m = _ITER_MODEL.match(name)
-        if m:
-            roots.setdefault(m.group("root"), set()).add(int(m.group("it")))
+        f = iteration_model(name)
+        if f is not None:
+            roots.setdefault(f.root, set()).add(f.iteration)
     if not roots:  # only the final files of an auto-refine (the iterations deleted)
         finals = [n[: -len("_model.star")] for n in names if n.endswith("_model.star")]
         return (finals[0] if finals else None), []
@@ -258,8 +254,8 @@ def _newest_data(folder: Path, names: list[str], root: str | None) -> Path | Non
     """The final data STAR, else that of the newest iteration."""
     if root is not None and f"{root}_data.star" in names:
         return folder / f"{root}_data.star"
-    found = sorted((int(m.group("it")), n) for n in names if (m := _ITER_DATA.match(n))
-                   and (root is None or m.group("root") == root))
+    found = sorted((f.iteration, n) for n in names if (f := iteration_data(n)) is not None
+                   and (root is None or f.root == root))
     return folder / found[-1][1] if found else None
 
 
@@ -375,7 +371,7 @@ def scan_project(project: str | os.PathLike, now: float | None = None) -> list[J
         except OSError:
             continue
         for entry in entries:
-            if _JOB_DIR.match(entry) and (base / entry).is_dir():
+            if job_number(entry) is not None and (base / entry).is_dir():
                 record = scan_job_folder(base / entry, job, now)
                 if record is not None:
                     records.append(record)
@@ -414,7 +410,7 @@ def project_of(folder: str | os.PathLike) -> Path | None:
     """``<project>`` of a job folder ``<project>/<Type>/jobNNN`` (a job type of ours or RELION's: a capitalised
     name), None for a folder not laid out that way."""
     folder = Path(folder).expanduser().absolute()
-    if _JOB_DIR.match(folder.name) and folder.parent.name[:1].isupper():
+    if job_number(folder) is not None and folder.parent.name[:1].isupper():
         return folder.parent.parent
     return None
 
@@ -426,13 +422,13 @@ def next_job_folder(project: str | os.PathLike, job: str, taken: Iterable[Path] 
     highest = 0
     for type_dir in set(JOB_TYPES.values()) | {p.name for p in _subdirs(project)}:
         for entry in _subdirs(project / type_dir):
-            m = _JOB_DIR.match(entry.name)
-            if m:
-                highest = max(highest, int(m.group(1)))
+            n = job_number(entry)
+            if n is not None:
+                highest = max(highest, n)
     for folder in taken:
-        m = _JOB_DIR.match(Path(folder).name)
-        if m:
-            highest = max(highest, int(m.group(1)))
+        n = job_number(folder)
+        if n is not None:
+            highest = max(highest, n)
     return project / JOB_TYPES.get(job, job) / f"job{highest + 1:03d}"
 
 

@@ -1,5 +1,8 @@
 """Load the GPU kernels a job will use while it starts up, instead of one by one at their first use.
 
+First the fused ops of the registry (runtime/kernels.py: ours, declared with their specialisations and built
+through CuPy's public API), then the modules of CuPy's own kernels that the last job of this kind used (below).
+
 CuPy builds each kernel the first time a process uses it: it makes the kernel's source, finds the compiled code in
 its on-disk cache (``napari-gpu-relion warmup`` fills that cache), hashes, reads and loads it; the sorts (thrust) and
 matrix products (cuBLAS) it calls load their kernels at their first launch. RELION's kernels are linked into its
@@ -8,7 +11,10 @@ as the process: a class3d's iteration 1 on an H200 took 2.37 s in a fresh proces
 again in that process, ~0.2 s of it in the first sorts and ~0.2 s in the first products (benchmarks/README.md,
 "Twenty-third session").
 
-Here every module a job loads through CuPy's compile path is recorded (its source and options) and, when the job
+CuPy's own kernels (ufuncs, take, scatters, CUB reductions) have no public way to be built ahead: here every
+module a job loads through CuPy's compile path is recorded (this wraps CuPy's private ``_compile_module_with_cache``:
+one of two uses of CuPy's private names left, the other is TF32's compute type in compute/backend.py), with its
+source and options, and, when the job
 ends, written to a manifest per job kind beside CuPy's kernel cache. The next job of that kind starts a background
 thread that loads those modules (and fetches their functions) while the job reads its particles and prepares its
 references; a module the job then asks for is handed over already loaded. A module the thread has not reached yet
@@ -33,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from ..io.atomic import atomic_path
+from . import kernels
 
 log = logging.getLogger("napari_gpu_relion")
 
@@ -49,7 +56,9 @@ _GLOBAL = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\([^)]*\)
 
 _lock = threading.Lock()
 _state: dict = {"installed": None, "original": None, "headers": None}
-_stats = {"handed": 0, "job_loads": 0, "job_s": 0.0, "ahead": 0, "ahead_s": 0.0}  # this process's, cumulative
+_stats = {"handed": 0, "job_loads": 0, "job_s": 0.0, "ahead": 0, "ahead_s": 0.0,  # this process's, cumulative
+          "registry_loads": 0}
+_thread = threading.local()  # .preloading: this thread is a preload thread (its loads are not the job's)
 _used: dict = {}  # key -> manifest entry of every module this process loaded, in first-use order
 _ready: dict = {}  # (device, key) -> Module loaded ahead by a preload thread, not yet handed over
 
@@ -138,6 +147,9 @@ def install() -> bool:
             return False
 
         def compile_module(source, options=(), **kw):
+            if getattr(_thread, "preloading", False):  # the registry's build in a preload thread: not the job's
+                _stats["registry_loads"] += 1
+                return original(source, options, **kw)
             e = _entry(source, options, kw, _headers(cupy))
             key = None if e is None else _key(e)
             if key is not None:
@@ -160,9 +172,17 @@ def install() -> bool:
 
 
 def _load(job: str, device: int, stop: threading.Event, report: dict) -> None:
-    """The preload thread: every module of the job's manifest not yet loaded in this process, in first-use order,
-    with its functions fetched (CUDA loads a function's code at its first fetch)."""
+    """The preload thread: every fused op of the registry (runtime/kernels.py, built through CuPy's public API),
+    then every module of the job's manifest not yet loaded in this process, in first-use order, with its functions
+    fetched (CUDA loads a function's code at its first fetch), then the libraries' kernels."""
     try:
+        _thread.preloading = True
+        try:
+            report["registry"] = kernels.build(device, stop.is_set)
+        except Exception as exc:  # noqa: BLE001 - an op that does not build here builds at its first use
+            log.debug("kernel preload, registry: %s", exc)
+        finally:
+            _thread.preloading = False
         _load_entries(_read_manifest(manifest_path(job)), device, stop)
         if not stop.is_set():
             report["libraries_s"] = _warm_libraries(device, stop)
@@ -264,6 +284,8 @@ class Preload:
         when = "" if end is None else f", done {end - self.t0:.2f} s after the job started"
         libs = self.report.get("libraries_s")
         libs = "" if libs is None else f", sorts and matrix products warmed ({libs:.2f} s)"
+        reg = self.report.get("registry")
+        libs = libs if reg is None else f", {reg['ops']} fused ops built ({reg['seconds']:.2f} s){libs}"
         return (f"GPU kernels: {d['ahead']} modules loaded ahead ({d['ahead_s']:.2f} s in the background{libs}"
                 f"{when}), {d['handed']} of them used; {d['job_loads']} loaded at their first use ({d['job_s']:.2f} s)")
 
