@@ -101,9 +101,13 @@ def run(p: Params) -> Iterator:
         yield Finished({}, "no GPU: nothing to compile (the CPU runs NumPy)")
         return
     t0, before = time.time(), cached_kernels()
-    reg = kernels.build(be.device)
-    yield Message(f"  the registry's fused ops: {reg['ops']} specialisations built in {reg['seconds']:.1f} s, "
-                  f"{cached_kernels() - before} kernels compiled so far")
+    try:
+        reg = kernels.build(be.device)
+        yield Message(f"  the registry's fused ops: {reg['ops']} specialisations built in {reg['seconds']:.1f} s, "
+                      f"{cached_kernels() - before} kernels compiled so far")
+    except Exception as exc:  # noqa: BLE001 - the runs below still compile what the jobs use
+        yield Message(f"the registry's fused ops did not all build ({type(exc).__name__}: {exc}); the jobs below "
+                      "compile theirs", "warning")
     with tempfile.TemporaryDirectory(prefix="ngr_warmup_") as tmp:
         out = Path(p.o) if p.o else Path(tmp)
         gpu = "0" if p.gpu is None else str(p.gpu)

@@ -1,0 +1,69 @@
+"""A user's first job on a machine against the same job run again (issue 46: kernels built ahead).
+
+Each job runs as a fresh process (`napari-gpu-relion <job> ...`), as a user starts it; the script times the whole
+process and reads the job's own line "GPU kernels: ... N loaded at their first use (S s)". Steps, in order, each
+`name=job args` (args after the job name as on the command line; `{data}` is replaced by --data, `{out}` by a
+fresh folder per run):
+
+    python benchmarks/first_run.py --data D --out R.json --step "cold:class3d=class3d --i {data}/particles.star ..."
+
+A step whose name starts with "warmup" runs `napari-gpu-relion warmup` and is timed too. The JSON names the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LINE = re.compile(r"(\d+) loaded at their first use \(([\d.]+) s\)")
+
+
+def gpu_name() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout.strip()
+        return out or "no GPU"
+    except OSError:
+        return "no GPU"
+
+
+def run_step(name: str, args: str, data: str, work: Path) -> dict:
+    out = work / name.replace(":", "_")
+    argv = args.replace("{data}", data).replace("{out}", str(out)).split()
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "napari_gpu_relion.cli", *argv], capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    text = r.stdout + r.stderr
+    m = LINE.findall(text)
+    row = {"step": name, "argv": argv, "wall_s": round(wall, 2), "returncode": r.returncode,
+           "modules_at_first_use": int(m[-1][0]) if m else None,
+           "first_use_s": float(m[-1][1]) if m else None,
+           "kernel_line": next((ln.strip() for ln in text.splitlines() if "GPU kernels:" in ln), None)}
+    if r.returncode:
+        row["tail"] = text[-2000:]
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--work", default="/tmp/first_run")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--step", action="append", default=[], help="name=args")
+    a = ap.parse_args()
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    rows = [run_step(s.split("=", 1)[0], s.split("=", 1)[1], a.data, work) for s in a.step]
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"gpu": gpu_name(), "date": time.strftime("%Y-%m-%d"), "steps": rows},
+                                      indent=1))
+
+
+if __name__ == "__main__":
+    main()
