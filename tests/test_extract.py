@@ -162,3 +162,58 @@ def test_bad_parameters(tmp_path):
         extract.Params(i=f, o=tmp_path, coord_list=f, extract_size=63)
     with pytest.raises(InputError, match="bg_radius"):
         extract.Params(i=f, o=tmp_path, coord_list=f, extract_size=64, norm=True, bg_radius=40)
+
+
+def test_micrograph_driver_rounds_events_and_failures():
+    """The per-micrograph driver shared by autopick and extract (one process): work's events first, then the
+    round's skip warnings, collect's events and Progress; a round with done=0 is retried; progress=False rounds
+    yield no Progress; the unreadable micrographs come back in order; read_or_skip skips or raises."""
+    from types import SimpleNamespace
+
+    from napari_gpu_relion.events import Message, Progress
+    from napari_gpu_relion.jobs.micrograph_driver import Round, failure_report, over_micrographs, read_or_skip
+    from napari_gpu_relion.runtime.distributed import SingleProcess
+
+    calls = []
+    retried = []
+
+    def work(i, stop):
+        calls.append((i, stop))
+        yield f"work {i}"
+        if i == 1 and not retried:
+            retried.append(i)
+            return Round(done=0)  # e.g. out of memory: the same micrograph again
+        if i == 2:
+            return Round([], [f"m{i}: unreadable"], done=1, progress=False)
+        return Round([i * 10], done=1)
+
+    def collect(results):
+        for r in results:
+            yield f"collect {r}"
+
+    def drive():
+        failures = yield from over_micrographs(SingleProcess(), 4, work, collect, "testing")
+        yield ("failures", failures)
+
+    ev = list(drive())
+    assert calls == [(0, 4), (1, 4), (1, 4), (2, 4), (3, 4)]
+    assert [(e.done, e.total, e.stage) for e in ev if isinstance(e, Progress)] == [
+        (1, 4, "testing"), (1, 4, "testing"), (2, 4, "testing"), (4, 4, "testing")]
+    strs = [e for e in ev if isinstance(e, str)]
+    assert strs == ["work 0", "collect 0", "work 1", "work 1", "collect 10", "work 2", "work 3", "collect 30"]
+    i_skip = next(j for j, e in enumerate(ev) if isinstance(e, Message))
+    assert ev[i_skip].text == "skipping micrograph m2: unreadable" and ev[i_skip].level == "warning"
+    assert ev[i_skip - 1] == "work 2" and ev[i_skip + 1] == "work 3"  # no Progress after the skipped one
+    assert ev[-1] == ("failures", ["m2: unreadable"])
+    rep = failure_report(["a: x", "b: y"])
+    assert rep.text == "2 micrograph(s) could not be read:\n  a: x\n  b: y" and rep.level == "warning"
+
+    e = SimpleNamespace(path="missing.mrc", name="mic.mrc")
+
+    def bad(path):
+        raise OSError("no such file")
+
+    assert read_or_skip(e, True, bad) == (None, "mic.mrc: no such file")
+    with pytest.raises(OSError):
+        read_or_skip(e, False, bad)
+    assert read_or_skip(e, False, lambda path: path.upper()) == ("MISSING.MRC", None)

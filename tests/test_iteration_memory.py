@@ -55,6 +55,7 @@ def traced_run(traced_job):
     return traced_job[:2]
 
 
+@pytest.mark.slow
 def test_nothing_of_an_iteration_is_held_into_the_next(traced_run):
     by_iteration, events = traced_run
     assert sorted(by_iteration) == [1, 2]  # iteration 1 and the final one
@@ -102,6 +103,7 @@ def split_job(data, tmp_path_factory):
     return _traced(data, tmp_path_factory.mktemp("split"), union_bytes=1)
 
 
+@pytest.mark.slow
 def test_a_small_union_budget_lowers_the_union_peak_with_the_same_results(traced_job, split_job):
     """The memory plan's union budget (backend.union_budget; here 1 byte: one particle per group) splits each
     batch's fine passes into particle groups: the traced peak of the union's step and of the insertion goes down
@@ -128,6 +130,7 @@ def test_a_small_union_budget_lowers_the_union_peak_with_the_same_results(traced
     np.testing.assert_array_equal(split_job.ps.classes, whole_job.ps.classes)
 
 
+@pytest.mark.slow
 def test_a_small_union_budget_gives_the_same_maps_and_posteriors(traced_job, split_job):
     """The same run with the fine passes in ten particle groups: iteration 1's (regularised) half maps equal one
     group's to 1e-5 of their largest value (measured 1.4e-7 and 2.6e-7) and the final iteration's Pmax to 1e-4

@@ -14,7 +14,7 @@ Writes <odir>/<micrograph path without job prefix>_autopick.star per micrograph 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -340,6 +340,66 @@ def _pick_items(items: list, st: Setup, refs: References | None, p: Params, apix
     return out
 
 
+@dataclass
+class _Picking:
+    """One rank's picking job in the per-micrograph driver (jobs.micrograph_driver): ``pick`` reads and picks
+    (every rank, no file written), ``write`` writes every rank's picks of a round (rank 0)."""
+
+    p: Params
+    ml: MicrographList
+    entries: list
+    refs: References | None
+    be: object
+    odir: Path
+    mic_batch: int  # LoG micrographs per batch (halved on running out of memory)
+    setups: dict = field(default_factory=dict)  # per micrograph shape
+    done_names: list = field(default_factory=list)
+    done_files: list = field(default_factory=list)
+    n_picks: int = 0
+
+    def pick(self, i: int, stop: int) -> Iterator:
+        """This rank's next micrograph(s) from entries[i] (at most ``mic_batch``, before ``stop``): a Round of
+        (entry, X, Y, FOM, class, psi) host arrays."""
+        p, apix = self.p, self.ml.pixel_size
+        chunk = self.entries[i:min(i + self.mic_batch, stop)]
+        raws: dict[tuple[int, int], list] = {}
+        read_failures = []
+        for e in chunk:
+            raw, failure = read_or_skip(e, p.skip_bad_micrographs)
+            if failure is None:
+                raws.setdefault(raw.shape, []).append((e, raw))
+            else:
+                read_failures.append(failure)
+        results = []
+        try:
+            for shape, items in raws.items():
+                if shape not in self.setups:
+                    self.setups[shape] = _setup(shape, p, apix, self.be.xp, self.refs, self.be)
+                    g = self.setups[shape].grid
+                    yield Message(f"{shape[1]} x {shape[0]} px micrographs: working grid {g.w} px "
+                                  f"({apix / g.scale:.2f} Å/px)")
+                results += _pick_items(items, self.setups[shape], self.refs, p, apix, self.ml, self.be, i)
+        except Exception as exc:  # noqa: BLE001
+            if is_out_of_memory(exc) and self.mic_batch > 1:
+                free_cached_memory(self.be)
+                self.mic_batch = max(1, self.mic_batch // 2)
+                yield Message(f"out of memory; retrying with {self.mic_batch} micrographs per batch", "warning")
+                return Round([], read_failures, 0)  # the same micrographs again in the next round
+            raise
+        return Round(results, read_failures, len(chunk))
+
+    def write(self, results: list) -> Iterator:
+        """Rank 0: every rank's picks of a round to their coordinate files, one MicrographPicked each."""
+        for e, X, Y, v, k, psi in results:
+            f = self.odir / (output_root(e.name) + "_autopick.star")
+            write_coordinates(f, X, Y, fom=v, class_number=k, psi=psi)
+            self.done_names.append(e.name)
+            self.done_files.append(str(f))
+            self.n_picks += len(X)
+            yield MicrographPicked(e.name, e.row, np.stack([X, Y], 1).astype(np.float64) if len(X) else
+                                   np.zeros((0, 2)), np.asarray(v, np.float64))
+
+
 def run(p: Params) -> Iterator:
     """Under MPI every rank picks its block of the micrographs; after each round rank 0 gathers the picks, writes
     every file and yields the events."""
@@ -355,7 +415,6 @@ def _run(p: Params) -> Iterator:
                          column="rlnDefocusU")
     odir = Path(p.odir)
     be = backend_for(p)
-    xp = be.xp
     # headers, before any work (every rank: a bad micrograph or reference stops them all alike)
     entries, _, failures = check_micrographs(ml, ml.entries, p.skip_bad_micrographs)
     if not entries:
@@ -382,66 +441,20 @@ def _run(p: Params) -> Iterator:
             yield Message(t)
         yield Message(f"{len(refs.refs)} references of {refs.refs.shape[-1]} px, particle diameter "
                       f"{refs.diameter_A:.1f} Å (disc radius {refs.radius_px} px)")
-    setups: dict[tuple[int, int], Setup] = {}
-    done_names: list[str] = []
-    done_files: list[str] = []
-    n_picks = 0
     # LoG: batches of micrographs; templates: one micrograph, batches of (reference, psi) pairs
     # one LoG micrograph at a time unless --batch says otherwise: on the H100 batches of 4 were 4x slower than
     # single micrographs at 4096 px (benchmarks/results/picking_h100.json)
-    mic_batch = max(1, p.batch) if (p.LoG and p.batch) else 1
-
-    def pick(i: int, stop: int) -> Iterator:
-        """This rank's next micrograph(s) from entries[i]: read and pick; every rank, no file written."""
-        nonlocal mic_batch
-        chunk = entries[i:min(i + mic_batch, stop)]
-        raws: dict[tuple[int, int], list] = {}
-        read_failures = []
-        for e in chunk:
-            raw, failure = read_or_skip(e, p.skip_bad_micrographs)
-            if failure is None:
-                raws.setdefault(raw.shape, []).append((e, raw))
-            else:
-                read_failures.append(failure)
-        results = []
-        try:
-            for shape, items in raws.items():
-                if shape not in setups:
-                    setups[shape] = _setup(shape, p, apix, xp, refs, be)
-                    g = setups[shape].grid
-                    yield Message(f"{shape[1]} x {shape[0]} px micrographs: working grid {g.w} px "
-                                  f"({apix / g.scale:.2f} Å/px)")
-                results += _pick_items(items, setups[shape], refs, p, apix, ml, be, i)
-        except Exception as exc:  # noqa: BLE001
-            if is_out_of_memory(exc) and mic_batch > 1:
-                free_cached_memory(be)
-                mic_batch = max(1, mic_batch // 2)
-                yield Message(f"out of memory; retrying with {mic_batch} micrographs per batch", "warning")
-                return Round([], read_failures, 0)  # the same micrographs again in the next round
-            raise
-        return Round(results, read_failures, len(chunk))
-
-    def write(results: list) -> Iterator:
-        """Rank 0: every rank's picks of the round to their coordinate files, one MicrographPicked each."""
-        nonlocal n_picks
-        for e, X, Y, v, k, psi in results:
-            f = odir / (output_root(e.name) + "_autopick.star")
-            write_coordinates(f, X, Y, fom=v, class_number=k, psi=psi)
-            done_names.append(e.name)
-            done_files.append(str(f))
-            n_picks += len(X)
-            yield MicrographPicked(e.name, e.row, np.stack([X, Y], 1).astype(np.float64) if len(X) else
-                                   np.zeros((0, 2)), np.asarray(v, np.float64))
-
-    failures += yield from over_micrographs(comm, n, pick, write, "picking")
+    job = _Picking(p, ml, entries, refs, be, odir, max(1, p.batch) if (p.LoG and p.batch) else 1)
+    failures += yield from over_micrographs(comm, n, job.pick, job.write, "picking")
     if not comm.is_root:
         return
     # keep STAR order; write the list even when some micrographs failed
     order = {e.name: e.row for e in ml.entries}
-    idx = np.argsort([order[nm] for nm in done_names], kind="stable")
-    out = write_coordinate_list(odir / "autopick.star", [done_names[j] for j in idx], [done_files[j] for j in idx])
+    idx = np.argsort([order[nm] for nm in job.done_names], kind="stable")
+    out = write_coordinate_list(odir / "autopick.star", [job.done_names[j] for j in idx],
+                                [job.done_files[j] for j in idx])
     free_cached_memory(be)
-    summary = f"{n_picks} particles picked from {len(done_names)} of {len(ml.entries)} micrographs ({mode})"
+    summary = f"{job.n_picks} particles picked from {len(job.done_names)} of {len(ml.entries)} micrographs ({mode})"
     if failures:
         yield failure_report(failures)
         summary += f"; {len(failures)} failed: " + ", ".join(f.split(":")[0] for f in failures)

@@ -10,7 +10,7 @@ stack <o>/Particles/<micrograph path without job prefix>.mrcs. Then <o>/particle
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +20,7 @@ from ..compute import extraction as ex
 from ..compute.backend import to_host
 from ..compute.geometry import euler_to_matrix
 from ..errors import InputError
-from ..events import Finished, Message, ParticlesExtracted, Progress, Started
+from ..events import Finished, Message, ParticlesExtracted, Started
 from ..io.micrographs import (
     SKIP_FLAG,
     check_micrographs,
@@ -35,6 +35,7 @@ from ..runtime.device import backend_for
 from ..runtime.distributed import root_events, world
 from ..runtime.memory import batched_with_oom_retry, free_cached_memory, image_batch
 from .common import check_output_folder, check_pixel_size, mrc_bytes, param, prepare_output, write_note
+from .micrograph_driver import Round, failure_report, over_micrographs, read_or_skip
 
 JOB_NAME = "extract"
 #: Extracted images per micrograph sent to the viewer's gallery (ParticlesExtracted); the stack has them all.
@@ -148,6 +149,86 @@ def _coordinates_from_particles(p: Params, apix_mic: float) -> tuple[dict[str, t
     return out, notes
 
 
+@dataclass
+class _Extraction:
+    """One rank's extraction in the per-micrograph driver (jobs.micrograph_driver): ``extract`` cuts and writes
+    one micrograph's particle stack (every rank), ``collect`` gathers every rank's particle rows (rank 0)."""
+
+    p: Params
+    ml: object
+    todo: list
+    coords: dict
+    shapes: dict
+    be: object
+    out_dir: Path
+    rows: list = field(default_factory=list)  # (index in todo, particle rows)
+    n_total: int = 0
+    n_edge: int = 0
+
+    def extract(self, k: int, stop: int) -> Iterator:
+        """Micrograph todo[k]: its stack written, ParticlesExtracted yielded; a Round with (k, rows or None,
+        boxes leaving the micrograph)."""
+        p, e, xp = self.p, self.todo[k], self.be.xp
+        B, b, apix = p.extract_size, p.out_size, self.ml.pixel_size
+        df, _src = self.coords[e.name]
+        df = df.reset_index(drop=True)
+        if p.minimum_pick_fom > -9999 and "rlnAutopickFigureOfMerit" in df:
+            df = df[df["rlnAutopickFigureOfMerit"].to_numpy(float) > p.minimum_pick_fom].reset_index(drop=True)
+        xi, yi = ex.truncate_coordinates(df["rlnCoordinateX"], df["rlnCoordinateY"])
+        ny, nx = self.shapes[e.name]
+        inside = ex.box_inside(xi, yi, B, ny, nx)
+        n_edge = int((~inside).sum())
+        if p.skip_edge:
+            df, xi, yi = df[inside].reset_index(drop=True), xi[inside], yi[inside]
+        if len(df) == 0:
+            return Round([(k, None, n_edge)], done=1)
+        mic, failure = read_or_skip(e, p.skip_bad_micrographs,
+                                    lambda path: xp.asarray(np.asarray(read_micrograph(path))))
+        if failure is not None:
+            return Round([(k, None, n_edge)], [failure], done=1, progress=False)
+        stack = np.empty((len(df), b, b), np.float16 if p.float16 else np.float32)
+        per = (B * B + 6 * b * b) * 16
+        batch = p.batch or image_batch(self.be.free_bytes(), per, len(df))
+
+        def work(i0: int, i1: int, mic=mic, xi=xi, yi=yi, stack=stack, seed=p.random_seed + k) -> None:
+            boxes = ex.cut_boxes(mic, xi[i0:i1], yi[i0:i1], B)
+            imgs = ex.process_particles(boxes, b, p.norm, p.background_radius, p.white_dust, p.black_dust,
+                                        not p.no_ramp, p.invert_contrast, seed + i0)
+            stack[i0:i1] = to_host(imgs)
+
+        for item in batched_with_oom_retry(len(df), batch, work, self.be):
+            if isinstance(item, Message):
+                yield item
+        del mic
+        stack_path = self.out_dir / "Particles" / (output_root(e.name) + ".mrcs")
+        write_mrc(stack_path, stack, apix * B / b, stack=True)
+        yield ParticlesExtracted(e.name, e.row, np.stack([xi, yi], 1).astype(np.float64), B, apix,
+                                 stack[:GALLERY_IMAGES].astype(np.float32), apix * B / b, stack_path)
+        return Round([(k, _particle_rows(df, e, stack_path, self.ml), n_edge)], done=1)
+
+    def collect(self, results: list) -> Iterator:
+        """Rank 0: every rank's particle rows and counts of a round (no event)."""
+        for k, part, n_edge in results:
+            self.n_edge += n_edge
+            if part is not None:
+                self.rows.append((k, part))
+                self.n_total += len(part)
+        yield from ()
+
+
+def _particle_rows(df: pd.DataFrame, e, stack_path: Path, ml) -> pd.DataFrame:
+    """The particles.star rows of one micrograph's stack: image names, micrograph, optics group, CTF columns."""
+    part = df.copy()
+    part["rlnImageName"] = [f"{j + 1:06d}@{stack_path}" for j in range(len(df))]
+    part["rlnMicrographName"] = e.name
+    mrow = ml.table.iloc[e.row]
+    part["rlnOpticsGroup"] = int(mrow.get("rlnOpticsGroup", 1))
+    for c in _CTF_COLUMNS:
+        if c in ml.table.columns and c not in ml.optics.columns and c not in part.columns:
+            part[c] = mrow[c]
+    return part
+
+
 def run(p: Params) -> Iterator:
     """Under MPI every rank extracts its block of the micrographs and writes their particle stacks (as
     relion_preprocess_mpi); rank 0 gathers the particle rows, writes particles.star and yields the events."""
@@ -161,7 +242,6 @@ def _run(p: Params) -> Iterator:
     B, b = p.extract_size, p.out_size
     out_dir = Path(p.o)
     be = backend_for(p)
-    xp = be.xp
     names = [e.name for e in ml.entries]
     notes: list[str] = []
     if p.coord_list is not None:
@@ -204,69 +284,13 @@ def _run(p: Params) -> Iterator:
     out_dir.mkdir(parents=True, exist_ok=True)
     if comm.is_root:
         write_note(out_dir, JOB_NAME, p)
-    rows: list[pd.DataFrame] = []
-    n_total, n_edge = 0, 0
-    n_header_failures = len(failures)  # found by every rank
     todo = [e for e in todo if e.name in shapes]
-    for k in comm.share(len(todo)):  # this rank's micrographs (k: the index in todo, as without MPI)
-        k, e = int(k), todo[k]
-        df, _src = coords[e.name]
-        df = df.reset_index(drop=True)
-        if p.minimum_pick_fom > -9999 and "rlnAutopickFigureOfMerit" in df:
-            df = df[df["rlnAutopickFigureOfMerit"].to_numpy(float) > p.minimum_pick_fom].reset_index(drop=True)
-        xi, yi = ex.truncate_coordinates(df["rlnCoordinateX"], df["rlnCoordinateY"])
-        ny, nx = shapes[e.name]
-        inside = ex.box_inside(xi, yi, B, ny, nx)
-        n_edge += int((~inside).sum())
-        if p.skip_edge:
-            df, xi, yi = df[inside].reset_index(drop=True), xi[inside], yi[inside]
-        if len(df) == 0:
-            yield Progress(k + 1, len(todo), "extracting")
-            continue
-        try:
-            mic = xp.asarray(np.asarray(read_micrograph(e.path)))
-        except (InputError, OSError, ValueError) as exc:
-            if not p.skip_bad_micrographs:
-                raise
-            failures.append(f"{e.name}: {exc}")
-            yield Message(f"skipping micrograph {e.name}: {exc}", "warning")
-            continue
-        stack = np.empty((len(df), b, b), np.float16 if p.float16 else np.float32)
-        per = (B * B + 6 * b * b) * 16
-        batch = p.batch or image_batch(be.free_bytes(), per, len(df))
-
-        def work(i0: int, i1: int, mic=mic, xi=xi, yi=yi, stack=stack, seed=p.random_seed + k) -> None:
-            boxes = ex.cut_boxes(mic, xi[i0:i1], yi[i0:i1], B)
-            imgs = ex.process_particles(boxes, b, p.norm, p.background_radius, p.white_dust, p.black_dust,
-                                        not p.no_ramp, p.invert_contrast, seed + i0)
-            stack[i0:i1] = to_host(imgs)
-
-        for item in batched_with_oom_retry(len(df), batch, work, be):
-            if isinstance(item, Message):
-                yield item
-        del mic
-        stack_path = out_dir / "Particles" / (output_root(e.name) + ".mrcs")
-        write_mrc(stack_path, stack, apix * B / b, stack=True)
-        yield ParticlesExtracted(e.name, e.row, np.stack([xi, yi], 1).astype(np.float64), B, apix,
-                                 stack[:GALLERY_IMAGES].astype(np.float32), apix * B / b, stack_path)
-        part = df.copy()
-        part["rlnImageName"] = [f"{j + 1:06d}@{stack_path}" for j in range(len(df))]
-        part["rlnMicrographName"] = e.name
-        mrow = ml.table.iloc[e.row]
-        part["rlnOpticsGroup"] = int(mrow.get("rlnOpticsGroup", 1))
-        for c in _CTF_COLUMNS:
-            if c in ml.table.columns and c not in ml.optics.columns and c not in part.columns:
-                part[c] = mrow[c]
-        rows.append(part)
-        n_total += len(df)
-        yield Progress(k + 1, len(todo), "extracting")
-    gathered = comm.gather((rows, n_total, n_edge, failures[n_header_failures:]))
+    job = _Extraction(p, ml, todo, coords, shapes, be, out_dir)
+    failures += yield from over_micrographs(comm, len(todo), job.extract, job.collect, "extracting")
     if not comm.is_root:
         return
-    for other in gathered[1:]:  # the other ranks' micrographs come after rank 0's (blocks in todo order)
-        rows += other[0]
-        n_total, n_edge = n_total + other[1], n_edge + other[2]
-        failures += other[3]
+    rows = [part for _, part in sorted(job.rows, key=lambda kp: kp[0])]  # micrograph order, whichever rank
+    n_total, n_edge = job.n_total, job.n_edge
     if not rows:
         raise InputError("no particles were extracted" + (f"; failures: {'; '.join(failures)}" if failures else ""))
     parts = pd.concat(rows, ignore_index=True)
@@ -286,6 +310,6 @@ def _run(p: Params) -> Iterator:
     if n_edge:
         summary += f"; {n_edge} boxes left the micrograph ({'skipped' if p.skip_edge else 'edge pixels repeated'})"
     if failures:
-        yield Message(f"{len(failures)} micrograph(s) could not be read:\n  " + "\n  ".join(failures), "warning")
+        yield failure_report(failures)
         summary += f"; {len(failures)} failed"
     yield Finished({"particles": star}, summary)
