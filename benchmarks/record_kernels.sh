@@ -9,7 +9,7 @@ ngr simulate --o /root/d128 --n_particles 5000 --box 128 --angpix 2.54 --conform
 ngr simulate --o /root/d256 --n_particles 3000 --box 256 --angpix 1.27 --conformations 2 $S >> $OUT/sim.log 2>&1 &
 ngr simulate --o /root/d360 --n_particles 1500 --box 360 --angpix 0.903 $S >> $OUT/sim.log 2>&1 &
 wait; tail -3 $OUT/sim.log
-c() { d=$1; shift; echo "$*" | cut -c1-60; /usr/bin/time -f "%e s" python3 -m napari_gpu_relion.cli "$@" --i $d/particles.star --ctf --particle_diameter 250 --gpu 0 > $OUT/$(echo $3 | tr / _).log 2>&1; tail -1 $OUT/$(echo $3 | tr / _).log; }
+c() { d=$1; shift; echo "$*" | cut -c1-60; t0=$SECONDS; python3 -m napari_gpu_relion.cli "$@" --i $d/particles.star --ctf --particle_diameter 250 --gpu 0 > $OUT/$(echo $3 | tr / _).log 2>&1; echo "  rc $? $((SECONDS - t0)) s"; grep "GPU kernels" $OUT/$(echo $3 | tr / _).log | cut -c1-200; }
 c /root/d128 class3d --o /root/w/c3_128/run --ref /root/d128/reference.mrc --ini_high 60 --K 4 --iter 5 --random_seed 1
 c /root/d128 refine3d --o /root/w/r3_128/run --ref /root/d128/reference.mrc --ini_high 60
 c /root/d128 class2d --o /root/w/c2_128/run --K 200 --iter 3
