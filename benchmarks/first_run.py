@@ -44,6 +44,7 @@ def run_step(name: str, args: str, data: str, work: Path) -> dict:
            "modules_at_first_use": int(m[-1][0]) if m else None,
            "first_use_s": float(m[-1][1]) if m else None,
            "kernel_line": next((ln.strip() for ln in text.splitlines() if "GPU kernels:" in ln), None)}
+    row["log_lines"] = [ln.strip() for ln in text.splitlines() if "compiled" in ln][-6:]
     if r.returncode:
         row["tail"] = text[-2000:]
     print(json.dumps(row), flush=True)

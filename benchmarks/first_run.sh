@@ -1,11 +1,22 @@
 #!/usr/bin/env bash
-# The first-run measurement of issue 46 on one GPU (run from the repository root on the GPU machine; $OUT gets the JSON).
-set -u; . benchmarks/gpu_env.sh; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import cupy; print('cupy', cupy.__version__)"
-D=/root/d128; mkdir -p $OUT
-ngr simulate --o $D --n_particles 5000 --box 128 --angpix 2.54 --snr 0.05 --conformations 2 --n_micrographs 0 --particle_diameter 250 > $OUT/sim.log 2>&1; tail -1 $OUT/sim.log
-C3="class3d --i {data}/particles.star --ref {data}/reference.mrc --o {out}/run --K 4 --iter 5 --ctf --particle_diameter 250 --ini_high 60 --random_seed 1 --gpu 0"
-R3="refine3d --i {data}/particles.star --ref {data}/reference.mrc --o {out}/run --ctf --particle_diameter 250 --ini_high 60 --gpu 0"
-CUPY_CACHE_DIR=/root/c_cold python3 benchmarks/first_run.py --data $D --work /root/w1 --out $OUT/first_run_cold.json --step "cold_class3d=$C3" --step "second_class3d=$C3"
-export CUPY_CACHE_DIR=/root/c_warm
-python3 benchmarks/first_run.py --data $D --work /root/w2 --out $OUT/first_run_warmup.json --step "warmup=warmup --gpu 0" --step "first_class3d=$C3" --step "second_class3d=$C3" --step "first_refine3d=$R3" --step "second_refine3d=$R3"
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_registry.py tests/test_gpu.py -k "registry or preload or finish or any_over or every_fused" > $OUT/gpu_tests.log 2>&1; tail -5 $OUT/gpu_tests.log
+# The first-run measurement of issue 46 on one GPU (run from the repository root on the GPU machine; $OUT gets the
+# JSON): a fresh machine's first class3d without any warm-up, then `warmup` and the first and second run of five
+# jobs, each a fresh process (benchmarks/first_run.py).
+set -u; . benchmarks/gpu_env.sh; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import cupy; print('cupy', cupy.__version__)"; mkdir -p $OUT
+S="--n_micrographs 0 --particle_diameter 250 --snr 0.05"
+[ -f /root/d128/particles.star ] || ngr simulate --o /root/d128 --n_particles 5000 --box 128 --angpix 2.54 --conformations 2 $S > /tmp/s1.log 2>&1 &
+[ -f /root/d256/particles.star ] || ngr simulate --o /root/d256 --n_particles 3000 --box 256 --angpix 1.27 --conformations 2 $S > /tmp/s2.log 2>&1 &
+[ -f /root/d360/particles.star ] || ngr simulate --o /root/d360 --n_particles 1500 --box 360 --angpix 0.903 $S > /tmp/s3.log 2>&1 &
+wait
+J="--ctf --particle_diameter 250 --gpu 0 --o {out}/run"
+C3="class3d --i /root/d128/particles.star --ref /root/d128/reference.mrc --ini_high 60 --K 4 --iter 5 --random_seed 1 $J"
+R3="refine3d --i /root/d128/particles.star --ref /root/d128/reference.mrc --ini_high 60 $J"
+C2="class2d --i /root/d128/particles.star --K 200 --iter 3 $J"
+C6="class3d --i /root/d256/particles.star --ref /root/d256/reference.mrc --ini_high 60 --K 6 --iter 3 --random_seed 1 $J"
+R6="refine3d --i /root/d360/particles.star --ref /root/d360/reference.mrc --ini_high 60 --healpix_order 1 --auto_local_healpix_order 2 --auto_iter_max 4 $J"
+CUPY_CACHE_DIR=/root/c_cold python3 benchmarks/first_run.py --data x --work /root/w1 --out $OUT/first_run_cold.json --step "cold_class3d=$C3" --step "second_class3d=$C3"
+CUPY_CACHE_DIR=/root/c_warm python3 benchmarks/first_run.py --data x --work /root/w2 --out $OUT/first_run_warmup.json --step "warmup=warmup --gpu 0" \
+  --step "first_class3d=$C3" --step "second_class3d=$C3" --step "first_refine3d=$R3" --step "second_refine3d=$R3" \
+  --step "first_class2d_K200=$C2" --step "second_class2d_K200=$C2" --step "first_class3d_K6_box256=$C6" --step "second_class3d_K6_box256=$C6" \
+  --step "first_refine3d_box360=$R6" --step "second_refine3d_box360=$R6"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..events import Finished, Message, Started
-from ..runtime import kernels
+from ..runtime import cupy_kernels, kernels
 from ..runtime.device import backend_for
 from ..runtime.kernel_preload import kernel_cache_dir
 from . import class2d, class3d, refine3d
@@ -108,6 +108,14 @@ def run(p: Params) -> Iterator:
     except Exception as exc:  # noqa: BLE001 - the runs below still compile what the jobs use
         yield Message(f"the registry's fused ops did not all build ({type(exc).__name__}: {exc}); the jobs below "
                       "compile theirs", "warning")
+    shipped = cupy_kernels.shipped_entries(None)
+    if shipped:
+        got = cupy_kernels.compile_ahead(shipped, be.device, kernel_cache_dir())
+        yield Message(f"  CuPy's kernel modules of the EM jobs at box 128-360 (the package's list): "
+                      f"{got['modules']} of {got['of']} compiled in {cupy_kernels.default_workers()} processes in "
+                      f"{got['seconds']:.1f} s")
+    else:
+        yield Message("  no shipped list of CuPy kernel modules for this CuPy version: the jobs below compile theirs")
     with tempfile.TemporaryDirectory(prefix="ngr_warmup_") as tmp:
         out = Path(p.o) if p.o else Path(tmp)
         gpu = "0" if p.gpu is None else str(p.gpu)

@@ -1,7 +1,9 @@
 """Load the GPU kernels a job will use while it starts up, instead of one by one at their first use.
 
 First the fused ops of the registry (runtime/kernels.py: ours, declared with their specialisations and built
-through CuPy's public API), then the modules of CuPy's own kernels that the last job of this kind used (below).
+through CuPy's public API), then the modules of CuPy's own kernels that the last job of this kind used (below)
+and those the package ships for this kind (runtime/cupy_kernels.py; on a machine where they were not compiled
+yet, they are compiled first, in parallel processes).
 
 CuPy builds each kernel the first time a process uses it: it makes the kernel's source, finds the compiled code in
 its on-disk cache (``napari-gpu-relion warmup`` fills that cache), hashes, reads and loads it; the sorts (thrust) and
@@ -39,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from ..io.atomic import atomic_path
-from . import kernels
+from . import cupy_kernels, kernels
 
 log = logging.getLogger("napari_gpu_relion")
 
@@ -183,7 +185,15 @@ def _load(job: str, device: int, stop: threading.Event, report: dict) -> None:
             log.debug("kernel preload, registry: %s", exc)
         finally:
             _thread.preloading = False
-        _load_entries(_read_manifest(manifest_path(job)), device, stop)
+        try:
+            shipped = cupy_kernels.shipped_entries(job)
+        except Exception as exc:  # noqa: BLE001 - no shipped list: the job's own manifest only
+            log.debug("kernel preload, shipped list: %s", exc)
+            shipped = []
+        if shipped and not stop.is_set() and not cupy_kernels.compiled(job, kernel_cache_dir()):
+            report["compiled_ahead"] = cupy_kernels.compile_ahead(shipped, device, kernel_cache_dir(), job,
+                                                                  stop=stop)
+        _load_entries(_read_manifest(manifest_path(job)) + shipped, device, stop)
         if not stop.is_set():
             report["libraries_s"] = _warm_libraries(device, stop)
     finally:
@@ -286,6 +296,10 @@ class Preload:
         libs = "" if libs is None else f", sorts and matrix products warmed ({libs:.2f} s)"
         reg = self.report.get("registry")
         libs = libs if reg is None else f", {reg['ops']} fused ops built ({reg['seconds']:.2f} s){libs}"
+        ahead = self.report.get("compiled_ahead")
+        if ahead is not None:
+            libs = (f", {ahead['modules']} of {ahead['of']} shipped CuPy modules compiled in "
+                    f"{cupy_kernels.default_workers()} processes ({ahead['seconds']:.2f} s){libs}")
         return (f"GPU kernels: {d['ahead']} modules loaded ahead ({d['ahead_s']:.2f} s in the background{libs}"
                 f"{when}), {d['handed']} of them used; {d['job_loads']} loaded at their first use ({d['job_s']:.2f} s)")
 

@@ -1,0 +1,43 @@
+"""Merge the kernel manifests that benchmarks/record_kernels.sh brings back (one per job kind, recorded on a GPU
+machine at box 128, 256 and 360) into the list the package ships (runtime/cupy_kernels.json.gz), so that
+`napari-gpu-relion warmup` compiles every CuPy kernel module of those runs in parallel processes, and a job on a
+machine whose cache lacks them compiles its own kind's in the background.
+
+The recording machine's path to its Python packages (in CuPy's include options) becomes "<site-packages>"; the
+CuPy version is kept, and a CuPy of another version ignores the list (its kernels' sources differ).
+
+Run: python benchmarks/ship_kernels.py --cupy 14.2.0 DIR/class3d.json DIR/refine3d.json DIR/class2d.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+from pathlib import Path
+
+from napari_gpu_relion.runtime import cupy_kernels
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cupy", required=True, help="the CuPy version of the recording machine")
+    ap.add_argument("manifests", nargs="+", type=Path)
+    a = ap.parse_args()
+    modules: dict[str, dict] = {}
+    for path in a.manifests:
+        job = path.stem
+        for e in json.loads(path.read_text())["modules"]:
+            site = next((m.group(1) for o in e["options"] if (m := re.match(r"-I(.*)/cupy/_core/include", o))), None)
+            options = [o.replace(site, cupy_kernels.SITE) if site else o for o in e["options"]]
+            entry = {"source": e["source"], "options": options, "kw": e["kw"]}
+            key = json.dumps([entry["source"], entry["options"], sorted(entry["kw"].items())])
+            modules.setdefault(key, {**entry, "jobs": []})["jobs"].append(job)
+    data = {"cupy": a.cupy, "modules": list(modules.values())}
+    cupy_kernels.SHIPPED.write_bytes(gzip.compress(json.dumps(data).encode(), mtime=0))
+    print(f"{len(modules)} modules -> {cupy_kernels.SHIPPED} ({cupy_kernels.SHIPPED.stat().st_size} bytes)")
+
+
+if __name__ == "__main__":
+    main()

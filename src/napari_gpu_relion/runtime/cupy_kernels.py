@@ -1,0 +1,125 @@
+"""CuPy's own kernel modules that the EM jobs load, shipped as a list, and compiled ahead in parallel processes.
+
+CuPy compiles each of its kernels (ufuncs, ``take``, scatters, CUB reductions) for the dtypes, the number of
+dimensions left after merging contiguous axes and the reduction's length of each call, at its first use: a
+machine's first class3d at box 128 compiled 211-261 modules, 63-77 s on an H200, serially, inside the job
+(benchmarks/README.md). The sizes that decide these specialisations are the data's, so every new box size,
+class count or batch shape could compile more. ``cupy_kernels.json.gz`` lists the modules that the EM jobs loaded
+at box 128, 256 and 360 (class3d K=4 and K=6, class2d K=200, auto-refine with its final iteration:
+benchmarks/record_kernels.sh, merged by benchmarks/ship_kernels.py) with the CuPy version they were recorded with.
+``compile_ahead`` fills CuPy's disk cache with them in several processes (NVRTC compiles on one core each):
+``napari-gpu-relion warmup`` compiles all of them, and a GPU job on a machine where its kind's have not been
+compiled yet compiles them in the background while it starts (runtime/kernel_preload.py), then loads them.
+
+CuPy offers no public call that compiles one of its own kernels without running it, so the workers call CuPy's
+private compile function, as kernel_preload does; with another CuPy version the list is not used.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from pathlib import Path
+
+log = logging.getLogger("napari_gpu_relion")
+
+SHIPPED = Path(__file__).with_name("cupy_kernels.json.gz")
+#: Stands for the recording machine's Python packages folder in the include options.
+SITE = "<site-packages>"
+#: Modules per task of a worker process (small, so that a cancelled job's pool stops soon).
+TASK_MODULES = 6
+
+
+def _data() -> dict | None:
+    try:
+        return json.loads(gzip.decompress(SHIPPED.read_bytes()))
+    except (OSError, ValueError):
+        return None
+
+
+def shipped_entries(job: str | None = None) -> list[dict]:
+    """The shipped modules of job kind ``job`` (every kind: None) as manifest entries with this CuPy's paths;
+    [] without CuPy, without the list, or when it was recorded with another CuPy version."""
+    data = _data()
+    try:
+        import cupy  # noqa: PLC0415
+    except Exception:  # noqa: BLE001 - no CuPy: nothing to compile
+        return []
+    if data is None or data.get("cupy") != cupy.__version__:
+        return []
+    site = str(Path(cupy.__file__).resolve().parents[1])
+    return [{"source": e["source"], "options": [o.replace(SITE, site) for o in e["options"]], "kw": e["kw"]}
+            for e in data["modules"] if job is None or job in e["jobs"]]
+
+
+def _marker(job: str | None, cache_dir: Path) -> Path:
+    digest = hashlib.sha1(SHIPPED.read_bytes()).hexdigest()[:12] if SHIPPED.exists() else "none"
+    return cache_dir / "napari_gpu_relion_preload" / f"compiled_{job or 'all'}_{digest}.done"
+
+
+def compiled(job: str, cache_dir: Path) -> bool:
+    """Whether the shipped modules of ``job`` were compiled into ``cache_dir`` (by warmup or an earlier job)."""
+    return _marker(job, cache_dir).exists() or _marker(None, cache_dir).exists()
+
+
+def _compile_task(entries: list[dict], device: int) -> int:
+    """In a worker process: compile (or find in the disk cache) each module; returns how many succeeded."""
+    import cupy  # noqa: PLC0415
+    from cupy.cuda import compiler  # noqa: PLC0415
+
+    from .kernel_preload import _call_args, _headers  # noqa: PLC0415
+
+    headers, done = _headers(cupy), 0
+    with cupy.cuda.Device(device):
+        for e in entries:
+            try:
+                source, options, kw = _call_args(e, headers)
+                compiler._compile_module_with_cache(source, options, **kw)  # noqa: SLF001 - see the module's note
+                done += 1
+            except Exception as exc:  # noqa: BLE001 - a module that does not compile here compiles at its use
+                log.debug("compile ahead: %s", exc)
+    return done
+
+
+def default_workers() -> int:
+    """Worker processes: the cores less two (the job's thread and its image reader), at most 12, at least 1."""
+    return max(1, min(12, (os.cpu_count() or 1) - 2))
+
+
+def compile_ahead(entries: list[dict], device: int, cache_dir: Path, job: str | None = None,
+                  workers: int | None = None, stop: threading.Event | None = None) -> dict:
+    """Compile ``entries`` into CuPy's disk cache in ``workers`` spawned processes; when all were handled, write
+    the marker of ``job`` (None: every kind). Returns the modules compiled or found, and the seconds."""
+    import multiprocessing  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    tasks = [entries[i:i + TASK_MODULES] for i in range(0, len(entries), TASK_MODULES)]
+    # the slowest modules (CUB's two-pass reductions take seconds each) are spread over the workers first
+    tasks.sort(key=lambda t: -sum("cub" in e["source"][:4000] for e in t))
+    done, stopped = 0, False
+    if tasks:
+        ex = ProcessPoolExecutor(workers or default_workers(), mp_context=multiprocessing.get_context("spawn"))
+        try:
+            pending = {ex.submit(_compile_task, t, device) for t in tasks}
+            while pending:
+                finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                done += sum(f.result() for f in finished if f.exception() is None)
+                if stop is not None and stop.is_set():
+                    stopped = True
+                    break
+        finally:
+            ex.shutdown(wait=not stopped, cancel_futures=True)
+    if not stopped:
+        marker = _marker(job, cache_dir)
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(f"{done} of {len(entries)}\n")
+        except OSError as exc:  # a read-only cache: the next job compiles again
+            log.debug("compile ahead marker: %s", exc)
+    return {"modules": done, "of": len(entries), "seconds": time.perf_counter() - t0, "stopped": stopped}
