@@ -100,8 +100,8 @@ def compile_ahead(entries: list[dict], device: int, cache_dir: Path, job: str | 
 
     t0 = time.perf_counter()
     tasks = [entries[i:i + TASK_MODULES] for i in range(0, len(entries), TASK_MODULES)]
-    # the slowest modules (CUB's two-pass reductions take seconds each) are spread over the workers first
-    tasks.sort(key=lambda t: -sum("cub" in e["source"][:4000] for e in t))
+    # in the list's order (a job kind's modules in the order a job first used them), so that a job running beside
+    # the pool finds its first kernels compiled first
     done, stopped = 0, False
     if tasks:
         ex = ProcessPoolExecutor(workers or default_workers(), mp_context=multiprocessing.get_context("spawn"))

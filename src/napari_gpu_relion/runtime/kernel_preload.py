@@ -178,6 +178,16 @@ def _load(job: str, device: int, stop: threading.Event, report: dict) -> None:
     then every module of the job's manifest not yet loaded in this process, in first-use order, with its functions
     fetched (CUDA loads a function's code at its first fetch), then the libraries' kernels."""
     try:
+        try:
+            shipped = cupy_kernels.shipped_entries(job)
+        except Exception as exc:  # noqa: BLE001 - no shipped list: the job's own manifest only
+            log.debug("kernel preload, shipped list: %s", exc)
+            shipped = []
+        # on a machine where this kind's modules were never compiled, compile them first, in parallel processes
+        # (the registry's raw modules among them), while the job reads its particles
+        if shipped and not stop.is_set() and not cupy_kernels.compiled(job, kernel_cache_dir()):
+            report["compiled_ahead"] = cupy_kernels.compile_ahead(shipped, device, kernel_cache_dir(), job,
+                                                                  stop=stop)
         _thread.preloading = True
         try:
             report["registry"] = kernels.build(device, stop.is_set)
@@ -185,14 +195,6 @@ def _load(job: str, device: int, stop: threading.Event, report: dict) -> None:
             log.debug("kernel preload, registry: %s", exc)
         finally:
             _thread.preloading = False
-        try:
-            shipped = cupy_kernels.shipped_entries(job)
-        except Exception as exc:  # noqa: BLE001 - no shipped list: the job's own manifest only
-            log.debug("kernel preload, shipped list: %s", exc)
-            shipped = []
-        if shipped and not stop.is_set() and not cupy_kernels.compiled(job, kernel_cache_dir()):
-            report["compiled_ahead"] = cupy_kernels.compile_ahead(shipped, device, kernel_cache_dir(), job,
-                                                                  stop=stop)
         _load_entries(_read_manifest(manifest_path(job)) + shipped, device, stop)
         if not stop.is_set():
             report["libraries_s"] = _warm_libraries(device, stop)
