@@ -449,3 +449,21 @@ def test_the_class2d_widget_runs_on_two_mpi_ranks_and_shows_the_classes(make_nap
     tiles = read_mrc(data / "Wwidget" / "run_it001_classes.mrcs").data
     t = tiles[grid.metadata["order"][0]]
     np.testing.assert_allclose(grid.data[:32, :32], (t - t.mean()) / t.std(), atol=1e-4)
+
+
+def test_every_fixed_work_item_has_an_owner_and_one_rank_owns_everything():
+    """runtime.distributed.assign: every (kind, class, half) of an iteration's fixed work has at least one owner
+    rank, and today every rank owns every item (the E-step's sums are the same on every rank)."""
+    items = distributed.fixed_work(3, 2)
+    assert len(items) == len(set(items)) == len(distributed.FIXED_WORK_KINDS) * 3 * 2
+
+    class Rank(distributed.SingleProcess):
+        def __init__(self, rank, size):
+            self.rank, self.size = rank, size
+
+    for size in (1, 4):
+        for r in range(size):
+            comm = Rank(r, size)
+            a = distributed.assign(items, comm)
+            assert set(a) == set(items) and all(ranks for ranks in a.values())
+            assert distributed.owned(a, "reconstruction", comm) == {(k, h) for k in range(3) for h in range(2)}

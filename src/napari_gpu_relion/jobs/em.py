@@ -63,7 +63,7 @@ from ..io.star import read_star
 from ..io.write_queue import WriteQueue
 from ..marks import memory_mark
 from ..runtime.device import Backend, backend_for, host_available_bytes, set_matmul_tf32
-from ..runtime.distributed import merge_particles, root_events, sum_estep, world
+from ..runtime.distributed import assign, fixed_work, merge_particles, owned, root_events, sum_estep, world
 from ..runtime.kernel_preload import Preload
 from ..runtime.memory import (
     JobMemory,
@@ -531,8 +531,10 @@ class EMJob:
         iteration (the accuracy estimate and the E-step share them)."""
         key = (self.state.iteration, current_size)
         if self._prepared is None or self._prepared[0] != key:
-            refs = [[prepare_reference(self.be.asarray(v), self.p.pad, r_max=current_size / 2) for v in half]
-                    for half in self.model.refs]
+            K, H = len(self.model.refs[0]), len(self.model.refs)
+            mine = owned(assign(fixed_work(K, H), self.comm), "prepare reference", self.comm)
+            refs = [[prepare_reference(self.be.asarray(v), self.p.pad, r_max=current_size / 2) if (k, h) in mine
+                     else None for k, v in enumerate(half)] for h, half in enumerate(self.model.refs)]
             self._prepared = (key, refs)
         return self._prepared[1]
 

@@ -574,3 +574,39 @@ def root_events(comm: SingleProcess, events: Iterator) -> Iterator:
             continue
         if comm.is_root:
             yield ev
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Owners of the fixed work of an iteration: what every rank does whatever its particles (preparing each class's
+# reference of each half, projecting the coarse slices, reconstructing each class of each half). Today every
+# rank owns every item (each prepares, projects and reconstructs everything on identical sums); the multi-GPU
+# work changes ``assign`` to give each item one owner (RELION's MPI M-step: reconstruction i on rank
+# i % (size - 1) + 1) and sends the sums to their owner.
+# ----------------------------------------------------------------------------------------------------------
+
+FIXED_WORK_KINDS = ("prepare reference", "coarse projections", "reconstruction")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkItem:
+    """One item of an iteration's fixed work: ``kind`` (FIXED_WORK_KINDS) of class ``cls`` in half ``half``."""
+
+    kind: str
+    cls: int
+    half: int
+
+
+def fixed_work(n_classes: int, n_halves: int) -> tuple[WorkItem, ...]:
+    """Every fixed work item of an iteration with ``n_classes`` classes in ``n_halves`` halves."""
+    return tuple(WorkItem(kind, k, h) for kind in FIXED_WORK_KINDS for h in range(n_halves) for k in range(n_classes))
+
+
+def assign(items: tuple[WorkItem, ...], comm: SingleProcess) -> dict[WorkItem, tuple[int, ...]]:
+    """The ranks that do each item: today every rank does every item."""
+    everyone = tuple(range(comm.size))
+    return {item: everyone for item in items}
+
+
+def owned(assignment: dict[WorkItem, tuple[int, ...]], kind: str, comm: SingleProcess) -> set[tuple[int, int]]:
+    """(class, half) of the items of ``kind`` that this rank does."""
+    return {(w.cls, w.half) for w, ranks in assignment.items() if w.kind == kind and comm.rank in ranks}
