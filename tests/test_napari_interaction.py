@@ -269,6 +269,40 @@ def test_threshold_slider_hides_low_fom_picks(make_napari_viewer, errors):
     assert not errors
 
 
+def test_pick_rings_are_coloured_by_fom_and_hand_picks_by_their_own_colour(make_napari_viewer, errors):
+    """The picks layer's rings: the lowest FOM in the ramp's first colour, the highest in its last, and a point
+    added by hand (with napari's add mode) in MANUAL_PICK_COLOR; before, every ring was one colour."""
+    from napari_gpu_relion.widgets.style import MANUAL_PICK_COLOR, PICK_COLORS, hex_to_rgb
+
+    viewer = make_napari_viewer()
+    w = _autopick_widget(viewer)
+    for i in (0, 1):
+        w.display.handle(_picked(i, FOMS[i]))
+    w.display.flush()
+    picks = viewer.layers["picks"]
+    fom = picks.features["fom"].to_numpy()
+    rings = np.asarray(picks.border_color)[:, :3]
+    assert len({tuple(np.round(r, 6)) for r in rings}) == len(set(fom)) > 2
+    np.testing.assert_allclose(rings[int(np.argmin(fom))], hex_to_rgb(PICK_COLORS[0]), atol=1e-6)
+    np.testing.assert_allclose(rings[int(np.argmax(fom))], hex_to_rgb(PICK_COLORS[-1]), atol=1e-6)
+    viewer.dims.set_point(0, 1)
+    viewer.layers.selection.active = picks
+    picks.mode = "add"
+    _click(picks, (1.0, 30.25 * 2.0, 40.5 * 2.0))
+    picks.mode = "pan_zoom"
+    assert bool(picks.features["manual"].iloc[-1])
+    np.testing.assert_allclose(np.asarray(picks.border_color)[-1, :3], hex_to_rgb(MANUAL_PICK_COLOR), atol=1e-6)
+    w.display.handle(_picked(2, np.array([0.5, 0.2, 0.95])))  # new picks widen the range; the hand pick stays
+    w.display.flush()
+    rings = np.asarray(picks.border_color)[:, :3]
+    fom = picks.features["fom"].to_numpy()
+    manual = picks.features["manual"].to_numpy()
+    np.testing.assert_allclose(rings[manual], [hex_to_rgb(MANUAL_PICK_COLOR)], atol=1e-6)
+    np.testing.assert_allclose(rings[int(np.argmax(np.where(manual, -np.inf, fom)))], hex_to_rgb(PICK_COLORS[-1]),
+                               atol=1e-6)
+    assert not errors
+
+
 def test_picks_edited_by_hand_are_saved_per_micrograph(make_napari_viewer, tmp_path, errors):
     viewer = make_napari_viewer()
     w = _autopick_widget(viewer)

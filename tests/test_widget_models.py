@@ -491,3 +491,27 @@ def test_binned_micrograph_keeps_a_particle_at_its_place_in_angstrom():
     shown, apix, shift = display_micrograph(img, 2.0, 3)
     j, i = np.unravel_index(np.argmax(shown), shown.shape)
     assert (j * apix + shift, i * apix + shift) == (20.0, 32.0)
+
+
+def test_pick_rings_take_the_fom_ramp_over_the_automatic_picks_and_hand_picks_their_own_colour():
+    """PickModel.border_colours: the lowest automatic FOM gets the ramp's first colour and the highest its last,
+    one halfway its middle colour; a pick added by hand (FOM -999) is MANUAL_PICK_COLOR and does not stretch the
+    range (the picks layer had its colour limits at (-999, -999) and every ring was one colour)."""
+    from napari_gpu_relion.widgets.style import MANUAL_PICK_COLOR, PICK_COLORS, TRUE_PICK_COLOR, hex_to_rgb
+
+    model = PickModel()
+    model.set_micrograph(0, "a.mrc", [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], [0.2, 0.5, 0.8])
+    model.add(0, 7.0, 8.0)
+    rgba = model.border_colours()
+    assert rgba.shape == (4, 4)
+    manual = model.manual
+    want = {0.2: PICK_COLORS[0], 0.5: PICK_COLORS[1], 0.8: PICK_COLORS[2]}
+    for fom, colour in want.items():
+        row = int(np.flatnonzero((model.fom == fom) & ~manual)[0])
+        np.testing.assert_allclose(rgba[row, :3], hex_to_rgb(colour), atol=1e-12)
+    np.testing.assert_allclose(rgba[manual, :3], [hex_to_rgb(MANUAL_PICK_COLOR)])
+    assert len({tuple(r) for r in rgba[~manual]}) == 3  # three FOMs, three colours
+    black = np.array(hex_to_rgb(MANUAL_PICK_COLOR))
+    for vision in _CVD:
+        for c in (*PICK_COLORS, TRUE_PICK_COLOR, "#FFFFFF"):
+            assert np.linalg.norm(_lab(black, vision) - _lab(np.array(hex_to_rgb(c)), vision)) > 20, (vision, c)

@@ -90,8 +90,8 @@ from .style import (
     EXTRACTION_BOX_COLOR,
     EXTRACTION_BOX_SYMBOL,
     LABEL_COLOR,
+    MANUAL_PICK_COLOR,
     PICK_BORDER_WIDTH,
-    PICK_COLORS,
     SELECTION_COLOR,
 )
 
@@ -868,6 +868,7 @@ class LiveDisplay:
             self._applying_picks = False
         self._watch_picks(layer)
         self._show_threshold(layer)
+        self._show_colours(layer)
         self._emit("picks", layer)
         return layer
 
@@ -875,10 +876,13 @@ class LiveDisplay:
         """A new picks layer (mic, y, x) in Å at the micrographs' pixel size, FOM-coloured borders."""
         kwargs = points_kwargs(3, self._micrograph_pixel_size(), features, PICKS_LAYER, self.pick_size,
                                {"micrograph_names": names})
-        kwargs["border_color"] = "fom"
-        kwargs["border_colormap"] = _pick_colormap()
+        kwargs["border_color"] = self._picks.border_colours() if len(self._picks) == len(data) and len(data) else \
+            MANUAL_PICK_COLOR
         kwargs["border_width"] = PICK_BORDER_WIDTH
-        return self.viewer.add_points(data, **kwargs)
+        layer = self.viewer.add_points(data, **kwargs)
+        layer.selected_data = set()
+        layer.current_border_color = MANUAL_PICK_COLOR  # what a point added by hand is drawn with
+        return layer
 
     def prepare_picks_layer(self) -> Any:
         """Create the (empty) picks layer ahead of the picks, once the micrographs' pixel size is known and the
@@ -925,6 +929,12 @@ class LiveDisplay:
         shown = self._picks.shown
         if len(shown) == len(layer.data):
             layer.shown = shown
+
+    def _show_colours(self, layer: Any) -> None:
+        """Ring colours from the model (PickModel.border_colours: the FOM over the automatic picks' range, picks
+        added by hand in their own colour), when the layer holds the model's rows."""
+        if len(self._picks) == len(layer.data) and len(layer.data):
+            layer.border_color = self._picks.border_colours()
 
     def _watch_picks(self, layer: Any) -> None:
         """Follow the user's edits of the picks layer (once per layer)."""
@@ -1029,16 +1039,6 @@ def _scale_bar_on(viewer: Any) -> None:
         viewer.canvas.overlays.scale_bar.visible = True
     except AttributeError:  # napari before 0.9
         viewer.scale_bar.visible = True
-
-
-def _pick_colormap() -> Any:
-    """The picks' FOM colour ramp (widgets/style.py) as a napari colormap."""
-    from napari.utils.colormaps import Colormap
-
-    from .style import hex_to_rgb
-
-    colors = np.array([(*hex_to_rgb(c), 1.0) for c in PICK_COLORS])
-    return Colormap(colors=colors, name="gpu_relion_picks", display_name="picks (azure-magenta-vermillion)")
 
 
 def _unwrap(viewer: Any) -> Any:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .style import MANUAL_PICK_COLOR, hex_to_rgb, ramp_colours
+
 __all__ = ["PickModel", "CoordinateTable", "FomHistogram", "MANUAL_PICK_VALUE"]
 
 #: RELION's "not given" value of FOM, class and psi (what its manual picker writes).
@@ -137,6 +139,14 @@ class PickModel:
         """(lowest, highest) FOM of the automatic picks; None without any."""
         fom = self.fom[~self.manual & np.isfinite(self.fom)]
         return (float(fom.min()), float(fom.max())) if len(fom) else None
+
+    def border_colours(self) -> np.ndarray:
+        """(n, 4) RGBA ring colour of every pick: its FOM on the picks' ramp (widgets/style.py) from the lowest to
+        the highest FOM of the automatic picks; picks added by hand in their own colour (MANUAL_PICK_COLOR)."""
+        lo, hi = self.fom_range() or (0.0, 0.0)
+        out = ramp_colours(self.fom, lo, hi)
+        out[self.manual] = (*hex_to_rgb(MANUAL_PICK_COLOR), 1.0)
+        return out
 
     def slider_range(self) -> tuple[float, float] | None:
         """(lowest, upper end) of the FOM threshold slider over the automatic picks: the highest FOM, except that

@@ -11,12 +11,15 @@ size: neither a pick colour nor yellow, for every kind of colour vision.
 
 from __future__ import annotations
 
-__all__ = ["PICK_COLORS", "TRUE_PICK_COLOR", "TRUE_PICK_SYMBOL", "TRUE_PICK_SIZE_FRACTION", "SELECTION_COLOR",
-           "LABEL_COLOR", "PICK_BORDER_WIDTH", "EXTRACTION_BOX_COLOR", "EXTRACTION_BOX_SYMBOL",
-           "EXTRACTION_BOX_BORDER_WIDTH", "hex_to_rgb"]
+__all__ = ["PICK_COLORS", "MANUAL_PICK_COLOR", "TRUE_PICK_COLOR", "TRUE_PICK_SYMBOL", "TRUE_PICK_SIZE_FRACTION",
+           "SELECTION_COLOR", "LABEL_COLOR", "PICK_BORDER_WIDTH", "EXTRACTION_BOX_COLOR", "EXTRACTION_BOX_SYMBOL",
+           "EXTRACTION_BOX_BORDER_WIDTH", "hex_to_rgb", "ramp_colours"]
 
 #: Pick ring colours from the lowest to the highest figure of merit (interpolated in between).
 PICK_COLORS = ("#00A0FF", "#FF00FF", "#D55E00")
+#: Picks added by hand (no FOM): black rings, outside the FOM ramp and unlike the yellow true picks and the white
+#: extraction boxes for every kind of colour vision.
+MANUAL_PICK_COLOR = "#000000"
 #: Relative border width of pick rings (fraction of the ring's diameter).
 PICK_BORDER_WIDTH = 0.08
 #: True particle positions (sample data): Okabe-Ito yellow crosses, smaller than a particle.
@@ -36,3 +39,16 @@ def hex_to_rgb(color: str) -> tuple[float, float, float]:
     """'#RRGGBB' as (r, g, b) in [0, 1]."""
     text = color.lstrip("#")
     return tuple(int(text[i:i + 2], 16) / 255.0 for i in (0, 2, 4))  # type: ignore[return-value]
+
+
+def ramp_colours(values, lo: float, hi: float, colours=PICK_COLORS):
+    """(n, 4) RGBA of ``values`` on the piecewise-linear ramp through ``colours`` from ``lo`` to ``hi`` (values
+    outside clipped to its ends; the ramp's middle when lo == hi)."""
+    import numpy as np  # noqa: PLC0415
+
+    v = np.asarray(values, dtype=np.float64).ravel()
+    stops = np.array([hex_to_rgb(c) for c in colours])
+    f = np.full(v.shape, 0.5) if not hi > lo else np.clip((v - lo) / (hi - lo), 0.0, 1.0)
+    x = np.linspace(0.0, 1.0, len(stops))
+    rgb = np.stack([np.interp(f, x, stops[:, c]) for c in range(3)], axis=1)
+    return np.concatenate([rgb, np.ones((len(v), 1))], axis=1)
