@@ -18,11 +18,12 @@ import pandas as pd
 
 from ..errors import InputError
 from .jobdir import project_path
-from .mrc import mrc_header_info, read_mrc
+from .mrc import mrc_header_info, read_mrc, unusable_image
 from .star import ParticleTable, read_micrographs, read_star, write_star_blocks
 
 __all__ = ["MicrographEntry", "MicrographList", "micrograph_list", "output_root", "read_micrograph",
-           "write_coordinate_list", "read_coordinate_list", "check_micrographs", "SKIP_FLAG"]
+           "write_coordinate_list", "read_coordinate_list", "check_micrographs", "SKIP_FLAG",
+           "UnusableMicrograph"]
 
 #: The option of autopick and extract that skips unusable micrographs instead of stopping before any work.
 SKIP_FLAG = "--skip_bad_micrographs"
@@ -59,7 +60,7 @@ def micrograph_list(source: str | os.PathLike, angpix: float = -1.0) -> Microgra
     """Micrographs from a STAR file (pixel size from its optics table) or from a glob pattern / a single
     MRC file / a text file with one path per line (then ``angpix`` Å is required)."""
     src = str(source)
-    if src.lower().endswith(".star"):
+    if src.lower().endswith((".star", ".star.gz")):
         table: ParticleTable = read_micrographs(src)
         px = table.pixel_size if angpix <= 0 else float(angpix)
         df = table.particles.reset_index(drop=True)
@@ -122,11 +123,28 @@ def check_micrographs(ml: MicrographList, entries: list[MicrographEntry], skip: 
     return good, shapes, failures
 
 
+class UnusableMicrograph(InputError):
+    """A micrograph whose pixels no job can use: NaN or infinite pixels, or every pixel one value (blank). Seen only
+    when its pixels are read, after the job has started; ``reason`` is the problem without the file name."""
+
+    def __init__(self, reason: str, path: Path):
+        super().__init__(f"micrograph cannot be used: {reason}", path=str(path))
+        self.reason = reason
+
+
 def read_micrograph(path: Path) -> np.ndarray:
-    """The micrograph (ny, nx) as a lazy memory map in its file dtype (uint16 stays uint16)."""
+    """The micrograph (ny, nx) as a lazy memory map in its file dtype (uint16 stays uint16).
+
+    UnusableMicrograph when a pixel is NaN or infinite (it would give NaN particles, or no picks) or when every
+    pixel has the same value: checked here, as particle images are, in two passes (minimum, maximum) over the
+    pixels that the job reads next anyway."""
     micrograph_shape(path)
     data = read_mrc(path, mmap=True).data
-    return data.reshape(data.shape[-2:])
+    data = data.reshape(data.shape[-2:])
+    problem = unusable_image(data[np.newaxis])
+    if problem is not None:
+        raise UnusableMicrograph(problem[1], path)
+    return data
 
 
 def output_root(name: str) -> str:

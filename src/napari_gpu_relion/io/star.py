@@ -2,7 +2,10 @@
 
 Reading goes through starfile; on top of it this module finds the STAR text line of every table row (so
 errors can say "line 57, column rlnDefocusU"), merges optics-group values into each particle row, and turns
-RELION 3.0 files (no optics table) into the 3.1 layout. Writing is our own small formatter: RELION 3.1
+RELION 3.0 files (no optics table) into the 3.1 layout. Files are read as bytes: gzip-compressed ones (found by
+their content, .star.gz or not) are decompressed, text is UTF-8 (a byte-order mark dropped) or else Latin-1, as
+RELION reads any byte. A block name given twice is refused (RELION would read only the first block of that name
+and silently drop the others), as is a last row cut short. Writing is our own small formatter: RELION 3.1
 layout (``# version 30001``, data_optics then data_particles), shortest round-trip float text, atomic.
 
 The particle images a table names (``<n>@<stack>``) are found and read by :mod:`.particle_images`.
@@ -12,8 +15,11 @@ Conventions kept from RELION: coordinates are in micrograph pixels; pixel sizes 
 
 from __future__ import annotations
 
+import gzip
 import os
 import re
+import tempfile
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,23 +96,41 @@ class _BlockLayout:
     row_lines: list[int] = field(default_factory=list)
     duplicate: tuple[str, int] | None = None  # the first label given twice, and the line of its second use
     no_value: tuple[str, int] | None = None  # key-value block: the first label line without a value
+    last_line: int = 0  # the block's last label or row line
+    last_row: str = ""  # the text of the last loop row
+    repeats: list[tuple[int, int, int]] = field(default_factory=list)  # later blocks of this name: (header line,
+    # last line, rows)
 
 
 def _scan_layout(text: str) -> dict[str, _BlockLayout]:
-    """Map block name -> line numbers of its header, labels and data rows (blank and # lines skipped)."""
+    """Map block name -> line numbers of its header, labels and data rows (blank and # lines skipped).
+
+    A second block of a name already seen is not mapped: its header line, last line and row count are listed in
+    the first one's ``repeats`` (:func:`_parse_blocks` refuses such a file)."""
     layouts: dict[str, _BlockLayout] = {}
     current: _BlockLayout | None = None
+    repeat_of: _BlockLayout | None = None  # the first block of the name that ``current`` repeats
+
+    def close() -> None:
+        if current is not None and repeat_of is not None:
+            repeat_of.repeats.append((current.header_line, current.last_line, len(current.row_lines)))
+
     for lineno, raw in enumerate(text.split("\n"), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
         if line.startswith("data_"):
+            close()
             rest = line[5:].split()
-            current = _BlockLayout(header_line=lineno)
-            layouts[rest[0] if rest else ""] = current
+            name = rest[0] if rest else ""
+            current = _BlockLayout(header_line=lineno, last_line=lineno)
+            repeat_of = layouts.get(name)
+            if repeat_of is None:
+                layouts[name] = current
             continue
         if current is None:
             continue
+        current.last_line = lineno
         if line.startswith("loop_"):
             current.is_loop = True
         elif line.startswith("_"):
@@ -119,19 +143,54 @@ def _scan_layout(text: str) -> dict[str, _BlockLayout]:
                 current.no_value = (label, lineno)
         elif current.is_loop:
             current.row_lines.append(lineno)
+            current.last_row = line
+    close()
     return layouts
 
 
-def _read_text(path: Path) -> str:
-    """File text, or InputError for a missing/unreadable file."""
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+@dataclass(frozen=True)
+class _StarText:
+    """A STAR file's text; ``plain`` is False when starfile cannot read the file as it is on disk (gzip-compressed,
+    not UTF-8, or starting with a byte-order mark): it then reads a UTF-8 copy of ``text``."""
+
+    text: str
+    plain: bool = True
+
+
+def _decode(raw: bytes) -> tuple[str, bool]:
+    """Text of a STAR file's bytes: UTF-8 (a leading byte-order mark dropped), else Latin-1, which reads every byte
+    (RELION reads the bytes as they are, so a Latin-1 comment or name is no error there); and whether the bytes
+    were UTF-8 without a byte-order mark."""
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        return raw.decode("latin-1"), False
+    return text, not raw.startswith(b"\xef\xbb\xbf")
+
+
+def _read_text(path: Path) -> _StarText:
+    """File text (gzip-compressed files decompressed, see :func:`_decode`), or InputError for a missing,
+    unreadable or damaged compressed file."""
     if not path.exists():
         raise InputError("STAR file not found", path=str(path))
     if path.is_dir():
         raise InputError("expected a STAR file but this is a folder", path=str(path))
     try:
-        return path.read_text(encoding="utf-8", errors="replace")
+        raw = path.read_bytes()
     except OSError as exc:
         raise InputError(f"cannot read STAR file ({exc})", path=str(path)) from exc
+    compressed = raw[:2] == _GZIP_MAGIC
+    if compressed:
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise InputError(f"STAR file is gzip-compressed but cannot be decompressed ({exc}): the file may be "
+                             "cut short", path=str(path)) from exc
+    text, utf8 = _decode(raw)
+    return _StarText(text, utf8 and not compressed)
 
 
 def _find_ragged_row(text: str, layout: dict[str, _BlockLayout]) -> tuple[int, str, int, int] | None:
@@ -146,13 +205,22 @@ def _find_ragged_row(text: str, layout: dict[str, _BlockLayout]) -> tuple[int, s
     return None
 
 
-def _parse_blocks(path: Path, text: str, layout: dict[str, _BlockLayout]) -> dict[str, Block]:
-    """starfile.read with text labels kept as text and all-numeric text columns (inf) made numeric."""
-    labels = {lab for blk in layout.values() for lab in blk.label_lines}
-    as_string = sorted(lab for lab in labels if _is_string_label(lab))
-    if not text.strip():
-        raise InputError("STAR file is empty", path=str(path))
-    for name, blk in layout.items():  # pandas/starfile would fail on these with unrelated messages
+def _lines_of(header: int, last: int, rows: int, is_loop: bool) -> str:
+    return f"lines {header}-{last}" + (f" ({rows} rows)" if is_loop else "")
+
+
+def _check_layout(path: Path, layout: dict[str, _BlockLayout]) -> None:
+    """InputError for what starfile/pandas would read wrongly or fail on with unrelated messages: a block name
+    given twice, a label given twice, a key without a value, a last loop row cut short."""
+    for name, blk in layout.items():
+        if blk.repeats:
+            header, last, rows = blk.repeats[0]
+            first = _lines_of(blk.header_line, blk.last_line, len(blk.row_lines), blk.is_loop)
+            again = _lines_of(header, last, rows, blk.is_loop)
+            more = f" (and {len(blk.repeats) - 1} more time(s))" if len(blk.repeats) > 1 else ""
+            raise InputError(f"block data_{name} is given twice: {first}, and again {again}{more}; RELION reads only "
+                             "the first block of a name, so the rest would be silently dropped: join them into one "
+                             "block (one set of labels) or remove the extra one", path=str(path), line=header)
         if blk.duplicate is not None:
             label, line = blk.duplicate
             raise InputError(f"label _{label} appears twice in data_{name} (first on line "
@@ -162,8 +230,37 @@ def _parse_blocks(path: Path, text: str, layout: dict[str, _BlockLayout]) -> dic
             label, line = blk.no_value
             raise InputError(f"_{label} in data_{name} has no value (the file may be cut short)", path=str(path),
                              line=line, column=label)
+        if blk.is_loop and blk.row_lines:
+            want, got = len(blk.label_lines), len(blk.last_row.split())
+            if got < want:
+                raise InputError(f"the last row of data_{name} has {got} of its {want} fields: the file seems cut "
+                                 "short (written or copied only in part)", path=str(path), line=blk.row_lines[-1])
+
+
+def _starfile_read(path: Path, star: _StarText, as_string: list[str]) -> dict[str, Block]:
+    """starfile.read of the file, or of a UTF-8 copy of its text when the file is not plain UTF-8 (starfile reads
+    lines through linecache, which gives no lines for a Latin-1 byte and none for gzip data)."""
+    if star.plain:
+        return starfile.read(path, always_dict=True, parse_as_string=as_string)
+    fd, tmp = tempfile.mkstemp(suffix=".star", prefix="napari_gpu_relion_")
     try:
-        blocks = starfile.read(path, always_dict=True, parse_as_string=as_string)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(star.text)
+        return starfile.read(tmp, always_dict=True, parse_as_string=as_string)
+    finally:
+        os.unlink(tmp)
+
+
+def _parse_blocks(path: Path, star: _StarText, layout: dict[str, _BlockLayout]) -> dict[str, Block]:
+    """starfile.read with text labels kept as text and all-numeric text columns (inf) made numeric."""
+    text = star.text
+    labels = {lab for blk in layout.values() for lab in blk.label_lines}
+    as_string = sorted(lab for lab in labels if _is_string_label(lab))
+    if not text.strip():
+        raise InputError("STAR file is empty", path=str(path))
+    _check_layout(path, layout)
+    try:
+        blocks = _starfile_read(path, star, as_string)
     except Exception as exc:  # pandas/starfile raise many types on malformed text
         bad = _find_ragged_row(text, layout)
         if bad is not None:
@@ -195,8 +292,8 @@ def read_star(path: str | os.PathLike) -> dict[str, Block]:
     InputError for a missing or empty file, or one without data blocks.
     """
     p = Path(path)
-    text = _read_text(p)
-    return _parse_blocks(p, text, _scan_layout(text))
+    star = _read_text(p)
+    return _parse_blocks(p, star, _scan_layout(star.text))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -509,10 +606,10 @@ def _check_uniform(optics: pd.DataFrame, used: np.ndarray, label: str, tol: floa
 def _read_table(path: str | os.PathLike, kind: str, require: Sequence[str], uniform_optics: bool,
                 even_box: bool, project_dir: str | os.PathLike | None) -> ParticleTable:
     p = Path(path)
-    text = _read_text(p)
-    layout = _scan_layout(text)
-    blocks = _parse_blocks(p, text, layout)
-    version = _detect_version(text, blocks)
+    star = _read_text(p)
+    layout = _scan_layout(star.text)
+    blocks = _parse_blocks(p, star, layout)
+    version = _detect_version(star.text, blocks)
     name = _pick_block(blocks, kind, require, p)
     lay = layout.get(name)
     header_line = lay.header_line if lay else None
@@ -791,9 +888,9 @@ def read_coordinates(path: str | os.PathLike) -> pd.DataFrame:
     (-999, RELION's manual-pick placeholder). InputError when X or Y is missing or a value is not finite.
     """
     p = Path(path)
-    text = _read_text(p)
-    layout = _scan_layout(text)
-    blocks = _parse_blocks(p, text, layout)
+    star = _read_text(p)
+    layout = _scan_layout(star.text)
+    blocks = _parse_blocks(p, star, layout)
     name = next((n for n, b in blocks.items() if n == "" and "rlnCoordinateX" in _as_frame(b).columns), None)
     if name is None:
         name = next((n for n, b in blocks.items() if "rlnCoordinateX" in _as_frame(b).columns), None)

@@ -17,7 +17,7 @@ from typing import Any
 from ..cancel import check_cancel
 from ..errors import InputError
 from ..events import Message, Progress
-from ..io.micrographs import read_micrograph
+from ..io.micrographs import UnusableMicrograph, read_micrograph
 from ..runtime.distributed import SingleProcess
 
 
@@ -38,9 +38,17 @@ Work = Callable[[int, int], Generator[Any, None, Round]]
 
 def read_or_skip(entry, skip_bad: bool, read: Callable = read_micrograph) -> tuple[Any, str | None]:
     """``read(entry.path)``, or (None, "name: reason") when it cannot be read and ``skip_bad`` is set (otherwise
-    the error propagates)."""
+    the error propagates).
+
+    A micrograph whose pixels cannot be used (UnusableMicrograph: NaN or infinite pixels, or blank) is skipped
+    whatever ``skip_bad`` says: its pixels are seen only now, after other micrographs' outputs were written, and
+    stopping here would waste them (under MPI it would also stop one rank alone). The job warns "skipping
+    micrograph <name>: <count> of <n> pixels are NaN" and counts it among the failed ones; it never writes a NaN
+    particle or an empty pick list for it."""
     try:
         return read(entry.path), None
+    except UnusableMicrograph as exc:
+        return None, f"{entry.name}: {exc.reason}"
     except (InputError, OSError, ValueError) as exc:
         if not skip_bad:
             raise
