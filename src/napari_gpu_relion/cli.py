@@ -21,7 +21,7 @@ from .errors import InputError, os_error_line, user_error_line
 from .events import Finished, FscUpdated, IterationFinished, Message, Progress, Started
 from .jobs.common import flag_of
 from .mpi_child import event_sender
-from .runtime.distributed import launched_by_mpi, launcher_rank, rank_error, rank_prefix
+from .runtime.distributed import launched_by_mpi, launcher_rank, rank_error, rank_prefix, start_up, world
 
 __all__ = ["JOBS", "build_parser", "main", "os_error_line", "run_job"]
 
@@ -75,12 +75,21 @@ def add_params_arguments(parser: argparse.ArgumentParser, params_cls) -> None:
                                 metavar=tp.__name__.upper() if hasattr(tp, "__name__") else "X")
 
 
+class _StartUpError(Exception):
+    """A command-line error under MPI: its one line goes through the ranks' collective start-up check."""
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with its errors (unknown option, a value of the wrong type, a missing option) as one line, like
-    every other error of the command line: what is wrong, the option, the value, and where the help is."""
+    every other error of the command line: what is wrong, the option, the value, and where the help is. Under
+    MPI the line names the rank and host and is raised (``_StartUpError``), so that main ends every rank with
+    it (a rank that exits alone leaves the others waiting for it)."""
 
     def error(self, message: str):  # noqa: D102 - see the class docstring
-        self.exit(2, f"{self.prog}: error: {' '.join(message.splitlines())} (see {self.prog} --help)\n")
+        line = f"{self.prog}: error: {rank_prefix()}{' '.join(message.splitlines())} (see {self.prog} --help)"
+        if launched_by_mpi():
+            raise _StartUpError(line)
+        self.exit(2, line + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,7 +137,17 @@ def run_job(module, params, out=None, sink=None) -> Finished | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    mpi = launched_by_mpi()
+    if mpi:  # MPI_Init on every rank before any check can fail on one alone (see start_up)
+        try:
+            world()
+        except RuntimeError as exc:  # no mpi4py: nothing to tell the other ranks with
+            print(f"napari-gpu-relion: error: {rank_prefix()}{exc}", file=sys.stderr, flush=True)
+            return 1
+    try:
+        args = parser.parse_args(argv)
+    except _StartUpError as exc:  # under MPI only; single-process runs exit in parse_args
+        return start_up((str(exc), 2))
     quiet = launcher_rank() not in (None, 0)  # MPI: the other ranks log warnings only (rank 0 prints the job)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
                         format="%(message)s")
@@ -137,13 +156,25 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     module = importlib.import_module(args._module)
     kw = {f.name: getattr(args, f.name) for f in fields(module.Params)}
+    failure = None  # this rank's start-up failure: (line, exit code)
     try:
-        params = module.Params(**kw)
+        params = module.Params(**kw)  # the checks of the options and input files
+    except (InputError, OSError) as exc:
+        failure = (f"napari-gpu-relion {args.job}: error: {rank_prefix()}{user_error_line(exc)}", 2)
+    except Exception as exc:
+        if not mpi:
+            raise
+        traceback.print_exc()
+        failure = (f"napari-gpu-relion {args.job}: {rank_prefix()}failed: {type(exc).__name__}: {exc}; "
+                   "stopping all ranks", 1)
+    if (code := start_up(failure)) != 0:  # under MPI every rank's checks, together: one rank fails, all end
+        return code
+    try:
         run_job(module, params, sink=event_sender(args.events) if args.events else None)
     except (InputError, OSError) as exc:  # bad input, or a read-only folder, a full disk, ...: one line, the path
         return rank_error(f"napari-gpu-relion {args.job}: error: {rank_prefix()}{user_error_line(exc)}", 2)
     except Exception as exc:  # under MPI: name the rank and host, stop every rank (never a hang in a collective)
-        if not launched_by_mpi():
+        if not mpi:
             raise
         traceback.print_exc()
         return rank_error(f"napari-gpu-relion {args.job}: {rank_prefix()}failed: {type(exc).__name__}: {exc}; "

@@ -482,11 +482,48 @@ def launcher_rank(environ: dict | None = None) -> int | None:
     return None
 
 
+def start_up(failure: tuple[str, int] | None) -> int:
+    """The ranks' start-up checks (options read, input files present, output folder writable), made collective:
+    every rank calls this once, after its own checks, with ``(error line, exit code)`` when they failed, else
+    None; it returns the exit code (0: every rank passed, go on).
+
+    Under MPI (several ranks) the ranks exchange their results, so that a check that fails on one rank only (a
+    node without the data disk, a file only it cannot read) ends every rank at once rather than leaving the
+    others waiting for it in their first collective: rank 0 prints the first failing rank's line (which names
+    that rank and its host; how many ranks failed is added when several did) and every rank returns that exit
+    code, with no MPI_Abort. Without MPI: prints the line and returns its code. Under a launcher it makes the
+    communicator (MPI_Init), which the caller should have done before its checks so that their messages name
+    rank and host (``rank_prefix``)."""
+    w = world()
+    if w.size == 1:
+        if failure is None:
+            return 0
+        print(failure[0], file=sys.stderr, flush=True)
+        return failure[1]
+    results = w.allgather(failure)
+    failed = [r for r, res in enumerate(results) if res is not None]
+    if not failed:
+        return 0
+    line, code = results[failed[0]]
+    if w.is_root:
+        if len(failed) > 1:
+            line += (f" ({len(failed)} of {w.size} ranks failed their start-up checks: ranks "
+                     f"{', '.join(map(str, failed))})")
+        print(line, file=sys.stderr, flush=True)
+    return code
+
+
 def rank_error(message: str, code: int) -> int:
-    """Report an error that ends the job: under MPI (MPI initialised, several ranks) print it and abort every
-    rank, since the others would wait for this one in their next collective; else print it and return
-    ``code``."""
+    """Report an error that ends the job: under MPI (several ranks) print it and abort every rank, since the
+    others would wait for this one in their next collective; else print it and return ``code``. Under a
+    launcher MPI is initialised here if it was not yet (an abort needs it: a rank that exits before MPI_Init
+    leaves the others waiting for it)."""
     w = _world
+    if w is None and launched_by_mpi():
+        try:
+            w = world()
+        except RuntimeError:  # no mpi4py: nothing to abort with
+            w = None
     if w is not None and w.size > 1:
         w.abort(message, code)
     print(message, file=sys.stderr, flush=True)
