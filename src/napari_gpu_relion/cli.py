@@ -57,6 +57,12 @@ def _escape(text: str) -> str:
     return text.replace("%", "%%")
 
 
+def _rootname(text: str) -> Path:
+    """A relion_refine output rootname; one that ends in "/" names a folder: its rootname is <folder>/run (Path
+    drops the slash, which put a job's files beside the folder instead of into it)."""
+    return Path(text, "run") if text.endswith(("/", "\\")) else Path(text)
+
+
 def add_params_arguments(parser: argparse.ArgumentParser, params_cls) -> None:
     hints = typing.get_type_hints(params_cls)  # the annotations evaluated in the Params' own module
     for f in fields(params_cls):
@@ -68,6 +74,8 @@ def add_params_arguments(parser: argparse.ArgumentParser, params_cls) -> None:
             parser.add_argument(flag, dest=f.name, action="store_true", help=_escape(hlp))
         else:
             conv = {Path: Path, int: int, float: float, str: str}.get(tp, str)
+            if tp is Path and f.metadata.get("mode") == "root":
+                conv = _rootname
             default = None if required else f.default
             extra = "" if required or default is None else f" (default: {default})"
             parser.add_argument(flag, dest=f.name, type=conv, default=default, required=required,

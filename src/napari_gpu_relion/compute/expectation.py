@@ -335,7 +335,11 @@ def normalised_weights(diff2, log_prior):
 
 def candidate_floor(adaptive_fraction: float, n: int) -> float:
     """eps = (1 - f) / (2 n): only weights p >= eps (compared in float32) can lie before or at the significance
-    crossing of a row of n samples (see significance_threshold)."""
+    crossing of a row of n samples (see significance_threshold). 0 (no floor: the callers then sort every sample)
+    when there is nothing to cut: a row of no samples (n = 0: a batch whose particles found no significant coarse
+    sample, which once divided by zero here), or a fraction of 1 or more (every sample counts)."""
+    if n <= 0 or not adaptive_fraction < 1.0:
+        return 0.0
     return 0.5 * (1.0 - adaptive_fraction) / n
 
 

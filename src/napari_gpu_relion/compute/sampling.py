@@ -285,6 +285,35 @@ def translation_grid(range_px: float, step_px: float, ndim: int = 2) -> np.ndarr
     return g[keep]
 
 
+#: The finest coarse HEALPix order a job takes: RELION's finest angular sampling, 0.1° (its job options offer
+#: 30° ... 0.1°, HEALPix orders 1 to 9: pipeline_jobs.h job_sampling_options, JobOption::getHealPixOrder), the
+#: fine step being half of it. relion_refine's HEALPix library itself stops at order 13 (healpix_base.h order_max).
+RELION_MAX_HEALPIX_ORDER = 9
+
+
+def check_healpix_order(order, flag: str = "--healpix_order") -> None:
+    """InputError unless ``order`` is a HEALPix order a job can sample: 0 .. RELION_MAX_HEALPIX_ORDER."""
+    if not (0 <= order <= RELION_MAX_HEALPIX_ORDER and int(order) == order):
+        raise InputError(f"{flag} must be in 0..{RELION_MAX_HEALPIX_ORDER} (RELION's finest angular sampling is "
+                         f"0.1°, HEALPix order {RELION_MAX_HEALPIX_ORDER}: "
+                         f"{angular_step(RELION_MAX_HEALPIX_ORDER):.3f}°), got {order}")
+
+
+def check_offset_search(offset_range: float, offset_step: float, box: int) -> None:
+    """InputError for a translation search that cannot work on images of ``box`` pixels: a step that is not
+    > 0, a range that is not >= 0 or is larger than half the box (a particle shifted further is out of the box:
+    the Fourier shift wraps it round to the other side). RELION takes any range; the half-box limit is ours."""
+    if not offset_step > 0 or not np.isfinite(offset_step):
+        raise InputError(f"--offset_step must be > 0 pixels, got {offset_step:g}")
+    if not offset_range >= 0 or not np.isfinite(offset_range):
+        raise InputError(f"--offset_range must be >= 0 pixels, got {offset_range:g}")
+    if offset_range > box / 2:
+        raise InputError(f"--offset_range {offset_range:g} px is larger than half the box ({box} px: at most "
+                         f"{box / 2:g} px; about {np.pi * (offset_range / offset_step) ** 2:,.0f} translations at "
+                         f"step {offset_step:g}): a particle shifted further leaves the box, as the Fourier shift "
+                         f"wraps it round (RELION does not limit it; this limit is ours)")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Oversampling
 # ---------------------------------------------------------------------------------------------------------

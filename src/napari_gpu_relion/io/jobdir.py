@@ -27,6 +27,12 @@ _FINAL_MODEL = re.compile(r"^(?P<root>.+)_model\.star$")
 _JOB_FOLDER = re.compile(r"^job(?P<number>\d+)$")
 
 
+def _owned_name(name: str) -> re.Pattern:
+    """The names of the files runs under the rootname ``name`` write (RunFiles.owns)."""
+    return re.compile(rf"^{re.escape(name)}_(?:it\d{{3,}}_.+|(?:half[12]_)?(?:data|model|optimiser)\.star"
+                      rf"|(?:half[12]_)?class\d{{3}}(?:_unfil)?\.mrc|classes\.mrcs)$")
+
+
 def _tag(iteration: int | None) -> str:
     return "" if iteration is None else f"_it{iteration:03d}"
 
@@ -40,11 +46,13 @@ class RunFiles:
 
     @classmethod
     def from_output(cls, o: str | os.PathLike) -> RunFiles:
-        """``--o`` as RELION reads it: a rootname (``Class2D/job003/run``). An existing folder, or a path that
-        ends in a separator, means ``<folder>/run`` (what RELION's GUI passes for a job folder)."""
+        """``--o`` as RELION reads it: a rootname (``Class2D/job003/run``). A folder means ``<folder>/run`` (what
+        RELION's GUI passes for a job folder): an existing folder, a path that ends in a separator, and a RELION job
+        folder's name ``jobNNN`` that is not an existing file (``Class2D/job005``, made if needed: the command
+        line's paths lose their trailing separator, and RELION never names a rootname so)."""
         text = os.fspath(o)
         p = Path(text)
-        if text.endswith(("/", os.sep)) or p.is_dir():
+        if text.endswith(("/", os.sep)) or p.is_dir() or (job_number(p) is not None and not p.exists()):
             return cls(p / "run")
         return cls(p)
 
@@ -84,6 +92,25 @@ class RunFiles:
     def classes_stack(self, iteration: int) -> Path:
         """2D classification: the class averages of an iteration as one stack."""
         return self._file(iteration, "classes.mrcs")
+
+    def owns(self, path: str | os.PathLike) -> bool:
+        """True for a file that runs under this rootname write: in its folder, named ``<name>_itNNN_...`` (any
+        iteration's file) or one of the final files (``<name>_data.star``, ``<name>_model.star``,
+        ``<name>_half1_class001_unfil.mrc``, ...). The folder is compared by resolved path."""
+        q = Path(path)
+        if not _owned_name(self.name).match(q.name):
+            return False
+        try:
+            return q.parent.resolve() == self.folder.resolve()
+        except OSError:
+            return False
+
+    def existing_files(self) -> list[Path]:
+        """The files of this rootname (:meth:`owns`) that exist in its folder, sorted by name."""
+        if not self.folder.is_dir():
+            return []
+        pat = _owned_name(self.name)
+        return sorted(q for q in self.folder.iterdir() if pat.match(q.name) and q.is_file())
 
     def iterations(self) -> list[int]:
         """The iterations whose optimiser STAR exists (written last: the iteration is complete), ascending."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -110,6 +111,139 @@ def check_output_file(path: str | os.PathLike, flag: str) -> None:
     if p.is_dir():
         raise InputError(f"{flag}: the output file is an existing folder; give a file name", path=str(p))
     check_output_folder(p.parent, flag)
+
+
+#: The jobs whose --o is a relion_refine rootname (their files are ``<rootname>_...``); a RELION note.txt names the
+#: program (``relion_refine``).
+ROOTNAME_JOBS = ("class2d", "class3d", "refine3d", "initial_model", "relion_refine")
+
+
+def check_no_spaces(path: str | os.PathLike, flag: str, why: str) -> None:
+    """An output path that goes into STAR files has no white space: STAR values are separated by white space (our
+    writer refuses such values; RELION's pipeline never makes such names and many readers split them). Refused at
+    the start, not when the first STAR file that names it is written (after an iteration's maps, say)."""
+    text = os.fspath(path)
+    if any(c.isspace() for c in text):
+        raise InputError(f"{flag} {text!r} contains a space: {why}, and STAR values cannot hold spaces; choose a "
+                         "name without spaces")
+
+
+def _same_path(a: Path, b: Path) -> bool:
+    """The same file: equal resolved paths (symlinks, ``..``), or, both existing, the same inode (hard links)."""
+    try:
+        if a.resolve() == b.resolve():
+            return True
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_outputs_not_inputs(outputs, inputs, flag: str = "--o") -> None:
+    """No output file the job will write is one of its input files. ``outputs``: paths; ``inputs``: (option,
+    path or None) pairs. The message names both."""
+    for out in outputs:
+        for opt, inp in inputs:
+            if inp is not None and _same_path(Path(out), Path(inp)):
+                raise InputError(f"{flag} would write {out} over the input {opt} {inp}: choose another {flag} (or "
+                                 "move the input)")
+
+
+def note_commands(folder: str | os.PathLike) -> list[tuple[str, str | None]]:
+    """The commands a folder's note.txt records, oldest first: (job kind, its --o or --odir value or None). Ours
+    (``napari-gpu-relion class2d ... --o ...``) give the job name; RELION's (`` `which relion_refine` --o ...``)
+    the program without ``_mpi`` (``relion_refine``). An unreadable or missing note.txt gives []."""
+    try:
+        text = (Path(folder) / "note.txt").read_text(errors="replace")
+    except OSError:
+        return []
+    out: list[tuple[str, str | None]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("napari-gpu-relion "):
+            kind_at = 1
+        elif line.startswith("`which relion_"):
+            line = line.replace("`which ", "", 1).replace("`", "", 1)
+            kind_at = 0
+        else:
+            continue
+        try:
+            words = shlex.split(line)
+        except ValueError:
+            words = line.split()
+        if len(words) <= kind_at:
+            continue
+        kind = words[kind_at]
+        kind = kind[:-4] if kind.startswith("relion_") and kind.endswith("_mpi") else kind
+        o = next((words[k + 1] for k, w in enumerate(words[:-1]) if w in ("--o", "--odir")), None)
+        out.append((kind, o))
+    return out
+
+
+def _note_rootname(o: str, folder: Path) -> str:
+    """The rootname's name an --o of a note.txt in ``folder`` meant: ``run`` where it named the folder itself (a
+    trailing separator, the folder's own name, a RELION job folder ``jobNNN``), else its last part."""
+    q = Path(o)
+    if o.endswith(("/", os.sep)) or q.name == folder.name or re.fullmatch(r"job\d+", q.name):
+        return "run"
+    return q.name
+
+
+def check_not_another_jobs_files(folder: str | os.PathLike, job: str, existing, flag: str = "--o",
+                                 rootname: str | None = None, without_note: bool = True) -> None:
+    """A job never writes over another job's files. ``existing``: the files this job would write that are there
+    already (nothing to check when empty). Who wrote them comes from the folder's note.txt: with ``rootname``, the
+    last command whose --o names that rootname (a relion_refine-style run); without, the last command of a job that
+    writes fixed names into the folder (not a rootname job). Refused when that is another kind of job, and, unless
+    ``without_note``, when none is recorded (the files are someone's own)."""
+    existing = list(existing)
+    if not existing:
+        return
+    folder = Path(folder)
+    commands = note_commands(folder)
+    if rootname is not None:
+        writers = [k for k, o in commands if k in ROOTNAME_JOBS and o is not None
+                   and _note_rootname(o, folder) == rootname]
+    else:
+        writers = [k for k, _ in commands if k not in ROOTNAME_JOBS]
+    shown = ", ".join(q.name for q in existing[:3]) + (f" and {len(existing) - 3} more" if len(existing) > 3 else "")
+    if writers and writers[-1] != job:
+        raise InputError(f"{flag}: {folder} holds {shown} written by {_a(writers[-1])} job (its note.txt); "
+                         f"{_a(job)} job does not write over another job's files: choose another {flag}")
+    if not writers and not without_note:
+        why = "its note.txt names no job that wrote them" if (folder / "note.txt").is_file() else "it has no note.txt"
+        raise InputError(f"{flag}: {folder} holds {shown}, not written by {_a(job)} job ({why}); {_a(job)} job "
+                         f"would write over it: choose another {flag} (or move the file)")
+
+
+def _a(word: str) -> str:
+    """'a class2d', 'an extract', 'an initial_model'."""
+    return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
+
+
+def input_paths(params, skip: tuple[str, ...] = ("o",)) -> list[tuple[str, Path]]:
+    """(option, path) of each path a job's Params was given, but the outputs in ``skip``: its input files."""
+    return [(flag_of(f), Path(v)) for f in fields(params) if f.name not in skip
+            and isinstance(v := getattr(params, f.name), os.PathLike)]
+
+
+def check_run_output(files, job: str, inputs, continued: bool, flag: str = "--o") -> None:
+    """The checks of a relion_refine-style job's rootname (``files``: its RunFiles) when it starts, before it reads
+    its inputs: the rootname is not an existing file (``--o in/reference.mrc``), has no spaces (its paths go into
+    the optimiser and model STARs), a new run writes over none of its ``inputs`` ((option, path) pairs: an input
+    that is a file of this rootname, e.g. ``--i run_it025_data.star`` of ``--o run``), and the files of this
+    rootname already in its folder were written by a job of the same kind (note.txt)."""
+    root = Path(files.root)
+    if root.exists() and not root.is_dir():
+        raise InputError(f"{flag} {root} is an existing file; {flag} is a rootname (e.g. Class2D/job005/run writes "
+                         "Class2D/job005/run_it001_data.star, ...) or a folder (<folder>/run)")
+    check_no_spaces(root, flag, "the rootname is written into the optimiser and model STAR files "
+                    "(rlnOutputRootName, the maps' names)")
+    if not continued:
+        for opt, inp in inputs:
+            if inp is not None and files.owns(inp):
+                raise InputError(f"{flag} {root} would write over the input {opt} {inp} (a file of this rootname): "
+                                 f"choose another {flag}")
+    check_not_another_jobs_files(files.folder, job, files.existing_files(), flag, rootname=files.name)
 
 
 def format_bytes(n: float) -> str:

@@ -40,7 +40,7 @@ from ..compute.maximization import (
     update_scales,
 )
 from ..compute.projector import prepare_reference
-from ..compute.sampling import local_candidates, local_search_rows
+from ..compute.sampling import check_healpix_order, check_offset_search, local_candidates, local_search_rows
 from ..compute.schedule import EMState
 from ..compute.simulate import fit_box
 from ..errors import InputError
@@ -58,7 +58,8 @@ from ..io.model_star import (
     write_optimiser_star,
 )
 from ..io.mrc import read_mrc, require_usable_map
-from ..io.particle_images import parse_image_name
+from ..io.particle_images import check_normalisation, norm_check_rows, parse_image_name
+from ..io.run_lock import RunLock
 from ..io.star import read_star
 from ..io.write_queue import WriteQueue
 from ..marks import memory_mark
@@ -68,6 +69,7 @@ from ..runtime.kernel_preload import Preload
 from ..runtime.memory import (
     JobMemory,
     MemoryPlan,
+    SearchSpace,
     batched_with_oom_retry,
     choose_padding,
     device_pool_line,
@@ -77,7 +79,16 @@ from ..runtime.memory import (
     refusal,
     release_cached,
 )
-from .common import check_output_folder, em_iteration_bytes, param, prepare_output, require_file, write_note
+from .common import (
+    check_output_folder,
+    check_run_output,
+    em_iteration_bytes,
+    input_paths,
+    param,
+    prepare_output,
+    require_file,
+    write_note,
+)
 from .particles import ParticleSet, load_particle_set, particle_state, write_data_star
 
 #: Width of the raised-cosine edge of the particle mask (pixels), RELION's default.
@@ -158,9 +169,13 @@ class EMParams:
     preread_images: bool = param(False, "--preread_images", "Keep every particle image in memory after its first "
                                  "reading, however large the set (done anyway when the images take at most a "
                                  "quarter of the free RAM)")
+    dont_check_norm: bool = param(False, "--dont_check_norm", "Run even when the particles do not look normalised "
+                                  "(RELION's flag; background mean 0, stddev 1 outside the particle circle): a "
+                                  "warning instead of the error")
 
     #: Options that --continue takes from the command line, not from the optimiser STAR.
-    RUNTIME = ("continue_from", "cpu", "gpu", "batch", "memory_limit", "tf32", "coarse_float32", "preread_images")
+    RUNTIME = ("continue_from", "cpu", "gpu", "batch", "memory_limit", "tf32", "coarse_float32", "preread_images",
+               "dont_check_norm")
     #: Options a job gained after runs of it were written: a --continue of such a run, whose optimiser STAR lacks
     #: them, takes their defaults (the run had them off); any other missing option is a damaged file.
     NEWER_OPTIONS = ()
@@ -185,11 +200,8 @@ class EMParams:
         if self.particle_diameter <= 0 and self.particle_diameter != -1:
             raise InputError(f"--particle_diameter must be > 0 Å, or -1 for (box - 5) x pixel size; got "
                              f"{self.particle_diameter:g}")
-        if healpix_order < 0 or healpix_order > 8:
-            raise InputError(f"--healpix_order must be in 0..8, got {healpix_order}")
-        if self.offset_step <= 0 or self.offset_range < 0:
-            raise InputError(f"--offset_step must be > 0 and --offset_range >= 0 (pixels), got "
-                             f"{self.offset_step}, {self.offset_range}")
+        check_healpix_order(healpix_order)
+        check_offset_search(self.offset_range, self.offset_step, np.inf)  # the box: plan_job_memory
         if self.pad < 1:
             raise InputError(f"--pad must be >= 1, got {self.pad}")
 
@@ -293,6 +305,7 @@ class EMJob:
         if self.continued:
             self.p, self.opt = continued_params(type(p), p)
         self.files = RunFiles.from_output(self.p.o)
+        check_run_output(self.files, self.name, input_paths(self.p), self.continued)  # before any work (issue 50)
         self.be: Backend = backend_for(self.p)
         # the GPU kernels of the last job of this kind load in the background while this one reads its particles
         # and prepares its references (kernel_preload); stopped when the job ends, or here if it cannot start
@@ -419,12 +432,29 @@ class EMJob:
         return int(budget)
 
     def plan_job_memory(self) -> Iterator:
-        """Before iteration 1: the whole run's memory plan at the full image size. A padding that cannot fit
-        falls back to --pad 1 (said); a job that cannot fit at all is refused with the numbers."""
+        """Before iteration 1: the particles' normalisation (RELION's check, not on a --continue), the translation
+        range against the box, and the whole run's memory plan at the full image size with one particle's E-step
+        at the first iteration's search. A padding that cannot fit falls back to --pad 1 (said); a job that
+        cannot fit at all, or not even one particle per batch, is refused with the numbers."""
+        p, st = self.p, self.state
+        if not self.continued:  # a --continue goes on with what its run accepted (auto-refine widens the range)
+            check_offset_search(p.offset_range, p.offset_step, self.N)
+            rows = norm_check_rows(self.ps.optics_group)
+            warning = check_normalisation(self.ps.table, rows, lambda r: to_host(self.ps.images(r)), self.mask_r,
+                                          p.dont_check_norm)
+            if warning:
+                yield Message(warning, "warning")
+        group = getattr(self, "sym", None)
+        search = SearchSpace(self.ndim, self.model.n_classes, st.offset_range, st.offset_step, order=st.order,
+                             sym=group.name if group is not None else "C1",
+                             sym_order=group.order if group is not None else 1, psi_step=getattr(p, "psi_step", 0.0),
+                             local_sigma=st.sigma_ang if st.local else max(getattr(p, "sigma_ang", 0.0), 0.0),
+                             own_orientation=self.own_orientation, first_size=st.current_size(self.N),
+                             pixel_size=self.apix, diameter_A=self.diameter)
         budget = self.budget_bytes()
         self.job_memory, note = choose_padding(
             self.p.pad, box=self.N, ndim=self.ndim, n_classes=self.model.n_classes, n_halves=len(self.halves),
-            budget_bytes=budget, rows_per_particle=self.model.n_classes)
+            budget_bytes=budget, search=search)
         if not self.job_memory.fits:
             raise InputError(refusal(self.job_memory, self.name))
         if note is not None:
@@ -603,6 +633,9 @@ def run(job: EMJob) -> Iterator:
 def _run(job: EMJob) -> Iterator:
     """_iterate with the thread's matrix products in TF32 for the job's duration when --tf32 asks for it (float32
     again afterwards, also after a cancel or an error: other jobs may run in this worker thread next)."""
+    # rank 0 (the one that writes) holds the rootname's lock while the job runs, from before its first file to after
+    # its last (the end, an error, a cancel): a second job on the same --o is refused, naming the holder
+    lock = RunLock.take(job.files.root, job.name) if job.comm.is_root else None
     on = set_matmul_tf32(job.be, job.p.tf32)
     note = ("--tf32: the E-step's float32 matrix products run in TF32 on tensor cores" if on else
             "--tf32 has no effect on the CPU: NumPy computes in float32" if job.p.tf32 else None)
@@ -613,6 +646,8 @@ def _run(job: EMJob) -> Iterator:
             job.ps.stop_reading()
         if on:
             set_matmul_tf32(job.be, False)
+        if lock is not None:
+            lock.release()
 
 
 def _iterate(job: EMJob, tf32_note: str | None) -> Iterator:

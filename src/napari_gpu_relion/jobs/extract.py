@@ -34,7 +34,17 @@ from ..io.star import read_coordinates, read_particles, write_particles
 from ..runtime.device import backend_for
 from ..runtime.distributed import root_events, world
 from ..runtime.memory import batched_with_oom_retry, free_cached_memory, image_batch
-from .common import check_output_folder, check_pixel_size, mrc_bytes, param, prepare_output, write_note
+from .common import (
+    check_no_spaces,
+    check_not_another_jobs_files,
+    check_output_folder,
+    check_outputs_not_inputs,
+    check_pixel_size,
+    mrc_bytes,
+    param,
+    prepare_output,
+    write_note,
+)
 from .micrograph_driver import Round, failure_report, over_micrographs, read_or_skip
 
 JOB_NAME = "extract"
@@ -98,6 +108,18 @@ class Params:
             raise InputError(f"--bg_radius {self.bg_radius} px does not fit the {out}-pixel box (2 x radius > box)")
         if self.recenter and self.reextract_data_star is None:
             raise InputError("--recenter needs --reextract_data_star")
+        self.check_outputs()
+
+    def check_outputs(self) -> None:
+        """What the job writes (<o>/particles.star, <o>/note.txt and the stacks, whose paths particles.star names)
+        overwrites none of its inputs nor another job's particles.star, and has no spaces (issue 50)."""
+        out = Path(self.o)
+        check_no_spaces(out, "--o", "the particle stacks' paths are written into particles.star (rlnImageName)")
+        check_outputs_not_inputs([out / "particles.star", out / "note.txt"],
+                                 [("--i", self.i), ("--coord_list", self.coord_list),
+                                  ("--reextract_data_star", self.reextract_data_star)])
+        star = out / "particles.star"
+        check_not_another_jobs_files(out, JOB_NAME, [star] if star.exists() else [], without_note=False)
 
     @property
     def out_size(self) -> int:

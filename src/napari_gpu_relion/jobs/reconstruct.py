@@ -23,7 +23,13 @@ from ..errors import InputError
 from ..events import Finished, MapUpdated, Message, Progress, Started
 from ..io.atomic import ensure_not_input
 from ..io.mrc import map_problem, write_mrc
-from ..io.particle_images import check_image_stacks, load_images
+from ..io.particle_images import (
+    MASK_EDGE_PX,
+    check_image_stacks,
+    check_normalisation,
+    load_images,
+    norm_check_rows,
+)
 from ..io.star import ParticleTable, read_particles
 from ..runtime.device import backend_for
 from ..runtime.distributed import accumulator_grids, root_events, world
@@ -50,6 +56,9 @@ class Params:
     batch: int = param(0, "--batch", "Particles per batch; 0 = from free memory")
     cpu: bool = param(False, "--cpu", "Run on the CPU (NumPy) even if a GPU is present")
     gpu: str | None = param(None, "--gpu", "GPU index; MPI: RELION's 0:1:2:3, ranks take them in turn")
+    dont_check_norm: bool = param(False, "--dont_check_norm", "Run even when the particles do not look normalised "
+                                  "(RELION's flag; background mean 0, stddev 1 outside a circle of box - 5 px, "
+                                  "RELION's default mask): a warning instead of the error")
 
     def __post_init__(self):
         require_file(self.i, "--i particles STAR", (".star",))
@@ -112,12 +121,20 @@ def _run(p: Params) -> Iterator:
     df = table.particles
     n = len(df)
     N = table.box_size
+    # RELION's check that the particles are normalised, on the first 1000 images of each optics group, before any
+    # work (their values checked too): the background outside RELION's default particle mask, (N - 5) px wide
+    rows = norm_check_rows(df["rlnOpticsGroup"].to_numpy() if "rlnOpticsGroup" in df else np.ones(n, int))
+    norm_warning = check_normalisation(table, rows, lambda r: load_images(table, rows=r, check_values=True,
+                                                                          locations=locations),
+                                       (N - MASK_EDGE_PX) / 2, p.dont_check_norm)
     be = backend_for(p)
     xp = be.xp
     out = Path(p.o)
     notes = prepare_output(out.parent, mrc_bytes(N, N, N), "the map", "--o") if comm.is_root else []  # rank 0 writes
     yield Started(JOB_NAME, out.parent, be.name, f"reconstructing {n} particles, box {N}, {apix:.3f} Å/px")
     yield from notes
+    if norm_warning:
+        yield Message(norm_warning, "warning")
     if comm.is_root:
         write_note(out.parent, JOB_NAME, p)
     r_max = N / 2 if p.maxres <= 0 else min(N / 2, N * apix / p.maxres)

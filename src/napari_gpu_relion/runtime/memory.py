@@ -8,8 +8,11 @@ every machine); every size that depends on the machine's free memory is decided 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import numpy as np
 
 from ..cancel import check_cancel
 from ..compute.backend import free_pool
@@ -19,6 +22,8 @@ from ..compute.memory_model import (
     SLAB_BYTES,
     UNION_BYTES_PER_FINE_PIXEL,
     estep_bytes_per_particle,
+    fine_bytes_per_particle,
+    fine_bytes_per_sample,
 )
 from ..errors import is_out_of_memory
 from ..events import Message
@@ -276,6 +281,139 @@ def grid_voxels(box: int, pad: int, ndim: int) -> int:
     return P ** (ndim - 1) * (P // 2 + 1)
 
 
+def translation_count(offset_range: float, offset_step: float) -> int:
+    """How many coarse translations compute.sampling.translation_grid makes (2D: the points i x step with
+    x^2 + y^2 < range^2 + 0.001), counted without making them (a tiny step would make billions): exactly up to
+    2 million points per axis, beyond that the disc's area."""
+    if not offset_step > 0 or not offset_range >= 0:
+        return 1
+    m = math.ceil(offset_range / offset_step)
+    if m > 1 << 20:
+        return int(math.pi * (offset_range / offset_step) ** 2)
+    ax = np.arange(-m, m + 1, dtype=np.float64) * offset_step
+    sq = np.sort(ax * ax)
+    return int(np.searchsorted(sq, offset_range**2 + 0.001 - ax * ax, side="left").sum())
+
+
+#: Up to this HEALPix order the directions of an asymmetric unit are counted exactly (compute.sampling; at most
+#: 12,288 pixels, milliseconds); beyond it as the sphere's pixels over the point group's order.
+EXACT_DIRECTIONS_ORDER = 5
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The coarse search of one particle in the E-step as a job's options give it (its first iteration's
+    sampling: compute.sampling.Sampling in 3D, InPlaneSampling in 2D), counted without making it, for the memory
+    plan of the whole run before any work."""
+
+    ndim: int  # of the references: 3 = HEALPix directions x psi, 2 = psi only
+    n_classes: int
+    offset_range: float  # pixels
+    offset_step: float  # pixels
+    order: int = 0  # 3D: the HEALPix order
+    sym: str = "C1"  # 3D: the point group (the directions are its asymmetric unit)
+    sym_order: int = 1
+    psi_step: float = 0.0  # 2D: the coarse in-plane step (degrees)
+    local_sigma: float = 0.0  # > 0: local searches with this angular sigma (degrees)
+    own_orientation: bool = False  # --skip_align: each particle at its own orientation and offset
+    # the first iteration's image size, with the pixel size and particle diameter (Å) that set its coarse size
+    # (0: not given, the coarse slices of a global search not counted)
+    first_size: int = 0
+    pixel_size: float = 1.0
+    diameter_A: float = 0.0
+
+    @property
+    def angular_step(self) -> float:
+        return 360.0 / (6 * 2**self.order) if self.ndim == 3 else self.psi_step
+
+    @property
+    def directions(self) -> int:
+        if self.ndim != 3:
+            return 1
+        if self.order <= EXACT_DIRECTIONS_ORDER:
+            from ..compute.sampling import asymmetric_unit_pixels  # noqa: PLC0415
+
+            return int(asymmetric_unit_pixels(self.order, self.sym).size)
+        return max(1, 12 * 4**self.order // max(1, self.sym_order))
+
+    @property
+    def psi(self) -> int:
+        return math.ceil(360.0 / self.angular_step - 1e-9) if self.angular_step > 0 else 1
+
+    @property
+    def orientations(self) -> int:
+        """Coarse orientations a particle is compared at (per class)."""
+        if self.own_orientation:
+            return 1
+        if self.local_sigma > 0 and self.ndim == 3:
+            from ..compute.sampling import local_search_rows  # noqa: PLC0415
+
+            return min(self.directions * self.psi, local_search_rows(self.angular_step, self.local_sigma))
+        return self.directions * self.psi
+
+    @property
+    def rows(self) -> int:
+        return self.n_classes * self.orientations
+
+    @property
+    def translations(self) -> int:
+        return 1 if self.own_orientation else translation_count(self.offset_range, self.offset_step)
+
+    @property
+    def n_children(self) -> int:
+        """Fine orientations per coarse one (oversampling 1: 4 directions x 2 psi in 3D, 2 psi in 2D)."""
+        return 1 if self.own_orientation else 8 if self.ndim == 3 else 2
+
+    @property
+    def fine_translations(self) -> int:
+        return 1 if self.own_orientation else 4 * self.translations
+
+    def coarse_pixels(self, box: int) -> int:
+        """Fourier pixels of the first iteration's coarse image (RELION's coarse size: compute.maximization
+        coarse_image_size, at most the first image size; the smallest a run uses), 0 when not given."""
+        if self.first_size <= 0 or self.diameter_A <= 0:
+            return 0
+        from ..compute.expectation import pixel_set  # noqa: PLC0415
+        from ..compute.maximization import coarse_image_size  # noqa: PLC0415
+
+        size = coarse_image_size(box, self.pixel_size, self.angular_step, self.diameter_A, self.first_size,
+                                 kappa=1.2 if self.ndim == 3 else 1.5)
+        return int(pixel_set(box, size).npix)
+
+    def slices_bytes(self, box: int) -> int:
+        """What a global search holds through an E-step: the coarse slices of every (class, orientation) row at
+        the first iteration's coarse size (compute.estep.EStepSetup.coarse_slices: [Re, Im] float32 padded to the
+        GEMM width, and |P|^2 float32); 0 for local searches and --skip_align (their slices come per batch)."""
+        if self.own_orientation or (self.local_sigma > 0 and self.ndim == 3):
+            return 0
+        from ..compute.expectation import gemm_width  # noqa: PLC0415
+
+        npix = self.coarse_pixels(box)
+        return self.rows * (4 * gemm_width(npix) + 4 * npix) if npix else 0
+
+    def particle_bytes(self, box: int) -> tuple[int, int]:
+        """(coarse, fine): the E-step's bytes for one particle at the full image size ``box``: its coarse scores,
+        priors and weights over every (row, translation) with its image and score terms
+        (memory_model.estep_bytes_per_particle), and its fine pass with a single significant coarse row (its
+        image at every fine translation and that row's fine samples)."""
+        pixels = box * (box // 2 + 1)
+        ft = self.fine_translations
+        return (estep_bytes_per_particle(self.rows, self.translations, box, pixels),
+                fine_bytes_per_particle(ft, pixels) + self.n_children * fine_bytes_per_sample(ft, pixels))
+
+    def describe(self) -> str:
+        if self.own_orientation:
+            what = "its own orientation and offset"
+        elif self.ndim == 3:
+            local = f", local searches of sigma {self.local_sigma:g}°" if self.local_sigma > 0 else ""
+            what = (f"HEALPix order {self.order} ({self.angular_step:.3g}°{local}: {self.orientations:,} "
+                    f"orientations)")
+        else:
+            what = f"psi step {self.angular_step:g}° ({self.orientations:,} orientations)"
+        return (f"{self.n_classes} class(es) x {what} x {self.translations:,} translations (offset range "
+                f"{self.offset_range:g} px, step {self.offset_step:g} px)")
+
+
 @dataclass(frozen=True)
 class JobMemory:
     """The memory plan of a whole EM job (bytes): what it holds, its largest transient, and the budget."""
@@ -291,6 +429,10 @@ class JobMemory:
     prepare: int
     reconstruct: int
     estep_minimum: int
+    search: SearchSpace | None = None  # the first iteration's search, when the job gave it
+    estep_coarse: int = 0  # of estep_minimum: one particle's coarse scores (search given)
+    estep_fine: int = 0  # its fine pass
+    estep_slices: int = 0  # and the coarse slices of a global search
 
     @property
     def held(self) -> int:
@@ -311,6 +453,11 @@ class JobMemory:
     def fits(self) -> bool:
         return self.peak <= self.budget_bytes
 
+    @property
+    def estep_fits(self) -> bool:
+        """Whether one particle's E-step fits beside what is held (the grids may still not)."""
+        return self.held + self.estep_minimum <= self.budget_bytes
+
     def table(self) -> str:
         """The plan as a few aligned lines (GiB)."""
         n = self.n_classes * self.n_halves
@@ -319,7 +466,8 @@ class JobMemory:
                 (f"accumulators ({n} x data + weight)", self.accumulators),
                 ("preparing one reference (transient)", self.prepare),
                 ("M-step of one class (transient)", self.reconstruct),
-                ("E-step at one particle and the smallest fine chunk (transient)", self.estep_minimum),
+                ("E-step at one particle (a global search: with its coarse slices) and its fine chunk (transient)",
+                 self.estep_minimum),
                 ("needed at the peak (held + largest transient)", self.peak),
                 ("budget (free memory or --memory_limit)", self.budget_bytes)]
         width = max(len(r[0]) for r in rows)
@@ -327,16 +475,22 @@ class JobMemory:
 
 
 def job_memory(*, box: int, ndim: int, pad: int, n_classes: int, n_halves: int, budget_bytes: int,
-               rows_per_particle: int = 1, translations: int = 1) -> JobMemory:
+               rows_per_particle: int = 1, translations: int = 1, search: SearchSpace | None = None) -> JobMemory:
     """The plan of a job at the full image size (the last iterations reach it). ``rows_per_particle`` and
-    ``translations`` size the one-particle E-step (classes x orientations of the coarsest search)."""
+    ``translations`` size the one-particle E-step (classes x orientations of the coarsest search); ``search``,
+    when given, sizes it instead, with the fine pass of that one particle (its chunk is at least the smallest
+    fine chunk, CHUNK_BYTES, and more where one particle's fine pass needs more)."""
     v = grid_voxels(box, pad, ndim)
     n = n_classes * n_halves
     pixels = box * (box // 2 + 1)  # the Fourier half-plane of one image at the full size
+    if search is not None:
+        (coarse, fine), slices = search.particle_bytes(box), search.slices_bytes(box)
+    else:
+        coarse, fine, slices = estep_bytes_per_particle(rows_per_particle, translations, box, pixels), 0, 0
     return JobMemory(box, ndim, pad, n_classes, n_halves, int(budget_bytes), n * v * REFERENCE_BYTES_PER_VOXEL,
                      n * v * ACCUMULATOR_BYTES_PER_VOXEL, prepare_bytes(box, pad, ndim),
-                     mstep_bytes(box, pad, ndim, n_halves=n_halves),
-                     estep_bytes_per_particle(rows_per_particle, translations, box, pixels) + CHUNK_BYTES)
+                     mstep_bytes(box, pad, ndim, n_halves=n_halves), slices + coarse + max(CHUNK_BYTES, fine),
+                     search, coarse, fine, slices)
 
 
 def choose_padding(requested_pad: int, **kw) -> tuple[JobMemory, str | None]:
@@ -353,9 +507,48 @@ def choose_padding(requested_pad: int, **kw) -> tuple[JobMemory, str | None]:
     return plan, None
 
 
+def _replan(plan: JobMemory, search: SearchSpace) -> JobMemory:
+    return job_memory(box=plan.box, ndim=plan.ndim, pad=plan.pad, n_classes=plan.n_classes, n_halves=plan.n_halves,
+                      budget_bytes=plan.budget_bytes, search=search)
+
+
+def _search_ideas(plan: JobMemory) -> list[str]:
+    """What would make one particle's E-step fit: the finest HEALPix order (3D global searches) or in-plane step
+    (2D) that does, else the finest translation step, else the two together."""
+    s = plan.search
+    angular: list[tuple[str, SearchSpace]] = []
+    if not s.own_orientation and s.ndim == 3 and s.local_sigma <= 0:
+        angular = [(f"--healpix_order {k}", replace(s, order=k)) for k in range(s.order - 1, -1, -1)]
+    elif not s.own_orientation and s.ndim == 2:
+        angular = [(f"--psi_step {s.psi_step * 2**k:g}", replace(s, psi_step=s.psi_step * 2**k)) for k in range(1, 12)
+                   if s.psi_step * 2**k <= 180]
+    steps = [s.offset_step * 2**k for k in range(1, 40) if s.offset_step * 2**k <= max(2 * s.offset_range, 1)]
+    shifts = [] if s.translations <= 1 else [(f"--offset_step {step:g}", replace(s, offset_step=step))
+                                              for step in steps]
+    both = [(f"{a} with {b}", replace(sa, offset_step=sb.offset_step)) for a, sa in angular for b, sb in shifts]
+    for candidates in (angular, shifts, both):
+        for option, smaller in candidates:
+            need = _replan(plan, smaller)
+            if need.fits:
+                return [f"{option} needs {need.peak / GIB:.1f} GiB"]
+    return []
+
+
 def refusal(plan: JobMemory, job: str) -> str:
-    """One line: why ``plan`` cannot run and what would make it fit (numbers in GiB)."""
-    kw = dict(box=plan.box, ndim=plan.ndim, n_halves=plan.n_halves, budget_bytes=plan.budget_bytes)
+    """One line: why ``plan`` cannot run and what would make it fit (numbers in GiB). When the grids fit but one
+    particle's E-step does not (the search of plan.search), what that particle needs and which search would fit."""
+    if plan.search is not None and not plan.estep_fits and plan.held + max(plan.prepare, plan.reconstruct) \
+            <= plan.budget_bytes:
+        ideas = _search_ideas(plan) or ["a machine with more memory"]
+        slices = (f", {plan.estep_slices / GIB:.2f} GiB for the coarse slices of every orientation (at the "
+                  f"first iteration's coarse size)" if plan.estep_slices else "")
+        return (f"{job} cannot fit even one particle per E-step batch: {plan.search.describe()} need "
+                f"{plan.estep_coarse / GIB:.1f} GiB per particle for the coarse scores, "
+                f"{max(plan.estep_fine, CHUNK_BYTES) / GIB:.2f} GiB for its fine pass{slices} and "
+                f"{plan.held / GIB:.2f} GiB of references and accumulators: {plan.peak / GIB:.1f} GiB, but "
+                f"{plan.budget_bytes / GIB:.1f} GiB are available; " + "; ".join(ideas))
+    kw = dict(box=plan.box, ndim=plan.ndim, n_halves=plan.n_halves, budget_bytes=plan.budget_bytes,
+              search=plan.search)
     ideas = []
     if plan.pad > 1:
         one = job_memory(pad=1, n_classes=plan.n_classes, **kw)
