@@ -308,3 +308,19 @@ def test_read_micrograph_and_the_driver(data):
     good = micrograph_list(data / "micrographs.star").entries[1]
     img, failure = read_or_skip(good, False)
     assert failure is None and img.shape == (128, 128) and np.isfinite(img).all()
+
+
+def test_a_gzip_compressed_particles_star_is_taken_where_a_star_file_is(tmp_path):
+    """require_file takes name.star.gz where it takes .star (io/star.py reads it), and still names a wrong ending."""
+    import gzip
+
+    from napari_gpu_relion.errors import InputError
+    from napari_gpu_relion.jobs.common import require_file
+
+    gz = tmp_path / "particles.star.gz"
+    gz.write_bytes(gzip.compress(b"data_\nloop_\n_rlnImageName #1\n1@a.mrcs\n"))
+    require_file(gz, "--i particles STAR", (".star",))
+    other = tmp_path / "particles.txt.gz"
+    other.write_bytes(gz.read_bytes())
+    with pytest.raises(InputError, match=r"should end in \.star, got '\.gz'"):
+        require_file(other, "--i particles STAR", (".star",))

@@ -70,7 +70,10 @@ def require_file(path: Path | None, what: str, suffixes: tuple[str, ...] | None 
     p = Path(path)
     if not p.is_file():
         raise InputError(f"{what} does not exist or is not a file", path=str(p))
-    if suffixes and p.suffix.lower() not in suffixes:
+    suffix = p.suffix.lower()
+    if suffix == ".gz" and ".star" in (suffixes or ()) and p.name.lower().endswith(".star.gz"):
+        suffix = ".star"  # STAR files are read gzip-compressed too (io/star.py)
+    if suffixes and suffix not in suffixes:
         raise InputError(f"{what} should end in {' or '.join(suffixes)}, got '{p.suffix}'", path=str(p))
 
 
