@@ -306,3 +306,19 @@ def test_a_rootname_ending_in_a_slash_names_a_folder_of_any_name():
         args = parser.parse_args(["class2d", "--i", "p.star", "--o", value])
         assert str(args.o) == want, value
     assert dict(class2d.Params.__dataclass_fields__["o"].metadata).get("mode") == "root"
+
+
+@pytest.mark.parametrize("job", ["extract", "autopick"])
+def test_a_second_picking_or_extraction_on_one_folder_is_refused(data, tmp_path, capsys, job):
+    """extract and autopick hold their output folder's lock too (<o>/particles.lock, <odir>/autopick.lock)."""
+    out = tmp_path / "Job"
+    root = out / ("particles" if job == "extract" else "autopick")
+    args = (["extract", "--i", data / "micrographs.star", "--coord_list", _coord_list(data, tmp_path), "--o", out,
+             "--extract_size", "32", "--cpu"] if job == "extract" else
+            ["autopick", "--i", data / "micrographs.star", "--odir", out, "--LoG", "--LoG_diam_min", "100",
+             "--LoG_diam_max", "160", "--cpu"])
+    with RunLock.take(root, job):
+        _fails(capsys, args, f"{root} is in use by {socket.gethostname()}:{os.getpid()}", job)
+        assert sorted(q.name for q in out.iterdir()) == [root.name + ".lock"]
+    _ok(capsys, args)
+    assert not lock_path(root).exists()

@@ -40,7 +40,7 @@ from ..io.star import write_coordinates
 from ..runtime.device import backend_for
 from ..runtime.distributed import root_events, world
 from ..runtime.memory import free_cached_memory, keep_template_cache, template_pick_batch
-from .common import check_output_folder, check_pixel_size, param, prepare_output, write_note
+from .common import check_output_folder, check_pixel_size, holding_lock, param, prepare_output, write_note
 from .micrograph_driver import Round, failure_report, over_micrographs, read_or_skip
 
 JOB_NAME = "autopick"
@@ -403,7 +403,7 @@ class _Picking:
 def run(p: Params) -> Iterator:
     """Under MPI every rank picks its block of the micrographs; after each round rank 0 gathers the picks, writes
     every file and yields the events."""
-    yield from root_events(world(), _run(p))
+    yield from root_events(world(), holding_lock(_run(p), Path(p.odir) / "autopick", JOB_NAME, "--odir"))
 
 
 def _run(p: Params) -> Iterator:

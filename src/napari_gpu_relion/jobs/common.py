@@ -7,6 +7,7 @@ import re
 import shlex
 import shutil
 import sys
+from collections.abc import Iterator
 from dataclasses import MISSING, field, fields
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 from ..errors import InputError, os_error_line
 from ..events import Message
 from ..io.atomic import remove_stale_temporaries
+from ..io.run_lock import RunLock
+from ..runtime.distributed import world
 
 #: Bytes of an MRC header, and a margin for the small files of a job (note.txt, STAR headers).
 _MRC_HEADER = 1024
@@ -297,3 +300,15 @@ def prepare_output(folder: str | os.PathLike, needed_bytes: int, what: str, flag
         return []
     names = ", ".join(q.name for q in removed[:3]) + (f" and {len(removed) - 3} more" if len(removed) > 3 else "")
     return [Message(f"removed {len(removed)} temporary file(s) left by an interrupted job in {target}: {names}")]
+
+
+def holding_lock(events: Iterator, root: Path, job: str, flag: str) -> Iterator:
+    """``events`` (a job's generator, not yet started) run while this process holds the lock of ``root``
+    (io/run_lock.py; rank 0 only under MPI): a second job on the same output is refused, naming the holder,
+    before it writes anything; the lock is given back at the end, after an error and after a cancel."""
+    lock = RunLock.take(root, job, flag) if world().is_root else None
+    try:
+        yield from events
+    finally:
+        if lock is not None:
+            lock.release()

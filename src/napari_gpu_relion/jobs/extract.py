@@ -40,6 +40,7 @@ from .common import (
     check_output_folder,
     check_outputs_not_inputs,
     check_pixel_size,
+    holding_lock,
     mrc_bytes,
     param,
     prepare_output,
@@ -254,7 +255,7 @@ def _particle_rows(df: pd.DataFrame, e, stack_path: Path, ml) -> pd.DataFrame:
 def run(p: Params) -> Iterator:
     """Under MPI every rank extracts its block of the micrographs and writes their particle stacks (as
     relion_preprocess_mpi); rank 0 gathers the particle rows, writes particles.star and yields the events."""
-    yield from root_events(world(), _run(p))
+    yield from root_events(world(), holding_lock(_run(p), Path(p.o) / "particles", JOB_NAME, "--o"))
 
 
 def _run(p: Params) -> Iterator:
