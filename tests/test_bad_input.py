@@ -20,6 +20,8 @@ from pathlib import Path
 import mrcfile
 import numpy as np
 import pytest
+from cli_cases import fails as _fails
+from cli_cases import run_cli as _run
 
 from napari_gpu_relion import cli
 from napari_gpu_relion.compute.backend import gpu_available
@@ -58,29 +60,6 @@ def class2d_run(sample, tmp_path_factory) -> Path:
     assert cli.main(["class2d", "--i", str(sample / "particles.star"), "--o", str(out / "run"), "--K", "2",
                      "--iter", "1", "--cpu"]) == 0
     return out
-
-
-def _run(capsys, argv: list[str]) -> tuple[int, str, str]:
-    capsys.readouterr()  # what the test itself printed (e.g. mrcfile's warning on writing a NaN map) is not ours
-    try:
-        code = cli.main([str(a) for a in argv])
-    except SystemExit as exc:  # argparse
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def _fails(capsys, argv: list, *names: str) -> str:
-    """Run ``argv``; it must fail with exit code 2 and one stderr line, without a traceback, naming ``names``."""
-    code, out, err = _run(capsys, argv)
-    assert code == 2, (code, out, err)
-    assert "Traceback" not in err + out, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert "error:" in lines[0], err
-    for name in names:
-        assert str(name) in lines[0], (name, lines[0])
-    return lines[0]
 
 
 def _tree(folder: Path) -> dict[str, bytes]:

@@ -21,8 +21,8 @@ from pathlib import Path
 import mrcfile
 import numpy as np
 import pytest
+from cli_cases import fails, run_cli
 
-from napari_gpu_relion import cli
 from napari_gpu_relion.errors import InputError
 from napari_gpu_relion.io.micrographs import (
     UnusableMicrograph,
@@ -53,28 +53,6 @@ def data(sample, tmp_path) -> Path:
     return Path(shutil.copytree(sample, tmp_path / "d"))
 
 
-def _run(capsys, argv: list) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        code = cli.main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def _fails(capsys, argv: list, *names: str) -> str:
-    """``argv`` fails with exit code 2 and one stderr line naming ``names``, without a traceback."""
-    code, out, err = _run(capsys, argv)
-    assert code == 2, (code, out, err)
-    assert "Traceback" not in err + out, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    for name in names:
-        assert str(name) in lines[0], (name, lines[0])
-    return lines[0]
-
-
 def _line_of(path: Path, start: str, nth: int = 0) -> int:
     """1-based line number of the ``nth`` line of ``path`` starting with ``start``."""
     hits = [i for i, ln in enumerate(path.read_text(encoding="latin-1").splitlines(), 1) if ln.startswith(start)]
@@ -101,7 +79,7 @@ def test_two_particle_blocks_are_refused_naming_the_block_and_its_lines(data, tm
     assert f"lines {first}-" in msg and f"again lines {second}-" in msg and "(8 rows)" in msg
     # on the command line: one line, nothing written
     out = tmp_path / "rec.mrc"
-    _fails(capsys, ["reconstruct", "--i", star, "--o", out, "--cpu"], star, "data_particles is given twice",
+    fails(capsys, ["reconstruct", "--i", star, "--o", out, "--cpu"], star, "data_particles is given twice",
            f"line {second}")
     assert not out.exists()
 
@@ -111,7 +89,7 @@ def test_two_micrograph_blocks_stop_autopick_before_work(data, tmp_path, capsys)
     text = star.read_text()
     star.write_text(text + "\n" + text[text.index("data_micrographs"):])
     odir = tmp_path / "AutoPick"
-    _fails(capsys, ["autopick", "--i", star, "--odir", odir, *LOG], star, "data_micrographs is given twice",
+    fails(capsys, ["autopick", "--i", star, "--odir", odir, *LOG], star, "data_micrographs is given twice",
            f"line {_line_of(star, 'data_micrographs', 1)}")
     assert not odir.exists()
 
@@ -182,7 +160,7 @@ def test_gzip_micrographs_star_in_autopick(data, tmp_path, capsys):
     gz.write_bytes(gzip.compress(star.read_bytes()))
     assert [e.name for e in micrograph_list(gz).entries] == [MIC1, MIC2]
     odir = tmp_path / "AutoPick"
-    code, out, err = _run(capsys, ["autopick", "--i", gz, "--odir", odir, *LOG])
+    code, out, err = run_cli(capsys, ["autopick", "--i", gz, "--odir", odir, *LOG])
     assert code == 0, err
     assert (odir / "micrographs" / "mic002_autopick.star").is_file()
 
@@ -194,7 +172,7 @@ def test_damaged_gzip_star_is_refused_clearly(data, capsys, tmp_path):
     gz.write_bytes(packed[: len(packed) // 2])
     with pytest.raises(InputError, match="gzip-compressed but cannot be decompressed"):
         read_particles(gz)
-    _fails(capsys, ["reconstruct", "--i", gz, "--o", tmp_path / "rec.mrc", "--cpu"], gz, "gzip-compressed",
+    fails(capsys, ["reconstruct", "--i", gz, "--o", tmp_path / "rec.mrc", "--cpu"], gz, "gzip-compressed",
            "cut short")
     assert not (tmp_path / "rec.mrc").exists()
 
@@ -245,7 +223,7 @@ def _extract_argv(data: Path, tmp_path: Path) -> tuple[list, Path]:
 def test_nan_micrograph_in_extract_is_skipped_and_no_nan_written(skip_flag, data, tmp_path, capsys):
     _set_micrograph(data / MIC1, np.nan, 100)
     argv, out = _extract_argv(data, tmp_path)
-    code, stdout, err = _run(capsys, argv + (["--skip_bad_micrographs"] if skip_flag else []))
+    code, stdout, err = run_cli(capsys, argv + (["--skip_bad_micrographs"] if skip_flag else []))
     assert code == 0, err
     assert f"skipping micrograph {MIC1}: 100 of {N_PIXELS} pixels are NaN" in stdout
     assert "1 failed" in stdout
@@ -259,7 +237,7 @@ def test_nan_micrograph_in_extract_is_skipped_and_no_nan_written(skip_flag, data
 def test_infinite_pixels_in_extract(data, tmp_path, capsys):
     _set_micrograph(data / MIC2, np.inf, 7)
     argv, out = _extract_argv(data, tmp_path)
-    code, stdout, err = _run(capsys, argv)
+    code, stdout, err = run_cli(capsys, argv)
     assert code == 0, err
     assert f"skipping micrograph {MIC2}: 7 of {N_PIXELS} pixels are infinite" in stdout
     for stack in (out / "Particles").rglob("*.mrcs"):
@@ -271,7 +249,7 @@ def test_every_micrograph_nan_in_extract_fails_naming_them(data, tmp_path, capsy
     _set_micrograph(data / MIC1, np.nan, 1)
     _set_micrograph(data / MIC2, np.nan, 2)
     argv, out = _extract_argv(data, tmp_path)
-    _fails(capsys, argv, "no particles were extracted", f"{MIC1}: 1 of {N_PIXELS} pixels are NaN",
+    fails(capsys, argv, "no particles were extracted", f"{MIC1}: 1 of {N_PIXELS} pixels are NaN",
            f"{MIC2}: 2 of {N_PIXELS} pixels are NaN")
     assert not (out / "particles.star").exists()
 
@@ -279,7 +257,7 @@ def test_every_micrograph_nan_in_extract_fails_naming_them(data, tmp_path, capsy
 def test_nan_micrograph_in_autopick_is_skipped_with_a_warning(data, tmp_path, capsys):
     _set_micrograph(data / MIC1, np.nan, 5)
     odir = tmp_path / "AutoPick"
-    code, out, err = _run(capsys, ["autopick", "--i", data / "micrographs.star", "--odir", odir, *LOG])
+    code, out, err = run_cli(capsys, ["autopick", "--i", data / "micrographs.star", "--odir", odir, *LOG])
     assert code == 0, err
     assert f"skipping micrograph {MIC1}: 5 of {N_PIXELS} pixels are NaN" in out
     assert "from 1 of 2 micrographs" in out and f"1 failed: {MIC1}" in out
@@ -291,7 +269,7 @@ def test_nan_micrograph_in_autopick_is_skipped_with_a_warning(data, tmp_path, ca
 def test_blank_micrograph_in_autopick(data, tmp_path, capsys):
     _set_micrograph(data / MIC2, 0.0)
     odir = tmp_path / "AutoPick"
-    code, out, err = _run(capsys, ["autopick", "--i", data / "micrographs.star", "--odir", odir, *LOG])
+    code, out, err = run_cli(capsys, ["autopick", "--i", data / "micrographs.star", "--odir", odir, *LOG])
     assert code == 0, err
     assert f"skipping micrograph {MIC2}: every pixel is 0 (blank)" in out
     assert list(read_star(odir / "autopick.star")["coordinate_files"]["rlnMicrographName"]) == [MIC1]

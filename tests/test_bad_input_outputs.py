@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_cases import fails, run_cli
 
 from napari_gpu_relion import cli
 from napari_gpu_relion.cancel import cancel_scope
@@ -55,33 +56,10 @@ def _extract(d: Path, out: Path, *more) -> list:
     return ["extract", "--i", d / "micrographs.star", "--o", out, "--extract_size", "32", "--cpu", *more]
 
 
-def _run(capsys, argv: list) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        code = cli.main([str(a) for a in argv])
-    except SystemExit as exc:  # argparse
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def _ok(capsys, argv: list) -> str:
-    code, out, err = _run(capsys, argv)
+    code, out, err = run_cli(capsys, argv)
     assert code == 0, (code, out, err)
     return out
-
-
-def _fails(capsys, argv: list, *names) -> str:
-    """Run ``argv``: exit code 2, one stderr line without a traceback, naming each of ``names``."""
-    code, out, err = _run(capsys, argv)
-    assert code == 2, (code, out, err)
-    assert "Traceback" not in err + out, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert "error:" in lines[0], err
-    for name in names:
-        assert str(name) in lines[0], (name, lines[0])
-    return lines[0]
 
 
 def _tree(folder: Path) -> dict[str, bytes]:
@@ -104,7 +82,7 @@ def test_extract_refuses_to_write_over_its_reextract_star(data, tmp_path, capsys
     out = tmp_path / "Extract"
     _ok(capsys, _extract(data, out, "--coord_list", _coord_list(data, tmp_path)))
     before = _tree(out)
-    line = _fails(capsys, _extract(data, out, "--reextract_data_star", out / "particles.star"),
+    line = fails(capsys, _extract(data, out, "--reextract_data_star", out / "particles.star"),
                   "--reextract_data_star", out / "particles.star", "over the input")
     assert line.count(str(out / "particles.star")) == 2  # the output and the input, both named
     assert _tree(out) == before
@@ -115,7 +93,7 @@ def test_extract_refuses_a_coordinate_list_that_is_its_output(data, tmp_path, ca
     out.mkdir()
     coords = _coord_list(data, out, "particles.star")
     before = coords.read_bytes()
-    _fails(capsys, _extract(data, out, "--coord_list", coords), "--coord_list", coords, "over the input")
+    fails(capsys, _extract(data, out, "--coord_list", coords), "--coord_list", coords, "over the input")
     assert coords.read_bytes() == before
     assert sorted(q.name for q in out.iterdir()) == ["particles.star"]
 
@@ -127,7 +105,7 @@ def test_extract_refuses_a_micrographs_star_that_is_its_output(data, tmp_path, c
     before = mics.read_bytes()
     argv = ["extract", "--i", mics, "--coord_list", _coord_list(data, tmp_path), "--o", mics.parent,
             "--extract_size", "32", "--cpu"]
-    _fails(capsys, argv, "--i", mics, "over the input")
+    fails(capsys, argv, "--i", mics, "over the input")
     assert mics.read_bytes() == before
     assert sorted(q.name for q in mics.parent.iterdir()) == ["particles.star"]
 
@@ -139,7 +117,7 @@ def test_extract_compares_resolved_paths(data, tmp_path, capsys):
     before = _tree(out)
     link = tmp_path / "link"
     link.symlink_to(out, target_is_directory=True)
-    _fails(capsys, _extract(data, link / ".." / "link", "--reextract_data_star", out / "particles.star"),
+    fails(capsys, _extract(data, link / ".." / "link", "--reextract_data_star", out / "particles.star"),
            "--reextract_data_star", out / "particles.star")
     assert _tree(out) == before
 
@@ -147,7 +125,7 @@ def test_extract_compares_resolved_paths(data, tmp_path, capsys):
 def test_extract_refuses_another_jobs_particles_star(data, tmp_path, capsys):
     """--o the simulate job's folder: its particles.star (not an input) is another job's file."""
     before = _tree(data)
-    _fails(capsys, _extract(data, data, "--coord_list", _coord_list(data, tmp_path)),
+    fails(capsys, _extract(data, data, "--coord_list", _coord_list(data, tmp_path)),
            data, "particles.star", "written by a simulate job", "choose another --o")
     assert _tree(data) == before
 
@@ -158,7 +136,7 @@ def test_extract_refuses_a_users_own_particles_star(data, tmp_path, capsys):
     mine.mkdir()
     shutil.copy(data / "particles.star", mine / "particles.star")
     before = _tree(mine)
-    _fails(capsys, _extract(data, mine, "--coord_list", _coord_list(data, tmp_path)),
+    fails(capsys, _extract(data, mine, "--coord_list", _coord_list(data, tmp_path)),
            mine, "particles.star", "no note.txt")
     assert _tree(mine) == before
 
@@ -174,7 +152,7 @@ def test_extract_runs_again_in_its_own_folder(data, tmp_path, capsys):
 def test_rootname_that_is_an_existing_file(data, capsys):
     """class2d --o in/reference.mrc ran, writing reference.mrc_it001_* and into the folder's note.txt."""
     before = _tree(data)
-    line = _fails(capsys, ["class2d", "--i", data / "particles.star", "--o", data / "reference.mrc", *C2],
+    line = fails(capsys, ["class2d", "--i", data / "particles.star", "--o", data / "reference.mrc", *C2],
                   data / "reference.mrc", "is an existing file")
     assert "rootname" in line
     assert _tree(data) == before
@@ -184,7 +162,7 @@ def test_rootname_of_another_job_kind_is_refused_and_continue_still_works(data, 
     run = tmp_path / "Class2D" / "job005" / "run"
     _ok(capsys, ["class2d", "--i", data / "particles.star", "--o", run, *C2])
     before = _tree(run.parent)
-    _fails(capsys, ["class3d", "--i", data / "particles.star", "--ref", data / "reference.mrc", "--o", run,
+    fails(capsys, ["class3d", "--i", data / "particles.star", "--ref", data / "reference.mrc", "--o", run,
                     "--K", "2", "--iter", "1", "--cpu"],
            run.parent, "run_it001_", "written by a class2d job", "a class3d job does not write over")
     assert _tree(run.parent) == before
@@ -199,7 +177,7 @@ def test_new_run_refuses_an_input_of_its_own_rootname(data, tmp_path, capsys):
     run = tmp_path / "Class2D" / "job006" / "run"
     _ok(capsys, ["class2d", "--i", data / "particles.star", "--o", run, "--K", "2", "--iter", "2", "--cpu"])
     before = _tree(run.parent)
-    _fails(capsys, ["class2d", "--i", run.parent / "run_it002_data.star", "--o", run, "--K", "2", "--iter", "3",
+    fails(capsys, ["class2d", "--i", run.parent / "run_it002_data.star", "--o", run, "--K", "2", "--iter", "3",
                     "--cpu"], "--i", run.parent / "run_it002_data.star", "a file of this rootname")
     assert _tree(run.parent) == before
 
@@ -215,7 +193,7 @@ def test_space_in_output_is_refused_at_the_start(job, data, tmp_path, capsys):
     spaced = tmp_path / "my runs"
     argv = {"class2d": ["class2d", "--i", data / "particles.star", "--o", spaced / "run", *C2],
             "extract": _extract(data, spaced, "--coord_list", _coord_list(data, tmp_path))}[job]
-    line = _fails(capsys, argv, "my runs", "contains a space", "STAR")
+    line = fails(capsys, argv, "my runs", "contains a space", "STAR")
     assert "without spaces" in line
     assert not spaced.exists()
 
@@ -242,7 +220,7 @@ def test_second_job_on_a_locked_rootname_is_refused(data, tmp_path, capsys):
     run = tmp_path / "InitialModel" / "job003" / "run"
     with RunLock.take(run, "initial_model") as held:
         assert lock_path(run).is_file()
-        line = _fails(capsys, ["class2d", "--i", data / "particles.star", "--o", run, *C2],
+        line = fails(capsys, ["class2d", "--i", data / "particles.star", "--o", run, *C2],
                       f"--o {run} is in use by {socket.gethostname()}:{os.getpid()} (started ", "initial_model")
         assert "wait for it to end" in line
         assert sorted(q.name for q in run.parent.iterdir()) == ["run.lock"]
@@ -264,7 +242,7 @@ def test_a_lock_of_another_host_is_not_taken_over(data, tmp_path, capsys):
     run = tmp_path / "Class2D" / "job008" / "run"
     run.parent.mkdir(parents=True)
     lock_path(run).write_text("host=some-other-node\npid=4242\nstarted=1700000000\njob=refine3d\n")
-    _fails(capsys, ["class2d", "--i", data / "particles.star", "--o", run, *C2],
+    fails(capsys, ["class2d", "--i", data / "particles.star", "--o", run, *C2],
            f"--o {run} is in use by some-other-node:4242 (started ", f"remove {lock_path(run)}")
     assert sorted(q.name for q in run.parent.iterdir()) == ["run.lock"]
 
@@ -275,7 +253,7 @@ def test_lock_given_back_after_an_error(data, tmp_path, capsys, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 5000, 5000))
     run = tmp_path / "Class2D" / "job009" / "run"
-    _fails(capsys, ["class2d", "--i", data / "particles.star", "--o", run, *C2], "not enough free disk space")
+    fails(capsys, ["class2d", "--i", data / "particles.star", "--o", run, *C2], "not enough free disk space")
     assert not run.parent.exists()
     monkeypatch.undo()
     RunLock.take(run).release()  # free
@@ -298,7 +276,6 @@ def test_lock_given_back_after_a_cancel(data, tmp_path):
 
 def test_a_rootname_ending_in_a_slash_names_a_folder_of_any_name():
     """--o out/ (any folder name, existing or not): the rootname is out/run, as the trailing slash says."""
-    from napari_gpu_relion import cli
     from napari_gpu_relion.jobs import class2d
 
     parser = cli.build_parser()
@@ -318,7 +295,7 @@ def test_a_second_picking_or_extraction_on_one_folder_is_refused(data, tmp_path,
             ["autopick", "--i", data / "micrographs.star", "--odir", out, "--LoG", "--LoG_diam_min", "100",
              "--LoG_diam_max", "160", "--cpu"])
     with RunLock.take(root, job):
-        _fails(capsys, args, f"{root} is in use by {socket.gethostname()}:{os.getpid()}", job)
+        fails(capsys, args, f"{root} is in use by {socket.gethostname()}:{os.getpid()}", job)
         assert sorted(q.name for q in out.iterdir()) == [root.name + ".lock"]
     _ok(capsys, args)
     assert not lock_path(root).exists()

@@ -17,8 +17,8 @@ from pathlib import Path
 import mrcfile
 import numpy as np
 import pytest
+from cli_cases import fails, run_cli
 
-from napari_gpu_relion import cli
 from napari_gpu_relion.compute import expectation
 from napari_gpu_relion.compute.sampling import InPlaneSampling, Sampling, translation_grid
 from napari_gpu_relion.io.particle_images import check_normalisation, norm_check_rows
@@ -39,28 +39,6 @@ def sample(tmp_path_factory) -> Path:
 @pytest.fixture
 def data(sample, tmp_path) -> Path:
     return Path(shutil.copytree(sample, tmp_path / "d"))
-
-
-def _run(capsys, argv: list) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        code = cli.main([str(a) for a in argv])
-    except SystemExit as exc:  # argparse
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def _fails(capsys, argv: list, *names: str) -> str:
-    """``argv`` fails with exit code 2 and one stderr line, no traceback, naming ``names``."""
-    code, out, err = _run(capsys, argv)
-    assert code == 2, (code, out, err)
-    assert "Traceback" not in err + out, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    for name in names:
-        assert str(name) in lines[0], (name, lines[0])
-    return lines[0]
 
 
 def _em(job: str, data: Path, out: Path, *extra) -> list:
@@ -99,7 +77,7 @@ def test_healpix_order_8_is_refused_before_work_with_the_numbers(sample, tmp_pat
     coarse scores alone (and terabytes of coarse slices): refused before iteration 1 (no folder) with the GiB and
     the finest order that would fit."""
     out = tmp_path / "c3"
-    line = _fails(capsys, _em("class3d", sample, out, "--healpix_order", "8"), "class3d cannot fit even one "
+    line = fails(capsys, _em("class3d", sample, out, "--healpix_order", "8"), "class3d cannot fit even one "
                   "particle per E-step batch", "HEALPix order 8", "1,207,959,552 orientations", "21 translations",
                   "567.0 GiB per particle", "GiB are available", "--healpix_order ")
     assert "coarse slices" in line and "needs" in line
@@ -110,7 +88,7 @@ def test_a_search_too_large_for_the_memory_limit_names_what_would_fit(sample, tm
     """2D: 8 classes x 3600 psi x 20,081 translations is 6.5 GiB per particle; with --memory_limit 2 the job is
     refused and told the in-plane step that fits; the plan's arithmetic is the refusal's."""
     out = tmp_path / "c2"
-    line = _fails(capsys, _em("class2d", sample, out, "--K", "8", "--psi_step", "0.1", "--offset_range", "8",
+    line = fails(capsys, _em("class2d", sample, out, "--K", "8", "--psi_step", "0.1", "--offset_range", "8",
                               "--offset_step", "0.1", "--memory_limit", "2"),
                   "class2d cannot fit even one particle", "3,600 orientations", "2.0 GiB are available",
                   "--psi_step ")
@@ -138,7 +116,7 @@ def test_refusal_suggests_an_order_whose_plan_fits():
 
 @pytest.mark.parametrize("order", ["10", "13"])
 def test_healpix_order_beyond_relion_is_refused_with_its_limit(order, sample, tmp_path, capsys):
-    _fails(capsys, _em("class3d", sample, tmp_path / "o", "--healpix_order", order), "--healpix_order",
+    fails(capsys, _em("class3d", sample, tmp_path / "o", "--healpix_order", order), "--healpix_order",
            "0..9", "0.1°", f"got {order}")
     _nothing_written(tmp_path / "o")
 
@@ -146,14 +124,14 @@ def test_healpix_order_beyond_relion_is_refused_with_its_limit(order, sample, tm
 @pytest.mark.parametrize("job", ["class2d", "class3d", "refine3d"])
 def test_offset_range_larger_than_half_the_box_is_refused(job, sample, tmp_path, capsys):
     """Box 16: at most 8 px. 1000 px would be 785,349 translations (all wrapped round the box)."""
-    _fails(capsys, _em(job, sample, tmp_path / "o", "--offset_range", "1000"), "--offset_range 1000",
+    fails(capsys, _em(job, sample, tmp_path / "o", "--offset_range", "1000"), "--offset_range 1000",
            "half the box", "16 px", "at most 8 px", "RELION does not limit it")
     _nothing_written(tmp_path / "o")
 
 
 @pytest.mark.parametrize("step", ["0", "-2", "nan"])
 def test_offset_step_not_positive_is_refused(step, sample, tmp_path, capsys):
-    _fails(capsys, _em("class2d", sample, tmp_path / "o", "--offset_step", step), "--offset_step", "> 0",
+    fails(capsys, _em("class2d", sample, tmp_path / "o", "--offset_step", step), "--offset_step", "> 0",
            f"got {step}")
     _nothing_written(tmp_path / "o")
 
@@ -183,7 +161,7 @@ def _scale_one(d, k=4, factor=1e30):
 def test_reconstruct_refuses_an_image_scaled_1e30_and_names_it(data, tmp_path, capsys):
     _edit_stack(data, _scale_one)
     out = tmp_path / "r" / "map.mrc"
-    _fails(capsys, ["reconstruct", "--i", data / "particles.star", "--o", out, "--cpu"], "image 5 of stack",
+    fails(capsys, ["reconstruct", "--i", data / "particles.star", "--o", out, "--cpu"], "image 5 of stack",
            "000005@particles/particles.mrcs", "beyond +-1e+16", data / "particles.star", "rlnImageName")
     assert not out.exists() and not out.parent.exists()
 
@@ -192,7 +170,7 @@ def test_reconstruct_refuses_an_image_scaled_1e30_and_names_it(data, tmp_path, c
 def test_em_jobs_refuse_an_image_scaled_1e30_and_name_it(job, data, tmp_path, capsys):
     """class2d once ended in a ZeroDivisionError traceback (candidate_floor of a row of no samples)."""
     _edit_stack(data, _scale_one)
-    _fails(capsys, _em(job, data, tmp_path / "o"), "image 5 of stack", "000005@particles/particles.mrcs",
+    fails(capsys, _em(job, data, tmp_path / "o"), "image 5 of stack", "000005@particles/particles.mrcs",
            "beyond +-1e+16")
     _nothing_written(tmp_path / "o")
 
@@ -201,7 +179,7 @@ def test_one_image_scaled_apart_from_the_others_is_refused_as_not_normalised(dat
     """A finite factor (x1000): its background stddev is 1000 x the others' median, outside RELION's 0.5-2 band."""
     _edit_stack(data, lambda d: _scale_one(d, 2, 1000.0))
     out = tmp_path / "r" / "map.mrc"
-    _fails(capsys, ["reconstruct", "--i", data / "particles.star", "--o", out, "--cpu"],
+    fails(capsys, ["reconstruct", "--i", data / "particles.star", "--o", out, "--cpu"],
            "000003@particles/particles.mrcs", "not normalised", "stddev", "x the median", "--dont_check_norm")
     assert not out.parent.exists()
 
@@ -214,7 +192,7 @@ def test_particles_with_background_mean_1000_are_refused_naming_dont_check_norm(
     out = tmp_path / "o"
     argv = (["reconstruct", "--i", data / "particles.star", "--o", out / "map.mrc", "--cpu"] if job == "reconstruct"
             else _em(job, data, out))
-    line = _fails(capsys, argv, "000001@particles/particles.mrcs", "not normalised", "background", "stddev",
+    line = fails(capsys, argv, "000001@particles/particles.mrcs", "not normalised", "background", "stddev",
                   "--dont_check_norm", "8 of 8 images checked", data / "particles.star")
     assert "beyond +-0.5 x the stddev" in line and abs(_mean_in(line) - 1000) < 5
     _nothing_written(out)
@@ -226,7 +204,7 @@ def test_dont_check_norm_runs_with_a_warning(job, data, tmp_path, capsys):
     out = tmp_path / "o"
     argv = (["reconstruct", "--i", data / "particles.star", "--o", out / "map.mrc", "--cpu"] if job == "reconstruct"
             else _em(job, data, out))
-    code, stdout, err = _run(capsys, [*argv, "--dont_check_norm"])
+    code, stdout, err = run_cli(capsys, [*argv, "--dont_check_norm"])
     assert code == 0, err
     text = stdout + err
     assert "WARNING: --dont_check_norm" in text and "not normalised" in text, text

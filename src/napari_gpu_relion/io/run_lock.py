@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InputError
+from .atomic import pid_alive
 
 try:  # not on Windows: the content of the lock file decides there
     import fcntl
@@ -77,7 +78,7 @@ class Holder:
 
     def alive(self) -> bool:
         """Whether the holder's process still runs (only meaningful on this host)."""
-        return _pid_alive(self.pid)
+        return pid_alive(self.pid)
 
 
 def _parse(text: str) -> Holder | None:
@@ -97,18 +98,6 @@ def read_holder(root_or_lock: str | os.PathLike) -> Holder | None:
         return _parse(p.read_text(errors="replace"))
     except OSError:
         return None
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _flock(fd: int) -> bool | None:
