@@ -299,3 +299,10 @@ def test_a_second_picking_or_extraction_on_one_folder_is_refused(data, tmp_path,
         assert sorted(q.name for q in out.iterdir()) == [root.name + ".lock"]
     _ok(capsys, args)
     assert not lock_path(root).exists()
+
+
+def test_autopick_refuses_an_output_folder_with_a_space_before_work(data, tmp_path, capsys):
+    out = tmp_path / "Auto Pick"
+    fails(capsys, ["autopick", "--i", data / "micrographs.star", "--odir", out, "--LoG", "--LoG_diam_min", "100",
+                   "--LoG_diam_max", "160", "--cpu"], "--odir", "contains a space")
+    assert not out.exists()

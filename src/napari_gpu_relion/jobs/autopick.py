@@ -40,7 +40,15 @@ from ..io.star import write_coordinates
 from ..runtime.device import backend_for
 from ..runtime.distributed import root_events, world
 from ..runtime.memory import free_cached_memory, keep_template_cache, template_pick_batch
-from .common import check_output_folder, check_pixel_size, holding_lock, param, prepare_output, write_note
+from .common import (
+    check_no_spaces,
+    check_output_folder,
+    check_pixel_size,
+    holding_lock,
+    param,
+    prepare_output,
+    write_note,
+)
 from .micrograph_driver import Round, failure_report, over_micrographs, read_or_skip
 
 JOB_NAME = "autopick"
@@ -104,6 +112,7 @@ class Params:
         if self.odir is None:
             raise InputError("--odir (output folder) is required")
         check_output_folder(self.odir, "--odir")
+        check_no_spaces(self.odir, "--odir", "autopick.star lists the coordinate files under it")
         check_pixel_size(self.angpix, "--angpix", "the micrographs STAR file")
         check_pixel_size(self.angpix_ref, "--angpix_ref", "the reference header")
         if self.batch < 0:
