@@ -17,7 +17,7 @@ import json
 import re
 from pathlib import Path
 
-from napari_gpu_relion.runtime import cupy_kernels
+from napari_gpu_relion.runtime import cupy_kernels, kernel_entries
 
 
 def main() -> None:
@@ -32,8 +32,7 @@ def main() -> None:
             site = next((m.group(1) for o in e["options"] if (m := re.match(r"-I(.*)/cupy/_core/include", o))), None)
             options = [o.replace(site, cupy_kernels.SITE) if site else o for o in e["options"]]
             entry = {"source": e["source"], "options": options, "kw": e["kw"]}
-            key = json.dumps([entry["source"], entry["options"], sorted(entry["kw"].items())])
-            modules.setdefault(key, {**entry, "jobs": []})["jobs"].append(job)
+            modules.setdefault(kernel_entries.key(entry), {**entry, "jobs": []})["jobs"].append(job)
     data = {"cupy": a.cupy, "modules": list(modules.values())}
     cupy_kernels.SHIPPED.write_bytes(gzip.compress(json.dumps(data).encode(), mtime=0))
     print(f"{len(modules)} modules -> {cupy_kernels.SHIPPED} ({cupy_kernels.SHIPPED.stat().st_size} bytes)")

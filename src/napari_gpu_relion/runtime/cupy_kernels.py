@@ -27,6 +27,8 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 
+from .kernel_entries import call_args, header_source
+
 log = logging.getLogger("napari_gpu_relion")
 
 SHIPPED = Path(__file__).with_name("cupy_kernels.json.gz")
@@ -73,13 +75,11 @@ def _compile_task(entries: list[dict], device: int) -> int:
     import cupy  # noqa: PLC0415
     from cupy.cuda import compiler  # noqa: PLC0415
 
-    from .kernel_preload import _call_args, _headers  # noqa: PLC0415
-
-    headers, done = _headers(cupy), 0
+    headers, done = header_source(cupy), 0
     with cupy.cuda.Device(device):
         for e in entries:
             try:
-                source, options, kw = _call_args(e, headers)
+                source, options, kw = call_args(e, headers)
                 compiler._compile_module_with_cache(source, options, **kw)  # noqa: SLF001 - see the module's note
                 done += 1
             except Exception as exc:  # noqa: BLE001 - a module that does not compile here compiles at its use

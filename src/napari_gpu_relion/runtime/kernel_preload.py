@@ -42,6 +42,12 @@ import numpy as np
 
 from ..io.atomic import atomic_path
 from . import cupy_kernels, kernels
+from .kernel_entries import HEADERS as _HEADERS  # noqa: F401 - the placeholder of CuPy's headers in an entry
+from .kernel_entries import call_args as _call_args
+from .kernel_entries import entry as _entry
+from .kernel_entries import header_source as _headers
+from .kernel_entries import key as _key
+from .kernel_entries import read_manifest as _read_manifest
 
 log = logging.getLogger("napari_gpu_relion")
 
@@ -53,11 +59,10 @@ MAX_ENTRIES = 1000
 _TARGET = "_compile_module_with_cache"
 #: How long a job that ends waits for the preload thread to stop (seconds).
 FINISH_WAIT_S = 0.5
-_HEADERS = "<cupy headers>"  # stands for CuPy's header source in a manifest (the same for every kernel)
 _GLOBAL = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\([^)]*\)\s+)?void\s+(\w+)')
 
 _lock = threading.Lock()
-_state: dict = {"installed": None, "original": None, "headers": None}
+_state: dict = {"installed": None, "original": None}
 _stats = {"handed": 0, "job_loads": 0, "job_s": 0.0, "ahead": 0, "ahead_s": 0.0,  # this process's, cumulative
           "registry_loads": 0}
 _thread = threading.local()  # .preloading: this thread is a preload thread (its loads are not the job's)
@@ -77,60 +82,6 @@ def kernel_cache_dir() -> Path:
 
 def manifest_path(job: str) -> Path:
     return kernel_cache_dir() / "napari_gpu_relion_preload" / f"{job}.json"
-
-
-def _headers(cupy) -> str | None:
-    if _state["headers"] is None:
-        try:
-            _state["headers"] = cupy._core.core._get_header_source()
-        except Exception:  # noqa: BLE001 - another CuPy: entries with headers are then not recorded
-            _state["headers"] = ""
-    return _state["headers"] or None
-
-
-def _plain(v) -> bool:
-    return v is None or isinstance(v, bool | int | str) or (isinstance(v, tuple | list) and
-                                                             all(isinstance(x, str) for x in v))
-
-
-def _entry(source, options, kw: dict, headers: str | None) -> dict | None:
-    """The manifest entry of one compile call, or None when it cannot be written down (a log stream, an
-    unknown argument, headers other than CuPy's)."""
-    if not isinstance(source, str) or not _plain(options):
-        return None
-    out = {}
-    for k, v in kw.items():
-        if k == "extra_source" and v is not None:
-            if headers is None or not (v is headers or v == headers):
-                return None
-            v = _HEADERS
-        elif not _plain(v):
-            return None
-        out[k] = list(v) if isinstance(v, tuple) else v
-    return {"source": source, "options": list(options), "kw": out}
-
-
-def _read_manifest(path: Path) -> list[dict]:
-    """The well-formed entries of a manifest ([] when it is missing or unreadable)."""
-    try:
-        modules = json.loads(path.read_text())["modules"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-    if not isinstance(modules, list):
-        return []
-    return [e for e in modules if isinstance(e, dict) and isinstance(e.get("source"), str)
-            and isinstance(e.get("options"), list) and isinstance(e.get("kw"), dict)]
-
-
-def _key(e: dict) -> str:
-    return json.dumps([e["source"], e["options"], sorted(e["kw"].items())])
-
-
-def _call_args(e: dict, headers: str | None) -> tuple[str, tuple, dict]:
-    kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in e["kw"].items()}
-    if kw.get("extra_source") == _HEADERS:
-        kw["extra_source"] = headers
-    return e["source"], tuple(e["options"]), kw
 
 
 def install() -> bool:
