@@ -71,3 +71,9 @@ def errors(monkeypatch):
     monkeypatch.setattr(rn, "show_error", lambda msg: seen.append(str(msg)))
     monkeypatch.setattr(jw, "show_error", lambda msg: seen.append(str(msg)))
     return seen
+
+
+@pytest.fixture
+def data(sample, tmp_path):
+    """A copy of the test module's ``sample`` data set (its own fixture) that a test may change or write into."""
+    return shutil.copytree(sample, tmp_path / "d")

@@ -48,11 +48,6 @@ def sample(tmp_path_factory) -> Path:
     return simulate.make_sample_data(tmp_path_factory.mktemp("sample") / "d", **SIM)
 
 
-@pytest.fixture
-def data(sample, tmp_path) -> Path:
-    return Path(shutil.copytree(sample, tmp_path / "d"))
-
-
 @pytest.fixture(scope="module")
 def class2d_run(sample, tmp_path_factory) -> Path:
     """One iteration of 2D classification of the sample (for --continue): its folder."""

@@ -15,7 +15,6 @@ Each job case runs the command line in-process on a tiny simulated data set (two
 from __future__ import annotations
 
 import gzip
-import shutil
 from pathlib import Path
 
 import mrcfile
@@ -46,11 +45,6 @@ N_PIXELS = 128 * 128
 @pytest.fixture(scope="module")
 def sample(tmp_path_factory) -> Path:
     return simulate.make_sample_data(tmp_path_factory.mktemp("sample") / "d", **SIM)
-
-
-@pytest.fixture
-def data(sample, tmp_path) -> Path:
-    return Path(shutil.copytree(sample, tmp_path / "d"))
 
 
 def _line_of(path: Path, start: str, nth: int = 0) -> int:

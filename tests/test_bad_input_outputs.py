@@ -42,12 +42,6 @@ def sample(tmp_path_factory) -> Path:
     return make_sample_data(tmp_path_factory.mktemp("sample") / "d", **SIM)
 
 
-@pytest.fixture
-def data(sample, tmp_path) -> Path:
-    """A copy of the sample to write into (its note.txt names the simulate job that wrote it)."""
-    return Path(shutil.copytree(sample, tmp_path / "d"))
-
-
 def _coord_list(d: Path, where: Path, name: str = "autopick.star") -> Path:
     return write_coordinate_list(where / name, ["micrographs/mic001.mrc"], [str(d / "coords" / "mic001_truth.star")])
 

@@ -11,7 +11,6 @@ check: NORM_MAX_MEAN_IN_STDDEV, NORM_STDDEV_BAND).
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import mrcfile
@@ -34,11 +33,6 @@ SIM = dict(n_particles=8, box=16, angpix=APIX, diameter=60.0, n_micrographs=0)
 @pytest.fixture(scope="module")
 def sample(tmp_path_factory) -> Path:
     return simulate.make_sample_data(tmp_path_factory.mktemp("values") / "d", **SIM)
-
-
-@pytest.fixture
-def data(sample, tmp_path) -> Path:
-    return Path(shutil.copytree(sample, tmp_path / "d"))
 
 
 def _em(job: str, data: Path, out: Path, *extra) -> list:
