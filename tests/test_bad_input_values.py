@@ -209,6 +209,7 @@ def test_dont_check_norm_runs_with_a_warning(job, data, tmp_path, capsys):
 def test_the_sample_data_and_simulated_particles_pass_the_normalisation_check(sample):
     """The plugin's sample data and the tests' simulated particles are in other units than RELION's (background
     stddev ~9 here) but normalised (mean ~0, one noise level): they pass, at the EM jobs' radius and reconstruct's."""
+    from napari_gpu_relion.compute.extraction import background_stats  # noqa: PLC0415
     from napari_gpu_relion.io.particle_images import load_images  # noqa: PLC0415
 
     for star in (sample / "particles.star", sample_data_dir() / "particles.star"):
@@ -216,7 +217,8 @@ def test_the_sample_data_and_simulated_particles_pass_the_normalisation_check(sa
         rows = norm_check_rows(table.particles["rlnOpticsGroup"].to_numpy())
         N = table.box_size
         for radius in ((N - 5) / 2, N / 4):
-            assert check_normalisation(table, rows, lambda r, t=table: load_images(t, rows=r), radius) is None
+            mean, std = background_stats(load_images(table, rows=rows), radius)
+            assert check_normalisation(table, rows, mean, std, radius) is None
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -250,3 +252,16 @@ def test_candidate_floor_keeps_every_sample_up_to_the_crossing(n):
         k, w = expectation.significance_threshold(p, f)
         np.testing.assert_array_equal(k, k_ref)
         np.testing.assert_array_equal(w, w_ref)
+
+
+def test_background_stats_are_the_mean_and_stddev_outside_relions_rounded_circle():
+    """compute.extraction.background_stats against a loop over the pixels in float64: outside the circle of
+    ROUND(radius) pixels (half away from zero: 6.5 -> 7) about pixel N/2; NaN when no pixel is outside."""
+    from napari_gpu_relion.compute.extraction import background_stats  # noqa: PLC0415
+
+    imgs = np.random.default_rng(4).normal(3.0, 2.0, (3, 16, 16)).astype(np.float32)
+    mean, std = background_stats(imgs, 6.5)
+    for i in range(3):
+        vals = [float(imgs[i, y, x]) for y in range(16) for x in range(16) if (y - 8) ** 2 + (x - 8) ** 2 > 49]
+        assert mean[i] == pytest.approx(np.mean(vals), rel=1e-12) and std[i] == pytest.approx(np.std(vals), rel=1e-12)
+    assert np.isnan(background_stats(imgs, 12.0)).all()

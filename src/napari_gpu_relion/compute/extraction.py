@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .backend import get_array_module
-from .fourier import check_even, fourier_resize
+from .fourier import check_even, fourier_resize, round_half_away
 
 
 def truncate_coordinates(x, y) -> tuple[np.ndarray, np.ndarray]:
@@ -66,6 +66,17 @@ def _bg_stats(imgs, bg):
     mu = v.mean(axis=1, dtype=np.float64)
     sd = v.std(axis=1, dtype=np.float64)
     return mu, sd
+
+
+def background_stats(imgs, radius_px: float):
+    """(mean, stddev) float64 per image (n, N, N) of the pixels outside the circle of ROUND(radius_px) pixels about
+    the image centre (pixel N/2), as RELION's calculateBackgroundAvgStddev; NaN for both when the circle leaves no
+    pixel outside it. Arrays of the images' module."""
+    xp = get_array_module(imgs)
+    bg = background_mask(imgs.shape[-1], float(round_half_away(np.float64(radius_px))), xp)
+    if not bool(bg.any()):
+        return xp.full(imgs.shape[0], np.nan), xp.full(imgs.shape[0], np.nan)
+    return _bg_stats(imgs, bg)
 
 
 def remove_dust(imgs, bg, white: float = -1.0, black: float = -1.0, seed: int = 0):

@@ -201,10 +201,10 @@ def is_stack(path: str | os.PathLike) -> bool:
     return info.ispg == 0 and info.nz > 1
 
 
-def unusable_image(images: np.ndarray) -> tuple[int, str] | None:
+def unusable_image(images: np.ndarray, max_abs: float | None = None) -> tuple[int, str] | None:
     """The first image of a stack (n, y, x), or section of a map, that no job can use, and why: NaN or infinite
-    pixels, or every pixel the same value (a blank image: nothing to align, and a zero variance). None when every
-    image is usable."""
+    pixels, every pixel the same value (a blank image: nothing to align, and a zero variance), or, with
+    ``max_abs``, a pixel beyond +-max_abs. None when every image is usable."""
     arr = np.asarray(images)
     if arr.ndim < 2 or arr.size == 0:
         return None
@@ -220,9 +220,14 @@ def unusable_image(images: np.ndarray) -> tuple[int, str] | None:
             kinds = "NaN" if np.isnan(flat[k]).any() else "infinite"
             return k, f"{int((~finite).sum())} of {flat.shape[1]} pixels are {kinds}"
     blank = lo == hi
-    if blank.any():
-        k = int(np.argmax(blank))
-        return k, f"every pixel is {lo[k]:g} (blank)"
+    big = np.maximum(hi, -lo) > max_abs if max_abs is not None else np.zeros_like(blank)
+    if blank.any() or big.any():
+        k = int(np.argmax(blank | big))
+        if blank[k]:
+            return k, f"every pixel is {lo[k]:g} (blank)"
+        v = hi[k] if hi[k] >= -lo[k] else lo[k]
+        return k, (f"a pixel is {float(v):.3g}, beyond +-{max_abs:.0e} (float32 sums of such values overflow; "
+                   f"normalised particles are within +-100)")
     return None
 
 

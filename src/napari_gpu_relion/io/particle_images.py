@@ -8,7 +8,7 @@ file's folder and up to three of its parents); stacks are read lazily, each open
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from .star import ParticleTable
 
 __all__ = ["parse_image_name", "image_locations", "image_names_for", "load_images", "check_image_stacks",
-           "background_stats", "norm_check_rows", "check_normalisation"]
+           "norm_check_rows", "check_normalisation"]
 
 #: The largest |pixel value| a particle image may have. The E-step's scores are float32 sums over an image's
 #: Fourier pixels of products of two values in the images' units (the transform is divided by the pixel count, so
@@ -222,20 +222,6 @@ def check_image_stacks(table: ParticleTable, project_dir: str | os.PathLike | No
     return paths, idx
 
 
-def _extreme_image(images: np.ndarray) -> tuple[int, str] | None:
-    """The first image with a pixel beyond +-MAX_ABS_PIXEL (float32-safe values), and that value; None if none."""
-    flat = np.asarray(images).reshape(len(images), -1) if np.ndim(images) > 2 else np.asarray(images).reshape(1, -1)
-    if flat.size == 0:
-        return None
-    big = np.maximum(flat.max(axis=1), -flat.min(axis=1)) > MAX_ABS_PIXEL
-    if not big.any():
-        return None
-    k = int(np.argmax(big))
-    v = flat[k][int(np.argmax(np.abs(flat[k])))]
-    return k, (f"a pixel is {float(v):.3g}, beyond +-{MAX_ABS_PIXEL:.0e} (float32 sums of such values overflow; "
-               f"normalised particles are within +-100)")
-
-
 def load_images(table: ParticleTable, rows: Iterable[int] | None = None,
                 project_dir: str | os.PathLike | None = None, check_values: bool = False,
                 locations: tuple[list[Path], np.ndarray] | None = None,
@@ -313,7 +299,7 @@ def load_images(table: ParticleTable, rows: Iterable[int] | None = None,
             else:
                 images = stack.read(idx[sel])
                 out[sel] = images
-            bad = (unusable_image(images) or _extreme_image(images)) if check_values else None
+            bad = unusable_image(images, MAX_ABS_PIXEL) if check_values else None
             if bad is not None:
                 pos = int(sel[bad[0]])
                 raise InputError(f"image {idx[pos] + 1} of stack {stack_path} ({parts['rlnImageName'].iloc[pos]!r}) "
@@ -329,26 +315,6 @@ def load_images(table: ParticleTable, rows: Iterable[int] | None = None,
 # RELION's check that the particles are normalised
 
 
-def relion_round(x: float) -> int:
-    """RELION's ROUND: halves away from zero."""
-    return int(np.floor(abs(x) + 0.5)) * (1 if x >= 0 else -1)
-
-
-def background_stats(images: np.ndarray, radius_px: float) -> tuple[np.ndarray, np.ndarray]:
-    """(mean, stddev) float64 per image (n, N, N) of the pixels outside the circle of ROUND(radius_px) pixels
-    about the image centre (pixel N/2: RELION's origin), as RELION's calculateBackgroundAvgStddev. NaN for both
-    when the circle leaves no pixel outside it."""
-    imgs = np.asarray(images)
-    n, ny, nx = imgs.shape
-    r = relion_round(radius_px)
-    y, x = np.arange(ny) - ny // 2, np.arange(nx) - nx // 2
-    outside = (y[:, None] ** 2 + x[None, :] ** 2) > r * r
-    if not outside.any():
-        return np.full(n, np.nan), np.full(n, np.nan)
-    bg = imgs[:, outside].astype(np.float64)
-    return bg.mean(axis=1), bg.std(axis=1)
-
-
 def norm_check_rows(optics_group: np.ndarray, per_group: int = NORM_CHECK_IMAGES) -> np.ndarray:
     """The rows whose images the normalisation check looks at: the first ``per_group`` of each optics group (the
     images of RELION's initial noise spectra, which it checks), in row order."""
@@ -357,18 +323,18 @@ def norm_check_rows(optics_group: np.ndarray, per_group: int = NORM_CHECK_IMAGES
         else np.zeros(0, dtype=np.int64)
 
 
-def check_normalisation(table: ParticleTable, rows: np.ndarray, read: Callable[[np.ndarray], np.ndarray],
+def check_normalisation(table: ParticleTable, rows: np.ndarray, mean: np.ndarray, std: np.ndarray,
                         radius_px: float, allow: bool = False) -> str | None:
-    """RELION's check that particles are normalised, on the images of table rows ``rows`` (``read(rows)`` gives
-    them, called a block of rows at a time; see NORM_MAX_MEAN_IN_STDDEV and NORM_STDDEV_BAND for the tests):
-    None when they pass. Otherwise an InputError naming the first image that fails (its rlnImageName, STAR line,
+    """RELION's check that particles are normalised, from the background ``mean`` and ``std`` (outside the
+    particle circle of ``radius_px`` pixels: compute.extraction.background_stats) of the images of table rows
+    ``rows`` (see NORM_MAX_MEAN_IN_STDDEV and NORM_STDDEV_BAND for the tests): None when they pass.
+    Otherwise an InputError naming the first image that fails (its rlnImageName, STAR line,
     background mean and stddev) and --dont_check_norm; with ``allow`` (--dont_check_norm given) the same as a
     warning line to show instead."""
     rows = np.asarray(rows, dtype=np.int64)
     if rows.size == 0:
         return None
-    stats = [background_stats(np.asarray(read(rows[a:a + 256])), radius_px) for a in range(0, rows.size, 256)]
-    mean, std = np.concatenate([m for m, _ in stats]), np.concatenate([d for _, d in stats])
+    mean, std = np.asarray(mean, dtype=np.float64), np.asarray(std, dtype=np.float64)
     ok = np.isfinite(mean)
     if not ok.any():
         return None
@@ -387,7 +353,8 @@ def check_normalisation(table: ParticleTable, rows: np.ndarray, read: Callable[[
     else:
         why = (f"the stddev is {std[k] / med:.3g} x the median {med:.4g} of the images checked (RELION's band: "
                f"{lo:g} to {hi:g})")
-    what = (f"particle image {name} is not normalised: its background (outside the {relion_round(radius_px)}-px "
+    r = int(np.floor(abs(radius_px) + 0.5))  # RELION's ROUND
+    what = (f"particle image {name} is not normalised: its background (outside the {r}-px "
             f"particle circle) has mean {mean[k]:.4g} and stddev {std[k]:.4g}: {why}; {int(bad.sum())} of "
             f"{rows.size} images checked fail")
     if allow:

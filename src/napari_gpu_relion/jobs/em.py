@@ -28,6 +28,7 @@ from ..compute.backend import to_host
 from ..compute.backprojector import BackProjectorStack
 from ..compute.estep import EStepSetup, EStepSums, expectation_batch, prepare_batch
 from ..compute.expectation import PixelSet, pixel_set
+from ..compute.extraction import background_stats
 from ..compute.fourier import fourier_resize
 from ..compute.geometry import matrix_to_euler
 from ..compute.masks import soft_spherical_mask
@@ -58,7 +59,7 @@ from ..io.model_star import (
     write_optimiser_star,
 )
 from ..io.mrc import read_mrc, require_usable_map
-from ..io.particle_images import check_normalisation, norm_check_rows, parse_image_name
+from ..io.particle_images import NORM_CHECK_IMAGES, check_normalisation, norm_check_rows, parse_image_name
 from ..io.run_lock import RunLock
 from ..io.star import read_star
 from ..io.write_queue import WriteQueue
@@ -439,9 +440,8 @@ class EMJob:
         p, st = self.p, self.state
         if not self.continued:  # a --continue goes on with what its run accepted (auto-refine widens the range)
             check_offset_search(p.offset_range, p.offset_step, self.N)
-            rows = norm_check_rows(self.ps.optics_group)
-            warning = check_normalisation(self.ps.table, rows, lambda r: to_host(self.ps.images(r)), self.mask_r,
-                                          p.dont_check_norm)
+            rows, mean, std = self.background_stats()
+            warning = check_normalisation(self.ps.table, rows, mean, std, self.mask_r, p.dont_check_norm)
             if warning:
                 yield Message(warning, "warning")
         group = getattr(self, "sym", None)
@@ -478,13 +478,30 @@ class EMJob:
         return load_reference(path, self.N, self.apix, getattr(self.p, "trust_ref_size", False))
 
     def initial_sigma2(self) -> np.ndarray:
-        """(G, N/2+1) initial noise spectra per optics group from up to 1000 particles each."""
+        """(G, N/2+1) initial noise spectra per optics group from up to 1000 particles each (NORM_CHECK_IMAGES: the
+        images whose background RELION's normalisation check looks at, whose statistics are kept for it)."""
         out = np.zeros((self.ps.n_optics_groups, self.N // 2 + 1))
+        stats = []
         for g in range(self.ps.n_optics_groups):
-            rows = np.flatnonzero(self.ps.optics_group == g)[:1000]
-            out[g] = initial_noise_spectrum(self.be.asarray(self.ps.images(rows)), self.mask_r, self.p.zero_mask,
-                                            MASK_EDGE)
+            rows = np.flatnonzero(self.ps.optics_group == g)[:NORM_CHECK_IMAGES]
+            imgs = self.be.asarray(self.ps.images(rows))
+            out[g] = initial_noise_spectrum(imgs, self.mask_r, self.p.zero_mask, MASK_EDGE)
+            stats.append((rows, *(to_host(a) for a in background_stats(imgs, self.mask_r))))
+        self._background = stats
         return out
+
+    def background_stats(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, mean, stddev) of the particle backgrounds that the normalisation check judges (io/particle_images
+        norm_check_rows: up to NORM_CHECK_IMAGES per optics group), in row order: those initial_sigma2 measured on
+        the images it read, else measured here."""
+        stats = getattr(self, "_background", None)
+        if stats is None:
+            rows = norm_check_rows(self.ps.optics_group)
+            imgs = self.be.asarray(self.ps.images(rows))
+            stats = [(rows, *(to_host(a) for a in background_stats(imgs, self.mask_r)))]
+        rows, mean, std = (np.concatenate(c) for c in zip(*stats, strict=True))
+        order = np.argsort(rows, kind="stable")
+        return rows[order], mean[order], std[order]
 
     def accumulators(self, current_size: int):
         """A BackProjectorStack of K classes for one half (refine3d overrides: one BackProjector)."""

@@ -17,6 +17,7 @@ from ..cancel import check_cancel
 from ..compute.backend import to_host
 from ..compute.backprojector import BackProjector
 from ..compute.ctf import CtfParams, ctf_half_grid
+from ..compute.extraction import background_stats
 from ..compute.fourier import phase_shift_2d, rfft_centered
 from ..compute.geometry import euler_to_matrix, symmetry_group
 from ..errors import InputError
@@ -124,9 +125,12 @@ def _run(p: Params) -> Iterator:
     # RELION's check that the particles are normalised, on the first 1000 images of each optics group, before any
     # work (their values checked too): the background outside RELION's default particle mask, (N - 5) px wide
     rows = norm_check_rows(df["rlnOpticsGroup"].to_numpy() if "rlnOpticsGroup" in df else np.ones(n, int))
-    norm_warning = check_normalisation(table, rows, lambda r: load_images(table, rows=r, check_values=True,
-                                                                          locations=locations),
-                                       (N - MASK_EDGE_PX) / 2, p.dont_check_norm)
+    radius = (N - MASK_EDGE_PX) / 2
+    stats = [background_stats(load_images(table, rows=rows[a:a + 256], check_values=True, locations=locations), radius)
+             for a in range(0, rows.size, 256)]
+    norm_warning = check_normalisation(table, rows, np.concatenate([m for m, _ in stats] or [np.zeros(0)]),
+                                       np.concatenate([s for _, s in stats] or [np.zeros(0)]), radius,
+                                       p.dont_check_norm)
     be = backend_for(p)
     xp = be.xp
     out = Path(p.o)
