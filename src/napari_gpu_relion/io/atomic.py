@@ -138,23 +138,21 @@ def copy_atomically(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     return Path(dst)
 
 
-def ensure_not_input(out_path: str | os.PathLike, *input_paths: str | os.PathLike | None) -> None:
-    """Raise InputError if ``out_path`` is the same file as one of ``input_paths`` (None entries skipped).
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """The same file: equal resolved paths (symlinks, ``..``), or, both existing, the same inode (hard links)."""
+    a, b = Path(a), Path(b)
+    try:
+        if a.resolve() == b.resolve():
+            return True
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
 
-    Compares resolved paths (symlinks, ``..``) and, when both files exist, their inode (hard links).
-    """
-    out = Path(out_path)
-    out_resolved = out.resolve()
+
+def ensure_not_input(out_path: str | os.PathLike, *input_paths: str | os.PathLike | None) -> None:
+    """Raise InputError if ``out_path`` is the same file as one of ``input_paths`` (None entries skipped;
+    :func:`same_file`)."""
     for inp in input_paths:
-        if inp is None:
-            continue
-        inp_path = Path(inp)
-        same = inp_path.resolve() == out_resolved
-        if not same and out.exists() and inp_path.exists():
-            try:
-                same = os.path.samefile(out, inp_path)
-            except OSError:
-                same = False
-        if same:
-            raise InputError(f"output would overwrite an input file ({inp_path}); choose another output name",
-                             path=str(out))
+        if inp is not None and same_file(out_path, inp):
+            raise InputError(f"output would overwrite an input file ({Path(inp)}); choose another output name",
+                             path=str(Path(out_path)))

@@ -19,7 +19,7 @@ import pandas as pd
 from ..errors import InputError
 from .jobdir import project_path
 from .mrc import mrc_header_info, read_mrc, unusable_image
-from .star import ParticleTable, read_micrographs, read_star, write_star_blocks
+from .star import ParticleTable, is_star_path, read_micrographs, read_star, write_star_blocks
 
 __all__ = ["MicrographEntry", "MicrographList", "micrograph_list", "output_root", "read_micrograph",
            "write_coordinate_list", "read_coordinate_list", "check_micrographs", "SKIP_FLAG",
@@ -60,7 +60,7 @@ def micrograph_list(source: str | os.PathLike, angpix: float = -1.0) -> Microgra
     """Micrographs from a STAR file (pixel size from its optics table) or from a glob pattern / a single
     MRC file / a text file with one path per line (then ``angpix`` Å is required)."""
     src = str(source)
-    if src.lower().endswith((".star", ".star.gz")):
+    if is_star_path(src):
         table: ParticleTable = read_micrographs(src)
         px = table.pixel_size if angpix <= 0 else float(angpix)
         df = table.particles.reset_index(drop=True)

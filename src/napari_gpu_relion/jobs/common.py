@@ -14,8 +14,9 @@ from typing import Any
 
 from ..errors import InputError, os_error_line
 from ..events import Message
-from ..io.atomic import remove_stale_temporaries
+from ..io.atomic import remove_stale_temporaries, same_file
 from ..io.run_lock import RunLock
+from ..io.star import is_star_path
 from ..runtime.distributed import world
 
 #: Bytes of an MRC header, and a margin for the small files of a job (note.txt, STAR headers).
@@ -73,9 +74,7 @@ def require_file(path: Path | None, what: str, suffixes: tuple[str, ...] | None 
     p = Path(path)
     if not p.is_file():
         raise InputError(f"{what} does not exist or is not a file", path=str(p))
-    suffix = p.suffix.lower()
-    if suffix == ".gz" and ".star" in (suffixes or ()) and p.name.lower().endswith(".star.gz"):
-        suffix = ".star"  # STAR files are read gzip-compressed too (io/star.py)
+    suffix = ".star" if is_star_path(p) else p.suffix.lower()  # STAR files are read gzip-compressed too
     if suffixes and suffix not in suffixes:
         raise InputError(f"{what} should end in {' or '.join(suffixes)}, got '{p.suffix}'", path=str(p))
 
@@ -134,22 +133,12 @@ def check_no_spaces(path: str | os.PathLike, flag: str, why: str) -> None:
                          "name without spaces")
 
 
-def _same_path(a: Path, b: Path) -> bool:
-    """The same file: equal resolved paths (symlinks, ``..``), or, both existing, the same inode (hard links)."""
-    try:
-        if a.resolve() == b.resolve():
-            return True
-        return a.exists() and b.exists() and os.path.samefile(a, b)
-    except OSError:
-        return False
-
-
 def check_outputs_not_inputs(outputs, inputs, flag: str = "--o") -> None:
     """No output file the job will write is one of its input files. ``outputs``: paths; ``inputs``: (option,
     path or None) pairs. The message names both."""
     for out in outputs:
         for opt, inp in inputs:
-            if inp is not None and _same_path(Path(out), Path(inp)):
+            if inp is not None and same_file(out, inp):
                 raise InputError(f"{flag} would write {out} over the input {opt} {inp}: choose another {flag} (or "
                                  "move the input)")
 

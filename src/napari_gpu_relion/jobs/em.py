@@ -60,8 +60,7 @@ from ..io.model_star import (
 )
 from ..io.mrc import read_mrc, require_usable_map
 from ..io.particle_images import NORM_CHECK_IMAGES, check_normalisation, norm_check_rows, parse_image_name
-from ..io.run_lock import RunLock
-from ..io.star import read_star
+from ..io.star import is_star_path, read_star
 from ..io.write_queue import WriteQueue
 from ..marks import memory_mark
 from ..runtime.device import Backend, backend_for, host_available_bytes, set_matmul_tf32
@@ -84,6 +83,7 @@ from .common import (
     check_output_folder,
     check_run_output,
     em_iteration_bytes,
+    holding_lock,
     input_paths,
     param,
     prepare_output,
@@ -649,10 +649,13 @@ def run(job: EMJob) -> Iterator:
 
 def _run(job: EMJob) -> Iterator:
     """_iterate with the thread's matrix products in TF32 for the job's duration when --tf32 asks for it (float32
-    again afterwards, also after a cancel or an error: other jobs may run in this worker thread next)."""
-    # rank 0 (the one that writes) holds the rootname's lock while the job runs, from before its first file to after
-    # its last (the end, an error, a cancel): a second job on the same --o is refused, naming the holder
-    lock = RunLock.take(job.files.root, job.name) if job.comm.is_root else None
+    again afterwards, also after a cancel or an error: other jobs may run in this worker thread next), while rank 0
+    (the one that writes) holds the rootname's lock (jobs/common.holding_lock: a second job on the same --o is
+    refused, naming the holder)."""
+    yield from holding_lock(_with_tf32(job), job.files.root, job.name, "--o")
+
+
+def _with_tf32(job: EMJob) -> Iterator:
     on = set_matmul_tf32(job.be, job.p.tf32)
     note = ("--tf32: the E-step's float32 matrix products run in TF32 on tensor cores" if on else
             "--tf32 has no effect on the CPU: NumPy computes in float32" if job.p.tf32 else None)
@@ -663,8 +666,6 @@ def _run(job: EMJob) -> Iterator:
             job.ps.stop_reading()
         if on:
             set_matmul_tf32(job.be, False)
-        if lock is not None:
-            lock.release()
 
 
 def _iterate(job: EMJob, tf32_note: str | None) -> Iterator:
@@ -816,7 +817,7 @@ def load_reference(path: Path, box: int, apix: float, trust_ref_size: bool) -> n
 def reference_paths(ref: Path) -> list[Path]:
     """The reference map(s) of --ref: the map itself, or the rlnReferenceImage entries of a STAR file (e.g. a
     previous run's _model.star), resolved by the project-path rule."""
-    if ref.suffix != ".star":
+    if not is_star_path(ref):
         return [ref]
     table = next((b for b in read_star(ref).values() if isinstance(b, pd.DataFrame)
                   and "rlnReferenceImage" in b.columns), None)

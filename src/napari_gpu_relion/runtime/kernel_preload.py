@@ -63,8 +63,7 @@ _GLOBAL = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\([^)]*\)
 
 _lock = threading.Lock()
 _state: dict = {"installed": None, "original": None}
-_stats = {"handed": 0, "job_loads": 0, "job_s": 0.0, "ahead": 0, "ahead_s": 0.0,  # this process's, cumulative
-          "registry_loads": 0}
+_stats = {"handed": 0, "job_loads": 0, "job_s": 0.0, "ahead": 0, "ahead_s": 0.0}  # this process's, cumulative
 _thread = threading.local()  # .preloading: this thread is a preload thread (its loads are not the job's)
 _used: dict = {}  # key -> manifest entry of every module this process loaded, in first-use order
 _ready: dict = {}  # (device, key) -> Module loaded ahead by a preload thread, not yet handed over
@@ -101,7 +100,6 @@ def install() -> bool:
 
         def compile_module(source, options=(), **kw):
             if getattr(_thread, "preloading", False):  # the registry's build in a preload thread: not the job's
-                _stats["registry_loads"] += 1
                 return original(source, options, **kw)
             e = _entry(source, options, kw, _headers(cupy))
             key = None if e is None else _key(e)
@@ -243,18 +241,19 @@ class Preload:
         d = self.done
         if not d or not (d["handed"] or d["job_loads"] or d["ahead"]):
             return None
-        end = self.report.get("finished")
-        when = "" if end is None else f", done {end - self.t0:.2f} s after the job started"
-        libs = self.report.get("libraries_s")
-        libs = "" if libs is None else f", sorts and matrix products warmed ({libs:.2f} s)"
-        reg = self.report.get("registry")
-        libs = libs if reg is None else f", {reg['ops']} fused ops built ({reg['seconds']:.2f} s){libs}"
-        ahead = self.report.get("compiled_ahead")
-        if ahead is not None:
-            libs = (f", {ahead['modules']} of {ahead['of']} shipped CuPy modules compiled in "
-                    f"{cupy_kernels.default_workers()} processes ({ahead['seconds']:.2f} s){libs}")
-        return (f"GPU kernels: {d['ahead']} modules loaded ahead ({d['ahead_s']:.2f} s in the background{libs}"
-                f"{when}), {d['handed']} of them used; {d['job_loads']} loaded at their first use ({d['job_s']:.2f} s)")
+        r = self.report
+        parts = [f"{d['ahead_s']:.2f} s in the background"]
+        if (ahead := r.get("compiled_ahead")) is not None:
+            parts.append(f"{ahead['modules']} of {ahead['of']} shipped CuPy modules compiled in "
+                         f"{cupy_kernels.default_workers()} processes ({ahead['seconds']:.2f} s)")
+        if (reg := r.get("registry")) is not None:
+            parts.append(f"{reg['ops']} fused ops built ({reg['seconds']:.2f} s)")
+        if r.get("libraries_s") is not None:
+            parts.append(f"sorts and matrix products warmed ({r['libraries_s']:.2f} s)")
+        if r.get("finished") is not None:
+            parts.append(f"done {r['finished'] - self.t0:.2f} s after the job started")
+        return (f"GPU kernels: {d['ahead']} modules loaded ahead ({', '.join(parts)}), {d['handed']} of them used; "
+                f"{d['job_loads']} loaded at their first use ({d['job_s']:.2f} s)")
 
 
 def save_manifest(job: str) -> Path | None:

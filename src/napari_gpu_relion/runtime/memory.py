@@ -8,6 +8,7 @@ every machine); every size that depends on the machine's free memory is decided 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -25,6 +26,7 @@ from ..compute.memory_model import (
     fine_bytes_per_particle,
     fine_bytes_per_sample,
 )
+from ..compute.sampling import angular_step
 from ..errors import is_out_of_memory
 from ..events import Message
 from ..marks import memory_mark, set_mark_hook  # noqa: F401 - memory_mark: the marks the trace hears
@@ -324,9 +326,9 @@ class SearchSpace:
 
     @property
     def angular_step(self) -> float:
-        return 360.0 / (6 * 2**self.order) if self.ndim == 3 else self.psi_step
+        return angular_step(self.order) if self.ndim == 3 else self.psi_step
 
-    @property
+    @functools.cached_property
     def directions(self) -> int:
         if self.ndim != 3:
             return 1

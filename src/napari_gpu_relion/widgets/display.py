@@ -876,8 +876,7 @@ class LiveDisplay:
         """A new picks layer (mic, y, x) in Å at the micrographs' pixel size, FOM-coloured borders."""
         kwargs = points_kwargs(3, self._micrograph_pixel_size(), features, PICKS_LAYER, self.pick_size,
                                {"micrograph_names": names})
-        kwargs["border_color"] = self._picks.border_colours() if len(self._picks) == len(data) and len(data) else \
-            MANUAL_PICK_COLOR
+        kwargs["border_color"] = MANUAL_PICK_COLOR  # the picks' own colours come from _show_colours
         kwargs["border_width"] = PICK_BORDER_WIDTH
         layer = self.viewer.add_points(data, **kwargs)
         layer.selected_data = set()
