@@ -80,3 +80,19 @@ def test_the_names_runfiles_writes_read_back():
     assert iteration_model(files.unfiltered_half_map(1)) is None
     assert files.unfiltered_half_map(1).name == "run_half1_class001_unfil.mrc"
     assert job_number(files.folder) == 12
+
+
+def test_note_commands_read_ours_and_relions_and_skip_comments(tmp_path):
+    from napari_gpu_relion.io.jobdir import NoteCommand, note_commands
+
+    (tmp_path / "note.txt").write_text(
+        "++++ with the following command(s):\n"
+        "napari-gpu-relion class2d --i 'a b/p.star' --o Class2D/job005/run --K 4 --ctf\n"
+        "# invoked as: napari-gpu-relion class2d --i x\n"
+        "mpirun -n 3 `which relion_refine_mpi` --o Refine3D/job007/run --auto_refine\n"
+        "other_tool --o somewhere\n")
+    assert note_commands(tmp_path) == [
+        NoteCommand("class2d", {"--i": "a b/p.star", "--o": "Class2D/job005/run", "--K": "4", "--ctf": ""}),
+        NoteCommand("relion_refine", {"--o": "Refine3D/job007/run", "--auto_refine": ""}),
+        NoteCommand(None, {"--o": "somewhere"})]
+    assert note_commands(tmp_path / "missing") == []

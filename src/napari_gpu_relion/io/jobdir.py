@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -235,3 +236,45 @@ def project_path(name: str | os.PathLike, star: str | os.PathLike | None = None,
         if (b / q).exists():
             return b / q, tried
     return None, tried
+
+
+@dataclass(frozen=True)
+class NoteCommand:
+    """One command recorded in a job folder's note.txt: ``program`` is our job's name (``napari-gpu-relion class2d
+    ...``: "class2d"), RELION's program without ``_mpi`` (`` `which relion_refine_mpi` ...``: "relion_refine"),
+    or None for another program; ``args`` maps each flag to the word after it ("" when another flag follows)."""
+
+    program: str | None
+    args: dict[str, str]
+
+
+def note_commands(folder: str | os.PathLike) -> list[NoteCommand]:
+    """The commands a folder's note.txt records (lines with a ``--`` flag, comments left out), oldest first; []
+    without a readable note.txt. The program is looked for among the first three words (an ``mpirun -n 3`` may
+    come first)."""
+    try:
+        text = (Path(folder) / "note.txt").read_text(errors="replace")
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if " --" not in line or line.startswith(("#", "++++")):
+            continue
+        try:
+            words = shlex.split(line.replace("`which ", "").replace("`", ""))
+        except ValueError:
+            words = line.split()
+        program = None
+        for k, word in enumerate(words[:3]):
+            name = Path(word).name
+            if name.startswith("napari-gpu-relion") and k + 1 < len(words):
+                program = words[k + 1]
+                break
+            if name.startswith("relion_"):
+                program = name.removesuffix("_mpi")
+                break
+        args = {w: ("" if k + 1 >= len(words) or words[k + 1].startswith("--") else words[k + 1])
+                for k, w in enumerate(words) if w.startswith("--")}
+        out.append(NoteCommand(program, args))
+    return out

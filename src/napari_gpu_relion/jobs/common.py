@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import shutil
 import sys
@@ -15,6 +14,7 @@ from typing import Any
 from ..errors import InputError, os_error_line
 from ..events import Message
 from ..io.atomic import remove_stale_temporaries, same_file
+from ..io.jobdir import job_number, note_commands
 from ..io.run_lock import RunLock
 from ..io.star import is_star_path
 from ..runtime.distributed import world
@@ -143,42 +143,11 @@ def check_outputs_not_inputs(outputs, inputs, flag: str = "--o") -> None:
                                  "move the input)")
 
 
-def note_commands(folder: str | os.PathLike) -> list[tuple[str, str | None]]:
-    """The commands a folder's note.txt records, oldest first: (job kind, its --o or --odir value or None). Ours
-    (``napari-gpu-relion class2d ... --o ...``) give the job name; RELION's (`` `which relion_refine` --o ...``)
-    the program without ``_mpi`` (``relion_refine``). An unreadable or missing note.txt gives []."""
-    try:
-        text = (Path(folder) / "note.txt").read_text(errors="replace")
-    except OSError:
-        return []
-    out: list[tuple[str, str | None]] = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line.startswith("napari-gpu-relion "):
-            kind_at = 1
-        elif line.startswith("`which relion_"):
-            line = line.replace("`which ", "", 1).replace("`", "", 1)
-            kind_at = 0
-        else:
-            continue
-        try:
-            words = shlex.split(line)
-        except ValueError:
-            words = line.split()
-        if len(words) <= kind_at:
-            continue
-        kind = words[kind_at]
-        kind = kind[:-4] if kind.startswith("relion_") and kind.endswith("_mpi") else kind
-        o = next((words[k + 1] for k, w in enumerate(words[:-1]) if w in ("--o", "--odir")), None)
-        out.append((kind, o))
-    return out
-
-
 def _note_rootname(o: str, folder: Path) -> str:
     """The rootname's name an --o of a note.txt in ``folder`` meant: ``run`` where it named the folder itself (a
     trailing separator, the folder's own name, a RELION job folder ``jobNNN``), else its last part."""
     q = Path(o)
-    if o.endswith(("/", os.sep)) or q.name == folder.name or re.fullmatch(r"job\d+", q.name):
+    if o.endswith(("/", os.sep)) or q.name == folder.name or job_number(q) is not None:
         return "run"
     return q.name
 
@@ -194,7 +163,8 @@ def check_not_another_jobs_files(folder: str | os.PathLike, job: str, existing, 
     if not existing:
         return
     folder = Path(folder)
-    commands = note_commands(folder)
+    commands = [(c.program, c.args.get("--o") or c.args.get("--odir") or None) for c in note_commands(folder)
+                if c.program is not None]
     if rootname is not None:
         writers = [k for k, o in commands if k in ROOTNAME_JOBS and o is not None
                    and _note_rootname(o, folder) == rootname]

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import shlex
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -32,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..io.jobdir import iteration_data, iteration_model, job_number
+from ..io.jobdir import iteration_data, iteration_model, job_number, note_commands
 
 __all__ = [
     "JOB_TYPES",
@@ -168,40 +167,15 @@ class Offer:
 
 
 def note_arguments(folder: Path) -> tuple[str | None, dict[str, str]]:
-    """(job name, {flag: value}) of the last command in ``folder/note.txt`` (ours: ``napari-gpu-relion class2d
-    --i ...``; RELION's: ``relion_refine --i ...``); (None, {}) without a readable note. Flags without a value map
-    to ""."""
-    try:
-        text = (folder / "note.txt").read_text(errors="replace")
-    except OSError:
+    """(job name, {flag: value}) of the last command in ``folder/note.txt`` (io/jobdir.note_commands; RELION's
+    programs as the job they stand for); (None, {}) without a readable note. Flags without a value map to ""."""
+    commands = note_commands(folder)
+    if not commands:
         return None, {}
-    command = None
-    for line in text.splitlines():
-        stripped = line.strip()
-        if " --" in stripped and not stripped.startswith(("#", "++++")):
-            command = stripped
-    if command is None:
-        return None, {}
-    try:
-        words = shlex.split(command.replace("`which ", "").replace("`", ""))
-    except ValueError:
-        words = command.split()
-    job = None
-    for k, word in enumerate(words[:3]):
-        name = Path(word).name
-        if name.startswith("napari-gpu-relion") and k + 1 < len(words):
-            job = words[k + 1]
-            break
-        base = name.removesuffix("_mpi")
-        if base in _PROGRAMS:
-            job = _PROGRAMS[base]
-            break
-    args: dict[str, str] = {}
-    for k, word in enumerate(words):
-        if word.startswith("--"):
-            nxt = words[k + 1] if k + 1 < len(words) else ""
-            args[word] = "" if nxt.startswith("--") else nxt
-    return job, args
+    last = commands[-1]
+    program = last.program
+    job = _PROGRAMS.get(program) if program is not None and program.startswith("relion_") else program
+    return job, dict(last.args)
 
 
 def _input_path(value: str, folder: Path) -> Path:
