@@ -250,8 +250,8 @@ class NoteCommand:
 
 def note_commands(folder: str | os.PathLike) -> list[NoteCommand]:
     """The commands a folder's note.txt records (lines with a ``--`` flag, comments left out), oldest first; []
-    without a readable note.txt. The program is looked for among the first three words (an ``mpirun -n 3`` may
-    come first)."""
+    without a readable note.txt. The program is looked for among the words before the first flag (an ``mpirun -n
+    3`` may come first)."""
     try:
         text = (Path(folder) / "note.txt").read_text(errors="replace")
     except OSError:
@@ -266,7 +266,9 @@ def note_commands(folder: str | os.PathLike) -> list[NoteCommand]:
         except ValueError:
             words = line.split()
         program = None
-        for k, word in enumerate(words[:3]):
+        for k, word in enumerate(words):
+            if word.startswith("--"):
+                break
             name = Path(word).name
             if name.startswith("napari-gpu-relion") and k + 1 < len(words):
                 program = words[k + 1]
