@@ -29,6 +29,7 @@ JOBS = {
     "simulate": ("napari_gpu_relion.jobs.simulate", "simulate particles, micrographs and maps with ground truth"),
     "reconstruct": ("napari_gpu_relion.jobs.reconstruct", "reconstruct a map from particles with known angles"),
     "postprocess": ("napari_gpu_relion.jobs.postprocess", "FSC, masking correction and sharpening of half maps"),
+    "local_resolution": ("napari_gpu_relion.jobs.local_resolution", "local resolution (relion_postprocess --locres)"),
     "mask_create": ("napari_gpu_relion.jobs.mask_create", "make a soft mask from a map"),
     "refine3d": ("napari_gpu_relion.jobs.refine3d", "3D auto-refine with gold-standard FSC (relion_refine)"),
     "initial_model": ("napari_gpu_relion.jobs.initial_model", "3D initial model from the particles alone "
