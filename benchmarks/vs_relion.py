@@ -41,6 +41,7 @@ from scipy import ndimage
 
 from napari_gpu_relion.compute.fsc import fsc, resolution_A
 from napari_gpu_relion.compute.geometry import angular_distance_deg, euler_to_matrix
+from napari_gpu_relion.compute.simulate import fit_box
 from napari_gpu_relion.io.mrc import read_mrc, write_mrc
 
 ANG = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")
@@ -63,9 +64,15 @@ def relion(cmd: str, log: Path) -> float:
 # make-data
 # --------------------------------------------------------------------------------------------------------------
 
-def resampled_map(path: Path, box: int) -> np.ndarray:
-    """The map resampled (cubic spline) from its box to ``box`` voxels over the same extent, mean 0 outside."""
+def resampled_map(path: Path, box: int, map_angpix: float = 0.0, angpix: float = 0.0) -> np.ndarray:
+    """The map resampled (cubic spline), mean 0 outside. Without ``map_angpix``: from its box to ``box`` voxels over
+    the same extent. With it: from ``map_angpix`` to ``angpix`` Å/px, then centre-cropped or zero-padded to ``box``
+    (a real map such as EMD-11007 at 0.834 Å/px put into a box 256 at 1.05 Å/px)."""
     v = np.asarray(read_mrc(path).data, dtype=np.float64)
+    if map_angpix > 0:
+        out = ndimage.zoom(v, map_angpix / angpix, order=3)
+        out = fit_box((out - np.median(out)).astype(np.float32), box)
+        return out.astype(np.float32)
     out = ndimage.zoom(v, box / v.shape[0], order=3)
     out = out[:box, :box, :box]
     return (out - np.median(out)).astype(np.float32)
@@ -85,12 +92,17 @@ def remove_sphere(vol: np.ndarray, radius_px: float, seed: int) -> np.ndarray:
     return (vol * keep).astype(np.float32)
 
 
-def angles_table(n: int, box: int, angpix: float, rng, state: int, first: int) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Optics and particles blocks for relion_project: uniform orientations, offsets ~ N(0, 2 px) in Å,
-    defocus 1-2.5 µm with astigmatism up to 300 Å."""
+def angles_table(n: int, box: int, angpix: float, rng, state: int, first: int,
+                 defocus_A: tuple[float, float] = (10000.0, 25000.0), preferred: float = 0.0
+                 ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Optics and particles blocks for relion_project: uniform orientations (a fraction ``preferred`` of them with
+    tilt below 20°: a preferred view), offsets ~ N(0, 2 px) in Å, defocus ``defocus_A`` (default 1-2.5 µm) with
+    astigmatism up to 300 Å."""
     u = rng.random((n, 3))
+    top = rng.random(n) < preferred
+    u[top, 1] *= (1 - np.cos(np.radians(20.0))) / 2  # cos(tilt) in [cos 20°, 1]
     rot, tilt, psi = 360 * u[:, 0] - 180, np.degrees(np.arccos(1 - 2 * u[:, 1])), 360 * u[:, 2] - 180
-    du = rng.uniform(10000, 25000, n)
+    du = rng.uniform(*defocus_A, n)
     parts = pd.DataFrame({
         "rlnAngleRot": rot, "rlnAngleTilt": tilt, "rlnAnglePsi": psi,
         "rlnOriginXAngst": rng.normal(0, 2.0, n) * angpix, "rlnOriginYAngst": rng.normal(0, 2.0, n) * angpix,
@@ -108,7 +120,9 @@ def make_data(a) -> None:
     out.mkdir(parents=True, exist_ok=True)
     extent_A = 65 * 5.0  # the ribosome map's extent (its header has no pixel size: ~5 Å/px)
     angpix = extent_A / a.box if a.angpix <= 0 else a.angpix
-    v1 = resampled_map(Path(a.map), a.box)
+    if a.map_angpix > 0 and a.angpix <= 0:
+        sys.exit("--map_angpix needs --angpix (the particles' pixel size)")
+    v1 = resampled_map(Path(a.map), a.box, a.map_angpix, angpix)
     maps = [v1] + ([remove_sphere(v1, a.sphere_radius_A / angpix, a.seed)] if a.states == 2 else [])
     rng = np.random.default_rng(a.seed)
     n_per = [a.n // a.states + (1 if s < a.n % a.states else 0) for s in range(a.states)]
@@ -116,7 +130,8 @@ def make_data(a) -> None:
     frames, first = [], 0
     for s, (vol, n) in enumerate(zip(maps, n_per, strict=True), start=1):
         write_mrc(out / f"state{s}.mrc", vol, angpix)
-        optics, parts = angles_table(n, a.box, angpix, rng, s, first)
+        optics, parts = angles_table(n, a.box, angpix, rng, s, first, (a.defocus_min_A, a.defocus_max_A),
+                                     a.preferred)
         starfile.write({"optics": optics, "particles": parts}, out / f"angles{s}.star", overwrite=True)
         if s == 1:  # the noise SD from the noise-free projections of the first 300
             starfile.write({"optics": optics, "particles": parts.iloc[:300]}, out / "probe.star", overwrite=True)
@@ -146,7 +161,8 @@ def make_data(a) -> None:
     starfile.write({"optics": optics, "particles": parts}, out / "particles.star", overwrite=True)
     info = {"box": a.box, "angpix": angpix, "n": int(a.n), "states": a.states, "snr": a.snr, "noise_sd": sd,
             "sphere_radius_A": a.sphere_radius_A if a.states == 2 else None, "zero_offsets": a.zero_offsets,
-            "map": str(a.map), "seed": a.seed}
+            "map": str(a.map), "map_angpix": a.map_angpix, "seed": a.seed,
+            "defocus_A": [a.defocus_min_A, a.defocus_max_A], "preferred": a.preferred}
     (out / "data.json").write_text(json.dumps(info, indent=1))
     print(json.dumps(info))
 
@@ -393,6 +409,13 @@ def main(argv=None):
     m.add_argument("--out", required=True)
     m.add_argument("--box", type=int, default=128)
     m.add_argument("--angpix", type=float, default=0.0, help="0 = the map's extent (325 Å) over the box")
+    m.add_argument("--map_angpix", type=float, default=0.0,
+                   help="the map's own pixel size (Å): resample it to --angpix and centre it in --box (0 = stretch "
+                        "the map's extent over the box, as for the 70S map)")
+    m.add_argument("--defocus_min_A", type=float, default=10000.0)
+    m.add_argument("--defocus_max_A", type=float, default=25000.0)
+    m.add_argument("--preferred", type=float, default=0.0,
+                   help="fraction of particles with tilt below 20° (a preferred view); the rest uniform")
     m.add_argument("--n", type=int, default=10000)
     m.add_argument("--states", type=int, default=1, choices=(1, 2))
     m.add_argument("--snr", type=float, default=0.05)
