@@ -1,6 +1,6 @@
 """Running jobs in a real (Xvfb) viewer (issue 18): Cancel is acknowledged at once and stops a job within 2 s;
 closing the dock of a running job cancels it (and nothing of the closed widget is called afterwards); an
-operating-system error is one line naming the path; result plots dock beside the job dock; every dock fits a
+operating-system error is one line naming the path; result plots dock under the job docks; every dock fits a
 1366 x 768 screen."""
 
 from __future__ import annotations
@@ -275,7 +275,9 @@ def test_os_error_is_one_line_naming_the_path(make_napari_viewer, qtbot, tmp_pat
     assert "\n" not in errors[-1] and "Errno" not in errors[-1] and "Traceback" not in errors[-1]
 
 
-def test_result_plots_dock_beside_the_job_dock(make_napari_viewer, qtbot, tmp_path, errors):
+def test_result_plots_are_tabs_under_the_job_docks(make_napari_viewer, qtbot, tmp_path, errors):
+    """Issue 49: the plots are a group under the panel of job docks (never a column beside it, which left the canvas
+    no room); the next job's dock is a tab of the panel, above the same plot dock."""
     viewer = make_napari_viewer(show=True)
     w = make_job_widget(viewer, slow)
     job_dock = viewer.window.add_dock_widget(w, name="slow job")
@@ -288,18 +290,19 @@ def test_result_plots_dock_beside_the_job_dock(make_napari_viewer, qtbot, tmp_pa
     QApplication.processEvents()
     assert fsc_dock not in main.tabifiedDockWidgets(job_dock)  # not a tab over the job dock
     assert job_dock.isVisible() and fsc_dock.isVisible() and w.cancel_button.native.isVisible()
-    assert fsc_dock.geometry().left() >= job_dock.geometry().right()  # beside it, to the right
-    # the next job's dock (the first one closed): the plots move beside it instead of squeezing it below them
-    job_dock.title.close_button.click()
+    assert fsc_dock.geometry().top() >= job_dock.geometry().bottom()  # under it, as wide
+    assert abs(fsc_dock.geometry().left() - job_dock.geometry().left()) <= 2
     w2 = make_job_widget(viewer, slow)
     dock2 = viewer.window.add_dock_widget(w2, name="next job")
+    QApplication.processEvents()
+    assert job_dock in main.tabifiedDockWidgets(dock2)  # a tab of the panel
     w2.set_values(o=tmp_path / "job2", steps=2, delay=0.0, fsc=True)
     w2.run_button.native.click()
     _wait(qtbot, lambda: w2.job.done and not w2.display.pending)
     QApplication.processEvents()
     assert viewer.window.dock_widgets[FSC_DOCK].parentWidget() is fsc_dock  # the same plot dock, redrawn
     assert fsc_dock not in main.tabifiedDockWidgets(dock2)
-    assert fsc_dock.geometry().left() >= dock2.geometry().right()
+    assert fsc_dock.geometry().top() >= dock2.geometry().bottom()
     assert not errors
 
 

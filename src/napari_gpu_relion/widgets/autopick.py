@@ -24,7 +24,7 @@ from ..errors import InputError
 from ..io.micrographs import output_root, write_coordinate_list
 from ..io.star import write_coordinates
 from ..jobs import autopick
-from .job_widget import JobWidget, wrapping
+from .job_widget import JobWidget, chooser_button, wrapping
 from .layers import micrographs_table
 from .micrograph_view import MicrographDisplay
 from .pick_model import PickModel
@@ -97,6 +97,8 @@ class AutopickWidget(JobWidget):
         wrapping(self.picks_info)
         self.picks_folder = FileEdit(mode="d", nullable=True, name="picks_folder", label="picks folder")
         self.picks_folder.line_edit.value = ""
+        self.picks_folder.line_edit.native.setMinimumWidth(60)
+        chooser_button(self.picks_folder, "Choose the folder for the saved picks")
         self.picks_folder.tooltip = f"Folder for the saved coordinate files; empty: <job folder>/{EDITED_FOLDER}"
         self.save_picks_button = PushButton(text="Save picks", name="save_picks_button", label="")
         self.save_picks_button.tooltip = ("Write the shown picks (edited by hand or not) as one coordinate STAR "
@@ -109,7 +111,7 @@ class AutopickWidget(JobWidget):
                                       "deviations; LoG: RELION's LoG response")
         box.native.layout().insertWidget(1, self.fom_histogram)
         self.micrograph_display = MicrographDisplay(viewer)  # display-only binning and low-pass of the micrographs
-        self.add_results_tab("Display", [self.micrograph_display], front=False)
+        self.add_results_tab("Display", [self.micrograph_display], front=False, labels=False)
         self.last_saved: tuple[list[Path], int] | None = None
         self.fom_slider.changed.connect(self._on_threshold)
         self.save_picks_button.changed.connect(self.save_picks)

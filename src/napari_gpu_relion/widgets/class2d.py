@@ -20,7 +20,7 @@ from ..io.jobdir import RunFiles, data_for_classes_stack
 from ..io.star import read_particles
 from ..jobs import class2d
 from ..jobs.select import write_selection
-from .job_widget import JobWidget, wrapping
+from .job_widget import JobWidget, chooser_button, wrapping
 from .runner import error_message
 
 if TYPE_CHECKING:
@@ -61,6 +61,8 @@ class Class2DWidget(JobWidget):
         self.selection_file = FileEdit(mode="w", filter="*.star", nullable=True, name="selection_file",
                                        label="selection file")
         self.selection_file.line_edit.value = ""
+        self.selection_file.line_edit.native.setMinimumWidth(60)
+        chooser_button(self.selection_file, "Choose the particles STAR to write")
         self.selection_file.tooltip = (f"Particles STAR to write the selected classes to; empty: <job folder>/"
                                        f"{SELECTION_FILE}")
         self.save_selection_button = PushButton(text="Save selection", name="save_selection_button", label="")

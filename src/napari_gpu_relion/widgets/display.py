@@ -29,8 +29,8 @@ A thin view. The pick and class-selection state lives in plain models (no Qt, no
   has the labels layer made when it opens (:meth:`LiveDisplay.prepare_class_labels`; the grid fills it in place).
 * :meth:`LiveDisplay.show_angular_histogram`: a dock "Angular distribution" (drawn off the GUI thread too).
 
-Result plots (FSC, angular distribution) dock beside the dock of the job that produced them (:meth:`anchor`),
-never as a tab over it. Every layer is in Å and the scale bar is on.
+Result plots (FSC, angular distribution) are tabs of one group under the plugin's panel of job docks
+(widgets/dock_layout.py), never a column beside it. Every layer is in Å and the scale bar is on.
 
 Widgets follow changes through :meth:`LiveDisplay.connect` ("picks": picks shown or edited, "selection":
 class selection toggled).
@@ -59,7 +59,7 @@ from qtpy.QtCore import QTimer
 
 from ..compute.angular_distribution import angular_histogram
 from ..events import ClassAveragesUpdated, FscUpdated, MapUpdated, MicrographPicked, ParticlesExtracted
-from . import plots
+from . import dock_layout, plots
 from .class_grid_model import ClassGrid, class_at, grid_shape, tile_at, tile_corners
 from .display_model import (
     PreparedClasses,
@@ -116,8 +116,6 @@ CLICK_TOLERANCE = 5.0
 #: Maps of these names (or ending in " <name>": a followed folder's "job012 half2") start hidden: they lie on a map
 #: of the same job (a refinement's two halves agree).
 HIDDEN_AT_FIRST = ("half2",)
-#: Width (pixels) of the column of result plots beside the job dock.
-PLOT_DOCK_WIDTH = 320
 #: Gap (Å, at least one tile) between the micrographs and a class grid placed beside them.
 GRID_GAP_TILES = 1
 #: Seconds between two display refreshes while a job streams results.
@@ -160,8 +158,6 @@ class LiveDisplay:
         self._parked: dict[str, Any] = {}  # maps taken out of the layer list while the 2D view is shown
         self._hidden_for_maps: list[weakref.ref] = []  # 2D layers the 3D view of the maps hid
         self._swapping = False
-        self._anchor: weakref.ref | None = None
-        self._plot_column: Any = None
         real = _unwrap(viewer)
         self._plot_colors = plots.theme_colors(real)
         # before napari's own handlers: the 2D layers are hidden before napari re-slices them in 3D (a micrograph
@@ -763,59 +759,10 @@ class LiveDisplay:
         self.fsc.update(event, getattr(event, "rendered", None))
         return self.fsc
 
-    def anchor(self, widget: Any) -> None:
-        """Result plots go beside the dock of ``widget`` (a job widget's QWidget; held weakly); plot docks that
-        are already open move there (a new job's dock would otherwise be stacked under them)."""
-        self._anchor = weakref.ref(widget)
-        self._arrange_plots()
-
-    def _arrange_plots(self) -> None:
-        """The open plot docks as one column right of the job dock (FSC on top, angular distribution below)."""
-        from qtpy.QtCore import Qt
-        from qtpy.QtWidgets import QDockWidget
-
-        job_dock = _dock_of(self._anchor() if self._anchor is not None else None, QDockWidget)
-        docks = [d for d in (self._fsc_dock, self._angdist_dock)
-                 if d is not None and _alive(d) and d.isVisible() and not d.isFloating()]
-        if job_dock is None or job_dock.isFloating() or not docks:
-            return
-        main = job_dock.parentWidget()
-        if any(d.parentWidget() is not main or d is job_dock for d in docks):
-            return
-        main.splitDockWidget(job_dock, docks[0], Qt.Orientation.Horizontal)
-        for dock in docks[1:]:
-            main.splitDockWidget(docks[0], dock, Qt.Orientation.Vertical)
-        self._plot_column = weakref.ref(docks[0])
-        self.later(self._size_plot_column)  # once the split is laid out
-
-    def _size_plot_column(self) -> None:
-        """The plot column PLOT_DOCK_WIDTH pixels wide (Qt gives a new split half of the job dock's width)."""
-        from qtpy.QtCore import Qt
-
-        column = self._plot_column() if self._plot_column is not None else None
-        if column is not None and _alive(column) and not column.isFloating() and column.parentWidget() is not None:
-            column.parentWidget().resizeDocks([column], [PLOT_DOCK_WIDTH], Qt.Orientation.Horizontal)
-
     def _dock_plot(self, widget: Any, name: str) -> Any:
-        """Dock a result plot beside the job dock (right of it), the second plot below the first: never as a tab
-        over the job dock, whose progress and Cancel must stay visible."""
-        from qtpy.QtCore import Qt
-        from qtpy.QtWidgets import QDockWidget
-
-        dock = self.viewer.window.add_dock_widget(widget, name=name, area="right", tabify=False)
-        main = dock.parentWidget()
-        column = self._plot_column() if self._plot_column is not None else None
-        if column is not None and _alive(column) and column is not dock and column.isVisible() \
-                and main.dockWidgetArea(column) == main.dockWidgetArea(dock):
-            main.splitDockWidget(column, dock, Qt.Orientation.Vertical)
-        else:
-            job_dock = _dock_of(self._anchor() if self._anchor is not None else None, QDockWidget)
-            if job_dock is not None and job_dock is not dock and job_dock.parentWidget() is main \
-                    and not job_dock.isFloating():
-                main.splitDockWidget(job_dock, dock, Qt.Orientation.Horizontal)
-                self.later(self._size_plot_column)  # once the split is laid out
-            self._plot_column = weakref.ref(dock)
-        return dock
+        """Dock a result plot into the plot group under the plugin's panel (widgets/dock_layout.py): the plots are
+        tabs of one group there, never a column beside the job dock (which left the canvas no room)."""
+        return dock_layout.dock_plot(self.viewer.window, widget, name)
 
     # -- picks -------------------------------------------------------------------------------------------
 
@@ -1094,17 +1041,6 @@ def _find_layer(viewer: Any, name: str, kind: str) -> Any:
         return None
     layer = viewer.layers[name]
     return layer if type(layer).__name__ == kind else None
-
-
-def _dock_of(widget: Any, dock_type: type) -> Any:
-    """The QDockWidget that holds ``widget`` (None if it is not docked)."""
-    try:
-        w = widget
-        while w is not None and not isinstance(w, dock_type):
-            w = w.parentWidget()
-        return w
-    except RuntimeError:  # deleted by Qt
-        return None
 
 
 def _alive(widget: Any) -> bool:

@@ -9,8 +9,11 @@ turns it into a magicgui Container:
   its unit, the help text and the RELION flag in its tooltip, laid out in RELION-like tabs with the advanced
   options folded (widgets/form_model.py); a job widget may add a results tab (:meth:`JobWidget.add_results_tab`);
 * Run / Cancel (acknowledged at once: "cancelling..."), a progress bar, a status line that wraps (errors stay
-  there), the map levels of the job's maps, the job folder and "Open folder"; closing the dock cancels the job;
-* the dock fits a 1366 x 768 screen (tabs scroll; labels wrap; it starts DOCK_WIDTH_HINT pixels wide);
+  there), the map levels of the job's maps, the job folder and "Open" (it); closing the dock cancels the job;
+* the dock fits a 1366 x 768 screen beside napari's canvas: it is a tab of the plugin's panel (widgets/dock_layout.py),
+  usable at PANEL_MIN_WIDTH pixels (option tabs scroll; labels wrap, check boxes' words too; a file field's
+  chooser is a folder icon); Run, Cancel, the progress bar and the status line stay under the option tabs,
+  outside their scroll areas;
 * the last values are remembered in ``~/.config/napari-gpu-relion/<job>.json`` (directory overridable with
   the NAPARI_GPU_RELION_CONFIG_DIR environment variable).
 
@@ -52,11 +55,12 @@ from qtpy.QtCore import QEvent, QObject, Qt, QTimer, QUrl
 from qtpy.QtGui import QDesktopServices
 from qtpy.QtWidgets import (
     QDockWidget,
+    QHBoxLayout,
     QLabel,
-    QMainWindow,
     QMessageBox,
     QScrollArea,
     QSizePolicy,
+    QStyle,
     QTabWidget,
     QVBoxLayout,
     QWidget,
@@ -79,8 +83,10 @@ from ..events import (
 from ..mpi_child import MPI_JOBS, mpi_available, run_under_mpi
 from ..runtime.device import device_key
 from .display import LiveDisplay
+from .dock_layout import dock_as_panel
 from .form_model import form_layout, form_of
 from .jobs_model import SESSION
+from .layout_model import PANEL_MIN_WIDTH
 from .progress_model import ProgressClock
 from .runner import Job, JobRunner, JobState, error_message, get_runner
 
@@ -92,14 +98,16 @@ __all__ = ["make_job_widget", "job_widget_class", "JobWidget", "config_dir", "fi
 log = logging.getLogger(__name__)
 
 CONFIG_ENV = "NAPARI_GPU_RELION_CONFIG_DIR"
-#: Narrowest the dock widget may become (pixels): labels and fields stay readable.
-MIN_DOCK_WIDTH = 300
+#: Narrowest the dock widget may become (pixels): labels and fields stay readable, nothing is cut off.
+MIN_DOCK_WIDTH = PANEL_MIN_WIDTH
 #: Widest an option label may be (pixels); longer labels wrap.
-LABEL_MAX_WIDTH = 150
+LABEL_MAX_WIDTH = 140
 #: Labels up to this width (pixels) never wrap.
-LABEL_MIN_WIDTH = 120
+LABEL_MIN_WIDTH = 90
 #: Narrowest a number field may become (pixels).
 SPIN_BOX_MIN_WIDTH = 90
+#: Margin (pixels) around the dock widget's content.
+DOCK_MARGIN = 4
 #: Width (pixels) the dock widget asks for.
 DOCK_WIDTH_HINT = 340
 #: Zero-width space: where a wrapped status line may break inside a long path.
@@ -226,12 +234,11 @@ def _make_input(spec: FieldSpec, label: str | None = None) -> Any:
         w = FileEdit(mode="d" if mode == ROOT else mode, filter=md.get("filter"), nullable=True, **common)
         w.line_edit.value = "" if spec.default is None else str(spec.default)
         w.line_edit.native.setMinimumWidth(60)  # the path scrolls; the dock stays narrow
-        w.choose_btn.text = "Browse..."  # not "Choose directory": a narrower dock
-        w.choose_btn.tooltip = "Choose a folder" if mode in ("d", ROOT) else "Choose a file"
+        chooser_button(w, "Choose a folder" if mode in ("d", ROOT) else "Choose a file")
         return w
     if spec.optional and spec.kind in ("int", "float", "str"):
         return LineEdit(value="" if spec.default is None else str(spec.default), **common)
-    if spec.kind == "bool":
+    if spec.kind == "bool":  # its words go to a wrapping label beside the box (_wrap_check_boxes)
         common["label"] = ""
         return CheckBox(value=bool(spec.default), text=label, **common)
     if spec.kind == "int":
@@ -247,6 +254,22 @@ def _make_input(spec: FieldSpec, label: str | None = None) -> Any:
         choices = list(spec.choices)
         return ComboBox(choices=choices, value=spec.default if spec.default in choices else choices[0], **common)
     return LineEdit(value="" if spec.default is None else str(spec.default), **common)
+
+
+#: Width (pixels) of a file field's chooser button (a folder icon).
+CHOOSER_WIDTH = 30
+
+
+def chooser_button(edit: FileEdit, tooltip: str) -> None:
+    """A file field's chooser as a narrow folder-icon button (``tooltip`` says what it chooses), not "Choose
+    directory" / "Browse...", which would widen the dock."""
+    button = edit.choose_btn
+    button.text = ""
+    button.tooltip = tooltip
+    native = button.native
+    native.setIcon(native.style().standardIcon(QStyle.StandardPixmap.SP_DirOpenIcon))
+    native.setFixedWidth(CHOOSER_WIDTH)
+    native.setAccessibleName(tooltip)
 
 
 def _narrow(widget: Any) -> Any:
@@ -341,17 +364,73 @@ def wrapping(label: Label) -> None:
     native.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
 
 
+class _PageScroll(QScrollArea):
+    """A vertical scroll area that asks for the width of its page (and of the scroll bar, shown or not), as the
+    page is now: a page whose labels wrap or whose content changes is never cut off on the right."""
+
+    def minimumSizeHint(self):  # noqa: N802 - Qt's name
+        hint = super().minimumSizeHint()
+        page = self.widget()
+        if page is not None:
+            hint.setWidth(page.minimumSizeHint().width() + self.verticalScrollBar().sizeHint().width())
+        hint.setHeight(max(hint.height(), PAGE_MIN_HEIGHT))
+        return hint
+
+
+#: Lowest (pixels) a tab page's scroll area may be.
+PAGE_MIN_HEIGHT = 100
+
+
 def _scroll_page(page: QWidget) -> QScrollArea:
     """A tab page in a vertical scroll area, never narrower than the page (no horizontal scrolling: labels and
     buttons are never cut off)."""
-    scroll = QScrollArea()
+    scroll = _PageScroll()
     scroll.setWidgetResizable(True)
     scroll.setFrameShape(QScrollArea.Shape.NoFrame)
     scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
     scroll.setWidget(page)
-    scroll.setMinimumHeight(120)
-    scroll.setMinimumWidth(page.minimumSizeHint().width() + scroll.verticalScrollBar().sizeHint().width())
     return scroll
+
+
+class _CheckText(QLabel):
+    """The words of a check box, wrapping (a QCheckBox's own text cannot); a click on them toggles the box."""
+
+    def __init__(self, box: QWidget, text: str) -> None:
+        super().__init__(text)
+        self._box = weakref.ref(box)
+        self.setWordWrap(True)
+        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.setMinimumWidth(LABEL_MIN_WIDTH)
+        self.setToolTip(box.toolTip())
+
+    def mouseReleaseEvent(self, event: Any) -> None:  # noqa: N802 - Qt's name
+        box = self._box()
+        if box is not None and box.isEnabled() and event.button() == Qt.MouseButton.LeftButton:
+            box.click()
+        super().mouseReleaseEvent(event)
+
+
+def _wrap_check_boxes(container: Container) -> None:
+    """Each check box of ``container`` as a row of the box and its words in a wrapping label (the box's own text
+    would set the dock's minimum width to that of its longest sentence)."""
+    layout = container.native.layout()
+    for widget in list(container):
+        if not isinstance(widget, CheckBox) or not widget.text:
+            continue
+        box = widget.native
+        index = layout.indexOf(box)
+        if index < 0:
+            continue
+        row = QWidget()
+        row.setObjectName(f"check_row_{widget.name}")
+        row_layout = QHBoxLayout(row)
+        row_layout.setContentsMargins(0, 0, 0, 0)
+        text = _CheckText(box, widget.text)
+        widget.text = ""
+        box.setAccessibleName(text.text())
+        layout.insertWidget(index, row)
+        row_layout.addWidget(box)  # taken out of the container's layout
+        row_layout.addWidget(text, 1)
 
 
 def _option_tabs(job: str, specs: list[FieldSpec], inputs: dict[str, Any]) -> QTabWidget:
@@ -371,14 +450,16 @@ def _option_tabs(job: str, specs: list[FieldSpec], inputs: dict[str, Any]) -> QT
             basic = Container(widgets=[inputs[n] for n in tab.basic], labels=True, name=f"basic_{tab.name}")
             basic.margins = (0, 0, 0, 0)
             _wrap_labels(basic)
+            _wrap_check_boxes(basic)
             layout.addWidget(basic.native)
         if tab.advanced:
-            more = QCollapsible(f"More {tab.name} options" if tab.basic else f"{tab.name} options")
+            more = QCollapsible("More options" if tab.basic else f"{tab.name} options")
             more.setObjectName(f"job_more_{tab.name}")
             advanced = Container(widgets=[inputs[n] for n in tab.advanced], labels=True,
                                  name=f"advanced_{tab.name}")
             advanced.margins = (0, 0, 0, 0)
             _wrap_labels(advanced)
+            _wrap_check_boxes(advanced)
             more.addWidget(advanced.native)
             layout.addWidget(more)
             if not tab.basic:
@@ -389,9 +470,10 @@ def _option_tabs(job: str, specs: list[FieldSpec], inputs: dict[str, Any]) -> QT
 
 
 def _wrap_labels(container: Container) -> None:
-    """Option labels wrap onto a second line rather than widen the dock (at most LABEL_MAX_WIDTH pixels)."""
+    """Option labels wrap onto a second line rather than widen the dock (at most LABEL_MAX_WIDTH pixels); labels
+    that wrap already (status and value lines, :func:`wrapping`) keep their width."""
     for label in container.native.findChildren(QLabel):
-        if label.text():
+        if label.text() and not label.wordWrap():
             text_width = label.fontMetrics().horizontalAdvance(label.text()) + 4
             label.setWordWrap(True)
             label.setMinimumWidth(min(text_width, LABEL_MIN_WIDTH))  # short labels stay on one line
@@ -437,7 +519,6 @@ class _DockCloseWatcher(QObject):
         if event.type() == QEvent.Type.ParentChange:
             if obj.parent() is not None:
                 self._docked = True
-                QTimer.singleShot(0, self._narrow_dock)
                 QTimer.singleShot(0, self._guard_close_button)
             elif self._docked:
                 self._docked = False
@@ -477,21 +558,6 @@ class _DockCloseWatcher(QObject):
     def may_close(self) -> bool:
         callback = self._may_close() if self._may_close is not None else None
         return True if callback is None else bool(callback())
-
-    def _narrow_dock(self) -> None:
-        """A newly docked job widget starts DOCK_WIDTH_HINT pixels wide (napari would give it its full size hint,
-        leaving the canvas little room on a laptop screen); the user can widen it."""
-        try:
-            widget = self.parent()
-        except RuntimeError:  # the widget was deleted before this turn came
-            return
-        dock = widget
-        while dock is not None and not isinstance(dock, QDockWidget):
-            dock = dock.parentWidget()
-        main = dock.parentWidget() if dock is not None else None
-        if isinstance(main, QMainWindow) and not dock.isFloating() and dock.width() > DOCK_WIDTH_HINT:
-            main.resizeDocks([dock], [max(DOCK_WIDTH_HINT, widget.minimumSizeHint().width())],
-                             Qt.Orientation.Horizontal)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -533,7 +599,8 @@ class JobWidget(Container):
         self.folder = LineEdit(value="", name="job_folder", label="job folder")
         self.folder.native.setReadOnly(True)
         self.folder.native.setMinimumWidth(60)
-        self.open_button = PushButton(text="Open folder", name="job_open_folder")
+        self.open_button = PushButton(text="Open", name="job_open_folder")
+        self.open_button.tooltip = "Open the job folder in the system's file browser (note.txt: the command line)"
         folder_row = Container(widgets=[self.folder, self.open_button], layout="horizontal", labels=False,
                                name="job_folder_row", label="job folder")
         folder_row.margins = (0, 0, 0, 0)
@@ -551,6 +618,7 @@ class JobWidget(Container):
         self.panel.margins = (0, 0, 0, 0)
 
         super().__init__(widgets=[buttons, self.panel], labels=False, name=f"{self.job_name}_widget")
+        self.margins = (DOCK_MARGIN,) * 4
         self.tabs = _option_tabs(self.job_name, self.specs, self.inputs)
         self.native.layout().insertWidget(0, self.tabs, 1)
         self.native.setMinimumWidth(MIN_DOCK_WIDTH)
@@ -564,13 +632,16 @@ class JobWidget(Container):
             self.inputs[spec.name].changed.connect(self._on_input_changed)
         self.native.destroyed.connect(self._on_destroyed)
         self._close_watch = _DockCloseWatcher(self.native, self._on_dock_closed, self.may_close)
+        dock_as_panel(self.native)  # a tab of the plugin's panel (widgets/dock_layout.py)
 
-    def add_results_tab(self, name: str, widgets: list[Any], front: bool = True) -> Container:
+    def add_results_tab(self, name: str, widgets: list[Any], front: bool = True, labels: bool = True) -> Container:
         """A tab after the option tabs for what the job produced (picks threshold, class selection, ...): a
-        labelled Container of ``widgets``; :meth:`show_results_tab` brings it (``front``; else the first
-        results tab) to the front."""
-        box = Container(widgets=widgets, labels=True, name=f"results_{name}")
+        Container of ``widgets`` (``labels``: with their labels beside them); :meth:`show_results_tab` brings it
+        (``front``; else the first results tab) to the front."""
+        box = Container(widgets=widgets, labels=labels, name=f"results_{name}")
         box.margins = (4, 4, 4, 4)
+        _wrap_labels(box)
+        _wrap_check_boxes(box)
         page = QWidget()
         layout = QVBoxLayout(page)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -717,7 +788,6 @@ class JobWidget(Container):
             ParticlesExtracted: self.display.handle,
             IterationFinished: self._on_iteration,
         }
-        self.display.anchor(self.native)  # its result plots dock beside this widget
         ranks = self.mpi_ranks.value if self.mpi_ranks is not None else 1
         factory = ((lambda: run_under_mpi(self.job_name, params, ranks)) if ranks > 1  # a child mpiexec
                    else (lambda: module.run(params)))

@@ -31,9 +31,11 @@ from qtpy.QtWidgets import QAbstractItemView, QFileDialog, QHeaderView, QListWid
 from ..errors import InputError
 from ..events import Event
 from .display import LiveDisplay
+from .dock_layout import dock_as_panel, raise_dock
 from .follow_model import SETTLE_S, FolderFollower
-from .job_widget import wrapping
+from .job_widget import DOCK_MARGIN, chooser_button, wrapping
 from .jobs_model import SESSION, WIDGET_NAMES, JobRecord, Offer, merge_records, offers, scan_project
+from .layout_model import PANEL_MIN_WIDTH
 from .per_viewer import one_per_viewer
 from .runner import error_message
 
@@ -53,8 +55,10 @@ COLUMNS = ("Job", "Folder", "Status", "Iter.")
 
 
 def open_job_dock(viewer: Any, job: str) -> Any:
-    """The dock widget of ``job`` (our job name): the one already docked, else a new one from the plugin."""
-    _, widget = viewer.window.add_plugin_dock_widget(PLUGIN, WIDGET_NAMES[job])
+    """The dock widget of ``job`` (our job name): the one already docked, else a new one from the plugin; its tab
+    is brought to the front of the panel."""
+    dock, widget = viewer.window.add_plugin_dock_widget(PLUGIN, WIDGET_NAMES[job])
+    raise_dock(dock)
     return widget
 
 
@@ -190,7 +194,7 @@ class JobsPanel(Container):
         self.project.line_edit.value = str(SESSION.latest_project() or os.getcwd())
         self._project_is_default = True  # until the user picks a folder
         self.project.line_edit.native.setMinimumWidth(60)
-        self.project.choose_btn.text = "Browse..."
+        chooser_button(self.project, "Choose the project folder")
         self.project.tooltip = "The project folder: its <Type>/jobNNN folders are listed (RELION's layout)"
         self.info = Label(value="", name="jobs_info", label="")
         wrapping(self.info)
@@ -205,8 +209,8 @@ class JobsPanel(Container):
         self.stop_button = PushButton(text="Stop following", name="stop_following", label="", enabled=False)
         self.follow_info = Label(value="following nothing", name="follow_info", label="")
         wrapping(self.follow_info)
-        follow_row = Container(widgets=[self.follow_button, self.follow_folder_button, self.stop_button],
-                               layout="horizontal", labels=False, name="follow_row")
+        follow_row = Container(widgets=[self.follow_button, self.follow_folder_button], layout="horizontal",
+                               labels=False, name="follow_row")  # two buttons a row: the dock stays narrow
         follow_row.margins = (0, 0, 0, 0)
 
         self.table = QTableWidget(0, len(COLUMNS))
@@ -227,11 +231,13 @@ class JobsPanel(Container):
         self.offer_list.setMaximumHeight(160)
 
         super().__init__(widgets=[self.project, self.info, self.offer_label, self.open_button, follow_row,
-                                  self.follow_info], labels=False, name="jobs_panel")
+                                  self.stop_button, self.follow_info], labels=False, name="jobs_panel")
+        self.margins = (DOCK_MARGIN,) * 4
         layout = self.native.layout()
         layout.insertWidget(2, self.table, 1)
         layout.insertWidget(4, self.offer_list)
-        self.native.setMinimumWidth(300)
+        self.native.setMinimumWidth(PANEL_MIN_WIDTH)
+        dock_as_panel(self.native)  # a tab of the plugin's panel, beside the job docks (widgets/dock_layout.py)
 
         self.table.itemSelectionChanged.connect(self._on_selection)
         self.offer_list.itemDoubleClicked.connect(self.open_offer)
