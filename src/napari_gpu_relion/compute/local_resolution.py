@@ -384,9 +384,9 @@ class LocalResolution:
         filtered *= masks
         add_f = filtered.sum(axis=0)
         del filtered
-        inv = xp.asarray(1.0 / res)
-        add_r = xp.tensordot(inv, masks, axes=1)
         add_w = masks.sum(axis=0)
+        masks *= xp.asarray(1.0 / res)[:, None, None, None]  # (no GEMV: the job needs no cuBLAS)
+        add_r = masks.sum(axis=0)
         del masks
         # only now the sums (in place: no allocation that could fail half-way)
         self.sum_filtered += add_f
