@@ -274,7 +274,7 @@ def in_mask_stats(path: str, sel: np.ndarray) -> dict:
     return {"median_A": float(q[2]), "percentiles_5_25_50_75_95_A": [float(x) for x in q]}
 
 
-def agreement(x: dict, y: dict, sel: np.ndarray, box: int) -> dict:
+def agreement(x: dict, y: dict, sel: np.ndarray, box: int, apix: float) -> dict:
     """Two runs' outputs (files_of) inside ``sel``: medians, the voxel-wise Pearson correlation of the
     local-resolution maps and of the filtered maps, and per window how often the resolutions agree (RELION's
     free-text lines or our local_resolution block, whichever a file has)."""
@@ -293,21 +293,21 @@ def agreement(x: dict, y: dict, sel: np.ndarray, box: int) -> dict:
         v = np.array([wy[k] for k in common])
         res["windows"] = {"first": len(wx), "second": len(wy), "common": len(common),
                           "same_resolution": int(np.sum(np.abs(u - v) < 1e-3 * v)),
-                          "within_one_shell": int(np.sum(np.abs(box / u - box / v) <= 1.0 + 1e-6)),
+                          "within_one_shell": int(np.sum(np.abs(box * apix / u - box * apix / v) <= 1.0 + 1e-6)),
                           "pearson": pearson(u, v) if len(common) > 2 else None}
     except (OSError, KeyError, ValueError) as exc:
         res["windows"] = {"error": str(exc)}
     return res
 
 
-def compare(ours: dict, relion: dict, mask_path: Path | None, box: int) -> dict:
+def compare(ours: dict, relion: dict, mask_path: Path | None, box: int, apix: float) -> dict:
     lo = np.asarray(read_mrc(ours["locres"]).data, np.float64)
     sel = (np.asarray(read_mrc(mask_path).data) > 0.5) if mask_path is not None else lo > 0
     res = {"voxels": int(sel.sum()), "ours": in_mask_stats(ours["locres"], sel),
-           "ours_vs_ours_other_seed": agreement(ours, ours["other_seed"], sel, box)}
+           "ours_vs_ours_other_seed": agreement(ours, ours["other_seed"], sel, box, apix)}
     if "wall_s" in relion:
         res["relion"] = in_mask_stats(relion["locres"], sel)
-        res["ours_vs_relion"] = agreement(ours, relion, sel, box)
+        res["ours_vs_relion"] = agreement(ours, relion, sel, box, apix)
     return res
 
 
@@ -367,7 +367,7 @@ def main(argv=None) -> int:
         print(f"RELION: {relion['wall_s']:.2f} s", flush=True)
     else:
         print(f"RELION not measured ({relion['absent']}): ours only", flush=True)
-    cmp = compare(ours, relion, mask, box)
+    cmp = compare(ours, relion, mask, box, apix)
     result = {"gpu": "" if a.cpu else gpu_name(), "host": platform.node(), "ours_device": "cpu" if a.cpu else "gpu",
               "half1": str(h1), "half2": str(h2), "mask": str(mask) if mask else None, "box": box, "angpix": apix,
               "options": {k: (apix if k == "angpix" else getattr(a, k)) for k in SHARED_OPTIONS},
