@@ -130,6 +130,8 @@ def judge_maps(h1: Path, h2: Path, truth_map: Path, mask: Path, folder: Path, an
 
 
 def run_side(side: str, a, data: Path, info: dict, truth) -> dict:
+    limits = [float(x) for x in str(a.limit_s).split(",")]
+    limit = limits[min(a.sides.split(",").index(side), len(limits) - 1)]
     """One side's auto-refine (killed after --limit_s when given), judged per iteration."""
     ns = argparse.Namespace(**{**DEFAULTS, **{k: getattr(a, k) for k in DEFAULTS if hasattr(a, k)}})
     tag = f"{side}_refine3d_{a.tag}" if a.tag else f"{side}_refine3d"
@@ -144,7 +146,7 @@ def run_side(side: str, a, data: Path, info: dict, truth) -> dict:
     with open(folder / "log.txt", "w") as fh:
         proc = subprocess.Popen(cmd, cwd=data, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            rc = proc.wait(timeout=a.limit_s if a.limit_s > 0 else None)
+            rc = proc.wait(timeout=limit if limit > 0 else None)
             stopped = False
         except subprocess.TimeoutExpired:
             import os
@@ -186,7 +188,20 @@ def science(a) -> None:
         thr = a.mask_threshold if a.mask_threshold > 0 else float(0.02 * t.max())
         ngr(["mask_create", "--i", "state1.mrc", "--o", "mask.mrc", "--lowpass", "15", "--ini_threshold",
              str(thr), "--extend_inimask", "3", "--width_soft_edge", "6"], data / "mask.log", data)
-    # the true poses: each half reconstructed with them (the best any refinement of these images can do)
+    if a.true_poses:
+        true_poses(a, data, info, out)
+        save()
+    for side in a.sides.split(","):
+        out[side] = run_side(side, a, data, info, truth)
+        summary = {k: v for k, v in out[side].items() if k not in ("maps", "iterations")}
+        summary["last"] = out[side]["iterations"][-1] if out[side]["iterations"] else None
+        summary["maps"] = {k: v for k, v in out[side].get("maps", {}).items() if not isinstance(v, list)}
+        print(side, json.dumps(summary), flush=True)
+        save()
+
+
+def true_poses(a, data: Path, info: dict, out: dict) -> None:
+    """Each half reconstructed from the true poses (the best any refinement of these images can do), judged."""
     tp = data / "true_poses"
     tp.mkdir(exist_ok=True)
     parts = vr.particles_of(data / "particles.star")
@@ -207,14 +222,6 @@ def science(a) -> None:
                                    tp / "judge", info["angpix"])
     out["true_poses"]["reconstruct_s"] = time.time() - t
     print("true poses:", {k: v for k, v in out["true_poses"].items() if not isinstance(v, list)}, flush=True)
-    save()
-    for side in a.sides.split(","):
-        out[side] = run_side(side, a, data, info, truth)
-        summary = {k: v for k, v in out[side].items() if k not in ("maps", "iterations")}
-        summary["last"] = out[side]["iterations"][-1] if out[side]["iterations"] else None
-        summary["maps"] = {k: v for k, v in out[side].get("maps", {}).items() if not isinstance(v, list)}
-        print(side, json.dumps(summary), flush=True)
-        save()
 
 
 def plot(a) -> None:
@@ -255,7 +262,10 @@ def main(argv=None) -> None:
     s.add_argument("--data", required=True)
     s.add_argument("--sides", default="ours,relion")
     s.add_argument("--tag", default="")
-    s.add_argument("--limit_s", type=float, default=0.0, help="stop a side after this many seconds (0 = never)")
+    s.add_argument("--limit_s", type=str, default="0",
+                   help="stop a side after this many seconds (0 = never); one per side, comma-separated")
+    s.add_argument("--no_true_poses", dest="true_poses", action="store_false",
+                   help="skip the true-pose reconstructions")
     s.add_argument("--diameter", type=float, default=180.0)
     s.add_argument("--ini_high", type=float, default=30.0)
     s.add_argument("--offset_range", type=float, default=5.0)
