@@ -119,3 +119,117 @@ def test_a_real_relion_postprocess_folder(tmp_path):
     assert follower.poll(_later()) == []
     os.utime(star, ns=(star.stat().st_atime_ns, star.stat().st_mtime_ns + 10**9))  # post-processing run again
     assert len(follower.poll(_later())) == 2
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Issue 49: what a follow waits for is said, naming the files; the view follows the job kind; plots name the job
+
+
+def _class3d_model(tmp_path, job: str, it: int, k: int) -> tuple[list, object]:
+    """A 3D classification's model STAR naming ``k`` class maps (none written)."""
+    from relion_files import write_model_star
+
+    folder = tmp_path / job
+    folder.mkdir(parents=True, exist_ok=True)
+    refs = [f"{job}/run_it{it:03d}_class{c + 1:03d}.mrc" for c in range(k)]
+    star = write_model_star(folder / f"run_it{it:03d}_model.star", refs, [1.0 / k] * k, [12.0] * k, 3, 16, 3.0)
+    return [folder / r.split("/")[-1] for r in refs], star
+
+
+def test_a_model_star_naming_maps_that_are_not_there_says_which(tmp_path):
+    job = "Class3D/job007"
+    maps, star = _class3d_model(tmp_path, job, 5, 2)
+    follower = FolderFollower(tmp_path / job, settle_s=0.0)
+    assert follower.poll(_later()) == []
+    assert follower.waiting is not None
+    assert "iteration 5" in follower.waiting and "run_it005_class001.mrc, run_it005_class002.mrc" in follower.waiting
+    assert "run_it005_model.star" in follower.waiting and "not in" in follower.waiting
+    vol = np.random.default_rng(7).normal(size=(16, 16, 16)).astype(np.float32)
+    write_mrc(maps[0], vol, 3.0)
+    assert follower.poll(_later()) == []
+    assert "run_it005_class002.mrc" in follower.waiting and "class001" not in follower.waiting  # only the missing
+    whole = write_mrc(maps[1], vol, 3.0).read_bytes()
+    maps[1].write_bytes(whole[:-200])  # still being written
+    assert follower.poll(_later()) == []
+    assert "run_it005_class002.mrc not whole yet" in follower.waiting
+    maps[1].write_bytes(whole)
+    assert len(follower.poll(_later())) == 2 and follower.waiting is None  # both class maps shown
+
+
+def test_many_missing_files_are_named_up_to_a_few(tmp_path):
+    from napari_gpu_relion.widgets.follow_model import MAX_NAMED
+
+    job = "Class3D/job008"
+    _class3d_model(tmp_path, job, 1, MAX_NAMED + 3)
+    follower = FolderFollower(tmp_path / job, settle_s=0.0)
+    assert follower.poll(_later()) == []
+    assert "and 3 more" in follower.waiting
+
+
+def test_a_model_star_opened_as_a_file_names_its_missing_map(tmp_path):
+    from napari_gpu_relion.errors import InputError
+    from napari_gpu_relion.widgets.follow_model import model_snapshot
+
+    _, star = _class3d_model(tmp_path, "Class3D/job009", 2, 1)
+    with pytest.raises(InputError, match="run_it002_class001.mrc named in run_it002_model.star is not in"):
+        model_snapshot(star)
+
+
+def test_the_view_follows_the_kind_of_job():
+    from napari_gpu_relion.events import Message, MicrographPicked, ParticlesExtracted
+    from napari_gpu_relion.widgets.follow_model import view_of
+
+    grid = ClassAveragesUpdated("classes", _images(2, 1), np.array([0.5, 0.5]), np.array([9.0, 9.0]), 3.0)
+    assert view_of(grid) == 2
+    assert view_of(MicrographPicked("m", 0, np.zeros((1, 2)), np.zeros(1))) == 2
+    extracted = ParticlesExtracted("m", 0, np.zeros((1, 2)), 16, 3.0, _images(1, 2), 3.0)
+    assert view_of(extracted) == 2
+    assert view_of(MapUpdated("class001", np.zeros((8, 8, 8), np.float32), 3.0)) == 3
+    assert view_of(FscUpdated(np.arange(3.0), {"fsc": np.ones(3)}, 10.0)) is None
+    assert view_of(Message("hello")) is None
+
+
+def test_job_labels_name_the_job_folder():
+    from napari_gpu_relion.widgets.follow_model import job_label
+
+    assert job_label("/data/project/Refine3D/job012") == "Refine3D/job012"
+    assert job_label("/data/project/Refine3D/job012/run") == "Refine3D/job012"  # a rootname
+    assert job_label("/data/project/MaskCreate/job014/mask.mrc") == "MaskCreate/job014"  # an output file
+    assert job_label("/tmp/my_refinement") == "my_refinement"
+    assert job_label("", "refine3d") == "refine3d" and job_label(None, "x") == "x"
+
+
+def _postprocess_star(folder, with_fsc: bool = True):
+    folder.mkdir(parents=True, exist_ok=True)
+    text = "data_general\n\n_rlnFinalResolution  9.6\n\n"
+    if with_fsc:
+        rows = "".join(f"{k} {k / 48.0 + 1e-3:.6f} {max(0.0, 1.0 - k / 6.0):.4f}\n" for k in range(9))
+        text += ("data_fsc\n\nloop_\n_rlnSpectralIndex #1\n_rlnResolution #2\n"
+                 "_rlnFourierShellCorrelationCorrected #3\n" + rows)
+    star = folder / "postprocess.star"
+    star.write_text(text)
+    return star
+
+
+def test_a_postprocess_star_opened_as_a_file_comes_with_its_map_or_says_why_not(tmp_path):
+    from napari_gpu_relion.errors import InputError
+    from napari_gpu_relion.widgets.follow_model import postprocess_snapshot, snapshot_events
+
+    folder = tmp_path / "PostProcess" / "job020"
+    star = _postprocess_star(folder)
+    snap = postprocess_snapshot(star)
+    assert snap.images == ()  # no map beside it: the FSC alone
+    (curve,) = snapshot_events(snap, "job020")
+    assert isinstance(curve, FscUpdated) and curve.resolution_A == pytest.approx(9.6)
+    assert curve.star == star  # the STAR it was read from
+    vol = np.random.default_rng(8).normal(size=(12, 12, 12)).astype(np.float32)
+    write_mrc(folder / "postprocess.mrc", vol, 4.0)
+    write_mrc(folder / "postprocess_masked.mrc", vol, 4.0)
+    snap = postprocess_snapshot(star)
+    assert [p.name for p in snap.images] == ["postprocess_masked.mrc"]  # the masked map first
+    events = snapshot_events(snap, "job020")
+    assert [type(e).__name__ for e in events] == ["PostprocessFsc", "MapUpdated"]
+    assert events[1].name == "job020 postprocess"
+    bad = _postprocess_star(tmp_path / "PostProcess" / "job021", with_fsc=False)
+    with pytest.raises(InputError, match="postprocess.star has no data_fsc block"):
+        postprocess_snapshot(bad)

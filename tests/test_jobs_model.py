@@ -5,7 +5,7 @@ output, with a new job folder numbered as RELION does."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -174,3 +174,57 @@ def test_project_of_a_job_folder():
     assert jm.project_of("/data/proj/InitialModel/job012/") == Path("/data/proj")
     assert jm.project_of("/data/proj/class2d_out") is None  # not <Type>/jobNNN
     assert jm.project_of("/data/proj/out/job003") is None  # "out" is no job type
+
+
+class InitialModelWidget:
+    job_name = "initial_model"
+
+
+@dataclass(frozen=True)
+class RootParams:
+    """Params whose --o is marked a relion_refine rootname, as jobs/em.py marks it."""
+
+    i: Path
+    o: Path = field(default=None, metadata={"mode": "root"})
+
+
+class AnyWidget:
+    job_name = "some_refine_style_job"
+
+
+def test_a_running_initial_model_is_one_job_not_two(tmp_path):
+    """Issue 49: a running 3D initial model was listed twice (InitialModel/job005 from its files, and
+    InitialModel/job005/run from the session) and counted twice among the running jobs."""
+    p = _project(tmp_path)
+    im = p / "InitialModel" / "job005"
+    class2d_iteration(p, "InitialModel/job005", 1, np.zeros((1, 8, 8), np.float32), [1.0])  # files of iteration 1
+    session = jm.SessionJobs()
+    job = FakeJob()
+    session.started(InitialModelWidget(), Params(p / "Select/job004/particles.star", im / "run"), job)
+    (rec,) = session.records()
+    assert rec.folder == im  # the rootname's folder
+    merged = jm.merge_records(jm.scan_project(p), session.records())
+    folders = [r.folder for r in merged]
+    assert folders.count(im) == 1 and im / "run" not in folders
+    (row,) = [r for r in merged if r.folder == im]
+    assert row.session and row.status == "running"
+    assert jm.count_running(merged) == 1
+    job.set_state("cancelling")
+    assert jm.count_running(jm.merge_records(jm.scan_project(p), session.records())) == 1
+
+
+def test_a_rootname_is_known_from_the_params_field(tmp_path):
+    """Any job whose Params mark --o as a rootname (param(..., mode="root")) is listed by its folder."""
+    session = jm.SessionJobs()
+    session.started(AnyWidget(), RootParams(tmp_path / "x.star", tmp_path / "Refine3D" / "job002" / "run"), FakeJob())
+    assert session.records()[0].folder == tmp_path / "Refine3D" / "job002"
+    assert jm.output_folder("postprocess", Params(tmp_path / "h1.mrc", tmp_path / "PostProcess/job003")) == (
+        tmp_path / "PostProcess/job003")  # a plain output folder stays itself
+
+
+def test_running_jobs_are_counted_once_per_folder(tmp_path):
+    a, b = tmp_path / "Class2D" / "job001", tmp_path / "Refine3D" / "job002"
+    recs = [jm.JobRecord("class2d", a, "running", None, (), {}), jm.JobRecord("class2d", a, "running", None, (), {}),
+            jm.JobRecord("refine3d", b, "queued", None, (), {}),
+            jm.JobRecord("refine3d", tmp_path / "Refine3D" / "job003", "finished", None, (), {})]
+    assert jm.count_running(recs) == 2

@@ -65,6 +65,12 @@ def _pump(seconds: float = 0.3) -> None:
         time.sleep(0.02)
 
 
+def _pump_until(condition, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition() and time.monotonic() < end:
+        _pump(0.05)
+
+
 def _window(make_napari_viewer, monkeypatch, screen: tuple[int, int]):
     monkeypatch.setattr(dock_layout, "screen_room", lambda main: QRect(0, 0, *screen))
     viewer = make_napari_viewer(show=True)
@@ -122,8 +128,8 @@ def assert_job_dock_usable(widget, main, step: str) -> None:
     assert widget.native.width() >= widget.native.minimumSizeHint().width(), step  # nothing squeezed off
     before = widget.status_text
     widget._set_status(LONG_STATUS)  # noqa: SLF001 - a long error, as a failed job shows it
-    _pump(0.2)
     label = widget.status.native
+    _pump_until(lambda: label.height() >= label.heightForWidth(label.width()))  # laid out (a loaded machine: slow)
     assert label.height() >= label.heightForWidth(label.width()), f"{step}: status line cut"
     assert_shown_whole(label, main, f"{step}: long status")
     assert_shown_whole(widget.run_button, main, f"{step}: Run under a long status")

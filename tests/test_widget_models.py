@@ -515,3 +515,16 @@ def test_pick_rings_take_the_fom_ramp_over_the_automatic_picks_and_hand_picks_th
     for vision in _CVD:
         for c in (*PICK_COLORS, TRUE_PICK_COLOR, "#FFFFFF"):
             assert np.linalg.norm(_lab(black, vision) - _lab(np.array(hex_to_rgb(c)), vision)) > 20, (vision, c)
+
+
+def test_the_progress_bar_is_busy_only_while_a_job_is_cancelling():
+    """Issue 49: after a cancel the bar kept its busy animation (maximum 0) for good."""
+    from napari_gpu_relion.widgets.progress_model import bar_in_state
+
+    assert bar_in_state("cancelling", (40, 200)) == (0, 0)  # busy until the job has stopped
+    assert bar_in_state("cancelled", (0, 0), before_cancel=(40, 200)) == (40, 200)  # as it stood, not busy
+    assert bar_in_state("cancelled", (0, 0)) == (0, 1)  # never busy, even without a bar to go back to
+    assert bar_in_state("failed", (0, 0), before_cancel=(3, 10)) == (3, 10)
+    assert bar_in_state("failed", (7, 10)) == (7, 10)
+    assert bar_in_state("finished", (0, 0)) == (1, 1) and bar_in_state("finished", (5, 10)) == (10, 10)
+    assert bar_in_state("running", (5, 10)) == (5, 10) and bar_in_state("queued", (0, 1)) == (0, 1)

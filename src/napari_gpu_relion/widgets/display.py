@@ -11,9 +11,13 @@ A thin view. The pick and class-selection state lives in plain models (no Qt, no
   (micrographs, picks, class grids), which would otherwise lie over it; the 2D view (napari's 2D/3D button)
   shows them again and takes the maps out of the layer list meanwhile (kept, still updated, and put back in 3D),
   so that the map's z axis does not lengthen the micrograph slider. A new 2D result (picks, class grid) switches
-  back to 2D. The second half map of a refinement starts hidden (it lies on the first).
+  back to 2D, the maps kept aside first. The view follows the kind of job shown: the first class grid or map of a
+  job started or followed (:meth:`LiveDisplay.expect`) sets it, later ones leave the user's choice. The second half
+  map of a refinement starts hidden (it lies on the first).
 * :class:`~napari_gpu_relion.events.FscUpdated`: one dock "FSC" showing the plot that
-  :meth:`LiveDisplay.prepare_event` drew in the worker thread (widgets/plots.py).
+  :meth:`LiveDisplay.prepare_event` drew in the worker thread (widgets/plots.py), titled with its job; following
+  another folder clears it (:meth:`LiveDisplay.begin`). A post-processing STAR opened as a file shows its curves
+  and the map beside it, and says so or why not (:meth:`LiveDisplay.show_postprocess`).
 * :class:`~napari_gpu_relion.events.MicrographPicked`: into the PickModel, shown as one Points layer "picks"
   (mic, y, x; row i of the model is point i), features fom, class, psi, mic and manual, ``shown`` from the
   model's threshold. Points added by hand get RELION's manual-pick markers (fom, class, psi = -999), ``manual``
@@ -55,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
+from napari.utils.notifications import show_info
 from qtpy.QtCore import QTimer
 
 from ..compute.angular_distribution import angular_histogram
@@ -71,6 +76,7 @@ from .display_model import (
     prepare_extraction,
     prepare_map,
 )
+from .follow_model import job_label, postprocess_snapshot, snapshot_events, view_of
 from .layers import (
     ANGSTROM,
     BOXES_LAYER,
@@ -79,6 +85,7 @@ from .layers import (
     MAP_COLORMAP,
     PICKS_LAYER,
     PIXEL,
+    PostprocessFsc,
     points_kwargs,
 )
 from .per_viewer import one_per_viewer
@@ -158,6 +165,8 @@ class LiveDisplay:
         self._parked: dict[str, Any] = {}  # maps taken out of the layer list while the 2D view is shown
         self._hidden_for_maps: list[weakref.ref] = []  # 2D layers the 3D view of the maps hid
         self._swapping = False
+        self.last_message = ""  # the last line the display said (show_postprocess)
+        self._view_due = False  # the next class grid or map sets the view by its kind (expect)
         real = _unwrap(viewer)
         self._plot_colors = plots.theme_colors(real)
         # before napari's own handlers: the 2D layers are hidden before napari re-slices them in 3D (a micrograph
@@ -330,14 +339,34 @@ class LiveDisplay:
         """Import the plotting modules now rather than at the first FSC (see widgets/plots.py)."""
         plots.prepare()
 
-    def prepare_event(self, event: Any) -> Any:
+    def prepare_event(self, event: Any, source: str = "") -> Any:
         """What the runner calls in the job's worker thread on every event: maps, class grids
-        (widgets/display_model.py) and FSC plots (drawn to an image in the theme's colours) made ready, so that
-        the GUI thread only shows them. Reads nothing of the viewer but the colours taken at construction."""
+        (widgets/display_model.py) and FSC plots (drawn to an image in the theme's colours, titled with the job
+        ``source``, e.g. "Refine3D/job012") made ready, so that the GUI thread only shows them. Reads nothing of the
+        viewer but the colours taken at construction."""
         if isinstance(event, FscUpdated) and not isinstance(event, PreparedFsc):
             base = {f.name: getattr(event, f.name) for f in dataclasses.fields(FscUpdated)}
-            return PreparedFsc(**base, rendered=plots.render_fsc(event, self._plot_colors))
+            return PreparedFsc(**base, rendered=plots.render_fsc(event, self._plot_colors, source), source=source)
         return prepare_event(event)
+
+    def expect(self) -> None:
+        """Another job's results come next (a job started, a folder followed): its first class grid or map sets the
+        view by its kind (2D or 3D). Later results of the same job leave the view as the user set it (a map updated
+        while the 2D view is shown stays aside, see the module docstring)."""
+        self._view_due = True
+
+    def begin(self, source: str) -> None:
+        """Another job is shown from now on (a folder followed, ``source`` its label): the view follows its kind
+        (:meth:`expect`); the plots of the former job are cleared, saying which job's are awaited, and its FSC still
+        waiting to be drawn is dropped."""
+        self.expect()
+        if self.fsc is not None and _alive(self.fsc.widget) and self.fsc.source != source:
+            self.fsc.clear(source)
+        if self.angdist is not None and _alive(self.angdist.widget):
+            self.angdist.clear(source)
+        pending = self._pending_fsc
+        if pending is not None and getattr(pending, "source", "") != source:
+            self._pending_fsc = None
 
     # -- maps --------------------------------------------------------------------------------------------
 
@@ -352,6 +381,9 @@ class LiveDisplay:
         ev = event if isinstance(event, PreparedMap) else prepare_map(event)
         vol = ev.display_volume
         kind = "Surface" if vol.ndim == 3 else "Image"
+        if self._view_is_due(view_of(ev) if kind == "Surface" else None):
+            if self.map_layer(ev.name) is not None and viewer.dims.ndisplay == 2:
+                self._enter_maps_view()  # another job's maps, their layers kept aside from before: the 3D view
         layer = self.map_layer(ev.name)
         if layer is not None and type(layer).__name__ != kind:
             self._forget_map(layer)
@@ -469,11 +501,11 @@ class LiveDisplay:
                 self._hidden_for_maps.append(weakref.ref(layer))
         self.frame_maps()
 
-    def _show_2d_view(self, viewer: Any) -> None:
+    def _show_2d_view(self, viewer: Any, force: bool = False) -> None:
         hidden = [la for la in (ref() for ref in self._hidden_for_maps) if la is not None and la in viewer.layers]
         self._hidden_for_maps = []
         flat = [la for la in viewer.layers if not _is_map(la)]
-        if not flat:
+        if not flat and not force:
             return  # only maps: napari's 2D view of their slices, as without this display
         with frozen_gc():
             for layer in [la for la in viewer.layers if _is_map(la)]:
@@ -483,12 +515,33 @@ class LiveDisplay:
             layer.visible = True
         viewer.reset_view()
 
-    def _to_2d_view(self) -> None:
-        """A new 2D result (picks, class grid) is shown in the 2D view."""
+    def _to_2d_view(self, park: bool = False) -> None:
+        """A new 2D result (picks, class grid) is shown in the 2D view. ``park``: the first 2D result of another job
+        (:meth:`expect`): the 2D view whatever put the viewer in 3D (a map of ours, one the reader opened, the
+        user's 2D/3D button), with the maps kept aside first even when no 2D layer is there yet (else the maps'
+        z axis joins the 2D result's world): the viewer follows the kind of job shown."""
         viewer = self.viewer
-        if viewer is not None and viewer.dims.ndisplay == 3 and (
-                self._hidden_for_maps or any(_is_map(la) for la in viewer.layers)):
+        if viewer is None:
+            return
+        if not park:
+            if viewer.dims.ndisplay == 3 and (self._hidden_for_maps or any(_is_map(la) for la in viewer.layers)):
+                viewer.dims.ndisplay = 2
+            return
+        if viewer.dims.ndisplay == 2 and not any(_is_map(la) for la in viewer.layers):
+            return
+        self._swapping = True
+        try:
+            self._show_2d_view(viewer, force=True)
             viewer.dims.ndisplay = 2
+        finally:
+            self._swapping = False
+
+    def _view_is_due(self, view: int | None) -> bool:
+        """True once, for the first result of a job started or followed (:meth:`expect`) that has a view."""
+        if self._view_due and view is not None:
+            self._view_due = False
+            return True
+        return False
 
     def _on_layer_removed(self, event: Any) -> None:
         """A layer the user deleted is forgotten (not put back by the next 2D/3D switch)."""
@@ -504,6 +557,8 @@ class LiveDisplay:
         toggle classes (see :meth:`toggle_class_at`); the selection of the same job is kept."""
         viewer = self.viewer
         ev = event if isinstance(event, PreparedClasses) else prepare_classes(event)
+        if self._view_is_due(view_of(ev)):
+            self._to_2d_view(park=True)  # another job's results: the viewer follows its kind
         model, image = ev.grid, ev.grid_image
         scale = (float(ev.pixel_size or 1.0),) * 2
         units = (ANGSTROM,) * 2 if ev.pixel_size else (PIXEL,) * 2
@@ -609,6 +664,8 @@ class LiveDisplay:
         (Points (mic, y, x) in Å, like the picks; none of the pick colours), replaced in place."""
         if not self._boxes:
             return None
+        if self._view_is_due(2):
+            self._to_2d_view(park=True)  # an extraction after a 3D job: the viewer follows the kind of job
         items = sorted(self._boxes.items())
         data = np.concatenate([extraction_boxes(i, c) for i, (c, _, _) in items]).reshape(-1, 3)
         sizes = np.concatenate([np.full(len(c), float(b)) for _, (c, b, _) in items])
@@ -752,11 +809,38 @@ class LiveDisplay:
     # -- FSC ---------------------------------------------------------------------------------------------
 
     def show_fsc(self, event: FscUpdated) -> FscPlot:
-        """Redraw the FSC dock (created on first use, re-created if the user closed it)."""
+        """Redraw the FSC dock (created on first use, re-created if the user closed it), titled with the job the
+        curves belong to. The curves of a post-processing STAR opened as a file (widgets/layers.PostprocessFsc, not
+        prepared by a job or a followed folder) come with the map beside them: :meth:`show_postprocess`."""
+        if isinstance(event, PostprocessFsc) and not isinstance(event, PreparedFsc):
+            return self.show_postprocess(event.star)
         if self.fsc is None or not _alive(self.fsc.widget):
             self.fsc = FscPlot(self.viewer)
             self._fsc_dock = self._dock_plot(self.fsc.widget, FSC_DOCK)
-        self.fsc.update(event, getattr(event, "rendered", None))
+        self.fsc.update(event, getattr(event, "rendered", None), getattr(event, "source", ""))
+        dock_layout.raise_dock(self._fsc_dock if _alive(self._fsc_dock) else None)
+        return self.fsc
+
+    def show_postprocess(self, star: str | Path) -> FscPlot:
+        """A post-processing STAR opened as a file: its FSC curves (titled with its job) and the map beside it
+        (postprocess_masked.mrc, else postprocess.mrc), and a line saying what was shown, or why the map was not;
+        InputError saying why when the STAR cannot be shown."""
+        snap = postprocess_snapshot(star)
+        label = job_label(Path(star).parent)
+        self.begin(label)
+        for event in snapshot_events(snap, Path(star).parent.name):
+            self.handle(self.prepare_event(event, label))
+        self.flush()
+        self.flush()  # a first map switches to the 3D view and comes at the next turn
+        found = snap.images[0].name if snap.images else None
+        fsc = self.fsc.last_event if self.fsc is not None else None
+        res = f" ({fsc.resolution_A:.2f} Å at FSC {fsc.threshold:g})" if fsc is not None and np.isfinite(
+            fsc.resolution_A) else ""
+        message = (f"{label}: FSC curves{res} and {found} shown" if found else
+                   f"{label}: FSC curves{res} shown; no map beside {Path(star).name} (postprocess_masked.mrc or "
+                   "postprocess.mrc) to show")
+        self.last_message = message
+        show_info(message)
         return self.fsc
 
     def _dock_plot(self, widget: Any, name: str) -> Any:
@@ -791,6 +875,8 @@ class LiveDisplay:
 
     def _apply_picks(self) -> Any:
         """Show the model in the picks layer (created on first use), point i being row i."""
+        if self._view_is_due(2):
+            self._to_2d_view(park=True)  # picking after a 3D job: the viewer follows the kind of job
         model = self._picks
         n = len(model)
         data = np.column_stack([model.mic.astype(np.float64), model.xy[:, ::-1]])

@@ -58,9 +58,11 @@ class PreparedMap(MapUpdated):
 
 @dataclass(frozen=True)
 class PreparedFsc(FscUpdated):
-    """An FscUpdated with its plot already drawn to an image (widgets/plots.render_fsc, off the GUI thread)."""
+    """An FscUpdated with its plot already drawn to an image (widgets/plots.render_fsc, off the GUI thread), and the
+    job it belongs to (``source``: "Refine3D/job012"; "" unknown), named in the plot's title."""
 
     rendered: Any = None
+    source: str = ""
 
 
 @dataclass(frozen=True)

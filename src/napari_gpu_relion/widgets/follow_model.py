@@ -17,8 +17,14 @@ Complete means: the model STAR(s) of the iteration exist (RELION writes an itera
 and so does this plugin), parse, and every image they name (``rlnReferenceImage``, looked for in the followed
 folder) has all the bytes its MRC header promises; and no file of the iteration changed in the last ``settle_s``
 seconds (RELION writes in place, not through a temporary file: a STAR being written may already parse). An
-incomplete iteration is simply looked at again at the next scan. When several iterations are complete at once
-(a folder opened late), only the newest is shown.
+incomplete iteration is simply looked at again at the next scan, and :attr:`FolderFollower.waiting` says what it
+waits for (the files a model STAR names that are not there, or not whole yet, by name; a file just written; a STAR
+that does not parse yet), so that a folder whose model STAR names maps that never come does not wait in silence.
+When several iterations are complete at once (a folder opened late), only the newest is shown.
+
+:func:`view_of` says which view of the viewer a job's result wants (2D: picks, class averages, particles; 3D: maps),
+so that the viewer follows the kind of job shown (widgets/display.py); :func:`job_label` names a job folder in plot
+titles ("Refine3D/job012").
 """
 
 from __future__ import annotations
@@ -35,18 +41,21 @@ import pandas as pd
 
 from ..compute.fsc import resolution_shell
 from ..errors import InputError
-from ..events import ClassAveragesUpdated, FscUpdated, MapUpdated
+from ..events import ClassAveragesUpdated, FscUpdated, MapUpdated, MicrographPicked, ParticlesExtracted
 from ..io.jobdir import final_model_root, iteration_model
 from ..io.mrc import mrc_header_info, read_mrc
 from ..io.star import read_star
 from .layers import postprocess_fsc
 
-__all__ = ["SETTLE_S", "Snapshot", "FolderFollower", "is_job_folder", "model_snapshot", "snapshot_events"]
+__all__ = ["SETTLE_S", "Snapshot", "FolderFollower", "is_job_folder", "model_snapshot", "snapshot_events", "view_of",
+           "job_label", "MAX_NAMED", "postprocess_snapshot"]
 
 #: Seconds a file must be left unchanged before it is read (a file RELION is still writing changes).
 SETTLE_S = 1.0
 #: Order key of final files: after every iteration.
 _FINAL = 10**9
+#: Files named at most in a waiting message (then "and N more").
+MAX_NAMED = 3
 
 
 @dataclass(frozen=True)
@@ -118,6 +127,8 @@ class FolderFollower:
         self.settle_s = float(settle_s)
         self.label = label or self.folder.name
         self.shown: Snapshot | None = None
+        #: What the newest state not shown yet waits for (files named), after the last scan; None if nothing.
+        self.waiting: str | None = None
 
     # -- scanning ------------------------------------------------------------------------------------------
 
@@ -160,16 +171,24 @@ class FolderFollower:
     def complete(self, kind: str, iteration: int | None, stars: list[Path], key: tuple,
                  now: float | None = None) -> Snapshot | None:
         """The snapshot of one candidate if all its files are there, whole and settled; else None."""
+        return self.check(kind, iteration, stars, key, now)[0]
+
+    def check(self, kind: str, iteration: int | None, stars: list[Path], key: tuple,
+              now: float | None = None) -> tuple[Snapshot | None, str | None]:
+        """(the snapshot of one candidate, None) if all its files are there, whole and settled; else (None, what it
+        waits for, in words that name the files)."""
         now = time.time() if now is None else now
-        if not all(s.is_file() for s in stars):
-            return None
+        what = _describe(kind, iteration)
+        missing_stars = [s for s in stars if not s.is_file()]
+        if missing_stars:
+            return None, f"{what}: waiting for {_names(missing_stars)}"
         try:
             if kind == "postprocess":
                 images = [self.folder / n for n in ("postprocess_masked.mrc", "postprocess.mrc")
                           if (self.folder / n).is_file()][:1]
                 blocks = read_star(stars[0])
                 if "fsc" not in blocks:
-                    return None
+                    return None, f"{what}: {stars[0].name} has no data_fsc block (yet)"
             else:
                 images = []
                 for star in stars:
@@ -179,28 +198,81 @@ class FolderFollower:
                 if kind == "class":
                     dim = int(float(_general(blocks).get("rlnReferenceDimensionality", 0)))
                     kind = "class2d" if dim == 2 or any(p.suffix == ".mrcs" for p in images) else "class3d"
-        except (InputError, OSError, ValueError, KeyError):
-            return None  # not written through yet: looked at again at the next scan
-        if not all(_complete_mrc(p) for p in images) or not self._settled([*stars, *images], now):
-            return None
-        return Snapshot(kind, iteration, tuple(stars), tuple(images), key)
+        except (InputError, OSError, ValueError, KeyError) as exc:  # not written through yet: looked at again
+            return None, f"{what}: {_names(stars)} cannot be read yet ({_short_error(exc)})"
+        missing = [p for p in images if not p.is_file()]
+        if missing:
+            return None, (f"{what}: {_names(missing)} named in {_names(stars)} "
+                          f"{'is' if len(missing) == 1 else 'are'} not in {self.folder}")
+        partial = [p for p in images if not _complete_mrc(p)]
+        if partial:
+            return None, f"{what}: {_names(partial)} not whole yet (shorter than its header says)"
+        if not self._settled([*stars, *images], now):
+            return None, f"{what}: its files were written less than {self.settle_s:g} s ago"
+        return Snapshot(kind, iteration, tuple(stars), tuple(images), key), None
 
     def scan(self, now: float | None = None) -> Snapshot | None:
-        """The newest complete state not shown yet (and remember it as shown); None when there is none."""
+        """The newest complete state not shown yet (and remember it as shown); None when there is none.
+        :attr:`waiting` says what the newest state not shown yet waits for (None when there is none)."""
         shown_key = self.shown.key if self.shown is not None else None
+        self.waiting = None
         for key, kind, iteration, stars in self.candidates():
             if shown_key is not None and key <= shown_key:
                 return None
-            snap = self.complete(kind, iteration, stars, key, now)
+            snap, reason = self.check(kind, iteration, stars, key, now)
             if snap is not None:
                 self.shown = snap
                 return snap
+            if self.waiting is None:
+                self.waiting = reason
         return None
 
     def poll(self, now: float | None = None) -> list[Any]:
         """The events of the newest complete state not shown yet ([] when there is none)."""
         snap = self.scan(now)
         return [] if snap is None else snapshot_events(snap, self.label)
+
+
+def _describe(kind: str, iteration: int | None) -> str:
+    if kind == "postprocess":
+        return "post-processing"
+    return "final files" if iteration is None else f"iteration {iteration}"
+
+
+def _names(paths: list[Path]) -> str:
+    """File names, at most MAX_NAMED of them ("a, b, c and 4 more")."""
+    names = [p.name for p in paths]
+    text = ", ".join(names[:MAX_NAMED])
+    return text + (f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else "")
+
+
+def _short_error(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def view_of(event: Any) -> int | None:
+    """The view (napari's ndisplay) a job's result is seen in: 2 for picks, class averages and extracted particles,
+    3 for a 3D map; None for anything else (FSC curves, messages)."""
+    if isinstance(event, ClassAveragesUpdated | MicrographPicked | ParticlesExtracted):
+        return 2
+    if isinstance(event, MapUpdated):
+        volume = getattr(event, "volume", None)
+        return 3 if volume is None or np.ndim(volume) == 3 else 2
+    return None
+
+
+def job_label(folder: str | os.PathLike | None, fallback: str = "") -> str:
+    """A job's name in titles: ``<Type>/jobNNN`` for a RELION-style job folder (its last two parts), else the
+    folder's name; ``fallback`` without a folder."""
+    if folder is None or not str(folder):
+        return fallback
+    p = Path(folder)
+    if p.name == "run" or p.suffix:  # a rootname or an output file: its folder
+        p = p.parent
+    if p.name.startswith("job") and p.name[3:].isdigit() and p.parent.name:
+        return f"{p.parent.name}/{p.name}"
+    return p.name or fallback
 
 
 def model_snapshot(path: str | os.PathLike) -> Snapshot:
@@ -213,14 +285,24 @@ def model_snapshot(path: str | os.PathLike) -> Snapshot:
     if f is not None and f.half:
         prefix = p.name[: -len(f"_half{f.half}_model.star")]  # <root>_itNNN as the name spells it
         stars = [p.parent / f"{prefix}_half{h}_model.star" for h in (1, 2)]
-        snap = follower.complete("refine3d", f.iteration, [s for s in stars if s.is_file()], ())
+        snap, reason = follower.check("refine3d", f.iteration, [s for s in stars if s.is_file()], ())
     elif f is not None:
-        snap = follower.complete("class", f.iteration, [p], ())
+        snap, reason = follower.check("class", f.iteration, [p], ())
     else:
-        snap = follower.complete("refine3d", None, [p], ())
+        snap, reason = follower.check("refine3d", None, [p], ())
     if snap is None:
-        raise InputError("not a readable model STAR, or an image it names (rlnReferenceImage, looked for beside it) "
-                         "is missing or incomplete", path=str(p))
+        raise InputError(f"not shown: {reason}" if reason else "not a readable model STAR", path=str(p))
+    return snap
+
+
+def postprocess_snapshot(path: str | os.PathLike) -> Snapshot:
+    """The post-processing a ``postprocess.star`` stands for: its FSC curves and the map beside it
+    (``postprocess_masked.mrc``, else ``postprocess.mrc``; none when neither is there); InputError saying why when
+    the STAR cannot be shown."""
+    p = Path(path)
+    snap, reason = FolderFollower(p.parent, settle_s=0.0).check("postprocess", None, [p], ())
+    if snap is None:
+        raise InputError(f"not shown: {reason}" if reason else "not a post-processing STAR", path=str(p))
     return snap
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import logging
 import math
@@ -84,10 +85,11 @@ from ..mpi_child import MPI_JOBS, mpi_available, run_under_mpi
 from ..runtime.device import device_key
 from .display import LiveDisplay
 from .dock_layout import dock_as_panel
+from .follow_model import job_label
 from .form_model import form_layout, form_of
 from .jobs_model import SESSION
 from .layout_model import PANEL_MIN_WIDTH
-from .progress_model import ProgressClock
+from .progress_model import ProgressClock, bar_in_state
 from .runner import Job, JobRunner, JobState, error_message, get_runner
 
 if TYPE_CHECKING:
@@ -585,6 +587,7 @@ class JobWidget(Container):
         self._loading = False
         self._results_tab: QWidget | None = None
         self._clock = ProgressClock()
+        self._bar_before_cancel: tuple[int, int] | None = None  # the bar when Cancel was clicked
 
         self.run_button = PushButton(text="Run", name="job_run_button")
         self.run_button.tooltip = f"Start {self.job_name} with these parameters (queued if the device is busy)"
@@ -772,6 +775,7 @@ class JobWidget(Container):
             runner = self._runner
         self.progress.max = 1
         self.progress.value = 0
+        self._bar_before_cancel = None
         self._clock = ProgressClock()
         self._map_levels.clear()
         self._set_status(f"{self.job_name}: submitted")
@@ -791,8 +795,11 @@ class JobWidget(Container):
         ranks = self.mpi_ranks.value if self.mpi_ranks is not None else 1
         factory = ((lambda: run_under_mpi(self.job_name, params, ranks)) if ranks > 1  # a child mpiexec
                    else (lambda: module.run(params)))
+        self.display.expect()  # the job's first class grid or map sets the view (2D or 3D) by its kind
+        # its FSC plots are titled with the job ("Refine3D/job012"), drawn in the worker thread
+        prepare = functools.partial(self.display.prepare_event, source=job_label(self.folder.value, self.job_name))
         self.job = runner.submit(self.job_name, factory, handlers=handlers, on_state=self._on_state,
-                                 prepare=self.display.prepare_event)
+                                 prepare=prepare)
         self._on_state(self.job)  # submit() may have started it before self.job was set
         SESSION.started(self, params, self.job)  # the jobs panel lists it (widgets/jobs_model.py)
         return self.job
@@ -816,13 +823,20 @@ class JobWidget(Container):
         elif job.state is JobState.RUNNING and self.status_text.startswith(f"{self.job_name}: queued"):
             self._set_status(f"{self.job_name}: starting")
         elif job.state is JobState.CANCELLING:
-            self.progress.max = 0  # busy indicator until the job has stopped
+            if self.progress.max > 0:
+                self._bar_before_cancel = (self.progress.value, self.progress.max)
             self._set_status(f"{self.job_name}: cancelling... (stops at the job's next step)")
         elif job.state is JobState.CANCELLED:
             self._set_status(f"{self.job_name}: cancelled; files already written are kept")
         elif job.state is JobState.FAILED:
             self.last_error = f"{self.job_name} failed: {error_message(job.error)}" if job.error else "failed"
             self._set_status(self.last_error, error=True)
+        if job.state is not JobState.FINISHED:  # busy while cancelling, never once stopped (progress_model)
+            value, maximum = bar_in_state(job.state.value, (self.progress.value, self.progress.max),
+                                          self._bar_before_cancel)
+            if (value, maximum) != (self.progress.value, self.progress.max):
+                self.progress.max = maximum
+                self.progress.value = value
 
     def _on_started(self, ev: Started) -> None:
         self.show_results_tab()  # what the job produces is what to look at now
@@ -832,6 +846,8 @@ class JobWidget(Container):
 
     def _on_progress(self, ev: Progress) -> None:
         """The bar and the status line: "iteration n of max" and the time left where the job knows them."""
+        if self.job is not None and self.job.state is JobState.CANCELLING:
+            return  # the busy bar and "cancelling..." until the job has stopped
         report = self._clock.report(self.job_name, ev, time.monotonic())
         self.progress.max = report.maximum
         self.progress.value = report.value

@@ -22,6 +22,7 @@ post-processing. An :class:`Offer` holds every value to put into the next job's 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import time
@@ -49,6 +50,8 @@ __all__ = [
     "project_of",
     "offers",
     "note_arguments",
+    "count_running",
+    "ACTIVE",
 ]
 
 #: Our job name -> RELION's job-type folder (``<project>/<Type>/jobNNN``).
@@ -352,6 +355,22 @@ def scan_project(project: str | os.PathLike, now: float | None = None) -> list[J
     return sorted(records, key=lambda r: (r.number if r.number is not None else 10**9, str(r.folder)))
 
 
+#: Statuses of a job that has not stopped.
+ACTIVE = ("running", "queued", "cancelling")
+
+
+def count_running(records: Iterable[JobRecord]) -> int:
+    """Jobs not stopped (running, queued, cancelling), each job folder counted once."""
+    folders = set()
+    for rec in records:
+        if rec.status in ACTIVE:
+            try:
+                folders.add(rec.folder.resolve())
+            except OSError:
+                folders.add(rec.folder)
+    return len(folders)
+
+
 def _same(a: Path, b: Path) -> bool:
     try:
         return a.resolve() == b.resolve()
@@ -449,14 +468,28 @@ def _status_of(job: Any) -> str:
     return str(getattr(state, "value", state)) if state is not None else "unknown"
 
 
+#: Jobs whose ``--o`` is a relion_refine output rootname (``<folder>/run``), also where Params do not say so.
+ROOTNAME_JOBS = ("class2d", "class3d", "refine3d", "initial_model")
+
+
+def _is_rootname(params: Any, name: str) -> bool:
+    """True if field ``name`` of ``params`` is a relion_refine output rootname (``param(..., mode="root")``)."""
+    with contextlib.suppress(TypeError):
+        for f in dataclasses.fields(params):
+            if f.name == name:
+                return f.metadata.get("mode") == "root"
+    return False
+
+
 def output_folder(job: str, params: Any) -> Path | None:
-    """The folder a job writes to, from its Params (``--o`` rootname, folder or file; autopick's ``--odir``)."""
+    """The folder a job writes to, from its Params (``--o`` rootname, folder or file; autopick's ``--odir``): the
+    folder of a rootname (``InitialModel/job005/run`` -> ``InitialModel/job005``, never a job of its own)."""
     for name in ("odir", "o"):
         value = getattr(params, name, None)
         if value is None:
             continue
         p = Path(value)
-        if job in ("class2d", "class3d", "refine3d") or p.suffix:
+        if job in ROOTNAME_JOBS or _is_rootname(params, name) or p.suffix:
             return p.parent  # a rootname (<folder>/run) or a file
         return p
     return None

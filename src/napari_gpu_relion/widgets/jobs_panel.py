@@ -32,9 +32,9 @@ from ..errors import InputError
 from ..events import Event
 from .display import LiveDisplay
 from .dock_layout import dock_as_panel, raise_dock
-from .follow_model import SETTLE_S, FolderFollower
+from .follow_model import SETTLE_S, FolderFollower, job_label
 from .job_widget import DOCK_MARGIN, chooser_button, wrapping
-from .jobs_model import SESSION, WIDGET_NAMES, JobRecord, Offer, merge_records, offers, scan_project
+from .jobs_model import SESSION, WIDGET_NAMES, JobRecord, Offer, count_running, merge_records, offers, scan_project
 from .layout_model import PANEL_MIN_WIDTH
 from .per_viewer import one_per_viewer
 from .runner import error_message
@@ -72,6 +72,8 @@ class FolderFollow:
         self.folder: Path | None = None
         self.shown = ""
         self.error: str | None = None
+        #: what the followed folder's newest state waits for (follow_model.FolderFollower.waiting), or None
+        self.waiting: str | None = None
         self.interval = FOLLOW_POLL_S
         self.settle_s = SETTLE_S
         self._worker: Any = None
@@ -106,7 +108,8 @@ class FolderFollow:
         if not folder.is_dir():
             raise InputError("not a folder", path=str(folder))
         self.stop()
-        self.folder, self.shown, self.error = folder, "", None
+        self.folder, self.shown, self.error, self.waiting = folder, "", None, None
+        self.display.begin(job_label(folder))  # the former job's plots cleared, saying whose are awaited
         stop = self._stop = threading.Event()
         follower = FolderFollower(folder, self.settle_s)
         worker = create_worker(_follow, follower, self.display, self.interval, stop, _start_thread=False)
@@ -136,6 +139,9 @@ class FolderFollow:
         elif isinstance(item, tuple) and item and item[0] == "error":
             self.error = item[1]
             self._notify()
+        elif isinstance(item, tuple) and item and item[0] == "waiting":
+            self.waiting = item[1]
+            self._notify()
 
     def _on_errored(self, exc: BaseException) -> None:
         self.error = error_message(exc)
@@ -161,13 +167,18 @@ def _stop_on_quit(follow: FolderFollow) -> None:
 def _follow(follower: FolderFollower, display: LiveDisplay, interval: float, stop: threading.Event):
     """The follow loop (worker thread): scan, read and prepare a new iteration's events, wait, again; it ends when
     stopped or when the viewer is closed."""
+    source = job_label(follower.folder)
+    waiting = None
     while not stop.is_set() and display.viewer is not None:
         try:
             events = follower.poll()
-            prepared = [display.prepare_event(ev) for ev in events]
+            prepared = [display.prepare_event(ev, source) for ev in events]
         except (InputError, OSError, ValueError) as exc:
             yield ("error", f"{follower.folder}: {error_message(exc)}")
             prepared = []
+        if follower.waiting != waiting:  # what the newest iteration waits for, files named
+            waiting = follower.waiting
+            yield ("waiting", waiting)
         for ev in prepared:
             if stop.is_set():
                 return
@@ -318,7 +329,7 @@ class JobsPanel(Container):
                 if item.text() != text:
                     item.setText(text)
             self.table.item(row, 1).setToolTip(str(rec.folder))
-        running = sum(r.status in ("running", "queued", "cancelling") for r in records)
+        running = count_running(records)
         self.info.value = (f"{len(records)} job(s), {running} running" if records
                            else "no jobs yet in this project (run one from a job dock)")
         if selected is not None:
@@ -415,6 +426,8 @@ class JobsPanel(Container):
             return
         text = f"following {f.folder}" if f.active else f"stopped following {f.folder}"
         text += f": {f.shown} shown" if f.shown else (": waiting for a complete iteration" if f.active else "")
+        if f.waiting and f.active:
+            text += f"; waiting: {f.waiting}" if f.shown else f" ({f.waiting})"
         if f.error:
             text += f" ({f.error})"
         self.follow_info.value = text.replace("/", "/\u200b")

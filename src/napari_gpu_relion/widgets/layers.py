@@ -17,6 +17,7 @@ The conventions (docs/napari_conventions.md, section 4):
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ __all__ = [
     "DEFAULT_POINT_SIZE",
     "FEATURE_DEFAULTS",
     "FSC_COLUMNS",
+    "PostprocessFsc",
     "layer_units",
     "robust_limits",
     "iso_level",
@@ -231,7 +233,15 @@ def micrographs_table(path: str | os.PathLike) -> tuple[list[Path], float | None
     return files, pixel_size, df
 
 
-def postprocess_fsc(path: str | os.PathLike) -> FscUpdated:
+@dataclass(frozen=True)
+class PostprocessFsc(FscUpdated):
+    """The FSC curves of a post-processing STAR, with the STAR they were read from (``star``): the live display
+    shows the map beside it too when the STAR was opened as a file."""
+
+    star: Path | None = None
+
+
+def postprocess_fsc(path: str | os.PathLike) -> PostprocessFsc:
     """The FSC curves of a post-processing STAR (RELION's postprocess.star or ours) as an FscUpdated event:
     curves against rlnResolution (1/Å), the resolution from rlnFinalResolution (FSC 0.143)."""
     blocks = read_star(path)
@@ -241,4 +251,4 @@ def postprocess_fsc(path: str | os.PathLike) -> FscUpdated:
     curves = {name: fsc[col].to_numpy(dtype=np.float64) for col, name in FSC_COLUMNS.items() if col in fsc.columns}
     general = blocks.get("general")
     final = float(general.get("rlnFinalResolution", np.nan)) if isinstance(general, dict) else float("nan")
-    return FscUpdated(fsc["rlnResolution"].to_numpy(dtype=np.float64), curves, final, 0.143)
+    return PostprocessFsc(fsc["rlnResolution"].to_numpy(dtype=np.float64), curves, final, 0.143, star=Path(path))

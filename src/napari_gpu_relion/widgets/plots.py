@@ -7,6 +7,10 @@ colour bar the most), so the GUI thread never draws one (issue 18: no freezes). 
 (the job's worker thread through the runner's ``prepare``, or a short-lived worker); a dock only shows that
 image, scaled to its size. One lock serialises the drawing (matplotlib's font cache is shared between threads).
 The figure and its axes are kept with the image (titles, labels and curves can be read back).
+
+A plot says whose it is: the FSC's title starts with the job it belongs to ("Refine3D/job012: Resolution 12.00 Å
+(FSC = 0.143)"), the angular distribution's names its STAR; :meth:`FscPlot.clear` (a new job followed) leaves a
+line that says which job's curves are awaited instead of the former job's curves.
 """
 
 from __future__ import annotations
@@ -75,8 +79,9 @@ def _draw(figure: Any) -> np.ndarray:
     return np.array(figure.canvas.buffer_rgba(), dtype=np.uint8)
 
 
-def render_fsc(event: FscUpdated, colors: tuple[str, str] = ("black", "white")) -> RenderedPlot:
-    """FSC curves against resolution (1/Å), the threshold line, the resolution in the title; any thread."""
+def render_fsc(event: FscUpdated, colors: tuple[str, str] = ("black", "white"), source: str = "") -> RenderedPlot:
+    """FSC curves against resolution (1/Å), the threshold line, the job ``source`` and the resolution in the title;
+    any thread."""
     fg, bg = colors
     with _DRAW_LOCK:
         figure, _ = _figure(colors)
@@ -93,8 +98,9 @@ def render_fsc(event: FscUpdated, colors: tuple[str, str] = ("black", "white")) 
         if np.isfinite(event.resolution_A) and event.resolution_A > 0:
             ax.axvline(1.0 / event.resolution_A, color="0.6", linestyle=":", linewidth=1)
             title = f"Resolution {event.resolution_A:.2f} Å (FSC = {event.threshold:g})"
+            title = f"{source}: {title}" if source else title
         else:
-            title = "FSC"
+            title = f"FSC of {source}" if source else "FSC"
         ax.set_title(title, color=fg, fontsize=10)
         ax.set_xlabel("resolution (1/Å)", color=fg)
         ax.set_ylabel("FSC", color=fg)
@@ -151,7 +157,15 @@ class _ImageLabel(QLabel):
         self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Ignored)
         self.setMinimumSize(200, 110)  # three result docks and the Jobs dock stacked must fit a 768 px screen
 
+    def set_message(self, text: str) -> None:
+        """No image: ``text`` instead (a plot cleared for another job)."""
+        self._pixmap = None
+        self.clear()
+        self.setWordWrap(True)
+        self.setText(text)
+
     def set_image(self, rgba: np.ndarray) -> None:
+        self.setText("")
         h, w = rgba.shape[:2]
         data = np.ascontiguousarray(rgba)
         image = QImage(data.data, w, h, 4 * w, QImage.Format.Format_RGBA8888).copy()  # owns its pixels
@@ -193,14 +207,24 @@ class FscPlot:
         self.figure: Any = None
         self.axes: Any = None
         self.last_event: FscUpdated | None = None
+        self.source = ""  # the job the curves belong to ("Refine3D/job012"; "" unknown)
+        self.message = ""  # shown instead of curves after clear()
         self.draw_count = 0
 
-    def update(self, event: FscUpdated, rendered: RenderedPlot | None = None) -> None:
-        rendered = rendered or render_fsc(event, self.colors)
+    def update(self, event: FscUpdated, rendered: RenderedPlot | None = None, source: str = "") -> None:
+        rendered = rendered or render_fsc(event, self.colors, source)
         self._label.set_image(rendered.image)
         self.figure, self.axes = rendered.figure, rendered.axes
-        self.last_event = event
+        self.last_event, self.source, self.message = event, source, ""
+        self.widget.setToolTip(f"FSC of {source}" if source else "FSC")
         self.draw_count += 1
+
+    def clear(self, source: str) -> None:
+        """No curves: the job ``source`` is shown now and has none yet (the former job's are gone)."""
+        self._label.set_message(f"FSC of {source}: none yet" if source else "FSC: none yet")
+        self.figure = self.axes = self.last_event = None
+        self.source, self.message = source, self._label.text()
+        self.widget.setToolTip(self.message)
 
 
 class AngularDistributionPlot:
@@ -214,11 +238,19 @@ class AngularDistributionPlot:
         self.colorbar: Any = None
         self.histogram: AngularHistogram | None = None
         self.source: Path | None = None
+        self.message = ""
         self.draw_count = 0
+
+    def clear(self, job: str) -> None:
+        """No histogram: the job ``job`` is shown now and has none yet."""
+        self._label.set_message(f"Angular distribution of {job}: none yet" if job else "No angular distribution")
+        self.figure = self.axes = self.colorbar = self.histogram = self.source = None
+        self.message = self._label.text()
 
     def update(self, hist: AngularHistogram, source: Path | None = None,
                rendered: RenderedPlot | None = None) -> None:
         rendered = rendered or render_angular_distribution(hist, source, self.colors)
+        self.message = ""
         self._label.set_image(rendered.image)
         self.figure, self.axes, self.colorbar = rendered.figure, rendered.axes, rendered.colorbar
         self.histogram, self.source = hist, source

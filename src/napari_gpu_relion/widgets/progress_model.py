@@ -4,6 +4,9 @@ job and an estimate of the time left where the job knows how much work remains.
 The estimate is the time so far divided by the fraction of the run done since the first Progress event, times
 the fraction left: iterations differ in cost (the image size grows), so it is rough ("about") and shown only after
 :data:`MIN_SECONDS_FOR_ETA` seconds and 1 % of the run.
+
+:func:`bar_in_state` says what the bar shows as the job's state changes: busy while it is cancelling, and never
+busy once it has stopped (cancelled or failed: the bar as it stood; finished: full).
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from dataclasses import dataclass
 
 from ..events import Progress
 
-__all__ = ["BAR_STEPS", "MIN_SECONDS_FOR_ETA", "ProgressClock", "ProgressReport", "format_duration", "run_fraction"]
+__all__ = ["BAR_STEPS", "MIN_SECONDS_FOR_ETA", "ProgressClock", "ProgressReport", "format_duration", "run_fraction",
+           "bar_in_state"]
 
 #: Steps of the progress bar of a run whose total is known as a fraction.
 BAR_STEPS = 1000
@@ -86,3 +90,20 @@ class ProgressClock:
         if elapsed < MIN_SECONDS_FOR_ETA or done < 0.01 or frac >= 1.0:
             return None
         return elapsed * (1.0 - frac) / done
+
+
+def bar_in_state(state: str, bar: tuple[int, int], before_cancel: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(value, maximum) of the progress bar in the job state ``state`` (runner.JobState's words), from the bar as
+    shown (``bar``) and as it stood when Cancel was clicked (``before_cancel``). A maximum of 0 is Qt's busy bar:
+    shown while the job is cancelling, never after it stopped."""
+    value, maximum = bar
+    if state == "cancelling":
+        return 0, 0
+    if state == "finished":
+        top = max(maximum, 1)
+        return top, top
+    if state in ("cancelled", "failed"):
+        if maximum <= 0 and before_cancel is not None:
+            value, maximum = before_cancel
+        return (min(max(value, 0), maximum), maximum) if maximum > 0 else (0, 1)
+    return value, maximum
