@@ -449,3 +449,26 @@ def test_local_candidates_in_pieces_equal_one_call(monkeypatch, n_classes):
     assert np.array_equal(whole[0], pieces[0]) and np.array_equal(whole[1], pieces[1])
     widths = {int((sm.local_candidates(angles[i:i + 4], smp, sigma)[0] >= 0).sum(1).max()) for i in range(0, 23, 4)}
     assert len(widths) > 1  # the pieces were of different widths, so the padding was exercised
+
+
+@pytest.mark.parametrize("sym,order,sigma", [("C1", 4, 3.75), ("C1", 5, 0.6), ("D2", 4, 2.0), ("C4", 3, 7.5),
+                                             ("C1", 4, 0.3)])
+def test_local_windows_from_the_tree_equal_the_dense_tables(sym, order, sigma):
+    """On the CPU, and on a GPU past TREE_DIRECTIONS (HEALPix order 7 on), a local search finds each particle's
+    directions in a k-d tree of the grid instead of (particles x directions) tables: the same candidate rows and log
+    priors. sigma 0.3° at order 4 (3.75°) leaves every window empty: the closest direction alone, as the dense path
+    keeps it."""
+    from napari_gpu_relion.compute import sampling as sm
+
+    rng = np.random.default_rng(order)
+    u = rng.random((300, 3))
+    angles = np.stack([360 * u[:, 0] - 180, np.degrees(np.arccos(1 - 2 * u[:, 1])), 360 * u[:, 2] - 180], axis=1)
+    smp = sm.Sampling(order, sym=sym)
+    tree = sm.local_candidates(angles, smp, sigma, sym, n_classes=2)  # NumPy: the tree at every order
+    dense = sm.local_candidates(angles, smp, sigma, sym, n_classes=2, tree=False)  # the GPU's path at low orders
+    assert dense[0].shape == tree[0].shape
+    np.testing.assert_array_equal(dense[0], tree[0])
+    finite = np.isfinite(dense[1])
+    np.testing.assert_array_equal(finite, np.isfinite(tree[1]))
+    np.testing.assert_allclose(tree[1][finite], dense[1][finite], rtol=0, atol=1e-12)
+    assert (dense[0] >= 0).sum(axis=1).min() >= 2  # every particle searches at least one direction x psi x 2 classes

@@ -577,11 +577,7 @@ def local_search(prior_rot, prior_tilt, prior_psi, sigma_deg, order: int, sym: s
         best[s:s + chunk] = xp.einsum("ngi,di->ngd", pm, dirs).max(axis=1)
     dist = xp.rad2deg(xp.arccos(xp.clip(best, -1.0, 1.0)))
     dmask, dlog = _gaussian_log_prior(dist, sig, sigma_cutoff)
-    # psi: wrapped difference, no symmetry (as in RELION).
-    dpsi = xp.abs(xp.mod(xp.asarray(psi)[None, :] - xp.asarray(pp.reshape(-1, 1)) + 180.0, 360.0) - 180.0)
-    if bimodal_psi:
-        dpsi = xp.where(dpsi > 90.0, 180.0 - dpsi, dpsi)
-    pmask, plog = _gaussian_log_prior(dpsi, sig_psi, sigma_cutoff)
+    pmask, plog, dpsi = _psi_window(pp.reshape(-1, 1), sig_psi, psi, sigma_cutoff, bimodal_psi, xp, distance=True)
     nd, npsi = dirs.shape[0], psi.size
     return LocalSearch(
         pix=pix, rot=rot, tilt=tilt, psi=psi,
@@ -592,13 +588,23 @@ def local_search(prior_rot, prior_tilt, prior_psi, sigma_deg, order: int, sym: s
     )
 
 
+def _psi_window(prior_psi, sig_psi, psi, cutoff: float, bimodal: bool, xp, distance: bool = False):
+    """The psi part of a local search: mask and normalised log prior (I, n_psi) of the wrapped |Δψ| (no
+    symmetry, as in RELION; ``bimodal`` folds it to <= 90°) from priors and sigmas (I, 1) in degrees."""
+    dpsi = xp.abs(xp.mod(xp.asarray(psi)[None, :] - xp.asarray(prior_psi) + 180.0, 360.0) - 180.0)
+    if bimodal:
+        dpsi = xp.where(dpsi > 90.0, 180.0 - dpsi, dpsi)
+    mask, log = _gaussian_log_prior(dpsi, xp.asarray(sig_psi), cutoff)
+    return (mask, log, dpsi) if distance else (mask, log)
+
+
 #: Particles per local_search call in local_candidates: its (particles x directions) float64 tables are not in
 #: the memory plan (at HEALPix order 7, 196,608 directions: 0.8 GB per table for 512 particles).
 LOCAL_CANDIDATE_BATCH = 512
 
 
 def local_candidates(angles: np.ndarray, sampling, sigma_deg: float, sym: str = "C1", n_classes: int = 1,
-                     xp=np) -> tuple[np.ndarray, np.ndarray]:
+                     xp=np, tree: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per-particle coarse candidate rows and log priors (I, n) of RELION's local searches: every (direction,
     psi) of ``sampling`` inside the 3-sigma window around each particle's angles (I, 3) (rot, tilt, psi in
     degrees), with the Gaussian log prior of direction and psi, rows direction x n_psi + psi; the same window
@@ -607,7 +613,9 @@ def local_candidates(angles: np.ndarray, sampling, sigma_deg: float, sym: str = 
     particles against the 12,288 directions of HEALPix order 5 costs milliseconds instead of seconds). In pieces of
     LOCAL_CANDIDATE_BATCH particles, padded to the widest: the same rows as one call."""
     n = len(angles)
-    parts = [_kept_windows(angles[s:s + LOCAL_CANDIDATE_BATCH], sampling, sigma_deg, sym, xp)
+    if tree is None:  # the k-d tree on the CPU, and on a GPU for the finest grids (TREE_DIRECTIONS)
+        tree = xp is np or asymmetric_unit_pixels(sampling.order, sym).size >= TREE_DIRECTIONS
+    parts = [_kept_windows(angles[s:s + LOCAL_CANDIDATE_BATCH], sampling, sigma_deg, sym, xp, tree)
              for s in range(0, max(1, n), LOCAL_CANDIDATE_BATCH)]
 
     def stacked(name: str, fill):  # one field of every piece, padded to the widest piece
@@ -644,13 +652,91 @@ class _KeptWindows(NamedTuple):
     n_psi: int
 
 
-def _kept_windows(angles: np.ndarray, sampling, sigma_deg: float, sym: str, xp) -> _KeptWindows:
+#: Coarse directions from which a local search on the GPU finds each particle's window with a k-d tree of the grid
+#: (on the host) instead of dense (particles x directions) tables: HEALPix order 7 and finer (196,608 directions
+#: and more). At order 9 (3,145,728 directions) the dense tables of one piece of 512 particles are four float64
+#: arrays of 12.9 GB each: they took most of a box-256 iteration's time and ran an H200 out of memory (twenty-sixth
+#: session, issue 48). Below it the GPU's dense tables take milliseconds. On the CPU the tree is used at every order
+#: (512 particles on the 2-core machine: order 4 0.009 s against 0.18 s dense, order 6 0.04 against 1.8 s, order 9
+#: 0.07 s). Both give the same rows and priors (tests/test_sampling.py).
+TREE_DIRECTIONS = 150_000
+
+
+def _kept_windows(angles: np.ndarray, sampling, sigma_deg: float, sym: str, xp, tree: bool) -> _KeptWindows:
+    if tree:
+        d_idx, d_ok, d_lp = _tree_directions(angles, sampling.order, sym, sigma_deg, 3.0)
+        psi = psi_angles(angular_step(sampling.order) if sampling.psi_step is None else sampling.psi_step)
+        pmask, plog = _psi_window(np.asarray(angles[:, 2], np.float64).reshape(-1, 1),
+                                  np.full((len(angles), 1), float(sigma_deg)), psi, 3.0, False, np)
+        p_idx, p_ok = _kept_first(pmask)
+        return _KeptWindows(xp.asarray(d_idx), xp.asarray(d_ok), xp.asarray(d_lp), xp.asarray(p_idx),
+                            xp.asarray(p_ok), xp.asarray(np.take_along_axis(plog, p_idx, axis=1)), int(psi.size))
     ls = local_search(angles[:, 0], angles[:, 1], angles[:, 2], sigma_deg, sampling.order, sym, sampling.psi_step,
                       xp=xp)
     d_idx, d_ok = _kept_first(ls.dir_mask)  # (I, nd), few directions per particle
     p_idx, p_ok = _kept_first(ls.psi_mask)  # (I, np)
     return _KeptWindows(d_idx, d_ok, xp.take_along_axis(ls.dir_log_prior, d_idx, axis=1),
                         p_idx, p_ok, xp.take_along_axis(ls.psi_log_prior, p_idx, axis=1), int(ls.psi_mask.shape[1]))
+
+
+@lru_cache(maxsize=4)
+def _direction_tree(order: int, sym: str):
+    """The coarse directions' unit vectors (n_dirs, 3) and a k-d tree of them (built once per order and group)."""
+    from scipy.spatial import cKDTree  # noqa: PLC0415
+
+    _, rot, tilt = direction_grid(order, sym)
+    dirs = view_direction(rot, tilt)
+    return dirs, cKDTree(dirs)
+
+
+def _tree_directions(angles: np.ndarray, order: int, sym: str, sigma_deg: float, cutoff: float
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The kept directions of :func:`local_search`'s window for each particle, found in a k-d tree: the same
+    indices (ascending, padded with 0), validity and normalised log priors as the dense tables' rows, at a cost
+    that does not grow with the grid. A direction is kept when the angle from the prior direction to its
+    closest symmetry mate is below cutoff x sigma; every such direction lies within the chord 2 sin(angle / 2)
+    of one of the prior's mates, so the tree's ball around each mate finds all of them, and the distance is then
+    computed for the candidates exactly as the dense path computes it."""
+    dirs, tree = _direction_tree(order, sym)
+    ops = symmetry_group(sym).direction_operators
+    n = len(angles)
+    prior = view_direction(angles[:, 0], angles[:, 1])                      # (I, 3)
+    mates = np.einsum("gji,nj->ngi", ops, prior)                             # (I, m, 3)
+    m = mates.shape[1]
+    limit = cutoff * float(sigma_deg)
+    chord = 2.0 * np.sin(np.radians(min(limit, 180.0)) / 2.0) * (1 + 1e-9) + 1e-12
+    found = tree.query_ball_point(mates.reshape(-1, 3), chord)              # one list per (particle, mate)
+    lengths = np.fromiter((len(f) for f in found), np.int64, count=n * m)
+    cand = np.fromiter((j for f in found for j in f), np.int64, count=int(lengths.sum()))
+    owner = np.repeat(np.arange(n * m) // m, lengths)
+    key = np.unique(owner * dirs.shape[0] + cand)                           # particle-major, directions ascending
+    owner, cand = key // dirs.shape[0], key % dirs.shape[0]
+    best = np.einsum("kgi,ki->kg", mates[owner], dirs[cand]).max(axis=1)
+    dist = np.rad2deg(np.arccos(np.clip(best, -1.0, 1.0)))
+    inside = dist < limit
+    owner, cand, dist = owner[inside], cand[inside], dist[inside]
+    empty = np.setdiff1d(np.arange(n), owner)
+    if empty.size:  # nothing inside the window: the closest direction alone, prior 1 (as the dense path)
+        _, near = tree.query(mates[empty].reshape(-1, 3))
+        near = near.reshape(-1, m)
+        close = np.einsum("egi,edi->egd", mates[empty], dirs[near]).max(axis=1)  # (E, m) of each mate's nearest
+        pick = near[np.arange(empty.size), np.argmax(close, axis=1)]
+        order_ = np.argsort(np.concatenate([owner, empty]), kind="stable")
+        owner = np.concatenate([owner, empty])[order_]
+        cand = np.concatenate([cand, pick])[order_]
+        dist = np.concatenate([dist, np.zeros(empty.size)])[order_]
+    logit = -0.5 * (dist / sigma_deg) ** 2
+    counts = np.bincount(owner, minlength=n)
+    starts = np.cumsum(counts) - counts
+    top = np.maximum.reduceat(logit, starts)
+    lse = top + np.log(np.add.reduceat(np.exp(logit - np.repeat(top, counts)), starts))
+    width = max(1, int(counts.max()))
+    pos = np.arange(owner.size) - starts[owner]
+    idx = np.zeros((n, width), np.int64)
+    ok = np.zeros((n, width), bool)
+    lp = np.zeros((n, width))
+    idx[owner, pos], ok[owner, pos], lp[owner, pos] = cand, True, logit - np.repeat(lse, counts)
+    return idx, ok, lp
 
 
 def _kept_first(mask):
