@@ -31,6 +31,7 @@ JOBS = {
     "postprocess": ("napari_gpu_relion.jobs.postprocess", "FSC, masking correction and sharpening of half maps"),
     "local_resolution": ("napari_gpu_relion.jobs.local_resolution", "local resolution (relion_postprocess --locres)"),
     "mask_create": ("napari_gpu_relion.jobs.mask_create", "make a soft mask from a map"),
+    "ctf_refine": ("napari_gpu_relion.jobs.ctf_refine", "per-particle CTF, beam tilt, aberrations (relion_ctf_refine)"),
     "refine3d": ("napari_gpu_relion.jobs.refine3d", "3D auto-refine with gold-standard FSC (relion_refine)"),
     "initial_model": ("napari_gpu_relion.jobs.initial_model", "3D initial model from the particles alone "
                       "(relion_refine --grad --denovo_3dref)"),
