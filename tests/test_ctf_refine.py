@@ -12,7 +12,7 @@
    --odd_aberr_max_n 3, --fit_aberr) must bring the defocus within 50 Å rms of the truth and the beam tilt within
    0.1 mrad, and write RELION's columns and the plots. Per-micrograph mode: one defocus error per micrograph.
    Measured (2-core CPU, this session): defocus 6.2 Å rms (from 293), tilt (0.502, -0.199) mrad, trefoil
-   (14.95, -9.97); per-micrograph 1.1 Å rms.
+   (14.95, -9.97); per-micrograph 1.2 Å rms.
 4. CPU = GPU (marked gpu; needs CuPy and a device).
 """
 
@@ -315,7 +315,7 @@ def test_per_micrograph_defocus_and_astigmatism():
     for m in range(mic.max() + 1):
         assert np.ptp(got[mic == m]) == 0  # one mean defocus per micrograph
     rms = float(np.sqrt(np.mean((got - s["dmean"]) ** 2)))
-    assert np.sqrt(np.mean(err ** 2)) > 200 and rms < 50, rms  # measured: 1.1 Å
+    assert np.sqrt(np.mean(err ** 2)) > 200 and rms < 50, rms  # measured: 1.2 Å
 
 
 @pytest.mark.gpu

@@ -75,11 +75,14 @@ FSC_THRESHOLD = 0.143
 #: The defocus grid's largest step (Å); smaller when a quarter of the CTF's period at the fit's highest frequency
 #: is smaller.
 GRID_STEP_MAX_A = 100.0
-#: Levenberg-Marquardt: relative decrease of the summed objective below which the iterations stop.
+#: Levenberg-Marquardt: relative decrease of the summed objective below which a round counts as still, and the
+#: rounds in a row that must be still for the iterations to stop (a round whose steps all overshoot is still too,
+#: but its larger damping may well go on).
 LM_TOLERANCE = 1e-12
+LM_STILL_ROUNDS = 3
 #: Bytes per (particle, fitted pixel) of a batch at the peak: y and x (complex128), the reduced terms, gamma,
 #: the CTF and its partial derivatives (float64), with a margin. The caller sizes batches with it.
-BYTES_PER_PARTICLE_PIXEL = 256
+BYTES_PER_PARTICLE_PIXEL = 320
 #: Bytes per particle per box pixel for the images and their FT (float32 image, complex64 FT).
 BYTES_PER_IMAGE_PIXEL = 24
 
@@ -447,7 +450,8 @@ def fit_ctf_parameters(d: DefocusData, theta0, micrograph, modes: FitModes, bf_r
        :func:`grid_step`) for each unit of the defocus mode (a particle, or a micrograph: the sum of its
        particles' E), the best grid point kept.
     3. Levenberg-Marquardt, alternating the per-particle block and the per-micrograph block, until the summed
-       decrease of E is below LM_TOLERANCE of |E| (or ``max_iters`` rounds)."""
+       decrease of E has been below LM_TOLERANCE of |E| for LM_STILL_ROUNDS rounds in a row (or ``max_iters``
+       rounds)."""
     xp = get_array_module(d.a)
     theta = xp.asarray(theta0, dtype=np.float64).copy()
     mic = xp.asarray(micrograph)
@@ -472,7 +476,8 @@ def fit_ctf_parameters(d: DefocusData, theta0, micrograph, modes: FitModes, bf_r
         blocks.append((_Block(modes.columns("p"), xp.arange(P), P, xp.full(P, 1e-3)), True))
     if per_mic:
         blocks.append((_Block(per_mic, mic, n_mic, xp.full(n_mic, 1e-3)), False))
-    for _ in range(int(max_iters)):
+    still = 0
+    for _ in range(int(max_iters) if blocks else 0):
         if check is not None:
             check()
         total, scale = 0.0, 0.0
@@ -480,7 +485,8 @@ def fit_ctf_parameters(d: DefocusData, theta0, micrograph, modes: FitModes, bf_r
             theta, dec, sc = _lm_step(d, theta, blk, pp)
             total += dec
             scale = max(scale, sc)
-        if not blocks or total <= LM_TOLERANCE * max(scale, 1e-300):
+        still = still + 1 if total <= LM_TOLERANCE * max(scale, 1e-300) else 0
+        if still >= LM_STILL_ROUNDS:
             break
     return theta
 
