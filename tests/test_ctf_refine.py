@@ -18,6 +18,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from math import factorial
 from pathlib import Path
 
@@ -25,6 +27,7 @@ import mrcfile
 import numpy as np
 import pandas as pd
 import pytest
+from mpi_cases import mpi_missing, mpiexec, rank_env
 
 from napari_gpu_relion.cli import main
 from napari_gpu_relion.compute import ctf_refine as CR
@@ -268,13 +271,24 @@ def _mean_defocus(df) -> np.ndarray:
     return 0.5 * (df["rlnDefocusU"].to_numpy(float) + df["rlnDefocusV"].to_numpy(float))
 
 
-@needs_map
-def test_job_refines_defocus_beam_tilt_and_trefoil(simulated):
-    d, s, err = simulated
+JOB_ARGS = ["ctf_refine", "--i", "particles.star", "--m1", "half1.mrc", "--m2", "half2.mrc", "--fit_defocus",
+            "--fit_mode", "fpfff", "--fit_beamtilt", "--odd_aberr_max_n", "3", "--fit_aberr", "--cpu"]
+
+
+@pytest.fixture(scope="module")
+def refined(simulated):
+    """The job run once in one process: CtfRefine/job001/."""
+    d = simulated[0]
     out = d / "CtfRefine" / "job001"
-    assert main(["ctf_refine", "--i", str(d / "particles.star"), "--m1", str(d / "half1.mrc"), "--m2",
-                 str(d / "half2.mrc"), "--o", str(out) + "/", "--fit_defocus", "--fit_mode", "fpfff",
-                 "--fit_beamtilt", "--odd_aberr_max_n", "3", "--fit_aberr", "--cpu"]) == 0
+    assert main([*(str(d / a) if a.endswith((".star", ".mrc")) else a for a in JOB_ARGS),
+                 "--o", str(out) + "/"]) == 0
+    return out
+
+
+@needs_map
+def test_job_refines_defocus_beam_tilt_and_trefoil(simulated, refined):
+    d, s, err = simulated
+    out = refined
     t = read_particles(out / "particles_ctf_refine.star")
     before = np.sqrt(np.mean(err ** 2))
     rms = float(np.sqrt(np.mean((_mean_defocus(t.particles) - s["dmean"]) ** 2)))
@@ -297,6 +311,26 @@ def test_job_refines_defocus_beam_tilt_and_trefoil(simulated):
     t0 = read_particles(d / "particles.star")
     for col in ("rlnImageName", "rlnAngleRot", "rlnOriginXAngst", "rlnRandomSubset", "rlnMicrographName"):
         assert (t.particles[col] == t0.particles[col]).all(), col
+
+
+@needs_map
+@pytest.mark.skipif(mpi_missing() is not None, reason=str(mpi_missing()))
+def test_two_mpi_ranks_equal_one_process(simulated, refined):
+    """The micrographs shared between 2 ranks: the same particles and fits as one process (the defocus to the
+    iterations' stopping tolerance: each batch stops on its own sums)."""
+    d = simulated[0]
+    r = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "napari_gpu_relion.cli", *JOB_ARGS, "--o",
+                        "CtfRefine/job002/"], cwd=d, env=rank_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stdout.count("[done in") == 1
+    a = read_particles(refined / "particles_ctf_refine.star")
+    b = read_particles(d / "CtfRefine" / "job002" / "particles_ctf_refine.star")
+    np.testing.assert_allclose(_mean_defocus(b.particles), _mean_defocus(a.particles), rtol=0, atol=0.01)
+    for col in ("rlnBeamTiltX", "rlnBeamTiltY"):
+        assert b.optics[col].iloc[0] == pytest.approx(a.optics[col].iloc[0], abs=1e-6)
+    for col in ("rlnOddZernike", "rlnEvenZernike"):
+        np.testing.assert_allclose(parse_zernike(b.optics[col].iloc[0]), parse_zernike(a.optics[col].iloc[0]),
+                                   rtol=1e-6, atol=1e-6)
 
 
 @needs_map

@@ -422,9 +422,11 @@ def _run(p: Params) -> Iterator:
         else:
             yield Progress(item[0], item[1], "micrographs")
     if p.fit_beamtilt or p.fit_aberr:
-        sums = [to_host(a) for a in refiner.sums.arrays()]
+        xy, w, ev = (np.ascontiguousarray(to_host(a)) for a in refiner.sums.arrays())
+        sums = [np.ascontiguousarray(xy.real), np.ascontiguousarray(xy.imag), w, ev]  # real buffers for MPI
         comm.sum_arrays(sums)
-        refiner.sums.xy, refiner.sums.w, refiner.sums.even = (xp.asarray(a) for a in sums)
+        refiner.sums.xy = xp.asarray(sums[0] + 1j * sums[1])
+        refiner.sums.w, refiner.sums.even = xp.asarray(sums[2]), xp.asarray(sums[3])
     if theta is not None and comm.size > 1:
         parts = comm.gather((np.concatenate(done_rows) if done_rows else np.zeros(0, np.int64),
                              theta[np.concatenate(done_rows)] if done_rows else np.zeros((0, CR.N_PARAMS))))
