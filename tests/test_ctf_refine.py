@@ -376,3 +376,23 @@ def test_cpu_equals_gpu():
     np.testing.assert_allclose([og.beam_tilt_x, og.beam_tilt_y], [oc.beam_tilt_x, oc.beam_tilt_y], atol=1e-3)
     np.testing.assert_allclose(og.odd, oc.odd, rtol=1e-3, atol=1e-2)
     np.testing.assert_allclose(eg.even, ec.even, rtol=1e-3, atol=1e-2)
+
+
+def test_refused_options(tmp_path):
+    from napari_gpu_relion.errors import InputError
+    from napari_gpu_relion.jobs.ctf_refine import Params
+
+    for name in ("particles.star", "half1.mrc", "half2.mrc"):
+        (tmp_path / name).write_text("x")
+    base = dict(i=tmp_path / "particles.star", o=tmp_path / "out", m1=tmp_path / "half1.mrc",
+                m2=tmp_path / "half2.mrc")
+    for extra, words in (({}, "nothing to fit"), ({"fit_defocus": True, "fit_mode": "fpfpm"}, "Cs"),
+                         ({"fit_defocus": True, "fit_mode": "ffff"}, "5 characters"),
+                         ({"fit_defocus": True, "fit_mode": "fffff"}, "fits nothing"),
+                         ({"fit_aniso": True, "fit_beamtilt": True}, "--fit_aniso"),
+                         ({"fit_beamtilt": True, "odd_aberr_max_n": 4}, "odd degree"),
+                         ({"fit_aberr": True, "even_aberr_max_n": 3}, "even degree"),
+                         ({"fit_beamtilt": True, "m2": None}, "go together")):
+        with pytest.raises(InputError, match=words):
+            Params(**{**base, **extra})
+    Params(**base, fit_beamtilt=True)  # accepted
