@@ -396,3 +396,27 @@ def test_refused_options(tmp_path):
         with pytest.raises(InputError, match=words):
             Params(**{**base, **extra})
     Params(**base, fit_beamtilt=True)  # accepted
+
+
+def test_jobs_that_do_not_apply_aberrations_say_so(tmp_path):
+    """A particles STAR whose optics table holds beam tilt or Zernike terms (what ctf_refine writes): the
+    refinement and reconstruction jobs warn, naming the group, that they do not apply them; none without them."""
+    from napari_gpu_relion.io.star import read_particles
+    from napari_gpu_relion.jobs.particles import unapplied_aberrations
+
+    base = ("\ndata_optics\n\nloop_\n_rlnOpticsGroupName\n_rlnOpticsGroup\n_rlnImagePixelSize\n_rlnImageSize\n"
+            "_rlnImageDimensionality\n_rlnVoltage\n_rlnSphericalAberration\n_rlnAmplitudeContrast\n{extra_labels}"
+            "opticsGroup1 1 1.0 64 2 300 2.7 0.1 {extra}\ngroupB 2 1.0 64 2 300 2.7 0.1 {extra2}\n\n"
+            "data_particles\n\nloop_\n_rlnImageName\n_rlnOpticsGroup\n1@a.mrcs 1\n2@a.mrcs 2\n")
+    plain = tmp_path / "plain.star"
+    plain.write_text(base.format(extra_labels="", extra="", extra2=""))
+    assert unapplied_aberrations(read_particles(plain)) is None
+    tilted = tmp_path / "tilted.star"
+    tilted.write_text(base.format(extra_labels="_rlnBeamTiltX\n_rlnBeamTiltY\n_rlnOddZernike\n",
+                                  extra="0.0 0.0 [0,0,0,0,0,0]", extra2="0.5 -0.2 [0,0,0,0,0,0]"))
+    line = unapplied_aberrations(read_particles(tilted))
+    assert line is not None and "groupB" in line and "opticsGroup1" not in line and "tilted.star" in line
+    zern = tmp_path / "zern.star"
+    zern.write_text(base.format(extra_labels="_rlnEvenZernike\n", extra="[0,0.1,0]", extra2="[]"))
+    line = unapplied_aberrations(read_particles(zern))
+    assert line is not None and "opticsGroup1" in line and "groupB" not in line

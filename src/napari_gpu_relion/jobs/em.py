@@ -90,7 +90,7 @@ from .common import (
     require_file,
     write_note,
 )
-from .particles import ParticleSet, load_particle_set, particle_state, write_data_star
+from .particles import ParticleSet, load_particle_set, particle_state, unapplied_aberrations, write_data_star
 
 #: Width of the raised-cosine edge of the particle mask (pixels), RELION's default.
 MASK_EDGE = 5.0
@@ -444,6 +444,9 @@ class EMJob:
             warning = check_normalisation(self.ps.table, rows, mean, std, self.mask_r, p.dont_check_norm)
             if warning:
                 yield Message(warning, "warning")
+        aberrations = unapplied_aberrations(self.ps.table)
+        if aberrations:
+            yield Message(aberrations, "warning")
         group = getattr(self, "sym", None)
         search = SearchSpace(self.ndim, self.model.n_classes, st.offset_range, st.offset_step, order=st.order,
                              sym=group.name if group is not None else "C1",

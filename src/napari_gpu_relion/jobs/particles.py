@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from ..compute.backend import get_array_module
-from ..compute.ctf import CtfParams
+from ..compute.ctf import CtfParams, parse_zernike
 from ..errors import InputError
 from ..io.particle_images import check_image_stacks, image_names_for, load_images
 from ..io.star import ParticleTable, read_particles, write_particles
@@ -209,6 +209,26 @@ def load_particle_set(path: Path, ctf: bool, seed: int = 0, halves: bool = True)
         names = list(u)
     return ParticleSet(table, apix, box, ang, off, norm, subset, og0, sg, names,
                        CtfParams.from_table(df) if ctf else None, locations=locations)
+
+
+def unapplied_aberrations(table: ParticleTable) -> str | None:
+    """A warning line when the optics table holds higher-order aberrations (rlnBeamTiltX/Y, rlnOddZernike,
+    rlnEvenZernike: what relion_ctf_refine and our ctf_refine write) that the refinement and reconstruction jobs
+    do not apply yet; None when there are none. The refined per-particle defocus is used."""
+    optics = table.optics
+    if optics is None or len(optics) == 0:
+        return None
+    groups = []
+    for _, row in optics.iterrows():
+        tilt = any(abs(float(row.get(c, 0.0) or 0.0)) > 0 for c in ("rlnBeamTiltX", "rlnBeamTiltY"))
+        zern = any(any(v != 0 for v in parse_zernike(row.get(c))) for c in ("rlnOddZernike", "rlnEvenZernike"))
+        if tilt or zern:
+            groups.append(str(row.get("rlnOpticsGroupName", row.get("rlnOpticsGroup", len(groups) + 1))))
+    if not groups:
+        return None
+    return (f"optics group(s) {', '.join(groups)} of {table.path} hold beam tilt or Zernike aberrations "
+            "(rlnBeamTiltX/Y, rlnOddZernike, rlnEvenZernike); this job does not apply them yet (the per-particle "
+            "defocus it does): the map is as if they were zero")
 
 
 def data_table(ps: ParticleSet) -> pd.DataFrame:

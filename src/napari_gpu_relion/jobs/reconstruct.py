@@ -36,6 +36,7 @@ from ..runtime.device import backend_for
 from ..runtime.distributed import accumulator_grids, root_events, world
 from ..runtime.memory import batched_with_oom_retry, free_cached_memory, image_batch
 from .common import check_output_file, check_pixel_size, mrc_bytes, param, prepare_output, require_file, write_note
+from .particles import unapplied_aberrations
 
 JOB_NAME = "reconstruct"
 
@@ -139,6 +140,9 @@ def _run(p: Params) -> Iterator:
     yield from notes
     if norm_warning:
         yield Message(norm_warning, "warning")
+    aberrations = unapplied_aberrations(table)
+    if aberrations:
+        yield Message(aberrations, "warning")
     if comm.is_root:
         write_note(out.parent, JOB_NAME, p)
     r_max = N / 2 if p.maxres <= 0 else min(N / 2, N * apix / p.maxres)
