@@ -272,6 +272,35 @@ class OpticsAberrations:
         return aberration_phase(self.even, False, fx, fy, xp)
 
 
+def demodulation_factors(aberrations, box: int, pixel_size: float, xp=np):
+    """exp(-i phase) of each optics group's antisymmetric aberrations (beam tilt and odd Zernike terms) on the
+    (box, box//2+1) half grid, (G, box, box//2+1) complex64; None when no group has any. An observed image's
+    Fourier transform multiplied by it is what RELION's ObservationModel::demodulatePhase makes of it: compared
+    with and back-projected as CTF x projection, as if the prediction were multiplied by exp(i phase).
+    ``aberrations``: one OpticsAberrations (or None) per 0-based optics group."""
+    if not any(a is not None and a.has_odd for a in aberrations):
+        return None
+    ky, kx = half_grid_indices(box, 2, np)
+    fx = np.broadcast_to(kx / (box * pixel_size), (box, box // 2 + 1))
+    fy = np.broadcast_to(ky / (box * pixel_size), (box, box // 2 + 1))
+    out = np.ones((len(aberrations), box, box // 2 + 1), np.complex64)
+    for g, a in enumerate(aberrations):
+        if a is not None and a.has_odd:
+            out[g] = np.exp(-1j * a.odd_phase(fx, fy))
+    return xp.asarray(out)
+
+
+def gamma_offsets(aberrations, fx, fy, xp=np):
+    """Each optics group's symmetric aberrations (even Zernike terms) at frequencies fx, fy (1/Å): the gamma
+    offsets (G,) + fx.shape, float64 radians, that ctf_from_frequencies adds (RELION's getGammaOffset); None when
+    no group has any."""
+    if not any(a is not None and a.has_even for a in aberrations):
+        return None
+    fx, fy = xp.broadcast_arrays(xp.asarray(fx, dtype=np.float64), xp.asarray(fy, dtype=np.float64))
+    return xp.stack([a.even_phase(fx, fy, xp) if a is not None and a.has_even else xp.zeros(fx.shape)
+                     for a in aberrations])
+
+
 def parse_zernike(value) -> tuple:
     """A STAR value of rlnOddZernike / rlnEvenZernike ('[a,b,c]', RELION's vector format; '[]' or NaN: none)."""
     if value is None or (isinstance(value, float) and not np.isfinite(value)):

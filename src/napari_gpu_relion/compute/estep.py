@@ -38,7 +38,7 @@ from ..marks import memory_mark
 from . import gpu_kernels
 from .backend import free_pool, get_array_module, matmul_tf32, to_host
 from .backprojector import insert_by_class
-from .ctf import CtfParams, ctf_from_frequencies
+from .ctf import CtfParams, ctf_from_frequencies, demodulation_factors, gamma_offsets
 from .expectation import (
     PixelSet,
     SampleLogPrior,
@@ -234,6 +234,10 @@ class EStepSetup:
     #: Called between the steps of a batch and before every fine chunk; it raises (the jobs' JobCancelled) to stop
     #: the E-step when the user cancels. It must not change anything: results are the same with and without it.
     check_cancel: Callable[[], None] | None = None
+    #: Each optics group's beam tilt and Zernike aberrations (compute.ctf.OpticsAberrations, by 0-based optics
+    #: group; None: none): the images are demodulated (odd terms) and the CTFs carry the even terms, as RELION's.
+    aberrations: tuple | None = None
+    _demodulation: object = field(default=None, init=False, repr=False)  # (box, (G, N, N/2+1) factors)
     ref_stack: FourierReference = field(init=False)  # all classes in one stack: one projection call for any rows
 
     def __post_init__(self):
@@ -309,6 +313,8 @@ def _expectation_batch(setup: EStepSetup, prep: PreparedBatch, ctf: CtfParams | 
                        class_log_prior) -> BatchResult:
     check = setup.check_cancel or _no_cancel
     check()
+    if setup.aberrations is not None:
+        prep = demodulated(setup, prep, groups)
     batch = _Batch.make(setup, prep, ctf, groups, scale, class_log_prior)
     coarse = _coarse_pass(batch, candidates, candidate_log_prior)
     memory_mark("E-step: images and coarse pass")
@@ -410,6 +416,20 @@ def _fine_passes(batch: _Batch, rows: _SignificantRows, fine: _FineData, acc: _F
     return group, gfine
 
 
+def demodulated(setup: EStepSetup, prep: PreparedBatch, groups) -> PreparedBatch:
+    """The batch's Fourier data with each particle's optics group's antisymmetric aberrations taken off
+    (compute.ctf.demodulation_factors, made once per box); unchanged when no group has any."""
+    xp = get_array_module(prep.F_masked)
+    N = prep.F_masked.shape[-2]
+    if setup._demodulation is None or setup._demodulation[0] != N:
+        setup._demodulation = (N, demodulation_factors(setup.aberrations, N, setup.pixel_size, xp))
+    fac = setup._demodulation[1]
+    if fac is None:
+        return prep
+    f = fac[xp.asarray(groups)]
+    return replace(prep, F_masked=prep.F_masked * f, F_unmasked=prep.F_unmasked * f)
+
+
 def _no_cancel() -> None:
     """The cancel check of an E-step nobody can cancel."""
 
@@ -431,6 +451,7 @@ class _Batch:
     prior_mean_A: np.ndarray  # (1 or K, 2) translation prior mean (Å): 0, or 2D classification's per class
     log_trans_prior: object  # (I, T, 1 or K) translation log prior at the coarse translations
     class_log_prior: object  # (I, K) or None
+    groups: object = None  # (I,) 0-based optics group of each particle (device)
 
     @classmethod
     def make(cls, setup: EStepSetup, prep: PreparedBatch, ctf, groups, scale, class_log_prior) -> _Batch:
@@ -441,7 +462,7 @@ class _Batch:
                                     setup.pixel_size, setup.sigma_offset_A, xp, mu, relion_units=relion)
         return cls(setup, prep, xp, prep.F_masked.shape[0], setup.sampling.n_orient, len(setup.refs),
                    setup.sigma2[xp.asarray(groups)], xp.asarray(scale, dtype=np.float32)[:, None], ctf, mu, lp_trans,
-                   class_log_prior)
+                   class_log_prior, xp.asarray(groups))
 
     @property
     def box(self) -> int:
@@ -453,7 +474,10 @@ class _Batch:
         if self.ctf is None:
             return xp.broadcast_to(self.scale, (self.n_particles, pix.npix)).astype(np.float32)
         N, p = self.box, self.setup.pixel_size
-        return ctf_from_frequencies(self.ctf, pix.kx / (N * p), pix.ky / (N * p), xp) * self.scale
+        fx, fy = pix.kx / (N * p), pix.ky / (N * p)
+        even = None if self.setup.aberrations is None else gamma_offsets(self.setup.aberrations, fx, fy, xp)
+        offset = None if even is None else even[self.groups]
+        return ctf_from_frequencies(self.ctf, fx, fy, xp, gamma_offset=offset) * self.scale
 
     def class_prior(self):
         """(I, K) float64 per-particle class log prior (None without one)."""

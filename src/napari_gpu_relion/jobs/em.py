@@ -90,7 +90,14 @@ from .common import (
     require_file,
     write_note,
 )
-from .particles import ParticleSet, load_particle_set, particle_state, unapplied_aberrations, write_data_star
+from .particles import (
+    ParticleSet,
+    applied_aberrations,
+    load_particle_set,
+    optics_aberrations,
+    particle_state,
+    write_data_star,
+)
 
 #: Width of the raised-cosine edge of the particle mask (pixels), RELION's default.
 MASK_EDGE = 5.0
@@ -321,6 +328,8 @@ class EMJob:
         self.ps: ParticleSet = load_particle_set(Path(self.p.i), self.p.ctf, seed=self.p.random_seed,
                                                  halves=self.needs_halves)
         self.N, self.apix = self.ps.box, self.ps.pixel_size
+        # beam tilt and Zernike terms of the optics groups (ctf_refine's), applied in the E-step with the CTF
+        self.aberrations = optics_aberrations(self.ps.table) if self.p.ctf else None
         self.images_note = keep_images(self.ps, self.p.preread_images, host_available_bytes())
         self.diameter, self.mask_r = particle_mask(self.ps, self.p.particle_diameter, MASK_EDGE)
         self.halves = ([np.flatnonzero(self.ps.subset == h) for h in (1, 2)] if self.needs_halves
@@ -444,9 +453,9 @@ class EMJob:
             warning = check_normalisation(self.ps.table, rows, mean, std, self.mask_r, p.dont_check_norm)
             if warning:
                 yield Message(warning, "warning")
-        aberrations = unapplied_aberrations(self.ps.table)
-        if aberrations:
-            yield Message(aberrations, "warning")
+        line = applied_aberrations(self.ps.table, self.aberrations)
+        if line:
+            yield Message(line)
         group = getattr(self, "sym", None)
         search = SearchSpace(self.ndim, self.model.n_classes, st.offset_range, st.offset_step, order=st.order,
                              sym=group.name if group is not None else "C1",
@@ -549,7 +558,8 @@ class EMJob:
                                class_offset_prior_A=opts.pop("class_offset_prior_A", None),
                                max_significants=opts.pop("max_significants", -1), coarse_tf32=not self.p.coarse_float32,
                                max_fine_bytes=it.plan.fine_chunk_bytes, max_union_bytes=it.plan.union_bytes,
-                               scale_shells=self.scale_shells(frefs[h], pix_f, h), check_cancel=check_cancel)
+                               scale_shells=self.scale_shells(frefs[h], pix_f, h), check_cancel=check_cancel,
+                               aberrations=self.aberrations)
             stage = f"it {self.state.iteration:03d}" + (f" half {h + 1}" if len(self.halves) > 1 else "")
             mine = self.comm.share(rows_h)  # this rank's block of the half
             n_halves = len(self.halves)

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from ..compute.backend import get_array_module
-from ..compute.ctf import CtfParams, parse_zernike
+from ..compute.ctf import CtfParams, OpticsAberrations, parse_zernike
 from ..errors import InputError
 from ..io.particle_images import check_image_stacks, image_names_for, load_images
 from ..io.star import ParticleTable, read_particles, write_particles
@@ -211,24 +211,39 @@ def load_particle_set(path: Path, ctf: bool, seed: int = 0, halves: bool = True)
                        CtfParams.from_table(df) if ctf else None, locations=locations)
 
 
-def unapplied_aberrations(table: ParticleTable) -> str | None:
-    """A warning line when the optics table holds higher-order aberrations (rlnBeamTiltX/Y, rlnOddZernike,
-    rlnEvenZernike: what relion_ctf_refine and our ctf_refine write) that the refinement and reconstruction jobs
-    do not apply yet; None when there are none. The refined per-particle defocus is used."""
+def optics_aberrations(table: ParticleTable) -> tuple[OpticsAberrations, ...] | None:
+    """The higher-order aberrations of each optics group the particles use, in the order of their 0-based
+    optics_group (sorted rlnOpticsGroup numbers): rlnBeamTiltX/Y (mrad), rlnOddZernike, rlnEvenZernike, with the
+    group's Cs and voltage; None when no group has any (what relion_ctf_refine and our ctf_refine write)."""
     optics = table.optics
-    if optics is None or len(optics) == 0:
+    if optics is None or len(optics) == 0 or "rlnOpticsGroup" not in optics:
         return None
-    groups = []
-    for _, row in optics.iterrows():
-        tilt = any(abs(float(row.get(c, 0.0) or 0.0)) > 0 for c in ("rlnBeamTiltX", "rlnBeamTiltY"))
-        zern = any(any(v != 0 for v in parse_zernike(row.get(c))) for c in ("rlnOddZernike", "rlnEvenZernike"))
-        if tilt or zern:
-            groups.append(str(row.get("rlnOpticsGroupName", row.get("rlnOpticsGroup", len(groups) + 1))))
-    if not groups:
+    rows = {int(r["rlnOpticsGroup"]): r for _, r in optics.iterrows()}
+    df = table.particles
+    numbers = np.unique(df["rlnOpticsGroup"].to_numpy(int)) if "rlnOpticsGroup" in df else np.array([1])
+    out = []
+    for g in numbers:
+        r = rows.get(int(g))
+        if r is None:
+            out.append(OpticsAberrations())
+            continue
+        out.append(OpticsAberrations(float(r.get("rlnBeamTiltX", 0.0) or 0.0), float(r.get("rlnBeamTiltY", 0.0) or 0.0),
+                                     parse_zernike(r.get("rlnOddZernike")), parse_zernike(r.get("rlnEvenZernike")),
+                                     float(r.get("rlnSphericalAberration", 2.7)), float(r.get("rlnVoltage", 300.0))))
+    return tuple(out) if any(a.has_odd or a.has_even for a in out) else None
+
+
+def applied_aberrations(table: ParticleTable, aberrations) -> str | None:
+    """The line that says which optics groups' beam tilt and Zernike aberrations a job applies (None: none)."""
+    if aberrations is None:
         return None
-    return (f"optics group(s) {', '.join(groups)} of {table.path} hold beam tilt or Zernike aberrations "
-            "(rlnBeamTiltX/Y, rlnOddZernike, rlnEvenZernike); this job does not apply them yet (the per-particle "
-            "defocus it does): the map is as if they were zero")
+    names = {int(r["rlnOpticsGroup"]): str(r.get("rlnOpticsGroupName", r["rlnOpticsGroup"]))
+             for _, r in table.optics.iterrows()}
+    df = table.particles
+    numbers = np.unique(df["rlnOpticsGroup"].to_numpy(int)) if "rlnOpticsGroup" in df else np.array([1])
+    groups = [names.get(int(g), str(g)) for g, a in zip(numbers, aberrations, strict=True) if a.has_odd or a.has_even]
+    return (f"applying the beam tilt and Zernike aberrations of optics group(s) {', '.join(groups)} "
+            "(rlnBeamTiltX/Y, rlnOddZernike, rlnEvenZernike): images demodulated, CTFs with the even terms")
 
 
 def data_table(ps: ParticleSet) -> pd.DataFrame:

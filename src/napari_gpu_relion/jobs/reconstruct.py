@@ -16,9 +16,9 @@ import numpy as np
 from ..cancel import check_cancel
 from ..compute.backend import to_host
 from ..compute.backprojector import BackProjector
-from ..compute.ctf import CtfParams, ctf_half_grid
+from ..compute.ctf import CtfParams, ctf_from_frequencies, ctf_half_grid, demodulation_factors, gamma_offsets
 from ..compute.extraction import background_stats
-from ..compute.fourier import phase_shift_2d, rfft_centered
+from ..compute.fourier import half_grid_indices, phase_shift_2d, rfft_centered
 from ..compute.geometry import euler_to_matrix, symmetry_group
 from ..errors import InputError
 from ..events import Finished, MapUpdated, Message, Progress, Started
@@ -36,7 +36,7 @@ from ..runtime.device import backend_for
 from ..runtime.distributed import accumulator_grids, root_events, world
 from ..runtime.memory import batched_with_oom_retry, free_cached_memory, image_batch
 from .common import check_output_file, check_pixel_size, mrc_bytes, param, prepare_output, require_file, write_note
-from .particles import unapplied_aberrations
+from .particles import applied_aberrations, optics_aberrations
 
 JOB_NAME = "reconstruct"
 
@@ -140,15 +140,21 @@ def _run(p: Params) -> Iterator:
     yield from notes
     if norm_warning:
         yield Message(norm_warning, "warning")
-    aberrations = unapplied_aberrations(table)
-    if aberrations:
-        yield Message(aberrations, "warning")
+    aberrations = optics_aberrations(table) if p.ctf else None
+    line = applied_aberrations(table, aberrations)
+    if line:
+        yield Message(line)
     if comm.is_root:
         write_note(out.parent, JOB_NAME, p)
     r_max = N / 2 if p.maxres <= 0 else min(N / 2, N * apix / p.maxres)
     sym = symmetry_group(p.sym)
     ang = df[list(ANGLE_COLUMNS)].to_numpy(np.float64)
     ctfp = CtfParams.from_table(df) if p.ctf else None
+    groups = (np.unique(df["rlnOpticsGroup"].to_numpy(int), return_inverse=True)[1] if "rlnOpticsGroup" in df
+              else np.zeros(n, int))
+    demod = None if aberrations is None else demodulation_factors(aberrations, N, apix, xp)
+    ky, kx = half_grid_indices(N, 2, xp)
+    even = None if aberrations is None else gamma_offsets(aberrations, kx / (N * apix), ky / (N * apix), xp)
     bp = BackProjector(N, p.pad, r_max, ndim=3, xp=xp)
     per_image = 700 * N * N + 8 * N * N
     batch = p.batch or image_batch(be.free_bytes(), per_image, n, most=4096)
@@ -161,8 +167,16 @@ def _run(p: Params) -> Iterator:
         F = rfft_centered(imgs.astype(np.float32), 2)
         F = phase_shift_2d(F, xp.asarray(offsets[i0:i1]), N)  # shifting by +origin centres the particle
         A = xp.asarray(euler_to_matrix(ang[i0:i1, 0], ang[i0:i1, 1], ang[i0:i1, 2]))
+        g = xp.asarray(groups[i0:i1])
+        if demod is not None:
+            F = F * demod[g]  # the odd aberrations taken off the images (RELION's demodulatePhase)
         if ctfp is not None:
-            c = ctf_half_grid(ctfp.subset(slice(i0, i1)), N, apix, xp=xp)
+            if even is None:
+                c = ctf_half_grid(ctfp.subset(slice(i0, i1)), N, apix, xp=xp)
+            else:  # with each group's even aberrations in gamma
+                fx = xp.broadcast_to(kx / (N * apix), (N, N // 2 + 1))
+                fy = xp.broadcast_to(ky / (N * apix), (N, N // 2 + 1))
+                c = ctf_from_frequencies(ctfp.subset(slice(i0, i1)), fx, fy, xp, gamma_offset=even[g])
             bp.insert_images(A, F * c, c * c, check=check_cancel)
         else:
             bp.insert_images(A, F, xp.ones(F.shape, dtype=np.float32), check=check_cancel)
