@@ -126,14 +126,14 @@ def test_postprocess_rejects_mismatched_maps_and_bad_masks(tmp_path):
     write_mrc(tmp_path / "h_half1.mrc", a, 1.0)
     write_mrc(tmp_path / "h_half2.mrc", a[:14, :14, :14].copy(), 1.0)
     with pytest.raises(InputError, match="size"):
-        postprocess._load_inputs(postprocess.Params(i=tmp_path / "h_half1.mrc", o=tmp_path / "pp"))
+        postprocess.load_half_maps(postprocess.Params(i=tmp_path / "h_half1.mrc", o=tmp_path / "pp"))
     write_mrc(tmp_path / "h_half2.mrc", a, 1.5)
     with pytest.raises(InputError, match="pixel size"):
-        postprocess._load_inputs(postprocess.Params(i=tmp_path / "h_half1.mrc", o=tmp_path / "pp"))
+        postprocess.load_half_maps(postprocess.Params(i=tmp_path / "h_half1.mrc", o=tmp_path / "pp"))
     write_mrc(tmp_path / "h_half2.mrc", a, 1.0)
     write_mrc(tmp_path / "mask.mrc", np.full_like(a, 1.5), 1.0)
     with pytest.raises(InputError, match=r"\[0, 1\]"):
-        postprocess._load_inputs(postprocess.Params(i=tmp_path / "h_half1.mrc", o=tmp_path / "pp",
+        postprocess.load_half_maps(postprocess.Params(i=tmp_path / "h_half1.mrc", o=tmp_path / "pp",
                                                     mask=tmp_path / "mask.mrc"))
     assert not (tmp_path / "pp").exists()
 

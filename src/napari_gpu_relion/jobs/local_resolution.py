@@ -48,7 +48,7 @@ from .common import (
     require_file,
     write_note,
 )
-from .postprocess import _load_inputs as load_half_maps  # the same half-map, pixel-size and mask checks
+from .postprocess import load_half_maps  # the same half-map, pixel-size and mask checks
 
 JOB_NAME = "local_resolution"
 #: The rootname inside a folder given as --o (RELION's LocalRes job: <job folder>/relion).

@@ -71,7 +71,7 @@ class Params:
             ensure_not_input(Path(self.o) / name, self.i, self.half2(), self.mask)
 
 
-def _load_inputs(p: Params):
+def load_half_maps(p: Params):
     h1 = read_mrc(p.i)
     h2 = read_mrc(p.half2())
     v1, v2 = np.asarray(h1.data, np.float32), np.asarray(h2.data, np.float32)  # float64 only on the device
@@ -108,7 +108,7 @@ def _load_inputs(p: Params):
 
 
 def run(p: Params) -> Iterator:
-    v1, v2, apix, mask = _load_inputs(p)
+    v1, v2, apix, mask = load_half_maps(p)
     N = v1.shape[0]
     out = Path(p.o)
     be = backend_for(p)
