@@ -96,8 +96,8 @@ def test_prune_peaks_matches_sequential_greedy():
             ref[i] = True
             alive[np.hypot(*(xy - xy[i]).T) < 7.0] = False
     assert np.array_equal(keep, ref)
-    close = pk.drop_close_pairs(np.array([[0, 0], [3, 0], [20, 0]], float), 5.0)
-    assert close.tolist() == [False, False, True]
+    close = pk.prune_peaks(np.array([[0, 0], [3, 0], [20, 0]], float), np.array([1.0, 2.0, 0.5]), np.inf, 5.0)
+    assert close.tolist() == [False, True, True]  # an infinite link radius: one cluster, the weaker of a pair goes
 
 
 def test_template_correlation_and_background_vs_direct_sums():

@@ -170,31 +170,40 @@ class SimulatedMicrograph:
     noise_sigma: float
 
 
-def simulate_micrograph(phantom: Phantom, shape: tuple[int, int], pixel_size: float, n_particles: int,
+def simulate_micrograph(phantom: Phantom | None, shape: tuple[int, int], pixel_size: float, n_particles: int,
                         box: int, snr: float = 0.1, seed: int = 0, defocus_A: float = 15000.0,
                         astigmatism_A: float = 300.0, n_contamination: int = 2,
-                        min_distance_px: float | None = None) -> SimulatedMicrograph:
+                        min_distance_px: float | None = None, projections_fn=None,
+                        margin_px: int | None = None) -> SimulatedMicrograph:
     """A micrograph with particles at known integer coordinates, optional dark contamination blobs, the CTF
     applied to the whole field and white noise at the given per-particle SNR (signal variance measured
-    inside each particle's box)."""
+    inside each particle's box, clipped to the micrograph). Projections: of ``phantom`` (analytic), or
+    ``projections_fn(A) -> (n, box, box)`` (e.g. a map's Fourier projections). Particle centres lie at least
+    ``margin_px`` pixels from the edges (default box // 2) and ``min_distance_px`` apart (default 0.9 box)."""
     rng = np.random.default_rng(seed)
     ny, nx = shape
     half = box // 2
+    margin = half if margin_px is None else int(margin_px)
     dmin = box * 0.9 if min_distance_px is None else min_distance_px
     coords: list[tuple[int, int]] = []
     tries = 0
     while len(coords) < n_particles and tries < 200 * n_particles:
         tries += 1
-        x, y = int(rng.integers(half, nx - half)), int(rng.integers(half, ny - half))
+        x, y = int(rng.integers(margin, nx - margin)), int(rng.integers(margin, ny - margin))
         if all((x - a) ** 2 + (y - b) ** 2 >= dmin**2 for a, b in coords):
             coords.append((x, y))
     xy = np.array(coords, dtype=np.int64).reshape(-1, 2)
     ang = random_rotations(len(xy), rng)
     A = euler_to_matrix(ang[:, 0], ang[:, 1], ang[:, 2])
-    proj = phantom_projections(phantom, A, box, pixel_size)
+    if projections_fn is not None:
+        proj = np.asarray(projections_fn(A), np.float64)
+    elif phantom is not None:
+        proj = phantom_projections(phantom, A, box, pixel_size)
+    else:
+        raise ValueError("simulate_micrograph needs a phantom or a projections_fn")
     field = np.zeros(shape, np.float64)
     for (x, y), p in zip(xy, proj, strict=True):
-        field[y - half:y + half, x - half:x + half] += p
+        field[_box(y, half, ny), _box(x, half, nx)] += p[_box(y, half, ny, True), _box(x, half, nx, True)]
     ctf = CtfParams(np.array([defocus_A + astigmatism_A / 2]), np.array([defocus_A - astigmatism_A / 2]),
                     np.array([rng.uniform(-180, 180)]))
     # CTF over the whole (square-padded) field
@@ -204,7 +213,7 @@ def simulate_micrograph(phantom: Phantom, shape: tuple[int, int], pixel_size: fl
     F = rfft_centered(pad, 2)
     img = irfft_centered(F * ctf_half_grid(ctf, n, pixel_size)[0], n, 2)[:ny, :nx]
     # per-particle signal variance inside boxes, for the SNR definition
-    sig_var = float(np.mean([img[y - half:y + half, x - half:x + half].var() for x, y in xy])) if len(xy) else 1.0
+    sig_var = float(np.mean([img[_box(y, half, ny), _box(x, half, nx)].var() for x, y in xy])) if len(xy) else 1.0
     contam = []
     yy, xx = np.mgrid[0:ny, 0:nx]
     for _ in range(n_contamination):
@@ -217,6 +226,13 @@ def simulate_micrograph(phantom: Phantom, shape: tuple[int, int], pixel_size: fl
     img = img + rng.normal(0.0, noise_sigma, img.shape)
     return SimulatedMicrograph((-img).astype(np.float32), xy, ang, ctf,
                                np.array(contam).reshape(-1, 3), noise_sigma)
+
+
+def _box(c: int, half: int, n: int, inner: bool = False) -> slice:
+    """The rows (or columns) [c - half, c + half) of a box centred at pixel ``c`` clipped to [0, n); with
+    ``inner`` the same rows as indices into the box (0 .. 2 half)."""
+    lo, hi = max(0, c - half), min(n, c + half)
+    return slice(lo - (c - half), hi - (c - half)) if inner else slice(lo, hi)
 
 
 def conformations(ph: Phantom, n_states: int, fraction: float = 0.25) -> list[Phantom]:

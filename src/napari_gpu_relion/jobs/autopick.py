@@ -1,7 +1,8 @@
 """Autopicking (the counterpart of relion_autopick): Laplacian-of-Gaussian or template picking on the GPU.
 
 Per micrograph: read lazily, normalise (outliers to the mean), embed into a square, FFT, crop to the working
-grid W (from --lowpass with --shrink 0), then
+grid W (from --lowpass with --shrink 0; the z-score template FOM on a grid ZSCORE_OVERSAMPLE = 2 times finer),
+then
 - LoG: 11 scale-normalised LoG filters, best response and size per pixel, RELION's size filter, threshold and
   greedy exclusion (LoG micrographs are batched on the device);
 - templates: references (2D stack, or projections of a 3D map) masked, inverted, rotated in-plane in the
@@ -52,6 +53,11 @@ from .common import (
 from .micrograph_driver import Round, failure_report, over_micrographs, read_or_skip
 
 JOB_NAME = "autopick"
+#: The z-score FOM maps' grid is this many times finer than RELION's working grid W (at most the micrograph's
+#: size; compute.picking.oversampled_size): with a 20 Å reference its correlation peaks are about one W pixel
+#: wide, and a particle centred between W pixels in both directions lost 0.45-0.80 of its FOM (8-10 %) on W
+#: (benchmarks/picking_recall.py --sampling, issue 48). It costs about 4x the FFTs. LoG and --fom relion keep W.
+ZSCORE_OVERSAMPLE = 2
 #: Template figures of merit (--fom): the matched-filter z-score (default) and RELION's probability ratio.
 FOM_KINDS = ("zscore", "relion")
 
@@ -226,10 +232,13 @@ class Setup:
     extra: dict
 
 
-def _grid(ny: int, nx: int, p: Params, apix: float) -> tuple[pk.Grid, int]:
+def _grid(ny: int, nx: int, p: Params, apix: float) -> tuple[pk.Grid, int, float]:
+    """The FOM maps' grid (RELION's working grid W; ZSCORE_OVERSAMPLE times finer for the z-score template FOM),
+    the low-pass size (downsize_mic) and RELION's working scale W/n (which picks its peak-search rule)."""
     n = pk.square_size(ny, nx)
     w = pk.working_size(n, apix, p.lowpass, p.shrink)
-    return pk.Grid(n, w, ny, nx), pk.downsize_mic(n, apix, p.lowpass)
+    factor = ZSCORE_OVERSAMPLE if (not p.LoG and p.fom == "zscore") else 1
+    return pk.Grid(n, pk.oversampled_size(w, n, factor), ny, nx), pk.downsize_mic(n, apix, p.lowpass), w / n
 
 
 def _ctf_on(ctf: CtfParams, box: int, w: int, apix: float, xp):
@@ -289,15 +298,15 @@ def _template_one(raw: np.ndarray, setup: Setup, refs: References, p: Params, ap
     min_d = p.min_distance if p.min_distance > 0 else s / 2 * apix
     py, px, f, k, pi = pk.template_picks(maps, setup.inside, p.threshold, refs.radius_px * g.scale,
                                          float(round_half_away(np.float64(min_d / apix))) * g.scale,
-                                         p.max_stddev_noise, p.min_avg_noise, g.scale)
+                                         p.max_stddev_noise, p.min_avg_noise, e["relion_scale"])
     Xc, Yc = g.to_micrograph(py, px)
     return Xc, Yc, f, k + 1, e["psi"][pi]
 
 
 def _setup(shape: tuple[int, int], p: Params, apix: float, xp, refs: References | None, be) -> Setup:
     ny, nx = shape
-    g, down = _grid(ny, nx, p, apix)
-    extra: dict = {}
+    g, down, relion_scale = _grid(ny, nx, p, apix)
+    extra: dict = {"relion_scale": relion_scale}
     if p.LoG:
         skip = int(max(p.skip_side, int(0.5 * p.LoG_diam_min / apix)) * g.scale)
         extra["diameters"] = pk.log_diameters(p.LoG_diam_min, p.LoG_diam_max, p.Log_max_search)
