@@ -66,7 +66,7 @@ def test_the_view_follows_the_kind_of_job_followed(make_napari_viewer, qtbot, tm
     qtbot.waitUntil(lambda: "job012 half1" in viewer.layers and display.fsc is not None
                     and display.fsc.axes is not None and not display.pending, timeout=15_000)
     assert viewer.dims.ndisplay == 3
-    assert display.fsc.axes.get_title().startswith("Refine3D/job012: ")  # the plot names its job
+    assert display.fsc.axes.get_title().startswith("Refine3D/job012\n")  # the plot names its job
     assert display.fsc.source == "Refine3D/job012"
 
     panel.follow_folder(classes)
@@ -80,7 +80,7 @@ def test_the_view_follows_the_kind_of_job_followed(make_napari_viewer, qtbot, tm
     panel.follow_folder(refine)
     qtbot.waitUntil(lambda: display.fsc.axes is not None and not display.pending and viewer.dims.ndisplay == 3,
                     timeout=15_000)
-    assert display.fsc.axes.get_title().startswith("Refine3D/job012: ")
+    assert display.fsc.axes.get_title().startswith("Refine3D/job012\n")
     panel.stop_following()
     assert not errors
 
@@ -157,7 +157,7 @@ def test_opening_a_postprocess_star_shows_its_curves_and_map_or_says_why_not(mak
     viewer = make_napari_viewer()
     display = LiveDisplay.for_viewer(viewer)
     assert viewer.open(str(star), plugin=PLUGIN) == []  # no layer of its own: the live display shows it
-    title = "PostProcess/job020: Resolution 9.60 Å (FSC = 0.143)"
+    title = "PostProcess/job020\nResolution 9.60 Å (FSC = 0.143)"
     assert display.fsc is not None and display.fsc.axes.get_title() == title
     assert said[-1] == ("PostProcess/job020: FSC curves (9.60 Å at FSC 0.143) shown; no map beside postprocess.star "
                         "(postprocess_masked.mrc or postprocess.mrc) to show")

@@ -52,6 +52,10 @@ POLL_S = 3.0
 #: Seconds between two scans of a followed job folder.
 FOLLOW_POLL_S = 1.0
 COLUMNS = ("Job", "Folder", "Status", "Iter.")
+#: Least height (pixels) of the job list: about four rows, also in a dock shared with the plots on a laptop.
+TABLE_MIN_HEIGHT = 130
+#: Greatest height (pixels) of the "Use as input of" list (it scrolls): the job list gets the rest.
+OFFERS_MAX_HEIGHT = 110
 
 
 def open_job_dock(viewer: Any, job: str) -> Any:
@@ -235,11 +239,11 @@ class JobsPanel(Container):
         header.setSectionResizeMode(1, QHeaderView.ResizeMode.Stretch)
         for col in (0, 2, 3):
             header.setSectionResizeMode(col, QHeaderView.ResizeMode.ResizeToContents)
-        self.table.setMinimumHeight(90)
+        self.table.setMinimumHeight(TABLE_MIN_HEIGHT)
         self.offer_list = QListWidget()
         self.offer_list.setObjectName("jobs_offers")
         self.offer_list.setMinimumHeight(60)
-        self.offer_list.setMaximumHeight(160)
+        self.offer_list.setMaximumHeight(OFFERS_MAX_HEIGHT)
 
         super().__init__(widgets=[self.project, self.info, self.offer_label, self.open_button, follow_row,
                                   self.stop_button, self.follow_info], labels=False, name="jobs_panel")

@@ -8,9 +8,9 @@ colour bar the most), so the GUI thread never draws one (issue 18: no freezes). 
 image, scaled to its size. One lock serialises the drawing (matplotlib's font cache is shared between threads).
 The figure and its axes are kept with the image (titles, labels and curves can be read back).
 
-A plot says whose it is: the FSC's title starts with the job it belongs to ("Refine3D/job012: Resolution 12.00 Å
-(FSC = 0.143)"), the angular distribution's names its STAR; :meth:`FscPlot.clear` (a new job followed) leaves a
-line that says which job's curves are awaited instead of the former job's curves.
+A plot says whose it is: the FSC's title starts with the job it belongs to ("Refine3D/job012", a line above
+"Resolution 12.00 Å (FSC = 0.143)"), the angular distribution's names its STAR; :meth:`FscPlot.clear` (a new job
+followed) leaves a line that says which job's curves are awaited instead of the former job's curves.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def render_fsc(event: FscUpdated, colors: tuple[str, str] = ("black", "white"), 
     fg, bg = colors
     with _DRAW_LOCK:
         figure, _ = _figure(colors)
-        figure.subplots_adjust(left=0.15, right=0.97, bottom=0.16, top=0.9)
+        figure.subplots_adjust(left=0.15, right=0.97, bottom=0.16, top=0.84 if source else 0.9)
         ax = figure.add_subplot(111)
         _style(ax, fg, bg)
         x = np.asarray(event.resolution_inv_A, dtype=float)
@@ -98,7 +98,7 @@ def render_fsc(event: FscUpdated, colors: tuple[str, str] = ("black", "white"), 
         if np.isfinite(event.resolution_A) and event.resolution_A > 0:
             ax.axvline(1.0 / event.resolution_A, color="0.6", linestyle=":", linewidth=1)
             title = f"Resolution {event.resolution_A:.2f} Å (FSC = {event.threshold:g})"
-            title = f"{source}: {title}" if source else title
+            title = f"{source}\n{title}" if source else title  # the job on a line of its own: it fits a narrow dock
         else:
             title = f"FSC of {source}" if source else "FSC"
         ax.set_title(title, color=fg, fontsize=10)
