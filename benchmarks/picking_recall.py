@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 from scipy.spatial import cKDTree
 
 from napari_gpu_relion.compute import picking as pk
@@ -43,8 +42,8 @@ from napari_gpu_relion.compute.projector import prepare_reference, project
 from napari_gpu_relion.events import MicrographPicked
 from napari_gpu_relion.io.micrographs import micrograph_list
 from napari_gpu_relion.io.mrc import read_mrc, write_mrc
-from napari_gpu_relion.io.star import write_particles
 from napari_gpu_relion.jobs import autopick
+from napari_gpu_relion.jobs.simulate import write_micrographs
 from napari_gpu_relion.runtime.device import select_backend
 
 APIX, BOX, SIZE = 5.0, 86, 512
@@ -68,21 +67,11 @@ def make_dataset(folder: Path, vol: np.ndarray, snr: float, n_mics: int = 3, n_p
     def proj(A):
         return irfft_centered(project(ref, A), box, 2).astype(np.float32)
 
-    (folder / "Micrographs").mkdir(parents=True, exist_ok=True)
-    mics, rows = [], []
-    for k in range(n_mics):
-        m = sim.simulate_micrograph(None, (size, size), APIX, n_particles, box, snr=snr, seed=seed + 100 + k,
+    mics = [sim.simulate_micrograph(None, (size, size), APIX, n_particles, box, snr=snr, seed=seed + 100 + k,
                                     defocus_A=15000.0 + 5000.0 * k, n_contamination=0,
                                     min_distance_px=min_distance_px, projections_fn=proj, margin_px=margin_px)
-        name = f"Micrographs/mic{k:03d}.mrc"
-        write_mrc(folder / name, m.image, APIX)
-        mics.append(m)
-        rows.append({"rlnMicrographName": name, "rlnOpticsGroup": 1, "rlnDefocusU": float(m.ctf.defocus_u[0]),
-                     "rlnDefocusV": float(m.ctf.defocus_v[0]), "rlnDefocusAngle": float(m.ctf.defocus_angle[0])})
-    optics = pd.DataFrame({"rlnOpticsGroupName": ["opticsGroup1"], "rlnOpticsGroup": [1], "rlnVoltage": [300.0],
-                           "rlnSphericalAberration": [2.7], "rlnAmplitudeContrast": [0.1],
-                           "rlnMicrographPixelSize": [APIX]})
-    write_particles(folder / "micrographs.star", pd.DataFrame(rows), optics, block="micrographs")
+            for k in range(n_mics)]
+    write_micrographs(folder, mics, APIX)
     write_mrc(folder / "map.mrc", vol, APIX)
     write_mrc(folder / "map60.mrc", lowpass_map(vol.astype(np.float64), APIX, 60.0).astype(np.float32), APIX)
     return mics

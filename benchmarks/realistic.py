@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import signal
@@ -149,7 +150,6 @@ def run_side(side: str, a, data: Path, info: dict, truth) -> dict:
             rc = proc.wait(timeout=limit if limit > 0 else None)
             stopped = False
         except subprocess.TimeoutExpired:
-            import os
             os.killpg(proc.pid, signal.SIGTERM)
             time.sleep(3)
             os.killpg(proc.pid, signal.SIGKILL)

@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 
 from napari_gpu_relion.compute import simulate as sim
 from napari_gpu_relion.compute.fourier import irfft_centered, radius_grid, rfft_centered
@@ -39,8 +38,8 @@ from napari_gpu_relion.compute.geometry import euler_to_matrix
 from napari_gpu_relion.compute.ground_truth import pick_matches
 from napari_gpu_relion.events import MicrographPicked
 from napari_gpu_relion.io.mrc import write_mrc
-from napari_gpu_relion.io.star import write_particles
 from napari_gpu_relion.jobs import autopick
+from napari_gpu_relion.jobs.simulate import write_micrographs
 from napari_gpu_relion.runtime.device import select_backend
 
 APIX, BOX, DIAM = 3.0, 64, 150.0
@@ -50,21 +49,11 @@ def make_dataset(folder: Path, n_mics: int, size: int, n_particles: int, snr: fl
                  n_contamination: int = 2):
     """Write micrographs + micrographs.star + the true map into ``folder``; return (phantom, micrographs)."""
     ph = sim.pseudo_atomic_phantom(DIAM, seed=0)
-    (folder / "Micrographs").mkdir(parents=True, exist_ok=True)
-    mics, rows = [], []
-    for k in range(n_mics):
-        defocus = 12000.0 + 12000.0 * k / max(1, n_mics - 1)
-        m = sim.simulate_micrograph(ph, (size, size), APIX, n_particles, BOX, snr=snr, seed=seed + 100 + k,
-                                    n_contamination=n_contamination, defocus_A=defocus)
-        name = f"Micrographs/mic{k:03d}.mrc"
-        write_mrc(folder / name, m.image, APIX)
-        mics.append(m)
-        rows.append({"rlnMicrographName": name, "rlnOpticsGroup": 1, "rlnDefocusU": float(m.ctf.defocus_u[0]),
-                     "rlnDefocusV": float(m.ctf.defocus_v[0]), "rlnDefocusAngle": float(m.ctf.defocus_angle[0])})
-    optics = pd.DataFrame({"rlnOpticsGroupName": ["opticsGroup1"], "rlnOpticsGroup": [1], "rlnVoltage": [300.0],
-                           "rlnSphericalAberration": [2.7], "rlnAmplitudeContrast": [0.1],
-                           "rlnMicrographPixelSize": [APIX]})
-    write_particles(folder / "micrographs.star", pd.DataFrame(rows), optics, block="micrographs")
+    mics = [sim.simulate_micrograph(ph, (size, size), APIX, n_particles, BOX, snr=snr, seed=seed + 100 + k,
+                                    n_contamination=n_contamination,
+                                    defocus_A=12000.0 + 12000.0 * k / max(1, n_mics - 1))
+            for k in range(n_mics)]
+    write_micrographs(folder, mics, APIX)
     write_mrc(folder / "map.mrc", sim.phantom_volume(ph, BOX, APIX), APIX)
     return ph, mics
 

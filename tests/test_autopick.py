@@ -7,7 +7,6 @@ from pathlib import Path
 
 import mrcfile
 import numpy as np
-import pandas as pd
 import pytest
 from scipy import ndimage
 from scipy.spatial import cKDTree
@@ -20,8 +19,9 @@ from napari_gpu_relion.compute.ground_truth import pick_matches
 from napari_gpu_relion.errors import InputError
 from napari_gpu_relion.events import Finished, Message, MicrographPicked
 from napari_gpu_relion.io.mrc import write_mrc
-from napari_gpu_relion.io.star import read_coordinates, read_star, write_particles
+from napari_gpu_relion.io.star import read_coordinates, read_star
 from napari_gpu_relion.jobs import autopick
+from napari_gpu_relion.jobs.simulate import write_micrographs
 
 APIX, BOX, DIAM = 3.0, 64, 150.0
 
@@ -172,20 +172,9 @@ def _score(truth: np.ndarray, picks: np.ndarray, radius: float, contamination: n
 
 def _dataset(tmp: Path, n_mics: int, size: int, n_particles: int, seed0: int, snr: float = 0.1):
     ph = sim.pseudo_atomic_phantom(DIAM, seed=0)
-    mics, rows = [], []
-    (tmp / "Micrographs").mkdir(parents=True, exist_ok=True)
-    for k in range(n_mics):
-        m = sim.simulate_micrograph(ph, (size, size), APIX, n_particles, BOX, snr=snr, seed=seed0 + k,
-                                    n_contamination=2, defocus_A=12000.0 + 3000 * k)
-        name = f"Micrographs/mic{k:03d}.mrc"
-        write_mrc(tmp / name, m.image, APIX)
-        mics.append(m)
-        rows.append({"rlnMicrographName": name, "rlnOpticsGroup": 1, "rlnDefocusU": float(m.ctf.defocus_u[0]),
-                     "rlnDefocusV": float(m.ctf.defocus_v[0]), "rlnDefocusAngle": float(m.ctf.defocus_angle[0])})
-    optics = pd.DataFrame({"rlnOpticsGroupName": ["opticsGroup1"], "rlnOpticsGroup": [1], "rlnVoltage": [300.0],
-                           "rlnSphericalAberration": [2.7], "rlnAmplitudeContrast": [0.1],
-                           "rlnMicrographPixelSize": [APIX]})
-    star = write_particles(tmp / "micrographs.star", pd.DataFrame(rows), optics, block="micrographs")
+    mics = [sim.simulate_micrograph(ph, (size, size), APIX, n_particles, BOX, snr=snr, seed=seed0 + k,
+                                    n_contamination=2, defocus_A=12000.0 + 3000 * k) for k in range(n_mics)]
+    star = write_micrographs(tmp, mics, APIX)
     return ph, mics, star
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pytest
 from scipy.spatial import cKDTree
 
@@ -17,8 +16,8 @@ from napari_gpu_relion.compute.geometry import euler_to_matrix
 from napari_gpu_relion.compute.ground_truth import pick_matches
 from napari_gpu_relion.events import MicrographPicked
 from napari_gpu_relion.io.mrc import write_mrc
-from napari_gpu_relion.io.star import write_particles
 from napari_gpu_relion.jobs import autopick
+from napari_gpu_relion.jobs.simulate import write_micrographs
 
 # ---------------------------------------------------------------------------------------------------------
 # The pair filter
@@ -166,20 +165,9 @@ def _dataset(tmp: Path, n_mics: int, snr: float):
     """Micrographs of 256 x 256 px at 5 Å/px with the 150 Å phantom (box 32), CTF, dark particles, no
     contamination, centres >= 45 px apart and >= 16 px from the edges."""
     ph = sim.pseudo_atomic_phantom(150.0, seed=0)
-    (tmp / "Micrographs").mkdir(parents=True, exist_ok=True)
-    mics, rows = [], []
-    for k in range(n_mics):
-        m = sim.simulate_micrograph(ph, (256, 256), APIX, 25, BOX, snr=snr, seed=300 + k, n_contamination=0,
-                                    defocus_A=15000.0 + 5000.0 * k, min_distance_px=45.0)
-        name = f"Micrographs/mic{k:03d}.mrc"
-        write_mrc(tmp / name, m.image, APIX)
-        mics.append(m)
-        rows.append({"rlnMicrographName": name, "rlnOpticsGroup": 1, "rlnDefocusU": float(m.ctf.defocus_u[0]),
-                     "rlnDefocusV": float(m.ctf.defocus_v[0]), "rlnDefocusAngle": float(m.ctf.defocus_angle[0])})
-    optics = pd.DataFrame({"rlnOpticsGroupName": ["opticsGroup1"], "rlnOpticsGroup": [1], "rlnVoltage": [300.0],
-                           "rlnSphericalAberration": [2.7], "rlnAmplitudeContrast": [0.1],
-                           "rlnMicrographPixelSize": [APIX]})
-    write_particles(tmp / "micrographs.star", pd.DataFrame(rows), optics, block="micrographs")
+    mics = [sim.simulate_micrograph(ph, (256, 256), APIX, 25, BOX, snr=snr, seed=300 + k, n_contamination=0,
+                                    defocus_A=15000.0 + 5000.0 * k, min_distance_px=45.0) for k in range(n_mics)]
+    write_micrographs(tmp, mics, APIX)
     write_mrc(tmp / "map.mrc", sim.phantom_volume(ph, BOX, APIX), APIX)
     return mics
 

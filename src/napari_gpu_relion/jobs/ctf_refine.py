@@ -30,7 +30,7 @@ import pandas as pd
 from ..cancel import check_cancel
 from ..compute import ctf_refine as CR
 from ..compute.backend import to_host
-from ..compute.ctf import CtfParams, OpticsAberrations, format_zernike, parse_zernike
+from ..compute.ctf import CtfParams, OpticsAberrations, format_zernike
 from ..compute.geometry import euler_to_matrix
 from ..compute.projector import prepare_reference, stack_references
 from ..errors import InputError
@@ -44,6 +44,7 @@ from ..runtime.device import backend_for
 from ..runtime.distributed import root_events, world
 from ..runtime.memory import batched_with_oom_retry, free_cached_memory, image_batch
 from .common import check_output_folder, param, prepare_output, require_file, write_note
+from .particles import row_aberrations
 from .reconstruct import ANGLE_COLUMNS, particle_offsets_px
 
 JOB_NAME = "ctf_refine"
@@ -240,10 +241,7 @@ def _optics_aberrations(table: ParticleTable) -> tuple[list[OpticsAberrations], 
         if max(abs(mag[0] - 1), abs(mag[1]), abs(mag[2]), abs(mag[3] - 1)) > 1e-9:
             raise InputError(f"optics group {r['rlnOpticsGroup']} has an anisotropic magnification matrix "
                              f"(rlnMagMat {mag}); not supported here yet", path=str(table.path))
-        groups.append(OpticsAberrations(
-            float(r.get("rlnBeamTiltX", 0.0) or 0.0), float(r.get("rlnBeamTiltY", 0.0) or 0.0),
-            parse_zernike(r.get("rlnOddZernike")), parse_zernike(r.get("rlnEvenZernike")),
-            float(r.get("rlnSphericalAberration", 2.7)), float(r.get("rlnVoltage", 300.0))))
+        groups.append(row_aberrations(r))
         index[int(r["rlnOpticsGroup"])] = i
     return groups, index
 

@@ -48,7 +48,7 @@ from .common import (
     require_file,
     write_note,
 )
-from .postprocess import load_half_maps  # the same half-map, pixel-size and mask checks
+from .postprocess import load_half_maps, second_half  # the same half-map, pixel-size and mask checks
 
 JOB_NAME = "local_resolution"
 #: The rootname inside a folder given as --o (RELION's LocalRes job: <job folder>/relion).
@@ -88,12 +88,7 @@ class Params:
     gpu: str | None = param(None, "--gpu", "GPU index (default: the first GPU, if any)")
 
     def half2(self) -> Path:
-        if self.i2 is not None:
-            return Path(self.i2)
-        name = Path(self.i).name
-        if "half1" not in name:
-            raise InputError("--i2 not given and the name of --i has no 'half1' to replace", path=str(self.i))
-        return Path(self.i).with_name(name.replace("half1", "half2"))
+        return second_half(self.i, self.i2)
 
     def rootname(self) -> Path:
         o = Path(self.o)

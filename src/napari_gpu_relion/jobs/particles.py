@@ -221,16 +221,15 @@ def optics_aberrations(table: ParticleTable) -> tuple[OpticsAberrations, ...] | 
     rows = {int(r["rlnOpticsGroup"]): r for _, r in optics.iterrows()}
     df = table.particles
     numbers = np.unique(df["rlnOpticsGroup"].to_numpy(int)) if "rlnOpticsGroup" in df else np.array([1])
-    out = []
-    for g in numbers:
-        r = rows.get(int(g))
-        if r is None:
-            out.append(OpticsAberrations())
-            continue
-        out.append(OpticsAberrations(float(r.get("rlnBeamTiltX", 0.0) or 0.0), float(r.get("rlnBeamTiltY", 0.0) or 0.0),
-                                     parse_zernike(r.get("rlnOddZernike")), parse_zernike(r.get("rlnEvenZernike")),
-                                     float(r.get("rlnSphericalAberration", 2.7)), float(r.get("rlnVoltage", 300.0))))
+    out = [OpticsAberrations() if int(g) not in rows else row_aberrations(rows[int(g)]) for g in numbers]
     return tuple(out) if any(a.has_odd or a.has_even for a in out) else None
+
+
+def row_aberrations(row) -> OpticsAberrations:
+    """One optics-table row's (a mapping's) beam tilt (mrad), odd and even Zernike terms, Cs and voltage."""
+    return OpticsAberrations(float(row.get("rlnBeamTiltX", 0.0) or 0.0), float(row.get("rlnBeamTiltY", 0.0) or 0.0),
+                             parse_zernike(row.get("rlnOddZernike")), parse_zernike(row.get("rlnEvenZernike")),
+                             float(row.get("rlnSphericalAberration", 2.7)), float(row.get("rlnVoltage", 300.0)))
 
 
 def applied_aberrations(table: ParticleTable, aberrations) -> str | None:

@@ -51,12 +51,7 @@ class Params:
     gpu: str | None = param(None, "--gpu", "GPU index (default: the first GPU, if any)")
 
     def half2(self) -> Path:
-        if self.i2 is not None:
-            return Path(self.i2)
-        name = Path(self.i).name
-        if "half1" not in name:
-            raise InputError("--i2 not given and the name of --i has no 'half1' to replace", path=str(self.i))
-        return Path(self.i).with_name(name.replace("half1", "half2"))
+        return second_half(self.i, self.i2)
 
     def __post_init__(self):
         require_file(self.i, "--i half map", (".mrc", ".map"))
@@ -69,6 +64,16 @@ class Params:
         check_pixel_size(self.angpix, "--angpix", "the map header")
         for name in ("postprocess.mrc", "postprocess_masked.mrc"):
             ensure_not_input(Path(self.o) / name, self.i, self.half2(), self.mask)
+
+
+def second_half(i: Path, i2: Path | None) -> Path:
+    """The second half map: --i2, else --i's name with 'half1' replaced by 'half2' (RELION's rule)."""
+    if i2 is not None:
+        return Path(i2)
+    name = Path(i).name
+    if "half1" not in name:
+        raise InputError("--i2 not given and the name of --i has no 'half1' to replace", path=str(i))
+    return Path(i).with_name(name.replace("half1", "half2"))
 
 
 def load_half_maps(p: Params):

@@ -200,6 +200,20 @@ def run(p: Params) -> Iterator:
                    f"{n} particles (box {p.box}, {p.angpix} Å/px, SNR {p.snr}) and {p.n_micrographs} micrographs")
 
 
+def write_micrographs(folder: Path, mics: list, pixel_size: float) -> Path:
+    """Simulated micrographs (compute.simulate.simulate_micrograph's) as ``folder``/Micrographs/micNNN.mrc (from
+    000) and their micrographs.star (name, optics group, defocus; one optics group); returns the STAR's path."""
+    (folder / "Micrographs").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for k, m in enumerate(mics):
+        name = f"Micrographs/mic{k:03d}.mrc"
+        write_mrc(folder / name, m.image, pixel_size)
+        rows.append({"rlnMicrographName": name, "rlnOpticsGroup": 1, "rlnDefocusU": float(m.ctf.defocus_u[0]),
+                     "rlnDefocusV": float(m.ctf.defocus_v[0]), "rlnDefocusAngle": float(m.ctf.defocus_angle[0])})
+    return write_particles(folder / "micrographs.star", pd.DataFrame(rows), _optics(0, pixel_size, "micrographs"),
+                           block="micrographs")
+
+
 def _simulate_states(p: Params, phantom: sim.Phantom, out: Path) -> tuple[sim.SimulatedParticles, np.ndarray]:
     """Particles from ``p.conformations`` states (evenly split, shuffled) with ONE noise level for all, so
     that only the structure tells the states apart. Writes truth_state2.mrc, ... next to truth.mrc."""
