@@ -409,6 +409,15 @@ class BackProjectorStack:
             bp.stack = (self.arrays, k)
             self.members.append(bp)
 
+    def block(self, lo: int, hi: int) -> BackProjectorStack:
+        """The members lo..hi-1 as a stack of their own (views of these arrays, nothing copied): the classes one
+        MPI rank reconstructs."""
+        out = object.__new__(BackProjectorStack)
+        out.arrays = tuple(a[lo:hi] for a in self.arrays)
+        out.size, out.pad, out.ndim, out.xp, out.r_max = self.size, self.pad, self.ndim, self.xp, self.r_max
+        out.members = self.members[lo:hi]
+        return out
+
     def enforce_hermitian(self) -> None:
         """BackProjector.enforce_hermitian for every member at once."""
         _enforce_hermitian(*self.arrays, self.ndim)

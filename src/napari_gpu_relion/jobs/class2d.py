@@ -33,7 +33,7 @@ from ..compute.maximization import (
 from ..compute.references2d import center_of_mass, initial_class_averages, shift_images
 from ..compute.sampling import InPlaneSampling
 from ..errors import InputError
-from ..events import ClassAveragesUpdated, Finished, IterationFinished, Message
+from ..events import ClassAveragesUpdated, Finished, IterationFinished, IterationStarted, Message
 from ..io.mrc import write_mrc
 from . import em, em_classification
 from .common import param
@@ -110,6 +110,8 @@ class Class2D(em_classification.Classification):
         coarse = coarse_image_size(N, self.apix, smp.psi_step_actual, self.diameter, size, kappa=1.5)
         yield Message(f"iteration {st.iteration}: image size {size} (coarse {coarse}), {self.K} classes x {smp.n_psi} "
                       f"psi x {smp.translations.shape[0]} translations")
+        yield IterationStarted(st.iteration, p.iter, st.iteration == p.iter, image_size=size, full_size=N,
+                               angular_step=float(smp.psi_step_actual))
         return em.Iteration(st.iteration == p.iter, False, size, smp, coarse, None)
 
     def expectation_options(self, it: em.Iteration, h: int) -> dict:
@@ -129,9 +131,16 @@ class Class2D(em_classification.Classification):
 
     def maximization(self, it: em.Iteration) -> None:
         p, m, sums = self.p, self.model, it.sums[0]
-        tau2 = references_tau2(it.references[0])
-        maps, it.ssnr = reconstruct_classes(it.accumulators[0], tau2, p.tau2_fudge, sums.pdf_class, m.refs[0])
-        new_refs = to_host(maps).astype(np.float64)
+        lo, hi = self.my_classes(0)  # this rank's classes (all of them without MPI); the others' are gathered
+        part: list = []
+        if hi > lo:
+            tau2 = references_tau2(it.references[0][lo:hi])
+            maps, ssnr = reconstruct_classes(it.accumulators[0].block(lo, hi), tau2, p.tau2_fudge,
+                                             sums.pdf_class[lo:hi], m.refs[0][lo:hi])
+            part = list(zip(to_host(maps), ssnr, strict=True))
+        done = self.gather_classes(0, part)
+        new_refs = np.stack([v for v, _ in done]).astype(np.float64)
+        it.ssnr = [s for _, s in done]
         m.sigma2[0] = update_sigma2(sums.sigma2, sums.sumw_group, self.N)
         self.state.sigma_offset_A = update_sigma_offset(sums.sigma_offset, sums.sum_weight)
         self.update_corrections(it.sums)

@@ -40,7 +40,7 @@ from ..compute.maximization import (
 )
 from ..compute.relion_random import relion_seed_classes
 from ..compute.sampling import GivenOrientations, Sampling
-from ..events import Finished, IterationFinished, MapUpdated, Message
+from ..events import Finished, IterationFinished, IterationStarted, MapUpdated, Message
 from ..io.mrc import write_mrc
 from . import em, em_classification
 from .common import param
@@ -150,6 +150,9 @@ class Class3D(em_classification.Classification):
         yield Message(f"iteration {it_no}: image size {size} (coarse {coarse}), {self.K} classes x {search}"
                       f"{', random class seeding' if it_no == self.seed_iteration and self.seeding else ''}"
                       f"{', CC' if cc else ''}")
+        yield IterationStarted(it_no, p.iter, it_no == p.iter, image_size=size, full_size=N,
+                               angular_step=0.0 if p.skip_align else float(smp.angular_step),
+                               local=local_sigma is not None)
         return em.Iteration(it_no == p.iter, cc, size, smp, coarse, local_sigma)
 
     def expectation_options(self, it: em.Iteration, h: int) -> dict:
@@ -173,14 +176,21 @@ class Class3D(em_classification.Classification):
         p, m, sums = self.p, self.model, it.sums[0]
         if p.skip_align:  # the input angles and offsets, exactly (not their round trip through matrices)
             self.ps.angles[:], self.ps.offsets_px[:] = self.input_angles, self.input_offsets
-        tau2 = references_tau2(it.references[0])  # of the references this iteration aligned to
-        maps, it.ssnr = reconstruct_classes(it.accumulators[0], tau2, p.tau2_fudge, sums.pdf_class, m.refs[0],
-                                            self.sym.matrices)
-        if p.flatten_solvent:  # on the device, in float64 as on the host, then rounded as the maps are kept (after
-            maps = maps.astype(np.float64) * self.solvent_mask[None]  # the low-pass of a CC iteration: one rounding)
-            if not (it.cc and p.ini_high > 0):
-                maps = maps.astype(np.float32)
-        new_refs = to_host(maps)  # one copy to the host (float32 unless a class was empty or a low-pass follows)
+        lo, hi = self.my_classes(0)  # this rank's classes (all of them without MPI); the others' are gathered
+        part: list = []
+        if hi > lo:
+            tau2 = references_tau2(it.references[0][lo:hi])  # of the references this iteration aligned to
+            maps, ssnr = reconstruct_classes(it.accumulators[0].block(lo, hi), tau2, p.tau2_fudge,
+                                             sums.pdf_class[lo:hi], m.refs[0][lo:hi], self.sym.matrices)
+            if p.flatten_solvent:  # on the device, in float64 as on the host, then rounded as the maps are kept
+                maps = maps.astype(np.float64) * self.solvent_mask[None]  # (after a CC iteration's low-pass: once)
+                if not (it.cc and p.ini_high > 0):
+                    maps = maps.astype(np.float32)
+            # one copy to the host (float32 unless a class was empty or a low-pass follows)
+            part = list(zip(to_host(maps), ssnr, strict=True))
+        done = self.gather_classes(0, part)
+        new_refs = [v for v, _ in done]
+        it.ssnr = [s for _, s in done]
         if not it.cc:
             m.sigma2[0] = update_sigma2(sums.sigma2, sums.sumw_group, self.N)
             self.state.sigma_offset_A = update_sigma_offset(sums.sigma_offset, sums.sum_weight)

@@ -64,7 +64,17 @@ from ..io.star import is_star_path, read_star
 from ..io.write_queue import WriteQueue
 from ..marks import memory_mark
 from ..runtime.device import Backend, backend_for, host_available_bytes, set_matmul_tf32
-from ..runtime.distributed import assign, fixed_work, merge_particles, owned, root_events, sum_estep, world
+from ..runtime.distributed import (
+    assign,
+    describe_owners,
+    fixed_work,
+    merge_particles,
+    owned,
+    owners,
+    root_events,
+    sum_estep,
+    world,
+)
 from ..runtime.kernel_preload import Preload
 from ..runtime.memory import (
     JobMemory,
@@ -303,6 +313,10 @@ class EMJob:
     #: (not the initial model's, whose iterations read random subsets: its images are read as asked for)
     reads_every_image = True
     own_orientation = False  # --skip_align: each particle only at its own orientation
+    #: Fixed work with one owner rank each (runtime.distributed.assign): each class's reconstruction is summed on
+    #: and made by one rank, and the maps are gathered (maximization); a job that keeps state of every class on
+    #: every rank (the initial model's moments) owns nothing.
+    owned_kinds: tuple[str, ...] = ("reconstruction",)
 
     def __init__(self, p):
         self.p = p
@@ -542,6 +556,8 @@ class EMJob:
             self._plan_shown = True
             yield Message("memory plan of the whole run (full image size):\n" + self.job_memory.table())
             yield Message(it.plan.describe())
+            if self.comm.size > 1:
+                yield Message(describe_owners(self.assignment(), K, len(self.halves)))
         t0 = time.time()
         for h, rows_h in enumerate(self.halves):
             acc = self.accumulators(it.current_size)
@@ -576,7 +592,7 @@ class EMJob:
                 t1 = time.time()
                 self.comm.barrier()
                 t2 = time.time()
-                sum_estep(self.comm, sums, acc)  # every rank: the sums over all ranks
+                sum_estep(self.comm, sums, acc, self.reconstruction_owners(h))  # grids on their owners
                 merge_particles(self.comm, self.ps, mine)
                 it.seconds_waiting += t2 - t1
                 it.seconds_summing += time.time() - t2
@@ -585,6 +601,26 @@ class EMJob:
             it.accumulators.append(acc)
         self._prepared = None  # it.references keeps them for the M-step; nothing else holds them after it
         it.seconds_estep = time.time() - t0
+
+    def assignment(self) -> dict:
+        """Which ranks do each item of an iteration's fixed work (runtime.distributed.assign)."""
+        return assign(fixed_work(len(self.model.refs[0]), len(self.model.refs)), self.comm, self.owned_kinds)
+
+    def reconstruction_owners(self, h: int) -> list[int | None]:
+        """The rank that sums and reconstructs each class of half h (None: every rank)."""
+        return owners(self.assignment(), "reconstruction", len(self.model.refs[h]), h)
+
+    def my_classes(self, h: int) -> tuple[int, int]:
+        """(lo, hi): the block of classes of half h whose maps this rank makes in the M-step (lo == hi: none)."""
+        mine = [k for k, o in enumerate(self.reconstruction_owners(h)) if o is None or o == self.comm.rank]
+        return (mine[0], mine[-1] + 1) if mine else (0, 0)
+
+    def gather_classes(self, h: int, part: list) -> list:
+        """Every class's M-step result of half h, in class order, on every rank: ``part`` holds this rank's
+        (classes my_classes(h)); the owners' blocks are in rank order."""
+        if all(o is None for o in self.reconstruction_owners(h)):
+            return list(part)
+        return [x for block in self.comm.allgather(list(part)) for x in block]
 
     def prepared_references(self, current_size: int) -> list[list]:
         """The padded Fourier references of every half at this iteration's image size, prepared once per

@@ -62,7 +62,7 @@ from ..compute.sampling import Sampling
 from ..compute.simulate import random_rotations
 from ..compute.symmetry_alignment import align_and_symmetrize
 from ..errors import InputError
-from ..events import Finished, IterationFinished, MapUpdated, Message
+from ..events import Finished, IterationFinished, IterationStarted, MapUpdated, Message
 from ..io.atomic import copy_atomically
 from ..io.jobdir import project_path
 from ..io.mrc import read_mrc, write_mrc
@@ -127,6 +127,7 @@ class InitialModel(em_classification.Classification):
     name = JOB_NAME
     ndim = 3
     reads_every_image = False  # each iteration reads a random mini-batch
+    owned_kinds = ()  # every rank keeps every class's VDAM moments: every rank makes every class
 
     def __init__(self, p: Params):
         super().__init__(p)
@@ -236,6 +237,9 @@ class InitialModel(em_classification.Classification):
             yield Message(f"iteration {i}: mini-batch {batch.size}, image size {size}, {res:.1f} Å, step size "
                           f"{self.step:.2f}, {self.K} class(es) x {smp.n_orient} orientations, "
                           f"{smp.translations.shape[0]} translations")
+        # the mini-batch grows over the run: the iterations done say little about the time left
+        yield IterationStarted(i, p.iter, i == p.iter, image_size=size, full_size=N,
+                               angular_step=float(smp.angular_step), even_cost=False)
         return em.Iteration(i == p.iter, False, size, smp, size, None)
 
     def expectation_options(self, it: em.Iteration, h: int) -> dict:

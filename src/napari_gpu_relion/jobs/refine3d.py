@@ -40,7 +40,7 @@ from ..compute.maximization import (
 from ..compute.sampling import Sampling
 from ..compute.schedule import orientation_change_deg
 from ..errors import InputError
-from ..events import Finished, FscUpdated, IterationFinished, MapUpdated, Message
+from ..events import Finished, FscUpdated, IterationFinished, IterationStarted, MapUpdated, Message
 from ..io.model_star import write_model_star
 from ..io.mrc import write_mrc
 from ..marks import memory_mark
@@ -85,6 +85,7 @@ def run(p: Params) -> Iterator:
 class Refine3D(em.EMJob):
     name = JOB_NAME
     needs_halves = True
+    owned_kinds = ()  # the half-map FSC, the low-resolution join and the joined map need both halves
 
     def __init__(self, p: Params):
         super().__init__(p)
@@ -171,6 +172,8 @@ class Refine3D(em.EMJob):
                       f"{f' (local, sigma {st.sigma_ang:.2f}°)' if st.local else ''}, {smp.translations.shape[0]} "
                       f"translations (range {st.offset_range:g}, step {st.offset_step:g} px)"
                       f"{', CC' if cc else ''}{', final joined iteration' if final else ''}")
+        yield IterationStarted(st.iteration, self.max_iterations(), final, converges=True, image_size=size,
+                               full_size=N, angular_step=float(smp.angular_step), local=bool(st.local))
         return it
 
     def expectation_options(self, it: em.Iteration, h: int) -> dict:

@@ -107,6 +107,10 @@ class SingleProcess:
     def sum_arrays(self, arrays: list) -> None:
         """Sum each NumPy/CuPy array over the ranks, in place (every rank gets the same sums)."""
 
+    def reduce_arrays(self, arrays: list, root: int) -> None:
+        """Sum each NumPy/CuPy array over the ranks into rank ``root``'s arrays, in place; the other ranks' arrays
+        are left with unspecified values (they must not be used)."""
+
     def sum_scalars(self, values: list[float]) -> list[float]:
         return [float(v) for v in values]
 
@@ -179,6 +183,27 @@ class MPICommunicator(SingleProcess):
             for a in group:
                 _store(a, buf[i:i + a.size].reshape(a.shape))
                 i += a.size
+
+    def reduce_arrays(self, arrays: list, root: int) -> None:
+        """MPI_Reduce of each array to ``root`` (NCCL's reduce when every rank has a GPU of its own; ranks that
+        share a GPU sum everything through it, as sum_arrays, since their sums already meet on one device)."""
+        on_gpu = [get_array_module(a) is not np and np.dtype(a.dtype).name in NCCL_DTYPES for a in arrays]
+        dev = self._device_sum() if any(on_gpu) else None  # collective, as in sum_arrays
+        if dev is not None:
+            dev.reduce([a for a, k in zip(arrays, on_gpu, strict=True) if k], root)
+            arrays = [a for a, k in zip(arrays, on_gpu, strict=True) if not k]
+        for a in arrays:
+            host = np.ascontiguousarray(to_host(a))
+            flat = host.reshape(-1)
+            step = max(1, CHUNK_BYTES // max(flat.itemsize, 1))
+            for i in range(0, flat.size, step):
+                part = flat[i:i + step]
+                if self.rank == root:
+                    self.comm.Reduce(self.MPI.IN_PLACE, part, op=self.MPI.SUM, root=root)
+                else:
+                    self.comm.Reduce(part, None, op=self.MPI.SUM, root=root)
+            if self.rank == root:
+                _store(a, host)
 
     def _device_sum(self) -> _GPUSum | None:
         """How device arrays are summed, decided by all ranks together at the first sum of device arrays: a
@@ -351,6 +376,14 @@ class _GPUSum:
         else:
             _reduce_packed(arrays, self._sum_flat)
 
+    def reduce(self, arrays: list, root: int) -> None:
+        """The sums on rank ``root`` (NCCL reduce between GPUs of their own; with shared GPUs every rank gets them,
+        as ``sum``)."""
+        if self.group is None:
+            _nccl_sum(self.nccl, arrays, root=root)
+        else:
+            self.sum(arrays)
+
     def _sum_flat(self, flat) -> None:
         import cupy  # noqa: PLC0415
 
@@ -390,9 +423,10 @@ class _GPUSum:
         part[...] = cupy.asarray(host)
 
 
-def _nccl_sum(comm, arrays: list) -> None:
-    """Sum CuPy arrays over the ranks in place with NCCL on the current stream: large contiguous ones each on
-    their own, the rest packed into one buffer per dtype (complex as pairs of reals)."""
+def _nccl_sum(comm, arrays: list, root: int | None = None) -> None:
+    """Sum CuPy arrays over the ranks in place with NCCL on the current stream (allReduce; reduce to rank ``root``
+    of the NCCL communicator when given): large contiguous ones each on their own, the rest packed into one buffer
+    per dtype (complex as pairs of reals)."""
     import cupy  # noqa: PLC0415
     from cupy.cuda import nccl  # noqa: PLC0415
 
@@ -403,8 +437,11 @@ def _nccl_sum(comm, arrays: list) -> None:
         flat = buf.reshape(-1)
         if flat.dtype.kind == "c":
             flat = flat.view(flat.real.dtype)
-        comm.allReduce(flat.data.ptr, flat.data.ptr, flat.size, types[flat.dtype], nccl.NCCL_SUM,
-                       cupy.cuda.get_current_stream().ptr)
+        stream = cupy.cuda.get_current_stream().ptr
+        if root is None:
+            comm.allReduce(flat.data.ptr, flat.data.ptr, flat.size, types[flat.dtype], nccl.NCCL_SUM, stream)
+        else:
+            comm.reduce(flat.data.ptr, flat.data.ptr, flat.size, types[flat.dtype], nccl.NCCL_SUM, root, stream)
 
     _reduce_packed(arrays, reduce)
 
@@ -560,20 +597,31 @@ def accumulator_grids(acc) -> list:
     return list(acc.arrays) if hasattr(acc, "arrays") else [acc.data_re, acc.data_im, acc.weight]
 
 
-def sum_estep(comm: SingleProcess, sums: EStepSums, acc) -> None:
-    """Sum one half's E-step accumulators over the ranks, in place: the back-projector grids and every summed
-    field of ``sums`` (one collective for the small arrays and scalars, one per large grid). Of the grids only
+def sum_estep(comm: SingleProcess, sums: EStepSums, acc, owners: list[int | None] | None = None) -> None:
+    """Sum one half's E-step accumulators over the ranks, in place: every summed field of ``sums`` on every rank
+    (one collective for the small arrays, one for the scalars) and the back-projector grids. ``owners``: the rank
+    that reconstructs each member of ``acc`` (a stack's classes, or the one BackProjector), None for every rank;
+    a member's grids are summed on its owner alone (MPI_Reduce) and hold partial sums elsewhere. Of the grids only
     the block that insertion up to the accumulators' r_max can reach travels (at low resolution a small part of
     the padded grid; the rest is zero on every rank)."""
     if comm.size == 1:
         return
     grids = accumulator_grids(acc)
+    stacked = hasattr(acc, "arrays")
+    n = grids[0].shape[0] if stacked else 1
+    owners = [None] * n if owners is None else list(owners)
     ix = support_index(grids[0].shape[-acc.ndim:], insertion_reach(acc.pad, acc.r_max), acc.xp)
-    block = grids if ix is None else [g[(Ellipsis, *ix)] for g in grids]  # copies of the block
-    comm.sum_arrays(block + [getattr(sums, f) for f in SUMMED_ARRAYS])
-    if ix is not None:
-        for g, b in zip(grids, block, strict=True):
-            g[(Ellipsis, *ix)] = b
+    for root, lo, hi in owner_blocks(owners):
+        part = [g[lo:hi] for g in grids] if stacked else grids
+        block = part if ix is None else [g[(Ellipsis, *ix)] for g in part]  # copies of the block
+        if root is None:
+            comm.sum_arrays(block)
+        else:
+            comm.reduce_arrays(block, root)
+        if ix is not None and root in (None, comm.rank):
+            for g, b in zip(part, block, strict=True):
+                g[(Ellipsis, *ix)] = b
+    comm.sum_arrays([getattr(sums, f) for f in SUMMED_ARRAYS])
     totals = comm.sum_scalars([getattr(sums, f) for f in SUMMED_SCALARS])
     for f, v in zip(SUMMED_SCALARS, totals, strict=True):
         setattr(sums, f, type(getattr(sums, f))(round(v) if f == "n_particles" else v))
@@ -615,10 +663,11 @@ def root_events(comm: SingleProcess, events: Iterator) -> Iterator:
 
 # ----------------------------------------------------------------------------------------------------------
 # Owners of the fixed work of an iteration: what every rank does whatever its particles (preparing each class's
-# reference of each half, projecting the coarse slices, reconstructing each class of each half). Today every
-# rank owns every item (each prepares, projects and reconstructs everything on identical sums); the multi-GPU
-# work changes ``assign`` to give each item one owner (RELION's MPI M-step: reconstruction i on rank
-# i % (size - 1) + 1) and sends the sums to their owner.
+# reference of each half, projecting the coarse slices, reconstructing each class of each half). Each
+# reconstruction has one owner (as RELION's MPI M-step, which puts reconstruction i on rank i % (size - 1) + 1;
+# here in contiguous blocks, since every rank also runs the E-step): the E-step's grids are summed on their owner
+# alone, the owner runs that part of the M-step, and the finished maps are gathered by every rank. Every rank
+# prepares every reference and projects every coarse slice (its own E-step needs them).
 # ----------------------------------------------------------------------------------------------------------
 
 FIXED_WORK_KINDS = ("prepare reference", "coarse projections", "reconstruction")
@@ -633,15 +682,56 @@ class WorkItem:
     half: int
 
 
+def owner_blocks(owners: list[int | None]) -> list[tuple[int | None, int, int]]:
+    """(owner, lo, hi) of each run of equal owners in ``owners`` (None: every rank), in order."""
+    out: list[tuple[int | None, int, int]] = []
+    for i, o in enumerate(owners):
+        if out and out[-1][0] == o:
+            out[-1] = (o, out[-1][1], i + 1)
+        else:
+            out.append((o, i, i + 1))
+    return out
+
+
+def describe_owners(assignment: dict[WorkItem, tuple[int, ...]], n_classes: int, n_halves: int) -> str:
+    """One line naming the rank that reconstructs each class (of each half), or that every rank does."""
+    parts = []
+    for h in range(n_halves):
+        for o, lo, hi in owner_blocks(owners(assignment, "reconstruction", n_classes, h)):
+            what = (f"class {lo + 1}" if hi - lo == 1 else f"classes {lo + 1}-{hi}") if n_classes > 1 else "the map"
+            half = f" of half {h + 1}" if n_halves > 1 else ""
+            parts.append(f"{what}{half} on {'every rank' if o is None else f'rank {o}'}")
+    return "reconstructions (M-step): " + ", ".join(parts)
+
+
 def fixed_work(n_classes: int, n_halves: int) -> tuple[WorkItem, ...]:
     """Every fixed work item of an iteration with ``n_classes`` classes in ``n_halves`` halves."""
     return tuple(WorkItem(kind, k, h) for kind in FIXED_WORK_KINDS for h in range(n_halves) for k in range(n_classes))
 
 
-def assign(items: tuple[WorkItem, ...], comm: SingleProcess) -> dict[WorkItem, tuple[int, ...]]:
-    """The ranks that do each item: today every rank does every item."""
+def assign(items: tuple[WorkItem, ...], comm: SingleProcess, owned_kinds: tuple[str, ...] = ("reconstruction",)
+           ) -> dict[WorkItem, tuple[int, ...]]:
+    """The ranks that do each item. Items of ``owned_kinds`` get one owner each: in (half, class) order, split
+    into contiguous blocks as equal as they can be, one block per rank in rank order (K classes on K ranks: one
+    each; the two halves of auto-refine on ranks 0 and 1). Every rank does the other items (each rank's E-step
+    needs every prepared reference and coarse projection)."""
     everyone = tuple(range(comm.size))
-    return {item: everyone for item in items}
+    out = {item: everyone for item in items}
+    for kind in owned_kinds:
+        mine = sorted((w for w in items if w.kind == kind), key=lambda w: (w.half, w.cls))
+        for r, block in enumerate(np.array_split(np.arange(len(mine)), comm.size)):
+            for i in block:
+                out[mine[i]] = (r,)
+    return out
+
+
+def owners(assignment: dict[WorkItem, tuple[int, ...]], kind: str, n_classes: int, half: int) -> list[int | None]:
+    """The owner rank of each class's ``kind`` item in ``half``: None where every rank does it."""
+    out: list[int | None] = []
+    for k in range(n_classes):
+        ranks = assignment[WorkItem(kind, k, half)]
+        out.append(ranks[0] if len(ranks) == 1 else None)
+    return out
 
 
 def owned(assignment: dict[WorkItem, tuple[int, ...]], kind: str, comm: SingleProcess) -> set[tuple[int, int]]:
