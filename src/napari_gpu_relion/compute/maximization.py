@@ -10,9 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 from .backend import get_array_module, to_host
-from .backprojector import BackProjector
+from .backprojector import BackProjector, support_index
 from .fourier import (
     half_grid_box_slabs,
+    half_grid_indices,
     half_grid_slabs,
     hermitian_unique_mask,
     radial_average,
@@ -107,7 +108,7 @@ def tau2_from_fsc(fsc: np.ndarray, sigma2_ref: np.ndarray, tau2_fudge: float = 1
     return snr * sigma2_ref, snr
 
 
-def _pooled(bp: BackProjector):
+def pooled_average(bp: BackProjector):
     """sum data / sum weight per voxel of the unpadded N grid, pooling padded voxels at ROUND(q/pf)
     (RELION compareTwoHalves): an unregularised estimate on the (N, N, N//2+1) half grid. Slab by slab."""
     xp = bp.xp
@@ -131,12 +132,35 @@ def _pooled(bp: BackProjector):
 def fsc_from_backprojectors(bp1: BackProjector, bp2: BackProjector) -> np.ndarray:
     """Half-map FSC (shells 0..N/2) from the accumulators, as RELION compareTwoHalves; FSC(0) = 1 and shells
     beyond r_max are 0."""
-    z1, z2 = _pooled(bp1), _pooled(bp2)
-    f = fsc_from_fts(z1, z2, 3)
-    f = np.asarray(to_host(f), dtype=np.float64)
+    return fsc_from_pooled(pooled_average(bp1), pooled_average(bp2), bp1.r_max)
+
+
+def fsc_from_pooled(z1, z2, r_max: float) -> np.ndarray:
+    """fsc_from_backprojectors from the two halves' pooled_average (each half can be pooled where it was summed)."""
+    f = np.asarray(to_host(fsc_from_fts(z1, z2, 3)), dtype=np.float64)
     f[0] = 1.0
-    f[int(bp1.r_max) + 1:] = 0.0
+    f[int(r_max) + 1:] = 0.0
     return f
+
+
+def low_resolution_block(shape: tuple[int, ...], pad: int, r_join: float, xp=np) -> tuple[tuple, object]:
+    """(index, selection) of the voxels join_low_resolution averages, as a block of a padded half grid of
+    ``shape``: ``grid[index]`` is the block (support_index's), ``selection`` the bool array of its voxels with
+    |q|^2 <= ROUND(pad r_join)^2. What one half's owner rank sends the other's (a small part of the grid)."""
+    lim = float(round_half_away(np.float64(pad * r_join))) ** 2
+    ix = support_index(shape, int(np.ceil(np.sqrt(lim))) + 1, xp)
+    if ix is None:
+        ix = xp.ix_(*(xp.arange(n) for n in shape))
+    ks = half_grid_indices(shape[0], len(shape), xp)
+    q2 = sum(k.reshape(-1)[i].astype(np.float64) ** 2 for k, i in zip(ks, ix, strict=True))
+    return ix, q2 <= lim
+
+
+def join_block(own: list, other: list, selection) -> list:
+    """join_low_resolution of one half's low_resolution_block (``own``: data_re, data_im, weight) with the other
+    half's: the average where ``selection``, ``own`` elsewhere (new arrays; the same values both halves get)."""
+    xp = get_array_module(own[0])
+    return [xp.where(selection, 0.5 * (a + b), a) for a, b in zip(own, other, strict=True)]
 
 
 def join_low_resolution(bp1: BackProjector, bp2: BackProjector, r_join: float) -> None:

@@ -176,7 +176,7 @@ class Class3D(em_classification.Classification):
         p, m, sums = self.p, self.model, it.sums[0]
         if p.skip_align:  # the input angles and offsets, exactly (not their round trip through matrices)
             self.ps.angles[:], self.ps.offsets_px[:] = self.input_angles, self.input_offsets
-        lo, hi = self.my_classes(0)  # this rank's classes (all of them without MPI); the others' are gathered
+        lo, hi = self.my_classes(0, it)  # this rank's classes (all of them without MPI); the others' are gathered
         part: list = []
         if hi > lo:
             tau2 = references_tau2(it.references[0][lo:hi])  # of the references this iteration aligned to
@@ -188,7 +188,7 @@ class Class3D(em_classification.Classification):
                     maps = maps.astype(np.float32)
             # one copy to the host (float32 unless a class was empty or a low-pass follows)
             part = list(zip(to_host(maps), ssnr, strict=True))
-        done = self.gather_classes(0, part)
+        done = self.gather_classes(0, part, it)
         new_refs = [v for v, _ in done]
         it.ssnr = [s for _, s in done]
         if not it.cc:

@@ -557,7 +557,7 @@ class EMJob:
             yield Message("memory plan of the whole run (full image size):\n" + self.job_memory.table())
             yield Message(it.plan.describe())
             if self.comm.size > 1:
-                yield Message(describe_owners(self.assignment(), K, len(self.halves)))
+                yield Message(describe_owners(self.assignment(it), K, len(self.halves)))
         t0 = time.time()
         for h, rows_h in enumerate(self.halves):
             acc = self.accumulators(it.current_size)
@@ -592,7 +592,7 @@ class EMJob:
                 t1 = time.time()
                 self.comm.barrier()
                 t2 = time.time()
-                sum_estep(self.comm, sums, acc, self.reconstruction_owners(h))  # grids on their owners
+                sum_estep(self.comm, sums, acc, self.reconstruction_owners(h, it))  # grids on their owners
                 merge_particles(self.comm, self.ps, mine)
                 it.seconds_waiting += t2 - t1
                 it.seconds_summing += time.time() - t2
@@ -602,23 +602,27 @@ class EMJob:
         self._prepared = None  # it.references keeps them for the M-step; nothing else holds them after it
         it.seconds_estep = time.time() - t0
 
-    def assignment(self) -> dict:
+    def owned_kinds_of(self, it: Iteration) -> tuple[str, ...]:
+        """The kinds of fixed work with one owner each in iteration ``it`` (owned_kinds)."""
+        return self.owned_kinds
+
+    def assignment(self, it: Iteration) -> dict:
         """Which ranks do each item of an iteration's fixed work (runtime.distributed.assign)."""
-        return assign(fixed_work(len(self.model.refs[0]), len(self.model.refs)), self.comm, self.owned_kinds)
+        return assign(fixed_work(len(self.model.refs[0]), len(self.model.refs)), self.comm, self.owned_kinds_of(it))
 
-    def reconstruction_owners(self, h: int) -> list[int | None]:
+    def reconstruction_owners(self, h: int, it: Iteration) -> list[int | None]:
         """The rank that sums and reconstructs each class of half h (None: every rank)."""
-        return owners(self.assignment(), "reconstruction", len(self.model.refs[h]), h)
+        return owners(self.assignment(it), "reconstruction", len(self.model.refs[h]), h)
 
-    def my_classes(self, h: int) -> tuple[int, int]:
+    def my_classes(self, h: int, it: Iteration) -> tuple[int, int]:
         """(lo, hi): the block of classes of half h whose maps this rank makes in the M-step (lo == hi: none)."""
-        mine = [k for k, o in enumerate(self.reconstruction_owners(h)) if o is None or o == self.comm.rank]
+        mine = [k for k, o in enumerate(self.reconstruction_owners(h, it)) if o is None or o == self.comm.rank]
         return (mine[0], mine[-1] + 1) if mine else (0, 0)
 
-    def gather_classes(self, h: int, part: list) -> list:
+    def gather_classes(self, h: int, part: list, it: Iteration) -> list:
         """Every class's M-step result of half h, in class order, on every rank: ``part`` holds this rank's
         (classes my_classes(h)); the owners' blocks are in rank order."""
-        if all(o is None for o in self.reconstruction_owners(h)):
+        if all(o is None for o in self.reconstruction_owners(h, it)):
             return list(part)
         return [x for block in self.comm.allgather(list(part)) for x in block]
 

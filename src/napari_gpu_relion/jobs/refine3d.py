@@ -29,8 +29,12 @@ from ..compute.geometry import euler_to_matrix, symmetry_group
 from ..compute.maximization import (
     coarse_image_size,
     fsc_from_backprojectors,
+    fsc_from_pooled,
+    join_block,
     join_low_resolution,
+    low_resolution_block,
     normalised_direction_priors,
+    pooled_average,
     reference_sigma2,
     resolution_shell_from_ssnr,
     tau2_from_fsc,
@@ -85,7 +89,6 @@ def run(p: Params) -> Iterator:
 class Refine3D(em.EMJob):
     name = JOB_NAME
     needs_halves = True
-    owned_kinds = ()  # the half-map FSC, the low-resolution join and the joined map need both halves
 
     def __init__(self, p: Params):
         super().__init__(p)
@@ -182,19 +185,41 @@ class Refine3D(em.EMJob):
         return {"log_pdf_direction": self.be.asarray(np.log(np.maximum(self.model.pdf_dir[h], 1e-300)))}
 
     # ---- M-step: gold-standard FSC, tau2 and reconstruction; the other parameters ----
+    def owned_kinds_of(self, it: em.Iteration) -> tuple[str, ...]:
+        """Each half on its own rank (ranks 0 and 1 under MPI), except in the final iteration, whose joined map
+        needs both halves' sums: there every rank sums and reconstructs both."""
+        return () if it.final else self.owned_kinds
+
     def maximization(self, it: em.Iteration) -> None:
-        p, st, m, N = self.p, self.state, self.model, self.N
+        p, st, m, N, comm = self.p, self.state, self.model, self.N, self.comm
         it.references = []  # the padded references are not used by this M-step: freed before its transients
         bps = it.accumulators
-        for bp in bps:
-            bp.enforce_hermitian()
+        own = [self.reconstruction_owners(h, it)[0] for h in (0, 1)]  # a rank, or None: every rank
+        mine = [h for h in (0, 1) if own[h] in (None, comm.rank)]
+        apart = len(mine) < 2 and comm.size > 1  # the halves on two ranks (the others make neither)
+        for h in mine:
+            bps[h].enforce_hermitian()
             if self.sym.order > 1:
-                bp.symmetrise(self.sym.matrices)
+                bps[h].symmetrise(self.sym.matrices)
         if not it.final and p.low_resol_join_halves > 0:
             res_A = max(p.low_resol_join_halves, shell_to_angstrom(max(st.res_shell, 1), N, self.apix))
-            join_low_resolution(bps[0], bps[1], float(np.ceil(N * self.apix / res_A)))
+            r_join = float(np.ceil(N * self.apix / res_A))
+            if apart:
+                self.join_halves_apart(bps, own, mine, r_join)
+            else:
+                join_low_resolution(bps[0], bps[1], r_join)
         memory_mark("M-step: Hermitian, symmetry, join")
-        it.fsc = fsc_from_backprojectors(bps[0], bps[1])
+        if apart:  # half 2 pooled on its rank, sent to half 1's, which computes the FSC for every rank
+            z = [pooled_average(bps[h]) if h in mine else None for h in (0, 1)]
+            if comm.rank == own[0]:
+                z[1] = self.be.xp.empty_like(z[0])
+            if z[1] is not None:
+                comm.send_arrays([z[1]], own[1], own[0])
+            it.fsc = comm.bcast(fsc_from_pooled(z[0], z[1], bps[0].r_max) if comm.rank == own[0] else None,
+                                root=own[0])
+            del z
+        else:
+            it.fsc = fsc_from_backprojectors(bps[0], bps[1])
         memory_mark("M-step: half-map FSC")
         if it.final:
             # one map at a time, each on the host before the next starts
@@ -209,11 +234,13 @@ class Refine3D(em.EMJob):
             memory_mark("M-step: joined map")
             new_refs = [vol, vol]
         else:
-            new_refs = []
-            for bp in bps:
-                tau2, ssnr = tau2_from_fsc(it.fsc, reference_sigma2(bp), p.tau2_fudge)
-                new_refs.append(self.finished_map(bp.reconstruct(tau2, p.tau2_fudge), it))
+            part = []
+            for h in mine:
+                tau2, ssnr = tau2_from_fsc(it.fsc, reference_sigma2(bps[h]), p.tau2_fudge)
+                part.append(self.finished_map(bps[h].reconstruct(tau2, p.tau2_fudge), it))
                 memory_mark("M-step: half map")
+            new_refs = part if not apart else [v for block in comm.allgather(part) for v in block]  # ranks 0, 1
+            ssnr = tau2_from_fsc(it.fsc, 1.0, p.tau2_fudge)[1]  # the same for both halves (it depends on the FSC)
         it.ssnr = [ssnr]
         sums = it.sums
         if not it.cc:
@@ -224,6 +251,19 @@ class Refine3D(em.EMJob):
         for h in range(2):
             m.pdf_dir[h] = normalised_direction_priors(sums[h].pdf_direction[:1])
         m.refs = [v[None] for v in new_refs]
+
+    def join_halves_apart(self, bps: list, own: list, mine: list, r_join: float) -> None:
+        """join_low_resolution when half h is summed on rank own[h] alone: the two owners swap the block of
+        their grids that holds the joined voxels (low_resolution_block: a small part of the grid) and each averages
+        its own half, which gives both the values of the one-process join."""
+        names = ("data_re", "data_im", "weight")
+        ix, sel = low_resolution_block(bps[0].weight.shape, bps[0].pad, r_join, self.be.xp)
+        blocks = [[getattr(bps[h], a)[ix] for a in names] for h in (0, 1)]  # copies (the other's: overwritten)
+        self.comm.send_arrays(blocks[0], own[0], own[1])
+        self.comm.send_arrays(blocks[1], own[1], own[0])
+        for h in mine:
+            for a, v in zip(names, join_block(blocks[h], blocks[1 - h], sel), strict=True):
+                getattr(bps[h], a)[ix] = v
 
     def finished_map(self, vol, it: em.Iteration) -> np.ndarray:
         """A reconstructed half (or joined) map (float32, on the job's device) as the next reference: solvent

@@ -125,8 +125,13 @@ class SingleProcess:
         """Every rank's ``obj`` in rank order on rank 0, None elsewhere."""
         return [obj]
 
-    def bcast(self, obj: Any) -> Any:
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        """Rank ``root``'s ``obj`` on every rank."""
         return obj
+
+    def send_arrays(self, arrays: list, source: int, dest: int) -> None:
+        """Copy rank ``source``'s NumPy/CuPy arrays into rank ``dest``'s arrays of the same shapes, in place
+        (the other ranks do nothing)."""
 
     def barrier(self) -> None:
         pass
@@ -280,8 +285,24 @@ class MPICommunicator(SingleProcess):
     def gather(self, obj: Any) -> list | None:
         return self.comm.gather(obj, root=0)
 
-    def bcast(self, obj: Any) -> Any:
-        return self.comm.bcast(obj, root=0)
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        return self.comm.bcast(obj, root=root)
+
+    def send_arrays(self, arrays: list, source: int, dest: int) -> None:
+        """Point to point through host buffers, in chunks of CHUNK_BYTES."""
+        if source == dest or self.rank not in (source, dest):
+            return
+        for a in arrays:
+            host = np.ascontiguousarray(to_host(a)) if self.rank == source else np.empty(a.shape, a.dtype)
+            flat = host.reshape(-1)
+            step = max(1, CHUNK_BYTES // max(flat.itemsize, 1))
+            for i in range(0, flat.size, step):
+                if self.rank == source:
+                    self.comm.Send(flat[i:i + step], dest=dest, tag=11)
+                else:
+                    self.comm.Recv(flat[i:i + step], source=source, tag=11)
+            if self.rank == dest:
+                _store(a, host)
 
     def barrier(self) -> None:
         self.comm.Barrier()
