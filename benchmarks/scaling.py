@@ -81,6 +81,14 @@ def model_resolution(a, out: Path) -> float | None:
 
 TIMING = re.compile(r"iteration (\d+) timing: E-step ([\d.]+) s(?: \(waiting for the slowest rank ([\d.]+) s, "
                     r"sums over ranks ([\d.]+) s through ([^)]*\)?)\))?, M-step ([\d.]+) s")
+PER_RANK = re.compile(r"iteration (\d+) per rank: E-step ([\d. /]+) s, waiting ([\d. /]+) s, sent ([\d. /]+) MB")
+
+
+def per_rank(stdout: str) -> list[dict]:
+    """Each iteration's E-step, wait and MB sent of every rank (the jobs' 'per rank' lines)."""
+    return [{"iteration": int(m[0]), "estep_s": [float(v) for v in m[1].split(" / ")],
+             "waiting_s": [float(v) for v in m[2].split(" / ")], "sent_MB": [float(v) for v in m[3].split(" / ")]}
+            for m in PER_RANK.findall(stdout)]
 
 
 def agreement(x: Path, y: Path) -> tuple[float, float]:
@@ -148,7 +156,7 @@ def main() -> None:
                "reduction_path": next((m[4] for m in timing.values() if m[4]), None),
                "mstep_s": round(sum(float(m[5]) for m in timing.values()), 2),
                "particle_iterations_per_s": round(a.n_particles * iters / (estep or wall), 1),
-               "resolution_A": model_resolution(a, out)}
+               "resolution_A": model_resolution(a, out), "per_rank": per_rank(r.stdout)}
         if first is None:
             first = (out, row)
         else:

@@ -269,12 +269,17 @@ def test_continue_with_another_number_of_ranks(data, class2d_one):
 def test_class3d_with_more_ranks_than_classes_equals_one_process(data):
     """3D classification, K=2 on 3 ranks (each class summed on and reconstructed by its own rank; rank 2 makes
     no map and gets both): the same classes and orientations for >= 99.5 % of the particles and the same maps (to
-    float rounding) as one process."""
+    float rounding) as one process; each iteration's log line of every rank's E-step, wait and bytes sent."""
     args = ["class3d", "--i", "particles.star", "--ref", "reference.mrc", "--K", "2", "--iter", "2",
             "--healpix_order", "0", "--ctf", "--particle_diameter", "150", "--cpu", "--random_seed", "3"]
     _one_process(args + ["--o", "K1/run"], data)
     out = _ok(_mpirun(3, args + ["--o", "K3/run"], data))
     assert "reconstructions (M-step): class 1 on rank 0, class 2 on rank 1" in out
+    reports = re.findall(r"iteration (\d) per rank: E-step ([\d. /]+) s, waiting ([\d. /]+) s, sent ([\d. /]+) MB", out)
+    assert [r[0] for r in reports] == ["1", "2"], out
+    for _, estep, waiting, sent in reports:  # each rank's own E-step, wait and bytes, in rank order
+        assert all(len(x.split(" / ")) == 3 for x in (estep, waiting, sent))
+        assert all(float(v) > 0 for v in sent.split(" / ")), sent
     same_angle, same_class = _same(data / "K1/run_it002_data.star", data / "K3/run_it002_data.star")
     assert same_angle >= 0.995 and same_class >= 0.995, (same_angle, same_class)
     for k in (1, 2):

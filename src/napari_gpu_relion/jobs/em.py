@@ -71,6 +71,7 @@ from ..runtime.distributed import (
     merge_particles,
     owned,
     owners,
+    rank_report,
     root_events,
     sum_estep,
     world,
@@ -300,6 +301,7 @@ class Iteration:
     seconds_estep: float = 0.0  # the E-step of every half, the two below included
     seconds_waiting: float = 0.0  # MPI: waiting for the slowest rank at the end of each half's E-step
     seconds_summing: float = 0.0  # MPI: sums over ranks and merging the particles' results
+    bytes_at_start: int = 0  # MPI: what this rank had sent before this iteration (comm.bytes_sent)
 
 
 class EMJob:
@@ -767,6 +769,7 @@ def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
     while True:
         job.state.iteration += 1
         it = yield from job.update_sampling()
+        it.bytes_at_start = job.comm.bytes_sent
         memory_mark("sampling: the rest")
         yield from job.expectation(it)
         check_cancel()  # cancel points between the steps, never inside write(): its files stay whole
@@ -779,6 +782,8 @@ def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
         job.update_resolution(it)
         last = job.check_convergence(it)
         t_w = time.time()
+        ranks = job.comm.gather((it.seconds_estep - it.seconds_waiting - it.seconds_summing, it.seconds_waiting,
+                                 job.comm.bytes_sent - it.bytes_at_start)) if job.comm.size > 1 else None
         if root:
             yield from job.write(it)
         memory_mark("resolution, files")
@@ -786,6 +791,8 @@ def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
             yield Message(f"  iteration {job.state.iteration} timing: " + iteration_timing(it, t_w - t_m,
                                                                                           time.time() - t_w,
                                                                                           job.comm))
+            if ranks:
+                yield Message(f"  iteration {job.state.iteration} {rank_report(ranks)}")
             pool = device_pool_line(job.be)
             if pool:
                 yield Message(f"  iteration {job.state.iteration}: {pool}")

@@ -81,6 +81,8 @@ class SingleProcess:
 
     rank = 0
     size = 1
+    #: Bytes of array data this rank has given to the sums, reductions, gathers and sends (the per-rank report)
+    bytes_sent = 0
 
     def __init__(self) -> None:
         self.host = socket.gethostname()
@@ -168,6 +170,7 @@ class MPICommunicator(SingleProcess):
             self.comm.Allreduce(self.MPI.IN_PLACE, flat[i:i + step], op=self.MPI.SUM)
 
     def sum_arrays(self, arrays: list) -> None:
+        self.bytes_sent += sum(int(a.nbytes) for a in arrays)
         on_gpu = [get_array_module(a) is not np and np.dtype(a.dtype).name in NCCL_DTYPES for a in arrays]
         dev = self._device_sum() if any(on_gpu) else None  # collective: every rank passes the same kinds of arrays
         if dev is not None:
@@ -192,6 +195,8 @@ class MPICommunicator(SingleProcess):
     def reduce_arrays(self, arrays: list, root: int) -> None:
         """MPI_Reduce of each array to ``root`` (NCCL's reduce when every rank has a GPU of its own; ranks that
         share a GPU sum everything through it, as sum_arrays, since their sums already meet on one device)."""
+        if self.rank != root:
+            self.bytes_sent += sum(int(a.nbytes) for a in arrays)
         on_gpu = [get_array_module(a) is not np and np.dtype(a.dtype).name in NCCL_DTYPES for a in arrays]
         dev = self._device_sum() if any(on_gpu) else None  # collective, as in sum_arrays
         if dev is not None:
@@ -280,6 +285,7 @@ class MPICommunicator(SingleProcess):
         return bool(self.comm.allreduce(int(bool(flag)), op=self.MPI.MAX))
 
     def allgather(self, obj: Any) -> list:
+        self.bytes_sent += payload_bytes(obj)
         return self.comm.allgather(obj)
 
     def gather(self, obj: Any) -> list | None:
@@ -292,6 +298,8 @@ class MPICommunicator(SingleProcess):
         """Point to point through host buffers, in chunks of CHUNK_BYTES."""
         if source == dest or self.rank not in (source, dest):
             return
+        if self.rank == source:
+            self.bytes_sent += sum(int(a.nbytes) for a in arrays)
         for a in arrays:
             host = np.ascontiguousarray(to_host(a)) if self.rank == source else np.empty(a.shape, a.dtype)
             flat = host.reshape(-1)
@@ -490,6 +498,27 @@ def _reduce_packed(arrays: list, reduce) -> None:
             a[...] = buf[i:i + a.size].reshape(a.shape)
             i += a.size
     cupy.cuda.get_current_stream().synchronize()
+
+
+def payload_bytes(obj: Any) -> int:
+    """Bytes of the NumPy/CuPy arrays in ``obj`` (nested lists, tuples and dicts); other values count 0."""
+    if hasattr(obj, "nbytes") and hasattr(obj, "dtype"):
+        return int(obj.nbytes)
+    if isinstance(obj, list | tuple):
+        return sum(payload_bytes(x) for x in obj)
+    if isinstance(obj, dict):
+        return sum(payload_bytes(x) for x in obj.values())
+    return 0
+
+
+def rank_report(per_rank: list[tuple[float, float, int]]) -> str:
+    """One line of each rank's E-step (its own work), its wait for the slowest rank and the bytes it sent in
+    an iteration, from (seconds, seconds, bytes) per rank in rank order."""
+    def cols(values, fmt):
+        return " / ".join(fmt(v) for v in values)
+    return (f"per rank: E-step {cols([r[0] for r in per_rank], lambda v: f'{v:.2f}')} s, waiting "
+            f"{cols([r[1] for r in per_rank], lambda v: f'{v:.2f}')} s, sent "
+            f"{cols([r[2] for r in per_rank], lambda v: f'{v / 1e6:.1f}')} MB")
 
 
 def _store(a, host: np.ndarray) -> None:
