@@ -104,6 +104,7 @@ from .common import (
 from .particles import (
     ParticleSet,
     applied_aberrations,
+    ignored_magnification,
     load_particle_set,
     optics_aberrations,
     particle_state,
@@ -472,6 +473,9 @@ class EMJob:
         line = applied_aberrations(self.ps.table, self.aberrations)
         if line:
             yield Message(line)
+        mag = ignored_magnification(self.ps.table)
+        if mag:
+            yield Message(mag, "warning")
         group = getattr(self, "sym", None)
         search = SearchSpace(self.ndim, self.model.n_classes, st.offset_range, st.offset_step, order=st.order,
                              sym=group.name if group is not None else "C1",

@@ -245,6 +245,31 @@ def applied_aberrations(table: ParticleTable, aberrations) -> str | None:
             "(rlnBeamTiltX/Y, rlnOddZernike, rlnEvenZernike): images demodulated, CTFs with the even terms")
 
 
+MAG_COLUMNS = ("rlnMagMat00", "rlnMagMat01", "rlnMagMat10", "rlnMagMat11")
+
+
+def ignored_magnification(table: ParticleTable) -> str | None:
+    """The warning for optics groups with an anisotropic magnification matrix (rlnMagMat00-11 other than the
+    identity, as relion_ctf_refine --fit_aniso writes): RELION applies it to the projections and the CTF, the jobs
+    here do not yet, so maps of strongly distorted data lose resolution. None when every group has none."""
+    optics = table.optics
+    if optics is None or not any(c in optics for c in MAG_COLUMNS):
+        return None
+    ident = np.array([1.0, 0.0, 0.0, 1.0])
+    groups = []
+    for _, r in optics.iterrows():
+        m = np.array([float(r.get(c, d)) for c, d in zip(MAG_COLUMNS, ident, strict=True)])
+        if np.abs(m - ident).max() > 1e-6:
+            name = r.get("rlnOpticsGroupName", r.get("rlnOpticsGroup", "?"))
+            groups.append(f"{name} ({' '.join(f'{v:.4f}' for v in m)})")
+    if not groups:
+        return None
+    where = f"{table.path}: " if table.path else ""
+    return (f"{where}the anisotropic magnification of optics group(s) {', '.join(groups)} (rlnMagMat00/01/10/11) "
+            "is not applied by this program yet: RELION applies it to the projections and CTFs; expect a lower "
+            "resolution where the distortion is large")
+
+
 def data_table(ps: ParticleSet) -> pd.DataFrame:
     """The particles with the refined hidden variables in RELION's columns."""
     df = ps.table.particles.copy()

@@ -36,7 +36,7 @@ from ..runtime.device import backend_for
 from ..runtime.distributed import accumulator_grids, root_events, world
 from ..runtime.memory import batched_with_oom_retry, free_cached_memory, image_batch
 from .common import check_output_file, check_pixel_size, mrc_bytes, param, prepare_output, require_file, write_note
-from .particles import applied_aberrations, optics_aberrations
+from .particles import applied_aberrations, ignored_magnification, optics_aberrations
 
 JOB_NAME = "reconstruct"
 
@@ -144,6 +144,9 @@ def _run(p: Params) -> Iterator:
     line = applied_aberrations(table, aberrations)
     if line:
         yield Message(line)
+    mag = ignored_magnification(table)
+    if mag:
+        yield Message(mag, "warning")
     if comm.is_root:
         write_note(out.parent, JOB_NAME, p)
     r_max = N / 2 if p.maxres <= 0 else min(N / 2, N * apix / p.maxres)
