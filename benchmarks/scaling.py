@@ -81,14 +81,15 @@ def model_resolution(a, out: Path) -> float | None:
 
 TIMING = re.compile(r"iteration (\d+) timing: E-step ([\d.]+) s(?: \(waiting for the slowest rank ([\d.]+) s, "
                     r"sums over ranks ([\d.]+) s through ([^)]*\)?)\))?, M-step ([\d.]+) s")
-PER_RANK = re.compile(r"iteration (\d+) per rank: E-step ([\d. /]+) s, waiting ([\d. /]+) s, sent ([\d. /]+) MB")
+PER_RANK = re.compile(r"iteration (\d+) per rank: particles ([\d /]+), E-step ([\d. /]+) s, waiting ([\d. /]+) s, "
+                      r"sent ([\d. /]+) MB")
 
 
 def per_rank(stdout: str) -> list[dict]:
     """Each iteration's E-step, wait and MB sent of every rank (the jobs' 'per rank' lines)."""
-    return [{"iteration": int(m[0]), "estep_s": [float(v) for v in m[1].split(" / ")],
-             "waiting_s": [float(v) for v in m[2].split(" / ")], "sent_MB": [float(v) for v in m[3].split(" / ")]}
-            for m in PER_RANK.findall(stdout)]
+    return [{"iteration": int(m[0]), "particles": [int(v) for v in m[1].split(" / ")],
+             "estep_s": [float(v) for v in m[2].split(" / ")], "waiting_s": [float(v) for v in m[3].split(" / ")],
+             "sent_MB": [float(v) for v in m[4].split(" / ")]} for m in PER_RANK.findall(stdout)]
 
 
 def agreement(x: Path, y: Path) -> tuple[float, float]:

@@ -122,6 +122,24 @@ def test_shares_cover_every_item_once_in_order():
         np.testing.assert_array_equal(np.concatenate(parts), rows)
         assert max(p.size for p in parts) - min(p.size for p in parts) <= 1
     np.testing.assert_array_equal(Rank(1, 2).share(5), [3, 4])
+    for n in (0, 5, 7, 100):  # without speeds: np.array_split's blocks
+        for size in (1, 3, 8):
+            want = np.array_split(np.arange(n), size)
+            assert all(np.array_equal(Rank(r, size).share(n), want[r]) for r in range(size))
+    # with measured speeds: blocks in proportion, every item once, in order
+    parts = [Rank(r, 3).share(100, [1.0, 2.0, 1.0]) for r in range(3)]
+    assert [p.size for p in parts] == [25, 50, 25]
+    np.testing.assert_array_equal(np.concatenate(parts), np.arange(100))
+
+
+def test_rank_speeds_follow_the_measured_times_half_way():
+    """Each rank's share of the next E-step follows its measured speed (particles per second of its own work),
+    averaged with the previous estimate; a rank without a time keeps the previous one."""
+    s = distributed.rank_speeds(None, [(100, 10.0), (100, 5.0)])
+    np.testing.assert_allclose(s, [1 / 3, 2 / 3])
+    np.testing.assert_allclose(distributed.rank_speeds([0.5, 0.5], [(100, 10.0), (100, 5.0)]), [5 / 12, 7 / 12])
+    assert distributed.rank_speeds([0.5, 0.5], [(100, 10.0), (0, 0.0)]) == [0.5, 0.5]
+    assert distributed.rank_speeds(None, [(10, 0.0), (10, 1.0)]) is None
 
 
 def test_every_estep_sum_is_summed_over_ranks():
@@ -275,10 +293,12 @@ def test_class3d_with_more_ranks_than_classes_equals_one_process(data):
     _one_process(args + ["--o", "K1/run"], data)
     out = _ok(_mpirun(3, args + ["--o", "K3/run"], data))
     assert "reconstructions (M-step): class 1 on rank 0, class 2 on rank 1" in out
-    reports = re.findall(r"iteration (\d) per rank: E-step ([\d. /]+) s, waiting ([\d. /]+) s, sent ([\d. /]+) MB", out)
+    reports = re.findall(r"iteration (\d) per rank: particles ([\d /]+), E-step ([\d. /]+) s, waiting ([\d. /]+) s, "
+                         r"sent ([\d. /]+) MB", out)
     assert [r[0] for r in reports] == ["1", "2"], out
-    for _, estep, waiting, sent in reports:  # each rank's own E-step, wait and bytes, in rank order
-        assert all(len(x.split(" / ")) == 3 for x in (estep, waiting, sent))
+    for _, parts, estep, waiting, sent in reports:  # each rank's particles, E-step, wait and bytes, in rank order
+        assert all(len(x.split(" / ")) == 3 for x in (parts, estep, waiting, sent))
+        assert sum(int(v) for v in parts.split(" / ")) == 160  # every particle once
         assert all(float(v) > 0 for v in sent.split(" / ")), sent
     same_angle, same_class = _same(data / "K1/run_it002_data.star", data / "K3/run_it002_data.star")
     assert same_angle >= 0.995 and same_class >= 0.995, (same_angle, same_class)

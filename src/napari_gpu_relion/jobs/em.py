@@ -72,6 +72,7 @@ from ..runtime.distributed import (
     owned,
     owners,
     rank_report,
+    rank_speeds,
     root_events,
     sum_estep,
     world,
@@ -303,6 +304,7 @@ class Iteration:
     seconds_waiting: float = 0.0  # MPI: waiting for the slowest rank at the end of each half's E-step
     seconds_summing: float = 0.0  # MPI: sums over ranks and merging the particles' results
     bytes_at_start: int = 0  # MPI: what this rank had sent before this iteration (comm.bytes_sent)
+    particles_here: int = 0  # MPI: the particles of this rank's E-step
 
 
 class EMJob:
@@ -363,6 +365,7 @@ class EMJob:
         self.model: EMModel | None = None
         self.data_vs_prior: list[np.ndarray] | None = None  # the last M-step's SSNR per class (--scale's shells)
         self._plan_shown = False
+        self.speeds: list[float] | None = None  # MPI: each rank's measured E-step speed (its share of the next)
         self.job_memory: JobMemory | None = None
         self._prepared: tuple | None = None  # ((iteration, image size), prepared references per half)
         self.writer = WriteQueue(f"{self.name} files")  # the iterations' files, written while the next computes
@@ -583,7 +586,8 @@ class EMJob:
                                scale_shells=self.scale_shells(frefs[h], pix_f, h), check_cancel=check_cancel,
                                aberrations=self.aberrations)
             stage = f"it {self.state.iteration:03d}" + (f" half {h + 1}" if len(self.halves) > 1 else "")
-            mine = self.comm.share(rows_h)  # this rank's block of the half
+            mine = self.comm.share(rows_h, self.speeds)  # this rank's block of the half (by measured speed)
+            it.particles_here += len(mine)
             n_halves = len(self.halves)
             for ev in run_estep(self.ps, mine, setup, sums, self.be, mask_radius_px=self.mask_r,
                                 zero_mask=self.p.zero_mask, do_norm=getattr(self.p, "norm", False),
@@ -786,8 +790,12 @@ def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
         job.update_resolution(it)
         last = job.check_convergence(it)
         t_w = time.time()
-        ranks = job.comm.gather((it.seconds_estep - it.seconds_waiting - it.seconds_summing, it.seconds_waiting,
-                                 job.comm.bytes_sent - it.bytes_at_start)) if job.comm.size > 1 else None
+        ranks = None
+        if job.comm.size > 1:  # every rank: the report (rank 0) and the next E-step's shares by measured speed
+            own = it.seconds_estep - it.seconds_waiting - it.seconds_summing
+            ranks = job.comm.allgather((own, it.seconds_waiting, job.comm.bytes_sent - it.bytes_at_start,
+                                        it.particles_here))
+            job.speeds = rank_speeds(job.speeds, [(r[3], r[0]) for r in ranks])
         if root:
             yield from job.write(it)
         memory_mark("resolution, files")

@@ -98,11 +98,11 @@ class SingleProcess:
     def describe(self) -> str:
         return f"rank {self.rank} of {self.size} on {self.host}"
 
-    def share(self, items: int | np.ndarray) -> np.ndarray:
-        """This rank's contiguous block of ``items`` (a count: its indices; an array: its elements), blocks as
-        equal as they can be, in rank order."""
+    def share(self, items: int | np.ndarray, speeds: list[float] | None = None) -> np.ndarray:
+        """This rank's contiguous block of ``items`` (a count: its indices; an array: its elements), in rank
+        order: blocks as equal as they can be, or with ``speeds`` (one per rank) in proportion to them."""
         items = np.arange(items) if np.isscalar(items) else np.asarray(items)
-        return np.array_split(items, self.size)[self.rank]
+        return np.split(items, share_cuts(len(items), self.size, speeds))[self.rank]
 
     reduction_path = "none (one process)"
 
@@ -511,12 +511,13 @@ def payload_bytes(obj: Any) -> int:
     return 0
 
 
-def rank_report(per_rank: list[tuple[float, float, int]]) -> str:
-    """One line of each rank's E-step (its own work), its wait for the slowest rank and the bytes it sent in
-    an iteration, from (seconds, seconds, bytes) per rank in rank order."""
+def rank_report(per_rank: list[tuple[float, float, int, int]]) -> str:
+    """One line of each rank's particles, E-step (its own work), wait for the slowest rank and bytes sent in an
+    iteration, from (seconds, seconds, bytes, particles) per rank in rank order."""
     def cols(values, fmt):
         return " / ".join(fmt(v) for v in values)
-    return (f"per rank: E-step {cols([r[0] for r in per_rank], lambda v: f'{v:.2f}')} s, waiting "
+    return (f"per rank: particles {cols([r[3] for r in per_rank], str)}, "
+            f"E-step {cols([r[0] for r in per_rank], lambda v: f'{v:.2f}')} s, waiting "
             f"{cols([r[1] for r in per_rank], lambda v: f'{v:.2f}')} s, sent "
             f"{cols([r[2] for r in per_rank], lambda v: f'{v / 1e6:.1f}')} MB")
 
@@ -730,6 +731,30 @@ class WorkItem:
     kind: str
     cls: int
     half: int
+
+
+def share_cuts(n: int, size: int, speeds: list[float] | None = None) -> np.ndarray:
+    """The size - 1 cut points of n items into contiguous blocks: as np.array_split without ``speeds``, else
+    block r about n speeds[r] / sum(speeds) items."""
+    if speeds is None:
+        base, extra = divmod(n, size)
+        return np.cumsum([base + (r < extra) for r in range(size)])[:-1]
+    w = np.maximum(np.asarray(speeds, np.float64), 0.0)
+    w = np.full(size, 1.0) if not np.isfinite(w).all() or w.sum() <= 0 else w
+    return np.round(np.cumsum(w)[:-1] / w.sum() * n).astype(np.int64)
+
+
+def rank_speeds(previous: list[float] | None, per_rank: list[tuple[int, float]]) -> list[float] | None:
+    """Each rank's E-step speed (particles per second of its own work) from (particles, seconds) per rank of the
+    iteration just done, averaged with the ``previous`` estimate (one slow iteration, such as a first one that
+    compiles kernels, moves the shares half way); None while a rank has no time to go by."""
+    if any(n <= 0 or t <= 0 for n, t in per_rank):
+        return previous
+    now = np.array([n / t for n, t in per_rank], np.float64)
+    now /= now.sum()
+    if previous is not None and len(previous) == len(now):
+        now = 0.5 * (now + np.asarray(previous, np.float64) / np.sum(previous))
+    return [float(v) for v in now]
 
 
 def owner_blocks(owners: list[int | None]) -> list[tuple[int | None, int, int]]:
