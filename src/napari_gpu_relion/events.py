@@ -50,12 +50,22 @@ class Message(Event):
 
 @dataclass(frozen=True)
 class MapUpdated(Event):
-    """A 3D map (or half map) produced or updated: display it in place under ``name``."""
+    """A 3D map (or half map) produced or updated: display it in place under ``name``.
+
+    With ``surface_values`` (a map on the same grid, e.g. the local resolution in Å) the map's surface is coloured
+    by those values (its colour range from their percentiles inside ``values_mask``, > 0.5; voxels equal to
+    ``values_missing`` have no value), and ``values_label`` (with its unit) names them; ``values_path`` is their
+    file."""
 
     name: str  # e.g. "half1", "class001", "postprocess"
     volume: np.ndarray
     pixel_size: float
     path: Path | None = None
+    surface_values: np.ndarray | None = None
+    values_mask: np.ndarray | None = None
+    values_label: str = ""
+    values_path: Path | None = None
+    values_missing: float | None = 0.0
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,9 @@ DEFAULT_ROOT = "relion"
 #: nothing from a larger one. The memory policy (runtime/memory.image_batch) may choose fewer.
 MAX_WINDOWS_GPU = 128
 MAX_WINDOWS_CPU = 4
+#: The map event of the result: the locally filtered map, its surface coloured by the local resolution.
+SURFACE_NAME = "local resolution (Å)"
+VALUES_LABEL = "local resolution (Å)"
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,7 @@ def run(p: Params) -> Iterator:
     paths = {"locres": write_mrc(outputs["locres"], res.locres, apix),
              "locres_filtered": write_mrc(outputs["locres_filtered"], res.filtered, apix)}
     paths["locres_fscs"] = write_star_blocks(outputs["locres_fscs"], _fsc_blocks(res))
-    yield MapUpdated("locres", res.locres, apix, paths["locres"])
-    yield MapUpdated("locres_filtered", res.filtered, apix, paths["locres_filtered"])
+    # the filtered map's surface coloured by the local resolution (the viewer's LocalRes view; 0 Å: no window)
+    yield MapUpdated(SURFACE_NAME, res.filtered, apix, paths["locres_filtered"], surface_values=res.locres,
+                     values_mask=mask, values_label=VALUES_LABEL, values_path=paths["locres"], values_missing=0.0)
     yield Finished(paths, summary_line(res.locres, mask, res.resolution))

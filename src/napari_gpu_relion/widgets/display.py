@@ -125,6 +125,9 @@ CLICK_TOLERANCE = 5.0
 HIDDEN_AT_FIRST = ("half2",)
 #: Gap (Å, at least one tile) between the micrographs and a class grid placed beside them.
 GRID_GAP_TILES = 1
+#: Font size (points) and tick length (pixels) of a coloured surface's colour bar on the canvas.
+COLORBAR_FONT_SIZE = 12
+COLORBAR_TICK_LENGTH = 6
 #: Seconds between two display refreshes while a job streams results.
 MIN_REFRESH_INTERVAL = 0.1
 #: Smallest pause (s) between two items of one refresh, so that queued GUI events get their turn.
@@ -167,12 +170,15 @@ class LiveDisplay:
         self._swapping = False
         self.last_message = ""  # the last line the display said (show_postprocess)
         self._view_due = False  # the next class grid or map sets the view by its kind (expect)
+        self._caption_on = False  # the canvas's text overlay names a coloured surface's values
         real = _unwrap(viewer)
         self._plot_colors = plots.theme_colors(real)
         # before napari's own handlers: the 2D layers are hidden before napari re-slices them in 3D (a micrograph
         # stack would be read whole and drawn as a volume)
         real.dims.events.ndisplay.connect(self._on_ndisplay, position="first")
         real.layers.events.removed.connect(self._on_layer_removed)
+        real.layers.events.removed.connect(self._update_values_caption)
+        real.layers.events.inserted.connect(self._update_values_caption)
         _scale_bar_on(real)
 
     @classmethod
@@ -390,6 +396,9 @@ class LiveDisplay:
             layer = None
         metadata = {"path": None if ev.path is None else str(ev.path), "pixel_size": ev.pixel_size, "kind": "map",
                     "display_bin": ev.bin_factor, "iso_level": ev.iso_threshold, "volume": vol}
+        if ev.vertex_values is not None:  # a surface coloured by a second map (the local resolution)
+            metadata.update(values_label=ev.values_label, value_limits=tuple(ev.value_limits),
+                            values_path=None if ev.values_path is None else str(ev.values_path))
         common = {"scale": ev.display_scale, "translate": ev.display_translate}
         if layer is None and kind == "Surface" and viewer.dims.ndisplay == 2 and viewer.dims.ndim >= 3:
             # first the 3D view (2D layers hidden), at the next turn the new layer: two shorter GUI stalls
@@ -401,8 +410,11 @@ class LiveDisplay:
                       "axis_labels": ("z", "y", "x")[-vol.ndim:], "metadata": metadata,
                       "visible": ev.name.split()[-1] not in HIDDEN_AT_FIRST}
             if kind == "Surface":
-                layer = viewer.add_surface(_surface_data(ev), colormap=MAP_COLORMAP, contrast_limits=(0.0, 1.0),
-                                           shading="smooth", **kwargs)
+                coloured = ev.vertex_values is not None
+                layer = viewer.add_surface(_surface_data(ev), colormap=ev.value_colormap if coloured else MAP_COLORMAP,
+                                           contrast_limits=_colour_limits(ev), shading="smooth", **kwargs)
+                if coloured:
+                    self._show_coloured(layer)
                 if viewer.dims.ndisplay == 2:  # a viewer without 3D data could not switch before
                     viewer.dims.ndisplay = 3
                 else:
@@ -414,6 +426,7 @@ class LiveDisplay:
                 layer.scale, layer.translate = common["scale"], common["translate"]
             if kind == "Surface":
                 layer.data = _surface_data(ev)
+                layer.contrast_limits = _colour_limits(ev)
             else:
                 layer.data = vol
                 layer.contrast_limits_range = ev.contrast_limits
@@ -421,6 +434,40 @@ class LiveDisplay:
             layer.metadata.update(metadata)
         self.map_updates[ev.name] = self.map_updates.get(ev.name, 0) + 1
         return layer
+
+    def _show_coloured(self, layer: Any) -> None:
+        """A new coloured surface (the local resolution) is seen alone, with its colour bar: the other maps, which
+        lie at the same place and would hide its colours, are hidden (the layer list shows them again)."""
+        viewer = self.viewer
+        for other in list(viewer.layers) + list(self._parked.values()):
+            if other is not layer and _is_map(other) and other.visible:
+                other.visible = False
+        colorbar = getattr(layer, "colorbar", None)  # napari >= 0.6: a layer's colour bar on the canvas
+        if colorbar is not None:
+            colorbar.font_size = COLORBAR_FONT_SIZE
+            colorbar.tick_length = COLORBAR_TICK_LENGTH
+            colorbar.visible = True
+        layer.events.visible.connect(self._update_values_caption)
+        self._update_values_caption()
+
+    def _update_values_caption(self, event: Any = None) -> None:
+        """The colour bar's title on the canvas (napari's colour bar has numbers only): the values' name and unit
+        ("local resolution (Å)") beside it while a coloured surface is shown, nothing otherwise."""
+        viewer = self.viewer
+        caption = _text_overlay(viewer)
+        if caption is None:
+            return
+        shown = [la for la in viewer.layers if la.visible and (la.metadata or {}).get("values_label")
+                 and getattr(getattr(la, "colorbar", None), "visible", False)]
+        if shown:
+            caption.text = str(shown[-1].metadata["values_label"])
+            caption.position = "top_right"
+            caption.font_size = COLORBAR_FONT_SIZE
+            caption.visible = True
+            self._caption_on = True
+        elif self._caption_on:
+            caption.visible = False
+            self._caption_on = False
 
     def map_layer(self, name: str) -> Any:
         """The map layer ``name``: in the viewer, or kept aside while the 2D view is shown; None if neither."""
@@ -1055,14 +1102,32 @@ class _Strong:
 
 
 def _surface_data(ev: PreparedMap) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(vertices, faces, values) of a map's iso-surface layer: one value, one colour."""
+    """(vertices, faces, values) of a map's iso-surface layer: one value, one colour, unless the surface is coloured
+    by a second map (its value at each vertex)."""
+    if ev.vertex_values is not None:
+        return ev.vertices, ev.faces, np.asarray(ev.vertex_values, np.float32)
     return ev.vertices, ev.faces, np.ones(len(ev.vertices), np.float32)
+
+
+def _colour_limits(ev: PreparedMap) -> tuple[float, float]:
+    """The surface layer's contrast limits: the coloured surface's colour range, else (0, 1) (one colour)."""
+    return tuple(float(v) for v in ev.value_limits) if ev.vertex_values is not None else (0.0, 1.0)
 
 
 def _is_map(layer: Any) -> bool:
     """A 3D map (ours, or one the plugin's reader opened)."""
     md = getattr(layer, "metadata", None) or {}
     return md.get("kind") == "map" and getattr(layer, "ndim", 0) == 3
+
+
+def _text_overlay(viewer: Any) -> Any:
+    """The canvas's text overlay (None without a viewer)."""
+    if viewer is None:
+        return None
+    try:
+        return viewer.canvas.overlays.text
+    except AttributeError:  # napari before 0.9
+        return getattr(viewer, "text_overlay", None)
 
 
 def _scale_bar_on(viewer: Any) -> None:

@@ -8,7 +8,8 @@ The GUI thread must only hand finished arrays to napari (issue 18: no freezes). 
   (the scale and a half-bin shift keep it in place, in Å), its contrast limits, its iso-surface level and the
   iso-surface itself as a triangle mesh (marching cubes). The display draws the mesh: a ray-cast iso volume
   took 2-3 s per frame with software OpenGL on a 1366 x 768 window (llvmpipe, 2 cores), the mesh of the same
-  map about 0.1 s, and rotating it stays fluid;
+  map about 0.1 s, and rotating it stays fluid. A map event with ``surface_values`` (the local resolution) gets
+  its surface coloured: one value per vertex and the colour range (``display_surface.coloured_surface``);
 * 2D class averages (:class:`PreparedClasses`): the grid layout and the composed grid image;
 * an FSC curve (:class:`PreparedFsc`): its plot drawn to an image (widgets/plots.py; the display adds it);
 * extracted particles (:class:`PreparedExtraction`): the gallery image of a micrograph's first particles and the
@@ -27,19 +28,18 @@ from typing import Any
 
 import numpy as np
 
+from ..display_surface import MESH_VOXELS_PER_STEP, coloured_surface, iso_mesh
 from ..events import ClassAveragesUpdated, FscUpdated, MapUpdated, ParticlesExtracted
 from .class_grid_model import ClassGrid, compose_tiles
-from .layers import iso_level
+from .layers import VALUES_COLORMAP, iso_level
 
-__all__ = ["MAX_DISPLAY_BOX", "PreparedMap", "PreparedClasses", "PreparedFsc", "PreparedExtraction", "bin_volume",
-           "iso_mesh", "prepare_map", "prepare_classes", "prepare_extraction", "prepare_event", "extraction_boxes",
-           "bin_image", "lowpass_image", "display_micrograph"]
+__all__ = ["MAX_DISPLAY_BOX", "MESH_VOXELS_PER_STEP", "PreparedMap", "PreparedClasses", "PreparedFsc",
+           "PreparedExtraction", "bin_volume", "iso_mesh", "prepare_map", "prepare_classes", "prepare_extraction",
+           "prepare_event", "extraction_boxes", "bin_image", "lowpass_image", "display_micrograph"]
 
 #: Largest map box drawn (voxels a side); bigger maps are block-averaged for display only (the files keep
 #: every voxel).
 MAX_DISPLAY_BOX = 128
-#: Marching-cubes step (voxels) per this many voxels of box: meshes of big maps stay small (fast to draw).
-MESH_VOXELS_PER_STEP = 80
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,9 @@ class PreparedMap(MapUpdated):
     bin_factor: int = 1
     vertices: np.ndarray | None = None  # (n, 3) z, y, x in voxels of display_volume
     faces: np.ndarray | None = None  # (m, 3) vertex indices
+    vertex_values: np.ndarray | None = None  # (n,) surface_values at the vertices (a coloured surface), else None
+    value_limits: tuple[float, float] = (0.0, 1.0)  # colour range of vertex_values
+    value_colormap: str = VALUES_COLORMAP
 
 
 @dataclass(frozen=True)
@@ -91,28 +94,10 @@ def _limits(vol: np.ndarray) -> tuple[float, float]:
     return (lo, hi) if hi > lo else (lo, lo + 1.0)
 
 
-def iso_mesh(volume: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray]:
-    """The iso-surface of ``volume`` at ``level`` as (vertices (n, 3) float32 in voxels, faces (m, 3) int32),
-    by marching cubes (scikit-image; a step of several voxels for big boxes). A level outside the volume's range
-    gives one degenerate triangle (nothing drawn), so that a layer can always hold the result."""
-    vol = np.asarray(volume, dtype=np.float32)
-    finite = vol[np.isfinite(vol)]
-    if vol.ndim != 3 or min(vol.shape) < 2 or not finite.size or not finite.min() < level < finite.max():
-        return np.zeros((3, 3), np.float32), np.array([[0, 1, 2]], np.int32)
-    from skimage.measure import marching_cubes  # napari's dependency; imported in the worker thread
-
-    step = max(1, int(round(max(vol.shape) / MESH_VOXELS_PER_STEP)))
-    verts, faces, _, _ = marching_cubes(np.nan_to_num(vol, nan=float(finite.min())), level=float(level),
-                                        step_size=step, allow_degenerate=False)
-    if not len(faces):
-        return np.zeros((3, 3), np.float32), np.array([[0, 1, 2]], np.int32)
-    return np.ascontiguousarray(verts, dtype=np.float32), np.ascontiguousarray(faces, dtype=np.int32)
-
-
-def prepare_map(event: MapUpdated, max_box: int = MAX_DISPLAY_BOX) -> PreparedMap:
+def prepare_map(event: MapUpdated, max_box: int = MAX_DISPLAY_BOX, level: float | None = None) -> PreparedMap:
     """The display volume of a map (binned when its box exceeds ``max_box``), its scale and shift in Å, contrast
-    limits and iso-surface level (layers.iso_level of the display volume)."""
-    if isinstance(event, PreparedMap):
+    limits and iso-surface level (``level``, else layers.iso_level of the display volume)."""
+    if isinstance(event, PreparedMap) and level is None:
         return event
     vol = np.asarray(event.volume, dtype=np.float32)
     pixel = float(event.pixel_size) if event.pixel_size else 1.0
@@ -121,12 +106,19 @@ def prepare_map(event: MapUpdated, max_box: int = MAX_DISPLAY_BOX) -> PreparedMa
     scale = (pixel * factor,) * shown.ndim
     # voxel i of the binned map is the mean of voxels i*f .. i*f+f-1: its centre is (f-1)/2 voxels further
     translate = (pixel * (factor - 1) / 2.0,) * shown.ndim
-    level = float(iso_level(shown))
-    verts, faces = iso_mesh(shown, level) if shown.ndim == 3 else (None, None)
+    level = float(iso_level(shown) if level is None else level)
     base = {f.name: getattr(event, f.name) for f in fields(MapUpdated)}
+    extra: dict[str, Any] = {}
+    if shown.ndim == 3 and event.surface_values is not None:  # a surface coloured by a second map (display_surface)
+        surface = coloured_surface(shown, event.surface_values, level, bin_factor=factor, mask=event.values_mask,
+                                   missing=event.values_missing)
+        verts, faces = surface.vertices, surface.faces
+        extra = {"vertex_values": surface.values, "value_limits": surface.limits}
+    else:
+        verts, faces = iso_mesh(shown, level) if shown.ndim == 3 else (None, None)
     return PreparedMap(**base, display_volume=shown, display_scale=scale, display_translate=translate,
                        contrast_limits=_limits(shown), iso_threshold=level, bin_factor=factor, vertices=verts,
-                       faces=faces)
+                       faces=faces, **extra)
 
 
 def prepare_classes(event: ClassAveragesUpdated) -> PreparedClasses:

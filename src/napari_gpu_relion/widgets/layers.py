@@ -51,6 +51,7 @@ __all__ = [
     "project_file",
     "micrographs_table",
     "postprocess_fsc",
+    "VALUES_COLORMAP",
 ]
 
 #: The live display's one picks layer (mic, y, x).
@@ -62,6 +63,9 @@ GALLERY_LAYER = "extracted particles"
 IMAGE_COLORMAP = "gray"
 #: Colour of map surfaces (one value per vertex; light grey, shaded).
 MAP_COLORMAP = "gray"
+#: Colormap of a surface coloured by a second map (the local resolution): low values (fine resolution) blue,
+#: high values (coarse) red, as ResMap and RELION users colour local-resolution maps.
+VALUES_COLORMAP = "turbo"
 #: napari's units: Å when the pixel size is known, else pixels.
 ANGSTROM = "angstrom"
 PIXEL = "pixel"
