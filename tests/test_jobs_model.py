@@ -54,7 +54,7 @@ def test_project_jobs_from_disk(tmp_path):
     assert [o.path.name for o in by[3].outputs if o.kind == jm.CLASSIFIED] == ["run_it002_data.star"]
     assert by[5].status == "failed" and by[5].iteration == 1
     assert by[7].status == "finished"
-    assert {o.kind for o in by[7].outputs} == {jm.HALF_MAP, jm.MAP, jm.PARTICLES}
+    assert {o.kind for o in by[7].outputs} == {jm.HALF_MAP, jm.MAP, jm.PARTICLES, jm.REFINED}
     # a job without an exit file and without its final output: running while its files change
     assert jm.scan_job_folder(p / "Refine3D/job005", now=time.time()).status == "failed"
     (p / "Refine3D/job005/RELION_JOB_EXIT_FAILURE").unlink()
@@ -74,7 +74,7 @@ def test_offers_chain_outputs_into_the_next_jobs(tmp_path):
     post = [o for o in jm.offers(by[7], p) if o.job == "postprocess"]
     assert post[0].values["i"] == str(p / "Refine3D/job007/run_half1_class001_unfil.mrc")
     assert {o.job for o in jm.offers(by[7], p)} == {"postprocess", "refine3d", "class3d", "mask_create",
-                                                    "class2d", "reconstruct", "initial_model"}
+                                                    "class2d", "reconstruct", "initial_model", "ctf_refine"}
     # a 3D initial model's final map is the next refinement's reference
     im = p / "InitialModel" / "job009"
     im.mkdir(parents=True)
@@ -228,3 +228,124 @@ def test_running_jobs_are_counted_once_per_folder(tmp_path):
             jm.JobRecord("refine3d", b, "queued", None, (), {}),
             jm.JobRecord("refine3d", tmp_path / "Refine3D" / "job003", "finished", None, (), {})]
     assert jm.count_running(recs) == 2
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Refine3D -> CtfRefine -> Refine3D; PostProcess -> LocalRes (issue 51)
+
+
+def _postprocess(p: Path, job: str, refine: str, mask: str | None = "MaskCreate/job006/mask.mrc",
+                 bfactor: float = -85.5) -> Path:
+    """A PostProcess job folder whose STAR names (project-relative, as RELION writes) ``refine``'s half maps."""
+    from napari_gpu_relion.io.star import write_star_blocks
+
+    folder = p / "PostProcess" / job
+    folder.mkdir(parents=True)
+    general = {"rlnFinalResolution": 7.5, "rlnBfactorUsedForSharpening": bfactor,
+               "rlnUnfilteredMapHalf1": f"{refine}/run_half1_class001_unfil.mrc",
+               "rlnUnfilteredMapHalf2": f"{refine}/run_half2_class001_unfil.mrc"}
+    if mask is not None:
+        general["rlnMaskName"] = mask
+    for name in ("postprocess.mrc", "postprocess_masked.mrc"):
+        (folder / name).write_text("x")
+    write_star_blocks(folder / "postprocess.star", {"general": general})
+    return folder / "postprocess.star"
+
+
+def _chain_project(tmp_path: Path) -> Path:
+    p = _project(tmp_path)  # Refine3D/job007 finished (half map 1, map, data STAR)
+    (p / "Refine3D" / "job007" / "run_half2_class001_unfil.mrc").write_text("x")
+    (p / "MaskCreate" / "job006").mkdir(parents=True)
+    (p / "MaskCreate" / "job006" / "mask.mrc").write_text("x")
+    return p
+
+
+def _offer(record, job: str, kind: str, p: Path):
+    (offer,) = [o for o in jm.offers(record, p) if o.job == job and o.output.kind == kind]
+    return offer
+
+
+def test_a_refinement_chains_into_ctf_refinement_with_its_post_processing(tmp_path):
+    p = _chain_project(tmp_path)
+    ref = p / "Refine3D" / "job007"
+    # no post-processing of this refinement yet: its two half maps (no --f, so every frequency has weight 1)
+    offer = _offer(jm.scan_job_folder(ref), "ctf_refine", jm.REFINED, p)
+    assert offer.values == {"i": str(ref / "run_data.star"), "f": "", "m1": str(ref / "run_half1_class001_unfil.mrc"),
+                            "m2": str(ref / "run_half2_class001_unfil.mrc"), "o": str(p / "CtfRefine/job008")}
+    assert offer.label == "CTF refinement ← refined particles (run_data.star)"
+    # with post-processings of it, the newest one (RELION's CtfRefine takes the PostProcess STAR); another
+    # refinement's post-processing is not taken
+    _postprocess(p, "job008", "Refine3D/job007")
+    newest = _postprocess(p, "job009", "Refine3D/job007")
+    _postprocess(p, "job010", "Refine3D/job005")
+    offer = _offer(jm.scan_job_folder(ref), "ctf_refine", jm.REFINED, p)
+    assert offer.values == {"i": str(ref / "run_data.star"), "f": str(newest), "m1": "", "m2": "", "mask": "",
+                            "o": str(p / "CtfRefine/job011")}
+    # a refinement still running offers no CTF refinement (RELION's takes the final particles only)
+    running = jm.scan_job_folder(p / "Refine3D" / "job005")
+    assert not [o for o in jm.offers(running, p) if o.job == "ctf_refine"]
+
+
+def test_a_post_processing_chains_into_local_resolution_and_ctf_refinement(tmp_path):
+    p = _chain_project(tmp_path)
+    star = _postprocess(p, "job008", "Refine3D/job007")
+    rec = jm.scan_job_folder(star.parent)
+    assert rec.job == "postprocess" and rec.status == "finished"
+    lr = _offer(rec, "local_resolution", jm.POSTPROCESSED, p)
+    ref = p / "Refine3D" / "job007"
+    assert lr.values == {"i": str(ref / "run_half1_class001_unfil.mrc"),
+                         "i2": str(ref / "run_half2_class001_unfil.mrc"),
+                         "mask": str(p / "MaskCreate/job006/mask.mrc"), "adhoc_bfac": "-85.50",
+                         "o": str(p / "LocalRes/job009")}
+    assert lr.label == "Local resolution ← postprocess.star"
+    ctf = _offer(rec, "ctf_refine", jm.POSTPROCESSED, p)
+    assert ctf.values == {"f": str(star), "i": str(ref / "run_data.star"), "o": str(p / "CtfRefine/job009")}
+    # a post-processing STAR that names no half map that is there: nothing to offer local resolution
+    broken = _postprocess(p, "job010", "Refine3D/job099", mask=None)
+    assert not [o for o in jm.offers(jm.scan_job_folder(broken.parent), p) if o.job == "local_resolution"]
+
+
+def test_ctf_refinement_chains_into_the_next_refinement_and_another_round(tmp_path):
+    p = _chain_project(tmp_path)
+    _postprocess(p, "job008", "Refine3D/job007")
+    ctf = p / "CtfRefine" / "job009"
+    ctf.mkdir(parents=True)
+    (ctf / "note.txt").write_text("++++ with the following command(s):\nnapari-gpu-relion ctf_refine --i "
+                                  "Refine3D/job007/run_data.star --o CtfRefine/job009/ --f "
+                                  "PostProcess/job008/postprocess.star --fit_defocus\n")
+    rec = jm.scan_job_folder(ctf, now=time.time() + 2 * jm.RUNNING_WINDOW)
+    assert rec.job == "ctf_refine" and rec.status == "unknown" and not rec.outputs
+    (ctf / "particles_ctf_refine.star").write_text("x")
+    rec = jm.scan_job_folder(ctf)
+    assert rec.status == "finished" and rec.job_type == "CtfRefine"
+    refine = _offer(rec, "refine3d", jm.PARTICLES, p)
+    assert refine.values == {"i": str(ctf / "particles_ctf_refine.star"),
+                             "ref": str(p / "Refine3D/job007/run_class001.mrc"), "o": str(p / "Refine3D/job010")}
+    again = _offer(rec, "ctf_refine", jm.REFINED, p)
+    assert again.values == {"i": str(ctf / "particles_ctf_refine.star"),
+                            "f": str(p / "PostProcess/job008/postprocess.star"), "m1": "", "m2": "", "mask": "",
+                            "o": str(p / "CtfRefine/job010")}
+    assert {o.job for o in jm.offers(rec, p)} >= {"refine3d", "class3d", "class2d", "ctf_refine"}
+
+
+def test_local_resolution_folders_ours_and_relions(tmp_path):
+    p = _chain_project(tmp_path)
+    lr = p / "LocalRes" / "job008"
+    lr.mkdir(parents=True)
+    for name in ("relion_locres.mrc", "relion_locres_filtered.mrc", "relion_locres_fscs.star"):
+        (lr / name).write_text("x")
+    rec = jm.scan_job_folder(lr)
+    assert (rec.job, rec.status) == ("local_resolution", "finished")
+    assert {o.kind: o.path.name for o in rec.outputs} == {jm.MAP: "relion_locres_filtered.mrc",
+                                                         jm.LOCRES: "relion_locres.mrc"}
+    assert {o.job for o in jm.offers(rec, p)} == {"refine3d", "class3d", "mask_create"}  # the filtered map
+    # RELION's LocalRes job runs relion_postprocess --locres: its note names that job wherever the folder is
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "note.txt").write_text(" ++++ with the following command(s): \n`which relion_postprocess` --locres "
+                                    "--i Refine3D/job007/run_half1_class001_unfil.mrc --o LocalRes/job008/relion\n")
+    assert jm.note_arguments(other)[0] == "local_resolution"
+    # a dock's job: --o is <job folder>/relion (RELION's rootname), listed by its folder
+    session = jm.SessionJobs()
+    session.started(type("W", (), {"job_name": "local_resolution"})(), Params(p / "h1.mrc", lr / "relion"), FakeJob())
+    assert session.records()[0].folder == lr

@@ -159,8 +159,10 @@ def test_plugin_widgets_dock(make_napari_viewer):
         autopick,
         class2d,
         class3d,
+        ctf_refine,
         extract,
         initial_model,
+        local_resolution,
         mask_create,
         postprocess,
         reconstruct,
@@ -173,7 +175,8 @@ def test_plugin_widgets_dock(make_napari_viewer):
                          ("Mask creation", mask_create), ("3D auto-refine", refine3d),
                          ("3D classification", class3d), ("Auto-picking", autopick),
                          ("Particle extraction", extract), ("2D classification", class2d),
-                         ("Class selection", select), ("3D initial model", initial_model)):
+                         ("Class selection", select), ("3D initial model", initial_model),
+                         ("CTF refinement", ctf_refine), ("Local resolution", local_resolution)):
         _, w = viewer.window.add_plugin_dock_widget(PLUGIN, name)
         assert w.job_module is module
         label = w.inputs["i"].label

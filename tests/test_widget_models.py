@@ -223,9 +223,13 @@ def test_models_import_without_qt_or_napari():
         from napari_gpu_relion.events import MapUpdated
         from napari_gpu_relion.widgets.display_model import prepare_map
         from napari_gpu_relion.widgets.form_model import form_layout
+        from napari_gpu_relion.widgets.locres_model import legend_ticks
         from napari_gpu_relion.widgets.style import PICK_COLORS
         z = np.mgrid[:16, :16, :16][0].astype(np.float32)
         assert len(prepare_map(MapUpdated("m", z, 1.0)).faces) > 10  # marching cubes in the worker: no GUI
+        coloured = prepare_map(MapUpdated("m", z, 1.0, surface_values=z + 3))  # the local-resolution surface
+        assert len(coloured.vertex_values) == len(coloured.vertices)
+        legend_ticks(3.0, 5.0)
         form_layout("refine3d", [("i", "--i")])
         gui = ("qtpy", "PyQt5", "PyQt6", "PySide2", "PySide6", "napari", "magicgui", "vispy", "superqt")
         print(sorted(m for m in sys.modules if m.split(".")[0] in gui))
@@ -260,8 +264,10 @@ def _all_jobs():
         autopick,
         class2d,
         class3d,
+        ctf_refine,
         extract,
         initial_model,
+        local_resolution,
         mask_create,
         postprocess,
         reconstruct,
@@ -270,7 +276,7 @@ def _all_jobs():
     )
 
     return (autopick, extract, class2d, initial_model, class3d, refine3d, select, reconstruct, postprocess,
-            mask_create)
+            mask_create, ctf_refine, local_resolution)
 
 
 def _flags(module) -> list[tuple[str, str, str]]:
@@ -528,3 +534,56 @@ def test_the_progress_bar_is_busy_only_while_a_job_is_cancelling():
     assert bar_in_state("failed", (7, 10)) == (7, 10)
     assert bar_in_state("finished", (0, 0)) == (1, 1) and bar_in_state("finished", (5, 10)) == (10, 10)
     assert bar_in_state("running", (5, 10)) == (5, 10) and bar_in_state("queued", (0, 1)) == (0, 1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The local-resolution view (widgets/locres_model.py; the geometry: tests/test_display_surface.py)
+
+
+def test_prepare_map_colours_the_surface_of_a_map_by_its_values():
+    from napari_gpu_relion.events import MapUpdated
+    from napari_gpu_relion.widgets.display_model import prepare_map
+
+    n = 48
+    z, y, x = np.mgrid[:n, :n, :n].astype(np.float64) - (n - 1) / 2
+    r = np.sqrt(x * x + y * y + z * z)
+    vol = np.clip(1.0 - r / 30.0, 0.0, None).astype(np.float32)
+    locres = (3.0 + 0.05 * (z + (n - 1) / 2)).astype(np.float32)
+    mask = (r < 15).astype(np.float32)
+    ev = prepare_map(MapUpdated("lr", vol, 2.0, surface_values=locres, values_mask=mask, values_label="Å"),
+                     max_box=24, level=0.5)
+    assert ev.bin_factor == 2 and ev.iso_threshold == 0.5 and ev.value_colormap == "turbo"
+    full_z = ev.vertices[:, 0].astype(np.float64) * 2 + 0.5  # a binned voxel's centre on the full grid
+    np.testing.assert_allclose(ev.vertex_values, 3.0 + 0.05 * full_z, atol=1e-4)
+    inside = locres[mask > 0.5]
+    assert ev.value_limits == pytest.approx(tuple(np.percentile(inside, [5, 95])), rel=1e-5)
+    plain = prepare_map(MapUpdated("m", vol, 2.0))
+    assert plain.vertex_values is None  # a map without values keeps its one colour
+
+
+def test_locres_folder_files_and_legend(tmp_path):
+    from napari_gpu_relion.errors import InputError
+    from napari_gpu_relion.io.mrc import write_mrc
+    from napari_gpu_relion.widgets.locres_model import legend_ticks, locres_files, surface_event, tick_label
+
+    assert legend_ticks(3.0, 5.0, 5) == [3.0, 3.5, 4.0, 4.5, 5.0]
+    assert legend_ticks(4.0, 4.0) == [4.0] and tick_label(3.456) == "3.5 Å"
+    folder = tmp_path / "LocalRes" / "job012"
+    folder.mkdir(parents=True)
+    with pytest.raises(InputError, match="no local-resolution map"):
+        locres_files(folder)
+    vol = np.zeros((8, 8, 8), np.float32)
+    write_mrc(folder / "relion_locres.mrc", vol + 4.0, 1.5)
+    with pytest.raises(InputError, match="filtered"):
+        locres_files(folder)
+    write_mrc(folder / "relion_locres_filtered.mrc", vol, 1.5)
+    write_mrc(folder / "other_locres.mrc", vol, 1.5)  # RELION's rootname "relion" first
+    assert locres_files(folder) == (folder / "relion_locres.mrc", folder / "relion_locres_filtered.mrc")
+    write_mrc(tmp_path / "mask.mrc", vol + 1.0, 1.5)
+    ev = surface_event(folder, tmp_path / "mask.mrc")
+    assert ev.path == folder / "relion_locres_filtered.mrc" and ev.values_path == folder / "relion_locres.mrc"
+    assert ev.pixel_size == pytest.approx(1.5) and float(ev.surface_values.max()) == 4.0
+    assert ev.values_mask.shape == (8, 8, 8) and "Å" in ev.values_label
+    write_mrc(tmp_path / "small.mrc", np.zeros((4, 4, 4), np.float32), 1.5)
+    with pytest.raises(InputError, match="mask's shape"):
+        surface_event(folder, tmp_path / "small.mrc")

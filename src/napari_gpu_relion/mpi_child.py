@@ -27,7 +27,7 @@ from .errors import InputError
 from .jobs.common import command_line
 
 #: The jobs that run under MPI.
-MPI_JOBS = ("refine3d", "class3d", "class2d", "reconstruct", "autopick", "extract")
+MPI_JOBS = ("refine3d", "class3d", "class2d", "reconstruct", "autopick", "extract", "ctf_refine")
 _HEADER = struct.Struct("!Q")
 
 

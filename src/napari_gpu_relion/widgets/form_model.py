@@ -16,8 +16,9 @@ from dataclasses import dataclass
 __all__ = ["FieldForm", "TabLayout", "TAB_ORDER", "form_of", "form_layout"]
 
 #: Tabs in the order they appear (RELION's order where RELION has the tab).
-TAB_ORDER = ("I/O", "Reference", "LoG", "Templates", "Extraction", "Selection", "Mask", "CTF", "Optimisation",
-             "Sampling", "Reconstruction", "Sharpening", "Filtering", "Compute", "Other")
+TAB_ORDER = ("I/O", "Reference", "LoG", "Templates", "Extraction", "Selection", "Mask", "CTF", "Aberrations",
+             "Optimisation", "Sampling", "Reconstruction", "Sharpening", "Filtering", "LocalRes", "Compute",
+             "Other")
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,39 @@ _JOB_FORMS: dict[tuple[str, str], FieldForm] = {
     ("mask_create", "--i"): _b("Map (MRC)", "I/O"),
     ("mask_create", "--o"): _b("Output mask (MRC)", "I/O"),
     ("mask_create", "--lowpass"): _b("Low-pass before thresholding (Å; 0 = off)", "Mask"),
+    # CTF refinement (relion_ctf_refine; RELION's CtfRefine job)
+    ("ctf_refine", "--i"): _b("Refined particles (STAR)", "I/O"),
+    ("ctf_refine", "--o"): _b("Job folder", "I/O"),
+    ("ctf_refine", "--f"): _b("Post-process STAR (maps, mask, FSC)", "I/O"),
+    ("ctf_refine", "--m1"): _a("Half map 1 (instead of the STAR's)", "I/O"),
+    ("ctf_refine", "--m2"): _a("Half map 2 (instead of the STAR's)", "I/O"),
+    ("ctf_refine", "--mask"): _a("Mask (default: the STAR's)", "I/O"),
+    ("ctf_refine", "--angpix_ref"): _a("Half maps' pixel size (Å; -1 = header)", "I/O"),
+    ("ctf_refine", "--fit_defocus"): _b("Perform CTF parameter fitting", "CTF"),
+    ("ctf_refine", "--fit_mode"): _a("Fit mode (p, m or f each)", "CTF"),  # the dock asks RELION's questions
+    ("ctf_refine", "--kmin_defocus"): _a("Defocus fit from (Å)", "CTF"),
+    ("ctf_refine", "--bf_range"): _a("Defocus search range (Å; 0 = none)", "CTF"),
+    ("ctf_refine", "--max_defocus_iters"): _a("Most fit iterations", "CTF"),
+    ("ctf_refine", "--fit_beamtilt"): _b("Estimate beam tilt", "Aberrations"),
+    ("ctf_refine", "--odd_aberr_max_n"): _b("Odd aberrations to order (3 = trefoil; 0 = tilt only)", "Aberrations"),
+    ("ctf_refine", "--kmin_tilt"): _a("Beam-tilt fit from (Å)", "Aberrations"),
+    ("ctf_refine", "--fit_aberr"): _b("Estimate 4th-order aberrations", "Aberrations"),
+    ("ctf_refine", "--even_aberr_max_n"): _a("Even aberrations to order", "Aberrations"),
+    ("ctf_refine", "--kmin_aberr"): _a("Symmetric fit from (Å)", "Aberrations"),
+    ("ctf_refine", "--fit_aniso"): _a("Anisotropic magnification (not done yet)", "Aberrations"),
+    ("ctf_refine", "--j"): _a("Threads (RELION's; not used)", "Compute"),
+    # local resolution (relion_postprocess --locres; RELION's LocalRes job)
+    ("local_resolution", "--i"): _b("Half map 1 (unfiltered MRC)", "I/O"),
+    ("local_resolution", "--o"): _b("Job folder", "I/O"),
+    ("local_resolution", "--mask"): _b("Solvent mask (MRC; for the statistics)", "I/O"),
+    ("local_resolution", "--adhoc_bfac"): _b("B-factor of the filtered map (Å²)", "LocalRes"),
+    ("local_resolution", "--locres_sampling"): _b("Window spacing (Å)", "LocalRes"),
+    ("local_resolution", "--locres_maskrad"): _a("Window radius (Å; <0 = half the spacing)", "LocalRes"),
+    ("local_resolution", "--locres_edgwidth"): _a("Window soft edge (Å; <0 = the spacing)", "LocalRes"),
+    ("local_resolution", "--locres_randomize_at"): _a("Randomise phases from (Å)", "LocalRes"),
+    ("local_resolution", "--locres_minres"): _a("Lowest resolution reported (Å)", "LocalRes"),
+    ("local_resolution", "--filter_edge_width"): _a("Low-pass edge width (shells)", "LocalRes"),
+    ("local_resolution", "--locres"): _a("Accept --locres (always on)", "LocalRes"),
 }
 # relion_refine's image corrections (jobs/em.EMCorrections), not extraction's --norm and --scale
 for _job in ("refine3d", "class3d", "class2d"):

@@ -1,22 +1,29 @@
 """The jobs panel's model (no Qt, no napari): the project's jobs, what each produced, and which next job can use it.
 
 Like RELION's job list: every job folder ``<project>/<Type>/jobNNN/`` (RELION's layout: AutoPick, Extract,
-Class2D, Select, Class3D, Refine3D, MaskCreate, PostProcess, Reconstruct) is a :class:`JobRecord` with its job
-type, folder, status, last iteration and outputs. Outputs are read from the files on disk (the same for the
-plugin's own jobs, jobs run from the command line and jobs RELION itself ran), and a job started from a dock in
-this napari session is known at once through :data:`SESSION` (the dock tells it, widgets/job_widget.py), with its
-live state (queued, running, cancelling, finished, failed, cancelled) and its last iteration.
+Class2D, Select, Class3D, Refine3D, MaskCreate, PostProcess, Reconstruct, InitialModel, CtfRefine, LocalRes) is a
+:class:`JobRecord` with its job type, folder, status, last iteration and outputs. Outputs are read from the files on
+disk (the same for the plugin's own jobs, jobs run from the command line and jobs RELION itself ran), and a job
+started from a dock in this napari session is known at once through :data:`SESSION` (the dock tells it,
+widgets/job_widget.py), with its live state (queued, running, cancelling, finished, failed, cancelled) and its last
+iteration.
 
 Status of a job folder that this session did not start: RELION's exit files (``RELION_JOB_EXIT_SUCCESS``,
 ``_FAILURE``, ``_ABORTED``); otherwise "finished" when the job's final output is there, "running" when a file of
 the folder changed in the last RUNNING_WINDOW seconds, else "unknown" (stopped, or still running elsewhere).
 
-Chaining (:func:`offers`): each output has a kind (micrographs, coordinates, particles, classified particles, map,
-half map, mask) and :data:`CONSUMERS` says which field of which next job takes that kind: coordinates ->
-extraction, particles -> 2D/3D classification, 3D auto-refine, reconstruction, classified particles -> class
-selection, map -> 3D refinement/classification reference and mask creation, half map -> post-processing, mask ->
-post-processing. An :class:`Offer` holds every value to put into the next job's dock, its output folder included
-(the next free ``<Type>/jobNNN``, numbered across the project as RELION does).
+Chaining (:func:`offers`): each output has a kind (micrographs, coordinates, particles, classified particles, refined
+particles, map, half map, mask, post-processing STAR, local-resolution map) and :data:`CONSUMERS` says which field of
+which next job takes that kind: coordinates -> extraction, particles -> 2D/3D classification, 3D auto-refine,
+reconstruction, classified particles -> class selection, refined particles (a finished auto-refine's or CTF
+refinement's data STAR) -> CTF refinement, map -> 3D refinement/classification reference and mask creation, half map
+-> post-processing, mask -> post-processing, post-processing STAR -> CTF refinement and local resolution. An
+:class:`Offer` holds every value to put into the next job's dock, its output folder included (the next free
+``<Type>/jobNNN``, numbered across the project as RELION does), and the companions the next job needs, found from
+the job's own files (:func:`companions`): extraction gets the picked micrographs; CTF refinement from a refinement
+gets the newest post-processing of that refinement (else its two half maps), from a post-processing the refinement's
+particles, from a CTF refinement the same maps; local resolution from a post-processing gets its half maps, its mask
+and its sharpening B-factor; a refinement after a CTF refinement gets the former refinement's map as reference.
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..io.jobdir import iteration_data, iteration_model, job_number, note_commands
+from ..errors import InputError
+from ..io.jobdir import iteration_data, iteration_model, job_number, note_commands, project_path
+from ..io.star import read_star
 
 __all__ = [
     "JOB_TYPES",
@@ -49,6 +58,8 @@ __all__ = [
     "next_job_folder",
     "project_of",
     "offers",
+    "companions",
+    "newest_postprocess_of",
     "note_arguments",
     "count_running",
     "ACTIVE",
@@ -57,17 +68,19 @@ __all__ = [
 #: Our job name -> RELION's job-type folder (``<project>/<Type>/jobNNN``).
 JOB_TYPES = {"autopick": "AutoPick", "extract": "Extract", "class2d": "Class2D", "select": "Select",
              "class3d": "Class3D", "refine3d": "Refine3D", "mask_create": "MaskCreate", "postprocess": "PostProcess",
-             "reconstruct": "Reconstruct", "initial_model": "InitialModel"}
+             "reconstruct": "Reconstruct", "initial_model": "InitialModel", "ctf_refine": "CtfRefine",
+             "local_resolution": "LocalRes"}
 _JOB_OF_TYPE = {v.lower(): k for k, v in JOB_TYPES.items()}
 #: Our job name -> its dock's name in napari.yaml (what *Plugins > GPU RELION* lists).
 WIDGET_NAMES = {"autopick": "Auto-picking", "extract": "Particle extraction", "class2d": "2D classification",
                 "select": "Class selection", "class3d": "3D classification", "refine3d": "3D auto-refine",
                 "mask_create": "Mask creation", "postprocess": "Post-process", "reconstruct": "Reconstruct",
-                "initial_model": "3D initial model"}
+                "initial_model": "3D initial model", "ctf_refine": "CTF refinement",
+                "local_resolution": "Local resolution"}
 #: RELION's program names (in a note.txt) -> our job name.
 _PROGRAMS = {"relion_autopick": "autopick", "relion_preprocess": "extract", "relion_refine": None,
              "relion_postprocess": "postprocess", "relion_mask_create": "mask_create",
-             "relion_reconstruct": "reconstruct"}
+             "relion_reconstruct": "reconstruct", "relion_ctf_refine": "ctf_refine"}
 
 #: Seconds since a file of a folder changed within which a job without an exit file counts as running.
 RUNNING_WINDOW = 600.0
@@ -83,6 +96,9 @@ CLASSIFIED = "classified particles"
 MAP = "map"
 HALF_MAP = "half map"
 MASK = "mask"
+REFINED = "refined particles"  # a finished refinement's particles (poses, both halves): CTF refinement's input
+POSTPROCESSED = "post-processing"  # postprocess.star: its half maps, mask, FSC and B-factor
+LOCRES = "local resolution"  # relion_locres.mrc (Å per voxel): shown, taken by no job
 
 #: (output kind, next job, field of its Params): which next job takes which output.
 CONSUMERS: tuple[tuple[str, str, str], ...] = (
@@ -102,13 +118,16 @@ CONSUMERS: tuple[tuple[str, str, str], ...] = (
     (MAP, "mask_create", "i"),
     (HALF_MAP, "postprocess", "i"),
     (MASK, "postprocess", "mask"),
+    (REFINED, "ctf_refine", "i"),
+    (POSTPROCESSED, "ctf_refine", "f"),
+    (POSTPROCESSED, "local_resolution", "i"),
 )
 
 #: How each job's output field is filled for a new job folder: a folder, or a file in it.
 _OUTPUT_FIELD = {"autopick": ("odir", None), "extract": ("o", None), "class2d": ("o", None), "class3d": ("o", None),
                  "refine3d": ("o", None), "postprocess": ("o", None), "select": ("o", "particles.star"),
                  "mask_create": ("o", "mask.mrc"), "reconstruct": ("o", "reconstruct.mrc"),
-                 "initial_model": ("o", None)}
+                 "initial_model": ("o", None), "ctf_refine": ("o", None), "local_resolution": ("o", None)}
 
 
 @dataclass(frozen=True)
@@ -178,6 +197,8 @@ def note_arguments(folder: Path) -> tuple[str | None, dict[str, str]]:
     last = commands[-1]
     program = last.program
     job = _PROGRAMS.get(program) if program is not None and program.startswith("relion_") else program
+    if job == "postprocess" and "--locres" in last.args:  # RELION's LocalRes job runs relion_postprocess --locres
+        job = "local_resolution"
     return job, dict(last.args)
 
 
@@ -276,6 +297,8 @@ def _outputs(job: str, folder: Path, names: list[str], inputs: dict[str, str]) -
             add(MAP, f"{root}_class001.mrc", "refined map")
             if data is not None:
                 out.append(Output(PARTICLES, data, f"particles with angles ({data.name})"))
+            if final:  # CTF refinement takes the final poses only, as RELION's
+                add(REFINED, f"{root}_data.star", f"refined particles ({root}_data.star)")
         elif root is not None:
             wanted = inputs.get("--iter")
             final = wanted is not None and wanted.isdigit() and iteration is not None and iteration >= int(wanted)
@@ -294,7 +317,18 @@ def _outputs(job: str, folder: Path, names: list[str], inputs: dict[str, str]) -
     elif job == "postprocess":
         add(MAP, "postprocess_masked.mrc", "sharpened masked map")
         add(MAP, "postprocess.mrc", "sharpened map")
+        add(POSTPROCESSED, "postprocess.star", "postprocess.star")
         final = "postprocess.star" in have
+    elif job == "ctf_refine":
+        add(PARTICLES, "particles_ctf_refine.star", "CTF-refined particles (particles_ctf_refine.star)")
+        add(REFINED, "particles_ctf_refine.star", "CTF-refined particles (particles_ctf_refine.star)")
+        final = "particles_ctf_refine.star" in have
+    elif job == "local_resolution":
+        for name in sorted(n for n in names if n.endswith("_locres_filtered.mrc")):
+            out.append(Output(MAP, folder / name, f"locally filtered map ({name})"))
+        for name in sorted(n for n in names if n.endswith("_locres.mrc")):
+            out.append(Output(LOCRES, folder / name, f"local resolution ({name})"))
+        final = any(n.endswith("_locres.mrc") for n in names)
     elif job == "mask_create":
         for name in sorted(n for n in names if n.endswith(".mrc")):
             out.append(Output(MASK, folder / name, f"mask ({name})"))
@@ -439,24 +473,154 @@ def _output_value(job: str, folder: Path) -> tuple[str, str]:
 
 def offers(record: JobRecord, project: str | os.PathLike | None = None, taken: Iterable[Path] = ()) -> list[Offer]:
     """What the next jobs can take from ``record``'s outputs, one Offer per (output, next job). Each fills the
-    field that takes the output, the companions it needs (extraction: the picked micrographs with their
-    coordinates) and a new output folder in ``project`` (default: two levels above the job folder)."""
+    field that takes the output, the companions it needs (:func:`companions`) and a new output folder in
+    ``project`` (default: two levels above the job folder). An output whose next job cannot be given what it
+    needs (a post-processing STAR that names no readable half map, for local resolution) offers nothing."""
     if project is None:
         project = record.folder.parent.parent if record.number is not None else record.folder.parent
-    micrographs = next((o for o in record.outputs if o.kind == MICROGRAPHS), None)
     result: list[Offer] = []
     for output in record.outputs:
         for kind, job, name in CONSUMERS:
             if kind != output.kind:
                 continue
-            values = {name: str(output.path)}
-            if job == "extract" and kind == COORDINATES and micrographs is not None:
-                values["i"] = str(micrographs.path)
+            extra = companions(record, output, job, Path(project))
+            if extra is None:
+                continue
+            values = {name: str(output.path), **extra}
             if kind != MASK:  # a mask completes a post-processing whose half map is already set
                 out_name, out_value = _output_value(job, next_job_folder(project, job, taken))
                 values[out_name] = out_value
             result.append(Offer(job, output, values))
     return result
+
+
+def companions(record: JobRecord, output: Output, job: str, project: Path) -> dict[str, str] | None:
+    """The other fields of next job ``job`` that ``record`` says how to fill when ``output`` goes into it (they may
+    replace the consumer's own field: local resolution takes the half map a post-processing STAR names, not the
+    STAR; "" empties a field, so that a value the dock remembers from another job does not stay); None when the job
+    cannot be given what it needs.
+
+    * extraction of picks: the micrographs that were picked;
+    * CTF refinement of a refinement's particles: the newest post-processing of that refinement (``--f``: its half
+      maps, mask and FSC weighting, RELION's inputs), else the refinement's two half maps (``--m1``, ``--m2``); of
+      a CTF refinement's particles (a second round): the maps that round used; from a post-processing STAR: the
+      particles of the refinement whose half maps it post-processed;
+    * local resolution from a post-processing STAR: its half maps, its mask and its sharpening B-factor (the
+      locally filtered map is sharpened as the post-processed one);
+    * a refinement of a CTF refinement's particles: the map of the refinement they came from as reference."""
+    values: dict[str, str] = {}
+    if job == "extract" and output.kind == COORDINATES:
+        micrographs = next((o for o in record.outputs if o.kind == MICROGRAPHS), None)
+        if micrographs is not None:
+            values["i"] = str(micrographs.path)
+    elif job == "ctf_refine" and output.kind == REFINED:
+        if record.job == "refine3d":
+            star = newest_postprocess_of(record.folder, project)
+            halves = _half_maps(record.folder) if star is None else None
+            if star is not None:
+                values.update(f=str(star), m1="", m2="", mask="")  # the STAR's half maps and mask
+            elif halves is not None:
+                values.update(f="", m1=str(halves[0]), m2=str(halves[1]))
+        elif record.job == "ctf_refine":
+            for flag in ("--f", "--m1", "--m2", "--mask"):
+                given = record.inputs.get(flag)
+                values[flag[2:]] = str(_input_path(given, record.folder)) if given else ""
+    elif job == "ctf_refine" and output.kind == POSTPROCESSED:
+        half1 = _postprocess_file(output.path, "rlnUnfilteredMapHalf1")
+        data = _final_data(half1.parent) if half1 is not None else None
+        if data is not None:
+            values["i"] = str(data)
+    elif job == "local_resolution" and output.kind == POSTPROCESSED:
+        half1 = _postprocess_file(output.path, "rlnUnfilteredMapHalf1")
+        if half1 is None:
+            return None
+        half2 = _postprocess_file(output.path, "rlnUnfilteredMapHalf2")
+        mask = _postprocess_file(output.path, "rlnMaskName")
+        values.update(i=str(half1), i2="" if half2 is None else str(half2), mask="" if mask is None else str(mask))
+        bfactor = _postprocess_general(output.path).get("rlnBfactorUsedForSharpening")
+        with contextlib.suppress(TypeError, ValueError):
+            values["adhoc_bfac"] = f"{float(bfactor):.2f}"
+    elif job == "refine3d" and output.kind == PARTICLES and record.job == "ctf_refine":
+        reference = _ctf_refine_reference(record)
+        if reference is not None:
+            values["ref"] = str(reference)
+    return values
+
+
+def _postprocess_general(star: Path) -> dict[str, Any]:
+    """The ``data_general`` block of a post-processing STAR ({} when it cannot be read)."""
+    try:
+        general = read_star(star).get("general")
+    except (InputError, OSError, ValueError):
+        return {}
+    if general is not None and hasattr(general, "iloc"):  # a loop block of one row
+        general = general.iloc[0].to_dict() if len(general) else {}
+    return dict(general) if isinstance(general, dict) else {}
+
+
+def _postprocess_file(star: Path, label: str) -> Path | None:
+    """The existing file that a post-processing STAR's ``label`` names (RELION's project-relative paths)."""
+    name = _postprocess_general(star).get(label)
+    if name is None or not str(name).strip():
+        return None
+    found, _ = project_path(str(name), star)
+    return found
+
+
+def newest_postprocess_of(refine_folder: Path, project: Path) -> Path | None:
+    """The postprocess.star of the project's newest PostProcess job whose half map 1 lies in ``refine_folder``."""
+    base = project / JOB_TYPES["postprocess"]
+    folders = sorted((f for f in _subdirs(base) if job_number(f) is not None), key=job_number, reverse=True)
+    for folder in folders:
+        star = folder / "postprocess.star"
+        if star.is_file():
+            half1 = _postprocess_file(star, "rlnUnfilteredMapHalf1")
+            if half1 is not None and _same(half1.parent, refine_folder):
+                return star
+    return None
+
+
+def _half_maps(refine_folder: Path) -> tuple[Path, Path] | None:
+    """The final unfiltered half maps of a refinement folder (both must be there)."""
+    try:
+        names = set(os.listdir(refine_folder))
+    except OSError:
+        return None
+    root, _ = _iterations(refine_folder, sorted(names))
+    if root is None:
+        return None
+    halves = tuple(refine_folder / f"{root}_half{k}_class001_unfil.mrc" for k in (1, 2))
+    return halves if all(h.name in names for h in halves) else None
+
+
+def _final_data(refine_folder: Path) -> Path | None:
+    """A finished refinement's final data STAR (``run_data.star``), None for anything else."""
+    try:
+        names = sorted(os.listdir(refine_folder))
+    except OSError:
+        return None
+    root, _ = _iterations(refine_folder, names)
+    if root is None or f"{root}_model.star" not in names or f"{root}_data.star" not in names:
+        return None
+    return refine_folder / f"{root}_data.star"
+
+
+def _ctf_refine_reference(record: JobRecord) -> Path | None:
+    """The map of the refinement whose half maps a CTF refinement used (through its --f or --m1)."""
+    half1 = None
+    if record.inputs.get("--f"):
+        half1 = _postprocess_file(_input_path(record.inputs["--f"], record.folder), "rlnUnfilteredMapHalf1")
+    elif record.inputs.get("--m1"):
+        half1 = _input_path(record.inputs["--m1"], record.folder)
+    if half1 is None:
+        return None
+    folder = half1.parent
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return None
+    root, _ = _iterations(folder, names)
+    return folder / f"{root}_class001.mrc" if root is not None and f"{root}_class001.mrc" in names else None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -468,8 +632,9 @@ def _status_of(job: Any) -> str:
     return str(getattr(state, "value", state)) if state is not None else "unknown"
 
 
-#: Jobs whose ``--o`` is a relion_refine output rootname (``<folder>/run``), also where Params do not say so.
-ROOTNAME_JOBS = ("class2d", "class3d", "refine3d", "initial_model")
+#: Jobs whose ``--o`` is an output rootname in the job folder (relion_refine's ``<folder>/run``; local resolution's
+#: ``<folder>/relion``, as RELION's LocalRes job), also where Params do not say so.
+ROOTNAME_JOBS = ("class2d", "class3d", "refine3d", "initial_model", "local_resolution")
 
 
 def _is_rootname(params: Any, name: str) -> bool:

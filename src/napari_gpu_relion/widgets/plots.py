@@ -1,5 +1,6 @@
-"""The plot docks of the live display (widgets/display.py): the FSC plot and the angular distribution; and the
-picking dock's FOM histogram (:class:`FomHistogramView`, drawn with QPainter, not matplotlib).
+"""The plot docks of the live display (widgets/display.py): the FSC plot and the angular distribution; the
+picking dock's FOM histogram (:class:`FomHistogramView`) and the local-resolution dock's colour bar
+(:class:`ColourBarView`), both drawn with QPainter, not matplotlib.
 
 A matplotlib figure takes 0.05-0.3 s to draw with Agg on a 2-core machine (the angular distribution with its
 colour bar the most), so the GUI thread never draws one (issue 18: no freezes). :func:`render_fsc` and
@@ -32,7 +33,7 @@ from ..events import FscUpdated
 if TYPE_CHECKING:
     import napari
 
-__all__ = ["FscPlot", "AngularDistributionPlot", "FomHistogramView", "RenderedPlot", "render_fsc",
+__all__ = ["FscPlot", "AngularDistributionPlot", "FomHistogramView", "ColourBarView", "RenderedPlot", "render_fsc",
            "render_angular_distribution", "theme_colors", "prepare"]
 
 #: Pixel size of a rendered plot (it is scaled to the dock, keeping its aspect).
@@ -311,6 +312,92 @@ class FomHistogramView(QWidget):
             painter.drawText(left, bottom + 2, right - left, text_h, int(Qt.AlignmentFlag.AlignRight), f"{hi:.3g}")
             painter.drawText(left, bottom + 2, right - left, text_h, int(Qt.AlignmentFlag.AlignHCenter),
                              "FOM" if hist.threshold_position is None else f"threshold {hist.threshold:.3g}")
+        finally:
+            painter.end()
+            self.draw_count += 1
+
+
+class ColourBarView(QWidget):
+    """A colour bar for a coloured surface (the local resolution): its title with the unit, the colormap from the
+    low to the high end of the colour range, and labels under it (locres_model.legend_ticks / tick_label), drawn
+    with QPainter. Before :meth:`set_range` it says that nothing is coloured yet."""
+
+    def __init__(self, empty_text: str = "no coloured surface yet") -> None:
+        super().__init__()
+        self.setObjectName("gpu_relion_colour_bar")
+        self.setMinimumSize(200, 60)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.setFixedHeight(72)
+        self.empty_text = empty_text
+        self.title = ""
+        self.limits: tuple[float, float] | None = None
+        self.colours: np.ndarray | None = None  # (n, 3) uint8, low -> high
+        self.unit = "Å"
+        self.draw_count = 0
+
+    def set_range(self, low: float, high: float, title: str, colours: np.ndarray, unit: str = "Å") -> None:
+        """Show the colormap ``colours`` ((n, 3) or (n, 4) in 0..1 or 0..255) over ``low`` .. ``high``."""
+        c = np.asarray(colours, dtype=np.float64)[:, :3]
+        if c.max() <= 1.0:
+            c = c * 255.0
+        self.colours = np.clip(np.round(c), 0, 255).astype(np.uint8)
+        self.limits, self.title, self.unit = (float(low), float(high)), title, unit
+        self.update()
+
+    #: Margin (pixels) left and right of the bar, and the room one label needs.
+    MARGIN = 6
+    LABEL_ROOM = 70
+
+    def ticks(self, width: int | None = None) -> list[tuple[float, str]]:
+        """(position along the bar, 0..1; label) of the labels drawn at ``width`` pixels (default: the widget's):
+        as many as fit, 2 to 5, from the low to the high end. [] before :meth:`set_range`."""
+        from .locres_model import legend_ticks, tick_label
+
+        if self.limits is None:
+            return []
+        span = (self.width() if width is None else width) - 2 * self.MARGIN
+        values = legend_ticks(*self.limits, int(np.clip(span // self.LABEL_ROOM, 2, 5)))
+        last = max(len(values) - 1, 1)
+        return [(k / last, tick_label(v, self.unit)) for k, v in enumerate(values)]
+
+    @property
+    def labels(self) -> list[str]:
+        """The labels under the bar at the widget's width."""
+        return [text for _, text in self.ticks()]
+
+    def paintEvent(self, event: Any) -> None:  # noqa: N802 - Qt's name
+        from qtpy.QtGui import QColor, QPainter, QPen
+
+        painter = QPainter(self)
+        try:
+            fg = self.palette().windowText().color()
+            painter.setPen(fg)
+            w, h = self.width(), self.height()
+            text_h = painter.fontMetrics().height()
+            left, right = self.MARGIN, w - self.MARGIN
+            if self.limits is None or self.colours is None:
+                painter.drawText(0, 0, w, h, int(Qt.AlignmentFlag.AlignCenter | Qt.TextFlag.TextWordWrap),
+                                 self.empty_text)
+                return
+            painter.drawText(left, 0, right - left, text_h, int(Qt.AlignmentFlag.AlignLeft), self.title)
+            top, bottom = text_h + 2, h - text_h - 6
+            n = len(self.colours)
+            span = max(right - left, 1)
+            for x in range(left, right):
+                r, g, b = self.colours[min(n - 1, int((x - left) / span * n))]
+                painter.fillRect(x, top, 1, bottom - top, QColor(int(r), int(g), int(b)))
+            painter.setPen(QPen(fg, 1))
+            painter.drawRect(left, top, right - left - 1, bottom - top)
+            ticks = self.ticks(w)
+            box_w = self.LABEL_ROOM
+            for k, (position, label) in enumerate(ticks):
+                x = int(left + (span - 1) * position)
+                painter.drawLine(x, bottom, x, bottom + 3)
+                first, last = k == 0, k == len(ticks) - 1
+                align = (Qt.AlignmentFlag.AlignLeft if first else Qt.AlignmentFlag.AlignRight if last
+                         else Qt.AlignmentFlag.AlignHCenter)
+                x0 = x if first else x - box_w if last else x - box_w // 2
+                painter.drawText(x0, bottom + 4, box_w, text_h, int(align), label)
         finally:
             painter.end()
             self.draw_count += 1
