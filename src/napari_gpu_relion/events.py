@@ -41,6 +41,29 @@ class Progress(Event):
 
 
 @dataclass(frozen=True)
+class IterationStarted(Event):
+    """An iterative job (relion_refine's: refine, classification, initial model) begins ``iteration`` (from 1),
+    with its sampling decided: what a front end shows beside the E-step's Progress events.
+
+    ``iterations``: the last iteration at the latest (0: none set); ``converges``: the job may stop earlier, once
+    it has converged (auto-refine: ``iterations`` is then --auto_iter_max, a cap, not a count); ``final``: this is
+    the job's last iteration (auto-refine's: the halves joined, at the full image size); ``image_size`` of
+    ``full_size`` pixels; ``angular_step`` (degrees; the in-plane step in 2D; 0 where particles keep their
+    orientations) and ``local`` (local angular searches); ``even_cost``: the iterations cost about the same, so
+    that the share of iterations done estimates the time left (not the initial model's growing mini-batches)."""
+
+    iteration: int
+    iterations: int = 0
+    final: bool = False
+    converges: bool = False
+    image_size: int = 0
+    full_size: int = 0
+    angular_step: float = 0.0
+    local: bool = False
+    even_cost: bool = True
+
+
+@dataclass(frozen=True)
 class Message(Event):
     """A line for the log (warnings included)."""
 
