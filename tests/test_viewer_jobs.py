@@ -110,7 +110,8 @@ def test_cancel_stops_a_cpu_refine3d_within_2_s_in_iteration_1(make_napari_viewe
     w.set_values(i=p.i, o=tmp_path / "Refine3D", ref=p.ref, ctf=True, particle_diameter=160.0, flatten_solvent=True,
                  healpix_order=1, auto_local_healpix_order=3, cpu=True)
     w.run_button.native.click()
-    _wait(qtbot, lambda: "memory plan" in w.status_text, 60_000)  # the E-step of iteration 1 has begun
+    # the E-step of iteration 1 has begun (the job's log line, in the status's tooltip under the progress line)
+    _wait(qtbot, lambda: "memory plan" in (w.status.tooltip or ""), 60_000)
     qtbot.wait(1000)
     assert w.job.last_progress is None  # inside half 1's only batch
     with qtbot.waitSignal(w.job.worker.finished, timeout=10_000):

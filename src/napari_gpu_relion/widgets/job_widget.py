@@ -74,6 +74,7 @@ from ..events import (
     Finished,
     FscUpdated,
     IterationFinished,
+    IterationStarted,
     MapUpdated,
     Message,
     MicrographPicked,
@@ -89,7 +90,7 @@ from .follow_model import job_label
 from .form_model import form_layout, form_of
 from .jobs_model import SESSION
 from .layout_model import PANEL_MIN_WIDTH
-from .progress_model import ProgressClock, bar_in_state
+from .progress_model import ProgressReport, RunProgress
 from .runner import Job, JobRunner, JobState, error_message, get_runner
 
 if TYPE_CHECKING:
@@ -586,7 +587,7 @@ class JobWidget(Container):
         self._closed = False
         self._loading = False
         self._results_tab: QWidget | None = None
-        self._clock = ProgressClock()
+        self._progress = RunProgress(self.job_name)  # the bar and the progress line (widgets/progress_model.py)
         self._bar_before_cancel: tuple[int, int] | None = None  # the bar when Cancel was clicked
 
         self.run_button = PushButton(text="Run", name="job_run_button")
@@ -775,14 +776,17 @@ class JobWidget(Container):
             runner = self._runner
         self.progress.max = 1
         self.progress.value = 0
+        self.progress.native.setFormat("%p%")
+        self.status.tooltip = ""
         self._bar_before_cancel = None
-        self._clock = ProgressClock()
+        self._progress = RunProgress(self.job_name)
         self._map_levels.clear()
         self._set_status(f"{self.job_name}: submitted")
         module = self.job_module
         handlers = {
             Started: self._on_started,
             Progress: self._on_progress,
+            IterationStarted: self._on_progress,
             Message: self._on_message,
             Finished: self._on_finished,
             MapUpdated: self._on_map,
@@ -832,11 +836,13 @@ class JobWidget(Container):
             self.last_error = f"{self.job_name} failed: {error_message(job.error)}" if job.error else "failed"
             self._set_status(self.last_error, error=True)
         if job.state is not JobState.FINISHED:  # busy while cancelling, never once stopped (progress_model)
-            value, maximum = bar_in_state(job.state.value, (self.progress.value, self.progress.max),
-                                          self._bar_before_cancel)
+            value, maximum, text = self._progress.stopped(job.state.value, (self.progress.value, self.progress.max),
+                                                          self._bar_before_cancel)
             if (value, maximum) != (self.progress.value, self.progress.max):
                 self.progress.max = maximum
                 self.progress.value = value
+            if text:
+                self.progress.native.setFormat(text)
 
     def _on_started(self, ev: Started) -> None:
         self.show_results_tab()  # what the job produces is what to look at now
@@ -844,19 +850,33 @@ class JobWidget(Container):
             self.folder.value = str(ev.output_dir)
         self._set_status(f"{self.job_name}: running on {ev.backend}" + (f" — {ev.message}" if ev.message else ""))
 
-    def _on_progress(self, ev: Progress) -> None:
-        """The bar and the status line: "iteration n of max" and the time left where the job knows them."""
+    def _on_progress(self, ev: Progress | IterationStarted | IterationFinished) -> None:
+        """The bar and the status line: "iteration n of max", the phase of the iteration (E-step, M-step, an
+        auto-refine's final iteration) and the time left where it can be told (widgets/progress_model.py)."""
+        self._show_progress(self._progress.update(ev, time.monotonic()))
+
+    def _show_progress(self, report: ProgressReport | None) -> None:
+        if report is None or self._closed:
+            return
         if self.job is not None and self.job.state is JobState.CANCELLING:
             return  # the busy bar and "cancelling..." until the job has stopped
-        report = self._clock.report(self.job_name, ev, time.monotonic())
-        self.progress.max = report.maximum
-        self.progress.value = report.value
+        if (self.progress.max, self.progress.value) != (report.maximum, report.value):
+            self.progress.max = report.maximum
+            self.progress.value = report.value
+        self.progress.native.setFormat(report.bar_text or "%p%")
         self._set_status(report.text)
 
     def _on_message(self, ev: Message) -> None:
-        self._set_status(f"{self.job_name}: {ev.text}")
+        """A log line of the job: the status line; while an iterative job runs, its progress line stays there (the
+        timing and memory lines would hide the iteration's phase and summary) and the line goes to the status's
+        tooltip. Warnings are also notifications."""
         if ev.level == "warning":
             show_warning(f"{self.job_name}: {ev.text}")
+        if self._progress.in_iterations and ev.level != "warning":
+            if not self._closed:
+                self.status.tooltip = f"{self.job_name}: {ev.text.strip()}"
+            return
+        self._set_status(f"{self.job_name}: {ev.text}")
 
     def _on_map(self, ev: MapUpdated) -> None:
         """A map of this job: to the display, and its surface level (prepared in the worker) to the panel."""
@@ -869,15 +889,14 @@ class JobWidget(Container):
 
     def _on_iteration(self, ev: IterationFinished) -> None:
         self.display.handle(ev)
-        if ev.summary:
-            self._set_status(f"{self.job_name}: iteration {ev.iteration}: {ev.summary}")
+        self._on_progress(ev)  # "iteration n: <summary>"; the bar between iterations
 
     def _on_finished(self, ev: Finished) -> None:
         self.display.drain()
-        if self.progress.max > 0:
-            self.progress.value = self.progress.max
-        else:
-            self.progress.max, self.progress.value = 1, 1
+        report = self._progress.update(ev, time.monotonic())
+        if report is not None and not self._closed:
+            self.progress.max, self.progress.value = report.maximum, report.value
+            self.progress.native.setFormat(report.bar_text or "%p%")
         outputs = [Path(p) for p in ev.outputs.values()] if ev.outputs else []
         if outputs and not self.folder.value:
             first = outputs[0]
