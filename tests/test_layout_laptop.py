@@ -6,7 +6,9 @@ window within the screen, the canvas at least CANVAS_FRACTION of the window's wi
 panel, the plots tabs of one group under it, and the current dock's Run, Cancel, progress bar and status line (and
 the picking dock's Save picks and picks count, the 2D classification dock's Save selection) drawn whole: inside
 the window and inside every widget around them (a scroll area's viewport included), so seen without scrolling.
-A status line of several lines is drawn whole too. The arithmetic of the sizes is checked without Qt.
+A status line of several lines is drawn whole too. The panel's tabs read whole (RELION's job types, never elided
+to "3D..."), the one in front in view, each with its dock's full name as tooltip. The arithmetic of the sizes is
+checked without Qt.
 
 pytest-xvfb's screen is 800 x 600; the layout's idea of the screen (dock_layout.screen_room) is set to the
 screen size of the test.
@@ -21,8 +23,8 @@ import pytest
 
 pytest.importorskip("napari")
 
-from qtpy.QtCore import QPoint, QRect  # noqa: E402
-from qtpy.QtWidgets import QApplication, QDockWidget  # noqa: E402
+from qtpy.QtCore import QPoint, QRect, Qt  # noqa: E402
+from qtpy.QtWidgets import QApplication, QDockWidget, QToolButton  # noqa: E402
 
 from napari_gpu_relion.compute.angular_distribution import angular_histogram  # noqa: E402
 from napari_gpu_relion.events import FscUpdated  # noqa: E402
@@ -36,6 +38,7 @@ from napari_gpu_relion.widgets.layout_model import (  # noqa: E402
     PLOT_MIN_HEIGHT,
     panel_width,
     plot_height,
+    tab_title,
 )
 
 PLUGIN = "napari-gpu-relion"
@@ -43,6 +46,11 @@ PLUGIN = "napari-gpu-relion"
 TUTORIAL = ("Auto-picking", "Particle extraction", "2D classification", "Class selection", "3D initial model",
             "3D auto-refine", "Mask creation", "Post-process")
 ALL_DOCKS = ("Jobs", "Reconstruct", *TUTORIAL[:6], "3D classification", *TUTORIAL[6:])
+#: The panel's tab of each dock (RELION's job types) and the full name its tooltip gives.
+TABS = {"Jobs": "Jobs", "Auto-picking": "AutoPick", "Particle extraction": "Extract", "2D classification": "Class2D",
+        "Class selection": "Select", "3D initial model": "InitialModel", "3D auto-refine": "Refine3D",
+        "Mask creation": "MaskCreate", "Post-process": "PostProcess", "Reconstruct": "Reconstruct",
+        "3D classification": "Class3D"}
 LONG_STATUS = ("postprocess failed: Not a directory: /home/someone/relion_tutorial/PostProcess/job012/"
                "postprocess_masked.mrc (the folder above it is a file; choose another output folder)")
 
@@ -136,6 +144,24 @@ def assert_job_dock_usable(widget, main, step: str) -> None:
     widget._set_status(before)  # noqa: SLF001
 
 
+def assert_tabs_readable(dock: QDockWidget, expected: dict[str, str], step: str) -> None:
+    """The panel's tab bar: each tab's whole text (no elision, drawn in full in its tab), its dock's full name as
+    its tooltip, and the tab in front inside the part of the bar that is drawn (not under the scroll arrows)."""
+    bar = dock_layout.tab_bar_of(dock)
+    assert bar is not None, step
+    assert bar.elideMode() == Qt.TextElideMode.ElideNone, step
+    texts = [bar.tabText(k) for k in range(bar.count())]
+    assert {TABS[name] for name in expected} == set(texts), (step, texts)
+    for k, text in enumerate(texts):
+        needed = bar.fontMetrics().horizontalAdvance(text)
+        assert bar.tabRect(k).width() >= needed, (step, text, bar.tabRect(k).width(), needed)
+        assert bar.tabToolTip(k) == expected[next(n for n in expected if TABS[n] == text)], (step, text)
+    front = bar.tabRect(bar.currentIndex())
+    assert texts[bar.currentIndex()] == dock.windowTitle(), step
+    arrows = [b.geometry() for b in bar.findChildren(QToolButton) if b.isVisible()]
+    assert bar.rect().contains(front) and not any(a.intersects(front) for a in arrows), (step, front, arrows)
+
+
 def _fsc(display: LiveDisplay) -> None:
     x = np.linspace(0.0, 1.0 / 6.0, 33)
     display.show_fsc(FscUpdated(resolution_inv_A=x, curves={"gold-standard": np.exp(-30 * x)}, resolution_A=12.0))
@@ -154,6 +180,7 @@ def _walk_the_tutorial(viewer, main, screen) -> dict[str, float]:
     assert_shown_whole(jobs.follow_folder_button, main, "Jobs: Follow folder...")
     display = LiveDisplay.for_viewer(viewer)
     panel_docks = [_dock(jobs)]
+    names = {"Jobs": "Jobs"}
     for step in TUTORIAL:
         _, widget = viewer.window.add_plugin_dock_widget(PLUGIN, step)
         _pump()
@@ -168,6 +195,8 @@ def _walk_the_tutorial(viewer, main, screen) -> dict[str, float]:
         assert_job_dock_usable(widget, main, step)
         # one panel: every job dock and the Jobs dock tabs of one group, this one in front
         assert set(main.tabifiedDockWidgets(dock)) == set(panel_docks) - {dock}, step
+        names[step] = step
+        assert_tabs_readable(dock, names, step)
         if step == "Auto-picking":
             for name in ("fom_slider", "picks_info", "save_picks_button"):
                 assert_shown_whole(getattr(widget, name), main, f"{step}: {name}")
@@ -220,7 +249,17 @@ def test_a_job_dock_opened_again_comes_to_the_front(make_napari_viewer, monkeypa
     assert open_job_dock(viewer, "autopick") is pick  # the one already docked, in front now
     _pump()
     assert not _dock(pick).visibleRegion().isEmpty() and _dock(ext).visibleRegion().isEmpty()
-    assert _dock(pick).windowTitle() == "Auto-picking"  # the tab reads the widget's name alone
+    assert _dock(pick).windowTitle() == "AutoPick"  # the tab reads RELION's job type
+    assert _dock(pick).title.title.text() == "Auto-picking"  # napari's title bar the full name, without the plugin's
+
+
+def test_every_docks_tab_is_relions_job_type():
+    widgets = {"autopick": "Auto-picking", "extract": "Particle extraction", "class2d": "2D classification",
+               "select": "Class selection", "initial_model": "3D initial model", "refine3d": "3D auto-refine",
+               "mask_create": "Mask creation", "postprocess": "Post-process", "reconstruct": "Reconstruct",
+               "class3d": "3D classification"}
+    assert {widgets[job]: tab_title(job) for job in widgets} == {k: v for k, v in TABS.items() if k != "Jobs"}
+    assert tab_title("ctf_refine") == "CtfRefine"  # a job without a listed type: its name's words run together
 
 
 # ----------------------------------------------------------------------------------------------------------

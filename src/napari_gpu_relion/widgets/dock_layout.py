@@ -1,8 +1,10 @@
 """Where the plugin's docks go in napari's window, so that the canvas keeps the room on a laptop screen (issue 49).
 
 * The *panel*: the Jobs dock and every job dock share one right-hand dock area as tabs (a newly docked one, or one
-  opened again, comes to the front); the tabs read the short names ("3D auto-refine", not "3D auto-refine
-  (napari-gpu-relion)").
+  opened again, comes to the front); a job dock's tab reads RELION's job type ("Refine3D":
+  layout_model.tab_title), whole (never elided: tabs that do not fit are reached by the bar's scroll arrows), its
+  tooltip and napari's title bar above the dock the full name ("3D auto-refine", without napari's
+  " (napari-gpu-relion)").
 * The *plots* (FSC, angular distribution) are tabs of one group under the panel, never a column beside it.
 * The panel is :data:`~napari_gpu_relion.widgets.layout_model.PANEL_WIDTH` pixels wide where the window has room,
   narrower (not below PANEL_MIN_WIDTH) until the canvas keeps CANVAS_FRACTION of the window's width; the plots get
@@ -20,17 +22,22 @@ import weakref
 from typing import Any
 
 from qtpy.QtCore import QEvent, QObject, Qt, QTimer
-from qtpy.QtWidgets import QDockWidget, QMainWindow, QTabWidget, QWidget
+from qtpy.QtWidgets import QDockWidget, QLabel, QMainWindow, QTabBar, QTabWidget, QWidget
 
 from .layout_model import panel_width, plot_height
 
-__all__ = ["PANEL", "PLOT", "ROLE_PROPERTY", "dock_as_panel", "dock_plot", "place_panel", "place_plot",
-           "fit_docks", "dock_of", "docks_of_role", "canvas_widget", "raise_dock", "screen_room"]
+__all__ = ["PANEL", "PLOT", "ROLE_PROPERTY", "TAB_PROPERTY", "FULL_NAME_PROPERTY", "dock_as_panel", "dock_plot",
+           "place_panel", "place_plot", "fit_docks", "dock_of", "docks_of_role", "canvas_widget", "raise_dock",
+           "screen_room", "tab_bar_of", "full_name"]
 
 #: Qt property of a docked widget that says which part of the plugin's area it belongs to.
 ROLE_PROPERTY = "gpu_relion_dock"
 PANEL = "panel"
 PLOT = "plot"
+#: Qt property of a docked widget: the text of its tab (the dock's name where it has none).
+TAB_PROPERTY = "gpu_relion_tab"
+#: Qt property of a docked widget: its dock's full name (napari's, without the plugin's suffix).
+FULL_NAME_PROPERTY = "gpu_relion_full_name"
 #: What napari appends to a plugin dock's name ("<widget> (<plugin>)"); the tabs leave it out.
 _PLUGIN_SUFFIX = " (napari-gpu-relion)"
 
@@ -74,10 +81,65 @@ def _main_of(dock: QDockWidget | None) -> QMainWindow | None:
 
 
 def _short_title(dock: QDockWidget) -> None:
-    """The tab reads the widget's name alone (napari's title bar keeps its own label)."""
+    """The tab reads the widget's tab text (:data:`TAB_PROPERTY`), else its name alone; the full name (without the
+    plugin's suffix) is kept as :data:`FULL_NAME_PROPERTY` and put in napari's title bar above the dock."""
+    inner = dock.widget()
+    if inner is None:
+        return
+    full = full_name(dock)
+    if not inner.property(FULL_NAME_PROPERTY):
+        inner.setProperty(FULL_NAME_PROPERTY, full)
+    tab = inner.property(TAB_PROPERTY)
+    dock.setWindowTitle(str(tab) if tab else full)
+    bar = getattr(dock, "title", None)  # napari's QtCustomTitleBar; its QLabel reads "<name> (<plugin>)"
+    label = getattr(bar, "title", None)
+    if isinstance(label, QLabel) and label.text() != full:
+        label.setText(full)
+
+
+def full_name(dock: QDockWidget) -> str:
+    """The dock's full name: napari's name of it without " (napari-gpu-relion)" ("3D auto-refine")."""
+    inner = dock.widget()
+    kept = inner.property(FULL_NAME_PROPERTY) if inner is not None else None
+    if kept:
+        return str(kept)
+    title = str(getattr(dock, "name", "") or dock.windowTitle())
+    return title[: -len(_PLUGIN_SUFFIX)] if title.endswith(_PLUGIN_SUFFIX) else title
+
+
+def tab_bar_of(dock: QDockWidget) -> QTabBar | None:
+    """The tab bar that switches ``dock`` (its group's, made by the QMainWindow), None if it has none."""
+    main = _main_of(dock)
+    if main is None:
+        return None
     title = dock.windowTitle()
-    if title.endswith(_PLUGIN_SUFFIX):
-        dock.setWindowTitle(title[: -len(_PLUGIN_SUFFIX)])
+    bars = [bar for bar in main.findChildren(QTabBar) if bar.parentWidget() is main and bar.isVisible()
+            and any(bar.tabText(k) == title for k in range(bar.count()))]
+    if len(bars) > 1:  # the same title in two groups: the bar just above or below the dock
+        g = dock.geometry()
+        bars.sort(key=lambda b: min(abs(b.geometry().bottom() - g.top()), abs(b.geometry().top() - g.bottom())))
+    return bars[0] if bars else None
+
+
+def _label_tabs(main: QMainWindow) -> None:
+    """The tab bars of the plugin's groups: whole texts (no elision; scroll arrows where they do not fit) and each
+    tab's tooltip its dock's full name. Qt makes the bars as it lays the docks out, so this runs after it."""
+    names = {}
+    for role in (PANEL, PLOT):
+        for dock in docks_of_role(main, role):
+            names[dock.windowTitle()] = full_name(dock)
+    for bar in main.findChildren(QTabBar):
+        if bar.parentWidget() is not main:
+            continue
+        texts = [bar.tabText(k) for k in range(bar.count())]
+        if not any(t in names for t in texts):
+            continue
+        if bar.elideMode() != Qt.TextElideMode.ElideNone:
+            bar.setElideMode(Qt.TextElideMode.ElideNone)
+        bar.setUsesScrollButtons(True)
+        for k, text in enumerate(texts):
+            if text in names and bar.tabToolTip(k) != names[text]:
+                bar.setTabToolTip(k, names[text])
 
 
 def raise_dock(dock: QDockWidget | None) -> None:
@@ -180,6 +242,7 @@ def fit_docks(main: QMainWindow) -> None:
         need = max(d.minimumSizeHint().height() for d in group)
         height = plot_height(total, need)
         main.resizeDocks([panel, plots], [total - height, height], Qt.Orientation.Vertical)
+    _label_tabs(main)
 
 
 def screen_room(main: QMainWindow) -> Any:
@@ -236,9 +299,11 @@ class _PanelPlacer(QObject):
         place_panel(widget)
 
 
-def dock_as_panel(widget: QWidget) -> None:
+def dock_as_panel(widget: QWidget, tab: str | None = None) -> None:
     """Mark ``widget`` as a panel dock (a job dock, the Jobs dock): whenever napari docks it, it becomes a tab of
-    the plugin's panel (:func:`place_panel`)."""
+    the plugin's panel (:func:`place_panel`), reading ``tab`` (else the dock's name)."""
     widget.setProperty(ROLE_PROPERTY, PANEL)
+    if tab:
+        widget.setProperty(TAB_PROPERTY, tab)
     if widget.findChild(_PanelPlacer) is None:
         _PanelPlacer(widget)

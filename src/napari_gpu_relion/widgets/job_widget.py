@@ -89,7 +89,7 @@ from .dock_layout import dock_as_panel
 from .follow_model import job_label
 from .form_model import form_layout, form_of
 from .jobs_model import SESSION
-from .layout_model import PANEL_MIN_WIDTH
+from .layout_model import PANEL_MIN_WIDTH, tab_title
 from .progress_model import ProgressReport, RunProgress
 from .runner import Job, JobRunner, JobState, error_message, get_runner
 
@@ -636,7 +636,7 @@ class JobWidget(Container):
             self.inputs[spec.name].changed.connect(self._on_input_changed)
         self.native.destroyed.connect(self._on_destroyed)
         self._close_watch = _DockCloseWatcher(self.native, self._on_dock_closed, self.may_close)
-        dock_as_panel(self.native)  # a tab of the plugin's panel (widgets/dock_layout.py)
+        dock_as_panel(self.native, tab_title(self.job_name))  # a tab of the plugin's panel (widgets/dock_layout.py)
 
     def add_results_tab(self, name: str, widgets: list[Any], front: bool = True, labels: bool = True) -> Container:
         """A tab after the option tabs for what the job produced (picks threshold, class selection, ...): a

@@ -7,14 +7,22 @@ as tabs of one panel, the result plots (FSC, angular distribution) as tabs of on
 window's width, never below :data:`PANEL_MIN_WIDTH` (every job dock is usable at that width: nothing of it is cut
 off, its labels wrap). The plots get :data:`PLOT_FRACTION` of the area's height (at least :data:`PLOT_MIN_HEIGHT`
 pixels), less where the panel above would fall below its minimum height.
+
+The panel's tabs read RELION's job-type names (:func:`tab_title`: "Refine3D", "Class2D", the names of the job
+folders the Jobs dock lists), whole, never elided: the dock names ("3D auto-refine", "Particle extraction") elided
+to "3D..." and "Pa..." in the 291 px of a 1366 px window, where eight tutorial docks and the Jobs dock share the
+tab bar. Tabs that do not fit are reached by the bar's scroll arrows; each tab's tooltip and the title bar above
+the dock in front give the dock's full name.
 """
 
 from __future__ import annotations
 
 import math
 
+from .jobs_model import JOB_TYPES
+
 __all__ = ["CANVAS_FRACTION", "PANEL_WIDTH", "PANEL_MIN_WIDTH", "PLOT_FRACTION", "PLOT_MIN_HEIGHT", "panel_width",
-           "plot_height"]
+           "plot_height", "tab_title"]
 
 #: Least share of the window's width the canvas keeps when the plugin's panel is docked.
 CANVAS_FRACTION = 0.55
@@ -43,3 +51,9 @@ def plot_height(area_height: int, panel_minimum: int, *, fraction: float = PLOT_
     ``fraction`` of the area, at least ``minimum``, less (not below ``minimum``) where the panel needs the room."""
     preferred = max(minimum, round(fraction * area_height))
     return int(max(minimum, min(preferred, area_height - panel_minimum)))
+
+
+def tab_title(job: str) -> str:
+    """The panel's tab of job ``job`` ("refine3d"): RELION's job type ("Refine3D", as its job folders are named);
+    a job without one in jobs_model.JOB_TYPES its name's words run together ("ctf_refine" -> "CtfRefine")."""
+    return JOB_TYPES.get(job) or "".join(word[:1].upper() + word[1:] for word in job.split("_"))
