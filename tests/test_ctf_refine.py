@@ -466,22 +466,6 @@ def test_optics_aberrations_read_per_group_and_said(tmp_path):
     assert "opticsGroup1" in line and "groupB" not in line
 
 
-def test_an_anisotropic_magnification_matrix_is_said_to_be_ignored(tmp_path, capsys):
-    """rlnMagMat00-11 other than the identity (relion_ctf_refine --fit_aniso) are not applied here: the jobs say
-    so naming the file, the group and its matrix; an identity matrix says nothing."""
-    from napari_gpu_relion.jobs.particles import ignored_magnification
-
-    head = ("\ndata_optics\n\nloop_\n_rlnOpticsGroupName\n_rlnOpticsGroup\n_rlnImagePixelSize\n_rlnImageSize\n"
-            "_rlnImageDimensionality\n_rlnVoltage\n_rlnSphericalAberration\n_rlnAmplitudeContrast\n_rlnMagMat00\n"
-            "_rlnMagMat01\n_rlnMagMat10\n_rlnMagMat11\ngroupA 1 1.0 64 2 300 2.7 0.1 {m}\n\n"
-            "data_particles\n\nloop_\n_rlnImageName\n_rlnOpticsGroup\n1@a.mrcs 1\n")
-    same = tmp_path / "identity.star"
-    same.write_text(head.format(m="1 0 0 1"))
-    assert ignored_magnification(read_particles(same)) is None
-    aniso = tmp_path / "aniso.star"
-    aniso.write_text(head.format(m="1.012 0.003 0.003 0.991"))
-    line = ignored_magnification(read_particles(aniso))
-    assert "aniso.star" in line and "groupA (1.0120 0.0030 0.0030 0.9910)" in line and "not applied" in line
 
 
 def test_estep_images_demodulated_per_optics_group():

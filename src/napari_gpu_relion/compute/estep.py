@@ -65,6 +65,7 @@ from .fourier import (
     shell_grid,
     shell_sum,
 )
+from .geometry import magnified, magnified_frequencies
 from .masks import soft_mask_outside
 from .memory_model import (
     INSERT_CHUNK_POINTS,
@@ -237,6 +238,9 @@ class EStepSetup:
     #: Each optics group's beam tilt and Zernike aberrations (compute.ctf.OpticsAberrations, by 0-based optics
     #: group; None: none): the images are demodulated (odd terms) and the CTFs carry the even terms, as RELION's.
     aberrations: tuple | None = None
+    #: The images' anisotropic magnification (2x2, rlnMagMat; None: none): projections and insertions at
+    #: geometry.magnified matrices, CTFs at mag k (RELION's); every particle of this setup has it.
+    mag: np.ndarray | None = None
     _demodulation: object = field(default=None, init=False, repr=False)  # (box, (G, N, N/2+1) factors)
     ref_stack: FourierReference = field(init=False)  # all classes in one stack: one projection call for any rows
 
@@ -474,7 +478,7 @@ class _Batch:
         if self.ctf is None:
             return xp.broadcast_to(self.scale, (self.n_particles, pix.npix)).astype(np.float32)
         N, p = self.box, self.setup.pixel_size
-        fx, fy = pix.kx / (N * p), pix.ky / (N * p)
+        fx, fy = magnified_frequencies(self.setup.mag, pix.kx / (N * p), pix.ky / (N * p))
         even = None if self.setup.aberrations is None else gamma_offsets(self.setup.aberrations, fx, fy, xp)
         offset = None if even is None else even[self.groups]
         return ctf_from_frequencies(self.ctf, fx, fy, xp, gamma_offset=offset) * self.scale
@@ -689,7 +693,7 @@ def _with_union_slices(b: _Batch, fine: _FineData, union_rows_host: np.ndarray) 
     if c is not None and c.rows_host.size == union_rows_host.size and np.array_equal(c.rows_host, union_rows_host):
         return replace(fine, matrices=c.matrices, slices=c.slices, n_children=c.n_children)
     setup.union_cache = None  # its memory goes before the new projection
-    A = xp.asarray(setup.sampling.fine_matrices(union_rows_host % b.n_orient).reshape(-1, 3, 3))
+    A = magnified(xp.asarray(setup.sampling.fine_matrices(union_rows_host % b.n_orient).reshape(-1, 3, 3)), setup.mag)
     P = _project_rows(setup, union_rows_host, setup.pix_fine, fine=True, matrices=A)
     n_children = P.shape[0] // max(1, int(union_rows_host.size)) or fine.n_children
     slices = as_slices(P)
@@ -1051,8 +1055,9 @@ def _project_rows(setup: EStepSetup, rows: np.ndarray, pix: PixelSet, fine: bool
     R = smp.n_orient
     rows = np.asarray(rows, dtype=np.int64)
     nover = smp.n_children if fine else 1
-    if matrices is None:
-        matrices = smp.fine_matrices(rows % R).reshape(-1, 3, 3) if fine else smp.coarse_matrices(rows % R)
+    if matrices is None:  # else the caller's, magnified already
+        matrices = magnified(xp.asarray(smp.fine_matrices(rows % R).reshape(-1, 3, 3) if fine
+                                        else smp.coarse_matrices(rows % R)), setup.mag)
     matrices = xp.asarray(matrices)
     ref = setup.ref_stack
     index = xp.asarray(np.repeat(rows // R, nover)) if ref.stacked else None

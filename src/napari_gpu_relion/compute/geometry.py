@@ -103,6 +103,28 @@ def matrix_to_euler(A):
     return xp.rad2deg(rot), xp.rad2deg(tilt), xp.rad2deg(psi)
 
 
+def magnified(A, mag):
+    """Projection matrices of orientations ``A`` (..., 3, 3) for images with the anisotropic magnification ``mag``
+    (2x2, RELION's rlnMagMat00/01/10/11; None: A itself): the slice at image pixel k then samples the reference at
+    A^T (mag k, 0), as RELION's ObservationModel::applyAnisoMag (its projector's A^-1 becomes A^-1 M). The pose
+    stays A; only where the images' pixels fall in the reference changes."""
+    if mag is None:
+        return A
+    xp = get_array_module(A)
+    m3 = np.eye(3)
+    m3[:2, :2] = np.asarray(mag, np.float64)
+    return xp.asarray(m3.T, dtype=A.dtype) @ A
+
+
+def magnified_frequencies(mag, fx, fy):
+    """(fx', fy') = mag (fx, fy): the frequencies at which the CTF of an image with magnification matrix ``mag``
+    is evaluated (RELION's CTF with an observation model's mag matrix); ``fx, fy`` themselves for None."""
+    if mag is None:
+        return fx, fy
+    m = np.asarray(mag, np.float64)
+    return m[0, 0] * fx + m[0, 1] * fy, m[1, 0] * fx + m[1, 1] * fy
+
+
 def view_direction(rot, tilt):
     """Unit viewing directions ``(sin tilt cos rot, sin tilt sin rot, cos tilt)``, shape ``(..., 3)``.
 

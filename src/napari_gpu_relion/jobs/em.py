@@ -105,9 +105,10 @@ from .common import (
 from .particles import (
     ParticleSet,
     applied_aberrations,
-    ignored_magnification,
+    applied_magnifications,
     load_particle_set,
     optics_aberrations,
+    optics_magnifications,
     particle_state,
     write_data_star,
 )
@@ -349,6 +350,7 @@ class EMJob:
         self.N, self.apix = self.ps.box, self.ps.pixel_size
         # beam tilt and Zernike terms of the optics groups (ctf_refine's), applied in the E-step with the CTF
         self.aberrations = optics_aberrations(self.ps.table) if self.p.ctf else None
+        self.mags = optics_magnifications(self.ps.table)  # per optics group, or None: no anisotropic magnification
         self.images_note = keep_images(self.ps, self.p.preread_images, host_available_bytes())
         self.diameter, self.mask_r = particle_mask(self.ps, self.p.particle_diameter, MASK_EDGE)
         self.halves = ([np.flatnonzero(self.ps.subset == h) for h in (1, 2)] if self.needs_halves
@@ -476,9 +478,9 @@ class EMJob:
         line = applied_aberrations(self.ps.table, self.aberrations)
         if line:
             yield Message(line)
-        mag = ignored_magnification(self.ps.table)
-        if mag:
-            yield Message(mag, "warning")
+        line = applied_magnifications(self.ps.table, self.mags)
+        if line:
+            yield Message(line)
         group = getattr(self, "sym", None)
         search = SearchSpace(self.ndim, self.model.n_classes, st.offset_range, st.offset_step, order=st.order,
                              sym=group.name if group is not None else "C1",
@@ -575,29 +577,37 @@ class EMJob:
             sums = EStepSums(members, N // 2 + 1, self.ps.n_optics_groups, n_dirs,
                              n_scale_groups=len(self.model.scales))
             opts = self.expectation_options(it, h)
-            setup = EStepSetup(frefs[h], smp, pix_c, pix_f, self.apix, self.be.asarray(self.model.sigma2[h]),
-                               log_pdf_direction=opts.pop("log_pdf_direction", None),
-                               sigma_offset_A=self.state.sigma_offset_A, cc=it.cc,
-                               relion_offset_prior=opts.pop("relion_offset_prior",
-                                                            not self.p.angstrom_offset_prior),
-                               class_offset_prior_A=opts.pop("class_offset_prior_A", None),
-                               max_significants=opts.pop("max_significants", -1), coarse_tf32=not self.p.coarse_float32,
-                               max_fine_bytes=it.plan.fine_chunk_bytes, max_union_bytes=it.plan.union_bytes,
-                               scale_shells=self.scale_shells(frefs[h], pix_f, h), check_cancel=check_cancel,
-                               aberrations=self.aberrations)
+            setup_kw = dict(log_pdf_direction=opts.pop("log_pdf_direction", None),
+                            sigma_offset_A=self.state.sigma_offset_A, cc=it.cc,
+                            relion_offset_prior=opts.pop("relion_offset_prior", not self.p.angstrom_offset_prior),
+                            class_offset_prior_A=opts.pop("class_offset_prior_A", None),
+                            max_significants=opts.pop("max_significants", -1), coarse_tf32=not self.p.coarse_float32,
+                            max_fine_bytes=it.plan.fine_chunk_bytes, max_union_bytes=it.plan.union_bytes,
+                            scale_shells=self.scale_shells(frefs[h], pix_f, h), check_cancel=check_cancel,
+                            aberrations=self.aberrations)
             stage = f"it {self.state.iteration:03d}" + (f" half {h + 1}" if len(self.halves) > 1 else "")
             mine = self.comm.share(rows_h, self.speeds)  # this rank's block of the half (by measured speed)
             it.particles_here += len(mine)
             n_halves = len(self.halves)
-            for ev in run_estep(self.ps, mine, setup, sums, self.be, mask_radius_px=self.mask_r,
-                                zero_mask=self.p.zero_mask, do_norm=getattr(self.p, "norm", False),
-                                norm_average=self.state.norm_average, scales=self.model.scales,
-                                batch=it.plan.batch, stage=stage, seed=self.p.random_seed + self.state.iteration,
-                                local_sigma=it.local_sigma, sym=getattr(self.p, "sym", "C1"), **opts):
-                if isinstance(ev, Progress):  # the E-step is nearly all of an iteration's time
-                    ev = replace(ev, iteration=self.state.iteration, iterations=self.max_iterations(),
-                                             iteration_fraction=(h + ev.done / max(ev.total, 1)) / n_halves)
-                yield ev
+            done = 0
+            for mag, member in self.magnification_groups():  # one setup per magnification (one without any)
+                sub = mine if member is None else mine[member[mine]]
+                if sub.size == 0:
+                    continue
+                setup = EStepSetup(frefs[h], smp, pix_c, pix_f, self.apix, self.be.asarray(self.model.sigma2[h]),
+                                   mag=mag, **setup_kw)
+                for ev in run_estep(self.ps, sub, setup, sums, self.be, mask_radius_px=self.mask_r,
+                                    zero_mask=self.p.zero_mask, do_norm=getattr(self.p, "norm", False),
+                                    norm_average=self.state.norm_average, scales=self.model.scales,
+                                    batch=it.plan.batch, stage=stage, seed=self.p.random_seed + self.state.iteration,
+                                    local_sigma=it.local_sigma, sym=getattr(self.p, "sym", "C1"), **opts):
+                    if isinstance(ev, Progress):  # the E-step is nearly all of an iteration's time
+                        ev = replace(ev, done=done + ev.done, total=max(len(mine), 1),
+                                     iteration=self.state.iteration, iterations=self.max_iterations(),
+                                     iteration_fraction=(h + (done + ev.done) / max(len(mine), 1)) / n_halves)
+                    yield ev
+                done += sub.size
+                del setup
             if self.comm.size > 1:  # timed apart: load imbalance, then the sums themselves
                 t1 = time.time()
                 self.comm.barrier()
@@ -615,6 +625,22 @@ class EMJob:
     def owned_kinds_of(self, it: Iteration) -> tuple[str, ...]:
         """The kinds of fixed work with one owner each in iteration ``it`` (owned_kinds)."""
         return self.owned_kinds
+
+    def magnification_groups(self) -> list[tuple[np.ndarray | None, np.ndarray | None]]:
+        """(matrix, member) per distinct anisotropic magnification of the particles' optics groups (rlnMagMat):
+        ``member`` a bool mask over the particles (None: all of them). [(None, None)] without any matrix."""
+        if self.mags is None:
+            return [(None, None)]
+        out: list = []
+        for g, m in enumerate(self.mags):
+            key = None if m is None else tuple(np.asarray(m).ravel())
+            for i, (mm, _) in enumerate(out):
+                if (None if mm is None else tuple(np.asarray(mm).ravel())) == key:
+                    out[i] = (mm, out[i][1] | (self.ps.optics_group == g))
+                    break
+            else:
+                out.append((m, self.ps.optics_group == g))
+        return out
 
     def assignment(self, it: Iteration) -> dict:
         """Which ranks do each item of an iteration's fixed work (runtime.distributed.assign)."""

@@ -248,26 +248,41 @@ def applied_aberrations(table: ParticleTable, aberrations) -> str | None:
 MAG_COLUMNS = ("rlnMagMat00", "rlnMagMat01", "rlnMagMat10", "rlnMagMat11")
 
 
-def ignored_magnification(table: ParticleTable) -> str | None:
-    """The warning for optics groups with an anisotropic magnification matrix (rlnMagMat00-11 other than the
-    identity, as relion_ctf_refine --fit_aniso writes): RELION applies it to the projections and the CTF, the jobs
-    here do not yet, so maps of strongly distorted data lose resolution. None when every group has none."""
+def row_magnification(row) -> np.ndarray | None:
+    """One optics-table row's anisotropic magnification matrix (2x2, rlnMagMat00/01/10/11), None for the
+    identity or no columns."""
+    m = np.array([[float(row.get("rlnMagMat00", 1.0)), float(row.get("rlnMagMat01", 0.0))],
+                  [float(row.get("rlnMagMat10", 0.0)), float(row.get("rlnMagMat11", 1.0))]])
+    return None if np.abs(m - np.eye(2)).max() <= 1e-9 else m
+
+
+def optics_magnifications(table: ParticleTable) -> tuple[np.ndarray | None, ...] | None:
+    """Each optics group's anisotropic magnification matrix (what relion_ctf_refine --fit_aniso writes) in the
+    order of the particles' 0-based optics_group, None per group without one; None when no group has one. The EM
+    jobs and reconstruct apply them as RELION does: projections and insertions at A^T (M k), CTFs at M k."""
     optics = table.optics
-    if optics is None or not any(c in optics for c in MAG_COLUMNS):
+    if optics is None or len(optics) == 0 or "rlnOpticsGroup" not in optics or \
+            not any(c in optics for c in MAG_COLUMNS):
         return None
-    ident = np.array([1.0, 0.0, 0.0, 1.0])
-    groups = []
-    for _, r in optics.iterrows():
-        m = np.array([float(r.get(c, d)) for c, d in zip(MAG_COLUMNS, ident, strict=True)])
-        if np.abs(m - ident).max() > 1e-6:
-            name = r.get("rlnOpticsGroupName", r.get("rlnOpticsGroup", "?"))
-            groups.append(f"{name} ({' '.join(f'{v:.4f}' for v in m)})")
-    if not groups:
+    rows = {int(r["rlnOpticsGroup"]): r for _, r in optics.iterrows()}
+    df = table.particles
+    numbers = np.unique(df["rlnOpticsGroup"].to_numpy(int)) if "rlnOpticsGroup" in df else np.array([1])
+    out = tuple(None if int(g) not in rows else row_magnification(rows[int(g)]) for g in numbers)
+    return out if any(m is not None for m in out) else None
+
+
+def applied_magnifications(table: ParticleTable, mags) -> str | None:
+    """The line that says which optics groups' magnification matrices a job applies (None: none)."""
+    if mags is None:
         return None
-    where = f"{table.path}: " if table.path else ""
-    return (f"{where}the anisotropic magnification of optics group(s) {', '.join(groups)} (rlnMagMat00/01/10/11) "
-            "is not applied by this program yet: RELION applies it to the projections and CTFs; expect a lower "
-            "resolution where the distortion is large")
+    names = {int(r["rlnOpticsGroup"]): str(r.get("rlnOpticsGroupName", r["rlnOpticsGroup"]))
+             for _, r in table.optics.iterrows()}
+    df = table.particles
+    numbers = np.unique(df["rlnOpticsGroup"].to_numpy(int)) if "rlnOpticsGroup" in df else np.array([1])
+    groups = [f"{names.get(int(g), str(g))} ({' '.join(f'{v:.4f}' for v in np.ravel(m))})"
+              for g, m in zip(numbers, mags, strict=True) if m is not None]
+    return ("applying the anisotropic magnification of optics group(s) " + ", ".join(groups)
+            + " (rlnMagMat00/01/10/11): projections, insertions and CTFs at the magnified frequencies")
 
 
 def data_table(ps: ParticleSet) -> pd.DataFrame:

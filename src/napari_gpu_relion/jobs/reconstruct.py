@@ -19,7 +19,7 @@ from ..compute.backprojector import BackProjector
 from ..compute.ctf import CtfParams, ctf_from_frequencies, ctf_half_grid, demodulation_factors, gamma_offsets
 from ..compute.extraction import background_stats
 from ..compute.fourier import half_grid_indices, phase_shift_2d, rfft_centered
-from ..compute.geometry import euler_to_matrix, symmetry_group
+from ..compute.geometry import euler_to_matrix, magnified, magnified_frequencies, symmetry_group
 from ..errors import InputError
 from ..events import Finished, MapUpdated, Message, Progress, Started
 from ..io.atomic import ensure_not_input
@@ -36,7 +36,7 @@ from ..runtime.device import backend_for
 from ..runtime.distributed import accumulator_grids, root_events, world
 from ..runtime.memory import batched_with_oom_retry, free_cached_memory, image_batch
 from .common import check_output_file, check_pixel_size, mrc_bytes, param, prepare_output, require_file, write_note
-from .particles import applied_aberrations, ignored_magnification, optics_aberrations
+from .particles import applied_aberrations, applied_magnifications, optics_aberrations, optics_magnifications
 
 JOB_NAME = "reconstruct"
 
@@ -144,9 +144,10 @@ def _run(p: Params) -> Iterator:
     line = applied_aberrations(table, aberrations)
     if line:
         yield Message(line)
-    mag = ignored_magnification(table)
-    if mag:
-        yield Message(mag, "warning")
+    mags = optics_magnifications(table)
+    line = applied_magnifications(table, mags)
+    if line:
+        yield Message(line)
     if comm.is_root:
         write_note(out.parent, JOB_NAME, p)
     r_max = N / 2 if p.maxres <= 0 else min(N / 2, N * apix / p.maxres)
@@ -173,13 +174,24 @@ def _run(p: Params) -> Iterator:
         g = xp.asarray(groups[i0:i1])
         if demod is not None:
             F = F * demod[g]  # the odd aberrations taken off the images (RELION's demodulatePhase)
+        if mags is not None:  # each group's magnification: insertion at A^T (M k)
+            gh = groups[i0:i1]
+            for j in np.unique(gh):
+                sel = xp.asarray(np.flatnonzero(gh == j))
+                A[sel] = magnified(A[sel], mags[j])
         if ctfp is not None:
-            if even is None:
+            if even is None and mags is None:
                 c = ctf_half_grid(ctfp.subset(slice(i0, i1)), N, apix, xp=xp)
-            else:  # with each group's even aberrations in gamma
-                fx = xp.broadcast_to(kx / (N * apix), (N, N // 2 + 1))
-                fy = xp.broadcast_to(ky / (N * apix), (N, N // 2 + 1))
-                c = ctf_from_frequencies(ctfp.subset(slice(i0, i1)), fx, fy, xp, gamma_offset=even[g])
+            else:  # with each group's even aberrations in gamma and its magnified frequencies
+                c = xp.empty(F.shape, dtype=np.float32)
+                gh = groups[i0:i1]
+                for j in np.unique(gh):
+                    sel = np.flatnonzero(gh == j)
+                    fx, fy = magnified_frequencies(None if mags is None else mags[j],
+                                                   xp.broadcast_to(kx / (N * apix), (N, N // 2 + 1)),
+                                                   xp.broadcast_to(ky / (N * apix), (N, N // 2 + 1)))
+                    c[xp.asarray(sel)] = ctf_from_frequencies(ctfp.subset(i0 + sel), fx, fy, xp,
+                                                             gamma_offset=None if even is None else even[j])
             bp.insert_images(A, F * c, c * c, check=check_cancel)
         else:
             bp.insert_images(A, F, xp.ones(F.shape, dtype=np.float32), check=check_cancel)
