@@ -426,7 +426,7 @@ def test_refused_options(tmp_path):
     for extra, words in (({}, "nothing to fit"), ({"fit_defocus": True, "fit_mode": "fpfpm"}, "Cs"),
                          ({"fit_defocus": True, "fit_mode": "ffff"}, "5 characters"),
                          ({"fit_defocus": True, "fit_mode": "fffff"}, "fits nothing"),
-                         ({"fit_aniso": True, "fit_beamtilt": True}, "--fit_aniso"),
+                         ({"fit_aniso": True, "kmin_mag": 0.0}, "--kmin_mag"),
                          ({"fit_beamtilt": True, "odd_aberr_max_n": 4}, "odd degree"),
                          ({"fit_aberr": True, "even_aberr_max_n": 3}, "even degree"),
                          ({"fit_beamtilt": True, "m2": None}, "go together")):

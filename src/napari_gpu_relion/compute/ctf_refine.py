@@ -61,6 +61,7 @@ from .ctf import (
     zernike_basis,
 )
 from .fourier import half_grid_indices, rfft_centered
+from .geometry import magnified, magnified_frequencies
 from .projector import FourierReference, project_pixels
 
 #: RELION's defaults (relion_ctf_refine).
@@ -71,6 +72,9 @@ KMIN_ABERR_A = 20.0
 BF_RANGE_A = 2000.0
 MAX_DEFOCUS_ITERS = 100
 EVEN_ABERR_MAX_N = 4
+KMIN_MAG_A = 20.0  # --kmin_mag
+#: Step (image pixels) of the central differences that give the predictions' gradient for the magnification fit.
+GRADIENT_STEP_PX = 0.25
 FSC_THRESHOLD = 0.143
 #: The defocus grid's largest step (Å); smaller when a quarter of the CTF's period at the fit's highest frequency
 #: is smaller.
@@ -294,6 +298,15 @@ def ctf_values(theta, lam, g: _Geometry, gamma_even=None, columns: tuple[int, ..
 # Observations and predictions
 
 
+def magnified_pixels(pix: FitPixels, mag) -> FitPixels:
+    """The fit's pixels with the CTF's frequencies at mag k (an optics group's magnification matrix; the same
+    pixels, indices and weights): RELION evaluates the CTF of a magnified group there. ``pix`` for None."""
+    if mag is None:
+        return pix
+    fx, fy = magnified_frequencies(mag, pix.fx, pix.fy)
+    return FitPixels(pix.box, pix.angpix, pix.ky, pix.kx, pix.flat, fx, fy, pix.hermitian)
+
+
 def centred_observations(images, offsets_px, pix: FitPixels):
     """(P, npix) complex128: RELION's FT of each image (rfft_centered), shifted by +origin (pixels, (P, 2) x, y) so
     that the particle sits at the centre, at the fit's pixels."""
@@ -309,6 +322,60 @@ def predictions(ref: FourierReference, A, index, pix: FitPixels):
     """(P, npix) complex128: the reference (a stacked pair of half maps, ``index`` (P,) which of them) projected
     at the rotation matrices A (P, 3, 3), no CTF."""
     return project_pixels(ref, A, pix.kx, pix.ky, index=index).astype(np.complex128)
+
+
+def prediction_gradient(ref: FourierReference, A, index, pix: FitPixels, step: float = GRADIENT_STEP_PX):
+    """(d/dkx, d/dky) of :func:`predictions` per image pixel, each (P, npix) complex128, by central differences
+    of the projector at k +- ``step`` pixels (RELION projects the reference's gradient; both are the slope of
+    the interpolated slice)."""
+    kx, ky = pix.kx.astype(np.float64), pix.ky.astype(np.float64)
+    out = []
+    for dx, dy in ((step, 0.0), (0.0, step)):
+        hi = project_pixels(ref, A, kx + dx, ky + dy, index=index).astype(np.complex128)
+        lo = project_pixels(ref, A, kx - dx, ky - dy, index=index).astype(np.complex128)
+        out.append((hi - lo) / (2.0 * step))
+    return out[0], out[1]
+
+
+def fit_magnification(sums, weight, pix: FitPixels) -> np.ndarray:
+    """The 2x2 matrix M = I + D that best maps each pixel k of the observations onto the predictions (y(k) ~
+    c x(M k)), from one group's per-pixel sums (Axx, Axy, Ayy, bx, by) = sum (c^2 |gx|^2, c^2 Re gx gy*, c^2 |gy|^2,
+    c Re gx* r, c Re gy* r) (g the predictions' gradient, r = y - c x): the linearised least squares over the
+    pixels weighted by ``weight``, RELION's MagnificationHelper::solveLinearlyFreq."""
+    xp = get_array_module(sums)
+    axx, axy, ayy, bx, by = (sums[i] * weight for i in range(5))
+    x, y = pix.kx.astype(np.float64), pix.ky.astype(np.float64)
+    xx, xy_, yy = x * x, x * y, y * y
+    A = xp.stack([xp.stack([xx * axx, xy_ * axx, xx * axy, xy_ * axy]),
+                  xp.stack([xy_ * axx, yy * axx, xy_ * axy, yy * axy]),
+                  xp.stack([xx * axy, xy_ * axy, xx * ayy, xy_ * ayy]),
+                  xp.stack([xy_ * axy, yy * axy, xy_ * ayy, yy * ayy])]).sum(axis=-1)
+    b = xp.stack([x * bx, y * bx, x * by, y * by]).sum(axis=-1)
+    d = np.linalg.solve(np.asarray(to_host(A), np.float64), np.asarray(to_host(b), np.float64))
+    return np.eye(2) + d.reshape(2, 2)
+
+
+def magnification_anisotropy(m) -> tuple[float, float]:
+    """(mean magnification, anisotropy) of a magnification matrix: the mean and the difference of its singular
+    values (RELION's report: anisotropy x 100 %)."""
+    sv = np.linalg.svd(np.asarray(m, np.float64), compute_uv=False)
+    return float(sv.mean()), float(abs(sv[0] - sv[1]))
+
+
+def adapt_astigmatism(theta: np.ndarray, old, new) -> np.ndarray:
+    """The fit's parameters (P, 7) with the defocus and astigmatism carried from the CTF at ``old`` k to the CTF
+    at ``new`` k (magnification matrices, None = identity), so that the CTF's defocus term is the same function of
+    the image pixels (RELION's --fit_aniso translates the astigmatism unless --keep_astig): the quadratic form
+    D = [[z + z1, z2], [z2, z - z1]] becomes T^T D T with T = old new^-1."""
+    T = (np.eye(2) if old is None else np.asarray(old, np.float64)) @ np.linalg.inv(
+        np.eye(2) if new is None else np.asarray(new, np.float64))
+    t = np.array(theta, np.float64, copy=True)
+    D = np.empty((t.shape[0], 2, 2))
+    D[:, 0, 0], D[:, 1, 1] = t[:, 1] + t[:, 2], t[:, 1] - t[:, 2]
+    D[:, 0, 1] = D[:, 1, 0] = t[:, 3]
+    D = T.T[None] @ D @ T[None]
+    t[:, 1], t[:, 2], t[:, 3] = 0.5 * (D[:, 0, 0] + D[:, 1, 1]), 0.5 * (D[:, 0, 0] - D[:, 1, 1]), D[:, 0, 1]
+    return t
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -515,15 +582,25 @@ class AberrationSums:
     xy: object = field(init=False)
     w: object = field(init=False)
     even: object = field(init=False)  # (G, 5, npix): Axx, Axy, Ayy, bx, by
+    mag: object = field(init=False)  # (G, 5, npix): the magnification fit's sums (fit_magnification)
 
     def __post_init__(self):
         self.xy = self.xp.zeros((self.n_groups, self.npix), dtype=np.complex128)
         self.w = self.xp.zeros((self.n_groups, self.npix), dtype=np.float64)
         self.even = self.xp.zeros((self.n_groups, 5, self.npix), dtype=np.float64)
+        self.mag = self.xp.zeros((self.n_groups, 5, self.npix), dtype=np.float64)
 
     def arrays(self) -> list:
         """The accumulators (for a sum over MPI ranks)."""
-        return [self.xy, self.w, self.even]
+        return [self.xy, self.w, self.even, self.mag]
+
+    def add_mag(self, y, x, gx, gy, c, group) -> None:
+        xp = self.xp
+        r = y - c * x
+        terms = xp.stack([c * c * (gx * xp.conj(gx)).real, c * c * (gx * xp.conj(gy)).real,
+                          c * c * (gy * xp.conj(gy)).real, c * (xp.conj(gx) * r).real, c * (xp.conj(gy) * r).real],
+                         axis=1)
+        self.mag += _unit_sums(terms, group, self.n_groups)
 
     def add_odd(self, y, x_plain, c, group) -> None:
         xp = self.xp
@@ -694,6 +771,8 @@ class CtfRefineOptions:
     fit_aberr: bool = False
     kmin_aberr_A: float = KMIN_ABERR_A
     even_aberr_max_n: int = EVEN_ABERR_MAX_N
+    fit_aniso: bool = False
+    kmin_mag_A: float = KMIN_MAG_A
 
 
 class CtfRefiner:
@@ -705,15 +784,16 @@ class CtfRefiner:
     to the aberration sums; :meth:`fit_aberrations` fits the groups' aberrations from the sums."""
 
     def __init__(self, reference: FourierReference, box: int, angpix: float, groups: list[OpticsAberrations],
-                 options: CtfRefineOptions, shell_weight=None, xp=np):
+                 options: CtfRefineOptions, shell_weight=None, xp=np, mags: list | None = None):
         self.ref = reference
         self.xp = xp
         self.groups = list(groups)
+        self.mags = [None] * len(self.groups) if mags is None else list(mags)  # each group's rlnMagMat (or None)
         self.opt = options
         self.pix = fit_pixels(box, angpix, xp)
         hw = {}
         for name, kmin in (("defocus", options.kmin_defocus_A), ("tilt", options.kmin_tilt_A),
-                           ("aberr", options.kmin_aberr_A)):
+                           ("aberr", options.kmin_aberr_A), ("mag", options.kmin_mag_A)):
             hw[name] = hollow_weight(self.pix, kmin, shell_weight, reference.size,
                                      angpix * box / reference.size)
         self.hollow = hw
@@ -740,34 +820,71 @@ class CtfRefiner:
         pixels, ``other_half`` (P,) the reference index (0/1) to compare with, CTF parameters, optics group index
         (P,) 0..G-1 and micrograph index (P,) 0..M-1 (whole micrographs). Returns the refined parameters (P, 7)
         on the host (the input's when the defocus is not fitted)."""
-        xp = self.xp
         group = np.asarray(group, np.int64)
+        if all(m is None for m in self.mags):
+            return self._process(images, A, offsets_px, other_half, ctf, group, micrograph, None, check)
+        theta = params_to_array(ctf)  # a magnified group's CTF and projections need its own pixels: group by group
+        for g in np.unique(group):
+            rows = np.flatnonzero(group == g)
+            mic = np.unique(np.asarray(micrograph)[rows], return_inverse=True)[1]
+            theta[rows] = self._process(np.asarray(images)[rows] if isinstance(images, np.ndarray) else images[rows],
+                                        np.asarray(A)[rows], np.asarray(offsets_px)[rows],
+                                        np.asarray(other_half)[rows], ctf.subset(rows), group[rows], mic,
+                                        self.mags[int(g)], check)
+        return theta
+
+    def _process(self, images, A, offsets_px, other_half, ctf: CtfParams, group, micrograph, mag,
+                 check) -> np.ndarray:
+        """process() for particles that share the magnification ``mag`` (None: none)."""
+        xp = self.xp
+        pix = magnified_pixels(self.pix, mag)  # the CTF's frequencies (the same pixels)
+        fit_pix = self.fit_pix if mag is None else pix.subset(self.fit_index)
         theta = params_to_array(ctf)
         lam = electron_wavelength_A(np.broadcast_to(np.asarray(ctf.voltage, np.float64), (len(ctf),)))
         y = centred_observations(xp.asarray(images), offsets_px, self.pix)
-        x = predictions(self.ref, xp.asarray(A, dtype=np.float64), xp.asarray(other_half), self.pix)
+        A = magnified(xp.asarray(A, dtype=np.float64), mag)
+        x = predictions(self.ref, A, xp.asarray(other_half), self.pix)
         gam_even = self._per_particle(self.even_phase, group)
         odd = self._per_particle(self.odd_phase, group)
         x_odd = x * xp.exp(1j * odd)
         if self.opt.fit_defocus and self.opt.modes.fits_anything:
             fi = self.fit_index
-            d = defocus_data(y[:, fi], x_odd[:, fi], self.hollow["defocus"][fi], self.fit_pix, xp.asarray(lam),
+            d = defocus_data(y[:, fi], x_odd[:, fi], self.hollow["defocus"][fi], fit_pix, xp.asarray(lam),
                              gam_even[:, fi])
             theta = to_host(fit_ctf_parameters(d, xp.asarray(theta), np.asarray(micrograph), self.opt.modes,
                                                self.opt.bf_range_A, self.opt.max_iters, check=check))
             del d
-        if self.opt.fit_beamtilt or self.opt.fit_aberr:
+        if self.opt.fit_beamtilt or self.opt.fit_aberr or self.opt.fit_aniso:
             th = xp.asarray(theta)
-            g_ = _Geometry.of(self.pix)
+            g_ = _Geometry.of(pix)
             lam_d = xp.asarray(lam)
             gdev = xp.asarray(group)
-            if self.opt.fit_beamtilt:
+            if self.opt.fit_beamtilt or self.opt.fit_aniso:
                 c, _ = ctf_values(th, lam_d, g_, gam_even)
-                self.sums.add_odd(y, x, c, gdev)
+                if self.opt.fit_beamtilt:
+                    self.sums.add_odd(y, x, c, gdev)
+                if self.opt.fit_aniso:  # the gradient of the prediction with the group's odd phase
+                    gx, gy = prediction_gradient(self.ref, A, xp.asarray(other_half), self.pix)
+                    phase = xp.exp(1j * odd)
+                    self.sums.add_mag(y, x_odd, gx * phase, gy * phase, c, gdev)
+                    del gx, gy
             if self.opt.fit_aberr:
                 gamma0 = _gamma(th, lam_d, g_, None)
                 self.sums.add_even(y, x_odd, gamma0, gdev)
         return theta
+
+    def fit_magnifications(self) -> dict[int, np.ndarray]:
+        """Per optics group with particles (--fit_aniso): its new magnification matrix, the fitted one composed
+        with the group's current matrix (the predictions were made at it: y(k) ~ c x0(M_old M_fit k))."""
+        out = {}
+        if not self.opt.fit_aniso:
+            return out
+        for gi in range(len(self.groups)):
+            if float(to_host(self.sums.mag[gi, 0].sum())) > 0:
+                fitted = fit_magnification(self.sums.mag[gi], self.hollow["mag"], self.pix)
+                old = np.eye(2) if self.mags[gi] is None else np.asarray(self.mags[gi], np.float64)
+                out[gi] = old @ fitted
+        return out
 
     def fit_aberrations(self) -> tuple[dict[int, OddFit], dict[int, EvenFit]]:
         """Per optics group with particles: the antisymmetric and symmetric fits that were asked for."""

@@ -44,7 +44,7 @@ from ..runtime.device import backend_for
 from ..runtime.distributed import root_events, world
 from ..runtime.memory import batched_with_oom_retry, free_cached_memory, image_batch
 from .common import check_output_folder, param, prepare_output, require_file, write_note
-from .particles import row_aberrations
+from .particles import MAG_COLUMNS, row_aberrations, row_magnification
 from .reconstruct import ANGLE_COLUMNS, particle_offsets_px
 
 JOB_NAME = "ctf_refine"
@@ -88,7 +88,11 @@ class Params:
     kmin_aberr: float = param(CR.KMIN_ABERR_A, "--kmin_aberr", "Lowest resolution (Å) of the symmetric fit")
     even_aberr_max_n: int = param(CR.EVEN_ABERR_MAX_N, "--even_aberr_max_n", "Highest degree of the even "
                                   "Zernike polynomials fitted (symmetric aberrations)")
-    fit_aniso: bool = param(False, "--fit_aniso", "Anisotropic magnification: not done here yet (refused)")
+    fit_aniso: bool = param(False, "--fit_aniso", "Estimate the anisotropic magnification matrix per optics group "
+                            "(rlnMagMat00/01/10/11)")
+    kmin_mag: float = param(CR.KMIN_MAG_A, "--kmin_mag", "Lowest resolution (Å) of the magnification fit")
+    keep_astig: bool = param(False, "--keep_astig", "With --fit_aniso: keep the defocus and astigmatism as they "
+                             "are (by default they are translated to the new magnification's coordinates)")
     j: int = param(1, "--j", "Threads (accepted for RELION's command lines; not used)")
     batch: int = param(0, "--batch", "Particles per batch; 0 = from free memory")
     cpu: bool = param(False, "--cpu", "Run on the CPU (NumPy) even if a GPU is present")
@@ -122,14 +126,12 @@ class Params:
         if m.cs != "f":
             raise InputError(f"--fit_mode {self.fit_mode}: Cs (the 4th character) must be f: Cs is an optics-group "
                              "value here (RELION's GUI never fits it either)")
-        if self.fit_aniso:
-            raise InputError("--fit_aniso (anisotropic magnification) is not done by this program yet")
-        if not (self.fit_defocus or self.fit_beamtilt or self.fit_aberr):
-            raise InputError("nothing to fit: give --fit_defocus, --fit_beamtilt and/or --fit_aberr")
+        if not (self.fit_defocus or self.fit_beamtilt or self.fit_aberr or self.fit_aniso):
+            raise InputError("nothing to fit: give --fit_defocus, --fit_beamtilt, --fit_aberr and/or --fit_aniso")
         if self.fit_defocus and not m.fits_anything:
             raise InputError(f"--fit_defocus with --fit_mode {self.fit_mode} fits nothing (every character f)")
         for flag, v in (("--kmin_defocus", self.kmin_defocus), ("--kmin_tilt", self.kmin_tilt),
-                        ("--kmin_aberr", self.kmin_aberr)):
+                        ("--kmin_aberr", self.kmin_aberr), ("--kmin_mag", self.kmin_mag)):
             if not v > 0:
                 raise InputError(f"{flag} must be a resolution in Å (> 0), got {v:g}")
         if self.bf_range < 0:
@@ -153,7 +155,8 @@ class Params:
             fit_defocus=self.fit_defocus, modes=self.modes(), kmin_defocus_A=self.kmin_defocus,
             bf_range_A=self.bf_range, max_iters=self.max_defocus_iters, fit_beamtilt=self.fit_beamtilt,
             kmin_tilt_A=self.kmin_tilt, odd_aberr_max_n=self.odd_aberr_max_n, fit_aberr=self.fit_aberr,
-            kmin_aberr_A=self.kmin_aberr, even_aberr_max_n=self.even_aberr_max_n)
+            kmin_aberr_A=self.kmin_aberr, even_aberr_max_n=self.even_aberr_max_n, fit_aniso=self.fit_aniso,
+            kmin_mag_A=self.kmin_mag)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -228,22 +231,20 @@ def _load_reference(p: Params) -> _Reference:
                       mask, weight, (Path(h1), Path(h2), None if mask_path is None else Path(mask_path)))
 
 
-def _optics_aberrations(table: ParticleTable) -> tuple[list[OpticsAberrations], dict[int, int]]:
-    """Each optics group's aberrations (in the optics table's order) and group number -> index."""
+def _optics_aberrations(table: ParticleTable) -> tuple[list[OpticsAberrations], dict[int, int], list]:
+    """Each optics group's aberrations and magnification matrix (None: none) in the optics table's order, and
+    group number -> index."""
     opt = table.optics
-    groups, index = [], {}
+    groups, index, mags = [], {}, []
     for i, row in enumerate(opt.itertuples(index=False)):
         r = row._asdict()
         if int(r.get("rlnCtfDataAreCtfPremultiplied", 0) or 0):
             raise InputError(f"optics group {r['rlnOpticsGroup']}: CTF-premultiplied particles are not supported "
                              "(RELION does not check its fits for them either)", path=str(table.path))
-        mag = [float(r.get(f"rlnMagMat{k}", d)) for k, d in (("00", 1.0), ("01", 0.0), ("10", 0.0), ("11", 1.0))]
-        if max(abs(mag[0] - 1), abs(mag[1]), abs(mag[2]), abs(mag[3] - 1)) > 1e-9:
-            raise InputError(f"optics group {r['rlnOpticsGroup']} has an anisotropic magnification matrix "
-                             f"(rlnMagMat {mag}); not supported here yet", path=str(table.path))
         groups.append(row_aberrations(r))
+        mags.append(row_magnification(r))
         index[int(r["rlnOpticsGroup"])] = i
-    return groups, index
+    return groups, index, mags
 
 
 def _load_particles(p: Params) -> ParticleTable:
@@ -295,19 +296,29 @@ def _plot(path: Path, pix: CR.FitPixels, phase, weight, fit, odd: bool, title: s
 
 def _write_star(p: Params, table: ParticleTable, theta: np.ndarray | None, groups: list[OpticsAberrations],
                 index: dict[int, int], odd: dict[int, CR.OddFit], even: dict[int, CR.EvenFit],
-                modes: CR.FitModes) -> Path:
+                modes: CR.FitModes, mags: dict[int, np.ndarray] | None = None, defocus_only: bool = False) -> Path:
+    """The particles with the refined CTF columns (``theta``; ``defocus_only``: only the defocus and astigmatism,
+    as --fit_aniso translates them) and the optics table with the fitted aberrations and magnification matrices."""
     df = table.particles.copy()
     optics = table.optics.copy()
     if theta is not None:
         cols = CR.array_to_columns(theta, df["rlnAmplitudeContrast"].to_numpy(float))
         keep = ["rlnDefocusU", "rlnDefocusV", "rlnDefocusAngle"]
-        if modes.phase != "f":
+        if modes.phase != "f" and not defocus_only:
             keep.append("rlnPhaseShift")
-        if modes.bfactor != "f":
+        if modes.bfactor != "f" and not defocus_only:
             keep += ["rlnCtfBfactor", "rlnCtfScalefactor"]
         for c in keep:
             df[c] = cols[c]
     rows = [index[int(g)] for g in optics["rlnOpticsGroup"]]
+    if mags:
+        for (i, j) in ((0, 0), (0, 1), (1, 0), (1, 1)):
+            col = f"rlnMagMat{i}{j}"
+            vals = optics[col].to_numpy(float).copy() if col in optics else np.full(len(optics), float(i == j))
+            for r, gi in enumerate(rows):
+                if gi in mags:
+                    vals[r] = mags[gi][i, j]
+            optics[col] = vals
     if odd:
         tx = optics["rlnBeamTiltX"].to_numpy(float).copy() if "rlnBeamTiltX" in optics else np.zeros(len(optics))
         ty = optics["rlnBeamTiltY"].to_numpy(float).copy() if "rlnBeamTiltY" in optics else np.zeros(len(optics))
@@ -327,7 +338,7 @@ def _write_star(p: Params, table: ParticleTable, theta: np.ndarray | None, group
                 ze[r] = format_zernike(even[gi].even)
         optics["rlnEvenZernike"] = ze
     by_group = optics.set_index("rlnOpticsGroup")
-    for col in ("rlnBeamTiltX", "rlnBeamTiltY", "rlnOddZernike", "rlnEvenZernike"):
+    for col in ("rlnBeamTiltX", "rlnBeamTiltY", "rlnOddZernike", "rlnEvenZernike") + MAG_COLUMNS:
         if col in optics:  # the merged optics values of each row follow the new optics table
             df[col] = df["rlnOpticsGroup"].map(by_group[col]).to_numpy()
     out = ParticleTable(df, optics, table.path, table.version, table.block, table.extra_blocks, table.row_lines)
@@ -347,7 +358,7 @@ def _run(p: Params) -> Iterator:
     comm = world()
     table = _load_particles(p)
     ref_in = _load_reference(p)
-    groups, gindex = _optics_aberrations(table)
+    groups, gindex, mags_in = _optics_aberrations(table)
     df = table.particles
     n = len(df)
     N = table.box_size
@@ -377,7 +388,8 @@ def _run(p: Params) -> Iterator:
     what = ", ".join(w for w, on in ((f"defocus ({opt.modes})", p.fit_defocus),
                                      ("beam tilt" + (f" and odd aberrations to n = {p.odd_aberr_max_n}"
                                                      if p.odd_aberr_max_n >= 3 else ""), p.fit_beamtilt),
-                                     (f"even aberrations to n = {p.even_aberr_max_n}", p.fit_aberr)) if on)
+                                     (f"even aberrations to n = {p.even_aberr_max_n}", p.fit_aberr),
+                                     ("anisotropic magnification", p.fit_aniso)) if on)
     yield Started(JOB_NAME, out, be.name, f"CTF refinement of {n} particles on {n_mic} micrographs (box {N}, "
                   f"{apix:.3f} Å/px): {what}")
     yield from notes
@@ -391,7 +403,7 @@ def _run(p: Params) -> Iterator:
     if ref_in.mask is not None:
         v1, v2 = v1 * ref_in.mask, v2 * ref_in.mask
     reference = stack_references([prepare_reference(xp.asarray(v, dtype=np.float64), pad=p.pad) for v in (v1, v2)])
-    refiner = CR.CtfRefiner(reference, N, apix, groups, opt, ref_in.shell_weight, xp)
+    refiner = CR.CtfRefiner(reference, N, apix, groups, opt, ref_in.shell_weight, xp, mags=mags_in)
     theta = np.zeros((n, CR.N_PARAMS)) if p.fit_defocus else None
     npix = refiner.pix.npix
     per_particle = CR.BYTES_PER_PARTICLE_PIXEL * npix + CR.BYTES_PER_IMAGE_PIXEL * N * N
@@ -419,12 +431,12 @@ def _run(p: Params) -> Iterator:
             yield item
         else:
             yield Progress(item[0], item[1], "micrographs")
-    if p.fit_beamtilt or p.fit_aberr:
-        xy, w, ev = (np.ascontiguousarray(to_host(a)) for a in refiner.sums.arrays())
-        sums = [np.ascontiguousarray(xy.real), np.ascontiguousarray(xy.imag), w, ev]  # real buffers for MPI
+    if p.fit_beamtilt or p.fit_aberr or p.fit_aniso:
+        xy, w, ev, mg = (np.ascontiguousarray(to_host(a)) for a in refiner.sums.arrays())
+        sums = [np.ascontiguousarray(xy.real), np.ascontiguousarray(xy.imag), w, ev, mg]  # real buffers for MPI
         comm.sum_arrays(sums)
         refiner.sums.xy = xp.asarray(sums[0] + 1j * sums[1])
-        refiner.sums.w, refiner.sums.even = xp.asarray(sums[2]), xp.asarray(sums[3])
+        refiner.sums.w, refiner.sums.even, refiner.sums.mag = (xp.asarray(a) for a in sums[2:])
     if theta is not None and comm.size > 1:
         parts = comm.gather((np.concatenate(done_rows) if done_rows else np.zeros(0, np.int64),
                              theta[np.concatenate(done_rows)] if done_rows else np.zeros((0, CR.N_PARAMS))))
@@ -434,6 +446,7 @@ def _run(p: Params) -> Iterator:
     if not comm.is_root:
         return
     odd, even = refiner.fit_aberrations()
+    mags = refiner.fit_magnifications()
     free_cached_memory(be)
     outputs: dict[str, Path] = {}
     lines = []
@@ -451,9 +464,24 @@ def _run(p: Params) -> Iterator:
         outputs[name] = _plot(out / name, refiner.pix, fit.phase, fit.weight, fit.fit, False,
                               f"optics group {gnum}: symmetric phase offset")
         lines.append(f"optics group {gnum}: even Zernike {format_zernike(fit.even)}")
+    for gi, m in mags.items():
+        gnum = int(table.optics["rlnOpticsGroup"].iloc[gi])
+        mean, aniso = CR.magnification_anisotropy(m)
+        lines.append(f"optics group {gnum}: magnification matrix {m[0, 0]:.5f} {m[0, 1]:.5f} {m[1, 0]:.5f} "
+                     f"{m[1, 1]:.5f}; anisotropy {100 * aniso:.3f} %, mean {mean:.5f}")
+        if abs(mean - 1) > 0.005:
+            lines.append(f"optics group {gnum}: the mean magnification differs from the nominal pixel size by "
+                         f"{100 * (mean - 1):+.2f} %: this changes the pixel size of the reconstruction")
+    adapted = mags and not p.keep_astig
+    if adapted:  # the defocus terms carried to the new coordinates, group by group (RELION's adaptAstigmatism)
+        theta = CR.params_to_array(ctf_all) if theta is None else theta
+        for gi, m in mags.items():
+            rows = np.flatnonzero(group == gi)
+            theta[rows] = CR.adapt_astigmatism(theta[rows], mags_in[gi], m)
     for line in lines:
         yield Message(line)
-    outputs["particles"] = _write_star(p, table, theta, groups, gindex, odd, even, opt.modes)
+    outputs["particles"] = _write_star(p, table, theta, groups, gindex, odd, even, opt.modes, mags,
+                                       defocus_only=not p.fit_defocus)
     summary = f"wrote {outputs['particles']} ({n} particles)"
     if theta is not None:
         before = CR.params_to_array(ctf_all)[:, 1]

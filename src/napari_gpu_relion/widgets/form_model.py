@@ -220,7 +220,9 @@ _JOB_FORMS: dict[tuple[str, str], FieldForm] = {
     ("ctf_refine", "--fit_aberr"): _b("Estimate 4th-order aberrations", "Aberrations"),
     ("ctf_refine", "--even_aberr_max_n"): _a("Even aberrations to order", "Aberrations"),
     ("ctf_refine", "--kmin_aberr"): _a("Symmetric fit from (Å)", "Aberrations"),
-    ("ctf_refine", "--fit_aniso"): _a("Anisotropic magnification (not done yet)", "Aberrations"),
+    ("ctf_refine", "--fit_aniso"): _b("Estimate anisotropic magnification", "Aberrations"),
+    ("ctf_refine", "--kmin_mag"): _a("Magnification fit from (Å)", "Aberrations"),
+    ("ctf_refine", "--keep_astig"): _a("Keep astigmatism as it is (with the magnification)", "Aberrations"),
     ("ctf_refine", "--j"): _a("Threads (RELION's; not used)", "Compute"),
     # local resolution (relion_postprocess --locres; RELION's LocalRes job)
     ("local_resolution", "--i"): _b("Half map 1 (unfiltered MRC)", "I/O"),
