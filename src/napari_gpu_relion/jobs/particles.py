@@ -211,18 +211,44 @@ def load_particle_set(path: Path, ctf: bool, seed: int = 0, halves: bool = True)
                        CtfParams.from_table(df) if ctf else None, locations=locations)
 
 
+def _used_groups(table: ParticleTable) -> list[tuple[int, dict | None]]:
+    """(rlnOpticsGroup number, its optics row or None) of each group the particles use, in the order of their
+    0-based optics_group (sorted numbers); [] without an optics table."""
+    optics = table.optics
+    if optics is None or len(optics) == 0 or "rlnOpticsGroup" not in optics:
+        return []
+    rows = {int(r["rlnOpticsGroup"]): r for _, r in optics.iterrows()}
+    df = table.particles
+    numbers = np.unique(df["rlnOpticsGroup"].to_numpy(int)) if "rlnOpticsGroup" in df else np.array([1])
+    return [(int(g), rows.get(int(g))) for g in numbers]
+
+
+def _per_group(table: ParticleTable, read, present) -> tuple | None:
+    """read(row) of each used group (read(None) for a group missing from the optics table); None when no value
+    is ``present``."""
+    out = tuple(read(row) for _, row in _used_groups(table))
+    return out if any(present(v) for v in out) else None
+
+
+def _applying(table: ParticleTable, values, present, describe, what: str, detail: str) -> str | None:
+    """'applying <what> of optics group(s) <groups> <detail>': the groups whose value is ``present`` (None: no
+    line), each as describe(name, value)."""
+    if values is None:
+        return None
+    groups = [describe(str(row.get("rlnOpticsGroupName", g)) if row is not None else str(g), v)
+              for (g, row), v in zip(_used_groups(table), values, strict=True) if present(v)]
+    return f"applying {what} of optics group(s) {', '.join(groups)} {detail}"
+
+
+def _has_aberrations(a: OpticsAberrations) -> bool:
+    return a.has_odd or a.has_even
+
+
 def optics_aberrations(table: ParticleTable) -> tuple[OpticsAberrations, ...] | None:
     """The higher-order aberrations of each optics group the particles use, in the order of their 0-based
     optics_group (sorted rlnOpticsGroup numbers): rlnBeamTiltX/Y (mrad), rlnOddZernike, rlnEvenZernike, with the
     group's Cs and voltage; None when no group has any (what relion_ctf_refine and our ctf_refine write)."""
-    optics = table.optics
-    if optics is None or len(optics) == 0 or "rlnOpticsGroup" not in optics:
-        return None
-    rows = {int(r["rlnOpticsGroup"]): r for _, r in optics.iterrows()}
-    df = table.particles
-    numbers = np.unique(df["rlnOpticsGroup"].to_numpy(int)) if "rlnOpticsGroup" in df else np.array([1])
-    out = [OpticsAberrations() if int(g) not in rows else row_aberrations(rows[int(g)]) for g in numbers]
-    return tuple(out) if any(a.has_odd or a.has_even for a in out) else None
+    return _per_group(table, lambda r: OpticsAberrations() if r is None else row_aberrations(r), _has_aberrations)
 
 
 def row_aberrations(row) -> OpticsAberrations:
@@ -234,15 +260,9 @@ def row_aberrations(row) -> OpticsAberrations:
 
 def applied_aberrations(table: ParticleTable, aberrations) -> str | None:
     """The line that says which optics groups' beam tilt and Zernike aberrations a job applies (None: none)."""
-    if aberrations is None:
-        return None
-    names = {int(r["rlnOpticsGroup"]): str(r.get("rlnOpticsGroupName", r["rlnOpticsGroup"]))
-             for _, r in table.optics.iterrows()}
-    df = table.particles
-    numbers = np.unique(df["rlnOpticsGroup"].to_numpy(int)) if "rlnOpticsGroup" in df else np.array([1])
-    groups = [names.get(int(g), str(g)) for g, a in zip(numbers, aberrations, strict=True) if a.has_odd or a.has_even]
-    return (f"applying the beam tilt and Zernike aberrations of optics group(s) {', '.join(groups)} "
-            "(rlnBeamTiltX/Y, rlnOddZernike, rlnEvenZernike): images demodulated, CTFs with the even terms")
+    return _applying(table, aberrations, _has_aberrations, lambda name, _: name,
+                     "the beam tilt and Zernike aberrations", "(rlnBeamTiltX/Y, rlnOddZernike, rlnEvenZernike): "
+                     "images demodulated, CTFs with the even terms")
 
 
 MAG_COLUMNS = ("rlnMagMat00", "rlnMagMat01", "rlnMagMat10", "rlnMagMat11")
@@ -260,29 +280,15 @@ def optics_magnifications(table: ParticleTable) -> tuple[np.ndarray | None, ...]
     """Each optics group's anisotropic magnification matrix (what relion_ctf_refine --fit_aniso writes) in the
     order of the particles' 0-based optics_group, None per group without one; None when no group has one. The EM
     jobs and reconstruct apply them as RELION does: projections and insertions at A^T (M k), CTFs at M k."""
-    optics = table.optics
-    if optics is None or len(optics) == 0 or "rlnOpticsGroup" not in optics or \
-            not any(c in optics for c in MAG_COLUMNS):
-        return None
-    rows = {int(r["rlnOpticsGroup"]): r for _, r in optics.iterrows()}
-    df = table.particles
-    numbers = np.unique(df["rlnOpticsGroup"].to_numpy(int)) if "rlnOpticsGroup" in df else np.array([1])
-    out = tuple(None if int(g) not in rows else row_magnification(rows[int(g)]) for g in numbers)
-    return out if any(m is not None for m in out) else None
+    return _per_group(table, lambda r: None if r is None else row_magnification(r), lambda m: m is not None)
 
 
 def applied_magnifications(table: ParticleTable, mags) -> str | None:
     """The line that says which optics groups' magnification matrices a job applies (None: none)."""
-    if mags is None:
-        return None
-    names = {int(r["rlnOpticsGroup"]): str(r.get("rlnOpticsGroupName", r["rlnOpticsGroup"]))
-             for _, r in table.optics.iterrows()}
-    df = table.particles
-    numbers = np.unique(df["rlnOpticsGroup"].to_numpy(int)) if "rlnOpticsGroup" in df else np.array([1])
-    groups = [f"{names.get(int(g), str(g))} ({' '.join(f'{v:.4f}' for v in np.ravel(m))})"
-              for g, m in zip(numbers, mags, strict=True) if m is not None]
-    return ("applying the anisotropic magnification of optics group(s) " + ", ".join(groups)
-            + " (rlnMagMat00/01/10/11): projections, insertions and CTFs at the magnified frequencies")
+    return _applying(table, mags, lambda m: m is not None,
+                     lambda name, m: f"{name} ({' '.join(f'{v:.4f}' for v in np.ravel(m))})",
+                     "the anisotropic magnification", "(rlnMagMat00/01/10/11): projections, insertions and CTFs "
+                     "at the magnified frequencies")
 
 
 def data_table(ps: ParticleSet) -> pd.DataFrame:
