@@ -62,10 +62,17 @@ def ngr(args: list[str], log: Path, cwd: Path) -> float:
     return time.time() - t
 
 
+def image_key(names) -> list[str]:
+    """"number@stack file name" of each rlnImageName: our STAR may write absolute stack paths, RELION relative ones,
+    and data made in chunks (standard_class3d.py make-data) has several stacks numbered from 1."""
+    parts = [str(s).partition("@") for s in names]
+    return [f"{int(n)}@{os.path.basename(stack)}" for n, _, stack in parts]
+
+
 def by_number(df):
-    """Particles indexed by the image number before "@" (our STAR writes absolute stack paths, RELION relative)."""
+    """Particles indexed by image_key (the image number and the name of its stack)."""
     df = df.copy()
-    df.index = df["rlnImageName"].str.split("@").str[0].astype(int)
+    df.index = image_key(df["rlnImageName"])
     return df
 
 
