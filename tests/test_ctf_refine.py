@@ -400,15 +400,17 @@ def test_cpu_equals_gpu():
     ctf = s["ctf"]
     bad = CtfParams(ctf.defocus_u + err, ctf.defocus_v + err, ctf.defocus_angle)
     opt = CR.CtfRefineOptions(fit_defocus=True, modes=CR.FitModes.parse("fpmfm"), fit_beamtilt=True,
-                              odd_aberr_max_n=3, fit_aberr=True)
+                              odd_aberr_max_n=3, fit_aberr=True, fit_aniso=True)
+    mag = np.array([[1.003, 0.001], [0.001, 0.998]])  # a group with a matrix: predictions and CTFs at it
     results = []
     for xp in (np, cp):
         ref = stack_references([prepare_reference(xp.asarray(s["map"], dtype=np.float64), pad=2) for _ in range(2)])
-        r = CR.CtfRefiner(ref, BOX, ANGPIX, [OpticsAberrations()], opt, xp=xp)
+        r = CR.CtfRefiner(ref, BOX, ANGPIX, [OpticsAberrations()], opt, xp=xp, mags=[mag])
         theta = r.process(s["images"], s["A"], s["origins"], 2 - s["subset"], bad, np.zeros(n, int), s["micrograph"])
         odd, even = r.fit_aberrations()
-        results.append((theta, odd[0], even[0]))
-    (tc, oc, ec), (tg, og, eg) = results
+        results.append((theta, odd[0], even[0], r.fit_magnifications()[0]))
+    (tc, oc, ec, mc), (tg, og, eg, mg) = results
+    np.testing.assert_allclose(mg, mc, atol=1e-5)
     np.testing.assert_allclose(tg[:, 1], tc[:, 1], rtol=0, atol=0.5)  # Å: float32 projections, another sum order
     np.testing.assert_allclose([og.beam_tilt_x, og.beam_tilt_y], [oc.beam_tilt_x, oc.beam_tilt_y], atol=1e-3)
     np.testing.assert_allclose(og.odd, oc.odd, rtol=1e-3, atol=1e-2)

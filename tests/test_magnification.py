@@ -224,3 +224,21 @@ def test_ctf_refine_fits_the_defocus_of_a_magnified_set(simulated, tmp_path):
     rms = float(np.sqrt(np.mean((got - dmean) ** 2)))
     assert rms < 50, rms
     np.testing.assert_allclose(t.optics.iloc[0]["rlnMagMat00"], MAG[0, 0])  # the matrix kept
+
+
+@pytest.mark.gpu
+def test_the_estep_with_a_matrix_on_the_gpu_equals_the_cpu(simulated, tmp_path):
+    """class3d --skip_align at the true poses with the matrix: the same log-likelihoods and class map on the GPU."""
+    pytest.importorskip("cupy")
+    d = simulated[0]
+    out = {}
+    for where in ("--cpu", "--gpu"):
+        o = tmp_path / where.strip("-") / "run"
+        args = ["class3d", "--i", str(d / "mag_with.star"), "--ref", str(d / "truth.mrc"), "--K", "1", "--iter", "1",
+                "--skip_align", "--ctf", "--particle_diameter", "150", "--ini_high", "0", "--o", str(o)]
+        assert main(args + ([where] if where == "--cpu" else ["--gpu", "0"])) == 0
+        out[where] = (starfile.read(f"{o}_it001_data.star")["particles"]["rlnLogLikeliContribution"].to_numpy(),
+                      mrcfile.read(f"{o}_it001_class001.mrc").astype(np.float64))
+    np.testing.assert_allclose(out["--gpu"][0], out["--cpu"][0], rtol=1e-5)
+    a, b = out["--gpu"][1], out["--cpu"][1]
+    assert np.abs(a - b).max() <= 1e-3 * b.std()
