@@ -32,8 +32,30 @@ PLUGIN = "napari-gpu-relion"
 WINDOW = (1366, 768)
 TICK_MS = 25
 IDLE_S = 3.0
-#: Targets of issue 18 (ms).
+#: Targets of issue 18 (ms), without load; issue 49's with a second CPU-bound process (--load).
 TARGET_P99, TARGET_WORST = 100.0, 300.0
+TARGET_P99_LOADED, TARGET_WORST_LOADED = 150.0, 750.0
+
+
+def start_load(sample: Path, work: Path):
+    """A second CPU-bound process on the same cores, as issue 49 measured: a 2D classification of the sample
+    particles on the CPU, started again whenever it ends (a shell loop), until stop_load."""
+    import subprocess
+    import sys
+
+    cmd = (f"while true; do {sys.executable} -m napari_gpu_relion.cli class2d --i {sample / 'particles.star'} "
+           f"--K 8 --iter 25 --particle_diameter 160 --ctf --cpu --o {work / 'Load' / 'run'} "
+           f"> /dev/null 2>&1; rm -rf {work / 'Load'}; done")
+    return subprocess.Popen(["bash", "-c", cmd], start_new_session=True)
+
+
+def stop_load(proc) -> None:
+    import os as _os
+    import signal
+
+    if proc is not None:
+        _os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
 
 
 class GapRecorder:
@@ -112,8 +134,11 @@ class StackSampler:
         return out
 
 
+LOADED = {"on": False}  # --load: issue 49's targets
+
+
 def summarise(name: str, intervals: list[float], wall_s: float, extra: dict | None = None) -> dict[str, Any]:
-    """Gap statistics (ms) of one phase."""
+    """Gap statistics (ms) of one phase, judged by issue 18's targets, or issue 49's under --load."""
     gaps = np.asarray(intervals, dtype=np.float64)
     out: dict[str, Any] = {"phase": name, "wall_s": round(wall_s, 2), "ticks": int(gaps.size)}
     if gaps.size:
@@ -121,7 +146,8 @@ def summarise(name: str, intervals: list[float], wall_s: float, extra: dict | No
                    worst_ms=round(float(gaps.max()), 1), over_100ms=int(np.count_nonzero(gaps > 100)),
                    over_300ms=int(np.count_nonzero(gaps > 300)),
                    blocked_s=round(float(np.sum(np.maximum(gaps - TICK_MS, 0.0))) / 1000.0, 2))
-        out["meets_target"] = bool(out["p99_ms"] < TARGET_P99 and out["worst_ms"] < TARGET_WORST)
+        p99, worst = (TARGET_P99_LOADED, TARGET_WORST_LOADED) if LOADED["on"] else (TARGET_P99, TARGET_WORST)
+        out["meets_target"] = bool(out["p99_ms"] < p99 and out["worst_ms"] < worst)
     out.update(extra or {})
     return out
 
@@ -192,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=None, help="job folders (default: a temporary folder)")
     ap.add_argument("--quick", action="store_true", help="smaller jobs (smoke test)")
     ap.add_argument("--profile", action="store_true", help="print where the GUI thread was during long gaps")
-    ap.add_argument("--jobs", default="autopick,class2d,refine3d,postprocess,cancel",
+    ap.add_argument("--load", action="store_true", help="run a CPU 2D classification beside the viewer the whole "
+                    "time (issue 49's loaded case; targets p99 < 150 ms, worst < 750 ms)")
+    ap.add_argument("--jobs", default="autopick,class2d,initial_model,refine3d,postprocess,cancel",
                     help="comma-separated phases to run (default: all; 'cancel' measures how fast Cancel acts)")
     args = ap.parse_args(argv)
     os.environ.setdefault("NAPARI_GPU_RELION_CONFIG_DIR", tempfile.mkdtemp(prefix="gpu_relion_cfg_"))
@@ -213,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     recorder = GapRecorder()
     sampler = StackSampler() if args.profile else None
     phases: list[dict[str, Any]] = []
+    load = start_load(sample, work) if args.load else None
+    LOADED["on"] = bool(args.load)
+    if load is not None:
+        pump(5.0)  # the load running before the idle baseline
 
     recorder.start()
     pump(IDLE_S)
@@ -233,6 +265,12 @@ def main(argv: list[str] | None = None) -> int:
                      zero_mask=True, cpu=True)
         pump(0.5)
         phases.append(run_job(w, recorder, "class2d", 1200, sampler))
+    if "initial_model" in jobs:
+        _, w = viewer.window.add_plugin_dock_widget(PLUGIN, "3D initial model")
+        w.set_values(i=sample / "particles.star", o=work / "InitialModel" / "job004", K=1,
+                     iter=10 if args.quick else 25, particle_diameter=160.0, ctf=True, cpu=True)
+        pump(0.5)
+        phases.append(run_job(w, recorder, "initial_model", 1800, sampler))
     refine = work / "Refine3D" / "job005"
     if "refine3d" in jobs:
         _, w = viewer.window.add_plugin_dock_widget(PLUGIN, "3D auto-refine")
@@ -258,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                      particle_diameter=160.0, healpix_order=1, ctf=True, cpu=True)
         phases.append(cancel_latency(w, "cancel_refine3d", 10.0))
 
+    stop_load(load)
     jobs_only = [p for p in phases if p["phase"] != "idle" and not p["phase"].startswith("cancel")]
     all_gaps_ok = all(p.get("meets_target", False) for p in jobs_only)
     # issue 18's done-when names the tutorial's picking, 2D classification and 3D auto-refine
@@ -266,10 +305,12 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "event_loop",
         "date": time.strftime("%Y-%m-%d"),
         "command": "xvfb-run -a -s '-screen 0 1366x768x24' python benchmarks/event_loop.py"
-                   + (" --quick" if args.quick else ""),
+                   + (" --quick" if args.quick else "") + (" --load" if args.load else ""),
         "window": list(WINDOW),
         "tick_ms": TICK_MS,
-        "targets_ms": {"p99": TARGET_P99, "worst": TARGET_WORST},
+        "targets_ms": ({"p99": TARGET_P99_LOADED, "worst": TARGET_WORST_LOADED} if args.load
+                       else {"p99": TARGET_P99, "worst": TARGET_WORST}),
+        "load": "a CPU class2d (K=8) of the sample particles, restarted when it ends" if args.load else None,
         "meets_targets": all_gaps_ok,
         "meets_targets_picking_class2d_refine3d": bool(issue_phases) and all(p.get("meets_target", False)
                                                                              for p in issue_phases),

@@ -70,6 +70,25 @@ class JobState(enum.StrEnum):
 _DONE = (JobState.FINISHED, JobState.CANCELLED, JobState.FAILED)
 
 
+#: Modules that napari imports on the GUI thread the first time a job's result is shown (the 3D camera's
+#: scipy.spatial.transform when a map turns the view to 3D: 0.3 s of the event loop on a busy 2-core machine,
+#: benchmarks/event_loop.py --load); imported in the job's worker thread first.
+GUI_IMPORTS = ("scipy.spatial.transform", "scipy.ndimage")
+
+
+def warm_gui_imports() -> None:
+    """Import GUI_IMPORTS here (a worker thread), so that the GUI thread finds them loaded."""
+    import importlib  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    for name in GUI_IMPORTS:
+        if name not in sys.modules:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
+
+
 def error_message(exc: BaseException) -> str:
     """What a user reads: the message of our own errors, one line naming the path(s) for an operating-system
     error (read-only folder, full disk, a file where a folder should be), type and message of anything else."""
@@ -300,6 +319,7 @@ class JobRunner:
     def _events(self, job: Job) -> Iterator[Any]:
         """The generator run in the worker thread: guarded, cancellable (the job's cancel points raise
         JobCancelled once Cancel was asked for), throttled, with back-pressure."""
+        warm_gui_imports()
         with cancel_scope(lambda: job.cancel_requested):
             yield from self._cancellable_events(job)
 
