@@ -475,3 +475,60 @@ def test_class2d_dock_makes_the_grid_labels_ahead_and_fills_them_in_place(make_n
     assert viewer.layers.selection.active is grid
     assert w.selection_info.value.startswith("no classes") or "click" in w.selection_info.value
     assert not errors
+
+
+def _canvas_point(viewer, world_yx) -> tuple[int, int]:
+    """The canvas pixel (x, y) of a world (y, x) point in the 2D view: napari's camera maps world to canvas as
+    (world - centre) * zoom + half the canvas; checked against napari's own inverse map."""
+    canvas = viewer.window._qt_viewer.canvas
+    w, h = canvas.native.width(), canvas.native.height()
+    cy, cx = viewer.camera.center[-2:]
+    z = viewer.camera.zoom
+    px = (world_yx[1] - cx) * z + w / 2.0, (world_yx[0] - cy) * z + h / 2.0
+    back = canvas._map_canvas2world(px, canvas.view)
+    np.testing.assert_allclose(back[-2:], world_yx, atol=1.0 / z)
+    return int(round(px[0])), int(round(px[1]))
+
+
+def test_picks_edited_with_real_clicks(make_napari_viewer, qtbot, errors):
+    """Pick editing with the mouse as a user does it (Qt mouse and key events on the canvas, no scripted layer
+    calls): a click in add mode adds a hand pick where it lands, a click in select mode selects the pick under it,
+    Delete removes it; the dock's count follows each edit. The picks lie a ring's width apart, as real picks do
+    (napari gives a click inside two overlapping rings to the later point)."""
+    from qtpy.QtCore import QPoint, Qt
+
+    viewer = make_napari_viewer(show=True)
+    viewer.window._qt_window.resize(1366, 768)
+    w = _autopick_widget(viewer)
+    xy = np.array([[40.0, 40.0], [140.0, 40.0], [40.0, 140.0], [140.0, 140.0]])  # pixels, 100 apart
+    w.display.handle(MicrographPicked(NAMES[0], 0, xy, np.array([0.3, 0.45, 0.6, 0.9])))
+    w.display.flush()
+    picks = viewer.layers["picks"]
+    assert float(np.max(picks.size)) < 100  # the rings do not overlap
+    viewer.dims.set_point(0, 0)
+    viewer.reset_view()
+    qtbot.wait(100)
+    canvas = viewer.window._qt_viewer.canvas.native
+    viewer.layers.selection.active = picks
+    assert w.picks_info.value.startswith("4 of 4 picks shown")
+
+    picks.mode = "add"
+    target = (180.0, 180.0)  # world (Å): y, x on micrograph 0, between the four picks
+    qtbot.mouseClick(canvas, Qt.MouseButton.LeftButton, pos=QPoint(*_canvas_point(viewer, target)))
+    qtbot.wait(50)
+    assert len(picks.data) == 5, "a click in add mode added nothing"
+    np.testing.assert_allclose(picks.data[-1][1:] * 2.0, target, atol=2.0 / viewer.camera.zoom + 1e-6)
+    assert picks.data[-1][0] == 0 and bool(picks.features["manual"].iloc[-1])
+    assert w.picks_info.value.startswith("5 of 5 picks shown")
+
+    picks.mode = "select"
+    victim = 1  # the 0.45 pick at (x, y) = (140, 40) px
+    at = QPoint(*_canvas_point(viewer, xy[victim][::-1] * 2.0))
+    qtbot.mouseClick(canvas, Qt.MouseButton.LeftButton, pos=at)
+    qtbot.wait(50)
+    assert picks.selected_data == {victim}, f"a click in select mode selected {picks.selected_data}"
+    qtbot.keyClick(canvas, Qt.Key.Key_Delete)
+    qtbot.wait(50)
+    assert len(picks.data) == 4 and 0.45 not in set(picks.features["fom"])
+    assert w.picks_info.value.startswith("4 of 4 picks shown")
+    assert not errors, errors
