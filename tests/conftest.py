@@ -62,6 +62,16 @@ def config_dir(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def session():
+    """The Jobs dock's session of jobs (widgets/jobs_model.SESSION), empty before and after the test."""
+    from napari_gpu_relion.widgets import jobs_model as jm  # noqa: PLC0415 - a Qt-free model
+
+    jm.SESSION.clear()
+    yield jm.SESSION
+    jm.SESSION.clear()
+
+
+@pytest.fixture
 def errors(monkeypatch):
     """Messages passed to show_error (by the runner and by the widgets)."""
     from napari_gpu_relion.widgets import job_widget as jw

@@ -15,20 +15,12 @@ pytest.importorskip("napari")
 from relion_files import class2d_iteration, refine_iteration, write_model_star  # noqa: E402
 
 from napari_gpu_relion.io.mrc import write_mrc  # noqa: E402
-from napari_gpu_relion.widgets import jobs_model as jm  # noqa: E402
 from napari_gpu_relion.widgets.display import LiveDisplay  # noqa: E402
 
 PLUGIN = "napari-gpu-relion"
 BOX = 16
 
 pytestmark = pytest.mark.usefixtures("config_dir")
-
-
-@pytest.fixture
-def session():
-    jm.SESSION.clear()
-    yield jm.SESSION
-    jm.SESSION.clear()
 
 
 def _panel(viewer, project: Path):

@@ -29,7 +29,6 @@ from qtpy.QtWidgets import QApplication, QDockWidget, QToolButton  # noqa: E402
 from napari_gpu_relion.compute.angular_distribution import angular_histogram  # noqa: E402
 from napari_gpu_relion.events import FscUpdated  # noqa: E402
 from napari_gpu_relion.widgets import dock_layout  # noqa: E402
-from napari_gpu_relion.widgets import jobs_model as jm  # noqa: E402
 from napari_gpu_relion.widgets.display import LiveDisplay  # noqa: E402
 from napari_gpu_relion.widgets.layout_model import (  # noqa: E402
     CANVAS_FRACTION,
@@ -55,13 +54,6 @@ LONG_STATUS = ("postprocess failed: Not a directory: /home/someone/relion_tutori
                "postprocess_masked.mrc (the folder above it is a file; choose another output folder)")
 
 pytestmark = pytest.mark.usefixtures("config_dir")
-
-
-@pytest.fixture
-def session():
-    jm.SESSION.clear()
-    yield jm.SESSION
-    jm.SESSION.clear()
 
 
 def _pump(seconds: float = 0.3) -> None:

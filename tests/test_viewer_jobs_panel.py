@@ -15,7 +15,6 @@ pytest.importorskip("napari")
 from qtpy.QtWidgets import QApplication  # noqa: E402
 from relion_files import class2d_iteration, copy_real  # noqa: E402
 
-from napari_gpu_relion.widgets import jobs_model as jm  # noqa: E402
 from napari_gpu_relion.widgets.display import LiveDisplay  # noqa: E402
 from napari_gpu_relion.widgets.runner import JobState  # noqa: E402
 
@@ -23,13 +22,6 @@ PLUGIN = "napari-gpu-relion"
 SCREEN = (1366, 768)
 
 pytestmark = pytest.mark.usefixtures("config_dir")
-
-
-@pytest.fixture
-def session():
-    jm.SESSION.clear()
-    yield jm.SESSION
-    jm.SESSION.clear()
 
 
 @pytest.fixture

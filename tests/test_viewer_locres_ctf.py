@@ -37,13 +37,6 @@ SURFACE = local_resolution.SURFACE_NAME
 pytestmark = pytest.mark.usefixtures("config_dir")
 
 
-@pytest.fixture
-def session():
-    jm.SESSION.clear()
-    yield jm.SESSION
-    jm.SESSION.clear()
-
-
 def _cli_params(module, argv: list[str]):
     """The Params the command line builds from ``argv`` (``<job> --flag value ...``)."""
     args = build_parser().parse_args([str(a) for a in argv])
