@@ -744,11 +744,20 @@ def share_cuts(n: int, size: int, speeds: list[float] | None = None) -> np.ndarr
     return np.round(np.cumsum(w)[:-1] / w.sum() * n).astype(np.int64)
 
 
+#: The shares change only when the slowest rank's own E-step took this much longer than the fastest's (time
+#: measured on shared cores is noisy: on a 2-core VM two ranks differ by about 10 % with equal shares).
+REBALANCE_ABOVE = 1.15
+
+
 def rank_speeds(previous: list[float] | None, per_rank: list[tuple[int, float]]) -> list[float] | None:
     """Each rank's E-step speed (particles per second of its own work) from (particles, seconds) per rank of the
     iteration just done, averaged with the ``previous`` estimate (one slow iteration, such as a first one that
-    compiles kernels, moves the shares half way); None while a rank has no time to go by."""
+    compiles kernels, moves the shares half way); ``previous`` while a rank has no time to go by or the ranks'
+    times are within REBALANCE_ABOVE of each other."""
     if any(n <= 0 or t <= 0 for n, t in per_rank):
+        return previous
+    times = [t for _, t in per_rank]
+    if max(times) <= REBALANCE_ABOVE * min(times):
         return previous
     now = np.array([n / t for n, t in per_rank], np.float64)
     now /= now.sum()
