@@ -102,16 +102,38 @@ def per_iteration(root: Path, truth, t0: float, marker: Path | None) -> list[dic
     return rows
 
 
-def halves_of(root: Path) -> tuple[Path, Path] | None:
-    """The last pair of unfiltered half maps a run wrote (the final ones, else the last iteration's)."""
+def halves_of(root: Path, data: Path) -> tuple[Path, Path] | None:
+    """The run's final unfiltered half maps; for a run stopped before its final iteration, half maps reconstructed
+    (our ``reconstruct``, per rlnRandomSubset, no solvent flattening) from the poses of the last iteration's data
+    STAR. (The iteration half maps are solvent-flattened by the mask, as RELION's: their unmasked FSC never falls
+    below 0.143, and the post-processing then reports Nyquist.)"""
     fin = (Path(f"{root}_half1_class001_unfil.mrc"), Path(f"{root}_half2_class001_unfil.mrc"))
     if all(p.exists() for p in fin):
         return fin
-    its = sorted(root.parent.glob(root.name + "_it*_half1_class001.mrc"))
+    its = sorted(root.parent.glob(root.name + "_it*_data.star"))
     if not its:
         return None
-    h1 = its[-1]
-    return h1, Path(str(h1).replace("half1", "half2"))
+    return reconstruct_halves(its[-1], data, root.parent / "halves_of_last_iteration")
+
+
+def absolute_images(parts, data: Path):
+    """The particles with rlnImageName pointing into ``data`` from anywhere."""
+    parts = parts.copy()
+    parts["rlnImageName"] = [str(data / s) if "@" not in s else s.split("@")[0] + "@" + str(data / s.split("@")[1])
+                             for s in parts["rlnImageName"]]
+    return parts
+
+
+def reconstruct_halves(star: Path, data: Path, folder: Path) -> tuple[Path, Path]:
+    """Each half (rlnRandomSubset) of ``star``'s particles reconstructed with CTF into ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    opt = starfile.read(data / "particles.star", always_dict=True)["optics"]
+    starfile.write({"optics": opt, "particles": absolute_images(vr.particles_of(star), data)},
+                   folder / "particles.star", overwrite=True)
+    for s in (1, 2):
+        ngr(["reconstruct", "--i", "particles.star", "--o", f"half{s}.mrc", "--ctf", "--subset", str(s)],
+            folder / f"reconstruct{s}.log", folder)
+    return folder / "half1.mrc", folder / "half2.mrc"
 
 
 def judge_maps(h1: Path, h2: Path, truth_map: Path, mask: Path, folder: Path, angpix: float) -> dict:
@@ -165,7 +187,7 @@ def run_side(side: str, a, data: Path, info: dict, truth) -> dict:
     marker = folder / "note.txt" if side == "ours" else None
     res = {"command": " ".join(cmd), "wall_s": wall, "rc": rc, "stopped_at_limit": stopped,
            "iterations": per_iteration(data / root, truth, t0, marker)}
-    halves = halves_of(data / root)
+    halves = halves_of(data / root, data)
     if halves:
         res["maps"] = judge_maps(*halves, data / "state1.mrc", data / "mask.mrc", folder / "judge", info["angpix"])
         res["maps"]["halves"] = [str(h) for h in halves]
@@ -217,14 +239,9 @@ def true_poses(a, data: Path, info: dict, out: dict) -> None:
     bn = by_number(parts)
     for c in ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi", "rlnOriginXAngst", "rlnOriginYAngst"):
         bn[c] = tr.loc[bn.index, c].to_numpy()
-    bn = bn.reset_index(drop=True)
-    bn["rlnImageName"] = [str(data / s) if "@" not in s else s.split("@")[0] + "@" + str(data / s.split("@")[1])
-                          for s in bn["rlnImageName"]]
-    starfile.write({"optics": opt, "particles": bn}, tp / "particles.star", overwrite=True)
+    starfile.write({"optics": opt, "particles": bn.reset_index(drop=True)}, tp / "true_poses.star", overwrite=True)
     t = time.time()
-    for s in (1, 2):
-        ngr(["reconstruct", "--i", "particles.star", "--o", f"half{s}.mrc", "--ctf", "--subset", str(s)],
-            tp / f"reconstruct{s}.log", tp)
+    reconstruct_halves(tp / "true_poses.star", data, tp)
     out["true_poses"] = judge_maps(tp / "half1.mrc", tp / "half2.mrc", data / "state1.mrc", data / "mask.mrc",
                                    tp / "judge", info["angpix"])
     out["true_poses"]["reconstruct_s"] = time.time() - t
