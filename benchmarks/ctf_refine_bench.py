@@ -36,26 +36,21 @@ ROOT = Path(__file__).resolve().parents[1]
 MAP = ROOT / ".relion_kit" / "emd_11007_centred192.mrc"
 TILT = (0.5, -0.2)  # mrad
 ODD = (0.0, 0.0, 15.0, 0.0, 0.0, -10.0)  # trefoil: RELION's odd indices 2 and 5
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from realistic import gpu_name  # noqa: E402
+
 FLAGS = ["--fit_defocus", "--fit_mode", "fpfff", "--fit_beamtilt", "--odd_aberr_max_n", "3", "--fit_aberr"]
-
-
-def gpu_name() -> str:
-    try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                              text=True).stdout.strip() or "no GPU"
-    except FileNotFoundError:
-        return "no GPU"
 
 
 def make(a) -> None:
     """tests/test_ctf_refine.py's _simulate and `simulated` fixture, at any size, written to --out."""
     import mrcfile
 
-    from napari_gpu_relion.compute.ctf import CtfParams, OpticsAberrations, ctf_from_frequencies
-    from napari_gpu_relion.compute.fourier import fourier_resize, half_grid_indices, irfft_centered, phase_shift_2d
+    from napari_gpu_relion.compute.ctf import CtfParams, OpticsAberrations
+    from napari_gpu_relion.compute.fourier import fourier_resize
     from napari_gpu_relion.compute.geometry import euler_to_matrix
-    from napari_gpu_relion.compute.projector import prepare_reference, project
-    from napari_gpu_relion.compute.simulate import random_rotations
+    from napari_gpu_relion.compute.projector import prepare_reference
+    from napari_gpu_relion.compute.simulate import ctf_images, random_rotations
     from napari_gpu_relion.io.star import write_particles
 
     out = Path(a.out)
@@ -68,19 +63,13 @@ def make(a) -> None:
     n = a.n
     ang = random_rotations(n, rng)
     A = euler_to_matrix(ang[:, 0], ang[:, 1], ang[:, 2])
-    ref = prepare_reference(v, pad=3)
-    F = np.concatenate([project(ref, A[i:i + 500]) for i in range(0, n, 500)])
     mic = np.arange(n) // a.per_micrograph
     dmean = rng.uniform(8000, 20000, n)
     ast = rng.uniform(-300, 300, n) / 2
     ctf = CtfParams(dmean + ast, dmean - ast, rng.uniform(-180, 180, n))
     ab = OpticsAberrations(TILT[0], TILT[1], ODD, (), 2.7, 300.0)
-    ky, kx = half_grid_indices(box, 2)
-    fx = np.broadcast_to(kx / (box * angpix), (box, box // 2 + 1))
-    fy = np.broadcast_to(ky / (box * angpix), (box, box // 2 + 1))
-    c = ctf_from_frequencies(ctf, fx, fy, dtype=np.float64)
     origins = rng.uniform(-3, 3, (n, 2))
-    clean = irfft_centered(phase_shift_2d(F * c * np.exp(1j * ab.odd_phase(fx, fy)), -origins, box), box, 2)
+    clean = ctf_images(prepare_reference(v, pad=3), A, ctf, angpix, origins, aberrations=ab)
     sigma = np.sqrt(clean.reshape(n, -1).var(axis=1).mean() / a.snr)
     imgs = (clean + rng.normal(0, sigma, clean.shape)).astype(np.float32)
     subset = rng.permutation(np.arange(n) % 2) + 1

@@ -38,17 +38,9 @@ import starfile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_relion as vr  # noqa: E402
-from realistic import by_number  # noqa: E402
+from realistic import by_number, gpu_name  # noqa: E402
 
 from napari_gpu_relion.io.mrc import read_mrc, write_mrc  # noqa: E402
-
-
-def gpu_name() -> str:
-    try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                              text=True).stdout.strip() or "no GPU"
-    except FileNotFoundError:
-        return "CPU"
 
 
 def make_data(a) -> None:

@@ -43,11 +43,11 @@ from napari_gpu_relion.compute.ctf import (
     number_of_odd_coeffs,
     parse_zernike,
 )
-from napari_gpu_relion.compute.fourier import fourier_resize, half_grid_indices, irfft_centered, phase_shift_2d
+from napari_gpu_relion.compute.fourier import fourier_resize, half_grid_indices
 from napari_gpu_relion.compute.fsc import fsc
 from napari_gpu_relion.compute.geometry import euler_to_matrix
-from napari_gpu_relion.compute.projector import prepare_reference, project, stack_references
-from napari_gpu_relion.compute.simulate import random_rotations
+from napari_gpu_relion.compute.projector import prepare_reference, stack_references
+from napari_gpu_relion.compute.simulate import ctf_images, random_rotations
 from napari_gpu_relion.io.star import read_particles, write_particles
 
 MAP = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "real" / "emd_11007_centred192.mrc"
@@ -216,18 +216,14 @@ def _simulate(n: int, seed: int, snr: float = 1.0, per_micrograph: int = 20, til
     rng = np.random.default_rng(seed)
     ang = random_rotations(n, rng)
     A = euler_to_matrix(ang[:, 0], ang[:, 1], ang[:, 2])
-    F = project(prepare_reference(v, pad=3), A)  # a finer projector than the refinement's (padding 2)
     mic = np.arange(n) // per_micrograph
     dmean = rng.uniform(8000, 20000, mic.max() + 1)[mic] if micrograph_defocus else rng.uniform(8000, 20000, n)
     ast = rng.uniform(-300, 300, n) / 2
     ctf = CtfParams(dmean + ast, dmean - ast, rng.uniform(-180, 180, n))
     ab = OpticsAberrations(tilt[0], tilt[1], odd, (), 2.7, 300.0)
-    ky, kx = half_grid_indices(BOX, 2)
-    fx = np.broadcast_to(kx / (BOX * ANGPIX), (BOX, BOX // 2 + 1))
-    fy = np.broadcast_to(ky / (BOX * ANGPIX), (BOX, BOX // 2 + 1))
-    c = ctf_from_frequencies(ctf, fx, fy, dtype=np.float64)
     origins = rng.uniform(-3, 3, (n, 2))  # the shift that re-centres each particle (pixels)
-    clean = irfft_centered(phase_shift_2d(F * c * np.exp(1j * ab.odd_phase(fx, fy)), -origins, BOX), BOX, 2)
+    # a finer projector (padding 3) than the refinement's (2)
+    clean = ctf_images(prepare_reference(v, pad=3), A, ctf, ANGPIX, origins, aberrations=ab)
     sigma = np.sqrt(clean.reshape(n, -1).var(axis=1).mean() / snr)
     imgs = (clean + rng.normal(0, sigma, clean.shape)).astype(np.float32)
     return dict(images=imgs, map=v.astype(np.float32), angles=ang, A=A, origins=origins, ctf=ctf, dmean=dmean,

@@ -26,12 +26,12 @@ import pytest
 import starfile
 
 from napari_gpu_relion.cli import main
-from napari_gpu_relion.compute.ctf import CtfParams, ctf_from_frequencies
-from napari_gpu_relion.compute.fourier import fourier_resize, half_grid_indices, irfft_centered, phase_shift_2d
+from napari_gpu_relion.compute.ctf import CtfParams
+from napari_gpu_relion.compute.fourier import fourier_resize
 from napari_gpu_relion.compute.fsc import fsc
 from napari_gpu_relion.compute.geometry import euler_to_matrix, magnified, magnified_frequencies
-from napari_gpu_relion.compute.projector import prepare_reference, project, rotated_frequencies
-from napari_gpu_relion.compute.simulate import random_rotations
+from napari_gpu_relion.compute.projector import prepare_reference, rotated_frequencies
+from napari_gpu_relion.compute.simulate import ctf_images, random_rotations
 from napari_gpu_relion.io.star import read_particles, write_particles
 from napari_gpu_relion.jobs.particles import applied_magnifications, optics_magnifications
 
@@ -81,17 +81,12 @@ def simulated(tmp_path_factory):
     A = euler_to_matrix(ang[:, 0], ang[:, 1], ang[:, 2])
     dmean = rng.uniform(8000, 20000, n)
     ctf = CtfParams(dmean + 100, dmean - 100, rng.uniform(-180, 180, n))
-    ky, kx = half_grid_indices(BOX, 2)
-    fx = np.broadcast_to(kx / (BOX * ANGPIX), (BOX, BOX // 2 + 1))
-    fy = np.broadcast_to(ky / (BOX * ANGPIX), (BOX, BOX // 2 + 1))
     origins = rng.uniform(-3, 3, (n, 2))
     noise = rng.normal(0, 1, (n, BOX, BOX))
     ref = prepare_reference(v, pad=3)  # a finer projector than the jobs' (padding 2)
     sigma = None
     for name, mag in (("mag", MAG), ("plain", None)):
-        F = project(ref, magnified(A, mag))
-        c = ctf_from_frequencies(ctf, *magnified_frequencies(mag, fx, fy), dtype=np.float64)
-        clean = irfft_centered(phase_shift_2d(F * c, -origins, BOX), BOX, 2)
+        clean = ctf_images(ref, A, ctf, ANGPIX, origins, mag=mag)
         sigma = np.sqrt(clean.reshape(n, -1).var(axis=1).mean() / 2.0) if sigma is None else sigma  # SNR 2
         with mrcfile.new(d / f"{name}.mrcs") as m:
             m.set_data((clean + sigma * noise).astype(np.float32))

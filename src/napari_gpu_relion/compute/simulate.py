@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.special import expit
 
-from .ctf import CtfParams, ctf_half_grid
-from .fourier import irfft_centered, rfft_centered
-from .geometry import euler_to_matrix
+from .ctf import CtfParams, ctf_from_frequencies, ctf_half_grid
+from .fourier import half_grid_indices, irfft_centered, phase_shift_2d, rfft_centered
+from .geometry import euler_to_matrix, magnified, magnified_frequencies
+from .projector import project
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,26 @@ def apply_ctf(images: np.ndarray, ctf: CtfParams, pixel_size: float) -> np.ndarr
     box = images.shape[-1]
     F = rfft_centered(images.astype(np.float64), 2)
     return irfft_centered(F * ctf_half_grid(ctf, box, pixel_size), box, 2).astype(np.float32)
+
+
+def ctf_images(ref, A: np.ndarray, ctf: CtfParams, pixel_size: float, origins_px: np.ndarray, aberrations=None,
+               mag=None, chunk: int = 500) -> np.ndarray:
+    """Noise-free particle images (n, N, N) float64 of a prepared map ``ref`` (projector.FourierReference) at
+    rotations A (n, 3, 3), as an instrument records them: the projection at geometry.magnified(A, mag), times the
+    CTF (float64) at mag k and, with ``aberrations`` (ctf.OpticsAberrations), its antisymmetric phase; shifted by
+    -origins_px (x, y pixels: the particle off centre by what re-centres it). The simulations of the CTF-refinement
+    and magnification tests and of ctf_refine's benchmark."""
+    box = ref.size
+    n = A.shape[0]
+    MA = magnified(np.asarray(A, np.float64), mag)
+    F = np.concatenate([project(ref, MA[i:i + chunk]) for i in range(0, n, chunk)])
+    ky, kx = half_grid_indices(box, 2)
+    fx = np.broadcast_to(kx / (box * pixel_size), (box, box // 2 + 1))
+    fy = np.broadcast_to(ky / (box * pixel_size), (box, box // 2 + 1))
+    F = F * ctf_from_frequencies(ctf, *magnified_frequencies(mag, fx, fy), dtype=np.float64)
+    if aberrations is not None:
+        F = F * np.exp(1j * aberrations.odd_phase(fx, fy))
+    return irfft_centered(phase_shift_2d(F, -np.asarray(origins_px), box), box, 2)
 
 
 @dataclass(frozen=True)
