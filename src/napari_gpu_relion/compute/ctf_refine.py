@@ -408,12 +408,10 @@ class DefocusData:
         return ((self.b * c - 2.0 * self.a) * c) @ self.w
 
 
-def defocus_data(y, x, weight, pix: FitPixels, lam, gamma_even=None, odd_phase=None) -> DefocusData:
-    """The reduced terms of observations y and predictions x (P, npix) at the fit pixels, the prediction times
-    exp(i odd_phase) (the antisymmetric aberrations of each particle's optics group, (P or 1, npix))."""
+def defocus_data(y, x, weight, pix: FitPixels, lam, gamma_even=None) -> DefocusData:
+    """The reduced terms of observations y and predictions x (P, npix) at the fit pixels (x with its optics
+    group's antisymmetric phase already applied)."""
     xp = get_array_module(y)
-    if odd_phase is not None:
-        x = x * xp.exp(1j * odd_phase)
     a = (y * xp.conj(x)).real
     b = (x * xp.conj(x)).real
     return DefocusData(a, b, weight * pix.hermitian, _Geometry.of(pix), xp.asarray(lam, dtype=np.float64),

@@ -29,7 +29,6 @@ import pandas as pd
 
 from ..cancel import check_cancel
 from ..compute import ctf_refine as CR
-from ..compute.backend import to_host
 from ..compute.ctf import CtfParams, OpticsAberrations, format_zernike
 from ..compute.geometry import euler_to_matrix
 from ..compute.projector import prepare_reference, stack_references
@@ -373,7 +372,7 @@ def _run(p: Params) -> Iterator:
     offsets = particle_offsets_px(table, apix)
     ang = df[list(ANGLE_COLUMNS)].to_numpy(np.float64)
     other = 2 - df["rlnRandomSubset"].to_numpy(int)  # subset 1 -> half map 2 (index 1), subset 2 -> half 1
-    group = np.array([gindex[int(g)] for g in df["rlnOpticsGroup"]], np.int64)
+    group = df["rlnOpticsGroup"].astype(int).map(gindex).to_numpy(np.int64)
     ctf_all = CtfParams.from_table(df)
     order, mic_of = _micrographs(df)
     n_mic = int(mic_of.max()) + 1 if n else 0
@@ -432,11 +431,7 @@ def _run(p: Params) -> Iterator:
         else:
             yield Progress(item[0], item[1], "micrographs")
     if p.fit_beamtilt or p.fit_aberr or p.fit_aniso:
-        xy, w, ev, mg = (np.ascontiguousarray(to_host(a)) for a in refiner.sums.arrays())
-        sums = [np.ascontiguousarray(xy.real), np.ascontiguousarray(xy.imag), w, ev, mg]  # real buffers for MPI
-        comm.sum_arrays(sums)
-        refiner.sums.xy = xp.asarray(sums[0] + 1j * sums[1])
-        refiner.sums.w, refiner.sums.even, refiner.sums.mag = (xp.asarray(a) for a in sums[2:])
+        comm.sum_arrays(refiner.sums.arrays())  # in place, on the GPUs or through host buffers
     if theta is not None and comm.size > 1:
         parts = comm.gather((np.concatenate(done_rows) if done_rows else np.zeros(0, np.int64),
                              theta[np.concatenate(done_rows)] if done_rows else np.zeros((0, CR.N_PARAMS))))

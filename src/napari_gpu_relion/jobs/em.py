@@ -590,7 +590,7 @@ class EMJob:
             it.particles_here += len(mine)
             n_halves = len(self.halves)
             done = 0
-            for mag, member in self.magnification_groups():  # one setup per magnification (one without any)
+            for mag, member in self.magnification_groups:  # one setup per magnification (one without any)
                 sub = mine if member is None else mine[member[mine]]
                 if sub.size == 0:
                     continue
@@ -626,21 +626,18 @@ class EMJob:
         """The kinds of fixed work with one owner each in iteration ``it`` (owned_kinds)."""
         return self.owned_kinds
 
+    @functools.cached_property
     def magnification_groups(self) -> list[tuple[np.ndarray | None, np.ndarray | None]]:
         """(matrix, member) per distinct anisotropic magnification of the particles' optics groups (rlnMagMat):
         ``member`` a bool mask over the particles (None: all of them). [(None, None)] without any matrix."""
         if self.mags is None:
             return [(None, None)]
-        out: list = []
+        groups: dict = {}  # matrix (as a tuple, None for none) -> (matrix, member)
         for g, m in enumerate(self.mags):
             key = None if m is None else tuple(np.asarray(m).ravel())
-            for i, (mm, _) in enumerate(out):
-                if (None if mm is None else tuple(np.asarray(mm).ravel())) == key:
-                    out[i] = (mm, out[i][1] | (self.ps.optics_group == g))
-                    break
-            else:
-                out.append((m, self.ps.optics_group == g))
-        return out
+            mat, member = groups.get(key, (m, np.zeros(len(self.ps), bool)))
+            groups[key] = (mat, member | (self.ps.optics_group == g))
+        return list(groups.values())
 
     def assignment(self, it: Iteration) -> dict:
         """Which ranks do each item of an iteration's fixed work (runtime.distributed.assign)."""

@@ -236,7 +236,7 @@ class Refine3D(em.EMJob):
         else:
             part = []
             for h in mine:
-                tau2, ssnr = tau2_from_fsc(it.fsc, reference_sigma2(bps[h]), p.tau2_fudge)
+                tau2, _ = tau2_from_fsc(it.fsc, reference_sigma2(bps[h]), p.tau2_fudge)
                 part.append(self.finished_map(bps[h].reconstruct(tau2, p.tau2_fudge), it))
                 memory_mark("M-step: half map")
             new_refs = part if not apart else [v for block in comm.allgather(part) for v in block]  # ranks 0, 1

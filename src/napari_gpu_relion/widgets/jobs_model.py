@@ -548,9 +548,20 @@ def companions(record: JobRecord, output: Output, job: str, project: Path) -> di
 
 
 def _postprocess_general(star: Path) -> dict[str, Any]:
-    """The ``data_general`` block of a post-processing STAR ({} when it cannot be read)."""
+    """The ``data_general`` block of a post-processing STAR ({} when it cannot be read). Read once per version of
+    the file: the Jobs dock asks for its offers after every poll of the project, several labels each time."""
     try:
-        general = read_star(star).get("general")
+        st = Path(star).stat()
+    except OSError:
+        return {}
+    return dict(_general_block(str(star), st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=64)
+def _general_block(star: str, mtime_ns: int, size: int) -> dict[str, Any]:
+    """_postprocess_general of one version (path, modification time, size) of a STAR file."""
+    try:
+        general = read_star(Path(star)).get("general")
     except (InputError, OSError, ValueError):
         return {}
     if general is not None and hasattr(general, "iloc"):  # a loop block of one row
