@@ -20,13 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..compute.backend import to_host
 from ..compute.masks import soft_spherical_mask
 from ..compute.maximization import (
     class_offset_priors,
     coarse_image_size,
-    reconstruct_classes,
-    references_tau2,
     update_sigma2,
     update_sigma_offset,
 )
@@ -131,16 +128,8 @@ class Class2D(em_classification.Classification):
 
     def maximization(self, it: em.Iteration) -> None:
         p, m, sums = self.p, self.model, it.sums[0]
-        lo, hi = self.my_classes(0, it)  # this rank's classes (all of them without MPI); the others' are gathered
-        part: list = []
-        if hi > lo:
-            tau2 = references_tau2(it.references[0][lo:hi])
-            maps, ssnr = reconstruct_classes(it.accumulators[0].block(lo, hi), tau2, p.tau2_fudge,
-                                             sums.pdf_class[lo:hi], m.refs[0][lo:hi])
-            part = list(zip(to_host(maps), ssnr, strict=True))
-        done = self.gather_classes(0, part, it)
-        new_refs = np.stack([v for v, _ in done]).astype(np.float64)
-        it.ssnr = [s for _, s in done]
+        maps, it.ssnr = self.reconstruct_owned(it)
+        new_refs = np.stack(maps).astype(np.float64)
         m.sigma2[0] = update_sigma2(sums.sigma2, sums.sumw_group, self.N)
         self.state.sigma_offset_A = update_sigma_offset(sums.sigma_offset, sums.sum_weight)
         self.update_corrections(it.sums)

@@ -33,8 +33,6 @@ from ..compute.geometry import euler_to_matrix, symmetry_group
 from ..compute.maximization import (
     coarse_image_size,
     normalised_direction_priors,
-    reconstruct_classes,
-    references_tau2,
     update_sigma2,
     update_sigma_offset,
 )
@@ -176,21 +174,12 @@ class Class3D(em_classification.Classification):
         p, m, sums = self.p, self.model, it.sums[0]
         if p.skip_align:  # the input angles and offsets, exactly (not their round trip through matrices)
             self.ps.angles[:], self.ps.offsets_px[:] = self.input_angles, self.input_offsets
-        lo, hi = self.my_classes(0, it)  # this rank's classes (all of them without MPI); the others' are gathered
-        part: list = []
-        if hi > lo:
-            tau2 = references_tau2(it.references[0][lo:hi])  # of the references this iteration aligned to
-            maps, ssnr = reconstruct_classes(it.accumulators[0].block(lo, hi), tau2, p.tau2_fudge,
-                                             sums.pdf_class[lo:hi], m.refs[0][lo:hi], self.sym.matrices)
-            if p.flatten_solvent:  # on the device, in float64 as on the host, then rounded as the maps are kept
-                maps = maps.astype(np.float64) * self.solvent_mask[None]  # (after a CC iteration's low-pass: once)
-                if not (it.cc and p.ini_high > 0):
-                    maps = maps.astype(np.float32)
-            # one copy to the host (float32 unless a class was empty or a low-pass follows)
-            part = list(zip(to_host(maps), ssnr, strict=True))
-        done = self.gather_classes(0, part, it)
-        new_refs = [v for v, _ in done]
-        it.ssnr = [s for _, s in done]
+        def flattened(maps):  # on the device, in float64 as on the host, then rounded as the maps are kept (after
+            maps = maps.astype(np.float64) * self.solvent_mask[None]  # a CC iteration's low-pass: one rounding)
+            return maps if it.cc and p.ini_high > 0 else maps.astype(np.float32)
+
+        # float32 maps unless a class was empty or a low-pass follows
+        new_refs, it.ssnr = self.reconstruct_owned(it, self.sym.matrices, flattened if p.flatten_solvent else None)
         if not it.cc:
             m.sigma2[0] = update_sigma2(sums.sigma2, sums.sumw_group, self.N)
             self.state.sigma_offset_A = update_sigma_offset(sums.sigma_offset, sums.sum_weight)

@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ..compute.backend import to_host
 from ..compute.fsc import shell_to_angstrom
-from ..compute.maximization import resolution_shell_from_ssnr
+from ..compute.maximization import reconstruct_classes, references_tau2, resolution_shell_from_ssnr
 from ..errors import InputError
 from ..io.model_star import write_model_star
 from . import em
@@ -38,6 +39,22 @@ class Classification(em.EMJob):
         if self.continued and int(self.opt["rlnCurrentIteration"]) >= self.p.iter:
             raise InputError(f"nothing to continue: the run already has {int(self.opt['rlnCurrentIteration'])} "
                              f"iterations; give --iter larger than that", path=str(self.p.continue_from))
+
+    def reconstruct_owned(self, it: em.Iteration, sym_matrices=None, finish=None) -> tuple[list, list]:
+        """The M-step's class maps (host arrays) and SSNRs of every class, in class order: this rank reconstructs
+        its block of classes (all of them without MPI; reconstruct_classes with the tau2 of the references this
+        iteration aligned to), ``finish(maps)`` on the device, then every rank gathers the others' blocks."""
+        lo, hi = self.my_classes(0, it)
+        part: list = []
+        if hi > lo:
+            maps, ssnr = reconstruct_classes(it.accumulators[0].block(lo, hi), references_tau2(it.references[0][lo:hi]),
+                                             self.p.tau2_fudge, it.sums[0].pdf_class[lo:hi], self.model.refs[0][lo:hi],
+                                             sym_matrices)
+            if finish is not None:
+                maps = finish(maps)
+            part = list(zip(to_host(maps), ssnr, strict=True))  # one copy to the host
+        done = self.gather_classes(0, part, it)
+        return [v for v, _ in done], [s for _, s in done]
 
     def describe(self) -> str:
         kind = "2D classes" if self.ndim == 2 else "classes"
