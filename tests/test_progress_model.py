@@ -15,6 +15,8 @@ from napari_gpu_relion.events import Finished, IterationFinished, IterationStart
 from napari_gpu_relion.widgets.progress_model import (
     BAR_STEPS,
     ESTEP_SHARE,
+    MIN_SECONDS_FOR_ETA,
+    EtaClock,
     RunProgress,
     bar_percent,
     format_duration,
@@ -188,6 +190,19 @@ def test_a_job_without_iterations_estimates_from_done_of_total():
     assert r.text == "extract: extracting 4/10, about 12 s left" and (r.value, r.maximum) == (4, 10)
     assert r.bar_text == ""  # Qt's own percentage
     assert p.update(Message("a line"), 7.0) is None
+
+
+def test_one_clock_estimates_the_time_left_of_the_run_and_of_an_e_step():
+    """The rate since the first reading: nothing before MIN_SECONDS_FOR_ETA nor before its least share is done,
+    nothing once done; reset starts again (a new E-step)."""
+    clock = EtaClock(0.05)
+    assert clock.seconds_left(0.1, 10.0) is None  # the first reading
+    assert clock.seconds_left(0.5, 10.0 + MIN_SECONDS_FOR_ETA / 2) is None  # too soon
+    assert clock.seconds_left(0.12, 20.0) is None  # too little done
+    assert clock.seconds_left(0.3, 20.0) == pytest.approx(10.0 * 0.7 / 0.2)
+    assert clock.seconds_left(1.0, 30.0) is None  # done
+    clock.reset()
+    assert clock.seconds_left(0.5, 40.0) is None and clock.seconds_left(0.75, 45.0) == pytest.approx(5.0)
 
 
 def test_run_fraction_durations_and_percentages():

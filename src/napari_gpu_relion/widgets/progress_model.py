@@ -34,12 +34,14 @@ from dataclasses import dataclass
 from ..events import Finished, IterationFinished, IterationStarted, Progress
 
 __all__ = ["BAR_STEPS", "ESTEP_SHARE", "MIN_SECONDS_FOR_ETA", "RunProgress", "ProgressReport", "format_duration",
-           "run_fraction", "bar_in_state", "bar_percent"]
+           "run_fraction", "bar_in_state", "bar_percent", "EtaClock"]
 
 #: Steps of the progress bar of a run whose total is known as a fraction.
 BAR_STEPS = 1000
 #: No estimate of the time left before this many seconds (of the run, or of an E-step) have passed.
 MIN_SECONDS_FOR_ETA = 3.0
+#: Least share of the run done before its time left is estimated.
+MIN_RUN_FRACTION_FOR_ETA = 0.01
 #: Least share of an E-step done before its time left is estimated.
 MIN_ESTEP_FRACTION_FOR_ETA = 0.05
 #: Share of an iteration's room in a whole-run bar that its E-step fills (the M-step and the files the rest).
@@ -97,6 +99,30 @@ def _half_of(stage: str) -> str:
     return re.sub(r"^it \d+\s*", "", stage).strip()
 
 
+class EtaClock:
+    """The time left of a fraction that grows from 0 to 1, at the rate since its first reading: no estimate before
+    :data:`MIN_SECONDS_FOR_ETA` seconds and ``min_done`` of the fraction have passed, nor once it is done."""
+
+    def __init__(self, min_done: float) -> None:
+        self.min_done = min_done
+        self.start: tuple[float, float] | None = None  # (time, fraction) of the first reading
+
+    def reset(self) -> None:
+        """Start again at the next reading."""
+        self.start = None
+
+    def seconds_left(self, frac: float, now: float) -> float | None:
+        """Seconds left at fraction ``frac`` (0..1) at time ``now`` (None: no estimate yet)."""
+        if self.start is None:
+            self.start = (now, frac)
+            return None
+        t0, f0 = self.start
+        elapsed, done = now - t0, frac - f0
+        if elapsed < MIN_SECONDS_FOR_ETA or done < self.min_done or frac >= 1.0:
+            return None
+        return elapsed * (1.0 - frac) / done
+
+
 class RunProgress:
     """The progress of one run of job ``job`` (make a new one for each run): :meth:`update` with each event (and
     the time, in seconds), :meth:`stopped` when the job's state changes."""
@@ -117,8 +143,8 @@ class RunProgress:
         #: the last bar with a value (what a cancelled or failed run goes back to)
         self.last_bar: tuple[int, int] | None = None
         self._shown: ProgressReport | None = None
-        self._run_start: tuple[float, float] | None = None  # (time, run fraction) of the first E-step batch
-        self._estep_start: tuple[float, float] | None = None  # (time, iteration fraction) in this E-step
+        self._run_clock = EtaClock(MIN_RUN_FRACTION_FOR_ETA)  # the whole run's, from its first E-step batch
+        self._estep_clock = EtaClock(MIN_ESTEP_FRACTION_FOR_ETA)  # this E-step's
 
     # ---- events ------------------------------------------------------------------------------------------------
 
@@ -148,7 +174,7 @@ class RunProgress:
         self.converges, self.even_cost, self.full_size = ev.converges, ev.even_cost, ev.full_size
         self.angular_step, self.local = ev.angular_step, ev.local
         self.phase = "preparing"
-        self._estep_start = None
+        self._estep_clock.reset()
         if self._whole_run_bar:
             value = self._bar_value((self.iteration - 1) / self.iterations)
             return ProgressReport(self._lines("preparing the E-step"), value, BAR_STEPS, None,
@@ -162,24 +188,25 @@ class RunProgress:
         if ev.iteration != self.iteration:  # no IterationStarted (an older job): what Progress says
             self.iteration, self.iterations = ev.iteration, max(ev.iterations, 0)
             self.final = self.converges = False
-            self._estep_start = None
+            self._estep_clock.reset()
         frac = _clip(ev.iteration_fraction)
         where = " ".join(x for x in (_half_of(ev.stage), f"{ev.done}/{ev.total}") if x)
         if frac >= 1.0 - 1e-9 and ev.done >= ev.total:  # the E-step's last batch: the M-step runs now
             self.phase = "M-step"
             return self._m_step(now)
         self.phase = "E-step"
-        estep_left = self._estep_seconds_left(frac, now)
+        estep_left = self._estep_clock.seconds_left(frac, now)
+        estep_eta = self._eta_text(estep_left, " in this E-step")
         if self._whole_run_bar:
             run = (self.iteration - 1 + ESTEP_SHARE * frac) / self.iterations
-            left = self._run_seconds_left(run, now)
-            eta = self._run_eta_text(left) if self.even_cost else self._estep_eta_text(estep_left)
+            left = self._run_clock.seconds_left(run, now)
+            eta = self._eta_text(left) if self.even_cost else estep_eta
             value = self._bar_value(run)
             return ProgressReport(self._lines(f"E-step {where}{eta}"), value, BAR_STEPS,
                                   left if self.even_cost else estep_left, self._bar_text(value))
         value = self._bar_value(frac)
-        return ProgressReport(self._lines(f"E-step {where}{self._estep_eta_text(estep_left)}"), value, BAR_STEPS,
-                              estep_left, self._bar_text(value, estep=True))
+        return ProgressReport(self._lines(f"E-step {where}{estep_eta}"), value, BAR_STEPS, estep_left,
+                              self._bar_text(value, estep=True))
 
     def _m_step(self, now: float) -> ProgressReport:
         if self.final and self.converges:
@@ -189,9 +216,9 @@ class RunProgress:
             what = "M-step: reconstructing the maps, then the files"
         if self._whole_run_bar:
             run = (self.iteration - 1 + ESTEP_SHARE) / self.iterations
-            left = self._run_seconds_left(run, now) if self.even_cost else None
+            left = self._run_clock.seconds_left(run, now) if self.even_cost else None
             value = self._bar_value(run)
-            return ProgressReport(self._lines(f"{what}{self._run_eta_text(left)}"), value, BAR_STEPS, left,
+            return ProgressReport(self._lines(f"{what}{self._eta_text(left)}"), value, BAR_STEPS, left,
                                   self._bar_text(value))
         return ProgressReport(self._lines(what), 0, 0)  # busy: how long it takes is not known
 
@@ -214,9 +241,9 @@ class RunProgress:
         """A job without iterations: "stage done/total", the time left, the bar done of total."""
         stage = f"{ev.stage} " if ev.stage else ""
         frac = run_fraction(ev)
-        left = self._run_seconds_left(frac, now) if frac is not None else None
+        left = self._run_clock.seconds_left(frac, now) if frac is not None else None
         total = max(int(ev.total), 0)
-        return ProgressReport(f"{self.job}: {stage}{ev.done}/{ev.total}{self._run_eta_text(left)}",
+        return ProgressReport(f"{self.job}: {stage}{ev.done}/{ev.total}{self._eta_text(left)}",
                               min(int(ev.done), total) if total else 0, total, left)
 
     @property
@@ -272,33 +299,10 @@ class RunProgress:
 
     # ---- time left ---------------------------------------------------------------------------------------------
 
-    def _run_seconds_left(self, frac: float, now: float) -> float | None:
-        if self._run_start is None:
-            self._run_start = (now, frac)
-            return None
-        t0, f0 = self._run_start
-        elapsed, done = now - t0, frac - f0
-        if elapsed < MIN_SECONDS_FOR_ETA or done < 0.01 or frac >= 1.0:
-            return None
-        return elapsed * (1.0 - frac) / done
-
-    def _estep_seconds_left(self, frac: float, now: float) -> float | None:
-        if self._estep_start is None:
-            self._estep_start = (now, frac)
-            return None
-        t0, f0 = self._estep_start
-        elapsed, done = now - t0, frac - f0
-        if elapsed < MIN_SECONDS_FOR_ETA or done < MIN_ESTEP_FRACTION_FOR_ETA or frac >= 1.0:
-            return None
-        return elapsed * (1.0 - frac) / done
-
     @staticmethod
-    def _run_eta_text(left: float | None) -> str:
-        return f", about {format_duration(left)} left" if left is not None else ""
-
-    @staticmethod
-    def _estep_eta_text(left: float | None) -> str:
-        return f", about {format_duration(left)} left in this E-step" if left is not None else ""
+    def _eta_text(left: float | None, where: str = "") -> str:
+        """", about 3 min left" (``where``: " in this E-step"); "" without an estimate."""
+        return f", about {format_duration(left)} left{where}" if left is not None else ""
 
     # ---- the job's state ---------------------------------------------------------------------------------------
 
