@@ -1,7 +1,7 @@
 """A user's first job on a machine against the same job run again (issue 46: kernels built ahead).
 
 Each job runs as a fresh process (`napari-gpu-relion <job> ...`), as a user starts it; the script times the whole
-process and reads the job's own line "GPU kernels: ... N loaded at their first use (S s)". Steps, in order, each
+process and reads the job's own line "GPU kernels: N modules compiled into CuPy's cache by ...". Steps, in order, each
 `name=job args` (args after the job name as on the command line; `{data}` is replaced by --data, `{out}` by a
 fresh folder per run):
 
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-LINE = re.compile(r"(\d+) loaded at their first use \(([\d.]+) s\)")
+LINE = re.compile(r"GPU kernels: (\d+) modules compiled into CuPy's cache")
 
 
 def gpu_name() -> str:
@@ -41,8 +41,7 @@ def run_step(name: str, args: str, data: str, work: Path) -> dict:
     text = r.stdout + r.stderr
     m = LINE.findall(text)
     row = {"step": name, "argv": argv, "wall_s": round(wall, 2), "returncode": r.returncode,
-           "modules_at_first_use": int(m[-1][0]) if m else None,
-           "first_use_s": float(m[-1][1]) if m else None,
+           "modules_compiled": int(m[-1]) if m else None,
            "kernel_line": next((ln.strip() for ln in text.splitlines() if "GPU kernels:" in ln), None)}
     row["log_lines"] = [ln.strip() for ln in text.splitlines() if "compiled" in ln][-6:]
     if r.returncode:

@@ -20,3 +20,12 @@ CUPY_CACHE_DIR=/root/c_warm python3 benchmarks/first_run.py --data x --work /roo
   --step "first_class3d=$C3" --step "second_class3d=$C3" --step "first_refine3d=$R3" --step "second_refine3d=$R3" \
   --step "first_class2d_K200=$C2" --step "second_class2d_K200=$C2" --step "first_class3d_K6_box256=$C6" --step "second_class3d_K6_box256=$C6" \
   --step "first_refine3d_box360=$R6" --step "second_refine3d_box360=$R6"
+# the code before the public-API preload (carry .old_src: `git archive 67951f0 src | tar -x -C .old_src`), for
+# what the in-process hand-over of CuPy's modules saved: its second class3d against this code's, same cache
+if [ -d .old_src/src ]; then
+  PYTHONPATH=$PWD/.old_src/src:/tmp/site CUPY_CACHE_DIR=/root/c_warm python3 benchmarks/first_run.py --data x \
+    --work /root/w3 --out $OUT/first_run_old_preload.json --step "old_class3d_1=$C3" --step "old_class3d_2=$C3" \
+    --step "old_class3d_3=$C3"
+  CUPY_CACHE_DIR=/root/c_warm python3 benchmarks/first_run.py --data x --work /root/w4 \
+    --out $OUT/first_run_new_again.json --step "new_class3d_3=$C3" --step "new_class3d_4=$C3"
+fi

@@ -1,10 +1,11 @@
-"""Merge the kernel manifests that benchmarks/record_kernels.sh brings back (one per job kind, recorded on a GPU
-machine at box 128, 256 and 360) into the list the package ships (runtime/cupy_kernels.json.gz), so that
-`napari-gpu-relion warmup` compiles every CuPy kernel module of those runs in parallel processes, and a job on a
-machine whose cache lacks them compiles its own kind's in the background.
+"""Merge the CuPy kernel modules that benchmarks/record_kernels.py found after the EM jobs' runs (one JSON per job
+kind, recorded on a GPU machine at box 128, 256 and 360) into the list the package ships
+(runtime/cupy_kernels.json.gz), so that `napari-gpu-relion warmup` compiles every CuPy kernel module of those runs in
+parallel processes, and a job on a machine whose cache lacks them compiles its own kind's in the background.
 
 The recording machine's path to its Python packages (in CuPy's include options) becomes "<site-packages>"; the
-CuPy version is kept, and a CuPy of another version ignores the list (its kernels' sources differ).
+CuPy version is kept, and a CuPy of another version ignores the list (its kernels' sources differ). Entries whose
+compile call a plain RawModule cannot repeat (name expressions, another backend) are left out.
 
 Run: python benchmarks/ship_kernels.py --cupy 14.2.0 DIR/class3d.json DIR/refine3d.json DIR/class2d.json
 """
@@ -17,7 +18,10 @@ import json
 import re
 from pathlib import Path
 
-from napari_gpu_relion.runtime import cupy_kernels, kernel_entries
+from napari_gpu_relion.runtime import cupy_kernels
+
+PLAIN = {"arch": None, "backend": "nvrtc", "enable_cooperative_groups": False, "name_expressions": None,
+         "log_stream": None, "jitify": False}
 
 
 def main() -> None:
@@ -26,16 +30,22 @@ def main() -> None:
     ap.add_argument("manifests", nargs="+", type=Path)
     a = ap.parse_args()
     modules: dict[str, dict] = {}
+    skipped = 0
     for path in a.manifests:
         job = path.stem
         for e in json.loads(path.read_text())["modules"]:
+            if any(e.get("kw", {}).get(k, v) != v for k, v in PLAIN.items()):
+                skipped += 1
+                continue
             site = next((m.group(1) for o in e["options"] if (m := re.match(r"-I(.*)/cupy/_core/include", o))), None)
             options = [o.replace(site, cupy_kernels.SITE) if site else o for o in e["options"]]
-            entry = {"source": e["source"], "options": options, "kw": e["kw"]}
-            modules.setdefault(kernel_entries.key(entry), {**entry, "jobs": []})["jobs"].append(job)
+            entry = {"source": e["source"], "options": options}
+            key = cupy_kernels.entry_key(e["source"], options)
+            modules.setdefault(key, {**entry, "jobs": []})["jobs"].append(job)
     data = {"cupy": a.cupy, "modules": list(modules.values())}
     cupy_kernels.SHIPPED.write_bytes(gzip.compress(json.dumps(data).encode(), mtime=0))
-    print(f"{len(modules)} modules -> {cupy_kernels.SHIPPED} ({cupy_kernels.SHIPPED.stat().st_size} bytes)")
+    print(f"{len(modules)} modules ({skipped} left out) -> {cupy_kernels.SHIPPED} "
+          f"({cupy_kernels.SHIPPED.stat().st_size} bytes)")
 
 
 if __name__ == "__main__":

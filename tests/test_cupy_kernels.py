@@ -1,5 +1,7 @@
 """The shipped list of CuPy kernel modules (runtime/cupy_kernels.py): well-formed, used only with the CuPy version
-it was recorded with, its paths made this CuPy's, and the marker that says a kind's modules were compiled."""
+it was recorded with, each module with its own options (CuPy adds its include folders itself), compiled through
+CuPy's public RawModule, and the marker that says a kind's modules were compiled. tests/test_gpu.py checks on a GPU
+that a module compiled so is the one CuPy's own kernel finds in the cache."""
 
 from __future__ import annotations
 
@@ -17,33 +19,76 @@ def _data() -> dict:
 
 def test_the_shipped_list_names_each_module_once_with_its_job_kinds():
     data = _data()
-    keys = [json.dumps([e["source"], e["options"], sorted(e["kw"].items())]) for e in data["modules"]]
+    keys = [cupy_kernels.entry_key(e["source"], e["options"]) for e in data["modules"]]
     assert len(keys) == len(set(keys)) > 100
     assert {j for e in data["modules"] for j in e["jobs"]} == {"class3d", "refine3d", "class2d"}
-    assert all("__global__" in e["source"] and e["kw"].get("extra_source") == "<cupy headers>" for e in data["modules"])
+    assert all("__global__" in e["source"] for e in data["modules"])
     # no path of the recording machine is left: CuPy's include folders are written against <site-packages>
     assert all(not o.startswith("-I/") for e in data["modules"] for o in e["options"])
 
 
-def _fake_cupy(monkeypatch, tmp_path, version: str):
+def _fake_cupy(monkeypatch, tmp_path, version: str, fail: str | None = None):
     fake = types.ModuleType("cupy")
     fake.__version__ = version
-    (tmp_path / "site" / "cupy").mkdir(parents=True)
-    fake.__file__ = str(tmp_path / "site" / "cupy" / "__init__.py")
+    calls = []
+
+    class RawModule:
+        def __init__(self, code: str, options: tuple = ()):
+            self.code, self.options = code, options
+
+        def compile(self):
+            if fail is not None and fail in self.code:
+                raise RuntimeError("does not compile")
+            calls.append((self.code, self.options))
+
+    class Device:
+        def __init__(self, i):
+            self.i = i
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+    fake.RawModule = RawModule
+    fake.cuda = types.SimpleNamespace(Device=Device)
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    return tmp_path / "site"
+    return calls
 
 
-def test_entries_take_this_cupys_paths_and_another_version_takes_none(monkeypatch, tmp_path):
+def test_entries_hold_their_own_options_and_another_version_takes_none(monkeypatch, tmp_path):
     data = _data()
-    site = _fake_cupy(monkeypatch, tmp_path, data["cupy"])
+    _fake_cupy(monkeypatch, tmp_path, data["cupy"])
     got = cupy_kernels.shipped_entries("class2d")
-    assert len(got) == sum("class2d" in e["jobs"] for e in data["modules"])
-    includes = [o for e in got for o in e["options"] if o.startswith("-I")]
-    assert includes and all(o.startswith(f"-I{site.resolve()}/") for o in includes)
+    mine = [e for e in data["modules"] if "class2d" in e["jobs"]]
+    assert len(got) == len(mine)
+    for g, e in zip(got, mine, strict=True):
+        assert g["source"] == e["source"]
+        # the recorded options less the include folders, in their order (CuPy puts those around them again)
+        assert g["options"] == [o for o in e["options"] if not o.startswith("-I")]
+        assert g["options"] and all(not o.startswith("-I") for o in g["options"])
+    assert {tuple(g["options"]) for g in got} >= {("--std=c++17",)}
     assert len(cupy_kernels.shipped_entries(None)) == len(data["modules"])
     _fake_cupy(monkeypatch, tmp_path / "other", "0.0.1")
     assert cupy_kernels.shipped_entries("class2d") == []
+
+
+def test_a_worker_compiles_each_module_as_a_raw_module_and_counts_what_compiled(monkeypatch, tmp_path):
+    calls = _fake_cupy(monkeypatch, tmp_path, "x", fail="broken")
+    entries = [{"source": "a __global__", "options": ["--std=c++17"]},
+               {"source": "broken __global__", "options": []},
+               {"source": "b __global__", "options": ["-DFIRST_PASS=1", "--std=c++17"]}]
+    assert cupy_kernels._compile_task(entries, 0) == 2
+    assert calls == [("a __global__", ("--std=c++17",)), ("b __global__", ("-DFIRST_PASS=1", "--std=c++17"))]
+
+
+def test_the_cache_count_counts_compiled_modules_only(tmp_path):
+    assert cupy_kernels.cache_files(tmp_path / "none") == 0
+    for name in ("a.cubin", "b.cubin", "b.cubin.cu", "tmpx"):
+        (tmp_path / name).write_text("x")
+    (tmp_path / "napari_gpu_relion_preload").mkdir()
+    assert cupy_kernels.cache_files(tmp_path) == 2
 
 
 def test_the_marker_of_a_kind_is_written_when_its_modules_were_handled(tmp_path):

@@ -625,48 +625,89 @@ def test_segments_on_the_gpu_equal_unique_and_sum_as_without_them(E, C, padded):
     assert np.allclose(got, want, rtol=1e-4, atol=1e-4 * max(np.abs(want).max(initial=0), 1))
 
 
-_PRELOAD_SCRIPT = r"""
-import json, sys, time
+_OPS_SCRIPT = r"""
+import json, os
 import cupy as cp
-from napari_gpu_relion.runtime import kernel_preload as kp
+from napari_gpu_relion.runtime import cupy_kernels
 from napari_gpu_relion.compute.gpu_kernels import segment_rows_sum
-kp.install()
-job = kp.Preload("preload_test", 0).start()
-if job.thread is not None:
-    job.thread.join()  # the modules of the manifest, then the sorts and products of _warm_libraries
+cache = os.environ["CUPY_CACHE_DIR"]
+before = cupy_kernels.cache_files(cache)
 x = cp.arange(1000, dtype=cp.float32)
 y = (x * 2.5 + 1.0).sum()  # elementwise and reduction kernels
+z = cp.take(x.reshape(10, 100), cp.asarray([3, 1]), axis=0).max(axis=1)
 vals = cp.arange(12, dtype=cp.float32).reshape(4, 3)
 s = segment_rows_sum(cp.asarray([0, 1, 0, 1]), vals, 2)  # one of our raw modules
-print(json.dumps({"ahead": kp._stats["ahead"], "left": len(kp._ready), "y": float(y), "s": s.get().tolist(),
-                  "used": len(kp._used), "job_loads": kp._stats["job_loads"], "handed": kp._stats["handed"]}))
-job.finish(save=True)
+cp.cuda.Device().synchronize()
+print(json.dumps({"compiled": cupy_kernels.cache_files(cache) - before, "y": float(y), "z": z.get().tolist(),
+                  "s": s.get().tolist()}))
+"""
+
+_AHEAD_SCRIPT = r"""
+import json, sys
+from pathlib import Path
+from napari_gpu_relion.runtime import cupy_kernels
+rec = json.loads(Path(sys.argv[1]).read_text())
+got = cupy_kernels.compile_ahead(rec["modules"], 0, Path(sys.argv[2]), workers=2)
+print(json.dumps(got))
 """
 
 
-def test_kernel_preload_hands_a_fresh_process_the_modules_of_the_last_and_the_same_numbers(tmp_path):
-    """Two fresh processes with one kernel cache: the first records its modules (its own and those of the
-    thread's sorts and products), the second loads them all in the preload thread before it computes, is handed
-    every one (by the thread's warm-up or the job: none left over, none loaded at first use), and computes the same
+def test_modules_recorded_and_compiled_ahead_through_public_calls_are_the_ones_cupy_then_finds(tmp_path):
+    """The whole public path of issue 46: a process computes with an empty kernel cache (CuPy saving each module's
+    source: CUPY_CACHE_SAVE_CUDA_SOURCE), benchmarks/record_kernels.py finds every module's options by compiling it
+    again as a RawModule into that cache (nothing new written), the list is compiled ahead into another empty cache
+    in worker processes, and a fresh process that computes the same then compiles nothing and gets the same
     numbers."""
     import json  # noqa: PLC0415
     import os  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
 
-    env = dict(os.environ, CUPY_CACHE_DIR=str(tmp_path / "cache"), NAPARI_GPU_RELION_KERNEL_PRELOAD="1")
-    runs = []
-    for _ in range(2):
-        r = subprocess.run([sys.executable, "-c", _PRELOAD_SCRIPT], env=env, capture_output=True, text=True,
-                           timeout=300)
-        assert r.returncode == 0, r.stderr[-2000:]
-        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    first, second = runs
-    assert first["ahead"] == 0 and first["used"] >= 3 and first["job_loads"] >= first["used"]
-    assert second["ahead"] == second["used"] == second["handed"] == first["used"]
-    assert second["left"] == 0 and second["job_loads"] == 0
+    root = Path(__file__).resolve().parents[1]
+
+    def py(args, **env):
+        e = {k: v for k, v in os.environ.items() if k != "CUPY_CACHE_SAVE_CUDA_SOURCE"}
+        e.update(NAPARI_GPU_RELION_KERNEL_PRELOAD="0", **env)
+        r = subprocess.run([sys.executable, *args], env=e, capture_output=True, text=True, timeout=600, cwd=root)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stdout.strip().splitlines()[-1]
+
+    rec_cache, fresh = tmp_path / "recorded", tmp_path / "fresh"
+    first = json.loads(py(["-c", _OPS_SCRIPT], CUPY_CACHE_DIR=str(rec_cache), CUPY_CACHE_SAVE_CUDA_SOURCE="1"))
+    assert first["compiled"] >= 4
+    py(["benchmarks/record_kernels.py", "--cache", str(rec_cache), "--out", str(tmp_path / "rec.json")])
+    rec = json.loads((tmp_path / "rec.json").read_text())
+    assert rec["missing"] == [] and len(rec["modules"]) == first["compiled"]
+    ahead = json.loads(py(["-c", _AHEAD_SCRIPT, str(tmp_path / "rec.json"), str(fresh)],
+                          CUPY_CACHE_DIR=str(fresh)))
+    assert ahead["modules"] == ahead["of"] == first["compiled"]
+    second = json.loads(py(["-c", _OPS_SCRIPT], CUPY_CACHE_DIR=str(fresh)))
+    assert second["compiled"] == 0
     assert second["y"] == first["y"] == float(sum(2.5 * i + 1.0 for i in range(1000)))
+    assert second["z"] == first["z"] == [399.0, 199.0]
     assert second["s"] == first["s"] == [[6.0, 8.0, 10.0], [12.0, 14.0, 16.0]]
+
+
+def test_tf32_follows_the_cublas_handles_math_mode():
+    """backend.matmul_tf32 switches CuPy's float32 products to TF32 through the cuBLAS handle's math mode alone (no
+    private CuPy setting): inside the block the product's error against float64 is TF32's (10 mantissa bits, about
+    1e-3 relative), outside it float32's (about 1e-6)."""
+    from napari_gpu_relion.compute.backend import matmul_tf32  # noqa: PLC0415
+
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((512, 1024)).astype(np.float32)
+    b = rng.standard_normal((1024, 512)).astype(np.float32)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    scale = np.abs(want).max()
+    ga, gb = cp.asarray(a), cp.asarray(b)
+    before = np.abs(cp.matmul(ga, gb).get() - want).max() / scale
+    with matmul_tf32(cp, True):
+        tf32 = np.abs(cp.matmul(ga, gb).get() - want).max() / scale
+        batched = np.abs(cp.matmul(ga[None], gb[None]).get()[0] - want).max() / scale
+    after = np.abs(cp.matmul(ga, gb).get() - want).max() / scale
+    assert before < 2e-5 and after < 2e-5
+    assert tf32 > 1e-4 and batched > 1e-4
 
 
 @pytest.mark.parametrize("shape", [(7, 5, 300), (1, 9, 1), (33, 4, 2049)])

@@ -93,14 +93,14 @@ _tf32 = threading.local()  # what was last set in this thread (cuBLAS handles ar
 
 
 def _set_tf32(cp: ModuleType, on: bool) -> None:
-    """TF32 on or off for the current device's cuBLAS handle of this thread and CuPy's float32 compute type."""
-    from cupy._core import _routines_linalg as linalg
+    """TF32 on or off for the current device's cuBLAS handle of this thread. CuPy's float32 products call cuBLAS's
+    GemmEx with the 32-bit compute type, which follows the handle's math mode: TF32_TENSOR_OP_MATH lets it use
+    TF32 tensor cores (as PyTorch's allow_tf32 does); the default mode keeps float32."""
     from cupy_backends.cuda.libs import cublas
 
     handle = cp.cuda.device.get_cublas_handle()
     cublas.setMathMode(handle, getattr(cublas, "CUBLAS_TF32_TENSOR_OP_MATH", 3) if on
                        else getattr(cublas, "CUBLAS_DEFAULT_MATH", 0))
-    linalg.set_compute_type(np.float32, linalg.COMPUTE_TYPE_TF32 if on else linalg.COMPUTE_TYPE_DEFAULT)
     _tf32.on = bool(on)
 
 

@@ -335,13 +335,13 @@ class EMJob:
         self.files = RunFiles.from_output(self.p.o)
         check_run_output(self.files, self.name, input_paths(self.p), self.continued)  # before any work (issue 50)
         self.be: Backend = backend_for(self.p)
-        # the GPU kernels of the last job of this kind load in the background while this one reads its particles
-        # and prepares its references (kernel_preload); stopped when the job ends, or here if it cannot start
+        # the GPU kernels this job will use get ready in the background while it reads its particles and prepares
+        # its references (kernel_preload); stopped when the job ends, or here if it cannot start
         self.preload = Preload(self.name, self.be.device).start()
         try:
             self._read_inputs()
         except BaseException:
-            self.preload.finish(save=False)
+            self.preload.finish()
             raise
 
     def _read_inputs(self) -> None:
@@ -762,7 +762,7 @@ def _iterate(job: EMJob, tf32_note: str | None) -> Iterator:
         yield from _loop(job, tf32_note)
         done = True
     finally:
-        job.preload.finish(save=done and job.comm.is_root)  # the kernels this job used, for the next one
+        job.preload.finish()  # and count what the job compiled
         if done:
             job.writer.close()
         else:

@@ -64,9 +64,8 @@ def warmup_sets(boxes: str) -> list[dict]:
 
 
 def cached_kernels() -> int:
-    """How many compiled kernel files the cache holds (0 when it does not exist)."""
-    d = kernel_cache_dir()
-    return sum(1 for q in d.iterdir() if q.is_file()) if d.is_dir() else 0
+    """How many compiled modules CuPy's disk cache holds."""
+    return cupy_kernels.cache_files(kernel_cache_dir())
 
 
 def _runs(data: Path, out: Path, gpu: str, full: bool) -> list[tuple[str, object, object]]:

@@ -1,18 +1,20 @@
-"""CuPy's own kernel modules that the EM jobs load, shipped as a list, and compiled ahead in parallel processes.
+"""CuPy's own kernel modules that the EM jobs use, shipped as a list, and compiled ahead in parallel processes.
 
 CuPy compiles each of its kernels (ufuncs, ``take``, scatters, CUB reductions) for the dtypes, the number of
 dimensions left after merging contiguous axes and the reduction's length of each call, at its first use: a
 machine's first class3d at box 128 compiled 211-261 modules, 63-77 s on an H200, serially, inside the job
 (benchmarks/README.md). The sizes that decide these specialisations are the data's, so every new box size,
-class count or batch shape could compile more. ``cupy_kernels.json.gz`` lists the modules that the EM jobs loaded
+class count or batch shape could compile more. ``cupy_kernels.json.gz`` lists the modules that the EM jobs compiled
 at box 128, 256 and 360 (class3d K=4 and K=6, class2d K=200, auto-refine with its final iteration:
-benchmarks/record_kernels.sh, merged by benchmarks/ship_kernels.py) with the CuPy version they were recorded with.
-``compile_ahead`` fills CuPy's disk cache with them in several processes (NVRTC compiles on one core each):
-``napari-gpu-relion warmup`` compiles all of them, and a GPU job on a machine where its kind's have not been
-compiled yet compiles them in the background while it starts (runtime/kernel_preload.py), then loads them.
+benchmarks/record_kernels.sh, merged by benchmarks/ship_kernels.py) with the CuPy version they were recorded with:
+each module's source and the options CuPy compiled it with.
 
-CuPy offers no public call that compiles one of its own kernels without running it, so the workers call CuPy's
-private compile function, as kernel_preload does; with another CuPy version the list is not used.
+``compile_ahead`` fills CuPy's disk cache with them in several processes (NVRTC compiles on one core each), through
+CuPy's public ``RawModule(code=..., options=...).compile()``: CuPy keys its disk cache by the source, the options
+and its headers, and a raw module goes through the same compile path with the same headers as CuPy's own kernels,
+so the job that later asks for such a kernel finds it compiled. ``napari-gpu-relion warmup`` compiles all of them,
+and a GPU job on a machine where its kind's have not been compiled yet compiles them in the background while it
+starts (runtime/kernel_preload.py). With another CuPy version the list is not used (its kernels' sources differ).
 """
 
 from __future__ import annotations
@@ -27,8 +29,6 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 
-from .kernel_entries import call_args, header_source
-
 log = logging.getLogger("napari_gpu_relion")
 
 SHIPPED = Path(__file__).with_name("cupy_kernels.json.gz")
@@ -36,6 +36,9 @@ SHIPPED = Path(__file__).with_name("cupy_kernels.json.gz")
 SITE = "<site-packages>"
 #: Modules per task of a worker process (small, so that a cancelled job's pool stops soon).
 TASK_MODULES = 6
+#: CuPy's compile path adds its include folders (``-I``) to every module's options itself: a module's own options
+#: are the others, in their order.
+INCLUDE = "-I"
 
 
 def _data() -> dict | None:
@@ -45,9 +48,19 @@ def _data() -> dict | None:
         return None
 
 
+def own_options(options) -> list[str]:
+    """A module's own compile options: the recorded ones less the include folders CuPy adds itself."""
+    return [str(o) for o in options if not str(o).startswith(INCLUDE)]
+
+
+def entry_key(source: str, options) -> str:
+    """One string per distinct module (its source and own options)."""
+    return json.dumps([source, own_options(options)])
+
+
 def shipped_entries(job: str | None = None) -> list[dict]:
-    """The shipped modules of job kind ``job`` (every kind: None) as manifest entries with this CuPy's paths;
-    [] without CuPy, without the list, or when it was recorded with another CuPy version."""
+    """The shipped modules of job kind ``job`` (every kind: None) as {"source", "options"} with the module's own
+    options; [] without CuPy, without the list, or when it was recorded with another CuPy version."""
     data = _data()
     try:
         import cupy  # noqa: PLC0415
@@ -55,8 +68,7 @@ def shipped_entries(job: str | None = None) -> list[dict]:
         return []
     if data is None or data.get("cupy") != cupy.__version__:
         return []
-    site = str(Path(cupy.__file__).resolve().parents[1])
-    return [{"source": e["source"], "options": [o.replace(SITE, site) for o in e["options"]], "kw": e["kw"]}
+    return [{"source": e["source"], "options": own_options(e["options"])}
             for e in data["modules"] if job is None or job in e["jobs"]]
 
 
@@ -70,17 +82,30 @@ def compiled(job: str, cache_dir: Path) -> bool:
     return _marker(job, cache_dir).exists() or _marker(None, cache_dir).exists()
 
 
+def cache_files(cache_dir: Path) -> int:
+    """How many compiled modules CuPy's disk cache holds (0 when it does not exist)."""
+    try:
+        return sum(1 for q in os.scandir(cache_dir) if q.name.endswith(".cubin") and q.is_file())
+    except OSError:
+        return 0
+
+
+def compile_module(source: str, options) -> None:
+    """Compile one module into CuPy's disk cache (or find it there), through CuPy's public RawModule."""
+    import cupy  # noqa: PLC0415
+
+    cupy.RawModule(code=source, options=tuple(options)).compile()
+
+
 def _compile_task(entries: list[dict], device: int) -> int:
     """In a worker process: compile (or find in the disk cache) each module; returns how many succeeded."""
     import cupy  # noqa: PLC0415
-    from cupy.cuda import compiler  # noqa: PLC0415
 
-    headers, done = header_source(cupy), 0
+    done = 0
     with cupy.cuda.Device(device):
         for e in entries:
             try:
-                source, options, kw = call_args(e, headers)
-                compiler._compile_module_with_cache(source, options, **kw)  # noqa: SLF001 - see the module's note
+                compile_module(e["source"], e["options"])
                 done += 1
             except Exception as exc:  # noqa: BLE001 - a module that does not compile here compiles at its use
                 log.debug("compile ahead: %s", exc)

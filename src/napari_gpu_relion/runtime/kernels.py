@@ -13,7 +13,8 @@ registry: every kernel of the sources is listed, and on a GPU every op equals it
 
 CuPy's own kernels that the E-step calls (its ufuncs, ``take``, scatters and CUB reductions) are not ours to
 declare: they are specialised by CuPy on dtypes, the number of dimensions left after merging contiguous axes and
-the reduction's length. ``kernel_preload`` still loads those from a manifest of the last job of the same kind.
+the reduction's length. The package ships the list of those the EM jobs compile (``cupy_kernels``), compiled ahead
+by ``warmup`` or, on a machine where they never were, by a job's background thread.
 """
 
 from __future__ import annotations
