@@ -774,9 +774,7 @@ class JobWidget(Container):
             runner = get_runner(_device_of(params))
         else:
             runner = self._runner
-        self.progress.max = 1
-        self.progress.value = 0
-        self.progress.native.setFormat("%p%")
+        self._set_bar(0, 1, "")
         self.status.tooltip = ""
         self._bar_before_cancel = None
         self._progress = RunProgress(self.job_name)
@@ -838,11 +836,7 @@ class JobWidget(Container):
         if job.state is not JobState.FINISHED:  # busy while cancelling, never once stopped (progress_model)
             value, maximum, text = self._progress.stopped(job.state.value, (self.progress.value, self.progress.max),
                                                           self._bar_before_cancel)
-            if (value, maximum) != (self.progress.value, self.progress.max):
-                self.progress.max = maximum
-                self.progress.value = value
-            if text:
-                self.progress.native.setFormat(text)
+            self._set_bar(value, maximum, text or None)
 
     def _on_started(self, ev: Started) -> None:
         self.show_results_tab()  # what the job produces is what to look at now
@@ -860,11 +854,19 @@ class JobWidget(Container):
             return
         if self.job is not None and self.job.state is JobState.CANCELLING:
             return  # the busy bar and "cancelling..." until the job has stopped
-        if (self.progress.max, self.progress.value) != (report.maximum, report.value):
-            self.progress.max = report.maximum
-            self.progress.value = report.value
-        self.progress.native.setFormat(report.bar_text or "%p%")
+        self._set_bar(report.value, report.maximum, report.bar_text)
         self._set_status(report.text)
+
+    def _set_bar(self, value: int, maximum: int, text: str | None) -> None:
+        """The progress bar at ``value`` of ``maximum`` (0: busy) with ``text`` on it ("": the percentage; None:
+        the words it has)."""
+        if self._closed:
+            return
+        if (self.progress.max, self.progress.value) != (maximum, value):
+            self.progress.max = maximum
+            self.progress.value = value
+        if text is not None:
+            self.progress.native.setFormat(text or "%p%")
 
     def _on_message(self, ev: Message) -> None:
         """A log line of the job: the status line; while an iterative job runs, its progress line stays there (the
@@ -894,9 +896,8 @@ class JobWidget(Container):
     def _on_finished(self, ev: Finished) -> None:
         self.display.drain()
         report = self._progress.update(ev, time.monotonic())
-        if report is not None and not self._closed:
-            self.progress.max, self.progress.value = report.maximum, report.value
-            self.progress.native.setFormat(report.bar_text or "%p%")
+        if report is not None:
+            self._set_bar(report.value, report.maximum, report.bar_text)
         outputs = [Path(p) for p in ev.outputs.values()] if ev.outputs else []
         if outputs and not self.folder.value:
             first = outputs[0]
