@@ -161,7 +161,6 @@ class CtfRefineWidget(JobWidget):
         page = self._tab_page("CTF")
         if page is not None:
             page.layout().insertWidget(1, group.native)
-        self._fit_group = group
         self.fit_questions = boxes
         self._answers_from_field()  # the field's value (its default, or the one remembered)
         for box in boxes.values():
