@@ -53,6 +53,22 @@ def _tabs(widget) -> list[str]:
     return [widget.tabs.tabText(k) for k in range(widget.tabs.count())]
 
 
+def test_every_dock_derives_its_rootname_from_its_output_field_in_one_way():
+    """<job folder>/<rootname>: the job's DEFAULT_ROOT (LocalRes: relion), relion_refine's run, else the folder or
+    file itself; the local-resolution dock adds no rootname of its own."""
+    from napari_gpu_relion.jobs import refine3d
+    from napari_gpu_relion.widgets import job_widget as jw
+    from napari_gpu_relion.widgets.local_resolution import LocalResolutionWidget
+
+    def rootnames(module) -> dict[str, str]:
+        return {s.name: r for s in jw.field_specs(module.Params) if (r := jw.output_rootname(module, s)) is not None}
+
+    assert rootnames(local_resolution) == {"o": "relion"}
+    assert rootnames(refine3d) == {"o": "run"}
+    assert rootnames(postprocess) == {} and rootnames(ctf_refine) == {}
+    assert "values" not in vars(LocalResolutionWidget)
+
+
 def test_the_docks_build_the_command_lines_of_the_cli(make_napari_viewer, tmp_path):
     star, pp, h1, mask = (tmp_path / "Refine3D/job001/run_data.star", tmp_path / "PostProcess/job002/postprocess.star",
                           tmp_path / "Refine3D/job001/run_half1_class001_unfil.mrc", tmp_path / "mask.mrc")

@@ -203,6 +203,18 @@ def _decimals(value: Any) -> int:
 
 #: Path mode of a relion_refine output rootname: the widget shows a folder, the job gets <folder>/run.
 ROOT = "root"
+#: relion_refine's rootname in a job folder.
+RUN_ROOT = "run"
+
+
+def output_rootname(job_module: Any, spec: FieldSpec) -> str | None:
+    """The rootname in the job folder that field ``spec`` asks for (the job gets ``<folder>/<rootname>``): the job's
+    own ``DEFAULT_ROOT`` for its ``--o`` (local resolution: ``relion``, as RELION's LocalRes job), else ``run`` for
+    a relion_refine rootname (``mode="root"``); None for a folder or a file."""
+    own = getattr(job_module, "DEFAULT_ROOT", None)
+    if own is not None and spec.name == "o":
+        return str(own)
+    return RUN_ROOT if spec.metadata.get("mode") == ROOT else None
 
 
 def _path_mode(spec: FieldSpec) -> str:
@@ -575,6 +587,8 @@ class JobWidget(Container):
         self.job_module = job_module
         self.job_name: str = getattr(job_module, "JOB_NAME", job_module.__name__.rsplit(".", 1)[-1])
         self.specs = field_specs(job_module.Params)
+        #: field name -> the rootname its job folder stands for (values() passes <folder>/<rootname>)
+        self.rootnames = {s.name: r for s in self.specs if (r := output_rootname(job_module, s)) is not None}
         self.inputs: dict[str, Any] = {
             s.name: _make_input(s, form_of(self.job_name, s.flag).label) for s in self.specs}
         self._runner = runner
@@ -672,12 +686,12 @@ class JobWidget(Container):
         return self.job.runner if self.job is not None else None
 
     def values(self) -> dict[str, Any]:
-        """Current field values as Params keyword arguments (InputError for unparsable text). A rootname
-        output (relion_refine jobs) is asked for as the job folder and passed as <folder>/run."""
+        """Current field values as Params keyword arguments (InputError for unparsable text). A rootname output
+        is asked for as the job folder and passed as <folder>/<rootname> (:func:`output_rootname`)."""
         out = {s.name: _read_input(s, self.inputs[s.name]) for s in self.specs}
-        for s in self.specs:
-            if _path_mode(s) == ROOT and out.get(s.name) is not None:
-                out[s.name] = Path(out[s.name]) / "run"
+        for name, root in self.rootnames.items():
+            if out.get(name) is not None:
+                out[name] = Path(out[name]) / root
         return out
 
     def build_params(self) -> Any:

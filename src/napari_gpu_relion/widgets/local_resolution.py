@@ -2,7 +2,8 @@
 job, relion_postprocess --locres), plus the result as RELION users look at it.
 
 The dock asks for the job folder and passes ``<folder>/relion`` as the job's rootname, as RELION's LocalRes job does
-(files ``relion_locres.mrc``, ``relion_locres_filtered.mrc``, ``relion_locres_fscs.star``). The Jobs dock fills it
+(files ``relion_locres.mrc``, ``relion_locres_filtered.mrc``, ``relion_locres_fscs.star``): the job's DEFAULT_ROOT,
+through the rootname every job dock derives from its output field (job_widget.output_rootname). The Jobs dock fills it
 from a post-processing (its half maps, mask and sharpening B-factor; widgets/jobs_model.companions).
 
 When the job finishes, its map event carries the locally filtered map and the local resolution
@@ -70,15 +71,6 @@ class LocalResolutionWidget(JobWidget):
         box.native.layout().insertWidget(0, self.legend)
         self.show_button.changed.connect(self.show_surface)
         self._surface_worker: Any = None
-
-    # -- the job's rootname: <job folder>/relion, as RELION's LocalRes job --------------------------------------
-
-    def values(self) -> dict[str, Any]:
-        """The field values as Params keyword arguments; the job folder becomes ``<folder>/relion``."""
-        out = super().values()
-        if out.get("o") is not None:
-            out["o"] = Path(out["o"]) / local_resolution.DEFAULT_ROOT
-        return out
 
     # -- the coloured surface ---------------------------------------------------------------------------------
 
