@@ -1,0 +1,61 @@
+# Issue 48 item 2 (auto-refine to high resolution on EMD-11007, ours and RELION 5 to convergence, judged against the
+# truth) and issue 51's "next refinement" in two chained device calls on one H200 (carry .whl and .relion_kit;
+# chain within 30 s so that /root stays on the machine):
+#   bash benchmarks/hires_calls.sh a N SNR LIMIT   RELION's build in the background; meanwhile issue 51's
+#       ctf_refine_next.py on the GPU; then N EMD-11007 particles at box 192 (1.4 Å/px, Nyquist 2.8 Å) by
+#       relion_project, our auto-refine (first job on the machine: kernels compiled in it), the true-pose halves,
+#       then RELION's auto-refine started in its own session (stopped after LIMIT s), running on after the call
+#   bash benchmarks/hires_calls.sh b       waits for RELION's run, merges both sides into one JSON, plots the FSCs
+# Results in $OUT.
+. benchmarks/gpu_env.sh
+T0=$(date +%s)
+el() { echo "== $1 at +$(( $(date +%s) - T0 )) s"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+R=realistic_emd11007_box192_h200_twentyeighth
+if [ "$1" = a ]; then
+  start_relion
+  if [ -f benchmarks/ctf_refine_next.py ] && [ "${5:-}" != skip51 ]; then
+    timeout 240 python3 benchmarks/ctf_refine_next.py --work /root/next --out $OUT/ctf_refine_next_h200_twentyeighth.json \
+        > $OUT/ctf_refine_next.log 2>&1; echo "ctf_refine_next rc $?"; tail -5 $OUT/ctf_refine_next.log | cut -c1-400
+    el "issue 51 next refinement"
+  fi
+  wait_relion
+  el "RELION built"
+  python3 benchmarks/standard_class3d.py make-data --map .relion_kit/emd_11007_centred192.mrc --map_angpix 0.834 \
+      --angpix 1.4 --box 192 --n "$2" --states 1 --snr "$3" --jobs 16 --out /root/hr 2>&1 | tail -1 | cut -c1-300
+  el "data"
+  python3 benchmarks/realistic.py science --data /root/hr --sides ours --diameter 180 --out $OUT/${R}_ours.json \
+      2>&1 | tail -3 | cut -c1-900
+  cp $OUT/${R}_ours.json /root/
+  tail -4 /root/hr/ours_refine3d/log.txt | cut -c1-300
+  el "ours"
+  rm -rf /root/repo; mkdir -p /root/repo; cp -r benchmarks src /root/repo/; cp -r .whl /root/repo/
+  (cd /root/repo && setsid nohup bash -c ". benchmarks/gpu_env.sh && python3 benchmarks/realistic.py science \
+      --data /root/hr --sides relion --no_true_poses --diameter 180 --limit_s $4 --out /root/${R}_relion.json" \
+      > /root/relion_refine.log 2>&1 < /dev/null &)
+  sleep 2; pgrep -f "sides relion" >/dev/null && el "RELION started in the background"
+else
+  while pgrep -f "sides relion" >/dev/null; do sleep 5; done
+  el "RELION finished"
+  tail -3 /root/relion_refine.log | cut -c1-900
+  cp /root/${R}_relion.json $OUT/ 2>/dev/null
+  tail -30 /root/hr/relion_refine3d/log.txt > $OUT/relion_refine3d_log_tail.txt 2>/dev/null
+  python3 - "$OUT" "$R" <<'PY'
+import json, sys
+from pathlib import Path
+out, r = Path(sys.argv[1]), sys.argv[2]
+ours = json.loads(Path(f"/root/{r}_ours.json").read_text())
+rel = out / f"{r}_relion.json"
+if rel.exists():
+    ours["relion"] = json.loads(rel.read_text())["relion"]
+(out / f"{r}.json").write_text(json.dumps(ours, indent=1))
+for side in ("true_poses", "ours", "relion"):
+    d = ours.get(side, {})
+    m = d if side == "true_poses" else d.get("maps", {})
+    last = (d.get("iterations") or [{}])[-1] if side != "true_poses" else {}
+    print(side, {k: v for k, v in m.items() if not isinstance(v, list)}, "wall", d.get("wall_s"),
+          "iterations", len(d.get("iterations", [])), "last", last)
+PY
+  python3 benchmarks/realistic.py plot $OUT/$R.json $OUT/$R.png
+  el "done"
+fi
