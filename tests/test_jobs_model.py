@@ -349,3 +349,18 @@ def test_local_resolution_folders_ours_and_relions(tmp_path):
     session = jm.SessionJobs()
     session.started(type("W", (), {"job_name": "local_resolution"})(), Params(p / "h1.mrc", lr / "relion"), FakeJob())
     assert session.records()[0].folder == lr
+
+
+def test_one_scan_gives_the_jobs_and_the_selected_jobs_offers(tmp_path, session):
+    """jobs_model.scan_jobs (the Jobs dock's worker thread): the project's jobs, and the offers of the selected one
+    as offers() gives them, new folders numbered after every listed job; none without a selection."""
+    p = _chain_project(tmp_path)
+    ref = p / "Refine3D" / "job007"
+    scan = jm.scan_jobs(p, ref)
+    assert scan.records == jm.scan_project(p) and scan.folder == ref
+    rec = next(r for r in scan.records if r.folder == ref)
+    assert scan.offers == tuple(jm.offers(rec, p, [r.folder for r in scan.records]))
+    assert any(o.job == "ctf_refine" for o in scan.offers)
+    assert jm.scan_jobs(p) == jm.ProjectScan(scan.records)
+    assert jm.scan_jobs(p, p / "Class2D" / "job099").offers == ()  # not listed: nothing offered
+    assert jm.scan_jobs(None).records == []

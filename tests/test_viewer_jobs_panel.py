@@ -5,6 +5,8 @@ the reader opens a job folder (followed) or a model STAR (shown); the dock fits 
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +48,13 @@ def _listed(panel, folder: Path, status: str | None = None):
     return None
 
 
+def _offers_of(panel, qtbot, folder: Path) -> list:
+    """The offers of ``folder``'s job once the panel shows them (found by a scan in the worker thread)."""
+    qtbot.waitUntil(lambda: panel.offers_folder is not None and panel.offers_folder.resolve() == folder.resolve(),
+                    timeout=10_000)
+    return panel.current_offers
+
+
 def test_the_jobs_panel_chains_a_jobs_output_into_the_next(make_napari_viewer, qtbot, tmp_path, sample_dir, session,
                                                            errors):
     project = tmp_path / "project"
@@ -66,6 +75,7 @@ def test_the_jobs_panel_chains_a_jobs_output_into_the_next(make_napari_viewer, q
     assert panel.table.item(0, 0).text() == "AutoPick" and panel.table.item(0, 2).text() == "finished"
 
     panel.select_job(project / "AutoPick/job001")
+    _offers_of(panel, qtbot, project / "AutoPick/job001")
     labels = [panel.offer_list.item(k).text() for k in range(panel.offer_list.count())]
     row = labels.index("Particle extraction ← coordinates (autopick.star)")
     panel.offer_list.setCurrentRow(row)
@@ -84,12 +94,64 @@ def test_the_jobs_panel_chains_a_jobs_output_into_the_next(make_napari_viewer, q
     assert job.state is JobState.FINISHED, ext.status_text
     qtbot.waitUntil(lambda: _listed(panel, project / "Extract/job002", "finished") is not None, timeout=10_000)
     panel.select_job(project / "Extract/job002")
-    (offer,) = [o for o in panel.current_offers if o.job == "class2d"]
+    (offer,) = [o for o in _offers_of(panel, qtbot, project / "Extract/job002") if o.job == "class2d"]
     c2d = panel.open_offer(offer=offer)
     assert c2d.job_name == "class2d"
     assert c2d.values()["i"] == project / "Extract/job002/particles.star"
     assert c2d.values()["o"] == project / "Class2D/job003/run"  # the job folder; relion_refine's rootname in it
     assert not errors
+
+
+def test_the_gui_thread_lists_no_folder_of_the_project(make_napari_viewer, qtbot, tmp_path, monkeypatch, session):
+    """The offers of the selected job (the next job folder, the refinement's newest post-processing, its half maps)
+    are found in the scan's worker thread, as the list is: the GUI thread lists no folder of the project, when a job
+    is selected nor when a rescan finds a new post-processing."""
+    from napari_gpu_relion.io.star import write_star_blocks
+    from napari_gpu_relion.widgets import jobs_model as jm
+
+    project = tmp_path / "project"
+    ref = project / "Refine3D" / "job001"
+    ref.mkdir(parents=True)
+    for name in ("run_model.star", "run_data.star", "run_class001.mrc", "run_half1_class001_unfil.mrc",
+                 "run_half2_class001_unfil.mrc", "RELION_JOB_EXIT_SUCCESS"):
+        (ref / name).write_text("x")
+    gui = threading.current_thread()
+    listed: list[str] = []
+
+    def spy(real):
+        def listing(path="."):
+            if threading.current_thread() is gui and str(project) in str(path):
+                listed.append(str(path))
+            return real(path)
+
+        return listing
+
+    monkeypatch.setattr(os, "listdir", spy(os.listdir))
+    monkeypatch.setattr(os, "scandir", spy(os.scandir))
+    viewer = make_napari_viewer()
+    panel = _panel(viewer, project)
+    qtbot.waitUntil(lambda: _listed(panel, ref, "finished") is not None, timeout=10_000)
+    panel.select_job(ref)
+    (offer,) = [o for o in _offers_of(panel, qtbot, ref) if o.job == "ctf_refine"]
+    assert offer.values["m1"] == str(ref / "run_half1_class001_unfil.mrc") and not offer.values["f"]
+
+    post = project / "PostProcess" / "job002"
+    post.mkdir(parents=True)
+    write_star_blocks(post / "postprocess.star", {"general": {
+        "rlnUnfilteredMapHalf1": "Refine3D/job001/run_half1_class001_unfil.mrc",
+        "rlnUnfilteredMapHalf2": "Refine3D/job001/run_half2_class001_unfil.mrc"}})
+
+    def post_processed() -> bool:  # the next poll's scan finds it and offers it to CTF refinement
+        panel.refresh()
+        return any(o.job == "ctf_refine" and o.values.get("f") == str(post / "postprocess.star")
+                   for o in panel.current_offers)
+
+    qtbot.waitUntil(post_processed, timeout=10_000)
+    assert not listed, listed
+    # the same offers as the model's, new folders numbered after every listed job
+    rec = next(r for r in panel.records if r.folder.resolve() == ref.resolve())
+    expected = jm.offers(rec, project, [r.folder for r in panel.records])
+    assert [(o.job, o.values) for o in panel.current_offers] == [(o.job, o.values) for o in expected]
 
 
 def test_following_a_job_folder_updates_the_display(make_napari_viewer, qtbot, tmp_path, session, errors):

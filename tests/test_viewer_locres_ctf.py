@@ -154,7 +154,9 @@ def test_a_post_processing_chained_into_local_resolution_shows_the_coloured_surf
         return any(r.folder.resolve() == pp.resolve() and r.status == "finished" for r in panel.records)
 
     qtbot.waitUntil(listed, timeout=10_000)
-    panel.select_job(pp)
+    panel.select_job(pp)  # its offers are found in the scan's worker thread
+    qtbot.waitUntil(lambda: panel.offers_folder is not None and panel.offers_folder.resolve() == pp.resolve(),
+                    timeout=10_000)
     (offer,) = [o for o in panel.current_offers if o.job == "local_resolution"]
     assert offer.label == "Local resolution ← postprocess.star"
     lr = panel.open_offer(offer=offer)  # the Local resolution dock, filled from the post-processing

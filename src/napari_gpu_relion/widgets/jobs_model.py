@@ -58,6 +58,8 @@ __all__ = [
     "next_job_folder",
     "project_of",
     "offers",
+    "ProjectScan",
+    "scan_jobs",
     "companions",
     "newest_postprocess_of",
     "note_arguments",
@@ -492,6 +494,28 @@ def offers(record: JobRecord, project: str | os.PathLike | None = None, taken: I
                 values[out_name] = out_value
             result.append(Offer(job, output, values))
     return result
+
+
+@dataclass(frozen=True)
+class ProjectScan:
+    """One scan for the Jobs dock: the jobs, and the offers of the job of ``folder`` (the one selected when the scan
+    began; None: none selected, or not listed)."""
+
+    records: list[JobRecord]
+    folder: Path | None = None
+    offers: tuple[Offer, ...] = ()
+
+
+def scan_jobs(project: Path | None, selected: Path | None = None) -> ProjectScan:
+    """The Jobs dock's list: the project's job folders and this session's jobs, and the offers of the job of folder
+    ``selected`` (:func:`offers`, new folders numbered after every listed job). All of the dock's reading of folders
+    and files: call it in a worker thread."""
+    disk = scan_project(project) if project is not None and project.is_dir() else []
+    records = merge_records(disk, SESSION.records())
+    chosen = next((r for r in records if selected is not None and r.folder == selected), None)
+    if chosen is None:
+        return ProjectScan(records)
+    return ProjectScan(records, chosen.folder, tuple(offers(chosen, project, [r.folder for r in records])))
 
 
 def companions(record: JobRecord, output: Output, job: str, project: Path) -> dict[str, str] | None:

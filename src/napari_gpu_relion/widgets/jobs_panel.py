@@ -4,9 +4,10 @@ folder live. A thin view over widgets/jobs_model.py and widgets/follow_model.py.
 * The list: every ``<project>/<Type>/jobNNN`` folder and every job started from a dock of this session
   (jobs_model.SESSION), with its type, folder, status and last iteration; rescanned every POLL_S seconds in a
   worker thread, and at once when a job of the session changes state or finishes an iteration.
-* "Use as input of": what the next jobs can take from the selected job's outputs. **Open next job** (or a
-  double-click) opens that job's dock (napari's plugin dock, or the one already open) and fills the input fields
-  and a new output folder ``<Type>/jobNNN``.
+* "Use as input of": what the next jobs can take from the selected job's outputs, found by the same scan in the
+  worker thread (jobs_model.scan_jobs: the GUI thread lists no folder and reads no STAR), and by a new scan when
+  another job is selected. **Open next job** (or a double-click) opens that job's dock (napari's plugin dock, or
+  the one already open) and fills the input fields and a new output folder ``<Type>/jobNNN``.
 * **Follow job** / **Follow folder...**: :class:`FolderFollow` scans a job folder (ours, or one RELION is writing)
   in a worker thread every FOLLOW_POLL_S seconds, reads each newly completed iteration there and hands its events
   (class grid, maps, FSC), prepared for display in that thread too, to the viewer's LiveDisplay, which draws them
@@ -34,7 +35,7 @@ from .display import LiveDisplay
 from .dock_layout import dock_as_panel, raise_dock
 from .follow_model import SETTLE_S, FolderFollower, job_label
 from .job_widget import DOCK_MARGIN, chooser_button, wrapping
-from .jobs_model import SESSION, WIDGET_NAMES, JobRecord, Offer, count_running, merge_records, offers, scan_project
+from .jobs_model import SESSION, WIDGET_NAMES, JobRecord, Offer, ProjectScan, count_running, scan_jobs
 from .layout_model import PANEL_MIN_WIDTH
 from .per_viewer import one_per_viewer
 from .runner import error_message
@@ -200,6 +201,7 @@ class JobsPanel(Container):
         self.follow = FolderFollow.for_viewer(viewer)
         self.records: list[JobRecord] = []
         self.current_offers: list[Offer] = []
+        self.offers_folder: Path | None = None  # the job whose offers are shown
         self.last_opened: Any = None
         self._closed = False
         self._scan_worker: Any = None
@@ -282,14 +284,16 @@ class JobsPanel(Container):
         return Path(text).expanduser() if text else None
 
     def refresh(self, *_: Any) -> Any:
-        """Rescan the project (in a worker thread) and redraw the list; returns the worker (None when one is still
-        scanning: it scans again when done)."""
+        """Rescan the project and the selected job's offers (in a worker thread) and redraw them; returns the
+        worker (None when one is still scanning: it scans again when done)."""
         if self._closed:
             return None
         if self._scan_worker is not None:
             self._rescan = True
             return None
-        worker = create_worker(_scan, self.project_folder(), _start_thread=False)
+        selected = self.selected()
+        worker = create_worker(_scan, self.project_folder(), selected.folder if selected is not None else None,
+                               _start_thread=False)
         worker.returned.connect(self._show_records)
         worker.finished.connect(self._scan_done)
         self._scan_worker = worker
@@ -315,11 +319,11 @@ class JobsPanel(Container):
         self.project.line_edit.value = str(folder)
         self._project_is_default = True
 
-    def _show_records(self, records: list[JobRecord]) -> None:
+    def _show_records(self, scan: ProjectScan) -> None:
         if self._closed:
             return
         selected = self.selected()
-        self.records = records
+        records = self.records = scan.records
         project = self.project_folder()
         self.table.setRowCount(len(records))
         for row, rec in enumerate(records):
@@ -339,9 +343,10 @@ class JobsPanel(Container):
         if selected is not None:
             for row, rec in enumerate(records):
                 if rec.folder == selected.folder:
+                    if scan.folder == rec.folder:
+                        self._show_offers(rec.folder, list(scan.offers))
                     if self.table.currentRow() != row:
                         self.table.selectRow(row)
-                    self._show_offers(rec)
                     break
 
     def selected(self) -> JobRecord | None:
@@ -357,13 +362,15 @@ class JobsPanel(Container):
         return None
 
     def _on_selection(self) -> None:
+        """Another job selected: its offers come from a scan in the worker thread; none are offered until then."""
         rec = self.selected()
-        if rec is not None:
-            self._show_offers(rec)
+        if rec is not None and rec.folder != self.offers_folder:
+            self._show_offers(None, [])
+            self.refresh()
 
-    def _show_offers(self, rec: JobRecord) -> None:
-        taken = [r.folder for r in self.records]
-        new = offers(rec, self.project_folder(), taken)
+    def _show_offers(self, folder: Path | None, new: list[Offer]) -> None:
+        """Show ``new``, the offers of the job of ``folder``."""
+        self.offers_folder = folder
         if [(o.job, o.values) for o in new] == [(o.job, o.values) for o in self.current_offers]:
             return
         current = self.offer_list.currentRow()
@@ -440,13 +447,12 @@ class JobsPanel(Container):
         self._closed = True
 
 
-def _scan(project: Path | None) -> list[JobRecord]:
-    """The list (worker thread): the project's job folders and this session's jobs."""
+def _scan(project: Path | None, selected: Path | None) -> ProjectScan:
+    """The list and the offers of the job of folder ``selected`` (worker thread; jobs_model.scan_jobs)."""
     t0 = time.monotonic()
-    disk = scan_project(project) if project is not None and project.is_dir() else []
-    records = merge_records(disk, SESSION.records())
-    log.debug("jobs scan: %d jobs in %.3f s", len(records), time.monotonic() - t0)
-    return records
+    scan = scan_jobs(project, selected)
+    log.debug("jobs scan: %d jobs, %d offers in %.3f s", len(scan.records), len(scan.offers), time.monotonic() - t0)
+    return scan
 
 
 widget = JobsPanel
