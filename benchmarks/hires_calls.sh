@@ -6,6 +6,9 @@
 #       relion_project, our auto-refine (first job on the machine: kernels compiled in it), the true-pose halves,
 #       then RELION's auto-refine started in its own session (stopped after LIMIT s), running on after the call
 #   bash benchmarks/hires_calls.sh b       waits for RELION's run, merges both sides into one JSON, plots the FSCs
+#   bash benchmarks/hires_calls.sh c N LIMIT   issue 48 item 3 at box 360 (0.75 Å/px): N EMD-11007 particles of two
+#       states by relion_project, class3d K=6 with the standard benchmark's options, ours 5 iterations, then RELION
+#       2 iterations (stopped after LIMIT s); RELION must be built (after call a)
 # Results in $OUT.
 . benchmarks/gpu_env.sh
 T0=$(date +%s)
@@ -34,6 +37,19 @@ if [ "$1" = a ]; then
       --data /root/hr --sides relion --no_true_poses --diameter 180 --limit_s $4 --out /root/${R}_relion.json" \
       > /root/relion_refine.log 2>&1 < /dev/null &)
   sleep 2; pgrep -f "sides relion" >/dev/null && el "RELION started in the background"
+elif [ "$1" = c ]; then
+  . /root/rb/env.sh
+  D=standard_class3d_K6_box360_n$2_h200_twentyeighth
+  python3 benchmarks/standard_class3d.py make-data --map .relion_kit/emd_11007_centred192.mrc --map_angpix 0.834 \
+      --angpix 0.75 --box 360 --n "$2" --states 2 --snr 0.05 --jobs 16 --out /root/s360 2>&1 | tail -1 | cut -c1-300
+  el "box-360 data"; df -h /root | tail -1
+  python3 benchmarks/standard_class3d.py run --data /root/s360 --sides ours --iters 5 --limits 150 \
+      --out $OUT/${D}_ours.json 2>&1 | tail -2 | cut -c1-600
+  el "ours"
+  python3 benchmarks/standard_class3d.py run --data /root/s360 --sides relion --iters 2 --limits "$3" \
+      --out $OUT/${D}_relion.json 2>&1 | tail -2 | cut -c1-600
+  tail -20 /root/s360/relion_class3d/log.txt > $OUT/relion_class3d_box360_log_tail.txt
+  el "done"
 else
   while pgrep -f "sides relion" >/dev/null; do sleep 5; done
   el "RELION finished"
