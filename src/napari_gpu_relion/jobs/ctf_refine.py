@@ -16,11 +16,23 @@ rlnOddZernike and rlnEvenZernike of the groups fitted), and per optics group the
 Every particle is compared with the projection of the OTHER half map at its pose (RELION 5.0.1 uses its own half;
 docs/ctf_refinement.md). Under MPI the micrographs are shared among the ranks; the aberration sums are added
 over the ranks and rank 0 fits and writes. The method: compute/ctf_refine.py.
+
+Around the fits (issue 51 times the whole command): the particle images are read in a background thread ahead of
+the batches (:class:`_ImagesAhead`), the plots drawn by a helper process that sets up matplotlib while the
+particles are refined (:class:`_Plotter`), and CuPy is imported and the GPU's context made while the inputs are read
+(:func:`_start_gpu`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +41,7 @@ import pandas as pd
 
 from ..cancel import check_cancel
 from ..compute import ctf_refine as CR
+from ..compute.backend import to_host
 from ..compute.ctf import CtfParams, OpticsAberrations, format_zernike
 from ..compute.geometry import euler_to_matrix
 from ..compute.projector import prepare_reference, stack_references
@@ -39,11 +52,12 @@ from ..io.jobdir import project_path
 from ..io.mrc import read_mrc, require_usable_map
 from ..io.particle_images import check_image_stacks, load_images
 from ..io.star import ParticleTable, read_particles, read_star, write_particles
-from ..runtime.device import backend_for
+from ..runtime.device import backend_for, gpu_for_rank
 from ..runtime.distributed import root_events, world
 from ..runtime.memory import batched_with_oom_retry, free_cached_memory, image_batch
 from .common import check_output_folder, param, prepare_output, require_file, write_note
 from .particles import MAG_COLUMNS, row_aberrations, row_magnification
+from .read_ahead import AHEAD_BYTES
 from .reconstruct import ANGLE_COLUMNS, particle_offsets_px
 
 JOB_NAME = "ctf_refine"
@@ -255,6 +269,83 @@ def _load_particles(p: Params) -> ParticleTable:
     return table
 
 
+def _image_reader(table: ParticleTable, locations) -> Callable[[np.ndarray], np.ndarray]:
+    """The images of table rows, checked (NaN, infinite, blank), read with the table's parsed locations and the
+    stacks' headers kept between calls, from a table of the two columns load_images looks at (taking a batch's
+    rows of the whole table copied every column: 1.5 s of a 100,000-particle run)."""
+    cols = [c for c in ("rlnImageName", "rlnImageSize") if c in table.particles]
+    slim = ParticleTable(table.particles[cols], table.optics, table.path, table.version, table.block,
+                         row_lines=table.row_lines)
+    headers: dict = {}
+
+    def read(rows: np.ndarray) -> np.ndarray:
+        return load_images(slim, rows=rows, check_values=True, locations=locations, headers=headers)
+    return read
+
+
+class _ImagesAhead:
+    """The batches' images read in a background thread, in the order the refinement takes them (``seq``: rows,
+    ``cuts``: the batches' boundaries in ``seq``), at most ``ahead`` batches ahead, so that reading the stacks
+    overlaps the refinement (jobs/read_ahead.py reads fixed blocks of rows; the batches here are whole
+    micrographs). :meth:`take` gives the images of positions [p0, p1) of ``seq``: a batch, or part of one when a
+    batch was cut after running out of memory (p0 never goes back). A reading error is raised by ``take``."""
+
+    def __init__(self, read: Callable[[np.ndarray], np.ndarray], seq: np.ndarray, cuts: np.ndarray, ahead: int):
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, int(ahead)))
+        self._stop = threading.Event()
+        self._held: list[tuple[int, int, np.ndarray]] = []  # (p0, p1, images) taken from the queue
+        self._end = 0  # where the next block from the queue starts
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(read, seq, cuts), name="ctf_refine images",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, read, seq, cuts) -> None:
+        for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True):
+            try:
+                item = (a, b, read(seq[a:b]))
+            except BaseException as exc:  # noqa: BLE001 - raised in the job's thread by take()
+                item = exc
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if self._stop.is_set() or isinstance(item, BaseException):
+                return
+
+    def take(self, p0: int, p1: int) -> np.ndarray:
+        self._held = [h for h in self._held if h[1] > p0]
+        while self._end < p1:
+            if self._error is not None:
+                raise self._error
+            try:
+                item = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError(f"the image reader stopped at position {self._end} of the particles "
+                                       f"({p1} asked for)") from None
+                continue
+            if isinstance(item, BaseException):
+                self._error = item
+                continue
+            self._held.append(item)
+            self._end = item[1]
+        parts = [im[max(p0, a) - a:min(p1, b) - a] for a, b, im in self._held if a < p1 and b > p0]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def close(self) -> None:
+        self._stop.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join(timeout=10.0)
+        self._held = []
+
+
 def _micrographs(df: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     """(order of the rows grouped by micrograph, the micrograph number of each row in that order); one micrograph
     for all rows without rlnMicrographName."""
@@ -270,7 +361,8 @@ def _micrographs(df: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _plot(path: Path, pix: CR.FitPixels, phase, weight, fit, odd: bool, title: str) -> Path:
-    """The per-pixel phase (where weighted) and its fit, on the centred grid (RELION's EPS, as PNG)."""
+    """The per-pixel phase (where weighted) and its fit, on the centred grid (RELION's EPS, as PNG). The axes sit
+    at fixed places (a layout engine measured every label again: a third of the plot's time)."""
     from matplotlib.figure import Figure  # noqa: PLC0415  (no pyplot: savefig draws with Agg, no GUI backend)
 
     seen = np.where(np.asarray(weight) > 0, np.asarray(phase), np.nan)
@@ -278,19 +370,100 @@ def _plot(path: Path, pix: CR.FitPixels, phase, weight, fit, odd: bool, title: s
     fitted = CR.full_grid_image(fit, pix, odd)
     s = pix.box
     half = 0.5 / pix.angpix
-    fig = Figure(figsize=(9, 4.4), layout="constrained")
+    fig = Figure(figsize=(9, 4.4))
     for k, (img, name) in enumerate(((obs, "observed phase per pixel"), (fitted, "fit"))):
-        ax = fig.add_subplot(1, 2, k + 1)
-        im = ax.imshow(img, origin="lower", cmap="RdBu_r", vmin=-np.pi, vmax=np.pi,
+        ax = fig.add_axes((0.095 + 0.455 * k, 0.12, 0.33, 0.74))
+        im = ax.imshow(img, origin="lower", cmap="RdBu_r", vmin=-np.pi, vmax=np.pi, interpolation="nearest",
                        extent=(-half, half * (s - 2) / s, -half, half * (s - 2) / s))
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("kx (1/Å)")
         ax.set_ylabel("ky (1/Å)")
-    fig.colorbar(im, ax=fig.axes, label="phase (rad)", shrink=0.8)
+    fig.colorbar(im, cax=fig.add_axes((0.905, 0.16, 0.015, 0.66)), label="phase (rad)")
     fig.suptitle(title, fontsize=11)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=90)
     return path
+
+
+def _warm_matplotlib() -> None:
+    """Import matplotlib's Figure and Agg and draw one text: its font set-up (the font list, the font file; seconds
+    on a machine without matplotlib's font cache) done before the plots."""
+    import io  # noqa: PLC0415
+
+    from matplotlib.figure import Figure  # noqa: PLC0415
+
+    fig = Figure(figsize=(1, 1))
+    fig.text(0.5, 0.5, "kx (1/Å) 0.1")
+    fig.savefig(io.BytesIO(), format="png", dpi=10)
+
+
+def _plot_helper() -> None:
+    """The plotting helper process of :class:`_Plotter`: matplotlib set up, then the plots read from stdin (a
+    pickled list of :func:`_plot`'s arguments) drawn."""
+    _warm_matplotlib()
+    for args in pickle.load(sys.stdin.buffer):
+        _plot(*args)
+
+
+class _Plotter:
+    """The aberration plots, drawn by a helper process started with the job: it imports matplotlib and sets up its
+    fonts while the particles are refined, then draws the plots while the job writes the STAR file, on a core of
+    its own (in a thread of the job it would share the job's GIL: the refinement's kernel launches, the STAR's
+    formatting), at a lower priority than the job (on a machine with few cores the job goes first). On a 2-core
+    CPU the import took 0.3-0.45 s of the command and each plot 0.15-0.3 s; in the H200 profile of 4,000
+    particles matplotlib's text set-up took 4.4 s (under cProfile). :meth:`wait` (before the job reports done)
+    returns the paths, each written atomically; where the helper could not start or failed, the plots are drawn in
+    the job's process instead (a warning says why)."""
+
+    def __init__(self):
+        self._tasks: list[tuple] = []
+        self._why: str | None = None  # why the plots are to be drawn in the job's process
+        self._err = tempfile.TemporaryFile()
+        root = str(Path(__file__).resolve().parents[2])  # this package's folder first: the child runs this code
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        try:
+            self._proc: subprocess.Popen | None = subprocess.Popen(
+                [sys.executable, "-P", "-c", "import os; hasattr(os, 'nice') and os.nice(10); "
+                 "from napari_gpu_relion.jobs.ctf_refine import _plot_helper; _plot_helper()"],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self._err, env=env)
+        except (OSError, ValueError) as exc:
+            self._proc, self._why = None, f"could not start: {exc}"
+
+    def submit(self, path: Path, pix: CR.FitPixels, *rest) -> None:
+        """A plot (:func:`_plot`'s arguments; the pixels' indices taken to the host)."""
+        host = CR.FitPixels(pix.box, pix.angpix, to_host(pix.ky), to_host(pix.kx), None, None, None, None)
+        self._tasks.append((path, host, *rest))
+
+    def start(self) -> None:
+        """Hand the plots submitted to the helper (after the fits, before the STAR file is written)."""
+        if self._proc is None:
+            return
+        try:
+            self._proc.stdin.write(pickle.dumps(self._tasks))
+            self._proc.stdin.close()
+        except OSError as exc:  # it has died
+            self._why = f"stopped early ({exc})"
+            self.close()
+
+    def wait(self) -> tuple[list[Path], str | None]:
+        """The plots' paths, and why they were drawn here (None: the helper drew them)."""
+        why = self._why
+        if self._proc is not None:
+            rc = self._proc.wait()
+            if rc == 0:
+                return [t[0] for t in self._tasks], None
+            self._err.seek(0)
+            tail = self._err.read().decode(errors="replace").strip().splitlines()[-3:]
+            why = f"exited with code {rc}" + (f": {' / '.join(tail)}" if tail else "")
+            self._proc = None
+        return [_plot(*t) for t in self._tasks], why
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+        self._err.close()
 
 
 def _write_star(p: Params, table: ParticleTable, theta: np.ndarray | None, groups: list[OpticsAberrations],
@@ -353,8 +526,47 @@ def run(p: Params) -> Iterator:
     yield from root_events(world(), _run(p))
 
 
+def _start_gpu(p: Params, local_rank: int, size: int) -> threading.Thread | None:
+    """Import CuPy and create the CUDA context of the GPU that backend_for will choose, in a background thread
+    while the job reads its inputs (the job joins it before backend_for, which then finds both done). It decides
+    nothing: any error is left to backend_for to meet and report. None with --cpu."""
+    if p.cpu or os.environ.get("NAPARI_GPU_RELION_CPU"):
+        return None
+
+    def start() -> None:
+        try:
+            import cupy  # noqa: PLC0415
+
+            count = cupy.cuda.runtime.getDeviceCount()
+            dev = gpu_for_rank(p.gpu, local_rank, count if size > 1 else None)  # backend_for's choice
+            dev = 0 if dev is None else dev
+            if 0 <= dev < count:
+                with cupy.cuda.Device(dev):
+                    cupy.cuda.runtime.memGetInfo()  # needs (so makes) the device's context
+        except Exception:  # noqa: BLE001, S110 - no CuPy, no GPU, a bad --gpu: backend_for says so
+            pass
+
+    thread = threading.Thread(target=start, name="ctf_refine GPU start", daemon=True)
+    thread.start()
+    return thread
+
+
 def _run(p: Params) -> Iterator:
+    closing: list = []  # the job's background reader and plotter
+    try:
+        yield from _job(p, closing)
+    finally:
+        for c in closing:
+            c.close()
+
+
+def _job(p: Params, closing: list) -> Iterator:
     comm = world()
+    plotter = None
+    if comm.is_root and (p.fit_beamtilt or p.fit_aberr):  # matplotlib set up in a helper process from now on
+        plotter = _Plotter()
+        closing.append(plotter)
+    gpu_start = _start_gpu(p, comm.local_rank, comm.size)
     table = _load_particles(p)
     ref_in = _load_reference(p)
     groups, gindex, mags_in = _optics_aberrations(table)
@@ -378,6 +590,8 @@ def _run(p: Params) -> Iterator:
     n_mic = int(mic_of.max()) + 1 if n else 0
     starts = np.searchsorted(mic_of, np.arange(n_mic + 1))
     mine = comm.share(n_mic)
+    if gpu_start is not None:
+        gpu_start.join()
     be = backend_for(p)
     xp = be.xp
     out = Path(p.o)
@@ -398,18 +612,28 @@ def _run(p: Params) -> Iterator:
         out.mkdir(parents=True, exist_ok=True)
         write_note(out, JOB_NAME, p)
 
+    npix = CR.fit_pixels(N, apix).npix
+    per_particle = CR.BYTES_PER_PARTICLE_PIXEL * npix + CR.BYTES_PER_IMAGE_PIXEL * N * N
+    per_batch = p.batch or image_batch(be.free_bytes(), per_particle, max(n, 1),
+                                       most=MAX_BATCH_GPU if be.is_gpu else MAX_BATCH_CPU)
+    mean_per_mic = max(1, int(np.ceil(n / max(n_mic, 1))))
+    mic_batch = max(1, per_batch // mean_per_mic)
+    # this rank's rows in the order the batches take them; the batches' boundaries in it
+    first = int(starts[mine[0]]) if mine.size else 0
+    seq = order[first:int(starts[mine[-1] + 1])] if mine.size else order[:0]
+    cuts = starts[mine[np.arange(0, mine.size, mic_batch)]] - first if mine.size else np.zeros(0, np.int64)
+    cuts = np.append(cuts, seq.size)
+    reader = None
+    if seq.size:  # reading starts now, beside the reference's preparation and the refinement
+        reader = _ImagesAhead(_image_reader(table, locations), seq, cuts, AHEAD_BYTES // max(1, per_batch * 4 * N * N))
+        closing.append(reader)
+
     v1, v2 = ref_in.half1, ref_in.half2
     if ref_in.mask is not None:
         v1, v2 = v1 * ref_in.mask, v2 * ref_in.mask
     reference = stack_references([prepare_reference(xp.asarray(v, dtype=np.float64), pad=p.pad) for v in (v1, v2)])
     refiner = CR.CtfRefiner(reference, N, apix, groups, opt, ref_in.shell_weight, xp, mags=mags_in)
     theta = np.zeros((n, CR.N_PARAMS)) if p.fit_defocus else None
-    npix = refiner.pix.npix
-    per_particle = CR.BYTES_PER_PARTICLE_PIXEL * npix + CR.BYTES_PER_IMAGE_PIXEL * N * N
-    per_batch = p.batch or image_batch(be.free_bytes(), per_particle, max(n, 1),
-                                       most=MAX_BATCH_GPU if be.is_gpu else MAX_BATCH_CPU)
-    mean_per_mic = max(1, int(np.ceil(n / max(n_mic, 1))))
-    mic_batch = max(1, per_batch // mean_per_mic)
     done_rows: list[np.ndarray] = []
 
     def work(j0: int, j1: int) -> None:
@@ -417,7 +641,7 @@ def _run(p: Params) -> Iterator:
         rows = order[starts[m0]:starts[m1]]
         if rows.size == 0:
             return
-        imgs = load_images(table, rows=rows, check_values=True, locations=locations)
+        imgs = reader.take(int(starts[m0]) - first, int(starts[m1]) - first)
         A = euler_to_matrix(ang[rows, 0], ang[rows, 1], ang[rows, 2])
         th = refiner.process(imgs, A, offsets[rows], other[rows], ctf_all.subset(rows), group[rows],
                              mic_of[starts[m0]:starts[m1]] - m0, check=check_cancel)
@@ -448,16 +672,18 @@ def _run(p: Params) -> Iterator:
     for gi, fit in odd.items():
         gnum = int(table.optics["rlnOpticsGroup"].iloc[gi])
         name = f"asymmetric_aberrations_optics-group_{gnum}.png"
-        outputs[name] = _plot(out / name, refiner.pix, fit.phase, fit.weight, fit.fit, True,
-                              f"optics group {gnum}: antisymmetric phase; beam tilt ({fit.beam_tilt_x:.3f}, "
-                              f"{fit.beam_tilt_y:.3f}) mrad")
+        outputs[name] = out / name
+        plotter.submit(out / name, refiner.pix, fit.phase, fit.weight, fit.fit, True,
+                       f"optics group {gnum}: antisymmetric phase; beam tilt ({fit.beam_tilt_x:.3f}, "
+                       f"{fit.beam_tilt_y:.3f}) mrad")
         lines.append(f"optics group {gnum}: beam tilt x {fit.beam_tilt_x:.4f} mrad, y {fit.beam_tilt_y:.4f} mrad"
                      + ("" if fit.odd is None else f"; odd Zernike {format_zernike(fit.odd)}"))
     for gi, fit in even.items():
         gnum = int(table.optics["rlnOpticsGroup"].iloc[gi])
         name = f"symmetric_aberrations_optics-group_{gnum}.png"
-        outputs[name] = _plot(out / name, refiner.pix, fit.phase, fit.weight, fit.fit, False,
-                              f"optics group {gnum}: symmetric phase offset")
+        outputs[name] = out / name
+        plotter.submit(out / name, refiner.pix, fit.phase, fit.weight, fit.fit, False,
+                       f"optics group {gnum}: symmetric phase offset")
         lines.append(f"optics group {gnum}: even Zernike {format_zernike(fit.even)}")
     for gi, m in mags.items():
         gnum = int(table.optics["rlnOpticsGroup"].iloc[gi])
@@ -475,8 +701,15 @@ def _run(p: Params) -> Iterator:
             theta[rows] = CR.adapt_astigmatism(theta[rows], mags_in[gi], m)
     for line in lines:
         yield Message(line)
+    if plotter is not None:
+        plotter.start()  # the plots drawn beside the STAR file's writing
     outputs["particles"] = _write_star(p, table, theta, groups, gindex, odd, even, opt.modes, mags,
                                        defocus_only=not p.fit_defocus)
+    if plotter is not None:
+        _, why = plotter.wait()
+        if why is not None:
+            yield Message(f"the plotting helper process {why}; the plots were drawn in the job's process",
+                          "warning")
     summary = f"wrote {outputs['particles']} ({n} particles)"
     if theta is not None:
         before = CR.params_to_array(ctf_all)[:, 1]
