@@ -409,11 +409,11 @@ class _Plotter:
     """The aberration plots, drawn by a helper process started with the job: it imports matplotlib and sets up its
     fonts while the particles are refined, then draws the plots while the job writes the STAR file, on a core of
     its own (in a thread of the job it would share the job's GIL: the refinement's kernel launches, the STAR's
-    formatting), at a lower priority than the job (on a machine with few cores the job goes first). On a 2-core
-    CPU the import took 0.3-0.45 s of the command and each plot 0.15-0.3 s; in the H200 profile of 4,000
-    particles matplotlib's text set-up took 4.4 s (under cProfile). :meth:`wait` (before the job reports done)
-    returns the paths, each written atomically; where the helper could not start or failed, the plots are drawn in
-    the job's process instead (a warning says why)."""
+    formatting), niced so that on a machine of few cores the job's own work goes first (on the shared 2-core VM
+    the two were within its noise). On a 2-core CPU matplotlib's import took 0.3-0.45 s of the command and each
+    plot 0.15-0.3 s; in the H200 profile of 4,000 particles its text set-up took 4.4 s (under cProfile).
+    :meth:`wait` (before the job reports done) returns the paths, each written atomically; where the helper could
+    not start or failed, the plots are drawn in the job's process instead (a warning says why)."""
 
     def __init__(self):
         self._tasks: list[tuple] = []
