@@ -1,11 +1,14 @@
 # Issue 48 item 2 (auto-refine to high resolution on EMD-11007, ours and RELION 5 to convergence, judged against the
 # truth) and issue 51's "next refinement" in two chained device calls on one H200 (carry .whl and .relion_kit;
 # chain within 30 s so that /root stays on the machine):
-#   bash benchmarks/hires_calls.sh a N SNR LIMIT   RELION's build in the background; meanwhile issue 51's
-#       ctf_refine_next.py on the GPU; then N EMD-11007 particles at box 192 (1.4 Å/px, Nyquist 2.8 Å) by
+#   bash benchmarks/hires_calls.sh a N SNR LIMIT skip51|run51 M   RELION's build in the background; meanwhile
+#       issue 51's ctf_refine_next.py on the GPU and M particles for ctf_refine_bench.py; then relion_ctf_refine's
+#       build in the background, and N EMD-11007 particles at box 192 (1.4 Å/px, Nyquist 2.8 Å) by
 #       relion_project, our auto-refine (first job on the machine: kernels compiled in it), the true-pose halves,
 #       then RELION's auto-refine started in its own session (stopped after LIMIT s), running on after the call
 #   bash benchmarks/hires_calls.sh b       waits for RELION's run, merges both sides into one JSON, plots the FSCs
+#   bash benchmarks/hires_calls.sh d M     issue 51: ctf_refine on the M particles, ours on the GPU (twice) and
+#       relion_ctf_refine --j 16 --bf0 on the CPU cores, one after the other, compared against the truth
 #   bash benchmarks/hires_calls.sh c N LIMIT   issue 48 item 3 at box 360 (0.75 Å/px): N EMD-11007 particles of two
 #       states by relion_project, class3d K=6 with the standard benchmark's options, ours 5 iterations, then RELION
 #       2 iterations (stopped after LIMIT s); RELION must be built (after call a)
@@ -22,8 +25,11 @@ if [ "$1" = a ]; then
         > $OUT/ctf_refine_next.log 2>&1; echo "ctf_refine_next rc $?"; tail -5 $OUT/ctf_refine_next.log | cut -c1-400
     el "issue 51 next refinement"
   fi
+  python3 benchmarks/ctf_refine_bench.py make --out /root/ctf$6 --n $6 --seed 2 | cut -c1-300
+  el "ctf_refine data ($6 particles)"
   wait_relion
   el "RELION built"
+  (cd /root/rb/build && ninja -j 6 relion_ctf_refine > /root/ctf_build.log 2>&1) &
   python3 benchmarks/standard_class3d.py make-data --map .relion_kit/emd_11007_centred192.mrc --map_angpix 0.834 \
       --angpix 1.4 --box 192 --n "$2" --states 1 --snr "$3" --jobs 16 --out /root/hr 2>&1 | tail -1 | cut -c1-300
   el "data"
@@ -37,6 +43,21 @@ if [ "$1" = a ]; then
       --data /root/hr --sides relion --no_true_poses --diameter 180 --limit_s $4 --out /root/${R}_relion.json" \
       > /root/relion_refine.log 2>&1 < /dev/null &)
   sleep 2; pgrep -f "sides relion" >/dev/null && el "RELION started in the background"
+elif [ "$1" = d ]; then
+  . /root/rb/env.sh
+  for _ in $(seq 60); do pgrep -f "ninja.*relion_ctf_refine" >/dev/null || break; sleep 3; done
+  tail -1 /root/ctf_build.log; ls /root/rb/build/bin/relion_ctf_refine
+  CT=ctf_refine_h200_twentyeighth_n$2
+  python3 benchmarks/ctf_refine_bench.py ours --data /root/ctf$2 --tag gpu --repeat 2 --json $OUT/${CT}_gpu.json \
+      | cut -c1-500
+  python3 benchmarks/ctf_refine_bench.py ours --data /root/ctf$2 --tag gpu_batch16384 --extra="--batch 16384" \
+      --json $OUT/${CT}_gpu_batch16384.json | cut -c1-500
+  el "ours"
+  RB=/root/rb python3 benchmarks/ctf_refine_bench.py relion --data /root/ctf$2 --tag relion_bf0_j16 --j 16 \
+      --extra=--bf0 --json $OUT/${CT}_relion_bf0_j16.json | cut -c1-500
+  el "relion_ctf_refine"
+  python3 benchmarks/ctf_refine_bench.py compare $OUT/${CT}_gpu.json $OUT/${CT}_relion_bf0_j16.json \
+      --out $OUT/${CT}_compare.json | cut -c1-800
 elif [ "$1" = c ]; then
   . /root/rb/env.sh
   D=standard_class3d_K6_box360_n$2_h200_twentyeighth
