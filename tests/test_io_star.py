@@ -630,3 +630,30 @@ def test_paths_in_star_files_resolve_by_one_rule_current_folder_first(tmp_path, 
     with pytest.raises(InputError, match="not found; looked in") as err:
         _reader.micrographs_table(lost.with_name("mics.star"))
     assert str(lost.parent) in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["Movies/mic{}.mrc", "Movies/é{}.mrc"])
+def test_loop_rows_are_each_column_right_justified_with_floats_that_read_back_exactly(tmp_path, name):
+    """The writer's loop text against a direct Python layout: floats as repr (the shortest text that reads back
+    to the same value), ints and bools as ints, every column right-justified to its longest value, one space
+    between columns; the same for an ASCII table (laid out as one byte matrix) and a non-ASCII one."""
+    from napari_gpu_relion.io.star import write_star_blocks
+
+    rng = np.random.default_rng(3)
+    n = 57
+    df = pd.DataFrame({"rlnMicrographName": [name.format(i * 37) for i in range(n)],
+                       "rlnAngleRot": rng.normal(size=n) * 10.0 ** rng.integers(-8, 9, n),
+                       "rlnClassNumber": rng.integers(1, 300, n), "rlnIsFlipped": rng.random(n) < 0.5,
+                       "rlnDefocusU": np.round(rng.random(n) * 30000, 1)})
+    df.loc[3, "rlnAngleRot"] = -0.0
+    write_star_blocks(tmp_path / "t.star", {"particles": df})
+    text = (tmp_path / "t.star").read_text(encoding="utf-8")
+    rows = text.split("_rlnDefocusU #5\n", 1)[1].rstrip("\n").split("\n")
+    cols = [[str(v) for v in df["rlnMicrographName"]], [repr(float(v)) for v in df["rlnAngleRot"]],
+            [str(int(v)) for v in df["rlnClassNumber"]], [str(int(v)) for v in df["rlnIsFlipped"]],
+            [repr(float(v)) for v in df["rlnDefocusU"]]]
+    widths = [max(len(x) for x in c) for c in cols]
+    want = [" ".join(c[i].rjust(w) for c, w in zip(cols, widths, strict=True)) for i in range(n)]
+    assert rows == want
+    back = read_star(tmp_path / "t.star")["particles"]
+    np.testing.assert_array_equal(back["rlnAngleRot"].to_numpy(float), df["rlnAngleRot"].to_numpy())

@@ -698,16 +698,17 @@ def read_micrographs(path: str | os.PathLike, *, require: Sequence[str] = ("rlnM
 # Writing
 
 
-def _format_column(s: pd.Series, label: str, path: Path, block: str, offset: int) -> pd.Series:
-    """Text of one column: ints as ints, floats as the shortest text that reads back to the same value."""
+def _format_column(s: pd.Series, label: str, path: Path, block: str, offset: int) -> np.ndarray:
+    """Text of one column (bytes for numbers, str for strings): ints as ints, floats as the shortest text that
+    reads back to the same value."""
     if pd.api.types.is_bool_dtype(s):
-        return s.astype(np.int64).astype(str)
+        return s.to_numpy().astype(np.int64).astype(np.bytes_)
     if pd.api.types.is_integer_dtype(s):
         if s.isna().any():
             row = offset + int(np.argmax(s.isna().to_numpy()))
             raise InputError(f"missing value in column {label} (data_{block} row {row + 1})", path=str(path),
                              column=label)
-        return s.astype(np.int64).astype(str)
+        return s.to_numpy().astype(np.int64).astype(np.bytes_)
     if pd.api.types.is_float_dtype(s):
         values = s.to_numpy()
         bad = ~np.isfinite(values)
@@ -715,7 +716,7 @@ def _format_column(s: pd.Series, label: str, path: Path, block: str, offset: int
             row = int(np.argmax(bad))
             raise InputError(f"cannot write non-finite value {values[row]} in column {label} "
                              f"(data_{block} row {offset + row + 1})", path=str(path), column=label)
-        return pd.Series(values.astype(str), index=s.index)
+        return values.astype(np.float64).astype(np.bytes_)
     bad_mask = np.array(s.isna(), dtype=bool)
     text = s.astype(object).astype(str)
     bad_mask |= text.str.contains(r"\s", regex=True).to_numpy() | (text.str.len() == 0).to_numpy()
@@ -724,7 +725,7 @@ def _format_column(s: pd.Series, label: str, path: Path, block: str, offset: int
         raise InputError(f"cannot write {s.iloc[row]!r} in column {label} (data_{block} row "
                          f"{offset + row + 1}): STAR values must be non-empty and without spaces",
                          path=str(path), column=label)
-    return text
+    return text.to_numpy(dtype=object).astype(str)
 
 
 def _write_block(fh: TextIO, name: str, block: Block, path: Path) -> None:
@@ -733,7 +734,8 @@ def _write_block(fh: TextIO, name: str, block: Block, path: Path) -> None:
     if isinstance(block, dict):
         width = max((len(k) for k in block), default=0) + 1
         for key, value in block.items():
-            one = _format_column(pd.Series([value]), key, path, name, 0).iloc[0]
+            one = _format_column(pd.Series([value]), key, path, name, 0)[0]
+            one = one.decode("ascii") if isinstance(one, bytes) else str(one)
             fh.write(f"_{key:<{width}} {one}\n")
         fh.write("\n")
         return
@@ -742,16 +744,30 @@ def _write_block(fh: TextIO, name: str, block: Block, path: Path) -> None:
         fh.write(f"_{col} #{i}\n")
     for start in range(0, len(block), _WRITE_CHUNK_ROWS):
         chunk = block.iloc[start:start + _WRITE_CHUNK_ROWS]
-        cols = []
-        for col in chunk.columns:
-            text = _format_column(chunk[col], str(col), path, name, start)
-            cols.append(text.str.rjust(int(text.str.len().max())))
-        if not cols:
-            continue
-        rows = cols[0].str.cat(cols[1:], sep=" ") if len(cols) > 1 else cols[0]
-        fh.write("\n".join(rows.tolist()))
-        fh.write("\n")
+        cols = [_format_column(chunk[col], str(col), path, name, start) for col in chunk.columns]
+        if cols:
+            fh.write(_loop_rows(cols))
     fh.write("\n")
+
+
+def _loop_rows(cols: list[np.ndarray]) -> str:
+    """The text of a loop's rows: each column right-justified to its longest value, one space between columns.
+    An ASCII table is laid out as one byte matrix of fixed-width rows (~10x faster than joining strings);
+    another (a non-ASCII file name) column by column as strings."""
+    try:
+        asc = [c if c.dtype.kind == "S" else np.char.encode(c, "ascii") for c in cols]
+    except UnicodeEncodeError:
+        text = [pd.Series(c.astype(str) if c.dtype.kind == "U" else np.char.decode(c, "ascii")) for c in cols]
+        just = [t.str.rjust(int(t.str.len().max())) for t in text]
+        rows = just[0].str.cat(just[1:], sep=" ") if len(just) > 1 else just[0]
+        return "\n".join(rows.tolist()) + "\n"
+    n = len(asc[0])
+    parts = []
+    for c in asc:
+        width = max(int(np.char.str_len(c).max(initial=1)), 1)
+        parts += [np.char.rjust(c, width).view(np.uint8).reshape(n, width), np.full((n, 1), 32, np.uint8)]
+    parts[-1] = np.full((n, 1), 10, np.uint8)
+    return np.ascontiguousarray(np.hstack(parts)).tobytes().decode("ascii")
 
 
 def write_star_blocks(path: str | os.PathLike, blocks: dict[str, Block]) -> Path:
