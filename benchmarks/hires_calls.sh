@@ -1,52 +1,32 @@
-# Issue 48 item 2 (auto-refine to high resolution on EMD-11007, ours and RELION 5 to convergence, judged against the
-# truth) and issue 51's "next refinement" in two chained device calls on one H200 (carry .whl and .relion_kit;
-# chain within 30 s so that /root stays on the machine):
-#   bash benchmarks/hires_calls.sh a N SNR LIMIT skip51|run51 M   RELION's build in the background; meanwhile
-#       issue 51's ctf_refine_next.py on the GPU and M particles for ctf_refine_bench.py; then relion_ctf_refine's
-#       build in the background, and N EMD-11007 particles at box 192 (1.4 Å/px, Nyquist 2.8 Å) by
-#       relion_project, our auto-refine (first job on the machine: kernels compiled in it), the true-pose halves,
-#       then RELION's auto-refine started in its own session (stopped after LIMIT s), running on after the call
+# Issue 51's "next refinement" and ctf_refine at scale, and issue 48 item 2 (auto-refine to high resolution on
+# EMD-11007, ours and RELION 5 to convergence, judged against the truth), in chained device calls on one H200 (carry
+# .whl and .relion_kit; chain within 30 s so that /root stays on the machine):
+#   bash benchmarks/hires_calls.sh ctf M   RELION's build in the background; meanwhile ctf_refine_next.py on the
+#       GPU and M particles for ctf_refine_bench.py; then relion_ctf_refine's build, ctf_refine on the M particles:
+#       ours on the GPU (twice, then with --batch 16384) and relion_ctf_refine --j 16 --bf0 on the CPU cores, one
+#       after the other, judged against the truth and compared
+#   bash benchmarks/hires_calls.sh hr N SNR LIMIT [UNTIL]   N EMD-11007 particles at box 192 (1.4 Å/px, Nyquist
+#       2.8 Å) by relion_project, our auto-refine, the true-pose halves, then RELION's auto-refine started in its
+#       own session (stopped after LIMIT s); the call waits for it until UNTIL s (560) after its start, then does
+#       what b does if RELION finished
 #   bash benchmarks/hires_calls.sh b       waits for RELION's run, merges both sides into one JSON, plots the FSCs
-#   bash benchmarks/hires_calls.sh d M     issue 51: ctf_refine on the M particles, ours on the GPU (twice) and
-#       relion_ctf_refine --j 16 --bf0 on the CPU cores, one after the other, compared against the truth
-#   bash benchmarks/hires_calls.sh c N LIMIT   issue 48 item 3 at box 360 (0.75 Å/px): N EMD-11007 particles of two
-#       states by relion_project, class3d K=6 with the standard benchmark's options, ours 5 iterations, then RELION
-#       2 iterations (stopped after LIMIT s); RELION must be built (after call a)
 # Results in $OUT.
 . benchmarks/gpu_env.sh
 T0=$(date +%s)
 el() { echo "== $1 at +$(( $(date +%s) - T0 )) s"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 R=realistic_emd11007_box192_h200_twentyeighth
-if [ "$1" = a ]; then
+if [ "$1" = ctf ]; then
   start_relion
-  if [ -f benchmarks/ctf_refine_next.py ] && [ "${5:-}" != skip51 ]; then
-    timeout 240 python3 benchmarks/ctf_refine_next.py --work /root/next --out $OUT/ctf_refine_next_h200_twentyeighth.json \
-        > $OUT/ctf_refine_next.log 2>&1; echo "ctf_refine_next rc $?"; tail -5 $OUT/ctf_refine_next.log | cut -c1-400
-    el "issue 51 next refinement"
-  fi
-  python3 benchmarks/ctf_refine_bench.py make --out /root/ctf$6 --n $6 --seed 2 | cut -c1-300
-  el "ctf_refine data ($6 particles)"
+  timeout 300 python3 benchmarks/ctf_refine_next.py --work /root/next --out $OUT/ctf_refine_next_h200_twentyeighth.json \
+      > $OUT/ctf_refine_next.log 2>&1; echo "ctf_refine_next rc $?"; tail -8 $OUT/ctf_refine_next.log | cut -c1-400
+  el "issue 51 next refinement"
+  python3 benchmarks/ctf_refine_bench.py make --out /root/ctf$2 --n $2 --seed 2 | cut -c1-300
+  el "ctf_refine data ($2 particles)"
   wait_relion
   el "RELION built"
-  (cd /root/rb/build && ninja -j 6 relion_ctf_refine > /root/ctf_build.log 2>&1) &
-  python3 benchmarks/standard_class3d.py make-data --map .relion_kit/emd_11007_centred192.mrc --map_angpix 0.834 \
-      --angpix 1.4 --box 192 --n "$2" --states 1 --snr "$3" --jobs 16 --out /root/hr 2>&1 | tail -1 | cut -c1-300
-  el "data"
-  python3 benchmarks/realistic.py science --data /root/hr --sides ours --diameter 180 --out $OUT/${R}_ours.json \
-      2>&1 | tail -3 | cut -c1-900
-  cp $OUT/${R}_ours.json /root/
-  tail -4 /root/hr/ours_refine3d/log.txt | cut -c1-300
-  el "ours"
-  rm -rf /root/repo; mkdir -p /root/repo; cp -r benchmarks src /root/repo/; cp -r .whl /root/repo/
-  (cd /root/repo && setsid nohup bash -c ". benchmarks/gpu_env.sh && python3 benchmarks/realistic.py science \
-      --data /root/hr --sides relion --no_true_poses --diameter 180 --limit_s $4 --out /root/${R}_relion.json" \
-      > /root/relion_refine.log 2>&1 < /dev/null &)
-  sleep 2; pgrep -f "sides relion" >/dev/null && el "RELION started in the background"
-elif [ "$1" = d ]; then
-  . /root/rb/env.sh
-  for _ in $(seq 60); do pgrep -f "ninja.*relion_ctf_refine" >/dev/null || break; sleep 3; done
-  tail -1 /root/ctf_build.log; ls /root/rb/build/bin/relion_ctf_refine
+  (cd /root/rb/build && ninja -j 16 relion_ctf_refine > /root/ctf_build.log 2>&1); tail -1 /root/ctf_build.log
+  el "relion_ctf_refine built"
   CT=ctf_refine_h200_twentyeighth_n$2
   python3 benchmarks/ctf_refine_bench.py ours --data /root/ctf$2 --tag gpu --repeat 2 --json $OUT/${CT}_gpu.json \
       | cut -c1-500
@@ -58,20 +38,25 @@ elif [ "$1" = d ]; then
   el "relion_ctf_refine"
   python3 benchmarks/ctf_refine_bench.py compare $OUT/${CT}_gpu.json $OUT/${CT}_relion_bf0_j16.json \
       --out $OUT/${CT}_compare.json | cut -c1-800
-elif [ "$1" = c ]; then
+elif [ "$1" = hr ]; then
   . /root/rb/env.sh
-  D=standard_class3d_K6_box360_n$2_h200_twentyeighth
   python3 benchmarks/standard_class3d.py make-data --map .relion_kit/emd_11007_centred192.mrc --map_angpix 0.834 \
-      --angpix 0.75 --box 360 --n "$2" --states 2 --snr 0.05 --jobs 16 --out /root/s360 2>&1 | tail -1 | cut -c1-300
-  el "box-360 data"; df -h /root | tail -1
-  python3 benchmarks/standard_class3d.py run --data /root/s360 --sides ours --iters 5 --limits 150 \
-      --out $OUT/${D}_ours.json 2>&1 | tail -2 | cut -c1-600
+      --angpix 1.4 --box 192 --n "$2" --states 1 --snr "$3" --jobs 16 --out /root/hr 2>&1 | tail -1 | cut -c1-300
+  el "data"
+  python3 benchmarks/realistic.py science --data /root/hr --sides ours --diameter 180 --out $OUT/${R}_ours.json \
+      2>&1 | tail -3 | cut -c1-900
+  cp $OUT/${R}_ours.json /root/
+  tail -4 /root/hr/ours_refine3d/log.txt | cut -c1-300
   el "ours"
-  python3 benchmarks/standard_class3d.py run --data /root/s360 --sides relion --iters 2 --limits "$3" \
-      --out $OUT/${D}_relion.json 2>&1 | tail -2 | cut -c1-600
-  tail -20 /root/s360/relion_class3d/log.txt > $OUT/relion_class3d_box360_log_tail.txt
-  el "done"
-else
+  rm -rf /root/repo; mkdir -p /root/repo; cp -r benchmarks src .whl /root/repo/
+  (cd /root/repo && setsid nohup bash -c ". benchmarks/gpu_env.sh && python3 benchmarks/realistic.py science \
+      --data /root/hr --sides relion --no_true_poses --diameter 180 --limit_s $4 --out /root/${R}_relion.json" \
+      > /root/relion_refine.log 2>&1 < /dev/null &)
+  sleep 2; pgrep -f "sides relion" >/dev/null && el "RELION started in the background"
+  while pgrep -f "sides relion" >/dev/null && [ $(( $(date +%s) - T0 )) -lt ${5:-560} ]; do sleep 5; done
+  pgrep -f "sides relion" >/dev/null && el "RELION still running: call b next" || { el "RELION finished"; B_NOW=1; }
+fi
+if [ "$1" = b ] || [ "${B_NOW:-0}" = 1 ]; then
   while pgrep -f "sides relion" >/dev/null; do sleep 5; done
   el "RELION finished"
   tail -3 /root/relion_refine.log | cut -c1-900
