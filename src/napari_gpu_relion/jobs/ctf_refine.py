@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import queue
 import subprocess
 import sys
 import tempfile
@@ -57,7 +56,7 @@ from ..runtime.distributed import root_events, world
 from ..runtime.memory import batched_with_oom_retry, free_cached_memory, image_batch
 from .common import check_output_folder, param, prepare_output, require_file, write_note
 from .particles import MAG_COLUMNS, row_aberrations, row_magnification
-from .read_ahead import AHEAD_BYTES
+from .read_ahead import AHEAD_BYTES, ImageReadAhead
 from .reconstruct import ANGLE_COLUMNS, particle_offsets_px
 
 JOB_NAME = "ctf_refine"
@@ -284,36 +283,20 @@ def _image_reader(table: ParticleTable, locations) -> Callable[[np.ndarray], np.
 
 
 class _ImagesAhead:
-    """The batches' images read in a background thread, in the order the refinement takes them (``seq``: rows,
-    ``cuts``: the batches' boundaries in ``seq``), at most ``ahead`` batches ahead, so that reading the stacks
-    overlaps the refinement (jobs/read_ahead.py reads fixed blocks of rows; the batches here are whole
-    micrographs). :meth:`take` gives the images of positions [p0, p1) of ``seq``: a batch, or part of one when a
-    batch was cut after running out of memory (p0 never goes back). A reading error is raised by ``take``."""
+    """The batches' images read in a background thread (jobs/read_ahead.ImageReadAhead with the batches as its
+    blocks), in the order the refinement takes them (``seq``: rows, ``cuts``: the batches' boundaries in ``seq``), at
+    most ``ahead`` batches ahead, so that reading the stacks overlaps the refinement. :meth:`take` gives the images
+    of positions [p0, p1) of ``seq``: a batch, or part of one when a batch was cut after running out of memory (p0
+    never goes back). A reading error is raised by ``take``, again at every later call."""
 
     def __init__(self, read: Callable[[np.ndarray], np.ndarray], seq: np.ndarray, cuts: np.ndarray, ahead: int):
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, int(ahead)))
-        self._stop = threading.Event()
-        self._held: list[tuple[int, int, np.ndarray]] = []  # (p0, p1, images) taken from the queue
-        self._end = 0  # where the next block from the queue starts
+        blocks = [seq[a:b] for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True)]
+        self._reader = ImageReadAhead(read, seq, int(seq.max()) + 1 if seq.size else 0, 0, max(1, int(ahead)),
+                                      blocks=blocks)
+        self._thread = self._reader._thread  # noqa: SLF001 - the tests' view of the reader's thread
+        self._held: list[tuple[int, int, np.ndarray]] = []  # (p0, p1, images) taken from the reader
+        self._end = 0  # where the reader's next block starts
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(read, seq, cuts), name="ctf_refine images",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self, read, seq, cuts) -> None:
-        for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True):
-            try:
-                item = (a, b, read(seq[a:b]))
-            except BaseException as exc:  # noqa: BLE001 - raised in the job's thread by take()
-                item = exc
-            while not self._stop.is_set():
-                try:
-                    self._queue.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if self._stop.is_set() or isinstance(item, BaseException):
-                return
 
     def take(self, p0: int, p1: int) -> np.ndarray:
         self._held = [h for h in self._held if h[1] > p0]
@@ -321,28 +304,21 @@ class _ImagesAhead:
             if self._error is not None:
                 raise self._error
             try:
-                item = self._queue.get(timeout=0.5)
-            except queue.Empty:
-                if not self._thread.is_alive() and self._queue.empty():
-                    raise RuntimeError(f"the image reader stopped at position {self._end} of the particles "
-                                       f"({p1} asked for)") from None
+                item = self._reader.next(wait=True)
+            except BaseException as exc:  # noqa: BLE001 - kept: an out-of-memory retry asks again
+                self._error = exc
                 continue
-            if isinstance(item, BaseException):
-                self._error = item
-                continue
-            self._held.append(item)
-            self._end = item[1]
+            if item is None:
+                raise RuntimeError(f"the image reader stopped at position {self._end} of the particles "
+                                   f"({p1} asked for)")
+            rows, imgs = item
+            self._held.append((self._end, self._end + len(rows), imgs))
+            self._end += len(rows)
         parts = [im[max(p0, a) - a:min(p1, b) - a] for a, b, im in self._held if a < p1 and b > p0]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def close(self) -> None:
-        self._stop.set()
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
-        self._thread.join(timeout=10.0)
+        self._reader.stop()
         self._held = []
 
 

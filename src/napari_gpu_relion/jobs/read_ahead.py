@@ -24,13 +24,14 @@ _DONE = object()
 
 
 class ImageReadAhead:
-    """Reads ``read(rows)`` for consecutive blocks of ``order`` (rows of a set of ``n``) in a daemon thread.
+    """Reads ``read(rows)`` for consecutive blocks of ``order`` (rows of a set of ``n``; blocks of ``block`` rows,
+    or the caller's ``blocks``, which split ``order``) in a daemon thread.
     ``claim(rows)`` hands the rows it has not started to the caller; ``next(wait)`` gives the next block read,
     (rows, images), or None (none ready and ``wait`` false, or the reader ``finished``). An error of the reader
     (InputError for a bad image, OSError) is raised by the ``next`` call that reaches it, in the caller's thread."""
 
     def __init__(self, read: Callable[[np.ndarray], np.ndarray], order: np.ndarray, n: int, block: int,
-                 ahead_blocks: int):
+                 ahead_blocks: int, blocks: list[np.ndarray] | None = None):
         self._read = read
         self._queue: queue.Queue = queue.Queue(maxsize=max(2, int(ahead_blocks)))
         self._stop = threading.Event()
@@ -39,8 +40,9 @@ class ImageReadAhead:
         self._todo[order] = True
         self._in_flight = np.zeros(n, dtype=bool)  # the reader has started it and the caller not taken it
         self.finished = False
-        step = max(1, int(block))
-        blocks = [order[i:i + step] for i in range(0, len(order), step)]
+        if blocks is None:  # fixed blocks of ``block`` rows; a caller's own blocks (``order`` split) otherwise
+            step = max(1, int(block))
+            blocks = [order[i:i + step] for i in range(0, len(order), step)]
         self._thread = threading.Thread(target=self._run, args=(blocks,), name="particle images", daemon=True)
         self._thread.start()
 
