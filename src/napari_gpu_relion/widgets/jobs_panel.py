@@ -55,8 +55,9 @@ FOLLOW_POLL_S = 1.0
 COLUMNS = ("Job", "Folder", "Status", "Iter.")
 #: Least height (pixels) of the job list: about four rows, also in a dock shared with the plots on a laptop.
 TABLE_MIN_HEIGHT = 130
-#: Greatest height (pixels) of the "Use as input of" list (it scrolls): the job list gets the rest.
-OFFERS_MAX_HEIGHT = 110
+#: Greatest height (pixels) of the "Use as input of" list (it scrolls): the job list gets the rest. A refinement's
+#: ten offers fit whole (about 14 px a row, and the sideways scroll bar): at 110 px only seven showed at 1366x768.
+OFFERS_MAX_HEIGHT = 170
 
 
 def open_job_dock(viewer: Any, job: str) -> Any:
