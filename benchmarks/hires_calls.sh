@@ -10,6 +10,9 @@
 #       own session (stopped after LIMIT s); the call waits for it until UNTIL s (560) after its start, then does
 #       what b does if RELION finished
 #   bash benchmarks/hires_calls.sh b       waits for RELION's run, merges both sides into one JSON, plots the FSCs
+#   bash benchmarks/hires_calls.sh c N LIMIT   issue 48 item 3 at box 360 (0.75 Å/px): N EMD-11007 particles of two
+#       states by relion_project, class3d K=6 with the standard benchmark's options, ours 5 iterations, then RELION
+#       2 iterations (stopped after LIMIT s); builds RELION first where it is not built (not run yet)
 # Results in $OUT.
 . benchmarks/gpu_env.sh
 T0=$(date +%s)
@@ -38,6 +41,19 @@ if [ "$1" = ctf ]; then
   el "relion_ctf_refine"
   python3 benchmarks/ctf_refine_bench.py compare $OUT/${CT}_gpu.json $OUT/${CT}_relion_bf0_j16.json \
       --out $OUT/${CT}_compare.json | cut -c1-800
+elif [ "$1" = c ]; then
+  wait_relion
+  D=standard_class3d_K6_box360_n$2_h200_$(date +%Y%m%d)
+  python3 benchmarks/standard_class3d.py make-data --map .relion_kit/emd_11007_centred192.mrc --map_angpix 0.834 \
+      --angpix 0.75 --box 360 --n "$2" --states 2 --snr 0.05 --jobs 16 --out /root/s360 2>&1 | tail -1 | cut -c1-300
+  el "box-360 data"; df -h /root | tail -1
+  python3 benchmarks/standard_class3d.py run --data /root/s360 --sides ours --iters 5 --limits 150 \
+      --out $OUT/${D}_ours.json 2>&1 | tail -2 | cut -c1-600
+  el "ours"
+  python3 benchmarks/standard_class3d.py run --data /root/s360 --sides relion --iters 2 --limits "$3" \
+      --out $OUT/${D}_relion.json 2>&1 | tail -2 | cut -c1-600
+  tail -20 /root/s360/relion_class3d/log.txt > $OUT/relion_class3d_box360_log_tail.txt
+  el "done"
 elif [ "$1" = hr ]; then
   . /root/rb/env.sh
   python3 benchmarks/standard_class3d.py make-data --map .relion_kit/emd_11007_centred192.mrc --map_angpix 0.834 \
