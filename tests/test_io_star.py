@@ -635,7 +635,7 @@ def test_paths_in_star_files_resolve_by_one_rule_current_folder_first(tmp_path, 
 @pytest.mark.parametrize("name", ["Movies/mic{}.mrc", "Movies/é{}.mrc"])
 def test_loop_rows_are_each_column_right_justified_with_floats_that_read_back_exactly(tmp_path, name):
     """The writer's loop text against a direct Python layout: floats as repr (the shortest text that reads back
-    to the same value), ints and bools as ints, every column right-justified to its longest value, one space
+    to the same value; float32's own shortest text for float32), ints and bools as ints, every column right-justified to its longest value, one space
     between columns; the same for an ASCII table (laid out as one byte matrix) and a non-ASCII one."""
     from napari_gpu_relion.io.star import write_star_blocks
 
@@ -644,14 +644,16 @@ def test_loop_rows_are_each_column_right_justified_with_floats_that_read_back_ex
     df = pd.DataFrame({"rlnMicrographName": [name.format(i * 37) for i in range(n)],
                        "rlnAngleRot": rng.normal(size=n) * 10.0 ** rng.integers(-8, 9, n),
                        "rlnClassNumber": rng.integers(1, 300, n), "rlnIsFlipped": rng.random(n) < 0.5,
-                       "rlnDefocusU": np.round(rng.random(n) * 30000, 1)})
+                       "rlnDefocusU": np.round(rng.random(n) * 30000, 1),
+                       "rlnCtfFigureOfMerit": (rng.random(n) * 10.0 ** rng.integers(-3, 4, n)).astype(np.float32)})
     df.loc[3, "rlnAngleRot"] = -0.0
     write_star_blocks(tmp_path / "t.star", {"particles": df})
     text = (tmp_path / "t.star").read_text(encoding="utf-8")
-    rows = text.split("_rlnDefocusU #5\n", 1)[1].rstrip("\n").split("\n")
+    rows = text.split("_rlnCtfFigureOfMerit #6\n", 1)[1].rstrip("\n").split("\n")
     cols = [[str(v) for v in df["rlnMicrographName"]], [repr(float(v)) for v in df["rlnAngleRot"]],
             [str(int(v)) for v in df["rlnClassNumber"]], [str(int(v)) for v in df["rlnIsFlipped"]],
-            [repr(float(v)) for v in df["rlnDefocusU"]]]
+            [repr(float(v)) for v in df["rlnDefocusU"]],
+            [str(v) for v in df["rlnCtfFigureOfMerit"].to_numpy()]]  # float32's own shortest text
     widths = [max(len(x) for x in c) for c in cols]
     want = [" ".join(c[i].rjust(w) for c, w in zip(cols, widths, strict=True)) for i in range(n)]
     assert rows == want

@@ -716,7 +716,7 @@ def _format_column(s: pd.Series, label: str, path: Path, block: str, offset: int
             row = int(np.argmax(bad))
             raise InputError(f"cannot write non-finite value {values[row]} in column {label} "
                              f"(data_{block} row {offset + row + 1})", path=str(path), column=label)
-        return values.astype(np.float64).astype(np.bytes_)
+        return values.astype(np.bytes_)  # each dtype's shortest text (float32's for float32)
     bad_mask = np.array(s.isna(), dtype=bool)
     text = s.astype(object).astype(str)
     bad_mask |= text.str.contains(r"\s", regex=True).to_numpy() | (text.str.len() == 0).to_numpy()
