@@ -58,7 +58,7 @@ def test_images_read_ahead_are_load_images(tmp_path, monkeypatch):
             np.testing.assert_array_equal(got, imgs[seq[a:b]])
     finally:
         reader.close()
-    assert not reader._thread.is_alive()
+    assert not reader.alive
 
 
 @pytest.mark.filterwarnings("ignore:Data array contains NaN")

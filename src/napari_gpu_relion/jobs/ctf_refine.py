@@ -20,7 +20,7 @@ over the ranks and rank 0 fits and writes. The method: compute/ctf_refine.py.
 Around the fits (issue 51 times the whole command): the particle images are read in a background thread ahead of
 the batches (:class:`_ImagesAhead`), the plots drawn by a helper process that sets up matplotlib while the
 particles are refined (:class:`_Plotter`), and CuPy is imported and the GPU's context made while the inputs are read
-(:func:`_start_gpu`).
+(runtime.device.warm_device).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import pickle
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +50,7 @@ from ..io.jobdir import project_path
 from ..io.mrc import read_mrc, require_usable_map
 from ..io.particle_images import check_image_stacks, load_images
 from ..io.star import ParticleTable, read_particles, read_star, write_particles
-from ..runtime.device import backend_for, gpu_for_rank
+from ..runtime.device import backend_for, warm_device
 from ..runtime.distributed import root_events, world
 from ..runtime.memory import batched_with_oom_retry, free_cached_memory, image_batch
 from .common import check_output_folder, param, prepare_output, require_file, write_note
@@ -293,7 +292,6 @@ class _ImagesAhead:
         blocks = [seq[a:b] for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True)]
         self._reader = ImageReadAhead(read, seq, int(seq.max()) + 1 if seq.size else 0, 0, max(1, int(ahead)),
                                       blocks=blocks)
-        self._thread = self._reader._thread  # noqa: SLF001 - the tests' view of the reader's thread
         self._held: list[tuple[int, int, np.ndarray]] = []  # (p0, p1, images) taken from the reader
         self._end = 0  # where the reader's next block starts
         self._error: BaseException | None = None
@@ -320,6 +318,10 @@ class _ImagesAhead:
     def close(self) -> None:
         self._reader.stop()
         self._held = []
+
+    @property
+    def alive(self) -> bool:
+        return self._reader.alive
 
 
 def _micrographs(df: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
@@ -502,31 +504,6 @@ def run(p: Params) -> Iterator:
     yield from root_events(world(), _run(p))
 
 
-def _start_gpu(p: Params, local_rank: int, size: int) -> threading.Thread | None:
-    """Import CuPy and create the CUDA context of the GPU that backend_for will choose, in a background thread
-    while the job reads its inputs (the job joins it before backend_for, which then finds both done). It decides
-    nothing: any error is left to backend_for to meet and report. None with --cpu."""
-    if p.cpu or os.environ.get("NAPARI_GPU_RELION_CPU"):
-        return None
-
-    def start() -> None:
-        try:
-            import cupy  # noqa: PLC0415
-
-            count = cupy.cuda.runtime.getDeviceCount()
-            dev = gpu_for_rank(p.gpu, local_rank, count if size > 1 else None)  # backend_for's choice
-            dev = 0 if dev is None else dev
-            if 0 <= dev < count:
-                with cupy.cuda.Device(dev):
-                    cupy.cuda.runtime.memGetInfo()  # needs (so makes) the device's context
-        except Exception:  # noqa: BLE001, S110 - no CuPy, no GPU, a bad --gpu: backend_for says so
-            pass
-
-    thread = threading.Thread(target=start, name="ctf_refine GPU start", daemon=True)
-    thread.start()
-    return thread
-
-
 def _run(p: Params) -> Iterator:
     closing: list = []  # the job's background reader and plotter
     try:
@@ -542,7 +519,7 @@ def _job(p: Params, closing: list) -> Iterator:
     if comm.is_root and (p.fit_beamtilt or p.fit_aberr):  # matplotlib set up in a helper process from now on
         plotter = _Plotter()
         closing.append(plotter)
-    gpu_start = _start_gpu(p, comm.local_rank, comm.size)
+    gpu_start = warm_device(p)  # CuPy and the GPU's context made while the inputs are read
     table = _load_particles(p)
     ref_in = _load_reference(p)
     groups, gindex, mags_in = _optics_aberrations(table)

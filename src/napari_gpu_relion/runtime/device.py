@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -165,3 +166,30 @@ def backend_for(params) -> Backend:
     if be.is_gpu:
         be.xp.cuda.Device(be.device).use()
     return be
+
+
+def warm_device(params) -> threading.Thread | None:
+    """CuPy imported and the CUDA context of the GPU :func:`backend_for` will choose made in a background thread, so
+    that a job can overlap them with reading its inputs (join it before backend_for, which then finds both done).
+    It decides nothing: an error (no CuPy, no GPU, a bad --gpu) is left to backend_for to report. None with --cpu."""
+    if getattr(params, "cpu", False):
+        return None
+
+    def start() -> None:
+        try:
+            cp = _try_cupy()
+            if cp is None:
+                return
+            comm = world()
+            count = cp.cuda.runtime.getDeviceCount()
+            dev = gpu_for_rank(getattr(params, "gpu", None), comm.local_rank, count if comm.size > 1 else None)
+            dev = 0 if dev is None else dev
+            if 0 <= dev < count:
+                with cp.cuda.Device(dev):
+                    cp.cuda.runtime.memGetInfo()  # needs (so makes) the device's context
+        except Exception:  # noqa: BLE001, S110 - backend_for meets and reports it
+            pass
+
+    thread = threading.Thread(target=start, name="GPU start", daemon=True)
+    thread.start()
+    return thread
