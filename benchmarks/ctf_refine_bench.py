@@ -42,6 +42,20 @@ from realistic import gpu_name  # noqa: E402
 FLAGS = ["--fit_defocus", "--fit_mode", "fpfff", "--fit_beamtilt", "--odd_aberr_max_n", "3", "--fit_aberr"]
 
 
+_WORK: dict = {}  # make's inputs, inherited by its forked workers
+
+
+def _clean_chunk(span: tuple[int, int]) -> np.ndarray:
+    """Noise-free images i0..i1-1 of make's set (float32), in a forked worker."""
+    from napari_gpu_relion.compute.simulate import ctf_images
+
+    w, (i0, i1) = _WORK, span
+    c = w["ctf"]
+    ctf = type(c)(c.defocus_u[i0:i1], c.defocus_v[i0:i1], c.defocus_angle[i0:i1])
+    return ctf_images(w["ref"], w["A"][i0:i1], ctf, w["angpix"], w["origins"][i0:i1],
+                      aberrations=w["ab"]).astype(np.float32)
+
+
 def make(a) -> None:
     """tests/test_ctf_refine.py's _simulate and `simulated` fixture, at any size, written to --out."""
     import mrcfile
@@ -69,9 +83,22 @@ def make(a) -> None:
     ctf = CtfParams(dmean + ast, dmean - ast, rng.uniform(-180, 180, n))
     ab = OpticsAberrations(TILT[0], TILT[1], ODD, (), 2.7, 300.0)
     origins = rng.uniform(-3, 3, (n, 2))
-    clean = ctf_images(prepare_reference(v, pad=3), A, ctf, angpix, origins, aberrations=ab)
-    sigma = np.sqrt(clean.reshape(n, -1).var(axis=1).mean() / a.snr)
-    imgs = (clean + rng.normal(0, sigma, clean.shape)).astype(np.float32)
+    ref = prepare_reference(v, pad=3)
+    parts = np.array_split(np.arange(n), max(1, a.jobs))
+    if a.jobs > 1:  # the same images, made in forked processes (the random draws stay in this one)
+        import multiprocessing as mp
+
+        _WORK.update(ref=ref, A=A, ctf=ctf, angpix=angpix, origins=origins, ab=ab)
+        with mp.get_context("fork").Pool(a.jobs) as pool:
+            chunks = pool.map(_clean_chunk, [(int(p[0]), int(p[-1]) + 1) for p in parts if len(p)])
+    else:
+        chunks = [ctf_images(ref, A, ctf, angpix, origins, aberrations=ab).astype(np.float32)]
+    clean = np.concatenate(chunks)
+    del chunks
+    sigma = np.sqrt(clean.reshape(n, -1).astype(np.float64).var(axis=1).mean() / a.snr)
+    imgs = clean
+    for i0 in range(0, n, 4096):  # the noise in slabs: float64 draws of the whole set would need 8 bytes a value
+        imgs[i0:i0 + 4096] += rng.normal(0, sigma, clean[i0:i0 + 4096].shape)
     subset = rng.permutation(np.arange(n) % 2) + 1
     err = rng.normal(0, 300, n)
     with mrcfile.new(out / "particles.mrcs", overwrite=True) as m:
@@ -110,7 +137,7 @@ def make(a) -> None:
     md5 = hashlib.md5((out / "particles.mrcs").read_bytes()).hexdigest()
     info = {"n": n, "box": box, "angpix": angpix, "snr": a.snr, "seed": a.seed, "per_micrograph": a.per_micrograph,
             "tilt_mrad": TILT, "odd": ODD, "defocus_error_sigma_A": 300.0, "particles_md5": md5,
-            "made_s": time.time() - t0, "host": platform.node()}
+            "made_s": time.time() - t0, "jobs": a.jobs, "host": platform.node()}
     (out / "data.json").write_text(json.dumps(info, indent=1))
     print(json.dumps(info))
 
@@ -241,6 +268,7 @@ def main(argv=None) -> None:
     m.add_argument("--snr", type=float, default=1.0)
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--per_micrograph", type=int, default=20)
+    m.add_argument("--jobs", type=int, default=1, help="processes that make the noise-free images")
     o = sub.add_parser("ours")
     o.add_argument("--data", required=True)
     o.add_argument("--tag", required=True)

@@ -13,13 +13,51 @@
 #   bash benchmarks/hires_calls.sh c N LIMIT   issue 48 item 3 at box 360 (0.75 Å/px): N EMD-11007 particles of two
 #       states by relion_project, class3d K=6 with the standard benchmark's options, ours 5 iterations, then RELION
 #       2 iterations (stopped after LIMIT s); builds RELION first where it is not built (not run yet)
+#   bash benchmarks/hires_calls.sh prof N     N EMD-11007 particles at box 192 (as hr, SNR 0.1) and our auto-refine of
+#       them under benchmarks/profile_job.py (synchronised timers per step; iteration 12, a local search, under the
+#       kernel trace); RELION's build first (relion_project), relion_ctf_refine's after it
+#   bash benchmarks/hires_calls.sh ctfdata M   M particles for ctf_refine_bench.py (16 processes), RELION and
+#       relion_ctf_refine built; then `ctfrun M` does the ctf part of `ctf` on them
 # Results in $OUT.
 . benchmarks/gpu_env.sh
 T0=$(date +%s)
 el() { echo "== $1 at +$(( $(date +%s) - T0 )) s"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 R=realistic_emd11007_box192_h200_twentyeighth
-if [ "$1" = ctf ]; then
+if [ "$1" = prof ]; then
+  start_relion
+  wait_relion
+  el "RELION built"
+  (cd /root/rb/build && setsid nohup ninja -j 8 relion_ctf_refine > /root/ctf_build.log 2>&1 < /dev/null &)
+  python3 benchmarks/standard_class3d.py make-data --map .relion_kit/emd_11007_centred192.mrc --map_angpix 0.834 \
+      --angpix 1.4 --box 192 --n "$2" --states 1 --snr 0.1 --jobs 16 --out /root/hr 2>&1 | tail -1 | cut -c1-300
+  el "data"
+  P=profile_refine3d_emd11007_box192_n$2_h200_twentyninth
+  REPO=$PWD; (cd /root/hr && python3 $REPO/benchmarks/profile_job.py --out $OUT/$P.json --kernel_trace 12 -- \
+      refine3d --i particles.star --particle_diameter 180.0 --ctf --flatten_solvent --zero_mask --offset_range 5.0 \
+      --offset_step 2.0 --pad 2 --random_seed 1 --ref ref.mrc --ini_high 30.0 --sym C1 --healpix_order 2 \
+      --auto_local_healpix_order 4 --low_resol_join_halves 40 --norm --scale --o prof_refine3d/run) \
+      > $OUT/$P.log 2>&1; echo "profile rc $?"; tail -5 $OUT/$P.log | cut -c1-300
+  el "profile"
+  tail -1 /root/ctf_build.log
+elif [ "$1" = ctfdata ]; then
+  start_relion
+  python3 benchmarks/ctf_refine_bench.py make --out /root/ctf$2 --n $2 --seed 2 --jobs 16 | cut -c1-300
+  el "ctf_refine data ($2 particles)"
+  wait_relion
+  [ -x /root/rb/build/bin/relion_ctf_refine ] || (cd /root/rb/build && ninja -j 16 relion_ctf_refine > /root/ctf_build.log 2>&1)
+  tail -1 /root/ctf_build.log; el "relion_ctf_refine built"
+elif [ "$1" = ctfrun ]; then
+  CT=ctf_refine_h200_twentyninth_n$2
+  python3 benchmarks/ctf_refine_bench.py ours --data /root/ctf$2 --tag gpu --repeat 2 --json $OUT/${CT}_gpu.json \
+      | cut -c1-500
+  el "ours"
+  RB=/root/rb python3 benchmarks/ctf_refine_bench.py relion --data /root/ctf$2 --tag relion_bf0_j16 --j 16 \
+      --extra=--bf0 --json $OUT/${CT}_relion_bf0_j16.json | cut -c1-500
+  el "relion_ctf_refine"
+  python3 benchmarks/ctf_refine_bench.py compare $OUT/${CT}_gpu.json $OUT/${CT}_relion_bf0_j16.json \
+      --out $OUT/${CT}_compare.json | cut -c1-800
+elif [ "$1" = ctf ]; then
   start_relion
   timeout 300 python3 benchmarks/ctf_refine_next.py --work /root/next --out $OUT/ctf_refine_next_h200_twentyeighth.json \
       > $OUT/ctf_refine_next.log 2>&1; echo "ctf_refine_next rc $?"; tail -8 $OUT/ctf_refine_next.log | cut -c1-400
