@@ -156,8 +156,8 @@ def test_local_candidates_on_the_gpu_equal_numpy():
 
 
 def test_fine_pass_particle_terms_on_the_gpu_equal_the_complex_forms():
-    """The fine pass's particle terms on CuPy (expectation.stacked_shifted, _sum_conj_shifted: real products and
-    CuPy's einsum over t) against the complex products in float64."""
+    """The fine pass's particle terms on CuPy (expectation.stacked_shifted, sum_conj_shifted: the fused kernels
+    gpu_kernels.stacked_shifted and sum_conj_shifted) against the complex products in float64."""
     from napari_gpu_relion.compute import expectation
 
     rng = np.random.default_rng(2)
@@ -168,7 +168,7 @@ def test_fine_pass_particle_terms_on_the_gpu_equal_the_complex_forms():
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5)
     U = rng.normal(size=(4, 9, 600)).astype(np.float32)
     direct = ((U[..., :300].astype(np.complex128) - 1j * U[..., 300:]) * ramps[None]).sum(axis=1)
-    got = cp.asnumpy(expectation._sum_conj_shifted(cp.asarray(U), cp.asarray(ramps)))
+    got = cp.asnumpy(expectation.sum_conj_shifted(cp.asarray(U), cp.asarray(ramps)))
     np.testing.assert_allclose(got, direct, rtol=0, atol=1e-4)
 
 

@@ -635,8 +635,9 @@ def test_paths_in_star_files_resolve_by_one_rule_current_folder_first(tmp_path, 
 @pytest.mark.parametrize("name", ["Movies/mic{}.mrc", "Movies/é{}.mrc"])
 def test_loop_rows_are_each_column_right_justified_with_floats_that_read_back_exactly(tmp_path, name):
     """The writer's loop text against a direct Python layout: floats as repr (the shortest text that reads back
-    to the same value; float32's own shortest text for float32), ints and bools as ints, every column right-justified to its longest value, one space
-    between columns; the same for an ASCII table (laid out as one byte matrix) and a non-ASCII one."""
+    to the same value; float32's own shortest text for float32), ints and bools as ints, every column
+    right-justified to its longest value, one space between columns; the same for an ASCII table (laid out as
+    one byte matrix) and a non-ASCII one."""
     from napari_gpu_relion.io.star import write_star_blocks
 
     rng = np.random.default_rng(3)

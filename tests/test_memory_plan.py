@@ -302,4 +302,4 @@ def test_stacked_shifted_images_are_the_complex_products():
     np.testing.assert_allclose(expectation.stacked_shifted(g, ramps), ref, rtol=0, atol=1e-6)
     U = rng.normal(size=(3, 7, 100)).astype(np.float32)
     direct = ((U[..., :50].astype(np.complex128) - 1j * U[..., 50:]) * ramps[None]).sum(axis=1)
-    np.testing.assert_allclose(expectation._sum_conj_shifted(U, ramps), direct, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(expectation.sum_conj_shifted(U, ramps), direct, rtol=0, atol=1e-5)

@@ -536,10 +536,10 @@ def _coarse_pass(b: _Batch, candidates, candidate_log_prior) -> _CoarseResult:
         cand = xp.asarray(candidates)
         valid = cand >= 0
         urows, pos = xp.unique(xp.where(valid, cand, 0), return_inverse=True)
-        pos = pos.reshape(cand.shape)
-        slices = _project_rows(setup, to_host(urows), pix, fine=False)
+        S = _gathered_coarse_slices(setup, to_host(urows), pos.reshape(cand.shape), pix)
         with matmul_tf32(xp, setup.coarse_tf32):
-            diff2 = scores_gathered(as_slices(slices, gemm_width(pix.npix)).take(pos), terms, setup.check_cancel)
+            diff2 = scores_gathered(S, terms, setup.check_cancel)
+        del S
         lp_orient = xp.where(valid, xp.asarray(candidate_log_prior), -np.inf)
         if class_prior is not None:
             lp_orient = lp_orient + xp.take_along_axis(class_prior, xp.maximum(cand, 0) // R, axis=1)
@@ -1045,6 +1045,33 @@ def _add_mstep_sums(b: _Batch, acc: _FineSums, sums: EStepSums, groups, scale_gr
     sums.log_likelihood += float(acc.log_likelihood.sum())
     sums.sum_pmax += float(acc.pmax.sum())
     sums.n_particles += b.n_particles
+
+
+#: The coarse pass of a local search projects each particle's own rows straight into the GEMM's layout (one fused
+#: kernel) when its batch's distinct rows are at least this fraction of the (particle, candidate) pairs: local
+#: searches, where particles rarely share rows. Below it (many particles at the same orientations) the distinct
+#: rows are projected once and copied to each particle.
+DIRECT_PROJECTION_FRACTION = 0.5
+
+
+def _gathered_coarse_slices(setup: EStepSetup, urows: np.ndarray, pos, pix: PixelSet) -> SliceSet:
+    """The coarse slices (I, n, .) of the candidates of each particle, given as positions ``pos`` (I, n) in the
+    distinct global rows ``urows``: as_slices of the rows' projections taken at ``pos``, made by
+    gpu_kernels.project_stacked without the complex slices and the two copies where it applies (the same
+    numbers)."""
+    xp = get_array_module(pos)
+    width = gemm_width(pix.npix)
+    ref = setup.ref_stack
+    direct = (ref.ndim == 3 and gpu_kernels.projection_applies(ref.data)
+              and urows.size >= DIRECT_PROJECTION_FRACTION * pos.size)
+    if not direct:
+        return as_slices(_project_rows(setup, urows, pix, fine=False), width).take(pos)
+    R = setup.sampling.n_orient
+    A = magnified(xp.asarray(setup.sampling.coarse_matrices(urows % R)), setup.mag)
+    stacked, power = gpu_kernels.project_stacked(
+        ref.data, A, pix.kx, pix.ky, ref.pad, ref.pad * ref.r_max, pos, width,
+        index=xp.asarray(urows // R) if ref.stacked else None, zero=pix.beyond_radius)
+    return SliceSet(stacked.reshape(pos.shape + (width,)), power.reshape(pos.shape + (pix.npix,)))
 
 
 def _project_rows(setup: EStepSetup, rows: np.ndarray, pix: PixelSet, fine: bool, matrices=None):

@@ -114,6 +114,8 @@ def stacked_shifted(g, ramps, width: int | None = None):
     g = g.astype(np.complex64, copy=False)
     ramps = ramps.astype(np.complex64, copy=False)
     I, K = g.shape
+    if gpu_kernels.shifted_applies(g, ramps):  # one pass, the same numbers, no temporary
+        return gpu_kernels.stacked_shifted(g, ramps, max(2 * K, width or 0))
     out = xp.empty((I, ramps.shape[0], max(2 * K, width or 0)), dtype=np.float32)
     out[..., 2 * K:] = 0.0
     gr, gi = g.real[:, None, :], g.imag[:, None, :]
@@ -464,14 +466,16 @@ class FineSums:
     aa: object  # (I, K) float64: sum w |C P|^2 per pixel
 
 
-def _sum_conj_shifted(U, ramps):
+def sum_conj_shifted(U, ramps):
     """sum_t (U_re - i U_im)_t e_t for U (I, T, 2K) float32 = [Re, Im] of sum_r w P and ramps e_t (T, K): (I, K)
     complex64, as four real contractions over t (no complex conjugate of U and its product with the ramps: NumPy's
-    einsum makes no temporary of U's size, measured with tracemalloc; CuPy's own temporaries are not measured). On
-    the H100 CuPy's einsum was as fast as or faster than products and sums over t (benchmarks/README.md, "The fine
-    chunks counted")."""
+    einsum makes no temporary of U's size, measured with tracemalloc). On the GPU one fused kernel
+    (gpu_kernels.sum_conj_shifted) reads U once: CuPy's einsum copied each half of U to a transposed layout first
+    (in a local search at box 192 on an H200 those copies took about 1.3 s of a 7 s iteration)."""
     xp = get_array_module(U)
     K = ramps.shape[1]
+    if gpu_kernels.ENABLED and xp is not np and U.dtype == np.float32:  # one pass over U, no transposed copies
+        return gpu_kernels.sum_conj_shifted(U, ramps.astype(np.complex64, copy=False))
     ur, ui = U[..., :K], U[..., K:]
     rr, ri = ramps.real.astype(np.float32), ramps.imag.astype(np.float32)
     re = xp.einsum("itk,tk->ik", ur, rr)
@@ -532,7 +536,7 @@ def signal_products(w, P, X, ctf, ramps, check: Callable[[], None] | None = None
     check()
     U = batched_matmul(w, S.stacked, check)  # (I, T, 2K): sum_r w [Re P, Im P]
     check()
-    b = _sum_conj_shifted(U, ramps) * X  # (I, K): sum_{r,t} w conj(P) X e_t
+    b = sum_conj_shifted(U, ramps) * X  # (I, K): sum_{r,t} w conj(P) X e_t
     del U
     c64 = c.astype(np.float64)
     return c64 * b.real.astype(np.float64), c64 * c64 * a

@@ -34,69 +34,99 @@ __device__ __forceinline__ long long wrap(long long i, long long P) {  // Python
     return m < 0 ? m + P : m;
 }
 
+__device__ __forceinline__ float2 project_point(
+        const float2* __restrict__ grid, const float* a, const float x, const float y, const long long base,
+        const int P, const int d, const float pad, const float rmp2) {
+    // the reference at q = pad A^T (x, y, 0) (rows of A from a), trilinear, 0 beyond rmp2, the negative-x half
+    // read from its Hermitian mate
+    const long long nx = P / 2 + 1;
+    float q[3] = {0.f, 0.f, 0.f};
+    for (int c = 0; c < d; ++c)
+        q[c] = __fmul_rn(pad, __fadd_rn(__fmul_rn(x, a[c]), __fmul_rn(y, a[d + c])));
+    const bool neg = q[0] < 0.f;
+    if (neg) for (int c = 0; c < d; ++c) q[c] = -q[c];
+    float r2 = __fmul_rn(q[0], q[0]);
+    for (int c = 1; c < d; ++c) r2 = __fadd_rn(r2, __fmul_rn(q[c], q[c]));
+    float2 acc = make_float2(0.f, 0.f);
+    if (r2 <= rmp2) {
+        long long lo[3], hi[3];
+        float w0[3], w1[3];
+        long long stride = 1;
+        bool x_valid = true;
+        for (int c = 0; c < d; ++c) {
+            const float f0 = floorf(q[c]);
+            const float fr = q[c] - f0;
+            const long long i0 = (long long)f0;
+            if (c == 0) {
+                x_valid = i0 + 1 < nx;
+                lo[c] = i0;
+                hi[c] = i0 + 1 < nx - 1 ? i0 + 1 : nx - 1;
+            } else {
+                lo[c] = wrap(i0, P) * stride;
+                hi[c] = wrap(i0 + 1, P) * stride;
+            }
+            w0[c] = 1.f - fr;
+            w1[c] = fr;
+            stride = c == 0 ? nx : stride * P;
+        }
+        for (int bits = 0; bits < (1 << d); ++bits) {
+            long long idx = (bits & 1) ? hi[0] : lo[0];
+            float w = (bits & 1) ? w1[0] : w0[0];
+            for (int c = 1; c < d; ++c) {
+                const bool up = (bits >> c) & 1;
+                idx += up ? hi[c] : lo[c];
+                w = __fmul_rn(w, up ? w1[c] : w0[c]);
+            }
+            if ((bits & 1) && !x_valid) w = 0.f;
+            const float2 v = grid[base + idx];
+            if (bits == 0) {
+                acc = make_float2(__fmul_rn(v.x, w), __fmul_rn(v.y, w));
+            } else {
+                acc.x = __fadd_rn(acc.x, __fmul_rn(v.x, w));
+                acc.y = __fadd_rn(acc.y, __fmul_rn(v.y, w));
+            }
+        }
+        if (neg) acc.y = -acc.y;
+    }
+    return acc;
+}
+
 extern "C" __global__ void project_gather(
         const float2* __restrict__ grid, const float* __restrict__ A, const float* __restrict__ kx,
         const float* __restrict__ ky, const long long* __restrict__ index, const long long grid_size,
         const int P, const int d, const float pad, const float rmp2, const long long R, const long long npix,
         float2* __restrict__ out) {
-    const long long nx = P / 2 + 1;
     const long long total = R * npix;
     for (long long n = blockIdx.x * (long long)blockDim.x + threadIdx.x; n < total;
          n += (long long)gridDim.x * blockDim.x) {
         const long long r = n / npix;
         const long long p = n - r * npix;
-        const float* a = A + r * d * d;
-        const float x = kx[p], y = ky[p];
-        float q[3] = {0.f, 0.f, 0.f};
-        for (int c = 0; c < d; ++c)
-            q[c] = __fmul_rn(pad, __fadd_rn(__fmul_rn(x, a[c]), __fmul_rn(y, a[d + c])));
-        const bool neg = q[0] < 0.f;
-        if (neg) for (int c = 0; c < d; ++c) q[c] = -q[c];
-        float r2 = __fmul_rn(q[0], q[0]);
-        for (int c = 1; c < d; ++c) r2 = __fadd_rn(r2, __fmul_rn(q[c], q[c]));
-        float2 acc = make_float2(0.f, 0.f);
-        if (r2 <= rmp2) {
-            long long lo[3], hi[3];
-            float w0[3], w1[3];
-            long long stride = 1;
-            bool x_valid = true;
-            for (int c = 0; c < d; ++c) {
-                const float f0 = floorf(q[c]);
-                const float fr = q[c] - f0;
-                const long long i0 = (long long)f0;
-                if (c == 0) {
-                    x_valid = i0 + 1 < nx;
-                    lo[c] = i0;
-                    hi[c] = i0 + 1 < nx - 1 ? i0 + 1 : nx - 1;
-                } else {
-                    lo[c] = wrap(i0, P) * stride;
-                    hi[c] = wrap(i0 + 1, P) * stride;
-                }
-                w0[c] = 1.f - fr;
-                w1[c] = fr;
-                stride = c == 0 ? nx : stride * P;
-            }
-            const long long base = index ? index[r] * grid_size : 0;
-            for (int bits = 0; bits < (1 << d); ++bits) {
-                long long idx = (bits & 1) ? hi[0] : lo[0];
-                float w = (bits & 1) ? w1[0] : w0[0];
-                for (int c = 1; c < d; ++c) {
-                    const bool up = (bits >> c) & 1;
-                    idx += up ? hi[c] : lo[c];
-                    w = __fmul_rn(w, up ? w1[c] : w0[c]);
-                }
-                if ((bits & 1) && !x_valid) w = 0.f;
-                const float2 v = grid[base + idx];
-                if (bits == 0) {
-                    acc = make_float2(__fmul_rn(v.x, w), __fmul_rn(v.y, w));
-                } else {
-                    acc.x = __fadd_rn(acc.x, __fmul_rn(v.x, w));
-                    acc.y = __fadd_rn(acc.y, __fmul_rn(v.y, w));
-                }
-            }
-            if (neg) acc.y = -acc.y;
-        }
-        out[n] = acc;
+        out[n] = project_point(grid, A + r * d * d, kx[p], ky[p], index ? index[r] * grid_size : 0, P, d, pad,
+                               rmp2);
+    }
+}
+
+extern "C" __global__ void project_stacked(
+        const float2* __restrict__ grid, const float* __restrict__ A, const float* __restrict__ kx,
+        const float* __restrict__ ky, const long long* __restrict__ index, const long long* __restrict__ source,
+        const bool* __restrict__ zero, const long long grid_size, const int P, const int d, const float pad,
+        const float rmp2, const long long R, const long long npix, const long long width,
+        float* __restrict__ stacked, float* __restrict__ power) {
+    // output row r is orientation source[r] (its matrix, and its reference index[source[r]] of a stack), written
+    // as [Re | Im] at row r of stacked (R, width) and |P|^2 at row r of power (R, npix); pixels where zero[p]
+    // give 0 (the coarse pass's corners beyond its radius)
+    const long long total = R * npix;
+    for (long long n = blockIdx.x * (long long)blockDim.x + threadIdx.x; n < total;
+         n += (long long)gridDim.x * blockDim.x) {
+        const long long r = n / npix;
+        const long long p = n - r * npix;
+        const long long m = source[r];
+        float2 v = make_float2(0.f, 0.f);
+        if (!(zero && zero[p]))
+            v = project_point(grid, A + m * d * d, kx[p], ky[p], index ? index[m] * grid_size : 0, P, d, pad, rmp2);
+        stacked[r * width + p] = v.x;
+        stacked[r * width + npix + p] = v.y;
+        power[n] = __fadd_rn(__fmul_rn(v.x, v.x), __fmul_rn(v.y, v.y));
     }
 }
 
@@ -321,6 +351,112 @@ def project_slices(grid, A, kx, ky, pad: int, r_max_padded: float, index=None):
     _launch("project_gather", R * npix,
             (flat, A, kx, ky, idx if idx is not None else np.uint64(0), np.int64(grid_size), np.int32(P),
              np.int32(d), np.float32(pad), rmp2, np.int64(R), np.int64(npix), out))
+    return out
+
+
+def project_stacked(grid, A, kx, ky, pad: int, r_max_padded: float, source, width: int, index=None, zero=None):
+    """Projections in the score GEMMs' form, one output row per entry of ``source`` (R,): row r is orientation
+    source[r] of A (M, d, d) (of reference index[source[r]] of a stacked grid), at pixels (kx, ky) (npix); returns
+    (stacked (R, width) float32 = [Re | Im | zeros], power (R, npix) float32 = |P|^2), zero at the pixels where
+    ``zero`` (npix,) bool is set. The numbers of project_slices followed by expectation.as_slices and a take of
+    the rows ``source``, without the complex slices, their stacked copy and the gathered copy (the coarse pass of
+    a local search, where each particle has its own orientations)."""
+    import cupy as cp  # noqa: PLC0415
+
+    if not projection_applies(grid):
+        raise ValueError(f"the fused projection reads complex64 CuPy grids, not {grid.dtype}")
+    A = cp.ascontiguousarray(A, dtype=np.float32)
+    d = int(A.shape[-1])
+    kx = cp.ascontiguousarray(kx, dtype=np.float32).reshape(-1)
+    ky = cp.ascontiguousarray(ky, dtype=np.float32).reshape(-1)
+    npix = int(kx.size)
+    if width < 2 * npix:
+        raise ValueError(f"width {width} is less than 2 x {npix} pixels")
+    src = cp.ascontiguousarray(source, dtype=np.int64).reshape(-1)
+    R = int(src.size)
+    stacked = cp.empty((R, int(width)), dtype=np.float32)
+    if width > 2 * npix:
+        stacked[:, 2 * npix:] = 0.0
+    power = cp.empty((R, npix), dtype=np.float32)
+    idx = np.uint64(0) if index is None else cp.ascontiguousarray(index, dtype=np.int64)
+    zr = np.uint64(0) if zero is None else cp.ascontiguousarray(zero, dtype=bool).reshape(-1)
+    P = int(grid.shape[-2])
+    grid_size = int(np.prod(grid.shape[-d:]))
+    _launch("project_stacked", R * npix,
+            (cp.ascontiguousarray(grid), A, kx, ky, idx, src, zr, np.int64(grid_size), np.int32(P), np.int32(d),
+             np.float32(pad), np.float32(r_max_padded**2), np.int64(R), np.int64(npix), np.int64(width), stacked,
+             power))
+    return stacked, power
+
+
+@functools.cache
+def _stacked_shifted_kernel():
+    import cupy as cp  # noqa: PLC0415
+
+    # expectation.stacked_shifted's operations in its order: re = gr rr - gi ri, im = gr ri + gi rr, each
+    # product rounded before the sum
+    return cp.ElementwiseKernel(
+        "raw complex64 g, raw complex64 ramps, int64 T, int64 K, int64 W", "float32 out",
+        "const long long col = i % W, it = i / W, t = it % T, p = it / T; "
+        "if (col >= 2 * K) { out = 0.f; } else { "
+        "const long long k = col < K ? col : col - K; "
+        "const complex<float> a = g[p * K + k], r = ramps[t * K + k]; "
+        "out = col < K ? __fsub_rn(__fmul_rn(a.real(), r.real()), __fmul_rn(a.imag(), r.imag())) "
+        ": __fadd_rn(__fmul_rn(a.real(), r.imag()), __fmul_rn(a.imag(), r.real())); }",
+        "ngr_stacked_shifted")
+
+
+def shifted_applies(g, ramps) -> bool:
+    """stacked_shifted takes these: enabled, complex64 CuPy arrays."""
+    return _on_gpu(g, ramps) and g.dtype == np.complex64 and ramps.dtype == np.complex64
+
+
+def stacked_shifted(g, ramps, width: int):
+    """[Re, Im] of g_i e_t: (I, T, width) float32 from g (I, K) and ramps (T, K) complex64, zeros after 2K:
+    expectation.stacked_shifted's numbers in one pass, without its temporary."""
+    import cupy as cp  # noqa: PLC0415
+
+    if not shifted_applies(g, ramps):
+        raise ValueError("stacked_shifted takes complex64 CuPy arrays")
+    g, ramps = cp.ascontiguousarray(g), cp.ascontiguousarray(ramps)
+    I, K = (int(v) for v in g.shape)
+    T = int(ramps.shape[0])
+    out = cp.empty((I, T, max(int(width), 2 * K)), dtype=np.float32)
+    if out.size:
+        _stacked_shifted_kernel()(g, ramps, np.int64(T), np.int64(K), np.int64(out.shape[2]), out)
+    return out
+
+
+@functools.cache
+def _sum_conj_shifted_kernel():
+    import cupy as cp  # noqa: PLC0415
+
+    # four float32 sums over t, as the array code's four contractions, then re = s1 + s2, im = s3 - s4
+    return cp.ElementwiseKernel(
+        "raw float32 U, raw complex64 ramps, int64 T, int64 K, int64 W", "complex64 out",
+        "const long long p = i / K, k = i - p * K; float s1 = 0.f, s2 = 0.f, s3 = 0.f, s4 = 0.f; "
+        "for (long long t = 0; t < T; ++t) { "
+        "const float ur = U[(p * T + t) * W + k], ui = U[(p * T + t) * W + K + k]; "
+        "const complex<float> r = ramps[t * K + k]; "
+        "s1 += ur * r.real(); s2 += ui * r.imag(); s3 += ur * r.imag(); s4 += ui * r.real(); } "
+        "out = complex<float>(s1 + s2, s3 - s4);",
+        "ngr_sum_conj_shifted")
+
+
+def sum_conj_shifted(U, ramps):
+    """sum_t (U_re - i U_im)_t e_t: (I, K) complex64 from U (I, T, W) float32 = [Re, Im, ...] and ramps (T, K)
+    complex64, one thread per output reading its T values of U once (expectation.sum_conj_shifted's four
+    contractions, in float32, each summed over t in order)."""
+    import cupy as cp  # noqa: PLC0415
+
+    if not (_on_gpu(U, ramps) and U.dtype == np.float32 and ramps.dtype == np.complex64):
+        raise ValueError("sum_conj_shifted takes float32 U and complex64 ramps on the GPU")
+    U, ramps = cp.ascontiguousarray(U), cp.ascontiguousarray(ramps)
+    I, T, W = (int(v) for v in U.shape)
+    K = int(ramps.shape[1])
+    out = cp.empty((I, K), dtype=np.complex64)
+    if out.size:
+        _sum_conj_shifted_kernel()(U, ramps, np.int64(T), np.int64(K), np.int64(W), out)
     return out
 
 

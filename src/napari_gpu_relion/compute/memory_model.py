@@ -23,6 +23,14 @@ def estep_bytes_per_particle(rows: int, translations: int, box: int, coarse_pixe
     return 4 * (rows * translations * 3 + 8 * box * box) + 8 * translations * coarse_pixels * 2
 
 
+#: Device bytes per (particle, candidate row, coarse pixel) of a local search's coarse pass, whose particles each
+#: score their own rows: the gathered slices ([Re, Im] and |P|^2 float32), made straight by the fused projection
+#: (estep._gathered_coarse_slices) where the batch's distinct rows are at least half its (particle, row) pairs.
+#: Otherwise (or on the CPU) the distinct rows' complex slices and their stacked copy come first, up to 32 bytes
+#: at the peak: the batch fraction of the plan (runtime.memory.BATCH_FRACTION) leaves room for that.
+LOCAL_SLICE_BYTES_PER_PIXEL = 12
+
+
 def fine_bytes_per_score(fine_translations: int) -> int:
     """Device bytes of one (particle, fine orientation) pair's scores in a fine-pass chunk: per fine translation
     the score, log prior and weight (float64 + float32 x 8 = 40 bytes)."""
@@ -44,7 +52,7 @@ def fine_bytes_per_sample(fine_translations: int, fine_pixels: int) -> int:
 #: Device bytes per (particle, fine translation, fine pixel) of a fine-pass chunk: the particle's image at every
 #: fine translation, stacked [Re, Im] float32 (8), made and used one at a time (the score GEMMs' particle terms,
 #: then the back-projection's C Xu e_t m, then the sums over orientations U), plus one float32 temporary (4) while
-#: each is made or reduced (expectation.stacked_shifted, _sum_conj_shifted). tests/test_memory_plan.py measures it
+#: each is made or reduced (expectation.stacked_shifted, sum_conj_shifted). tests/test_memory_plan.py measures it
 #: with tracemalloc. At the full image size this is the largest part of a chunk: 84 fine translations x 103k
 #: pixels x 12 bytes = 0.1 GB per particle at box 512.
 FINE_BYTES_PER_TRANSLATION_PIXEL = 12

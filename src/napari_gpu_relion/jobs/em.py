@@ -562,7 +562,8 @@ class EMJob:
                               n_references=K * len(self.halves), rows_per_particle=K * rows,
                               translations=smp.translations.shape[0], coarse_pixels=pix_c.npix,
                               requested_batch=self.p.batch, adaptive_chunks=self.be.is_gpu,
-                              largest_transient=self.job_memory.largest_transient)
+                              largest_transient=self.job_memory.largest_transient,
+                              gathered_slices=it.local_sigma is not None and not self.own_orientation)
         if not self._plan_shown:  # once per run, at its first iteration
             self._plan_shown = True
             yield Message("memory plan of the whole run (full image size):\n" + self.job_memory.table())

@@ -72,6 +72,48 @@ def _projection_run(xp, inp: dict):
     return projector.project_pixels(ref, d["A"], d["kx"], d["ky"], index=d["index"])
 
 
+def _stacked_projection_example(rng, flag: str) -> dict:
+    inp = _projection_example(rng, flag)
+    pix = expectation.pixel_set(16, 12)  # a coarse size below the box: its corners beyond radius 6 are zeroed
+    inp.update(kx=pix.kx, ky=pix.ky, zero=pix.beyond_radius, source=rng.integers(0, 5, (3, 7)),
+               width=expectation.gemm_width(pix.npix) + 16)
+    return inp
+
+
+def _stacked_projection_run(xp, inp: dict):
+    """[stacked | power] of the rows ``source`` (I, n): the fused kernel on the GPU, on NumPy the array code it
+    replaces (the complex slices, their zeroed corners, as_slices and a take)."""
+    d = _device(xp, inp)
+    refs = [projector.prepare_reference(d["vols"][k], pad=2) for k in range(d["vols"].shape[0])]
+    ref = refs[0] if len(refs) == 1 else projector.stack_references(refs)
+    if xp is np:
+        P = projector.project_pixels(ref, d["A"], d["kx"], d["ky"], index=d["index"])
+        if d["zero"] is not None:
+            P[:, d["zero"]] = 0
+        S = expectation.as_slices(P, d["width"]).take(d["source"])
+        stacked, power = S.stacked.reshape(-1, d["width"]), S.power.reshape(-1, P.shape[1])
+    else:
+        stacked, power = gpu_kernels.project_stacked(ref.data, d["A"], d["kx"], d["ky"], ref.pad, ref.pad * ref.r_max,
+                                                     d["source"], d["width"], index=d["index"], zero=d["zero"])
+    return xp.concatenate([stacked, power], axis=1)
+
+
+def _shifted_example(rng, flag: str) -> dict:
+    g = (rng.normal(size=(5, 300)) + 1j * rng.normal(size=(5, 300))).astype(np.complex64)
+    return {"g": g, "ramps": np.exp(1j * rng.uniform(0, 2 * np.pi, (9, 300))).astype(np.complex64),
+            "width": 2 * 300 + (16 if flag == "padded" else 0)}
+
+
+def _conj_shifted_example(rng, flag: str) -> dict:
+    return {"U": rng.normal(size=(5, 9, 600)).astype(np.float32),
+            "ramps": np.exp(1j * rng.uniform(0, 2 * np.pi, (9, 300))).astype(np.complex64)}
+
+
+def _conj_shifted_twin(inp: dict):
+    U, K = inp["U"].astype(np.float64), inp["ramps"].shape[1]
+    return ((U[..., :K] - 1j * U[..., K:2 * K]) * inp["ramps"][None]).sum(axis=1)
+
+
 def _insertion_example(rng, flag: str) -> dict:
     N, R = 16, 6
     pix = expectation.pixel_set(N, N)
@@ -160,6 +202,14 @@ def _sort_example(rng, flag: str) -> dict:
 REGISTRY: tuple[FusedOp, ...] = (
     FusedOp("projection", ("project_gather",), "gpu_kernels", ("one reference", "stacked"), _projection_example,
             _projection_run, close=2e-5),
+    FusedOp("projection into the score layout", ("project_stacked",), "gpu_kernels", ("one reference", "stacked"),
+            _stacked_projection_example, _stacked_projection_run, close=2e-5),
+    FusedOp("shifted images", ("ngr_stacked_shifted",), "gpu_kernels", ("exact width", "padded"), _shifted_example,
+            lambda xp, d: expectation.stacked_shifted(*(_device(xp, d)[k] for k in ("g", "ramps", "width")))),
+    FusedOp("shifted sum of conjugates", ("ngr_sum_conj_shifted",), "gpu_kernels", ("float32",),
+            _conj_shifted_example,
+            lambda xp, d: expectation.sum_conj_shifted(*(_device(xp, d)[k] for k in ("U", "ramps"))),
+            _conj_shifted_twin, close=1e-5),
     FusedOp("insertion", ("insert_splat",), "gpu_kernels", ("one grid",), _insertion_example, _insertion_run,
             close=1e-9),
     FusedOp("binned sum", ("binned_sum",), "gpu_kernels", ("weights", "counts"), _binned_example,

@@ -18,6 +18,7 @@ import numpy as np
 from ..cancel import check_cancel
 from ..compute.backend import free_pool
 from ..compute.memory_model import (
+    LOCAL_SLICE_BYTES_PER_PIXEL,
     PROJECT_BYTES_PER_POINT,
     PROJECT_CHUNK_POINTS,
     SLAB_BYTES,
@@ -130,7 +131,8 @@ class MemoryPlan:
 
 def plan_memory(free_bytes: int, *, box: int, ndim: int, pad: int, n_references: int, rows_per_particle: int,
                 translations: int, coarse_pixels: int, requested_batch: int = 0,
-                adaptive_chunks: bool = True, largest_transient: int = 0) -> MemoryPlan:
+                adaptive_chunks: bool = True, largest_transient: int = 0,
+                gathered_slices: bool = False) -> MemoryPlan:
     """The memory plan of one E-step iteration. ``n_references`` counts every padded Fourier reference held
     (classes x halves); each has an accumulator of the same grid (complex128 data + float64 weight) beside its
     complex64 reference. ``requested_batch`` (--batch) wins when positive; otherwise the batch is what
@@ -140,11 +142,15 @@ def plan_memory(free_bytes: int, *, box: int, ndim: int, pad: int, n_references:
     free memory: the chunks set the order of the sums, so a fixed chunk gives the same numbers on any host
     however busy (a GPU's atomics make the order vary anyway; there larger chunks are faster).
     ``largest_transient``: the run's largest planned transient (compute/memory_plan.JobMemory), which sets the
-    budget of the union of significant orientations (:func:`union_budget`)."""
+    budget of the union of significant orientations (:func:`union_budget`). ``gathered_slices``: each particle
+    scores its own rows (local searches), whose coarse slices count per particle
+    (memory_model.LOCAL_SLICE_BYTES_PER_PIXEL)."""
     grid = (pad * box) ** (ndim - 1) * (pad * box // 2 + 1)
     ref_bytes = n_references * grid * 8
     acc_bytes = n_references * grid * (16 + 8)
     per = estep_bytes_per_particle(rows_per_particle, translations, box, coarse_pixels)
+    if gathered_slices:
+        per += LOCAL_SLICE_BYTES_PER_PIXEL * rows_per_particle * coarse_pixels
     if requested_batch > 0:
         batch = int(requested_batch)
     else:
