@@ -736,3 +736,50 @@ def test_any_over_the_middle_axis_equals_cupys_reduction(shape):
     np.testing.assert_array_equal(gpu_kernels.any_over_middle(a).get(), a.any(axis=1).get())
     with pytest.raises(ValueError, match="C-contiguous 3-D bool"):
         gpu_kernels.any_over_middle(cp.zeros((2, 3, 4), dtype=bool).transpose(0, 2, 1))
+
+
+@pytest.mark.parametrize("n_classes", [1, 2])
+def test_local_coarse_slices_projected_into_the_score_layout_equal_the_projected_and_gathered_ones(monkeypatch,
+                                                                                                   n_classes):
+    """A local search's coarse slices (estep._gathered_coarse_slices): the fused projection straight into each
+    particle's rows gives the same float32 values as projecting the distinct rows, stacking them and gathering
+    them per particle (the array path it replaces), and NumPy's within float rounding; the corners beyond the
+    coarse radius are zero in both."""
+    from types import SimpleNamespace
+
+    from napari_gpu_relion.compute import estep
+    from napari_gpu_relion.compute.expectation import pixel_set
+    from napari_gpu_relion.compute.projector import stack_references
+    from napari_gpu_relion.compute.sampling import Sampling, local_candidates
+
+    rng = np.random.default_rng(4)
+    N = 32
+    vols = rng.normal(size=(n_classes, N, N, N))
+    smp = Sampling(3, "C1")
+    angles = rng.uniform([-180, 0, -180], [180, 180, 180], (9, 3))
+    cand, _ = local_candidates(angles, smp, 4.0, "C1", n_classes=n_classes)
+    got = {}
+    for xp in (np, cp):
+        refs = [prepare_reference(xp.asarray(v), pad=2) for v in vols]
+        setup = SimpleNamespace(refs=refs, ref_stack=refs[0] if n_classes == 1 else stack_references(refs),
+                                sampling=smp, mag=None)
+        pix = pixel_set(N, 24, xp)
+        c = xp.asarray(cand)
+        urows, pos = xp.unique(xp.where(c >= 0, c, 0), return_inverse=True)
+        pos = pos.reshape(c.shape)
+        urows = urows.get() if xp is cp else urows
+        for label, fraction in (("direct", 0.0), ("gathered", 2.0)):
+            monkeypatch.setattr(estep, "DIRECT_PROJECTION_FRACTION", fraction)
+            S = estep._gathered_coarse_slices(setup, urows, pos, pix)
+            got[(xp.__name__, label)] = (cp.asnumpy(S.stacked), cp.asnumpy(S.power)) if xp is cp else \
+                (S.stacked, S.power)
+        assert pix.beyond_radius is not None
+    for a, b in zip(got[("cupy", "direct")], got[("cupy", "gathered")], strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(got[("cupy", "direct")], got[("numpy", "gathered")], strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-5 * np.abs(b).max())
+    stacked, power = got[("cupy", "direct")]
+    K = power.shape[-1]
+    corner = cp.asnumpy(pixel_set(N, 24, cp).beyond_radius)
+    assert np.all(stacked[..., :K][..., corner] == 0) and np.all(power[..., corner] == 0)
+    assert np.all(stacked[..., 2 * K:] == 0) and np.abs(stacked[..., :K]).max() > 0
