@@ -18,6 +18,8 @@
 #       kernel trace); RELION's build first (relion_project), relion_ctf_refine's after it
 #   bash benchmarks/hires_calls.sh ctfdata M   M particles for ctf_refine_bench.py (16 processes), RELION and
 #       relion_ctf_refine built; then `ctfrun M` does the ctf part of `ctf` on them
+#   bash benchmarks/hires_calls.sh local N   the GPU tests of the fused local-search kernels, then N particles as hr
+#       and our auto-refine of them alone (realistic.py science --sides ours)
 # Results in $OUT.
 . benchmarks/gpu_env.sh
 T0=$(date +%s)
@@ -40,6 +42,20 @@ if [ "$1" = prof ]; then
       > $OUT/$P.log 2>&1; echo "profile rc $?"; tail -5 $OUT/$P.log | cut -c1-300
   el "profile"
   tail -1 /root/ctf_build.log
+elif [ "$1" = local ]; then
+  start_relion
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_registry.py tests/test_gpu.py \
+      -k "local or fused or registry or fine_pass or refine3d_cupy or build or class3d_global" 2>&1 | tail -4
+  el "GPU tests"
+  wait_relion
+  python3 benchmarks/standard_class3d.py make-data --map .relion_kit/emd_11007_centred192.mrc --map_angpix 0.834 \
+      --angpix 1.4 --box 192 --n "$2" --states 1 --snr 0.1 --jobs 16 --out /root/hr 2>&1 | tail -1 | cut -c1-300
+  md5sum /root/hr/*.mrcs 2>/dev/null | head -2; ls /root/hr | head
+  el "data"
+  python3 benchmarks/realistic.py science --data /root/hr --sides ours --diameter 180 \
+      --out $OUT/realistic_emd11007_box192_h200_twentyninth_ours.json 2>&1 | tail -3 | cut -c1-900
+  grep "timing\|out of memory\|memory plan:" /root/hr/ours_refine3d/log.txt | cut -c1-220 | tail -30
+  el "ours"
 elif [ "$1" = ctfdata ]; then
   start_relion
   python3 benchmarks/ctf_refine_bench.py make --out /root/ctf$2 --n $2 --seed 2 --jobs 16 | cut -c1-300
