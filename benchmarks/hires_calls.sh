@@ -20,6 +20,9 @@
 #       relion_ctf_refine built; then `ctfrun M` does the ctf part of `ctf` on them
 #   bash benchmarks/hires_calls.sh local N   the GPU tests of the fused local-search kernels, then N particles as hr
 #       and our auto-refine of them alone (realistic.py science --sides ours)
+#   bash benchmarks/hires_calls.sh ctfwarm M   ctf_refine's CuPy modules recorded (box 96 and 160) and added to the
+#       shipped list (written back to $OUT), then on a fresh kernel cache `warmup` and ctf_refine's first run on M
+#       particles as ctfdata makes them
 # Results in $OUT.
 . benchmarks/gpu_env.sh
 T0=$(date +%s)
@@ -56,6 +59,28 @@ elif [ "$1" = local ]; then
       --out $OUT/realistic_emd11007_box192_h200_twentyninth_ours.json 2>&1 | tail -3 | cut -c1-900
   grep "timing\|out of memory\|memory plan:" /root/hr/ours_refine3d/log.txt | cut -c1-220 | tail -30
   el "ours"
+elif [ "$1" = ctfwarm ]; then
+  F="--fit_defocus --fit_mode fpfff --fit_beamtilt --odd_aberr_max_n 3 --fit_aberr"
+  (export CUPY_CACHE_DIR=/root/c_rec_ctf CUPY_CACHE_SAVE_CUDA_SOURCE=1 NAPARI_GPU_RELION_KERNEL_PRELOAD=0
+   python3 benchmarks/ctf_refine_bench.py make --out /root/ctfr96 --n 2000 --seed 3 --jobs 16 > /dev/null
+   python3 benchmarks/ctf_refine_bench.py make --out /root/ctfr160 --n 600 --box 160 --seed 3 --jobs 16 > /dev/null
+   for d in /root/ctfr96 /root/ctfr160; do (cd $d && python3 -m napari_gpu_relion.cli ctf_refine --i particles.star \
+       --m1 half1.mrc --m2 half2.mrc --f postprocess.star $F --o CtfRefine/ > log.txt 2>&1; echo "$d rc $?"); done
+   python3 benchmarks/record_kernels.py --cache /root/c_rec_ctf --out $OUT/ctf_refine.json 2>&1 | tail -2)
+  python3 benchmarks/ship_kernels.py --cupy "$(python3 -c 'import cupy; print(cupy.__version__)')" --add \
+      $OUT/ctf_refine.json
+  cp src/napari_gpu_relion/runtime/cupy_kernels.json.gz $OUT/
+  el "ctf_refine's kernels recorded and added to the shipped list"
+  export CUPY_CACHE_DIR=/root/c_fresh
+  python3 -m napari_gpu_relion.cli warmup > $OUT/warmup.log 2>&1; echo "warmup rc $?"; tail -2 $OUT/warmup.log | cut -c1-300
+  el "warmup"
+  python3 benchmarks/ctf_refine_bench.py make --out /root/ctf$2 --n $2 --seed 2 --jobs 16 | cut -c1-400
+  el "data"
+  N0=$(ls $CUPY_CACHE_DIR/*.cubin | wc -l)
+  python3 benchmarks/ctf_refine_bench.py ours --data /root/ctf$2 --tag gpu_after_warmup \
+      --json $OUT/ctf_refine_h200_twentyninth_n$2_gpu_after_warmup.json | cut -c1-300
+  echo "modules compiled by the run: $(( $(ls $CUPY_CACHE_DIR/*.cubin | wc -l) - N0 ))"
+  el "ours after warmup"
 elif [ "$1" = ctfdata ]; then
   start_relion
   python3 benchmarks/ctf_refine_bench.py make --out /root/ctf$2 --n $2 --seed 2 --jobs 16 | cut -c1-300

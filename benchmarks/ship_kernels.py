@@ -8,6 +8,7 @@ CuPy version is kept, and a CuPy of another version ignores the list (its kernel
 compile call a plain RawModule cannot repeat (name expressions, another backend) are left out.
 
 Run: python benchmarks/ship_kernels.py --cupy 14.2.0 DIR/class3d.json DIR/refine3d.json DIR/class2d.json
+     python benchmarks/ship_kernels.py --cupy 14.2.0 --add DIR/ctf_refine.json   (another kind, to the list)
 """
 
 from __future__ import annotations
@@ -28,9 +29,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cupy", required=True, help="the CuPy version of the recording machine")
     ap.add_argument("manifests", nargs="+", type=Path)
+    ap.add_argument("--add", action="store_true",
+                    help="add the manifests' modules to the shipped list (of the same CuPy version) instead of "
+                         "replacing it: another job kind recorded on its own")
     a = ap.parse_args()
     modules: dict[str, dict] = {}
     skipped = 0
+    if a.add:
+        old = json.loads(gzip.decompress(cupy_kernels.SHIPPED.read_bytes()))
+        if old["cupy"] != a.cupy:
+            raise SystemExit(f"the shipped list is for CuPy {old['cupy']}, the manifests for {a.cupy}")
+        for e in old["modules"]:
+            modules[cupy_kernels.entry_key(e["source"], e["options"])] = e
     for path in a.manifests:
         job = path.stem
         for e in json.loads(path.read_text())["modules"]:
@@ -41,7 +51,9 @@ def main() -> None:
             options = [o.replace(site, cupy_kernels.SITE) if site else o for o in e["options"]]
             entry = {"source": e["source"], "options": options}
             key = cupy_kernels.entry_key(e["source"], options)
-            modules.setdefault(key, {**entry, "jobs": []})["jobs"].append(job)
+            jobs = modules.setdefault(key, {**entry, "jobs": []})["jobs"]
+            if job not in jobs:
+                jobs.append(job)
     data = {"cupy": a.cupy, "modules": list(modules.values())}
     cupy_kernels.SHIPPED.write_bytes(gzip.compress(json.dumps(data).encode(), mtime=0))
     print(f"{len(modules)} modules ({skipped} left out) -> {cupy_kernels.SHIPPED} "
