@@ -21,7 +21,7 @@ def test_the_shipped_list_names_each_module_once_with_its_job_kinds():
     data = _data()
     keys = [cupy_kernels.entry_key(e["source"], e["options"]) for e in data["modules"]]
     assert len(keys) == len(set(keys)) > 100
-    assert {j for e in data["modules"] for j in e["jobs"]} == {"class3d", "refine3d", "class2d"}
+    assert {j for e in data["modules"] for j in e["jobs"]} == {"class3d", "refine3d", "class2d", "ctf_refine"}
     assert all("__global__" in e["source"] for e in data["modules"])
     # no path of the recording machine is left: CuPy's include folders are written against <site-packages>
     assert all(not o.startswith("-I/") for e in data["modules"] for o in e["options"])
