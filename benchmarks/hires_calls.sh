@@ -4,7 +4,8 @@
 #   bash benchmarks/hires_calls.sh ctf M   RELION's build in the background; meanwhile ctf_refine_next.py on the
 #       GPU and M particles for ctf_refine_bench.py; then relion_ctf_refine's build, ctf_refine on the M particles:
 #       ours on the GPU (twice, then with --batch 16384) and relion_ctf_refine --j 16 --bf0 on the CPU cores, one
-#       after the other, judged against the truth and compared
+#       after the other, judged against the truth and compared (the particles are made in 16 processes since the
+#       twenty-ninth session: the noise-free images rounded to float32 before the noise is added, not after)
 #   bash benchmarks/hires_calls.sh hr N SNR LIMIT [UNTIL]   N EMD-11007 particles at box 192 (1.4 Å/px, Nyquist
 #       2.8 Å) by relion_project, our auto-refine, the true-pose halves, then RELION's auto-refine started in its
 #       own session (stopped after LIMIT s); the call waits for it until UNTIL s (560) after its start, then does
@@ -29,6 +30,27 @@ T0=$(date +%s)
 el() { echo "== $1 at +$(( $(date +%s) - T0 )) s"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 R=realistic_emd11007_box192_h200_twentyeighth
+ctf_data() {  # $1 particles for ctf_refine_bench.py (16 processes); RELION and relion_ctf_refine built
+  start_relion
+  python3 benchmarks/ctf_refine_bench.py make --out /root/ctf$1 --n $1 --seed 2 --jobs 16 | cut -c1-300
+  el "ctf_refine data ($1 particles)"
+  wait_relion
+  [ -x /root/rb/build/bin/relion_ctf_refine ] || (cd /root/rb/build && ninja -j 16 relion_ctf_refine > /root/ctf_build.log 2>&1)
+  tail -1 /root/ctf_build.log; el "relion_ctf_refine built"
+}
+ctf_run() {  # ours twice (and with --batch 16384 when $3 is set), then relion_ctf_refine --j 16 --bf0, compared
+  CT=ctf_refine_h200_$2_n$1
+  python3 benchmarks/ctf_refine_bench.py ours --data /root/ctf$1 --tag gpu --repeat 2 --json $OUT/${CT}_gpu.json \
+      | cut -c1-500
+  [ -n "${3:-}" ] && python3 benchmarks/ctf_refine_bench.py ours --data /root/ctf$1 --tag gpu_batch16384 \
+      --extra="--batch 16384" --json $OUT/${CT}_gpu_batch16384.json | cut -c1-500
+  el "ours"
+  RB=/root/rb python3 benchmarks/ctf_refine_bench.py relion --data /root/ctf$1 --tag relion_bf0_j16 --j 16 \
+      --extra=--bf0 --json $OUT/${CT}_relion_bf0_j16.json | cut -c1-500
+  el "relion_ctf_refine"
+  python3 benchmarks/ctf_refine_bench.py compare $OUT/${CT}_gpu.json $OUT/${CT}_relion_bf0_j16.json \
+      --out $OUT/${CT}_compare.json | cut -c1-800
+}
 if [ "$1" = prof ]; then
   start_relion
   wait_relion
@@ -82,44 +104,16 @@ elif [ "$1" = ctfwarm ]; then
   echo "modules compiled by the run: $(( $(ls $CUPY_CACHE_DIR/*.cubin | wc -l) - N0 ))"
   el "ours after warmup"
 elif [ "$1" = ctfdata ]; then
-  start_relion
-  python3 benchmarks/ctf_refine_bench.py make --out /root/ctf$2 --n $2 --seed 2 --jobs 16 | cut -c1-300
-  el "ctf_refine data ($2 particles)"
-  wait_relion
-  [ -x /root/rb/build/bin/relion_ctf_refine ] || (cd /root/rb/build && ninja -j 16 relion_ctf_refine > /root/ctf_build.log 2>&1)
-  tail -1 /root/ctf_build.log; el "relion_ctf_refine built"
+  ctf_data $2
 elif [ "$1" = ctfrun ]; then
-  CT=ctf_refine_h200_twentyninth_n$2
-  python3 benchmarks/ctf_refine_bench.py ours --data /root/ctf$2 --tag gpu --repeat 2 --json $OUT/${CT}_gpu.json \
-      | cut -c1-500
-  el "ours"
-  RB=/root/rb python3 benchmarks/ctf_refine_bench.py relion --data /root/ctf$2 --tag relion_bf0_j16 --j 16 \
-      --extra=--bf0 --json $OUT/${CT}_relion_bf0_j16.json | cut -c1-500
-  el "relion_ctf_refine"
-  python3 benchmarks/ctf_refine_bench.py compare $OUT/${CT}_gpu.json $OUT/${CT}_relion_bf0_j16.json \
-      --out $OUT/${CT}_compare.json | cut -c1-800
+  ctf_run $2 twentyninth
 elif [ "$1" = ctf ]; then
   start_relion
   timeout 300 python3 benchmarks/ctf_refine_next.py --work /root/next --out $OUT/ctf_refine_next_h200_twentyeighth.json \
       > $OUT/ctf_refine_next.log 2>&1; echo "ctf_refine_next rc $?"; tail -8 $OUT/ctf_refine_next.log | cut -c1-400
   el "issue 51 next refinement"
-  python3 benchmarks/ctf_refine_bench.py make --out /root/ctf$2 --n $2 --seed 2 | cut -c1-300
-  el "ctf_refine data ($2 particles)"
-  wait_relion
-  el "RELION built"
-  (cd /root/rb/build && ninja -j 16 relion_ctf_refine > /root/ctf_build.log 2>&1); tail -1 /root/ctf_build.log
-  el "relion_ctf_refine built"
-  CT=ctf_refine_h200_twentyeighth_n$2
-  python3 benchmarks/ctf_refine_bench.py ours --data /root/ctf$2 --tag gpu --repeat 2 --json $OUT/${CT}_gpu.json \
-      | cut -c1-500
-  python3 benchmarks/ctf_refine_bench.py ours --data /root/ctf$2 --tag gpu_batch16384 --extra="--batch 16384" \
-      --json $OUT/${CT}_gpu_batch16384.json | cut -c1-500
-  el "ours"
-  RB=/root/rb python3 benchmarks/ctf_refine_bench.py relion --data /root/ctf$2 --tag relion_bf0_j16 --j 16 \
-      --extra=--bf0 --json $OUT/${CT}_relion_bf0_j16.json | cut -c1-500
-  el "relion_ctf_refine"
-  python3 benchmarks/ctf_refine_bench.py compare $OUT/${CT}_gpu.json $OUT/${CT}_relion_bf0_j16.json \
-      --out $OUT/${CT}_compare.json | cut -c1-800
+  ctf_data $2
+  ctf_run $2 twentyeighth batch
 elif [ "$1" = c ]; then
   wait_relion
   D=standard_class3d_K6_box360_n$2_h200_$(date +%Y%m%d)
