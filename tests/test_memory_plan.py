@@ -16,12 +16,14 @@ from napari_gpu_relion.compute.expectation import pixel_set
 from napari_gpu_relion.compute.maximization import fsc_from_backprojectors, reference_sigma2, ssnr_map
 from napari_gpu_relion.compute.memory_model import (
     FINE_BYTES_PER_TRANSLATION_PIXEL,
+    LOCAL_SLICE_BYTES_PER_PIXEL,
+    LOCAL_SLICE_BYTES_PER_PIXEL_ARRAY_CODE,
     PROJECT_BYTES_PER_POINT,
     UNION_BYTES_PER_FINE_PIXEL,
     union_bytes_per_orientation,
 )
 from napari_gpu_relion.compute.projector import prepare_reference
-from napari_gpu_relion.compute.sampling import Sampling
+from napari_gpu_relion.compute.sampling import Sampling, local_candidates
 from napari_gpu_relion.events import Message
 from napari_gpu_relion.jobs import em, refine3d
 from napari_gpu_relion.jobs.simulate import make_sample_data
@@ -171,6 +173,44 @@ def test_union_bytes_per_fine_pixel_are_the_measured_peak(monkeypatch):
     assert held[0].n_children == 8
     union_bytes = UNION_BYTES_PER_FINE_PIXEL * points  # measured: 24.1 bytes per point in all
     assert 0.95 * union_bytes <= peak <= 1.02 * union_bytes + PROJECT_BYTES_PER_POINT * chunk, peak / points
+
+
+def test_local_search_slices_on_the_cpu_are_within_their_measured_bytes(monkeypatch):
+    """A local search's coarse slices made by the array code (estep._gathered_coarse_slices on NumPy: the distinct
+    rows projected, stacked, then gathered per particle) peak between the gathered result's own 12 bytes and
+    LOCAL_SLICE_BYTES_PER_PIXEL_ARRAY_CODE per (particle, candidate, pixel), plus one projection chunk's
+    temporaries; measured with tracemalloc, with each particle at its own orientations."""
+    chunk = 1 << 14
+    monkeypatch.setattr(memory_model, "PROJECT_CHUNK_POINTS", chunk)
+    box = 48
+    ref = prepare_reference(np.random.default_rng(0).normal(size=(box,) * 3), 2, r_max=box / 2)
+    smp = Sampling(order=3)
+    angles = np.random.default_rng(1).uniform([-180, 0, -180], [180, 180, 180], (12, 3))
+    cand, _ = local_candidates(angles, smp, 3.0, "C1")
+    urows, pos = np.unique(np.where(cand >= 0, cand, 0), return_inverse=True)
+    pos = pos.reshape(cand.shape)
+    setup = SimpleNamespace(refs=[ref], ref_stack=ref, sampling=smp, mag=None)
+    pix = pixel_set(box, 40)
+    held = []
+    peak = _peak(lambda: held.append(estep._gathered_coarse_slices(setup, urows, pos, pix)))
+    points = pos.size * pix.npix
+    assert urows.size > 0.5 * pos.size and held[0].stacked.shape[:2] == cand.shape
+    assert 12 * points <= peak <= LOCAL_SLICE_BYTES_PER_PIXEL_ARRAY_CODE * points + PROJECT_BYTES_PER_POINT * chunk, \
+        peak / points
+
+
+def test_local_searches_count_their_gathered_slices_in_the_batch():
+    """The plan of a local search adds each particle's gathered coarse slices: 12 bytes per (row, pixel) on a GPU
+    (the fused projection), the array code's 24 on the CPU; the batch shrinks by the same rule."""
+    kw = dict(box=192, ndim=3, pad=2, n_references=2, rows_per_particle=203, translations=49, coarse_pixels=14616)
+    free = 100 * GIB
+    for gpu, per_pixel in ((True, LOCAL_SLICE_BYTES_PER_PIXEL), (False, LOCAL_SLICE_BYTES_PER_PIXEL_ARRAY_CODE)):
+        plain = plan_memory(free, adaptive_chunks=gpu, **kw)
+        local = plan_memory(free, adaptive_chunks=gpu, gathered_slices=True, **kw)
+        assert local.bytes_per_particle - plain.bytes_per_particle == per_pixel * 203 * 14616
+        left = free - local.reference_bytes - local.accumulator_bytes
+        assert local.batch == min(plain.batch, int(BATCH_FRACTION * left // local.bytes_per_particle))
+        assert local.batch < plain.batch
 
 
 def test_plan_of_large_boxes_by_hand():

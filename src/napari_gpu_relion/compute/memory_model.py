@@ -25,10 +25,13 @@ def estep_bytes_per_particle(rows: int, translations: int, box: int, coarse_pixe
 
 #: Device bytes per (particle, candidate row, coarse pixel) of a local search's coarse pass, whose particles each
 #: score their own rows: the gathered slices ([Re, Im] and |P|^2 float32), made straight by the fused projection
-#: (estep._gathered_coarse_slices) where the batch's distinct rows are at least half its (particle, row) pairs.
-#: Otherwise (or on the CPU) the distinct rows' complex slices and their stacked copy come first, up to 32 bytes
-#: at the peak: the batch fraction of the plan (runtime.memory.BATCH_FRACTION) leaves room for that.
+#: on a GPU (estep._gathered_coarse_slices).
 LOCAL_SLICE_BYTES_PER_PIXEL = 12
+#: The same where the array code makes them (the CPU; on a GPU a batch whose distinct rows are fewer than half its
+#: pairs): the distinct rows' complex slices, |P|^2 and stacked copy (24 bytes per distinct row and pixel at the
+#: peak), then the gathered copy (12) beside the distinct rows' slices (12): at most 24 bytes per pair, reached
+#: when every pair has its own row. tests/test_memory_plan.py measures it with tracemalloc.
+LOCAL_SLICE_BYTES_PER_PIXEL_ARRAY_CODE = 24
 
 
 def fine_bytes_per_score(fine_translations: int) -> int:

@@ -19,6 +19,7 @@ from ..cancel import check_cancel
 from ..compute.backend import free_pool
 from ..compute.memory_model import (
     LOCAL_SLICE_BYTES_PER_PIXEL,
+    LOCAL_SLICE_BYTES_PER_PIXEL_ARRAY_CODE,
     PROJECT_BYTES_PER_POINT,
     PROJECT_CHUNK_POINTS,
     SLAB_BYTES,
@@ -144,13 +145,15 @@ def plan_memory(free_bytes: int, *, box: int, ndim: int, pad: int, n_references:
     ``largest_transient``: the run's largest planned transient (compute/memory_plan.JobMemory), which sets the
     budget of the union of significant orientations (:func:`union_budget`). ``gathered_slices``: each particle
     scores its own rows (local searches), whose coarse slices count per particle
-    (memory_model.LOCAL_SLICE_BYTES_PER_PIXEL)."""
+    (memory_model.LOCAL_SLICE_BYTES_PER_PIXEL on a GPU, ``adaptive_chunks``, where the fused projection makes
+    them; LOCAL_SLICE_BYTES_PER_PIXEL_ARRAY_CODE on the CPU)."""
     grid = (pad * box) ** (ndim - 1) * (pad * box // 2 + 1)
     ref_bytes = n_references * grid * 8
     acc_bytes = n_references * grid * (16 + 8)
     per = estep_bytes_per_particle(rows_per_particle, translations, box, coarse_pixels)
     if gathered_slices:
-        per += LOCAL_SLICE_BYTES_PER_PIXEL * rows_per_particle * coarse_pixels
+        per += (LOCAL_SLICE_BYTES_PER_PIXEL if adaptive_chunks else LOCAL_SLICE_BYTES_PER_PIXEL_ARRAY_CODE) \
+            * rows_per_particle * coarse_pixels
     if requested_batch > 0:
         batch = int(requested_batch)
     else:
