@@ -209,3 +209,30 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_result(small_data, tm
     b = starfile.read(tmp_path / "big" / "run_data.star")["particles"]
     same = angular_distance_deg(_matrices(a), _matrices(b)) < 0.01
     assert same.mean() > 0.99
+
+
+def test_subpixel_offsets_search_around_the_exact_offsets_and_relion_around_whole_pixels(small_data, tmp_path):
+    """RELION searches each particle's translations around its offset rounded to whole pixels (the image is shifted
+    by that, ml_optimiser.cpp getFourierTransformsAndCtfs); --subpixel_offsets around the exact offset. After one
+    iteration every particle's new offset is then its base (rounded or exact) plus one of the few sampled
+    translations: few distinct steps from the base, many from the other."""
+    blocks = starfile.read(small_data / "particles.star")
+    (tmp_path / "particles").symlink_to(small_data / "particles")
+    starfile.write({"optics": blocks["optics"], "particles": blocks["particles"].iloc[:120]}, tmp_path / "sub.star")
+    old = blocks["particles"].iloc[:120][["rlnOriginXAngst", "rlnOriginYAngst"]].to_numpy(float) / 6.0
+    assert np.abs(old - np.round(old)).max() > 0.3  # offsets well off whole pixels
+    kw = dict(i=tmp_path / "sub.star", ref=small_data / "reference.mrc", ctf=True, particle_diameter=160.0,
+              healpix_order=0, auto_iter_max=1, zero_mask=True, cpu=True, offset_range=1.0, offset_step=1.0)
+    steps = {}
+    for name, sub in (("rounded", False), ("subpixel", True)):
+        list(refine3d.run(refine3d.Params(o=tmp_path / name / "run", subpixel_offsets=sub, **kw)))
+        new = starfile.read(tmp_path / name / "run_it001_data.star")["particles"][
+            ["rlnOriginXAngst", "rlnOriginYAngst"]].to_numpy(float) / 6.0
+
+        def distinct(d):
+            return len({tuple(v) for v in np.round(d, 3)})
+
+        steps[name] = (distinct(new - np.round(old)), distinct(new - old))
+    n_translations = 4 * 9  # the fine translations of a 3 x 3 coarse grid
+    assert steps["rounded"][0] <= n_translations < steps["rounded"][1], steps
+    assert steps["subpixel"][1] <= n_translations < steps["subpixel"][0], steps

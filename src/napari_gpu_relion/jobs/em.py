@@ -191,13 +191,17 @@ class EMParams:
     preread_images: bool = param(False, "--preread_images", "Keep every particle image in memory after its first "
                                  "reading, however large the set (done anyway when the images take at most a "
                                  "quarter of the free RAM)")
+    subpixel_offsets: bool = param(False, "--subpixel_offsets", "Search the translations around each particle's "
+                                   "exact offset (not RELION's: RELION searches around the offset rounded to whole "
+                                   "pixels, which a search range below half a pixel cannot leave; "
+                                   "docs/high_resolution.md)")
     dont_check_norm: bool = param(False, "--dont_check_norm", "Run even when the particles do not look normalised "
                                   "(RELION's flag; background mean 0, stddev 1 outside the particle circle): a "
                                   "warning instead of the error")
 
     #: Options that --continue takes from the command line, not from the optimiser STAR.
     RUNTIME = ("continue_from", "cpu", "gpu", "batch", "memory_limit", "tf32", "coarse_float32", "preread_images",
-               "dont_check_norm")
+               "dont_check_norm", "subpixel_offsets")
     #: Options a job gained after runs of it were written: a --continue of such a run, whose optimiser STAR lacks
     #: them, takes their defaults (the run had them off); any other missing option is a damaged file.
     NEWER_OPTIONS = ()
@@ -601,7 +605,8 @@ class EMJob:
                                     zero_mask=self.p.zero_mask, do_norm=getattr(self.p, "norm", False),
                                     norm_average=self.state.norm_average, scales=self.model.scales,
                                     batch=it.plan.batch, stage=stage, seed=self.p.random_seed + self.state.iteration,
-                                    local_sigma=it.local_sigma, sym=getattr(self.p, "sym", "C1"), **opts):
+                                    local_sigma=it.local_sigma, sym=getattr(self.p, "sym", "C1"),
+                                    subpixel_offsets=getattr(self.p, "subpixel_offsets", False), **opts):
                     if isinstance(ev, Progress):  # the E-step is nearly all of an iteration's time
                         ev = replace(ev, done=done + ev.done, total=max(len(mine), 1),
                                      iteration=self.state.iteration, iterations=self.max_iterations(),
@@ -954,13 +959,16 @@ def reference_images(model_star: Path) -> list[np.ndarray]:
 def run_estep(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, sums: EStepSums, be: Backend, *,
               mask_radius_px: float, zero_mask: bool, do_norm: bool, norm_average: float, scales: np.ndarray,
               batch: int, local_sigma: float | None = None, sym: str = "C1", stage: str = "E-step", seed: int = 0,
-              class_log_prior: np.ndarray | None = None, own_orientation: bool = False) -> Iterator:
+              class_log_prior: np.ndarray | None = None, own_orientation: bool = False,
+              subpixel_offsets: bool = False) -> Iterator:
     """E-step over ``rows`` of the particle set in batches (halving on out-of-memory); updates the particle
     state (angles, offsets, classes, pmax, ...) and ``sums``. Yields Progress / Message events.
 
     ``local_sigma`` (degrees): local searches around each particle's angles. ``own_orientation``
     (--skip_align): the setup's sampling is GivenOrientations with one row per particle of the set; each particle
-    is compared, in every class, only at its own orientation and exact offset."""
+    is compared, in every class, only at its own orientation and exact offset. ``subpixel_offsets``: every
+    particle's translations are searched around its exact offset, not around the offset rounded to whole pixels
+    (RELION's)."""
     n = rows.size
     sig2_host = to_host(setup.sigma2)
     K = len(setup.refs)
@@ -973,7 +981,7 @@ def run_estep(ps: ParticleSet, rows: np.ndarray, setup: EStepSetup, sums: EStepS
         nf = (norm_average / ps.norm[r]) if do_norm else np.ones(r.size)
         noise = None if zero_mask else sig2_host[ps.optics_group[r]]  # each particle's own optics group
         prep = prepare_batch(imgs, nf, ps.offsets_px[r], mask_radius_px, MASK_EDGE, noise_sigma2=noise,
-                             seed=seed, particle_ids=r, subpixel=own_orientation)
+                             seed=seed, particle_ids=r, subpixel=own_orientation or subpixel_offsets)
         cand = lpc = None
         if local_sigma is not None:
             cand, lpc = local_candidates(ps.angles[r], setup.sampling, local_sigma, sym, K, xp=be.xp)

@@ -127,6 +127,7 @@ _FORMS: dict[str, FieldForm] = {
     "--offset_step": _b("Offset search step (px)", "Sampling"),
     "--offset": _a("Initial offset prior σ (Å)", "Sampling"),
     "--angstrom_offset_prior": _a("Offset prior in Å (not RELION's)", "Sampling"),
+    "--subpixel_offsets": _a("Search around exact offsets (not RELION's)", "Sampling"),
     # reconstruction
     "--subset": _b("Random subset (1, 2; 0 = all)", "Reconstruction"),
     "--maxres": _a("Maximum resolution (Å; -1 = Nyquist)", "Reconstruction"),
