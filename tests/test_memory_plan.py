@@ -201,7 +201,8 @@ def test_local_search_slices_on_the_cpu_are_within_their_measured_bytes(monkeypa
 
 def test_local_searches_count_their_gathered_slices_in_the_batch():
     """The plan of a local search adds each particle's gathered coarse slices: 12 bytes per (row, pixel) on a GPU
-    (the fused projection), the array code's 24 on the CPU; the batch shrinks by the same rule."""
+    (the fused projection), the array code's 24 on the CPU; the batch shrinks by the same rule, and the budget of
+    the union of significant orientations (after the slices are freed) does not count them."""
     kw = dict(box=192, ndim=3, pad=2, n_references=2, rows_per_particle=203, translations=49, coarse_pixels=14616)
     free = 100 * GIB
     for gpu, per_pixel in ((True, LOCAL_SLICE_BYTES_PER_PIXEL), (False, LOCAL_SLICE_BYTES_PER_PIXEL_ARRAY_CODE)):
@@ -211,6 +212,9 @@ def test_local_searches_count_their_gathered_slices_in_the_batch():
         left = free - local.reference_bytes - local.accumulator_bytes
         assert local.batch == min(plain.batch, int(BATCH_FRACTION * left // local.bytes_per_particle))
         assert local.batch < plain.batch
+        # the slices are freed before the fine passes: the union's budget sees the batch without them
+        assert local.union_bytes == union_budget(free, local.reference_bytes + local.accumulator_bytes, 0,
+                                                 local.batch * plain.bytes_per_particle, local.fine_chunk_bytes)
 
 
 def test_plan_of_large_boxes_by_hand():

@@ -421,6 +421,8 @@ def stacked_shifted(g, ramps, width: int):
     g, ramps = cp.ascontiguousarray(g), cp.ascontiguousarray(ramps)
     I, K = (int(v) for v in g.shape)
     T = int(ramps.shape[0])
+    if ramps.ndim != 2 or ramps.shape[1] != K:
+        raise ValueError(f"ramps of shape {ramps.shape} for {K} pixels")
     out = cp.empty((I, T, max(int(width), 2 * K)), dtype=np.float32)
     if out.size:
         _stacked_shifted_kernel()(g, ramps, np.int64(T), np.int64(K), np.int64(out.shape[2]), out)
@@ -454,6 +456,8 @@ def sum_conj_shifted(U, ramps):
     U, ramps = cp.ascontiguousarray(U), cp.ascontiguousarray(ramps)
     I, T, W = (int(v) for v in U.shape)
     K = int(ramps.shape[1])
+    if ramps.shape[0] != T or W < 2 * K:
+        raise ValueError(f"U of shape {U.shape} against ramps of shape {ramps.shape}")
     out = cp.empty((I, K), dtype=np.complex64)
     if out.size:
         _sum_conj_shifted_kernel()(U, ramps, np.int64(T), np.int64(K), np.int64(W), out)

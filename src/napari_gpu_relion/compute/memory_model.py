@@ -25,7 +25,9 @@ def estep_bytes_per_particle(rows: int, translations: int, box: int, coarse_pixe
 
 #: Device bytes per (particle, candidate row, coarse pixel) of a local search's coarse pass, whose particles each
 #: score their own rows: the gathered slices ([Re, Im] and |P|^2 float32), made straight by the fused projection
-#: on a GPU (estep._gathered_coarse_slices).
+#: on a GPU (estep._gathered_coarse_slices). A GPU batch whose distinct rows are fewer than half its pairs takes the
+#: array code instead, up to 18 bytes per pair (12 per distinct row and 12 per pair): the batch fraction of the plan
+#: (runtime.memory.BATCH_FRACTION) leaves room for that, and out-of-memory halves the batch.
 LOCAL_SLICE_BYTES_PER_PIXEL = 12
 #: The same where the array code makes them (the CPU; on a GPU a batch whose distinct rows are fewer than half its
 #: pairs): the distinct rows' complex slices, |P|^2 and stacked copy (24 bytes per distinct row and pixel at the

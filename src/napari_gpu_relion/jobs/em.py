@@ -194,7 +194,7 @@ class EMParams:
     subpixel_offsets: bool = param(False, "--subpixel_offsets", "Search the translations around each particle's "
                                    "exact offset (not RELION's: RELION searches around the offset rounded to whole "
                                    "pixels, which a search range below half a pixel cannot leave; "
-                                   "docs/high_resolution.md)")
+                                   "docs/high_resolution.md). A --continue takes it from its own command line")
     dont_check_norm: bool = param(False, "--dont_check_norm", "Run even when the particles do not look normalised "
                                   "(RELION's flag; background mean 0, stddev 1 outside the particle circle): a "
                                   "warning instead of the error")

@@ -151,9 +151,11 @@ def plan_memory(free_bytes: int, *, box: int, ndim: int, pad: int, n_references:
     ref_bytes = n_references * grid * 8
     acc_bytes = n_references * grid * (16 + 8)
     per = estep_bytes_per_particle(rows_per_particle, translations, box, coarse_pixels)
+    slices = 0  # a local search's gathered coarse slices, freed before the fine passes
     if gathered_slices:
-        per += (LOCAL_SLICE_BYTES_PER_PIXEL if adaptive_chunks else LOCAL_SLICE_BYTES_PER_PIXEL_ARRAY_CODE) \
+        slices = (LOCAL_SLICE_BYTES_PER_PIXEL if adaptive_chunks else LOCAL_SLICE_BYTES_PER_PIXEL_ARRAY_CODE) \
             * rows_per_particle * coarse_pixels
+        per += slices
     if requested_batch > 0:
         batch = int(requested_batch)
     else:
@@ -164,7 +166,7 @@ def plan_memory(free_bytes: int, *, box: int, ndim: int, pad: int, n_references:
     fraction, most = (FINE_CHUNK_FRACTION_2D, MAX_FINE_CHUNK_BYTES_2D) if ndim == 2 else \
         (FINE_CHUNK_FRACTION, MAX_FINE_CHUNK_BYTES)
     fine = int(min(most, max(CHUNK_BYTES, fraction * left))) if adaptive_chunks else CHUNK_BYTES
-    union = union_budget(free_bytes, ref_bytes + acc_bytes, largest_transient, batch * per, fine)
+    union = union_budget(free_bytes, ref_bytes + acc_bytes, largest_transient, batch * (per - slices), fine)
     return MemoryPlan(int(free_bytes), ref_bytes, acc_bytes, per, batch, fine, rows_per_particle, translations,
                       union)
 
