@@ -30,6 +30,7 @@ from napari_gpu_relion.jobs.simulate import make_sample_data
 from napari_gpu_relion.runtime.memory import (
     BATCH_FRACTION,
     GIB,
+    SearchSpace,
     choose_padding,
     job_memory,
     mstep_bytes,
@@ -215,6 +216,21 @@ def test_local_searches_count_their_gathered_slices_in_the_batch():
         # the slices are freed before the fine passes: the union's budget sees the batch without them
         assert local.union_bytes == union_budget(free, local.reference_bytes + local.accumulator_bytes, 0,
                                                  local.batch * plain.bytes_per_particle, local.fine_chunk_bytes)
+
+
+def test_the_whole_run_plan_counts_a_local_searchs_slices():
+    """The one-particle E-step of a run that searches locally (SearchSpace.particle_bytes) adds its rows' gathered
+    slices at the full image size, at the array code's bytes; a global search's coarse bytes do not."""
+    kw = dict(ndim=3, n_classes=1, offset_range=2, offset_step=1, order=5)
+    glob, loc = SearchSpace(**kw), SearchSpace(local_sigma=1.88, **kw)
+    box = 64
+    pixels = box * (box // 2 + 1)
+    assert glob.particle_bytes(box)[0] == memory_model.estep_bytes_per_particle(glob.rows, glob.translations, box,
+                                                                                pixels)
+    assert loc.particle_bytes(box)[0] == (memory_model.estep_bytes_per_particle(loc.rows, loc.translations, box,
+                                                                                pixels)
+                                          + LOCAL_SLICE_BYTES_PER_PIXEL_ARRAY_CODE * loc.rows * pixels)
+    assert loc.particle_bytes(box)[1] == glob.particle_bytes(box)[1]
 
 
 def test_plan_of_large_boxes_by_hand():

@@ -408,11 +408,15 @@ class SearchSpace:
         """(coarse, fine): the E-step's bytes for one particle at the full image size ``box``: its coarse scores,
         priors and weights over every (row, translation) with its image and score terms
         (memory_model.estep_bytes_per_particle), and its fine pass with a single significant coarse row (its
-        image at every fine translation and that row's fine samples)."""
+        image at every fine translation and that row's fine samples). A local search's coarse bytes include its own
+        rows' gathered slices, at the array code's LOCAL_SLICE_BYTES_PER_PIXEL_ARRAY_CODE (the larger of the two
+        paths: this plan serves both devices)."""
         pixels = box * (box // 2 + 1)
         ft = self.fine_translations
-        return (estep_bytes_per_particle(self.rows, self.translations, box, pixels),
-                fine_bytes_per_particle(ft, pixels) + self.n_children * fine_bytes_per_sample(ft, pixels))
+        coarse = estep_bytes_per_particle(self.rows, self.translations, box, pixels)
+        if self.local_sigma > 0 and self.ndim == 3 and not self.own_orientation:
+            coarse += LOCAL_SLICE_BYTES_PER_PIXEL_ARRAY_CODE * self.rows * pixels
+        return coarse, fine_bytes_per_particle(ft, pixels) + self.n_children * fine_bytes_per_sample(ft, pixels)
 
     def describe(self) -> str:
         if self.own_orientation:
