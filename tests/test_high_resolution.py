@@ -18,8 +18,6 @@ from pathlib import Path
 import mrcfile
 import numpy as np
 import pytest
-import starfile
-from scipy import ndimage
 
 from napari_gpu_relion.cli import main
 from napari_gpu_relion.compute.fsc import fsc, resolution_shell
@@ -43,22 +41,16 @@ def _shells(h1: Path, h2: Path, truth: np.ndarray) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def simulated(tmp_path_factory) -> Path:
+    """300 particles of the map at box 64 (SNR 1) in <d>/sim, their poses perturbed by about 1.5° and 1 Å in
+    <d>/sim/start.star: benchmarks/subpixel_offsets.py's simulation, which runs the same refinement to convergence."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "subpixel_offsets.py"
+    spec = importlib.util.spec_from_file_location("subpixel_offsets", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
     d = tmp_path_factory.mktemp("hires")
-    v = mrcfile.read(MAP).astype(np.float32)
-    small = ndimage.zoom(v, 1 / 3, order=1)  # 192 -> 64 voxels: 0.834 -> 2.502 Å/px
-    with mrcfile.new(d / "map64.mrc") as m:
-        m.set_data((small - np.median(small)).astype(np.float32))
-        m.voxel_size = ANGPIX
-    _cli("simulate", "--o", d / "sim", "--map", d / "map64.mrc", "--box", BOX, "--angpix", ANGPIX,
-         "--n_particles", 300, "--snr", 1.0, "--n_micrographs", 0, "--ini_high", 10, "--seed", 3)
-    star = starfile.read(d / "sim" / "particles.star")
-    p = star["particles"]
-    rng = np.random.default_rng(1)
-    for c in ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi"):
-        p[c] = p[c] + rng.normal(0, 1.5, len(p))
-    for c in ("rlnOriginXAngst", "rlnOriginYAngst"):
-        p[c] = p[c] + rng.normal(0, 1.0, len(p))
-    starfile.write(star, d / "sim" / "start.star", overwrite=True)
+    bench.simulate(d, 300)
     return d
 
 
