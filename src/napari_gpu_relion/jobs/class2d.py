@@ -55,7 +55,8 @@ class Class2DOptions:
 
 @dataclass(frozen=True)
 class Params(em.EMParams, em.EMCorrections, em.EMOptions, Class2DOptions, em.EMInputs):
-    NEWER_OPTIONS = ("norm", "scale")  # runs written before class2d took --norm and --scale had them off
+    # runs written before class2d took --norm and --scale, or before --subpixel_offsets, had them off
+    NEWER_OPTIONS = ("norm", "scale", "subpixel_offsets")
 
     def __post_init__(self):
         self.check(needs_ref=False)

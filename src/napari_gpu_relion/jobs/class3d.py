@@ -68,7 +68,8 @@ class Class3DOptions:
 
 @dataclass(frozen=True)
 class Params(em.EMParams, em.EMCorrections, em.EMOptions, Class3DOptions, em.EMInputs):
-    NEWER_OPTIONS = ("norm", "scale")  # runs written before class3d took --norm and --scale had them off
+    # runs written before class3d took --norm and --scale, or before --subpixel_offsets, had them off
+    NEWER_OPTIONS = ("norm", "scale", "subpixel_offsets")
 
     def __post_init__(self):
         self.check(needs_ref=True, healpix_order=self.healpix_order)

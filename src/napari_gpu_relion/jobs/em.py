@@ -160,6 +160,10 @@ class EMOptions:
                                         "arithmetic (translation in Å added to the offset in pixels, on the "
                                         "unperturbed grid: a prior pixel-size times narrower), for RELION's "
                                         "results. 2D classification always uses the Å prior")
+    subpixel_offsets: bool = param(False, "--subpixel_offsets", "Search the translations around each particle's "
+                                   "exact offset (not RELION's: RELION searches around the offset rounded to whole "
+                                   "pixels, which a search range below half a pixel cannot leave; "
+                                   "docs/high_resolution.md)")
     random_seed: int = param(0, "--random_seed", "Random seed (halves, seeding, perturbation, noise)")
 
 
@@ -191,20 +195,16 @@ class EMParams:
     preread_images: bool = param(False, "--preread_images", "Keep every particle image in memory after its first "
                                  "reading, however large the set (done anyway when the images take at most a "
                                  "quarter of the free RAM)")
-    subpixel_offsets: bool = param(False, "--subpixel_offsets", "Search the translations around each particle's "
-                                   "exact offset (not RELION's: RELION searches around the offset rounded to whole "
-                                   "pixels, which a search range below half a pixel cannot leave; "
-                                   "docs/high_resolution.md). A --continue takes it from its own command line")
     dont_check_norm: bool = param(False, "--dont_check_norm", "Run even when the particles do not look normalised "
                                   "(RELION's flag; background mean 0, stddev 1 outside the particle circle): a "
                                   "warning instead of the error")
 
     #: Options that --continue takes from the command line, not from the optimiser STAR.
     RUNTIME = ("continue_from", "cpu", "gpu", "batch", "memory_limit", "tf32", "coarse_float32", "preread_images",
-               "dont_check_norm", "subpixel_offsets")
+               "dont_check_norm")
     #: Options a job gained after runs of it were written: a --continue of such a run, whose optimiser STAR lacks
     #: them, takes their defaults (the run had them off); any other missing option is a damaged file.
-    NEWER_OPTIONS = ()
+    NEWER_OPTIONS = ("subpixel_offsets",)
 
     def check(self, needs_ref: bool, healpix_order: int = 0) -> None:
         """Clear errors before any work (called by each job's __post_init__); a --continue checks its runtime
