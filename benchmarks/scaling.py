@@ -11,8 +11,15 @@ GPUs: ``--gpu 0:1:2:3`` is passed on (RELION's syntax: ranks take the GPUs in tu
 on GPU 0, to see whether ranks sharing one GPU help). Without --gpu and with --cpu the ranks run NumPy
 (OMP_NUM_THREADS = cores / ranks each, or --threads).
 
+``--data DIR`` takes a set made elsewhere instead (particles.star and ref.mrc or reference.mrc, e.g. by
+``standard_class3d.py make-data``: EMD-11007 through relion_project) and ``--extra`` adds options to every run
+(the standard benchmark's ``--tau2_fudge 4 --offset_range 5 --offset_step 2``). Each row names its GPUs
+(``gpus``: the distinct devices its ranks use) and its ``speedup`` over the first row (E-step particle-iterations
+per second) and ``wall_speedup`` (whole job).
+
 Run: python benchmarks/scaling.py [--job class3d] [--ranks 1,2,4] [--n_particles 2000] [--box 64] [--K 4]
-     [--iter 3] [--cpu | --gpu 0:1:2:3] [--mpiexec PATH] [--out benchmarks/results/scaling_<hardware>.json]
+     [--iter 3] [--cpu | --gpu 0:1:2:3] [--data DIR] [--extra "..."] [--mpiexec "PATH [FLAGS]"]
+     [--out benchmarks/results/scaling_<hardware>.json]
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -54,15 +62,28 @@ def mpi_library(python: str) -> str:
     return r.stdout.strip() or r.stderr.strip()[-200:]
 
 
+def reference(data: Path) -> Path:
+    """The set's starting map: reference.mrc (our simulator) or ref.mrc (standard_class3d.py, vs_relion.py)."""
+    return data / "reference.mrc" if (data / "reference.mrc").is_file() else data / "ref.mrc"
+
+
+def gpus_used(gpu: str, ranks: int) -> int:
+    """Distinct GPUs that ``ranks`` ranks use with ``--gpu`` (ranks take the listed devices in turn)."""
+    if not gpu:
+        return 0
+    return len(set(gpu.replace(",", ":").split(":")[:ranks]))
+
+
 def job_args(a, data: Path, out: Path) -> list[str]:
     common = ["--i", str(data / "particles.star"), "--o", str(out / "run"), "--ctf", "--random_seed", "1"]
     common += ["--cpu"] if a.cpu else (["--gpu", a.gpu] if a.gpu else [])
+    common += shlex.split(a.extra)
     if a.job == "class2d":
         return ["class2d", *common, "--K", str(a.K), "--iter", str(a.iter)]
     if a.job == "class3d":
-        return ["class3d", *common, "--ref", str(data / "reference.mrc"), "--K", str(a.K), "--iter", str(a.iter),
+        return ["class3d", *common, "--ref", str(reference(data)), "--K", str(a.K), "--iter", str(a.iter),
                 "--healpix_order", str(a.healpix_order), "--ini_high", "40"]
-    return ["refine3d", *common, "--ref", str(data / "reference.mrc"), "--healpix_order", str(a.healpix_order),
+    return ["refine3d", *common, "--ref", str(reference(data)), "--healpix_order", str(a.healpix_order),
             "--auto_iter_max", str(a.iter - 1)]
 
 
@@ -115,15 +136,20 @@ def main() -> None:
                     help="OMP_NUM_THREADS per rank with --cpu (0: cores / ranks; 1 compares ranks, not threads)")
     ap.add_argument("--mpiexec", default="")
     ap.add_argument("--work", default="", help="folder for the data and runs (default: a temporary one)")
+    ap.add_argument("--data", default="", help="a particle set made elsewhere (particles.star, ref.mrc)")
+    ap.add_argument("--extra", default="", help="options added to every run of the job")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
-    mpiexec = a.mpiexec or (str(Path(sys.executable).parent / "mpiexec")
-                            if (Path(sys.executable).parent / "mpiexec").is_file() else shutil.which("mpiexec"))
-    if not mpiexec:
+    mpiexec = shlex.split(a.mpiexec) if a.mpiexec else [
+        str(Path(sys.executable).parent / "mpiexec") if (Path(sys.executable).parent / "mpiexec").is_file()
+        else shutil.which("mpiexec")]
+    if not mpiexec[0]:
         sys.exit("no mpiexec: pip install -e '.[mpi]' or give --mpiexec")
     work = Path(a.work or tempfile.mkdtemp(prefix="scaling_"))
-    data = work / "data"
-    if not (data / "particles.star").is_file():
+    data = Path(a.data) if a.data else work / "data"
+    if a.data:
+        a.n_particles = len(starfile.read(data / "particles.star", always_dict=True)["particles"])
+    elif not (data / "particles.star").is_file():
         make_sample_data(data, box=a.box, angpix=3.0 * 64 / a.box, n_particles=a.n_particles, snr=0.05,
                          n_micrographs=0)
     ranks = [int(r) for r in a.ranks.split(",")]
@@ -138,7 +164,7 @@ def main() -> None:
         threads = a.threads or max(1, cores // n)
         if a.cpu:
             env["OMP_NUM_THREADS"] = str(threads)
-        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "napari_gpu_relion.cli", *job_args(a, data, out)]
+        cmd = [*mpiexec, "-n", str(n), sys.executable, "-m", "napari_gpu_relion.cli", *job_args(a, data, out)]
         t0 = time.time()
         r = subprocess.run(cmd, capture_output=True, text=True, env=env)
         wall = time.time() - t0
@@ -148,7 +174,7 @@ def main() -> None:
         timing = {int(m[0]): m for m in TIMING.findall(r.stdout)}  # iteration -> (it, E, wait, sum, path, M)
         estep = sum(float(m[1]) for m in timing.values())
         iters = len(timing) or a.iter
-        row = {"ranks": n, "threads_per_rank": threads if a.cpu else None,
+        row = {"ranks": n, "gpus": gpus_used(a.gpu, n), "threads_per_rank": threads if a.cpu else None,
                "backend": backend.group(1) if backend else "?", "wall_s": round(wall, 2),
                "iterations": iters, "estep_s": round(estep, 2),
                "waiting_s": round(sum(float(m[2] or 0) for m in timing.values()), 2),

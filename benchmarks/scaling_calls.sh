@@ -1,0 +1,43 @@
+# Issue 47 on a machine of several H200s (nvidia-h200-x2 or -x4; carry .whl and .relion_kit; chain calls within 30 s
+# so that /root stays on the machine). Ranks take the GPUs in turn (--gpu 0:1[:2:3]); NVLink multicast stays off.
+#   bash benchmarks/scaling_calls.sh small GPUS      10,000 particles of our simulator at box 128, class3d K=4, 5
+#       iterations, on 1 and GPUS ranks (the issue's "never slower on more GPUs")
+#   bash benchmarks/scaling_calls.sh data N          RELION built; N EMD-11007 particles of two states at box 256
+#       (1.05 Å/px, SNR 0.05) by relion_project in 32 processes, kept in /root/s256_N
+#   bash benchmarks/scaling_calls.sh class3d N GPUS  class3d K=6, 5 iterations, the standard benchmark's options, on
+#       the N particles, 1 and GPUS ranks
+#   bash benchmarks/scaling_calls.sh refine3d N GPUS ITER   auto-refine (ITER-1 iterations at most) on them, 1 and GPUS
+# Results (scaling.py's JSON, which names the GPU) in $OUT.
+. benchmarks/gpu_env.sh
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+T0=$(date +%s)
+el() { echo "== $1 at +$(( $(date +%s) - T0 )) s"; }
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+NG=${3:-2}
+GPUS=$(seq -s: 0 $(( NG - 1 )))
+MPI="$(command -v mpiexec) --bind-to none"
+python3 -c "import mpi4py, cupy; from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
+case "$1" in
+  small)
+    GPUS=$(seq -s: 0 $(( $2 - 1 )))
+    python3 benchmarks/scaling.py --job class3d --ranks 1,$2 --gpu $GPUS --n_particles 10000 --box 128 --K 4 \
+        --iter 5 --work /root/sc128 --mpiexec "$MPI" --out $OUT/scaling_class3d_box128_n10000_h200x$2.json \
+        | grep '^{"ranks' | cut -c1-600
+    el "small" ;;
+  data)
+    start_relion; wait_relion; el "RELION built"
+    python3 benchmarks/standard_class3d.py make-data --map .relion_kit/emd_11007_centred192.mrc --map_angpix 0.834 \
+        --angpix 1.05 --box 256 --n $2 --states 2 --snr 0.05 --jobs 32 --out /root/s256_$2 | cut -c1-400
+    df -h /root | tail -1; el "data" ;;
+  class3d)
+    python3 benchmarks/scaling.py --job class3d --ranks 1,$NG --gpu $GPUS --data /root/s256_$2 --K 6 --iter 5 \
+        --work /root/w256_$2 --extra "--tau2_fudge 4 --offset_range 5 --offset_step 2" --mpiexec "$MPI" \
+        --out $OUT/scaling_class3d_K6_box256_n$2_h200x$NG.json | grep '^{"ranks' | cut -c1-900
+    el "class3d" ;;
+  refine3d)
+    python3 benchmarks/scaling.py --job refine3d --ranks 1,$NG --gpu $GPUS --data /root/s256_$2 --iter $4 \
+        --work /root/w256_$2 --extra "--offset_range 5 --offset_step 2" --mpiexec "$MPI" \
+        --out $OUT/scaling_refine3d_box256_n$2_h200x$NG.json | grep '^{"ranks' | cut -c1-900
+    el "refine3d" ;;
+esac
