@@ -170,7 +170,9 @@ def main() -> None:
         wall = time.time() - t0
         if r.returncode:
             sys.exit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+        (out / "log.txt").write_text(r.stdout + r.stderr)
         backend = re.search(r"^\[\w+\] .* on (.*)$", r.stdout, re.M)
+        images = re.search(r"^\s*(images .*(?:kept|read from the disk).*)$", r.stdout, re.M)
         timing = {int(m[0]): m for m in TIMING.findall(r.stdout)}  # iteration -> (it, E, wait, sum, path, M)
         estep = sum(float(m[1]) for m in timing.values())
         iters = len(timing) or a.iter
@@ -183,7 +185,9 @@ def main() -> None:
                "reduction_path": next((m[4] for m in timing.values() if m[4]), None),
                "mstep_s": round(sum(float(m[5]) for m in timing.values()), 2),
                "particle_iterations_per_s": round(a.n_particles * iters / (estep or wall), 1),
-               "resolution_A": model_resolution(a, out), "per_rank": per_rank(r.stdout)}
+               "resolution_A": model_resolution(a, out), "per_rank": per_rank(r.stdout),
+               "images": images.group(1).strip() if images else None,
+               "estep_per_iteration_s": [float(m[1]) for m in timing.values()]}
         if first is None:
             first = (out, row)
         else:

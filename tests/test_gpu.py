@@ -385,15 +385,16 @@ def test_images_kept_on_the_gpu_give_the_same_refinement_as_images_read_from_the
 
     from napari_gpu_relion.compute.geometry import angular_distance_deg  # noqa: PLC0415
     from napari_gpu_relion.events import Message  # noqa: PLC0415
-    from napari_gpu_relion.jobs import em, refine3d  # noqa: PLC0415
+    from napari_gpu_relion.jobs import refine3d  # noqa: PLC0415
     from napari_gpu_relion.jobs.simulate import make_sample_data  # noqa: PLC0415
+    from napari_gpu_relion.runtime import memory  # noqa: PLC0415
 
     data = make_sample_data(tmp_path / "data", box=32, angpix=6.0, n_particles=200, snr=0.1, diameter=140.0,
                             ini_high=60.0, n_micrographs=0)
     out = {}
     for where in ("device", "disk"):
         if where == "disk":
-            monkeypatch.setattr(em, "DEVICE_IMAGES_FRACTION", 10**15)  # no room on the device: host or disk
+            monkeypatch.setattr(memory, "DEVICE_IMAGES_FRACTION", 10**15)  # no room on the device: host or disk
         o = tmp_path / where / "run"
         msgs = [ev.text for ev in refine3d.run(refine3d.Params(
             i=data / "particles.star", ref=data / "reference.mrc", o=o, ctf=True, particle_diameter=160.0,

@@ -308,6 +308,22 @@ def test_class3d_with_more_ranks_than_classes_equals_one_process(data):
         _close_maps(data / f"K1/run_it002_class00{k}.mrc", data / f"K3/run_it002_class00{k}.mrc")
 
 
+@needs_mpi
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU with CuPy")
+def test_ranks_keep_their_own_images_on_the_gpu_and_equal_one_process(data):
+    """Two ranks on GPU 0 (issue 47: a rank without its images on the GPU read them from the disk every
+    iteration): each keeps only its own rows on the GPU, in a store smaller than the set, and the classes and
+    orientations equal one GPU process for >= 99.5 % of the particles."""
+    args = ["class3d", "--i", "particles.star", "--ref", "reference.mrc", "--K", "2", "--iter", "3",
+            "--healpix_order", "1", "--ctf", "--particle_diameter", "150", "--gpu", "0", "--random_seed", "3"]
+    _one_process(args + ["--o", "G1/run"], data)
+    out = _ok(_mpirun(2, args + ["--o", "G2/run"], data, timeout=300))
+    assert re.search(r"images of this rank's 80 particles, room for 100 kept on the GPU", out), out[-3000:]
+    same_angle, same_class = _same(data / "G1/run_it003_data.star", data / "G2/run_it003_data.star")
+    assert same_angle >= 0.995 and same_class >= 0.995, (same_angle, same_class)
+
+
 @pytest.fixture(scope="module")
 def refine_one(data) -> Path:
     """One process, refine3d (3 iterations, the last one the final joined one)."""

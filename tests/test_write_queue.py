@@ -196,6 +196,58 @@ def test_images_moved_to_another_array_keep_what_was_read_and_read_the_rest_once
     np.testing.assert_array_equal(ps.images(np.arange(len(ps))), disk)
 
 
+def test_a_store_smaller_than_the_set_keeps_a_ranks_rows_and_reads_the_rest(tmp_path):
+    """keep_images_on with a capacity (an MPI rank's store on its GPU; NumPy here): the rows kept equal the disk,
+    rows beyond its room come from the stack each time, and retain frees the rows the rank no longer has so that
+    its next rows take their places."""
+    from napari_gpu_relion.io import particle_images  # noqa: PLC0415
+
+    star = _copy_sample(tmp_path / "d")
+    ps = load_particle_set(star, ctf=True, halves=False)
+    n = len(ps)
+    disk = ps.images(np.arange(n))
+    ps.keep_images_on(np, capacity=6)
+    assert ps.kept.shape == (6, ps.box, ps.box)
+    first = np.array([7, 2, 9, 2, 4])
+    ps.retain(first)
+    np.testing.assert_array_equal(ps.images(first), disk[first])
+    assert ps.in_memory.sum() == 4
+    more = np.array([0, 1, 7, 11])  # 7 held; three new rows for two places: 0 and 1 kept, 11 read and not kept
+    np.testing.assert_array_equal(ps.images(more), disk[more])
+    assert ps.in_memory.sum() == 6 and ps.in_memory[[7, 2, 9, 4, 0, 1]].all() and not ps.in_memory[11]
+    reads = []
+    real = particle_images.load_images
+    import napari_gpu_relion.jobs.particles as particles_module  # noqa: PLC0415
+
+    particles_module.load_images = lambda *a, **k: reads.append(len(k["rows"])) or real(*a, **k)
+    try:
+        np.testing.assert_array_equal(ps.images(more), disk[more])
+        assert reads == [1]  # the row without a place, again
+        ps.retain(np.array([11, 12, 13, 7]))  # the rank's next block: 0, 1, 2, 4 and 9 go
+        assert ps.in_memory.sum() == 1 and ps.in_memory[7]
+        reads.clear()
+        np.testing.assert_array_equal(ps.images(np.array([13, 11, 12, 7])), disk[[13, 11, 12, 7]])
+        assert reads == [3] and ps.in_memory[[7, 11, 12, 13]].all()
+        reads.clear()
+        np.testing.assert_array_equal(ps.images(np.array([12, 7, 13, 11])), disk[[12, 7, 13, 11]])
+        assert reads == []  # all four from the store
+    finally:
+        particles_module.load_images = real
+
+
+def test_the_device_image_policy_counts_a_ranks_rows_with_a_margin():
+    from napari_gpu_relion.runtime import memory  # noqa: PLC0415
+
+    each = 256 * 256 * 4
+    free = 4 * 100_000 * each
+    assert memory.device_images_capacity(100_000, each, free) == 100_000
+    assert memory.device_images_capacity(100_001, each, free) == 0
+    # a rank with 50,000 of 200,000 particles keeps room for 62,500 when they fit, whatever the whole set's size
+    assert memory.device_images_capacity(200_000, each, free, own_rows=50_000) == 62_500
+    assert memory.device_images_capacity(200_000, each, free, own_rows=90_000) == 0
+    assert memory.device_images_capacity(1000, each, free, own_rows=900) == 1000  # never more than the set
+
+
 def test_images_read_ahead_in_the_background_equal_the_disk_whatever_the_order_asked(tmp_path, monkeypatch):
     """The reader reads blocks of its order in a thread; images() takes what is ready, waits only for rows being
     read, and reads itself the rows the reader has not started (asked out of order) or was never given. The same

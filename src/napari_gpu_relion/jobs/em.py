@@ -84,6 +84,7 @@ from ..runtime.memory import (
     SearchSpace,
     batched_with_oom_retry,
     choose_padding,
+    device_images_capacity,
     device_pool_line,
     free_cached_memory,
     memory_trace_active,
@@ -115,8 +116,6 @@ from .particles import (
 
 #: Width of the raised-cosine edge of the particle mask (pixels), RELION's default.
 MASK_EDGE = 5.0
-#: The images go to the GPU when they take at most 1/this of what the run's memory plan leaves free at its peak.
-DEVICE_IMAGES_FRACTION = 4
 #: Read the images not yet kept in memory in a background thread, in the E-step's order, while it computes
 #: (ParticleSet.read_ahead); off only to compare.
 READ_AHEAD = True
@@ -504,16 +503,20 @@ class EMJob:
 
     def keep_images_on_device(self) -> None:
         """After the run's memory plan: keep the images on the GPU (no host copy and upload of every batch in every
-        iteration: 0.34 s of a 2.0 s box-256 iteration on the H100, issue 15) when they take at most a quarter of
-        what the plan leaves free at its peak. One process only: MPI ranks keep them on the host (each rank's
-        rows change between the halves' blocks)."""
+        iteration: 0.34 s of a 2.0 s box-256 iteration on the H100, issue 15; under MPI a rank without them read
+        its 13 GB share of 100,000 box-256 images from the disk every iteration, issue 47) when they fit the
+        policy of runtime.memory.device_images_capacity. An MPI rank keeps only its own rows (retain)."""
         plan, ps = self.job_memory, self.ps
-        if not self.be.is_gpu or self.comm.size > 1 or plan is None:
+        if not self.be.is_gpu or plan is None:
             return
-        if ps.image_bytes > (plan.budget_bytes - plan.peak) // DEVICE_IMAGES_FRACTION:
+        own = sum(len(self.comm.share(r)) for r in self.halves) if self.comm.size > 1 else None
+        capacity = device_images_capacity(len(ps), ps.box * ps.box * 4, plan.budget_bytes - plan.peak, own)
+        if capacity == 0:
             return
-        ps.keep_images_on(self.be.xp)
-        self.images_note = f"images kept on the GPU after their first reading ({ps.image_bytes / 1024**3:.2f} GiB)"
+        ps.keep_images_on(self.be.xp, capacity)
+        whose = "" if own is None else f" of this rank's {own} particles, room for {capacity}"
+        self.images_note = (f"images{whose} kept on the GPU after their first reading "
+                            f"({capacity * ps.box * ps.box * 4 / 1024**3:.2f} GiB)")
 
     def load_reference(self, path: Path) -> np.ndarray:
         return load_reference(path, self.N, self.apix, getattr(self.p, "trust_ref_size", False))
@@ -574,6 +577,8 @@ class EMJob:
             yield Message(it.plan.describe())
             if self.comm.size > 1:
                 yield Message(describe_owners(self.assignment(it), K, len(self.halves)))
+        if self.comm.size > 1:  # a rank's image store keeps this iteration's blocks (shares follow speeds)
+            self.ps.retain(np.concatenate([self.comm.share(r, self.speeds) for r in self.halves]))
         t0 = time.time()
         for h, rows_h in enumerate(self.halves):
             acc = self.accumulators(it.current_size)
@@ -790,6 +795,8 @@ def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
     job.model = job.restore() if job.continued else job.initial_model()
     pad_notes = list(job.plan_job_memory())  # refused here, before any file is written, when it cannot fit
     job.keep_images_on_device()
+    if READ_AHEAD and job.reads_every_image:  # a store made just now (on the GPU, not kept on the host) reads ahead
+        job.ps.read_ahead(np.concatenate([job.comm.share(r) for r in job.halves]))
     refs = job.model.refs  # K maps per half: the first iteration's files must fit on the disk before it starts
     notes = prepare_output(job.files.folder, em_iteration_bytes(sum(len(r) for r in refs), job.N, job.ndim,
                                                                 len(job.ps), job.p.i, len(refs)),

@@ -43,8 +43,8 @@ class ParticleSet:
     log_likelihood: np.ndarray = None
     residual_power: np.ndarray = None
     checked: np.ndarray = None  # (n,) bool: the row's image has been read once and found usable
-    kept: np.ndarray | None = None  # (n, box, box) float32 images kept in memory (NumPy or CuPy)
-    in_memory: np.ndarray | None = None  # (n,) bool: the row's image is in ``kept``
+    kept: np.ndarray | None = None  # (capacity, box, box) float32 images kept in memory (NumPy or CuPy)
+    slot: np.ndarray | None = None  # (n,) int64: the row's place in ``kept``, -1 when it is not there
     ahead: ImageReadAhead | None = None  # the background reader of the images not yet kept (read_ahead)
     # every row's (stack path, image index), parsed once (check_image_stacks)
     locations: tuple | None = field(default=None, repr=False, compare=False)
@@ -70,26 +70,71 @@ class ParticleSet:
         """Bytes of all the images as float32."""
         return len(self) * self.box * self.box * 4
 
+    @property
+    def in_memory(self) -> np.ndarray | None:
+        """(n,) bool: the row's image is kept (None when images are not kept)."""
+        return None if self.slot is None else self.slot >= 0
+
     def keep_images_in_memory(self) -> None:
         """From now on each image is read from its stack once and then kept in memory (RELION's
         --preread_images, filled as the rows are first asked for): later iterations read no files. The array is
         allocated untouched, so an MPI rank's memory holds only the rows it reads."""
         if self.kept is None:
             self.kept = np.empty((len(self), self.box, self.box), dtype=np.float32)
-            self.in_memory = np.zeros(len(self), dtype=bool)
+            self.slot = np.full(len(self), -1, dtype=np.int64)
 
-    def keep_images_on(self, xp) -> None:
+    def keep_images_on(self, xp, capacity: int | None = None) -> None:
         """Keep the images in an array of ``xp`` (CuPy: on the GPU, so that an iteration neither copies them on
         the host nor uploads them): the images read so far move there, the others are read into it as they are
-        first asked for."""
-        old, had = self.kept, self.in_memory
-        self.kept = xp.empty((len(self), self.box, self.box), dtype=np.float32)
-        self.in_memory = np.zeros(len(self), dtype=bool)
+        first asked for. ``capacity`` (images) smaller than the set makes a store for an MPI rank's own rows: each
+        row takes a free place when first read, ``retain`` frees the places of rows the rank no longer has, and a
+        row that finds no place is read from its stack each time it is asked for."""
+        n = len(self)
+        cap = n if capacity is None else max(1, min(int(capacity), n))
+        old, old_slot = self.kept, self.slot
+        self.kept = xp.empty((cap, self.box, self.box), dtype=np.float32)
+        self.slot = np.full(n, -1, dtype=np.int64)
         if old is not None:
-            done = np.flatnonzero(had)
+            done = np.flatnonzero(old_slot >= 0)
             if done.size:
-                self.kept[xp.asarray(done)] = xp.asarray(old[done])
-            self.in_memory[done] = True
+                self._store(done, old[xp.asarray(old_slot[done]) if get_array_module(old) is xp
+                                      else old_slot[done]])
+
+    @property
+    def _identity(self) -> bool:
+        """The store has a place for every row: row r lives at place r."""
+        return self.kept is not None and len(self.kept) == len(self)
+
+    def retain(self, rows) -> None:
+        """The rows this rank will ask for (its blocks of the halves this iteration): a store smaller than the set
+        frees the places of the rows it holds that are not among them."""
+        if self.kept is None or self._identity:
+            return
+        wanted = np.zeros(len(self), dtype=bool)
+        wanted[np.asarray(rows, dtype=np.int64)] = True
+        self.slot[~wanted] = -1
+
+    def _places(self, rows: np.ndarray) -> np.ndarray:
+        """Places in the store for ``rows`` (distinct, not held): free places in order, -1 where none is left."""
+        if self._identity:
+            return rows.copy()
+        used = np.zeros(len(self.kept), dtype=bool)
+        used[self.slot[self.slot >= 0]] = True
+        free = np.flatnonzero(~used)[:len(rows)]
+        out = np.full(len(rows), -1, dtype=np.int64)
+        out[:len(free)] = free
+        return out
+
+    def _store(self, rows: np.ndarray, data) -> None:
+        """Keep ``data`` (images of the distinct rows ``rows``, not held) where the store has room."""
+        xp = get_array_module(self.kept)
+        places = self._places(rows)
+        ok = places >= 0
+        if ok.all():
+            self.kept[xp.asarray(places)] = xp.asarray(data)
+        elif ok.any():
+            self.kept[xp.asarray(places[ok])] = xp.asarray(data[np.flatnonzero(ok)])
+        self.slot[rows[ok]] = places[ok]
 
     def read_ahead(self, order) -> None:
         """Read the images of rows ``order`` (in the order the job will ask for them) from their stacks in a
@@ -101,7 +146,7 @@ class ParticleSet:
         order = np.asarray(order, dtype=np.int64)
         _, first = np.unique(order, return_index=True)
         order = order[np.sort(first)]
-        order = order[~self.in_memory[order]]
+        order = order[self.slot[order] < 0]
         if order.size == 0:
             return
         block_bytes = BLOCK_ROWS * self.box * self.box * 4
@@ -118,7 +163,6 @@ class ParticleSet:
         """Claim the rows of ``rows`` the reader has not started (images() reads them), then move the blocks it
         has read into the store, waiting while a row of ``rows`` is being read (its error is raised here, in the
         job's thread)."""
-        xp = get_array_module(self.kept)
         self.ahead.claim(rows)
         while self.ahead is not None:
             try:
@@ -131,8 +175,7 @@ class ParticleSet:
                     self.stop_reading()
                 return
             got, data = item
-            self.kept[xp.asarray(got)] = xp.asarray(data)
-            self.in_memory[got] = True
+            self._store(got, data)
 
     def images(self, rows):
         """The images of ``rows`` (float32; an array of the kept images' module, so on the GPU when they are kept
@@ -144,11 +187,19 @@ class ParticleSet:
         if self.ahead is not None:
             self._take_read_ahead(rows)
         xp = get_array_module(self.kept)
-        new = np.unique(rows[~self.in_memory[rows]])
+        new = np.unique(rows[self.slot[rows] < 0])
+        data = None
         if new.size:
-            self.kept[xp.asarray(new)] = xp.asarray(self._read(new))
-            self.in_memory[new] = True
-        return self.kept[xp.asarray(rows)]
+            data = self._read(new)
+            self._store(new, data)
+        places = self.slot[rows]
+        if (places >= 0).all():
+            return self.kept[xp.asarray(places)]
+        out = xp.empty((len(rows), self.box, self.box), dtype=np.float32)  # a full store: some rows from the read
+        held = places >= 0
+        out[xp.asarray(np.flatnonzero(held))] = self.kept[xp.asarray(places[held])]
+        out[xp.asarray(np.flatnonzero(~held))] = xp.asarray(data[np.searchsorted(new, rows[~held])])
+        return out
 
     def _read(self, rows: np.ndarray) -> np.ndarray:
         check = not self.checked[rows].all()
@@ -315,7 +366,7 @@ def particle_state(ps: ParticleSet) -> ParticleSet:
     return replace(ps, angles=ps.angles.copy(), offsets_px=ps.offsets_px.copy(), norm=ps.norm.copy(),
                    subset=ps.subset.copy(), classes=ps.classes.copy(), pmax=ps.pmax.copy(),
                    nr_significant=ps.nr_significant.copy(), log_likelihood=ps.log_likelihood.copy(),
-                   residual_power=ps.residual_power.copy(), checked=ps.checked.copy(), kept=None, in_memory=None,
+                   residual_power=ps.residual_power.copy(), checked=ps.checked.copy(), kept=None, slot=None,
                    ahead=None)
 
 

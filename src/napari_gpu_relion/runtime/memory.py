@@ -104,6 +104,23 @@ def keep_template_cache(cache_bytes: int, free_bytes: int) -> bool:
     return cache_bytes < TEMPLATE_CACHE_FRACTION * free_bytes
 
 
+#: A job keeps its particle images on the GPU when they take at most 1/this of what its memory plan leaves free at
+#: its peak.
+DEVICE_IMAGES_FRACTION = 4
+#: An MPI rank's store of its own images has room for this many times its first share of the particles (the shares
+#: follow the ranks' measured speeds from iteration to iteration).
+RANK_IMAGES_MARGIN = 1.25
+
+
+def device_images_capacity(n_images: int, image_bytes: int, free_at_peak: int, own_rows: int | None = None
+                           ) -> int:
+    """Images of ``image_bytes`` each to keep on the GPU: every one of ``n_images`` in one process, or an MPI
+    rank's ``own_rows`` with RANK_IMAGES_MARGIN; 0 when they would take more than 1/DEVICE_IMAGES_FRACTION of
+    ``free_at_peak`` (bytes the run's plan leaves free)."""
+    count = n_images if own_rows is None else min(n_images, int(np.ceil(own_rows * RANK_IMAGES_MARGIN)))
+    return count if count * image_bytes <= free_at_peak // DEVICE_IMAGES_FRACTION else 0
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """What an E-step iteration holds and how it is cut: the free memory, the references and accumulators, the
