@@ -1,5 +1,6 @@
 # Issue 47 on a machine of several H200s (nvidia-h200-x2 or -x4; carry .whl and .relion_kit; chain calls within 30 s
 # so that /root stays on the machine). Ranks take the GPUs in turn (--gpu 0:1[:2:3]); NVLink multicast stays off.
+#   bash benchmarks/scaling_calls.sh tests            the GPU tests of the images a rank keeps on its GPU
 #   bash benchmarks/scaling_calls.sh small GPUS      10,000 particles of our simulator at box 128, class3d K=4, 5
 #       iterations, on 1 and GPUS ranks (the issue's "never slower on more GPUs")
 #   bash benchmarks/scaling_calls.sh data N          RELION built; N EMD-11007 particles of two states at box 256
@@ -19,6 +20,10 @@ GPUS=$(seq -s: 0 $(( NG - 1 )))
 MPI="$(command -v mpiexec) --bind-to none"
 python3 -c "import mpi4py, cupy; from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
 case "$1" in
+  tests)  # the GPU tests of the images kept on the GPU (one process, and two ranks on GPU 0)
+    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mpi.py tests/test_gpu.py \
+        -k "images or ranks" 2>&1 | tail -4
+    el "tests" ;;
   small)
     GPUS=$(seq -s: 0 $(( $2 - 1 )))
     python3 benchmarks/scaling.py --job class3d --ranks 1,$2 --gpu $GPUS --n_particles 10000 --box 128 --K 4 \
