@@ -21,7 +21,7 @@ MPI="$(command -v mpiexec) --bind-to none"
 python3 -c "import mpi4py, cupy; from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
 case "$1" in
   tests)  # the GPU tests of the images kept on the GPU (one process, and two ranks on GPU 0)
-    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mpi.py tests/test_gpu.py \
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_mpi.py tests/test_gpu.py \
         -k "images or ranks" 2>&1 | tail -4
     el "tests" ;;
   small)
