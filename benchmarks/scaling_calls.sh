@@ -21,8 +21,11 @@ MPI="$(command -v mpiexec) --bind-to none"
 python3 -c "import mpi4py, cupy; from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
 case "$1" in
   tests)  # the GPU tests of the images kept on the GPU (one process, and two ranks on GPU 0)
-    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_mpi.py tests/test_gpu.py \
-        -k "images or ranks" 2>&1 | tail -4
+    timeout 300 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_mpi.py::test_ranks_keep_their_own_images_on_the_gpu_and_equal_one_process \
+        tests/test_mpi.py::test_ranks_sharing_a_gpu_sum_on_it_through_cuda_ipc \
+        tests/test_gpu.py::test_images_kept_on_the_gpu_give_the_same_refinement_as_images_read_from_the_disk \
+        2>&1 | tail -4
     el "tests" ;;
   small)
     GPUS=$(seq -s: 0 $(( $2 - 1 )))
