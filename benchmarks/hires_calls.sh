@@ -21,6 +21,10 @@
 #       relion_ctf_refine built; then `ctfrun M` does the ctf part of `ctf` on them
 #   bash benchmarks/hires_calls.sh local N   the GPU tests of the fused local-search kernels, then N particles as hr
 #       and our auto-refine of them alone (realistic.py science --sides ours)
+#   bash benchmarks/hires_calls.sh sub N   the GPU tests of the images a rank keeps on its GPU while RELION builds;
+#       N particles as hr; our auto-refine with the default offsets and with --subpixel_offsets (thirtieth session)
+#   bash benchmarks/hires_calls.sh lrmpi   local resolution at box 192 and 256, ours against relion_postprocess_mpi
+#       on 16 ranks (RELION's best layout on the 16 cores)
 #   bash benchmarks/hires_calls.sh ctfwarm M   ctf_refine's CuPy modules recorded (box 96 and 160) and added to the
 #       shipped list (written back to $OUT), then on a fresh kernel cache `warmup` and ctf_refine's first run on M
 #       particles as ctfdata makes them
@@ -81,6 +85,26 @@ elif [ "$1" = local ]; then
       --out $OUT/realistic_emd11007_box192_h200_twentyninth_ours.json 2>&1 | tail -3 | cut -c1-900
   grep "timing\|out of memory\|memory plan:" /root/hr/ours_refine3d/log.txt | cut -c1-220 | tail -30
   el "ours"
+elif [ "$1" = sub ]; then
+  start_relion
+  bash benchmarks/scaling_calls.sh tests 2>&1 | tail -3
+  wait_relion
+  python3 benchmarks/standard_class3d.py make-data --map .relion_kit/emd_11007_centred192.mrc --map_angpix 0.834 \
+      --angpix 1.4 --box 192 --n "$2" --states 1 --snr 0.1 --jobs 16 --out /root/hr 2>&1 | tail -1 | cut -c1-300
+  el "data"
+  for cfg in default subpixel_offsets; do
+    X=""; [ $cfg = subpixel_offsets ] && X="--ours_extra=--subpixel_offsets"
+    python3 benchmarks/realistic.py science --data /root/hr --sides ours --diameter 180 --tag $cfg --no_true_poses $X \
+        --out $OUT/realistic_emd11007_box192_h200_thirtieth_$cfg.json 2>&1 | tail -2 | cut -c1-700
+    el "ours $cfg"
+  done
+elif [ "$1" = lrmpi ]; then
+  wait_relion
+  for b in 192 256; do
+    python3 benchmarks/local_resolution.py --make_halves --box $b --relion_mpi 16 --out /root/lr$b \
+        --json $OUT/local_resolution_h200_box${b}_relion_mpi16_thirtieth.json 2>&1 | tail -2 | cut -c1-600
+    el "local resolution box $b"
+  done
 elif [ "$1" = ctfwarm ]; then
   F="--fit_defocus --fit_mode fpfff --fit_beamtilt --odd_aberr_max_n 3 --fit_aberr"
   (export CUPY_CACHE_DIR=/root/c_rec_ctf CUPY_CACHE_SAVE_CUDA_SOURCE=1 NAPARI_GPU_RELION_KERNEL_PRELOAD=0
