@@ -25,6 +25,9 @@
 #       N particles as hr; our auto-refine with the default offsets and with --subpixel_offsets (thirtieth session)
 #   bash benchmarks/hires_calls.sh lrmpi   local resolution at box 192 and 256, ours against relion_postprocess_mpi
 #       on 16 ranks (RELION's best layout on the 16 cores)
+#   bash benchmarks/hires_calls.sh c2d N LIMIT   the local-resolution job profiled at box 256 while RELION builds;
+#       then class2d K=200 (--psi_step 6, the standard benchmark's 2D) on N EMD-11007 particles at box 360: ours 3
+#       iterations, RELION 2 (mpirun -n 3, two workers on the GPU, --j 4; stopped after LIMIT s)
 #   bash benchmarks/hires_calls.sh ctfwarm M   ctf_refine's CuPy modules recorded (box 96 and 160) and added to the
 #       shipped list (written back to $OUT), then on a fresh kernel cache `warmup` and ctf_refine's first run on M
 #       particles as ctfdata makes them
@@ -105,6 +108,25 @@ elif [ "$1" = lrmpi ]; then
         --json $OUT/local_resolution_h200_box${b}_relion_mpi16_thirtieth.json 2>&1 | tail -2 | cut -c1-600
     el "local resolution box $b"
   done
+elif [ "$1" = c2d ]; then
+  start_relion
+  python3 benchmarks/local_resolution.py --make_halves --box 256 --out /root/lr256 --skip_relion > /dev/null 2>&1
+  python3 benchmarks/profile_locres.py --out $OUT/profile_locres_box256_h200_thirtieth.json -- local_resolution \
+      --locres --i /root/lr256/half1.mrc --i2 /root/lr256/half2.mrc --o /root/lr256/prof/relion \
+      --mask /root/lr256/mask.mrc 2>&1 | tr -d '\n ' | cut -c1-1500; echo
+  el "local resolution profile (RELION building beside it)"
+  wait_relion
+  D=standard_class2d_K200_box360_n$2_h200_thirtieth
+  python3 benchmarks/standard_class3d.py make-data --map .relion_kit/emd_11007_centred192.mrc --map_angpix 0.834 \
+      --angpix 0.75 --box 360 --n "$2" --states 1 --snr 0.05 --jobs 16 --out /root/c360 2>&1 | tail -1 | cut -c1-200
+  el "box-360 data"
+  python3 benchmarks/standard_class3d.py run --job class2d --K 200 --tau2_fudge 2 --diameter 220 --data /root/c360 \
+      --sides ours --iters 3 --limits 200 --out $OUT/${D}_ours.json 2>&1 | tail -1 | cut -c1-600
+  el "ours"
+  python3 benchmarks/standard_class3d.py run --job class2d --K 200 --tau2_fudge 2 --diameter 220 --data /root/c360 \
+      --sides relion --iters 2 --limits "$3" --relion_ranks 3 --out $OUT/${D}_relion.json 2>&1 | tail -1 | cut -c1-600
+  tail -5 /root/c360/relion_class2d/log.txt | cut -c1-300
+  el "RELION"
 elif [ "$1" = ctfwarm ]; then
   F="--fit_defocus --fit_mode fpfff --fit_beamtilt --odd_aberr_max_n 3 --fit_aberr"
   (export CUPY_CACHE_DIR=/root/c_rec_ctf CUPY_CACHE_SAVE_CUDA_SOURCE=1 NAPARI_GPU_RELION_KERNEL_PRELOAD=0

@@ -1,5 +1,6 @@
 """The standard benchmark's shape (issue 48 item 3): 3D classification K=6 with `--healpix_order 2 --offset_range 5
---offset_step 2 --tau2_fudge 4`, ours and RELION 5 on the same data and the same GPU, one after the other.
+--offset_step 2 --tau2_fudge 4`, ours and RELION 5 on the same data and the same GPU, one after the other; with
+``run --job class2d --K 200`` its 2D classification (``--psi_step 6``).
 
 Two steps, on the GPU machine with RELION built (``. /root/rb/env.sh``, see gpu_env.sh):
 
@@ -114,21 +115,21 @@ def make_data(a) -> None:
 
 
 def run_side(side: str, a, iters: int, limit: float, data: Path) -> dict:
-    ns = argparse.Namespace(job="class3d", K=a.K, iter=iters, tau2_fudge=a.tau2_fudge, psi_step=6.0,
+    ns = argparse.Namespace(job=a.job, K=a.K, iter=iters, tau2_fudge=a.tau2_fudge, psi_step=6.0,
                             diameter=a.diameter, ini_high=a.ini_high, healpix_order=a.healpix_order,
                             auto_local_healpix_order=4, offset_range=a.offset_range, offset_step=a.offset_step,
                             seed=a.seed, relion_ranks=a.relion_ranks, ours_ranks=1, mpiexec="", relion_j=a.relion_j,
                             relion_pool=a.relion_pool, relion_extra=a.relion_extra, ours_extra=a.ours_extra,
                             relion_no_norm=False, cpu=a.cpu)
-    tag = f"{side}_class3d_{a.tag}" if a.tag else f"{side}_class3d"
+    tag = f"{side}_{a.job}_{a.tag}" if a.tag else f"{side}_{a.job}"
     folder = data / tag
     folder.mkdir(exist_ok=True)
     root = f"{tag}/run"
     if side == "relion":
-        line = vr.relion_command(ns, "class3d", root)
+        line = vr.relion_command(ns, a.job, root)
         cmd = ["bash", "-c", f". {os.environ.get('RB', '/root/rb')}/env.sh && cd {data} && {line}"]
     else:
-        cmd = vr.our_command(ns, "class3d", root)
+        cmd = vr.our_command(ns, a.job, root)
         line = " ".join(cmd)
     t0 = time.time()
     with open(folder / "log.txt", "w") as fh:
@@ -256,6 +257,8 @@ def main(argv=None) -> None:
     r.add_argument("--iters", default="25,3", help="iterations asked of each side, comma-separated")
     r.add_argument("--limits", default="0", help="seconds after which each side is stopped (0 = never)")
     r.add_argument("--tag", default="")
+    r.add_argument("--job", choices=("class3d", "class2d"), default="class3d",
+                   help="class2d: the standard benchmark's 2D classification (--K 200, --psi_step 6)")
     r.add_argument("--K", type=int, default=6)
     r.add_argument("--tau2_fudge", type=float, default=4.0)
     r.add_argument("--diameter", type=float, default=180.0)

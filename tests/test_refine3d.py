@@ -1,5 +1,6 @@
 """3D auto-refine on simulated data with ground truth (CI-sized), and its input checks."""
 
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -209,6 +210,29 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_result(small_data, tm
     b = starfile.read(tmp_path / "big" / "run_data.star")["particles"]
     same = angular_distance_deg(_matrices(a), _matrices(b)) < 0.01
     assert same.mean() > 0.99
+
+
+def test_subpixel_offsets_are_on_in_auto_refine_and_their_no_flag_turns_them_off(small_data, tmp_path):
+    """Auto-refine searches around exact offsets by default (classification keeps RELION's rounding); the
+    command line written for a run with them off says --no-subpixel_offsets and parses back to the same options,
+    and a --continue of a run written before the option existed keeps RELION's rounding."""
+    from dataclasses import replace  # noqa: PLC0415
+
+    from napari_gpu_relion import cli  # noqa: PLC0415
+    from napari_gpu_relion.jobs import class3d, em  # noqa: PLC0415
+    from napari_gpu_relion.jobs.common import command_line  # noqa: PLC0415
+
+    p = refine3d.Params(i=small_data / "particles.star", ref=small_data / "reference.mrc", o=tmp_path / "r" / "run",
+                        cpu=True)
+    assert p.subpixel_offsets is True
+    assert class3d.Params(i=small_data / "particles.star", ref=small_data / "reference.mrc",
+                          o=tmp_path / "c" / "run").subpixel_offsets is False
+    for value in (True, False):
+        line = command_line("refine3d", replace(p, subpixel_offsets=value))
+        assert ("--no-subpixel_offsets" in line) is (not value)
+        args = cli.build_parser("refine3d").parse_args(shlex.split(line)[1:])
+        assert args.subpixel_offsets is value
+    assert refine3d.Params.NEWER_OPTIONS == {"subpixel_offsets": False} == em.EMParams.NEWER_OPTIONS
 
 
 def test_subpixel_offsets_search_around_the_exact_offsets_and_relion_around_whole_pixels(small_data, tmp_path):

@@ -72,7 +72,10 @@ def add_params_arguments(parser: argparse.ArgumentParser, params_cls) -> None:
         flag = flag_of(f)
         hlp = f.metadata.get("help", "")
         required = f.default is MISSING
-        if tp is bool:
+        if tp is bool and f.default is True:  # on by default: --no-<flag> turns it off
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=True,
+                                help=_escape(hlp))
+        elif tp is bool:
             parser.add_argument(flag, dest=f.name, action="store_true", help=_escape(hlp))
         else:
             conv = {Path: Path, int: int, float: float, str: str}.get(tp, str)

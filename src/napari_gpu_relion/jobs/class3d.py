@@ -69,7 +69,7 @@ class Class3DOptions:
 @dataclass(frozen=True)
 class Params(em.EMParams, em.EMCorrections, em.EMOptions, Class3DOptions, em.EMInputs):
     # runs written before class3d took --norm and --scale, or before --subpixel_offsets, had them off
-    NEWER_OPTIONS = ("norm", "scale", "subpixel_offsets")
+    NEWER_OPTIONS = {"norm": False, "scale": False, "subpixel_offsets": False}
 
     def __post_init__(self):
         self.check(needs_ref=True, healpix_order=self.healpix_order)

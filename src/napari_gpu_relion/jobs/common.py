@@ -48,6 +48,9 @@ def command_line(job: str, params) -> str:
     parts = ["napari-gpu-relion", job]
     for f in fields(params):
         v = getattr(params, f.name)
+        if v is False and f.default is True:  # an option on by default, turned off
+            parts.append("--no-" + flag_of(f)[2:])
+            continue
         if v is None or v is False:
             continue
         if f.default is not MISSING and v == f.default:

@@ -201,9 +201,9 @@ class EMParams:
     #: Options that --continue takes from the command line, not from the optimiser STAR.
     RUNTIME = ("continue_from", "cpu", "gpu", "batch", "memory_limit", "tf32", "coarse_float32", "preread_images",
                "dont_check_norm")
-    #: Options a job gained after runs of it were written: a --continue of such a run, whose optimiser STAR lacks
-    #: them, takes their defaults (the run had them off); any other missing option is a damaged file.
-    NEWER_OPTIONS = ("subpixel_offsets",)
+    #: Options a job gained after runs of it were written, with the value those runs had: a --continue of such a
+    #: run, whose optimiser STAR lacks them, takes that value; any other missing option is a damaged file.
+    NEWER_OPTIONS = {"subpixel_offsets": False}
 
     def check(self, needs_ref: bool, healpix_order: int = 0) -> None:
         """Clear errors before any work (called by each job's __post_init__); a --continue checks its runtime
@@ -256,9 +256,9 @@ def continued_params(params_cls, p):
         done = int(opt["rlnCurrentIteration"])
         if p.iter != default or (saved is not None and done >= int(saved) and p.iter > done):
             given["iter"] = p.iter
-    for k in params_cls.NEWER_OPTIONS:
+    for k, before in params_cls.NEWER_OPTIONS.items():
         if f"{PARAM_PREFIX}{k}" not in opt:
-            given[k] = params_cls.__dataclass_fields__[k].default
+            given[k] = before
     return params_from_optimiser(params_cls, opt, source=p.continue_from, **given), opt
 
 
