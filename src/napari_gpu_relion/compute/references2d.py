@@ -21,16 +21,19 @@ def blob_references(averages: np.ndarray, diameter_px: float, rng: np.random.Gen
     (D/7)^2) and amplitudes |average| at the centre; the result is rescaled to the average's standard deviation.
     The random blobs make the K classes differ from the start."""
     K, N = averages.shape[0], averages.shape[-1]
-    yy, xx = np.mgrid[0:N, 0:N].astype(np.float64) - N // 2
+    axis = np.arange(N, dtype=np.float64) - N // 2  # x along rows' pixels (columns), y along rows
     width2 = (diameter_px / 10.0) ** 2
     out = np.empty_like(averages, dtype=np.float64)
-    for k in range(K):  # K images, each a sum of Gaussians (tiny)
+    for k in range(K):  # K images, each a sum of Gaussians
         amp = abs(float(averages[k, N // 2, N // 2]))
         pos = neg = 0.0
         for sign in (1, -1):
             c = rng.normal(0.0, diameter_px / 7.0, (n_blobs, 2))
-            g = np.exp(-((xx[None] - c[:, 0, None, None]) ** 2 + (yy[None] - c[:, 1, None, None]) ** 2) / width2)
-            img = amp * g.sum(0)
+            # a Gaussian is the product of one in x and one in y, so the sum over blobs is one matrix product
+            # ((N, blobs) @ (blobs, N)): 200 classes at box 360 took 22 s as whole-image exponentials
+            gx = np.exp(-((axis[None, :] - c[:, 0, None]) ** 2) / width2)
+            gy = np.exp(-((axis[None, :] - c[:, 1, None]) ** 2) / width2)
+            img = amp * (gy.T @ gx)
             if sign > 0:
                 pos = img
             else:
