@@ -28,6 +28,8 @@
 #   bash benchmarks/hires_calls.sh c2d N LIMIT   the local-resolution job profiled at box 256 while RELION builds;
 #       then class2d K=200 (--psi_step 6, the standard benchmark's 2D) on N EMD-11007 particles at box 360: ours 3
 #       iterations, RELION 2 (mpirun -n 3, two workers on the GPU, --j 4; stopped after LIMIT s)
+#   bash benchmarks/hires_calls.sh c2dprof N   class2d K=200 at box 360 (N particles as c2d) under profile_job.py:
+#       the start-up (initialisation_s) and iteration 2 under the kernel trace
 #   bash benchmarks/hires_calls.sh ctfwarm M   ctf_refine's CuPy modules recorded (box 96 and 160) and added to the
 #       shipped list (written back to $OUT), then on a fresh kernel cache `warmup` and ctf_refine's first run on M
 #       particles as ctfdata makes them
@@ -127,6 +129,18 @@ elif [ "$1" = c2d ]; then
       --sides relion --iters 2 --limits "$3" --relion_ranks 3 --out $OUT/${D}_relion.json 2>&1 | tail -1 | cut -c1-600
   tail -5 /root/c360/relion_class2d/log.txt | cut -c1-300
   el "RELION"
+elif [ "$1" = c2dprof ]; then
+  start_relion; wait_relion
+  python3 benchmarks/standard_class3d.py make-data --map .relion_kit/emd_11007_centred192.mrc --map_angpix 0.834 \
+      --angpix 0.75 --box 360 --n "$2" --states 1 --snr 0.05 --jobs 16 --out /root/c360 2>&1 | tail -1 | cut -c1-120
+  el "box-360 data"
+  P=profile_class2d_K200_box360_n$2_h200_thirtieth
+  REPO=$PWD; (cd /root/c360 && python3 $REPO/benchmarks/profile_job.py --out $OUT/$P.json --kernel_trace 2 -- \
+      class2d --i particles.star --particle_diameter 220.0 --ctf --flatten_solvent --zero_mask --offset_range 5.0 \
+      --offset_step 2.0 --pad 2 --random_seed 1 --K 200 --iter 2 --tau2_fudge 2.0 --psi_step 6.0 --norm --scale \
+      --center_classes --o prof_class2d/run) > $OUT/$P.log 2>&1; echo "profile rc $?"
+  grep "timing\|initialis\|done in" $OUT/$P.log | cut -c1-200
+  el "profile"
 elif [ "$1" = ctfwarm ]; then
   F="--fit_defocus --fit_mode fpfff --fit_beamtilt --odd_aberr_max_n 3 --fit_aberr"
   (export CUPY_CACHE_DIR=/root/c_rec_ctf CUPY_CACHE_SAVE_CUDA_SOURCE=1 NAPARI_GPU_RELION_KERNEL_PRELOAD=0
