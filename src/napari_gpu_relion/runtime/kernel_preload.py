@@ -94,10 +94,31 @@ def _warm_libraries(device: int, stop: threading.Event) -> float:
             for b, m, k, n in ((700, 1, 400, 900), (700, 100, 940, 600), (64, 24, 2000, 40), (16, 300, 64, 300)):
                 cp.matmul(cp.ones((b, m, k), np.float32), cp.ones((b, k, n), np.float32))
             cp.einsum("itk,tk->ik", cp.ones((50, 24, 500), np.float32), cp.ones((24, 500), np.float32))
+            warm_scans(cp)
             cp.cuda.Device(device).synchronize()
     except Exception as exc:  # noqa: BLE001 - whatever does not warm here warms at its first use
         log.debug("kernel preload, libraries: %s", exc)
     return time.perf_counter() - t
+
+
+#: Row lengths of the running sums that warm_scans makes: CuPy scans rows longer than its block (512) in blocks and
+#: then scans the blocks' strided totals, with kernel variants for strided arrays that short rows never compile.
+SCAN_LENGTHS = (300, 700, 300_000)
+
+
+def warm_scans(cp) -> None:
+    """The cumulative sums the E-step's significance threshold makes (float32 weights summed in float64, along
+    rows and flat; int64 counts), at short and long row lengths, so that CuPy's size-dependent variants are
+    compiled (or read from the disk cache) here and not in a later iteration: the class2d K=200 at box 360, whose
+    candidate rows exceed 512, compiled one in its iteration 2 (1.68 s of a 1.90 s E-step on an H200,
+    benchmarks/README.md). CuPy's variants depend on the dtypes, the contiguity and whether a row exceeds 512,
+    not on the exact length (cupy/_core/_routines_math.pyx, _batch_scan_op)."""
+    for n in SCAN_LENGTHS:
+        rows = 2 if n > 1000 else 5
+        cp.cumsum(cp.ones((rows, n), np.float32), axis=1, dtype=np.float64)
+        cp.cumsum(cp.ones((rows, n), np.float64), axis=1)
+        cp.cumsum(cp.ones(n, np.float32), dtype=np.float64)
+        cp.cumsum(cp.ones(n, np.int64))
 
 
 class Preload:
