@@ -81,7 +81,7 @@ def _warm_libraries(device: int, stop: threading.Event) -> float:
     t = time.perf_counter()
     try:
         with cp.cuda.Device(device):
-            for dt in (np.float32, np.float64, np.int64, np.int32):
+            for dt in (np.float32, np.float64, np.int64, np.int32, np.uint64):  # uint64: row-sort keys
                 if stop.is_set():
                     return time.perf_counter() - t
                 for shape in ((300,), (400_000,), (64, 700)):
@@ -109,10 +109,12 @@ SCAN_LENGTHS = (300, 700, 300_000)
 def warm_scans(cp) -> None:
     """The cumulative sums the E-step's significance threshold makes (float32 weights summed in float64, along
     rows and flat; int64 counts), at short and long row lengths, so that CuPy's size-dependent variants are
-    compiled (or read from the disk cache) here and not in a later iteration: the class2d K=200 at box 360, whose
-    candidate rows exceed 512, compiled one in its iteration 2 (1.68 s of a 1.90 s E-step on an H200,
-    benchmarks/README.md). CuPy's variants depend on the dtypes, the contiguity and whether a row exceeds 512,
-    not on the exact length (cupy/_core/_routines_math.pyx, _batch_scan_op)."""
+    compiled (or read from the disk cache) here and not in a later iteration. CuPy's variants depend on the
+    dtypes, the contiguity and whether a row exceeds 512, not on the exact length (cupy/_core/_routines_math.pyx,
+    _batch_scan_op). In a class2d K=200 at box 360, whose candidate rows exceed 512, the threshold's first call in
+    iteration 2 spent 1.68 s on the host (of a 1.90 s E-step on an H200, benchmarks/README.md), with the first
+    strided scan and the first sort of uint64 keys in it (CuPy's thrust carries no H200 code: the driver compiles
+    its PTX at first use); the two were not told apart, and both are warmed now."""
     for n in SCAN_LENGTHS:
         rows = 2 if n > 1000 else 5
         cp.cumsum(cp.ones((rows, n), np.float32), axis=1, dtype=np.float64)
