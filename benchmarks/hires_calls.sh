@@ -39,6 +39,10 @@ T0=$(date +%s)
 el() { echo "== $1 at +$(( $(date +%s) - T0 )) s"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 R=realistic_emd11007_box192_h200_twentyeighth
+emd_data() {  # $1 Å/px, $2 box, $3 particles, $4 states, $5 SNR, $6 folder: EMD-11007 particles by relion_project
+  python3 benchmarks/standard_class3d.py make-data --map .relion_kit/emd_11007_centred192.mrc --map_angpix 0.834 \
+      --angpix $1 --box $2 --n "$3" --states $4 --snr $5 --jobs 16 --out $6 2>&1 | tail -1 | cut -c1-300
+}
 ctf_data() {  # $1 particles for ctf_refine_bench.py (16 processes); RELION and relion_ctf_refine built
   start_relion
   python3 benchmarks/ctf_refine_bench.py make --out /root/ctf$1 --n $1 --seed 2 --jobs 16 | cut -c1-300
@@ -65,8 +69,7 @@ if [ "$1" = prof ]; then
   wait_relion
   el "RELION built"
   (cd /root/rb/build && setsid nohup ninja -j 8 relion_ctf_refine > /root/ctf_build.log 2>&1 < /dev/null &)
-  python3 benchmarks/standard_class3d.py make-data --map .relion_kit/emd_11007_centred192.mrc --map_angpix 0.834 \
-      --angpix 1.4 --box 192 --n "$2" --states 1 --snr 0.1 --jobs 16 --out /root/hr 2>&1 | tail -1 | cut -c1-300
+  emd_data 1.4 192 "$2" 1 0.1 /root/hr
   el "data"
   P=profile_refine3d_emd11007_box192_n$2_h200_twentyninth
   REPO=$PWD; (cd /root/hr && python3 $REPO/benchmarks/profile_job.py --out $OUT/$P.json --kernel_trace 12 -- \
@@ -82,8 +85,7 @@ elif [ "$1" = local ]; then
       -k "local or fused or registry or fine_pass or refine3d_cupy or build or class3d_global" 2>&1 | tail -4
   el "GPU tests"
   wait_relion
-  python3 benchmarks/standard_class3d.py make-data --map .relion_kit/emd_11007_centred192.mrc --map_angpix 0.834 \
-      --angpix 1.4 --box 192 --n "$2" --states 1 --snr 0.1 --jobs 16 --out /root/hr 2>&1 | tail -1 | cut -c1-300
+  emd_data 1.4 192 "$2" 1 0.1 /root/hr
   md5sum /root/hr/*.mrcs 2>/dev/null | head -2; ls /root/hr | head
   el "data"
   python3 benchmarks/realistic.py science --data /root/hr --sides ours --diameter 180 \
@@ -94,8 +96,7 @@ elif [ "$1" = sub ]; then
   start_relion
   bash benchmarks/scaling_calls.sh tests 2>&1 | tail -3
   wait_relion
-  python3 benchmarks/standard_class3d.py make-data --map .relion_kit/emd_11007_centred192.mrc --map_angpix 0.834 \
-      --angpix 1.4 --box 192 --n "$2" --states 1 --snr 0.1 --jobs 16 --out /root/hr 2>&1 | tail -1 | cut -c1-300
+  emd_data 1.4 192 "$2" 1 0.1 /root/hr
   el "data"
   for cfg in default subpixel_offsets; do
     X=""; [ $cfg = subpixel_offsets ] && X="--ours_extra=--subpixel_offsets"
@@ -119,8 +120,7 @@ elif [ "$1" = c2d ]; then
   el "local resolution profile (RELION building beside it)"
   wait_relion
   D=standard_class2d_K200_box360_n$2_h200_thirtieth
-  python3 benchmarks/standard_class3d.py make-data --map .relion_kit/emd_11007_centred192.mrc --map_angpix 0.834 \
-      --angpix 0.75 --box 360 --n "$2" --states 1 --snr 0.05 --jobs 16 --out /root/c360 2>&1 | tail -1 | cut -c1-200
+  emd_data 0.75 360 "$2" 1 0.05 /root/c360
   el "box-360 data"
   python3 benchmarks/standard_class3d.py run --job class2d --K 200 --tau2_fudge 2 --diameter 220 --data /root/c360 \
       --sides ours --iters 3 --limits 200 --out $OUT/${D}_ours.json 2>&1 | tail -1 | cut -c1-600
@@ -131,8 +131,7 @@ elif [ "$1" = c2d ]; then
   el "RELION"
 elif [ "$1" = c2dprof ]; then
   start_relion; wait_relion
-  python3 benchmarks/standard_class3d.py make-data --map .relion_kit/emd_11007_centred192.mrc --map_angpix 0.834 \
-      --angpix 0.75 --box 360 --n "$2" --states 1 --snr 0.05 --jobs 16 --out /root/c360 2>&1 | tail -1 | cut -c1-120
+  emd_data 0.75 360 "$2" 1 0.05 /root/c360
   el "box-360 data"
   P=profile_class2d_K200_box360_n$2_h200_thirtieth
   REPO=$PWD; (cd /root/c360 && python3 $REPO/benchmarks/profile_job.py --out $OUT/$P.json --kernel_trace 2 -- \
@@ -177,8 +176,7 @@ elif [ "$1" = ctf ]; then
 elif [ "$1" = c ]; then
   wait_relion
   D=standard_class3d_K6_box360_n$2_h200_$(date +%Y%m%d)
-  python3 benchmarks/standard_class3d.py make-data --map .relion_kit/emd_11007_centred192.mrc --map_angpix 0.834 \
-      --angpix 0.75 --box 360 --n "$2" --states 2 --snr 0.05 --jobs 16 --out /root/s360 2>&1 | tail -1 | cut -c1-300
+  emd_data 0.75 360 "$2" 2 0.05 /root/s360
   el "box-360 data"; df -h /root | tail -1
   python3 benchmarks/standard_class3d.py run --data /root/s360 --sides ours --iters 5 --limits 150 \
       --out $OUT/${D}_ours.json 2>&1 | tail -2 | cut -c1-600
@@ -189,8 +187,7 @@ elif [ "$1" = c ]; then
   el "done"
 elif [ "$1" = hr ]; then
   . /root/rb/env.sh
-  python3 benchmarks/standard_class3d.py make-data --map .relion_kit/emd_11007_centred192.mrc --map_angpix 0.834 \
-      --angpix 1.4 --box 192 --n "$2" --states 1 --snr "$3" --jobs 16 --out /root/hr 2>&1 | tail -1 | cut -c1-300
+  emd_data 1.4 192 "$2" 1 "$3" /root/hr
   el "data"
   python3 benchmarks/realistic.py science --data /root/hr --sides ours --diameter 180 --out $OUT/${R}_ours.json \
       2>&1 | tail -3 | cut -c1-900
