@@ -132,8 +132,9 @@ class ParticleSet:
         ok = places >= 0
         if ok.all():
             self.kept[xp.asarray(places)] = xp.asarray(data)
-        elif ok.any():
-            self.kept[xp.asarray(places[ok])] = xp.asarray(data[np.flatnonzero(ok)])
+        elif ok.any():  # a full store keeps what fits (data may be on the host or the device)
+            part = data[get_array_module(data).asarray(np.flatnonzero(ok))]
+            self.kept[xp.asarray(places[ok])] = xp.asarray(part)
         self.slot[rows[ok]] = places[ok]
 
     def read_ahead(self, order) -> None:
