@@ -14,7 +14,7 @@ from . import gpu_kernels
 from .backend import get_array_module, to_host
 from .fourier import _fft_module, half_grid_indices, round_half_away, shell_count, shell_sum, signed_index
 from .masks import soft_edge_weight
-from .memory_model import INSERT_CHUNK_POINTS, SLAB_BYTES
+from .memory_model import INSERT_CHUNK_POINTS, SLAB_BYTES, orientations_per_chunk
 from .projector import _corner_indices, interpolate, pixel_list, rotated_frequencies, stack_offsets
 
 
@@ -247,7 +247,7 @@ def _insert_chunks(targets: tuple, pad: int, r_max: float, A, kx, ky, values, we
     P = targets[0].shape[-2]
     grid_size = targets[0][0].size if index is not None else targets[0].size
     flats = [t.reshape(-1) for t in targets]
-    step = max(1, chunk_points // max(npix, 1))
+    step = orientations_per_chunk(xp, chunk_points, npix, flats[0].size)  # cache-sized on the CPU
     rmp2 = float(round_half_away(np.float64(pad * r_max))) ** 2
     if gpu_kernels.insertion_applies(targets, values):
         for r0 in range(0, R, step):  # one fused kernel per chunk: no temporaries, so no out-of-memory retry
@@ -446,15 +446,26 @@ class BackProjectorStack:
                        index=xp.asarray(index))
 
 
+def _one_stack(backprojectors: list) -> bool:
+    """Whether the back-projectors are the members of one BackProjectorStack, in order."""
+    first = backprojectors[0]
+    return first.stack is not None and first.stack[0][0].shape[0] == len(backprojectors) and all(
+        bp.stack is not None and bp.stack[0] is first.stack[0] and bp.stack[1] == k
+        for k, bp in enumerate(backprojectors))
+
+
+def insertion_target_size(backprojectors: list) -> int:
+    """Elements of the array that insert_by_class adds each chunk into (a stack's, or one grid's)."""
+    first = backprojectors[0]
+    return int(first.stack[0][0].size) if _one_stack(backprojectors) else int(first.data_re.size)
+
+
 def insert_by_class(backprojectors: list, index, A, kx, ky, values, weights, check=None) -> None:
     """Insert slice r into ``backprojectors[index[r]]``: one call when they are the members of one
     BackProjectorStack in order, else one call per class. ``check()``: a cancel point before every chunk."""
     xp = get_array_module(values)
     first = backprojectors[0]
-    one_stack = first.stack is not None and first.stack[0][0].shape[0] == len(backprojectors) and all(
-        bp.stack is not None and bp.stack[0] is first.stack[0] and bp.stack[1] == k
-        for k, bp in enumerate(backprojectors))
-    if one_stack:
+    if _one_stack(backprojectors):
         A = xp.asarray(A, dtype=np.float64)
         A = A[:, :2, :2] if first.ndim == 2 else A
         _insert_chunks(first.stack[0], first.pad, first.r_max, A, kx, ky, values, weights, INSERT_CHUNK_POINTS,

@@ -37,7 +37,7 @@ from ..errors import SumsAlreadyAddedError, is_out_of_memory
 from ..marks import memory_mark
 from . import gpu_kernels
 from .backend import free_pool, get_array_module, matmul_tf32, to_host
-from .backprojector import insert_by_class
+from .backprojector import insert_by_class, insertion_target_size
 from .ctf import CtfParams, ctf_from_frequencies, demodulation_factors, gamma_offsets
 from .expectation import (
     PixelSet,
@@ -73,6 +73,7 @@ from .memory_model import (
     fine_bytes_per_particle,
     fine_bytes_per_score,
     fine_bytes_per_slice,
+    orientations_per_chunk,
     union_bytes_per_orientation,
 )
 from .noise import counter_normal
@@ -994,7 +995,8 @@ def _insert_summed_slices(b: _Batch, rows: _SignificantRows, fine: _FineData, ac
     cls_rows = np.repeat(rows.union_rows_host // b.n_orient, fine.n_children)
     keep = np.flatnonzero(to_host(acc.slice_weights.sum(axis=1)) > 0)
     Kf = pix.npix
-    step = max(1, INSERT_CHUNK_POINTS // max(Kf, 1))  # backprojector._insert_chunks's chunk
+    step = orientations_per_chunk(xp, INSERT_CHUNK_POINTS, Kf,  # backprojector._insert_chunks's chunk
+                                  insertion_target_size(sums.backprojectors))
     for a in range(0, keep.size, step):
         part = keep[a:a + step]
         kd = xp.asarray(part)

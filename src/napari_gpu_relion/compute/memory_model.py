@@ -13,6 +13,22 @@ from __future__ import annotations
 SLAB_BYTES = 1 << 28
 #: Points per scatter-add call of the back-projection (bounds its index and weight arrays to ~400 MB).
 INSERT_CHUNK_POINTS = 1 << 23
+#: Points per chunk of the projection's and the back-projection's array code on the CPU: their temporaries (a few
+#: MB) then stay in the cache and are reused by the allocator, where chunks of 2^23-2^24 points made every
+#: temporary fresh pages from the kernel. A class3d E-step at HEALPix order 2 (60 particles, box 32, 2 cores) took
+#: 65 s with the large chunks (35 s of it in the kernel), 27 s with 2^15 points (benchmarks/README.md).
+CPU_CHUNK_POINTS = 1 << 15
+
+
+def orientations_per_chunk(xp, chunk_points: int, npix: int, target_size: int = 0) -> int:
+    """Orientations of ``npix`` pixels per chunk of the projection or back-projection: ``chunk_points`` points on a
+    GPU; with NumPy (``xp``) at most CPU_CHUNK_POINTS, but for a back-projection at least an eighth of its
+    ``target_size`` (the elements of the grid or stack it adds into: NumPy's bincount makes an array of that size
+    for every chunk, which then costs no more than the chunk's eight corners per point); at least one."""
+    points = chunk_points
+    if xp.__name__ == "numpy":
+        points = min(chunk_points, max(CPU_CHUNK_POINTS, int(target_size) // 8))
+    return max(1, int(points) // max(int(npix), 1))
 
 
 def estep_bytes_per_particle(rows: int, translations: int, box: int, coarse_pixels: int) -> int:

@@ -255,7 +255,7 @@ def project_pixels(ref: FourierReference, A, kx, ky, chunk_points: int | None = 
     if gpu_kernels.projection_applies(ref.data):  # one fused kernel, no temporaries
         return gpu_kernels.project_slices(ref.data, A, kx, ky, ref.pad, rmp, index)
     out = xp.empty((R, npix), dtype=np.complex64)
-    step = max(1, chunk_points // max(npix, 1))
+    step = memory_model.orientations_per_chunk(xp, chunk_points, npix)  # cache-sized on the CPU
     for r0 in range(0, R, step):
         q = rotated_frequencies(A[r0:r0 + step], kx, ky, ref.pad)
         out[r0:r0 + step] = interpolate(ref.data, q, rmp, None if index is None else index[r0:r0 + step])
