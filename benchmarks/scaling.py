@@ -77,14 +77,14 @@ def gpus_used(gpu: str, ranks: int) -> int:
 def job_args(a, data: Path, out: Path) -> list[str]:
     common = ["--i", str(data / "particles.star"), "--o", str(out / "run"), "--ctf", "--random_seed", "1"]
     common += ["--cpu"] if a.cpu else (["--gpu", a.gpu] if a.gpu else [])
-    common += shlex.split(a.extra)
+    extra = shlex.split(a.extra)  # last: an option given here wins over the defaults below
     if a.job == "class2d":
-        return ["class2d", *common, "--K", str(a.K), "--iter", str(a.iter)]
+        return ["class2d", *common, "--K", str(a.K), "--iter", str(a.iter), *extra]
     if a.job == "class3d":
         return ["class3d", *common, "--ref", str(reference(data)), "--K", str(a.K), "--iter", str(a.iter),
-                "--healpix_order", str(a.healpix_order), "--ini_high", "40"]
+                "--healpix_order", str(a.healpix_order), "--ini_high", "40", *extra]
     return ["refine3d", *common, "--ref", str(reference(data)), "--healpix_order", str(a.healpix_order),
-            "--auto_iter_max", str(a.iter - 1)]
+            "--auto_iter_max", str(a.iter - 1), *extra]
 
 
 def result_star(a, out: Path) -> Path:

@@ -7,6 +7,8 @@
 #       (1.05 Å/px, SNR 0.05) by relion_project in 32 processes, kept in /root/s256_N
 #   bash benchmarks/scaling_calls.sh class3d N GPUS  class3d K=6, 5 iterations, the standard benchmark's options, on
 #       the N particles, 1 and GPUS ranks
+#   bash benchmarks/scaling_calls.sh relion N GPUS RANKS LIMIT   RELION's class3d (the same options) on the N
+#       particles with RANKS MPI ranks over GPUS GPUs (mpirun -n 5 and -n 9 on 4), stopped after LIMIT s
 #   bash benchmarks/scaling_calls.sh refine3d N GPUS ITER   auto-refine (ITER-1 iterations at most) on them, 1 and GPUS
 # Results (scaling.py's JSON, which names the GPU) in $OUT.
 . benchmarks/gpu_env.sh
@@ -18,6 +20,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 NG=${3:-2}
 GPUS=$(seq -s: 0 $(( NG - 1 )))
 MPI="$(command -v mpiexec) --bind-to none"
+# the options standard_class3d.py gives both programs (vs_relion.common_options), so that RELION's run compares
+STD="--particle_diameter 180 --flatten_solvent --zero_mask --offset_range 5 --offset_step 2 --pad 2 --ini_high 60 \
+--norm --scale"
 python3 -c "import mpi4py, cupy; from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
 case "$1" in
   tests)  # the GPU tests of the images kept on the GPU (one process, and two ranks on GPU 0)
@@ -40,12 +45,18 @@ case "$1" in
     df -h /root | tail -1; el "data" ;;
   class3d)
     python3 benchmarks/scaling.py --job class3d --ranks 1,$NG --gpu $GPUS --data /root/s256_$2 --K 6 --iter 5 \
-        --work /root/w256_$2 --extra "--tau2_fudge 4 --offset_range 5 --offset_step 2" --mpiexec "$MPI" \
+        --work /root/w256_$2 --extra "$STD --tau2_fudge 4" --mpiexec "$MPI" \
         --out $OUT/scaling_class3d_K6_box256_n$2_h200x$NG.json | grep '^{"ranks' | cut -c1-900
     el "class3d" ;;
+  relion)  # RELION 5's class3d on the same set and GPUs: $4 ranks (5 and 9 on 4 GPUs), stopped after $5 s
+    wait_relion
+    python3 benchmarks/standard_class3d.py run --data /root/s256_$2 --sides relion --iters 5 --limits $5 \
+        --relion_ranks $4 --relion_gpu $GPUS --tag n$4_g$NG \
+        --out $OUT/relion_class3d_K6_box256_n$2_h200x${NG}_ranks$4.json 2>&1 | tail -1 | cut -c1-600
+    el "RELION" ;;
   refine3d)
     python3 benchmarks/scaling.py --job refine3d --ranks 1,$NG --gpu $GPUS --data /root/s256_$2 --iter $4 \
-        --work /root/w256_$2 --extra "--offset_range 5 --offset_step 2" --mpiexec "$MPI" \
+        --work /root/w256_$2 --extra "$STD --low_resol_join_halves 40" --mpiexec "$MPI" \
         --out $OUT/scaling_refine3d_box256_n$2_h200x$NG.json | grep '^{"ranks' | cut -c1-900
     el "refine3d" ;;
 esac

@@ -118,7 +118,8 @@ def run_side(side: str, a, iters: int, limit: float, data: Path) -> dict:
     ns = argparse.Namespace(job=a.job, K=a.K, iter=iters, tau2_fudge=a.tau2_fudge, psi_step=6.0,
                             diameter=a.diameter, ini_high=a.ini_high, healpix_order=a.healpix_order,
                             auto_local_healpix_order=4, offset_range=a.offset_range, offset_step=a.offset_step,
-                            seed=a.seed, relion_ranks=a.relion_ranks, ours_ranks=1, mpiexec="", relion_j=a.relion_j,
+                            seed=a.seed, relion_ranks=a.relion_ranks, relion_gpu=a.relion_gpu, ours_ranks=1, mpiexec="",
+                            relion_j=a.relion_j,
                             relion_pool=a.relion_pool, relion_extra=a.relion_extra, ours_extra=a.ours_extra,
                             relion_no_norm=False, cpu=a.cpu)
     tag = f"{side}_{a.job}_{a.tag}" if a.tag else f"{side}_{a.job}"
@@ -268,6 +269,7 @@ def main(argv=None) -> None:
     r.add_argument("--offset_step", type=float, default=2.0)
     r.add_argument("--seed", type=int, default=1)
     r.add_argument("--relion_ranks", type=int, default=1)
+    r.add_argument("--relion_gpu", default="0", help="RELION's --gpu (several GPUs: 0:1:2:3)")
     r.add_argument("--relion_j", type=int, default=4)
     r.add_argument("--relion_pool", type=int, default=30)
     r.add_argument("--relion_extra", default="")

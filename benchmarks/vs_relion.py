@@ -325,7 +325,7 @@ def common_options(a, job: str) -> str:
 
 def relion_command(a, job: str, root: str) -> str:
     opts = common_options(a, job) + f" --o {root} --oversampling 1 --dont_combine_weights_via_disc --preread_images"
-    opts += f" --pool {a.relion_pool} --j {a.relion_j}" + ("" if a.cpu else " --gpu 0")
+    opts += f" --pool {a.relion_pool} --j {a.relion_j}" + ("" if a.cpu else f" --gpu {getattr(a, 'relion_gpu', '0')}")
     if a.relion_extra:
         opts += " " + a.relion_extra
     if job == "class2d":
