@@ -362,6 +362,7 @@ def test_zscore_fom_is_standard_normal_on_coloured_noise_and_ignores_template_sc
     assert np.abs(z1000 - z).max() < 1e-3
 
 
+@pytest.mark.slow  # over 10 s on 2 cores (the fast loop, -m 'not slow and not long', leaves it out)
 def test_template_picking_with_the_3d_map_at_low_snr(tmp_path, monkeypatch):
     """Issue 16: at a per-particle SNR of 0.025 (where LoG reaches precision ~0.4 at recall 0.9 on
     benchmarks/science_picking.py's data) the true 3D map as reference, in its own units, with RELION's options

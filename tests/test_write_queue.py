@@ -155,6 +155,7 @@ def test_images_are_kept_when_asked_or_small_and_a_request_larger_than_the_ram_i
     assert ps2.kept is not None
 
 
+@pytest.mark.slow  # over 10 s on 2 cores (the fast loop, -m 'not slow and not long', leaves it out)
 def test_refine3d_results_do_not_depend_on_keeping_the_images_or_writing_in_the_background(small, tmp_path,
                                                                                             monkeypatch):
     def run(out: Path, preread: bool) -> dict[str, bytes]:
