@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from napari_gpu_relion.compute.backend import gpu_available
@@ -99,28 +98,46 @@ def test_a_job_that_ends_does_not_wait_for_a_module_being_compiled(monkeypatch, 
     assert not job.thread.is_alive() and calls[0][0] == "compile"
 
 
+_WARMED_SCANS = """
+import json, sys
+import cupy as cp
+import numpy as np
+from napari_gpu_relion.compute import expectation
+from napari_gpu_relion.runtime import cupy_kernels
+from napari_gpu_relion.runtime import kernel_preload as kp
+cache = sys.argv[1]
+kp.warm_scans(cp)
+before = cupy_kernels.cache_files(cache)
+rng = np.random.default_rng(0)
+logits = rng.normal(0.0, 8.0, (64, 252_000)).astype(np.float32)
+p = cp.asarray(np.exp(logits - logits.max(axis=1, keepdims=True)))
+p /= p.sum(axis=1, keepdims=True)
+k, w = expectation.significance_threshold(p, 0.999)
+cp.cuda.Device().synchronize()
+counts = (p >= np.float32(expectation.candidate_floor(0.999, p.shape[1]))).sum(axis=1)
+k_ref, _ = expectation._threshold_by_sort(p, 0.999)
+print(json.dumps({"before": before, "after": cupy_kernels.cache_files(cache), "most": int(counts.max()),
+                  "n": p.shape[1], "same": bool((k == k_ref).all())}))
+"""
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU with CuPy")
-def test_the_warmed_scans_leave_nothing_for_the_significance_threshold_to_compile(tmp_path, monkeypatch):
-    """In a fresh kernel cache, after warm_scans the E-step's significance threshold on rows whose candidates
-    exceed CuPy's scan block (class2d K=200 at box 360) compiles no module."""
-    import cupy as cp  # noqa: PLC0415
+def test_the_warmed_scans_leave_nothing_for_the_significance_threshold_to_compile(tmp_path):
+    """In a fresh process with a fresh kernel cache (so that no kernel is already loaded), after warm_scans the
+    E-step's significance threshold on rows whose candidates exceed CuPy's scan block (class2d K=200 at box 360)
+    compiles no module, and gives the full sort's threshold."""
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
 
-    from napari_gpu_relion.compute import expectation  # noqa: PLC0415
-    from napari_gpu_relion.runtime import cupy_kernels  # noqa: PLC0415
-
-    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
-    kp.warm_scans(cp)
-    before = cupy_kernels.cache_files(tmp_path)
-    assert before > 0  # the warm-up compiled into the fresh cache
-    rng = np.random.default_rng(0)
-    logits = rng.normal(0.0, 8.0, (64, 252_000)).astype(np.float32)
-    p = cp.asarray(np.exp(logits - logits.max(axis=1, keepdims=True)))
-    p /= p.sum(axis=1, keepdims=True)
-    k, w = expectation.significance_threshold(p, 0.999)
-    cp.cuda.Device().synchronize()
-    counts = (p >= np.float32(expectation.candidate_floor(0.999, p.shape[1]))).sum(axis=1)
-    assert int(counts.max()) > 512 and int(counts.max()) < p.shape[1] // 4  # the packed-candidates path, long rows
-    assert cupy_kernels.cache_files(tmp_path) == before
-    k_ref, w_ref = expectation._threshold_by_sort(p, 0.999)  # the full sort: the same threshold
-    np.testing.assert_array_equal(cp.asnumpy(k), cp.asnumpy(k_ref))
+    env = dict(os.environ, CUPY_CACHE_DIR=str(tmp_path), NAPARI_GPU_RELION_KERNEL_PRELOAD="0")
+    r = subprocess.run([sys.executable, "-c", _WARMED_SCANS, str(tmp_path)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["before"] > 0  # the warm-up compiled into the fresh cache
+    assert 512 < got["most"] < got["n"] // 4  # the packed-candidates path, rows longer than a scan block
+    assert got["after"] == got["before"], got
+    assert got["same"]
