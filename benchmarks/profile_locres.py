@@ -13,40 +13,14 @@ import argparse
 import json
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
+
+from profile_job import COUNTS, TIMES, wrap  # benchmarks/profile_job.py: the synchronised timers
 
 from napari_gpu_relion import cli
 from napari_gpu_relion.compute import local_resolution as LR
 from napari_gpu_relion.jobs import local_resolution as job
-
-TIMES: dict = defaultdict(float)
-COUNTS: dict = defaultdict(int)
-
-
-def _sync():
-    try:
-        import cupy  # noqa: PLC0415
-
-        cupy.cuda.Device().synchronize()
-    except Exception:  # noqa: BLE001 - no GPU
-        pass
-
-
-def timed(owner, name: str, label: str) -> None:
-    fn = getattr(owner, name)
-
-    def wrapper(*args, **kwargs):
-        _sync()
-        t = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _sync()
-            TIMES[label] += time.perf_counter() - t
-            COUNTS[label] += 1
-
-    setattr(owner, name, wrapper)
+from napari_gpu_relion.runtime.device import select_backend
 
 
 def main() -> None:
@@ -58,6 +32,7 @@ def main() -> None:
     t = time.perf_counter()
     assert cli.main(argv) == 0
     first = time.perf_counter() - t
+    be = select_backend("--cpu" in argv)
     for owner, name, label in ((job, "load_half_maps", "read half maps and mask"),
                                (LR.LocalResolution, "__init__", "set-up (half maps, unmasked FSC, randomised)"),
                                (LR, "randomize_phases", "  phase randomisation"),
@@ -70,7 +45,7 @@ def main() -> None:
                                (LR.LocalResolution, "result", "result maps to the host"),
                                (job, "write_mrc", "write maps"),
                                (job, "write_star_blocks", "write FSC STAR")):
-        timed(owner, name, label)
+        wrap(owner, name, be, label)
     t = time.perf_counter()
     assert cli.main(argv) == 0
     total = time.perf_counter() - t

@@ -501,6 +501,11 @@ class EMJob:
             self.p = replace(self.p, pad=self.job_memory.pad)
             yield Message(note, "warning")
 
+    def own_blocks(self, speeds=None) -> list[np.ndarray]:
+        """This rank's block of each half's particles (every particle in one process; with ``speeds``, blocks in
+        proportion to the ranks' measured speeds)."""
+        return [self.comm.share(r, speeds) for r in self.halves]
+
     def keep_images_on_device(self) -> None:
         """After the run's memory plan: keep the images on the GPU (no host copy and upload of every batch in every
         iteration: 0.34 s of a 2.0 s box-256 iteration on the H100, issue 15; under MPI a rank without them read
@@ -509,7 +514,7 @@ class EMJob:
         plan, ps = self.job_memory, self.ps
         if not self.be.is_gpu or plan is None:
             return
-        own = sum(len(self.comm.share(r)) for r in self.halves) if self.comm.size > 1 else None
+        own = sum(len(b) for b in self.own_blocks()) if self.comm.size > 1 else None
         capacity = device_images_capacity(len(ps), ps.box * ps.box * 4, plan.budget_bytes - plan.peak, own)
         if capacity == 0:
             return
@@ -577,10 +582,11 @@ class EMJob:
             yield Message(it.plan.describe())
             if self.comm.size > 1:
                 yield Message(describe_owners(self.assignment(it), K, len(self.halves)))
-        if self.comm.size > 1:  # a rank's image store keeps this iteration's blocks (shares follow speeds)
-            self.ps.retain(np.concatenate([self.comm.share(r, self.speeds) for r in self.halves]))
+        blocks = self.own_blocks(self.speeds)  # this rank's block of each half (by measured speed)
+        if self.comm.size > 1:  # a rank's image store keeps this iteration's blocks
+            self.ps.retain(np.concatenate(blocks))
         t0 = time.time()
-        for h, rows_h in enumerate(self.halves):
+        for h, mine in enumerate(blocks):
             acc = self.accumulators(it.current_size)
             memory_mark("E-step: accumulators")
             members = acc.members if hasattr(acc, "members") else [acc]
@@ -596,7 +602,6 @@ class EMJob:
                             scale_shells=self.scale_shells(frefs[h], pix_f, h), check_cancel=check_cancel,
                             aberrations=self.aberrations)
             stage = f"it {self.state.iteration:03d}" + (f" half {h + 1}" if len(self.halves) > 1 else "")
-            mine = self.comm.share(rows_h, self.speeds)  # this rank's block of the half (by measured speed)
             it.particles_here += len(mine)
             n_halves = len(self.halves)
             done = 0
@@ -791,12 +796,12 @@ def _iterate(job: EMJob, tf32_note: str | None) -> Iterator:
 def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
     root = job.comm.is_root
     if READ_AHEAD and job.reads_every_image:  # from the disk in the E-step's order while the job starts and computes
-        job.ps.read_ahead(np.concatenate([job.comm.share(r) for r in job.halves]))
+        job.ps.read_ahead(np.concatenate(job.own_blocks()))
     job.model = job.restore() if job.continued else job.initial_model()
     pad_notes = list(job.plan_job_memory())  # refused here, before any file is written, when it cannot fit
     job.keep_images_on_device()
     if READ_AHEAD and job.reads_every_image:  # a store made just now (on the GPU, not kept on the host) reads ahead
-        job.ps.read_ahead(np.concatenate([job.comm.share(r) for r in job.halves]))
+        job.ps.read_ahead(np.concatenate(job.own_blocks()))
     refs = job.model.refs  # K maps per half: the first iteration's files must fit on the disk before it starts
     notes = prepare_output(job.files.folder, em_iteration_bytes(sum(len(r) for r in refs), job.N, job.ndim,
                                                                 len(job.ps), job.p.i, len(refs)),

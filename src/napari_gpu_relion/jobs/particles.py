@@ -97,8 +97,7 @@ class ParticleSet:
         if old is not None:
             done = np.flatnonzero(old_slot >= 0)
             if done.size:
-                self._store(done, old[xp.asarray(old_slot[done]) if get_array_module(old) is xp
-                                      else old_slot[done]])
+                self._store(done, old[get_array_module(old).asarray(old_slot[done])])
 
     @property
     def _identity(self) -> bool:
