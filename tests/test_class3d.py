@@ -174,6 +174,7 @@ def test_class3d_firstiter_cc_copies_class_one_then_seeds(mixture, tmp_path):
     assert rep.accuracy >= 0.95, rep
 
 
+@pytest.mark.slow
 def test_class3d_orientation_distributions_follow_relions_convention(mixture, tmp_path):
     """A global search (HEALPix order 0): each class's rlnOrientationDistribution in the model STAR sums to its
     rlnClassDistribution, as in RELION's files (its E-step takes pdf_direction as the prior of class and direction

@@ -283,6 +283,7 @@ def refined(simulated):
     return out
 
 
+@pytest.mark.slow
 @needs_map
 def test_job_refines_defocus_beam_tilt_and_trefoil(simulated, refined):
     d, s, err = simulated

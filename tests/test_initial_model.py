@@ -169,6 +169,7 @@ def test_initial_model_rejects_bad_input_before_work(particles, tmp_path):
         _params(particles, tmp_path, i=tmp_path / "missing.star")
 
 
+@pytest.mark.slow
 def test_with_a_symmetry_the_largest_class_is_put_on_its_axes_and_symmetrised(particles, tmp_path):
     """--sym C2 (a short run: the map's quality is not the point): the run stays C1, and initial_model.mrc is the
     map turned onto the axes and averaged over C2, so turning it by 180° about z leaves it unchanged, which the

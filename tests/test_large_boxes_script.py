@@ -68,6 +68,7 @@ def _args(**kw):
     return SimpleNamespace(**a)
 
 
+@pytest.mark.slow
 def test_relion_side_runs_both_calls_and_times_each_iteration(fake_relion, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_MODE", "ok")
     assert large_boxes.wait_for_relion(0) is None

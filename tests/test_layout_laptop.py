@@ -205,12 +205,14 @@ def _walk_the_tutorial(viewer, main, screen) -> dict[str, float]:
     return shares
 
 
+@pytest.mark.slow
 def test_the_tutorials_docks_leave_the_canvas_room_on_a_1366x768_screen(make_napari_viewer, monkeypatch, session):
     viewer, main = _window(make_napari_viewer, monkeypatch, (1366, 768))
     shares = _walk_the_tutorial(viewer, main, (1366, 768))
     assert min(shares.values()) >= CANVAS_FRACTION
 
 
+@pytest.mark.slow
 def test_the_tutorials_docks_on_a_1920x1080_screen(make_napari_viewer, monkeypatch, session):
     viewer, main = _window(make_napari_viewer, monkeypatch, (1920, 1080))
     shares = _walk_the_tutorial(viewer, main, (1920, 1080))

@@ -137,6 +137,7 @@ def test_the_matrix_is_read_and_said(simulated):
     assert optics_magnifications(read_particles(d / "mag_without.star")) is None
 
 
+@pytest.mark.slow
 def test_reconstruction_applies_the_magnification(simulated):
     d, truth = simulated[:2]
     applied, ignored, plain = (_fsc_high(d, s, truth) for s in ("mag_with", "mag_without", "plain_without"))
@@ -144,6 +145,7 @@ def test_reconstruction_applies_the_magnification(simulated):
     assert abs(applied - plain) < 0.03, (applied, plain)  # measured: 0.647 without magnification
 
 
+@pytest.mark.slow
 def test_the_estep_applies_the_magnification(simulated, tmp_path):
     """class3d K=1 --skip_align at the true poses, one iteration from the true map: with the matrix every
     particle's log-likelihood is higher (the E-step's projection and CTF) and the class map closer to the truth

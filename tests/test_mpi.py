@@ -261,6 +261,7 @@ def class2d_one(data) -> Path:
     return data / "C1"
 
 
+@pytest.mark.slow
 @needs_mpi
 def test_class2d_on_three_ranks_equals_one_process(data, class2d_one):
     """The same classes and in-plane angles for >= 99.5 % of the particles, the same class averages (to float
@@ -467,6 +468,7 @@ def test_cancelling_a_child_mpi_job_ends_every_rank(data):
     assert not (out / "run_it020_data.star").exists()
 
 
+@pytest.mark.slow
 @needs_mpi
 def test_the_class2d_widget_runs_on_two_mpi_ranks_and_shows_the_classes(make_napari_viewer, qtbot, data, errors,
                                                                          config_dir, monkeypatch):

@@ -384,6 +384,7 @@ def test_jobs_queue_one_at_a_time(make_napari_viewer, qtbot, tmp_path, errors):
     assert w1.job.state is JobState.CANCELLED
 
 
+@pytest.mark.slow
 def test_ui_stays_responsive_while_a_job_runs(make_napari_viewer, qtbot, tmp_path, errors):
     """A 20 ms QTimer is never more than 200 ms late (but once) while a job streams maps, FSC curves and picks.
 
@@ -561,6 +562,7 @@ def test_postprocess_and_mask_widgets(make_napari_viewer, qtbot, tmp_path, sampl
     assert {"unmasked", "corrected"} <= {ln.get_label() for ln in display.fsc.axes.get_lines()}
 
 
+@pytest.mark.slow
 def test_refine3d_widget_shows_half_maps_each_iteration_and_fsc(make_napari_viewer, qtbot, tmp_path, errors):
     from napari_gpu_relion.jobs.simulate import make_sample_data
 
@@ -663,6 +665,7 @@ def test_autopick_and_extract_widgets(make_napari_viewer, qtbot, tmp_path, sampl
     assert not errors
 
 
+@pytest.mark.slow
 def test_class2d_widget_shows_a_labelled_class_grid(make_napari_viewer, qtbot, tmp_path, sample_dir, errors):
     viewer = make_napari_viewer()
     _, w = viewer.window.add_plugin_dock_widget(PLUGIN, "2D classification")

@@ -88,6 +88,7 @@ def _watch(qtbot, w, seconds: float = 30.0) -> list[tuple[int, int, str, str]]:
     return seen
 
 
+@pytest.mark.slow
 def test_classification_bar_shows_iteration_of_n_and_is_full_only_at_the_end(make_napari_viewer, qtbot, tmp_path,
                                                                              errors):
     w = make_job_widget(make_napari_viewer(), fake)
@@ -104,6 +105,7 @@ def test_classification_bar_shows_iteration_of_n_and_is_full_only_at_the_end(mak
     assert seen[-1][:2] == (BAR_STEPS, BAR_STEPS) and "finished" in seen[-1][3]
 
 
+@pytest.mark.slow
 def test_auto_refine_bar_fills_per_iteration_and_is_busy_in_the_m_step(make_napari_viewer, qtbot, tmp_path, errors):
     w = make_job_widget(make_napari_viewer(), fake)
     w.set_values(o=tmp_path / "job", iterations=0, m_step_s=0.6)
@@ -124,6 +126,7 @@ def test_auto_refine_bar_fills_per_iteration_and_is_busy_in_the_m_step(make_napa
     assert w.status.tooltip == "fake: iteration 3: image size 32"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["cancel", "error"])
 def test_the_busy_bar_stops_at_once_after_a_cancel_or_an_error_in_the_m_step(make_napari_viewer, qtbot, tmp_path,
                                                                              errors, how):

@@ -213,6 +213,7 @@ def test_run_fraction_durations_and_percentages():
     assert [bar_percent(v, 1000) for v in (0, 996, 999, 1000)] == [0, 99, 99, 100]  # 100 % only when done
 
 
+@pytest.mark.slow
 def test_a_real_auto_refine_sends_what_the_dock_needs(tmp_path):
     """A small auto-refine (80 particles, box 32, --auto_iter_max 1): every iteration starts with IterationStarted,
     the last one is the final one (then a full-size M-step, busy), the bar never full before Finished."""

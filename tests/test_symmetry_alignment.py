@@ -38,6 +38,7 @@ def test_symmetrize_with_quarter_turns_equals_the_average_of_exact_grid_rotation
     assert not np.allclose(got[c], vol[c], atol=1e-3)  # the map itself is not C4-symmetric
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sym", ["C3", "D2"])
 def test_a_turned_and_shifted_symmetric_map_is_put_back_on_the_axes(sym):
     matrices = symmetry_group(sym).matrices

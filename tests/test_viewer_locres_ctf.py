@@ -246,6 +246,7 @@ def test_ctf_refinement_dock_runs_and_shows_its_aberration_plot(make_napari_view
     assert not errors
 
 
+@pytest.mark.slow
 def test_both_docks_fit_a_1366x768_screen(make_napari_viewer, monkeypatch, session):
     screen = (1366, 768)
     monkeypatch.setattr(dock_layout, "screen_room", lambda main: QRect(0, 0, *screen))

@@ -69,6 +69,7 @@ def _class3d(data: Path, out: Path) -> class3d.Params:
                           ctf=True, particle_diameter=134.4, healpix_order=0, cpu=True, batch=50)
 
 
+@pytest.mark.slow
 def test_a_jobs_files_are_whole_when_it_reports_finished_and_a_write_error_stops_it(small, tmp_path, monkeypatch):
     events = list(class3d.run(_class3d(small, tmp_path / "a")))
     fin = events[-1]
