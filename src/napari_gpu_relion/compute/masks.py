@@ -6,7 +6,6 @@ Radii and widths are in pixels; the centre is index N/2 in every axis.
 from __future__ import annotations
 
 import numpy as np
-from scipy import ndimage
 
 from .backend import get_array_module, to_host
 from .fourier import irfft_centered, lowpass_raised_cosine, real_radius_grid, rfft_centered
@@ -50,6 +49,8 @@ def create_mask(vol, pixel_size: float, ini_threshold: float, extend_inimask: fl
     then a cosine soft edge of ``width_soft_edge`` pixels: 0.5 + 0.5 cos(pi d / w) for d < w.
 
     Runs on the host (scipy's exact Euclidean distance transform); returns float32 in [0, 1]."""
+    from scipy import ndimage  # noqa: PLC0415 (0.2-0.5 s to import: only jobs that make a mask pay it)
+
     v = to_host(vol).astype(np.float64)
     N = v.shape[-1]
     if lowpass_A is not None and lowpass_A > 0:

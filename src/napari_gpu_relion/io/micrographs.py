@@ -19,7 +19,8 @@ import pandas as pd
 from ..errors import InputError
 from .jobdir import project_path
 from .mrc import mrc_header_info, read_mrc, unusable_image
-from .star import ParticleTable, is_star_path, read_micrographs, read_star, write_star_blocks
+from .paths import is_star_path
+from .star import ParticleTable, read_micrographs, read_star, write_star_blocks
 
 __all__ = ["MicrographEntry", "MicrographList", "micrograph_list", "output_root", "read_micrograph",
            "write_coordinate_list", "read_coordinate_list", "check_micrographs", "SKIP_FLAG",

@@ -77,9 +77,6 @@ _COORD_COLUMNS = ("rlnCoordinateX", "rlnCoordinateY", "rlnAutopickFigureOfMerit"
 _WRITE_CHUNK_ROWS = 100_000
 
 
-def is_star_path(path: str | os.PathLike) -> bool:
-    """Whether a file name is a STAR file's: name.star, or name.star.gz (read gzip-compressed: read_star)."""
-    return str(path).lower().endswith((".star", ".star.gz"))
 
 def _is_string_label(label: str) -> bool:
     """True for RELION labels that hold text (file names, group names, Zernike lists)."""

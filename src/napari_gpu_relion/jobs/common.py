@@ -15,8 +15,8 @@ from ..errors import InputError, os_error_line
 from ..events import Message
 from ..io.atomic import remove_stale_temporaries, same_file
 from ..io.jobdir import job_number, note_commands
+from ..io.paths import is_star_path
 from ..io.run_lock import RunLock
-from ..io.star import is_star_path
 from ..runtime.distributed import world
 
 #: Bytes of an MRC header, and a margin for the small files of a job (note.txt, STAR headers).

@@ -60,7 +60,8 @@ from ..io.model_star import (
 )
 from ..io.mrc import read_mrc, require_usable_map
 from ..io.particle_images import NORM_CHECK_IMAGES, check_normalisation, norm_check_rows, parse_image_name
-from ..io.star import is_star_path, read_star
+from ..io.paths import is_star_path
+from ..io.star import read_star
 from ..io.write_queue import WriteQueue
 from ..marks import memory_mark
 from ..runtime.device import Backend, backend_for, host_available_bytes, set_matmul_tf32

@@ -27,15 +27,16 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..compute.backend import get_array_module, to_host
-from ..compute.backprojector import insertion_reach, support_index
-from ..compute.estep import EStepSums
 from ..compute.memory_model import SLAB_BYTES
 from ..events import Message, Started
+
+if TYPE_CHECKING:  # the E-step's modules are not needed to start a job (the command line imports this one)
+    from ..compute.estep import EStepSums
 
 #: Environment variables that a launcher sets in every rank it starts (Open MPI, MPICH/Intel MPI (Hydra, PMI-1/2),
 #: PMIx (srun --mpi=pmix, Open MPI 5), MVAPICH2).
@@ -657,6 +658,8 @@ def sum_estep(comm: SingleProcess, sums: EStepSums, acc, owners: list[int | None
     the padded grid; the rest is zero on every rank)."""
     if comm.size == 1:
         return
+    from ..compute.backprojector import insertion_reach, support_index  # noqa: PLC0415 (see TYPE_CHECKING)
+
     grids = accumulator_grids(acc)
     stacked = hasattr(acc, "arrays")
     n = grids[0].shape[0] if stacked else 1
