@@ -5,6 +5,7 @@ import pytest
 
 from napari_gpu_relion.compute.expectation import (
     GEMM_ALIGN,
+    add_to_rows,
     as_slices,
     fine_sums,
     gemm_width,
@@ -207,6 +208,22 @@ def test_fine_sums_equal_direct_loops(shared):
     np.testing.assert_allclose(fs.noise, noise, atol=1e-5 * noise.max())
     np.testing.assert_allclose(fs.row_weight, wts.sum(1), atol=1e-6)
     np.testing.assert_allclose(fs.trans_weight, wts.sum(2), atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [[3, 4, 5, 6, 7, 8, 9, 10, 20, 21, 22, 23, 24, 25, 26, 27],  # two runs: slices
+                                  [0, 2, 4, 6, 9], [5]])  # scattered rows, one row: fancy indexing
+def test_add_to_rows_equals_an_element_by_element_float64_loop(rows):
+    """add_to_rows (run by run through slices when the rows make few runs) against a direct float64 loop; the
+    rows that are not named keep their values, to the bit."""
+    rng = np.random.default_rng(3)
+    target = rng.standard_normal((32, 5)).astype(np.float32)
+    values = rng.standard_normal((len(rows), 5)).astype(np.float32)
+    expected = target.astype(np.float64)
+    for j, r in enumerate(rows):
+        for c in range(5):
+            expected[r, c] = np.float32(np.float64(target[r, c]) + np.float64(values[j, c]))
+    add_to_rows(target, np.asarray(rows), values)
+    np.testing.assert_array_equal(target, expected.astype(np.float32))
 
 
 def test_segment_sum_adds_repeated_rows():

@@ -43,6 +43,7 @@ from .expectation import (
     PixelSet,
     SampleLogPrior,
     SliceSet,
+    add_to_rows,
     as_slices,
     fine_sums,
     gather_pixels,
@@ -925,15 +926,15 @@ def _accumulate_chunk(b: _Batch, fine: _FineData, acc: _FineSums, lay: _ChunkLay
     check()
     rw_parent = fs.row_weight.reshape(ni, n_par, nover).sum(-1)  # (ni, n_par) per coarse parent
     if lay.shared:
-        acc.slices[lay.fine_rows] += fs.slices
-        acc.slice_weights[lay.fine_rows] += fs.slice_weights
+        add_to_rows(acc.slices, lay.fine_rows, fs.slices)  # fine_rows: distinct and ascending (np.unique)
+        add_to_rows(acc.slice_weights, lay.fine_rows, fs.slice_weights)
         acc.row_weight[lay.distinct] += rw_parent.sum(0)
     else:
         # summed onto the fine orientations the chunk touches, not onto a copy of the whole union's sums (12
         # bytes per pixel of every fine orientation of the union, per chunk): the same sums of the same values
         touched = segments_of(lay.sum_rows)  # one sort of the entries for the unique rows and both sums
-        acc.slices[touched.distinct] += grouped_sum(touched, fs.slices.reshape(-1, 2 * n_pixels))
-        acc.slice_weights[touched.distinct] += grouped_sum(touched, fs.slice_weights.reshape(-1, n_pixels))
+        add_to_rows(acc.slices, touched.distinct, grouped_sum(touched, fs.slices.reshape(-1, 2 * n_pixels)))
+        add_to_rows(acc.slice_weights, touched.distinct, grouped_sum(touched, fs.slice_weights.reshape(-1, n_pixels)))
         acc.row_weight += segment_sum(lay.parents.reshape(-1), rw_parent.reshape(-1, 1), acc.row_weight.size)[:, 0]
     # offset moments per class: sum w, sum w pos, sum w |pos|^2 (pos = o + t in Å) over each parent's children
     # and translations, then summed over the parents of each class

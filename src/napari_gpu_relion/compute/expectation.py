@@ -326,13 +326,18 @@ def normalised_weights(diff2, log_prior):
     if gpu_posterior.applies(diff2, log_prior):
         return gpu_posterior.fused_weights(diff2, log_prior, np.inf, 1)[:4]
     xp = get_array_module(diff2)
-    lw = (log_prior.full(diff2.shape) - diff2.astype(np.float64)).reshape(I, -1)
+    # one float64 array, changed in place (the same operations on the same values as lw - top, exp, / S with
+    # fresh arrays; on the CPU a third of the time went to making and filling fresh temporaries)
+    lw = xp.empty(diff2.shape, dtype=np.float64)
+    xp.subtract(log_prior.full(diff2.shape), diff2, out=lw)  # float32 diff2 promoted exactly
+    lw = lw.reshape(I, -1)
     best = xp.argmax(lw, axis=1)
-    top = lw[xp.arange(I), best]
-    e = xp.exp(lw - top[:, None])  # exp(-inf) = 0
+    top = lw[xp.arange(I), best]  # a copy: kept as lw changes
+    lw -= top[:, None]
+    e = xp.exp(lw, out=lw)  # exp(-inf) = 0
     S = e.sum(axis=1)
-    p = (e / S[:, None]).astype(np.float32)
-    return p, best, top, S
+    e /= S[:, None]
+    return e.astype(np.float32), best, top, S
 
 
 def candidate_floor(adaptive_fraction: float, n: int) -> float:
@@ -615,6 +620,29 @@ def segments_of(keys) -> Segments:
     inverse[order] = xp.cumsum(first, dtype=np.int64) - 1
     start = xp.concatenate([heads, xp.asarray([E], dtype=heads.dtype)])
     return Segments(ordered[heads], inverse, order, start)
+
+
+#: A run-by-run add (add_to_rows) when the rows fall in at most this fraction of runs of consecutive rows.
+ROW_RUNS_FRACTION = 0.25
+
+
+def add_to_rows(target, rows, values) -> None:
+    """target[rows] += values for ``rows`` distinct and ascending (1-D). With NumPy, when the rows make few runs
+    of consecutive rows (a chunk of the fine pass that shares the union's orientations), each run is added in
+    place through a slice: a fancy-index add gathers the rows into a copy, adds and scatters them back (three
+    passes over the block, a quarter of the CPU fine pass's sums at box 64). Every element gets the same one
+    addition either way."""
+    xp = get_array_module(target)
+    n = int(rows.size)
+    if xp is np and n > 1:
+        breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+        if breaks.size + 1 <= ROW_RUNS_FRACTION * n:
+            bounds = np.concatenate([[0], breaks, [n]])
+            for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+                r = int(rows[a])
+                target[r:r + b - a] += values[a:b]
+            return
+    target[rows] += values
 
 
 def grouped_sum(groups: Segments, values):
