@@ -105,39 +105,53 @@ import numpy as np
 from napari_gpu_relion.compute import expectation
 from napari_gpu_relion.runtime import cupy_kernels
 from napari_gpu_relion.runtime import kernel_preload as kp
-cache = sys.argv[1]
-kp.warm_scans(cp)
-before = cupy_kernels.cache_files(cache)
+cache, warm = sys.argv[1], sys.argv[2] == "1"
 rng = np.random.default_rng(0)
-logits = rng.normal(0.0, 8.0, (64, 252_000)).astype(np.float32)
-p = cp.asarray(np.exp(logits - logits.max(axis=1, keepdims=True)))
-p /= p.sum(axis=1, keepdims=True)
-k, w = expectation.significance_threshold(p, 0.999)
+
+def weights(n):
+    logits = rng.normal(0.0, 8.0, (64, n)).astype(np.float32)
+    p = cp.asarray(np.exp(logits - logits.max(axis=1, keepdims=True)))
+    p /= p.sum(axis=1, keepdims=True)
+    return p
+
+small, big = weights(2_000), weights(252_000)
+expectation.significance_threshold(small, 0.999)  # every kernel of the threshold, with rows of < 512 candidates
+if warm:
+    kp.warm_scans(cp)
 cp.cuda.Device().synchronize()
-counts = (p >= np.float32(expectation.candidate_floor(0.999, p.shape[1]))).sum(axis=1)
-k_ref, _ = expectation._threshold_by_sort(p, 0.999)
-print(json.dumps({"before": before, "after": cupy_kernels.cache_files(cache), "most": int(counts.max()),
-                  "n": p.shape[1], "same": bool((k == k_ref).all())}))
+before = cupy_kernels.cache_files(cache)
+k, w = expectation.significance_threshold(big, 0.999)
+cp.cuda.Device().synchronize()
+after = cupy_kernels.cache_files(cache)
+counts = (big >= np.float32(expectation.candidate_floor(0.999, big.shape[1]))).sum(axis=1)
+k_ref, _ = expectation._threshold_by_sort(big, 0.999)
+print(json.dumps({"before": before, "after": after, "most": int(counts.max()), "n": big.shape[1],
+                  "same": bool((k == k_ref).all())}))
 """
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU with CuPy")
 def test_the_warmed_scans_leave_nothing_for_the_significance_threshold_to_compile(tmp_path):
-    """In a fresh process with a fresh kernel cache (so that no kernel is already loaded), after warm_scans the
-    E-step's significance threshold on rows whose candidates exceed CuPy's scan block (class2d K=200 at box 360)
-    compiles no module, and gives the full sort's threshold."""
+    """Fresh processes with fresh kernel caches (so that no kernel is already loaded): the significance threshold
+    run first on rows of few candidates compiles every kernel but the scans of long rows; then on rows whose
+    candidates exceed CuPy's scan block (class2d K=200 at box 360) it compiles modules without warm_scans (the
+    control: what warm_scans is for) and none after it, and gives the full sort's threshold."""
     import json  # noqa: PLC0415
     import os  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
-    env = dict(os.environ, CUPY_CACHE_DIR=str(tmp_path), NAPARI_GPU_RELION_KERNEL_PRELOAD="0")
-    r = subprocess.run([sys.executable, "-c", _WARMED_SCANS, str(tmp_path)], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got["before"] > 0  # the warm-up compiled into the fresh cache
-    assert 512 < got["most"] < got["n"] // 4  # the packed-candidates path, rows longer than a scan block
-    assert got["after"] == got["before"], got
-    assert got["same"]
+    got = {}
+    for warm in ("0", "1"):
+        cache = tmp_path / f"cache{warm}"
+        env = dict(os.environ, CUPY_CACHE_DIR=str(cache), NAPARI_GPU_RELION_KERNEL_PRELOAD="0")
+        r = subprocess.run([sys.executable, "-c", _WARMED_SCANS, str(cache), warm], env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        got[warm] = json.loads(r.stdout.strip().splitlines()[-1])
+    for g in got.values():
+        assert 512 < g["most"] < g["n"] // 4  # the packed-candidates path, rows longer than a scan block
+        assert g["same"]
+    assert got["0"]["after"] > got["0"]["before"], got  # long rows need kernels that short ones did not compile
+    assert got["1"]["after"] == got["1"]["before"], got
