@@ -354,12 +354,20 @@ def test_fine_chunks_share_the_slices_of_a_union_most_of_which_each_particle_sco
     assert estep.fine_chunk_bytes(8, 5, 12, 8, 400, 2400, 12_000) == 8 * (5 * 8 * 2800 + 12_000)
 
 
-def test_stacked_shifted_images_are_the_complex_products():
+def test_stacked_shifted_images_are_the_complex_products(monkeypatch):
+    """Against float64 complex products to float32 rounding; with NumPy exactly NumPy's complex64 products,
+    whatever the block of particles each is made in (blocks of 1 and of 2 particles: the same bits)."""
     rng = np.random.default_rng(1)
     g = (rng.normal(size=(3, 50)) + 1j * rng.normal(size=(3, 50))).astype(np.complex64)
     ramps = np.exp(1j * rng.uniform(0, 2 * np.pi, size=(7, 50))).astype(np.complex64)
-    ref = expectation.stack_complex(g[:, None, :] * ramps[None])
-    np.testing.assert_allclose(expectation.stacked_shifted(g, ramps), ref, rtol=0, atol=1e-6)
+    exact = g[:, None, :].astype(np.complex128) * ramps[None].astype(np.complex128)
+    got = expectation.stacked_shifted(g, ramps)
+    np.testing.assert_allclose(got, expectation.stack_complex(exact).astype(np.float64), rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(got, expectation.stack_complex(g[:, None, :] * ramps[None]))
+    for per_block in (1, 2):
+        monkeypatch.setattr(expectation, "CPU_SHIFT_BLOCK_BYTES", per_block * 7 * 50 * 8)
+        np.testing.assert_array_equal(expectation.stacked_shifted(g, ramps, width=112), np.concatenate(
+            [got, np.zeros((3, 7, 12), np.float32)], axis=-1))
     U = rng.normal(size=(3, 7, 100)).astype(np.float32)
     direct = ((U[..., :50].astype(np.complex128) - 1j * U[..., 50:]) * ramps[None]).sum(axis=1)
     np.testing.assert_allclose(expectation.sum_conj_shifted(U, ramps), direct, rtol=0, atol=1e-5)

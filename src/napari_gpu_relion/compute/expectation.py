@@ -27,6 +27,7 @@ from scipy.sparse import csr_matrix
 from . import gpu_kernels, gpu_posterior
 from .backend import get_array_module, to_host
 from .fourier import round_half_away, signed_index
+from .memory_model import CPU_SHIFT_BLOCK_BYTES
 from .sample_prior import SampleLogPrior
 
 # ----------------------------------------------------------------------------------------------------------
@@ -105,11 +106,12 @@ def stack_complex(Z, width: int | None = None):
 
 def stacked_shifted(g, ramps, width: int | None = None):
     """[Re, Im] of g_i e_t for every particle i and translation t: (I, T, 2K) float32 from g (I, K) complex and
-    ramps (T, K) complex, the same numbers as stack_complex(g[:, None] * ramps[None]) (zeros after them up to
-    ``width`` where that is larger: gemm_width). Written into its output
-    half by half with one float32 (I, T, K) temporary at a time: 12 bytes per (particle, translation, pixel) at
-    its peak instead of 16 (the complex product and its stacked copy), which bounds the fine pass's chunks at the
-    full image size (backend.FINE_BYTES_PER_TRANSLATION_PIXEL)."""
+    ramps (T, K) complex, stack_complex(g[:, None] * ramps[None]) to float rounding (zeros after them up to
+    ``width`` where that is larger: gemm_width). With NumPy exactly those complex products, one cache-sized block
+    of particles at a time (CPU_SHIFT_BLOCK_BYTES); on a GPU the fused kernel, else written into its output half by
+    half with one float32 (I, T, K) temporary at a time: 12 bytes per (particle, translation, pixel) at its peak
+    instead of 16 (the complex product and its stacked copy), which bounds the fine pass's chunks at the full image
+    size (backend.FINE_BYTES_PER_TRANSLATION_PIXEL)."""
     xp = get_array_module(g)
     g = g.astype(np.complex64, copy=False)
     ramps = ramps.astype(np.complex64, copy=False)
@@ -118,6 +120,13 @@ def stacked_shifted(g, ramps, width: int | None = None):
         return gpu_kernels.stacked_shifted(g, ramps, max(2 * K, width or 0))
     out = xp.empty((I, ramps.shape[0], max(2 * K, width or 0)), dtype=np.float32)
     out[..., 2 * K:] = 0.0
+    if xp is np:  # one complex product per cache-sized block of particles (each element alone: no block effect)
+        block = max(1, CPU_SHIFT_BLOCK_BYTES // max(1, ramps.shape[0] * K * 8))
+        for a in range(0, I, block):
+            prod = g[a:a + block, None, :] * ramps[None]
+            out[a:a + block, :, :K] = prod.real
+            out[a:a + block, :, K:2 * K] = prod.imag
+        return out
     gr, gi = g.real[:, None, :], g.imag[:, None, :]
     rr, ri = ramps.real[None], ramps.imag[None]
     re, im = out[..., :K], out[..., K:2 * K]
