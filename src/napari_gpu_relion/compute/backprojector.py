@@ -454,10 +454,12 @@ def _one_stack(backprojectors: list) -> bool:
         for k, bp in enumerate(backprojectors))
 
 
-def insertion_target_size(backprojectors: list) -> int:
-    """Elements of the array that insert_by_class adds each chunk into (a stack's, or one grid's)."""
+def insertion_orientations(backprojectors: list, npix: int) -> int:
+    """Orientations of ``npix`` pixels that insert_by_class inserts per chunk (_insert_chunks's step: the array it
+    adds each chunk into is a stack's or one grid's), so that a caller can hand its slices over in the same pieces."""
     first = backprojectors[0]
-    return int(first.stack[0][0].size) if _one_stack(backprojectors) else int(first.data_re.size)
+    target = first.stack[0][0].size if _one_stack(backprojectors) else first.data_re.size
+    return orientations_per_chunk(first.xp, INSERT_CHUNK_POINTS, npix, int(target))
 
 
 def insert_by_class(backprojectors: list, index, A, kx, ky, values, weights, check=None) -> None:

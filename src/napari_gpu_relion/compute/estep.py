@@ -37,7 +37,7 @@ from ..errors import SumsAlreadyAddedError, is_out_of_memory
 from ..marks import memory_mark
 from . import gpu_kernels
 from .backend import free_pool, get_array_module, matmul_tf32, to_host
-from .backprojector import insert_by_class, insertion_target_size
+from .backprojector import insert_by_class, insertion_orientations
 from .ctf import CtfParams, ctf_from_frequencies, demodulation_factors, gamma_offsets
 from .expectation import (
     PixelSet,
@@ -69,12 +69,10 @@ from .fourier import (
 from .geometry import magnified, magnified_frequencies
 from .masks import soft_mask_outside
 from .memory_model import (
-    INSERT_CHUNK_POINTS,
     SLAB_BYTES,
     fine_bytes_per_particle,
     fine_bytes_per_score,
     fine_bytes_per_slice,
-    orientations_per_chunk,
     union_bytes_per_orientation,
 )
 from .noise import counter_normal
@@ -988,7 +986,7 @@ def _insert_summed_slices(b: _Batch, rows: _SignificantRows, fine: _FineData, ac
     """Insert the batch's summed slice of every fine orientation with a non-zero weight into the
     back-projector of its class (one insertion per distinct fine orientation per batch).
 
-    In pieces of the orientations that the back-projection inserts at once (INSERT_CHUNK_POINTS / pixels): the
+    In pieces of the orientations that the back-projection inserts at once (insertion_orientations): the
     complex values and the gathered weights exist for one piece at a time, not for the whole union (at the full
     image size of a large box, 36 bytes per pixel of every fine orientation: the final iteration's peak at box
     800; issue 21). The scatter-adds are the same, in the same order."""
@@ -996,8 +994,7 @@ def _insert_summed_slices(b: _Batch, rows: _SignificantRows, fine: _FineData, ac
     cls_rows = np.repeat(rows.union_rows_host // b.n_orient, fine.n_children)
     keep = np.flatnonzero(to_host(acc.slice_weights.sum(axis=1)) > 0)
     Kf = pix.npix
-    step = orientations_per_chunk(xp, INSERT_CHUNK_POINTS, Kf,  # backprojector._insert_chunks's chunk
-                                  insertion_target_size(sums.backprojectors))
+    step = insertion_orientations(sums.backprojectors, Kf)  # the back-projection's own pieces
     for a in range(0, keep.size, step):
         part = keep[a:a + step]
         kd = xp.asarray(part)
