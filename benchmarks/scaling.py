@@ -103,14 +103,16 @@ def model_resolution(a, out: Path) -> float | None:
 TIMING = re.compile(r"iteration (\d+) timing: E-step ([\d.]+) s(?: \(waiting for the slowest rank ([\d.]+) s, "
                     r"sums over ranks ([\d.]+) s through ([^)]*\)?)\))?, M-step ([\d.]+) s")
 PER_RANK = re.compile(r"iteration (\d+) per rank: particles ([\d /]+), E-step ([\d. /]+) s, waiting ([\d. /]+) s, "
-                      r"sent ([\d. /]+) MB")
+                      r"sent ([\d. /]+) MB(?:, of the E-step reading images ([\d. /]+) s)?")
+READING = re.compile(r"iteration (\d+) timing: .*; the E-step read images for ([\d.]+) s")
 
 
 def per_rank(stdout: str) -> list[dict]:
     """Each iteration's E-step, wait and MB sent of every rank (the jobs' 'per rank' lines)."""
     return [{"iteration": int(m[0]), "particles": [int(v) for v in m[1].split(" / ")],
              "estep_s": [float(v) for v in m[2].split(" / ")], "waiting_s": [float(v) for v in m[3].split(" / ")],
-             "sent_MB": [float(v) for v in m[4].split(" / ")]} for m in PER_RANK.findall(stdout)]
+             "sent_MB": [float(v) for v in m[4].split(" / ")],
+             "reading_s": [float(v) for v in m[5].split(" / ")] if m[5] else None} for m in PER_RANK.findall(stdout)]
 
 
 def agreement(x: Path, y: Path) -> tuple[float, float]:
@@ -187,7 +189,8 @@ def main() -> None:
                "particle_iterations_per_s": round(a.n_particles * iters / (estep or wall), 1),
                "resolution_A": model_resolution(a, out), "per_rank": per_rank(r.stdout),
                "images": images.group(1).strip() if images else None,
-               "estep_per_iteration_s": [float(m[1]) for m in timing.values()]}
+               "estep_per_iteration_s": [float(m[1]) for m in timing.values()],
+               "reading_per_iteration_s": [float(m[1]) for m in READING.findall(r.stdout)]}
         if first is None:
             first = (out, row)
         else:

@@ -47,6 +47,7 @@ case "$1" in
     python3 benchmarks/scaling.py --job class3d --ranks 1,$NG --gpu $GPUS --data /root/s256_$2 --K 6 --iter 5 \
         --work /root/w256_$2 --extra "$STD --tau2_fudge 4" --mpiexec "$MPI" \
         --out $OUT/scaling_class3d_K6_box256_n$2_h200x$NG.json | grep '^{"ranks' | cut -c1-900
+    for d in /root/w256_$2/class3d_n*; do cp $d/log.txt $OUT/log_class3d_n$2_$(basename $d).txt; done
     el "class3d" ;;
   relion)  # RELION 5's class3d on the same set and GPUs: $4 ranks (5 and 9 on 4 GPUs), stopped after $5 s
     wait_relion
@@ -58,5 +59,6 @@ case "$1" in
     python3 benchmarks/scaling.py --job refine3d --ranks 1,$NG --gpu $GPUS --data /root/s256_$2 --iter $4 \
         --work /root/w256_$2 --extra "$STD --low_resol_join_halves 40" --mpiexec "$MPI" \
         --out $OUT/scaling_refine3d_box256_n$2_h200x$NG.json | grep '^{"ranks' | cut -c1-900
+    for d in /root/w256_$2/refine3d_n*; do cp $d/log.txt $OUT/log_refine3d_n$2_$(basename $d).txt; done
     el "refine3d" ;;
 esac

@@ -115,6 +115,26 @@ def test_kept_images_are_read_from_their_stack_once_and_equal_the_disk(tmp_path)
     np.testing.assert_array_equal(ps.images(np.arange(len(ps))[::-1]), disk[::-1])
 
 
+def test_only_reading_images_counts_as_reading_time(tmp_path, monkeypatch):
+    """seconds_reading (what MPI ranks' shares leave out of their speed) grows by the time spent in the reads of
+    images not kept yet, and not when the images come from memory."""
+    star = _copy_sample(tmp_path / "d")
+    ps = load_particle_set(star, ctf=True, halves=False)
+    ps.keep_images_in_memory()
+    read = ps._read
+
+    def slow_read(rows):
+        time.sleep(0.2)
+        return read(rows)
+    monkeypatch.setattr(ps, "_read", slow_read)
+    ps.images(np.arange(10))
+    first = ps.seconds_reading
+    assert first >= 0.2
+    for _ in range(5):
+        ps.images(np.arange(10))  # held: no reading
+    assert ps.seconds_reading - first < 0.2
+
+
 def test_a_particle_set_parses_its_image_names_once_and_reads_the_same_images(tmp_path, monkeypatch):
     """The job's reads (block by block, by a background reader) and its data STAR's names use the locations
     parsed when the set was loaded: the same images as load_images parsing the names, the same rlnImageName."""

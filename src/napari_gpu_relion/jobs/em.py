@@ -308,6 +308,7 @@ class Iteration:
     seconds_estep: float = 0.0  # the E-step of every half, the two below included
     seconds_waiting: float = 0.0  # MPI: waiting for the slowest rank at the end of each half's E-step
     seconds_summing: float = 0.0  # MPI: sums over ranks and merging the particles' results
+    seconds_reading: float = 0.0  # of the E-step: this process reading images or waiting for its reader
     bytes_at_start: int = 0  # MPI: what this rank had sent before this iteration (comm.bytes_sent)
     particles_here: int = 0  # MPI: the particles of this rank's E-step
 
@@ -586,7 +587,7 @@ class EMJob:
         blocks = self.own_blocks(self.speeds)  # this rank's block of each half (by measured speed)
         if self.comm.size > 1:  # a rank's image store keeps this iteration's blocks
             self.ps.retain(np.concatenate(blocks))
-        t0 = time.time()
+        t0, read0 = time.time(), self.ps.seconds_reading
         for h, mine in enumerate(blocks):
             acc = self.accumulators(it.current_size)
             memory_mark("E-step: accumulators")
@@ -638,6 +639,7 @@ class EMJob:
             it.accumulators.append(acc)
         self._prepared = None  # it.references keeps them for the M-step; nothing else holds them after it
         it.seconds_estep = time.time() - t0
+        it.seconds_reading = self.ps.seconds_reading - read0
 
     def owned_kinds_of(self, it: Iteration) -> tuple[str, ...]:
         """The kinds of fixed work with one owner each in iteration ``it`` (owned_kinds)."""
@@ -836,8 +838,10 @@ def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
         if job.comm.size > 1:  # every rank: the report (rank 0) and the next E-step's shares by measured speed
             own = it.seconds_estep - it.seconds_waiting - it.seconds_summing
             ranks = job.comm.allgather((own, it.seconds_waiting, job.comm.bytes_sent - it.bytes_at_start,
-                                        it.particles_here))
-            job.speeds = rank_speeds(job.speeds, [(r[3], r[0]) for r in ranks])
+                                        it.particles_here, it.seconds_reading))
+            # shares follow the compute speed: reading an image happens once per rank that holds it, and a share
+            # moved for a first iteration's disk time would only make the receiving rank read more
+            job.speeds = rank_speeds(job.speeds, [(r[3], r[0] - r[4]) for r in ranks])
         if root:
             yield from job.write(it)
         memory_mark("resolution, files")
@@ -870,7 +874,9 @@ def iteration_timing(it: Iteration, seconds_mstep: float, seconds_files: float, 
     wait for the slowest rank and the sums over ranks (MPI), the M-step with the resolution update, the files."""
     mpi = (f" (waiting for the slowest rank {it.seconds_waiting:.2f} s, sums over ranks {it.seconds_summing:.2f} s "
            f"through {comm.reduction_path})" if comm.size > 1 else "")
-    return f"E-step {it.seconds_estep:.2f} s{mpi}, M-step {seconds_mstep:.2f} s, files {seconds_files:.2f} s"
+    reading = f"; the E-step read images for {it.seconds_reading:.2f} s" if it.seconds_reading >= 0.005 else ""
+    return (f"E-step {it.seconds_estep:.2f} s{mpi}, M-step {seconds_mstep:.2f} s, files {seconds_files:.2f} s"
+            f"{reading}")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ run_itNNN_data.star."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -50,6 +51,9 @@ class ParticleSet:
     locations: tuple | None = field(default=None, repr=False, compare=False)
     # the stacks' headers, parsed on their first reading (the reader and the job's thread read block by block)
     headers: dict = field(default_factory=dict, repr=False, compare=False)
+    # seconds the job's thread has spent reading images or waiting for the background reader (images()): the part
+    # of an E-step that is disk, not compute, so that MPI ranks' shares follow their compute speed only
+    seconds_reading: float = field(default=0.0, repr=False, compare=False)
 
     def __post_init__(self):
         n = len(self.table)
@@ -182,8 +186,11 @@ class ParticleSet:
         there); the first time a row is read its image is checked (InputError naming the stack, the image and the
         STAR line for NaN or infinite pixels or a blank image, which give NaN results)."""
         rows = np.asarray(rows, dtype=np.int64)
+        t0 = time.perf_counter()
         if self.kept is None:
-            return self._read(rows)
+            out = self._read(rows)
+            self.seconds_reading += time.perf_counter() - t0
+            return out
         if self.ahead is not None:
             self._take_read_ahead(rows)
         xp = get_array_module(self.kept)
@@ -192,6 +199,7 @@ class ParticleSet:
         if new.size:
             data = self._read(new)
             self._store(new, data)
+        self.seconds_reading += time.perf_counter() - t0
         places = self.slot[rows]
         if (places >= 0).all():
             return self.kept[xp.asarray(places)]

@@ -512,15 +512,18 @@ def payload_bytes(obj: Any) -> int:
     return 0
 
 
-def rank_report(per_rank: list[tuple[float, float, int, int]]) -> str:
-    """One line of each rank's particles, E-step (its own work), wait for the slowest rank and bytes sent in an
-    iteration, from (seconds, seconds, bytes, particles) per rank in rank order."""
+def rank_report(per_rank: list[tuple]) -> str:
+    """One line of each rank's particles, E-step (its own work), wait for the slowest rank, bytes sent and, when
+    given, the part of its E-step spent reading images, in an iteration, from (seconds, seconds, bytes, particles[,
+    seconds reading]) per rank in rank order."""
     def cols(values, fmt):
         return " / ".join(fmt(v) for v in values)
+    reading = ("" if any(len(r) < 5 for r in per_rank) else
+               f", of the E-step reading images {cols([r[4] for r in per_rank], lambda v: f'{v:.2f}')} s")
     return (f"per rank: particles {cols([r[3] for r in per_rank], str)}, "
             f"E-step {cols([r[0] for r in per_rank], lambda v: f'{v:.2f}')} s, waiting "
             f"{cols([r[1] for r in per_rank], lambda v: f'{v:.2f}')} s, sent "
-            f"{cols([r[2] for r in per_rank], lambda v: f'{v / 1e6:.1f}')} MB")
+            f"{cols([r[2] for r in per_rank], lambda v: f'{v / 1e6:.1f}')} MB{reading}")
 
 
 def _store(a, host: np.ndarray) -> None:
