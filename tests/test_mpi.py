@@ -132,6 +132,33 @@ def test_shares_cover_every_item_once_in_order():
     np.testing.assert_array_equal(np.concatenate(parts), np.arange(100))
 
 
+def test_dealt_particles_cover_every_item_once_and_give_each_rank_the_same_mix():
+    """The E-step deals runs of particles in turn: every row once, each rank's rows in order, counts within one
+    run (DEAL_RUN rows) of each other, and a set written in two groups (two states, say) gives every rank half of
+    each; with speeds, rows in proportion to them and still spread over the whole set."""
+    class Rank(distributed.SingleProcess):
+        def __init__(self, rank: int, size: int) -> None:
+            super().__init__()
+            self.rank, self.size = rank, size
+
+    run = distributed.DEAL_RUN
+    for n in (0, 1, 7, 300, 10 * run + 5, 100_000):
+        for size in (1, 2, 3, 4):
+            rows = np.arange(n) * 2 + 1  # any rows, in order
+            parts = [Rank(r, size).deal(rows) for r in range(size)]
+            assert all(np.all(np.diff(p) > 0) for p in parts)
+            np.testing.assert_array_equal(np.sort(np.concatenate(parts)), rows)
+            counts = [p.size for p in parts]
+            assert max(counts) - min(counts) <= run
+            if n >= 2 * run * size:  # first half one state, second half the other: each rank gets half of each
+                first = [np.count_nonzero(p < rows[n // 2]) / p.size for p in parts]
+                assert all(abs(f - 0.5) <= run * size / n for f in first), first
+    parts = [Rank(r, 3).deal(100_000, [1.0, 2.0, 1.0]) for r in range(3)]
+    np.testing.assert_allclose([p.size / 100_000 for p in parts], [0.25, 0.5, 0.25], atol=2 * run / 100_000)
+    assert all(p.min() < 2 * run * 4 and p.max() > 100_000 - 2 * run * 4 for p in parts)
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(100_000))
+
+
 def test_rank_speeds_follow_the_measured_times_half_way():
     """Each rank's share of the next E-step follows its measured speed (particles per second of its own work),
     averaged with the previous estimate; a rank without a time, or times within the noise band, keep the

@@ -504,9 +504,10 @@ class EMJob:
             yield Message(note, "warning")
 
     def own_blocks(self, speeds=None) -> list[np.ndarray]:
-        """This rank's block of each half's particles (every particle in one process; with ``speeds``, blocks in
-        proportion to the ranks' measured speeds)."""
-        return [self.comm.share(r, speeds) for r in self.halves]
+        """This rank's particles of each half (every particle in one process): runs of rows dealt in turn, so
+        every rank gets the same mix of the set, whatever its order (runtime.distributed.deal_owners); with
+        ``speeds``, runs in proportion to the ranks' measured speeds."""
+        return [self.comm.deal(r, speeds) for r in self.halves]
 
     def keep_images_on_device(self) -> None:
         """After the run's memory plan: keep the images on the GPU (no host copy and upload of every batch in every

@@ -105,6 +105,17 @@ class SingleProcess:
         items = np.arange(items) if np.isscalar(items) else np.asarray(items)
         return np.split(items, share_cuts(len(items), self.size, speeds))[self.rank]
 
+    def deal(self, items: int | np.ndarray, speeds: list[float] | None = None) -> np.ndarray:
+        """This rank's runs of ``items`` dealt like cards (deal_owners), in order: every rank gets the same mix of
+        the set whatever the set's order (particles written state by state, micrograph by micrograph or sorted by
+        defocus cost unequally per particle), so equal counts take equal time; with ``speeds``, runs in proportion
+        to them."""
+        items = np.arange(items) if np.isscalar(items) else np.asarray(items)
+        runs = np.array_split(items, deal_runs(len(items), self.size))
+        owner = deal_owners(len(runs), self.size, speeds)
+        mine = [r for r, o in zip(runs, owner, strict=True) if o == self.rank]
+        return np.concatenate(mine) if mine else items[:0]
+
     reduction_path = "none (one process)"
 
     def sum_arrays(self, arrays: list) -> None:
@@ -748,6 +759,34 @@ def share_cuts(n: int, size: int, speeds: list[float] | None = None) -> np.ndarr
     w = np.maximum(np.asarray(speeds, np.float64), 0.0)
     w = np.full(size, 1.0) if not np.isfinite(w).all() or w.sum() <= 0 else w
     return np.round(np.cumsum(w)[:-1] / w.sum() * n).astype(np.int64)
+
+
+#: Items per run that deal() hands out at once: images of consecutive rows are read from their stack in one read.
+DEAL_RUN = 128
+
+
+def deal_runs(n: int, size: int) -> int:
+    """How many runs of about DEAL_RUN items deal() splits n items into: a multiple of ``size``, so that equal
+    speeds give every rank the same number of runs (counts within one run of each other)."""
+    return max(size, -(-max(n, 1) // (DEAL_RUN * size)) * size)
+
+
+def deal_owners(n_runs: int, size: int, speeds: list[float] | None = None) -> np.ndarray:
+    """The rank of each of ``n_runs`` runs: in turn (0, 1, ..., size - 1, 0, ...) without ``speeds``, else by
+    stride scheduling (each run to the rank with the least runs per unit of speed so far, ties to the lower rank),
+    which deals in proportion to the speeds and keeps every rank's runs spread over the whole set."""
+    if speeds is None:
+        return np.arange(n_runs) % size
+    w = np.maximum(np.asarray(speeds, np.float64), 0.0)
+    w = np.full(size, 1.0) if not np.isfinite(w).all() or w.sum() <= 0 else w / w.sum()
+    owner = np.full(n_runs, -1, np.int64)
+    given = np.zeros(size)
+    for j in range(n_runs):
+        load = np.where(w > 0, (given + 1) / np.where(w > 0, w, 1.0), np.inf)
+        r = int(np.argmin(load))
+        owner[j] = r
+        given[r] += 1
+    return owner
 
 
 #: The shares change only when the slowest rank's own E-step took this much longer than the fastest's (time
