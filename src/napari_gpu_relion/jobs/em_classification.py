@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..compute.backend import to_host
 from ..compute.fsc import shell_to_angstrom
 from ..compute.maximization import reconstruct_classes, references_tau2, resolution_shell_from_ssnr
 from ..errors import InputError
@@ -45,16 +44,15 @@ class Classification(em.EMJob):
         its block of classes (all of them without MPI; reconstruct_classes with the tau2 of the references this
         iteration aligned to), ``finish(maps)`` on the device, then every rank gathers the others' blocks."""
         lo, hi = self.my_classes(0, it)
-        part: list = []
+        maps, ssnr = None, []
         if hi > lo:
             maps, ssnr = reconstruct_classes(it.accumulators[0].block(lo, hi), references_tau2(it.references[0][lo:hi]),
                                              self.p.tau2_fudge, it.sums[0].pdf_class[lo:hi], self.model.refs[0][lo:hi],
                                              sym_matrices)
             if finish is not None:
                 maps = finish(maps)
-            part = list(zip(to_host(maps), ssnr, strict=True))  # one copy to the host
-        done = self.gather_classes(0, part, it)
-        return [v for v, _ in done], [s for _, s in done]
+        every = self.gather_class_maps(0, maps, it)  # one copy to the host
+        return list(every), list(self.gather_classes(0, list(ssnr), it))
 
     def describe(self) -> str:
         kind = "2D classes" if self.ndim == 2 else "classes"
