@@ -10,6 +10,7 @@
 #   bash benchmarks/scaling_calls.sh relion N GPUS RANKS LIMIT   RELION's class3d (the same options) on the N
 #       particles with RANKS MPI ranks over GPUS GPUs (mpirun -n 5 and -n 9 on 4), stopped after LIMIT s
 #   bash benchmarks/scaling_calls.sh refine3d N GPUS ITER   auto-refine (ITER-1 iterations at most) on them, 1 and GPUS
+# RANKS=2 bash benchmarks/scaling_calls.sh class3d N 2    only the given rank counts (default 1,GPUS)
 # Results (scaling.py's JSON, which names the GPU) in $OUT.
 . benchmarks/gpu_env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -44,7 +45,7 @@ case "$1" in
         --angpix 1.05 --box 256 --n $2 --states 2 --snr 0.05 --jobs 32 --out /root/s256_$2 | cut -c1-400
     df -h /root | tail -1; el "data" ;;
   class3d)
-    python3 benchmarks/scaling.py --job class3d --ranks 1,$NG --gpu $GPUS --data /root/s256_$2 --K 6 --iter 5 \
+    python3 benchmarks/scaling.py --job class3d --ranks ${RANKS:-1,$NG} --gpu $GPUS --data /root/s256_$2 --K 6 --iter 5 \
         --work /root/w256_$2 --extra "$STD --tau2_fudge 4" --mpiexec "$MPI" \
         --out $OUT/scaling_class3d_K6_box256_n$2_h200x$NG.json | grep '^{"ranks' | cut -c1-900
     for d in /root/w256_$2/class3d_n*; do cp $d/log.txt $OUT/log_class3d_n$2_$(basename $d).txt; done
@@ -56,7 +57,7 @@ case "$1" in
         --out $OUT/relion_class3d_K6_box256_n$2_h200x${NG}_ranks$4.json 2>&1 | tail -1 | cut -c1-600
     el "RELION" ;;
   refine3d)
-    python3 benchmarks/scaling.py --job refine3d --ranks 1,$NG --gpu $GPUS --data /root/s256_$2 --iter $4 \
+    python3 benchmarks/scaling.py --job refine3d --ranks ${RANKS:-1,$NG} --gpu $GPUS --data /root/s256_$2 --iter $4 \
         --work /root/w256_$2 --extra "$STD --low_resol_join_halves 40" --mpiexec "$MPI" \
         --out $OUT/scaling_refine3d_box256_n$2_h200x$NG.json | grep '^{"ranks' | cut -c1-900
     for d in /root/w256_$2/refine3d_n*; do cp $d/log.txt $OUT/log_refine3d_n$2_$(basename $d).txt; done

@@ -153,10 +153,33 @@ def test_dealt_particles_cover_every_item_once_and_give_each_rank_the_same_mix()
             if n >= 2 * run * size:  # first half one state, second half the other: each rank gets half of each
                 first = [np.count_nonzero(p < rows[n // 2]) / p.size for p in parts]
                 assert all(abs(f - 0.5) <= run * size / n for f in first), first
-    parts = [Rank(r, 3).deal(100_000, [1.0, 2.0, 1.0]) for r in range(3)]
-    np.testing.assert_allclose([p.size / 100_000 for p in parts], [0.25, 0.5, 0.25], atol=2 * run / 100_000)
-    assert all(p.min() < 2 * run * 4 and p.max() > 100_000 - 2 * run * 4 for p in parts)
-    np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(100_000))
+
+
+def test_rebalanced_runs_follow_the_speeds_and_move_as_few_runs_as_it_takes():
+    """After measured speeds, ranks hold shares in proportion to them within about a run; only runs of ranks
+    above their share move (the rest stay where their images are kept), spread over the giving rank's runs."""
+    class Rank(distributed.SingleProcess):
+        def __init__(self, rank: int, size: int) -> None:
+            super().__init__()
+            self.rank, self.size = rank, size
+
+    n, size = 100_000, 3
+    n_runs = distributed.deal_runs(n, size)
+    sizes = np.array([len(x) for x in np.array_split(np.arange(n), n_runs)])
+    before = distributed.deal_owners(n_runs, size)
+    after = distributed.rebalance_owners(before, sizes, [1.0, 2.0, 1.0])
+    held = np.bincount(after, weights=sizes, minlength=size)
+    np.testing.assert_allclose(held / n, [0.25, 0.5, 0.25], atol=sizes.max() / n)
+    moved = after != before
+    assert np.all(after[moved] == 1) and not np.any(before[moved] == 1)  # only to the faster rank, from the others
+    assert moved.sum() * sizes.max() <= n / 6 + 2 * sizes.max()  # a sixth of the set, the least that balances
+    for r in (0, 2):  # what a giver gave is spread over its runs: the kept runs still span the whole set
+        kept = np.flatnonzero(after == r)
+        assert kept.min() < 2 * size and kept.max() >= n_runs - 2 * size
+    parts = [Rank(r, size).deal(n, after) for r in range(size)]
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(n))
+    same = distributed.rebalance_owners(after, sizes, [1.0, 2.0, 1.0])  # balanced already: nothing moves
+    np.testing.assert_array_equal(same, after)
 
 
 def test_rank_speeds_follow_the_measured_times_half_way():

@@ -67,6 +67,8 @@ from ..marks import memory_mark
 from ..runtime.device import Backend, backend_for, host_available_bytes, set_matmul_tf32
 from ..runtime.distributed import (
     assign,
+    deal_owners,
+    deal_runs,
     describe_owners,
     fixed_work,
     merge_particles,
@@ -74,6 +76,7 @@ from ..runtime.distributed import (
     owners,
     rank_report,
     rank_speeds,
+    rebalance_owners,
     root_events,
     sum_estep,
     world,
@@ -373,6 +376,8 @@ class EMJob:
         self.data_vs_prior: list[np.ndarray] | None = None  # the last M-step's SSNR per class (--scale's shells)
         self._plan_shown = False
         self.speeds: list[float] | None = None  # MPI: each rank's measured E-step speed (its share of the next)
+        self._run_owners: list[np.ndarray] | None = None  # MPI: the rank of each run of each half's particles
+        self._owners_speeds: list[float] | None = None  # the speeds _run_owners were balanced for
         self.job_memory: JobMemory | None = None
         self._prepared: tuple | None = None  # ((iteration, image size), prepared references per half)
         self.writer = WriteQueue(f"{self.name} files")  # the iterations' files, written while the next computes
@@ -505,9 +510,17 @@ class EMJob:
 
     def own_blocks(self, speeds=None) -> list[np.ndarray]:
         """This rank's particles of each half (every particle in one process): runs of rows dealt in turn, so
-        every rank gets the same mix of the set, whatever its order (runtime.distributed.deal_owners); with
-        ``speeds``, runs in proportion to the ranks' measured speeds."""
-        return [self.comm.deal(r, speeds) for r in self.halves]
+        every rank gets the same mix of the set, whatever its order (runtime.distributed.deal_owners); after new
+        ``speeds`` (the ranks' measured speeds), the fewest runs moved for shares in proportion to them
+        (rebalance_owners), so that the ranks keep most of the images they hold."""
+        size = self.comm.size
+        if self._run_owners is None:
+            self._run_owners = [deal_owners(deal_runs(len(r), size), size) for r in self.halves]
+        if speeds is not None and speeds is not self._owners_speeds:
+            self._owners_speeds = speeds
+            self._run_owners = [rebalance_owners(o, [len(x) for x in np.array_split(r, len(o))], speeds)
+                                for o, r in zip(self._run_owners, self.halves, strict=True)]
+        return [self.comm.deal(r, o) for r, o in zip(self.halves, self._run_owners, strict=True)]
 
     def keep_images_on_device(self) -> None:
         """After the run's memory plan: keep the images on the GPU (no host copy and upload of every batch in every

@@ -105,14 +105,14 @@ class SingleProcess:
         items = np.arange(items) if np.isscalar(items) else np.asarray(items)
         return np.split(items, share_cuts(len(items), self.size, speeds))[self.rank]
 
-    def deal(self, items: int | np.ndarray, speeds: list[float] | None = None) -> np.ndarray:
-        """This rank's runs of ``items`` dealt like cards (deal_owners), in order: every rank gets the same mix of
-        the set whatever the set's order (particles written state by state, micrograph by micrograph or sorted by
-        defocus cost unequally per particle), so equal counts take equal time; with ``speeds``, runs in proportion
-        to them."""
+    def deal(self, items: int | np.ndarray, owner: np.ndarray | None = None) -> np.ndarray:
+        """This rank's runs of ``items`` (deal_runs of them, np.array_split's), in order: the runs dealt in turn
+        (deal_owners), or ``owner`` (the rank of each run: rebalance_owners' after measured speeds). Every rank
+        gets the same mix of the set whatever its order (particles written state by state, micrograph by
+        micrograph or sorted by defocus cost unequally per particle), so equal counts take equal time."""
         items = np.arange(items) if np.isscalar(items) else np.asarray(items)
         runs = np.array_split(items, deal_runs(len(items), self.size))
-        owner = deal_owners(len(runs), self.size, speeds)
+        owner = deal_owners(len(runs), self.size) if owner is None else owner
         mine = [r for r, o in zip(runs, owner, strict=True) if o == self.rank]
         return np.concatenate(mine) if mine else items[:0]
 
@@ -771,21 +771,39 @@ def deal_runs(n: int, size: int) -> int:
     return max(size, -(-max(n, 1) // (DEAL_RUN * size)) * size)
 
 
-def deal_owners(n_runs: int, size: int, speeds: list[float] | None = None) -> np.ndarray:
-    """The rank of each of ``n_runs`` runs: in turn (0, 1, ..., size - 1, 0, ...) without ``speeds``, else by
-    stride scheduling (each run to the rank with the least runs per unit of speed so far, ties to the lower rank),
-    which deals in proportion to the speeds and keeps every rank's runs spread over the whole set."""
-    if speeds is None:
-        return np.arange(n_runs) % size
+def deal_owners(n_runs: int, size: int) -> np.ndarray:
+    """The rank of each of ``n_runs`` runs dealt in turn: 0, 1, ..., size - 1, 0, 1, ..."""
+    return np.arange(n_runs) % size
+
+
+def rebalance_owners(owner: np.ndarray, run_sizes: np.ndarray, speeds: list[float]) -> np.ndarray:
+    """The runs' ranks after moving as few runs as it takes for each rank to hold about its share of the items
+    (speeds[r] / sum(speeds)): a rank above its share gives runs spread evenly over those it holds (so both
+    ranks keep the same mix of the set) to the ranks below theirs, in rank order. Every other run stays where
+    its images are kept."""
+    owner = np.asarray(owner, np.int64).copy()
+    sizes = np.asarray(run_sizes, np.int64)
+    size = len(speeds)
     w = np.maximum(np.asarray(speeds, np.float64), 0.0)
-    w = np.full(size, 1.0) if not np.isfinite(w).all() or w.sum() <= 0 else w / w.sum()
-    owner = np.full(n_runs, -1, np.int64)
-    given = np.zeros(size)
-    for j in range(n_runs):
-        load = np.where(w > 0, (given + 1) / np.where(w > 0, w, 1.0), np.inf)
-        r = int(np.argmin(load))
+    w = np.full(size, 1.0 / size) if not np.isfinite(w).all() or w.sum() <= 0 else w / w.sum()
+    target = w * sizes.sum()
+    held = np.bincount(owner, weights=sizes, minlength=size).astype(np.float64)
+    given: list[int] = []  # runs to move, in the order the givers give them
+    for r in range(size):
+        surplus = held[r] - target[r]
+        runs = np.flatnonzero(owner == r)
+        if surplus <= 0 or runs.size == 0:
+            continue
+        k = int(min(runs.size, np.floor(surplus / max(sizes[runs].mean(), 1.0) + 0.5)))
+        if k > 0:  # k runs evenly spaced over the rank's runs
+            given += runs[np.unique(np.linspace(0, runs.size - 1, k + 2)[1:-1].round().astype(np.int64))].tolist()
+    for j in given:
+        r = int(np.argmax(target - held))  # the rank furthest below its share
+        if target[r] - held[r] <= 0:
+            break
+        held[owner[j]] -= sizes[j]
         owner[j] = r
-        given[r] += 1
+        held[r] += sizes[j]
     return owner
 
 
