@@ -184,10 +184,10 @@ def test_rebalanced_runs_follow_the_speeds_and_move_as_few_runs_as_it_takes():
 
 def test_rank_speeds_follow_the_measured_times_half_way():
     """Each rank's share of the next E-step follows its measured speed (particles per second of its own work),
-    averaged with the previous estimate; a rank without a time, or times within the noise band, keep the
-    previous one."""
+    averaged with the previous estimate (equal speeds before any); a rank without a time, or times within the
+    noise band, keep the previous one."""
     s = distributed.rank_speeds(None, [(100, 10.0), (100, 5.0)])
-    np.testing.assert_allclose(s, [1 / 3, 2 / 3])
+    np.testing.assert_allclose(s, [5 / 12, 7 / 12])
     np.testing.assert_allclose(distributed.rank_speeds([0.5, 0.5], [(100, 10.0), (100, 5.0)]), [5 / 12, 7 / 12])
     assert distributed.rank_speeds([0.5, 0.5], [(100, 10.0), (0, 0.0)]) == [0.5, 0.5]
     assert distributed.rank_speeds(None, [(10, 0.0), (10, 1.0)]) is None

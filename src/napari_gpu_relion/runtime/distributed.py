@@ -814,9 +814,11 @@ REBALANCE_ABOVE = 1.15
 
 def rank_speeds(previous: list[float] | None, per_rank: list[tuple[int, float]]) -> list[float] | None:
     """Each rank's E-step speed (particles per second of its own work) from (particles, seconds) per rank of the
-    iteration just done, averaged with the ``previous`` estimate (one slow iteration, such as a first one that
-    compiles kernels, moves the shares half way); ``previous`` while a rank has no time to go by or the ranks'
-    times are within REBALANCE_ABOVE of each other."""
+    iteration just done, averaged with the ``previous`` estimate, equal speeds before any (one slow iteration, such
+    as a first one that compiles kernels or a root rank's writing of the files in the background, moves the shares
+    half way: on 2 H200s a full move after one such iteration gave the other rank 70 % of a 100,000-particle
+    auto-refine and a 4.7 s wait in the next); ``previous`` while a rank has no time to go by or the ranks' times
+    are within REBALANCE_ABOVE of each other."""
     if any(n <= 0 or t <= 0 for n, t in per_rank):
         return previous
     times = [t for _, t in per_rank]
@@ -824,8 +826,9 @@ def rank_speeds(previous: list[float] | None, per_rank: list[tuple[int, float]])
         return previous
     now = np.array([n / t for n, t in per_rank], np.float64)
     now /= now.sum()
-    if previous is not None and len(previous) == len(now):
-        now = 0.5 * (now + np.asarray(previous, np.float64) / np.sum(previous))
+    before = (np.asarray(previous, np.float64) if previous is not None and len(previous) == len(now)
+              else np.ones(len(now)))
+    now = 0.5 * (now + before / before.sum())
     return [float(v) for v in now]
 
 
