@@ -99,11 +99,11 @@ class SingleProcess:
     def describe(self) -> str:
         return f"rank {self.rank} of {self.size} on {self.host}"
 
-    def share(self, items: int | np.ndarray, speeds: list[float] | None = None) -> np.ndarray:
+    def share(self, items: int | np.ndarray) -> np.ndarray:
         """This rank's contiguous block of ``items`` (a count: its indices; an array: its elements), in rank
-        order: blocks as equal as they can be, or with ``speeds`` (one per rank) in proportion to them."""
+        order, blocks as equal as they can be (np.array_split's): micrographs, reconstructions' particles."""
         items = np.arange(items) if np.isscalar(items) else np.asarray(items)
-        return np.split(items, share_cuts(len(items), self.size, speeds))[self.rank]
+        return np.array_split(items, self.size)[self.rank]
 
     def deal(self, items: int | np.ndarray, owner: np.ndarray | None = None) -> np.ndarray:
         """This rank's runs of ``items`` (deal_runs of them, np.array_split's), in order: the runs dealt in turn
@@ -748,17 +748,6 @@ class WorkItem:
     kind: str
     cls: int
     half: int
-
-
-def share_cuts(n: int, size: int, speeds: list[float] | None = None) -> np.ndarray:
-    """The size - 1 cut points of n items into contiguous blocks: as np.array_split without ``speeds``, else
-    block r about n speeds[r] / sum(speeds) items."""
-    if speeds is None:
-        base, extra = divmod(n, size)
-        return np.cumsum([base + (r < extra) for r in range(size)])[:-1]
-    w = np.maximum(np.asarray(speeds, np.float64), 0.0)
-    w = np.full(size, 1.0) if not np.isfinite(w).all() or w.sum() <= 0 else w
-    return np.round(np.cumsum(w)[:-1] / w.sum() * n).astype(np.int64)
 
 
 #: Items per run that deal() hands out at once: images of consecutive rows are read from their stack in one read.
