@@ -56,6 +56,36 @@ def test_a_failed_write_is_raised_in_the_jobs_thread_and_the_writes_after_it_are
     assert done == ["again"]
 
 
+def test_writes_through_the_helper_process_give_the_same_files_and_errors(tmp_path):
+    """A large job's writes run in a helper process (its STAR formatting does not hold the job's lock): the same
+    bytes as a write in this process, in order, a failed write raised here with its own message, and a write the
+    helper cannot take (not picklable) written on the worker thread, saying so."""
+    from napari_gpu_relion.io.mrc import write_mrc  # noqa: PLC0415
+    from napari_gpu_relion.io.star import read_particles, write_particles  # noqa: PLC0415
+
+    table = read_particles(SAMPLE / "particles.star")
+    vol = np.random.default_rng(0).standard_normal((24, 24, 24)).astype(np.float32)
+    write_particles(tmp_path / "here.star", table)
+    write_mrc(tmp_path / "here.mrc", vol, 2.5)
+    q = WriteQueue("test", helper_process=True)
+    q.put(write_particles, tmp_path / "there.star", table)
+    q.put(write_mrc, tmp_path / "there.mrc", vol, 2.5)
+    q.drain()
+    assert q._helper is not None and q._helper._proc.poll() is None  # a process of its own did the writing
+    assert q.helper_note is None
+    assert (tmp_path / "there.star").read_bytes() == (tmp_path / "here.star").read_bytes()
+    there, here = (tmp_path / "there.mrc").read_bytes(), (tmp_path / "here.mrc").read_bytes()
+    assert there[:224] == here[:224] and there[1024:] == here[1024:]  # the labels (224-1023) hold the time
+    (tmp_path / "a_file").write_text("not a folder")
+    q.put(write_mrc, tmp_path / "a_file" / "x.mrc", vol, 2.5)
+    with pytest.raises(OSError, match="a_file"):
+        q.drain()
+    done = []
+    q.put(lambda: done.append(1))  # a closure does not pickle: written here
+    q.close()
+    assert done == [1] and "cannot take" in q.helper_note
+
+
 @pytest.fixture(scope="module")
 def small(tmp_path_factory) -> Path:
     """A small simulated set (box 32, 120 particles), searched at HEALPix order 0: the jobs below test file writing

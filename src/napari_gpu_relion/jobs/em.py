@@ -62,7 +62,7 @@ from ..io.mrc import read_mrc, require_usable_map
 from ..io.particle_images import NORM_CHECK_IMAGES, check_normalisation, norm_check_rows, parse_image_name
 from ..io.paths import is_star_path
 from ..io.star import read_star
-from ..io.write_queue import WriteQueue
+from ..io.write_queue import HELPER_FROM_PARTICLES, WriteQueue
 from ..marks import memory_mark
 from ..runtime.device import Backend, backend_for, host_available_bytes, set_matmul_tf32
 from ..runtime.distributed import (
@@ -380,7 +380,10 @@ class EMJob:
         self._owners_speeds: list[float] | None = None  # the speeds _run_owners were balanced for
         self.job_memory: JobMemory | None = None
         self._prepared: tuple | None = None  # ((iteration, image size), prepared references per half)
-        self.writer = WriteQueue(f"{self.name} files")  # the iterations' files, written while the next computes
+        # the iterations' files, written while the next computes (a large set's through a helper process, whose
+        # STAR formatting does not hold this process's lock while the job launches its kernels)
+        self.writer = WriteQueue(f"{self.name} files", helper_process=len(self.ps) >= HELPER_FROM_PARTICLES)
+        self.helper_noted = False
 
     # ---- the job-specific steps ----
     @functools.cached_property
@@ -876,6 +879,9 @@ def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
             job.speeds = rank_speeds(job.speeds, [(r[3], r[0] - r[4]) for r in ranks])
         if root:
             yield from job.write(it)
+            if job.writer.helper_note and not job.helper_noted:  # once: the files are written in this process
+                job.helper_noted = True
+                yield Message(f"  {job.writer.helper_note}; the files are written by this process", "warning")
         memory_mark("resolution, files")
         if root:
             yield Message(f"  iteration {job.state.iteration} timing: " + iteration_timing(it, t_w - t_m,
