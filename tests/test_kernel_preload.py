@@ -151,7 +151,7 @@ def test_the_warmed_scans_leave_nothing_for_the_significance_threshold_to_compil
         assert r.returncode == 0, r.stderr[-3000:]
         got[warm] = json.loads(r.stdout.strip().splitlines()[-1])
     for g in got.values():
-        assert 512 < g["most"] < g["n"] // 4  # the packed-candidates path, rows longer than a scan block
-        assert g["same"]
+        assert 512 < g["most"] < g["n"] // 4, got  # the packed-candidates path, rows longer than a scan block
+        assert g["same"], got
     assert got["0"]["after"] > got["0"]["before"], got  # long rows need kernels that short ones did not compile
     assert got["1"]["after"] == got["1"]["before"], got
