@@ -33,6 +33,8 @@
 #   bash benchmarks/hires_calls.sh ctfwarm M   ctf_refine's CuPy modules recorded (box 96 and 160) and added to the
 #       shipped list (written back to $OUT), then on a fresh kernel cache `warmup` and ctf_refine's first run on M
 #       particles as ctfdata makes them
+#   bash benchmarks/hires_calls.sh gputests   every test marked gpu (`pytest -m gpu`), the whole output kept in
+#       $OUT/gpu_tests.log (its last lines printed)
 # Results in $OUT.
 . benchmarks/gpu_env.sh
 T0=$(date +%s)
@@ -64,7 +66,11 @@ ctf_run() {  # ours twice (and with --batch 16384 when $3 is set), then relion_c
   python3 benchmarks/ctf_refine_bench.py compare $OUT/${CT}_gpu.json $OUT/${CT}_relion_bf0_j16.json \
       --out $OUT/${CT}_compare.json | cut -c1-800
 }
-if [ "$1" = prof ]; then
+if [ "$1" = gputests ]; then
+  timeout 540 python3 -m pytest -m gpu -p no:cacheprovider -rf tests/ > $OUT/gpu_tests.log 2>&1
+  echo "pytest rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gpu_tests.log | tail -15 | cut -c1-300
+  el "GPU tests"
+elif [ "$1" = prof ]; then
   start_relion
   wait_relion
   el "RELION built"
