@@ -17,6 +17,7 @@ import pytest
 from napari_gpu_relion.errors import InputError
 from napari_gpu_relion.events import Finished
 from napari_gpu_relion.io.mrc import read_mrc
+from napari_gpu_relion.io.particle_images import load_images
 from napari_gpu_relion.io.write_queue import WriteQueue
 from napari_gpu_relion.jobs import class3d, em, particles
 from napari_gpu_relion.jobs import refine3d as refine3d_job
@@ -145,18 +146,23 @@ def test_kept_images_are_read_from_their_stack_once_and_equal_the_disk(tmp_path)
     np.testing.assert_array_equal(ps.images(np.arange(len(ps))[::-1]), disk[::-1])
 
 
-def test_only_reading_images_counts_as_reading_time(tmp_path, monkeypatch):
-    """seconds_reading (what MPI ranks' shares leave out of their speed) grows by the time spent in the reads of
-    images not kept yet, and not when the images come from memory."""
-    star = _copy_sample(tmp_path / "d")
-    ps = load_particle_set(star, ctf=True, halves=False)
+def _slowed_set(tmp_path: Path, monkeypatch, delay_s: float):
+    """The sample particles with their images kept in memory, each reading of images ``delay_s`` slower."""
+    ps = load_particle_set(_copy_sample(tmp_path / "d"), ctf=True, halves=False)
     ps.keep_images_in_memory()
     read = ps._read
 
-    def slow_read(rows):
-        time.sleep(0.2)
+    def slow(rows):
+        time.sleep(delay_s)
         return read(rows)
-    monkeypatch.setattr(ps, "_read", slow_read)
+    monkeypatch.setattr(ps, "_read", slow)
+    return ps
+
+
+def test_only_reading_images_counts_as_reading_time(tmp_path, monkeypatch):
+    """seconds_reading (what MPI ranks' shares leave out of their speed) grows by the time spent in the reads of
+    images not kept yet, and not when the images come from memory."""
+    ps = _slowed_set(tmp_path, monkeypatch, 0.2)
     ps.images(np.arange(10))
     first = ps.seconds_reading
     assert first >= 0.2
@@ -365,17 +371,8 @@ def test_stop_reading_ends_the_reader_soon_and_the_rest_is_read_when_asked(tmp_p
     """A job that ends (cancel, error) stops its reader after the block in hand; the rows it did not read are read
     in the job's thread when asked for."""
     monkeypatch.setattr(particles, "BLOCK_ROWS", 1)
-    star = _copy_sample(tmp_path / "d")
-    ps = load_particle_set(star, ctf=True, halves=False)
-    disk = ps.images(np.arange(len(ps)))
-    ps.keep_images_in_memory()
-    read = ps._read
-
-    def slow(rows):
-        time.sleep(0.05)
-        return read(rows)
-
-    monkeypatch.setattr(ps, "_read", slow)
+    ps = _slowed_set(tmp_path, monkeypatch, 0.05)
+    disk = load_images(ps.table)
     ps.read_ahead(np.arange(len(ps)))
     reader = ps.ahead
     np.testing.assert_array_equal(ps.images([0]), disk[[0]])
