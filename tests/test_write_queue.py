@@ -83,8 +83,12 @@ def test_writes_through_the_helper_process_give_the_same_files_and_errors(tmp_pa
         q.drain()
     done = []
     q.put(lambda: done.append(1))  # a closure does not pickle: written here
+    q.put(write_mrc, tmp_path / "after.mrc", vol, 2.5)  # the helper takes the next write again
+    q.drain()
+    assert done == [1] and "cannot take" in q.helper_note and q._helper is not None
+    assert (tmp_path / "after.mrc").read_bytes()[1024:] == here[1024:]
     q.close()
-    assert done == [1] and "cannot take" in q.helper_note
+    assert q._helper is None
 
 
 @pytest.fixture(scope="module")

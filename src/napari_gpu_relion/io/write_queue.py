@@ -11,9 +11,10 @@ so a job never reports itself finished, or stops, before its files are whole.
 With ``helper_process`` the worker thread hands each write to a helper process (started at the first write) and
 waits for its answer. Formatting a STAR holds Python's lock (NumPy's casts of numbers to text, pandas' string
 methods): a 100,000-row data STAR takes ~1 s of it, during which a job's thread, which launches GPU kernels from
-Python, hardly runs (a loop of small NumPy operations ran at 13 % of its speed beside two such writes on the
-2-core VM). Arrays travel out of band (pickle protocol 5), without a copy on this side. Where the helper cannot
-start, or stops, the writes run on the worker thread, as without it.
+Python, hardly runs (a loop of small NumPy operations ran at 13-17 % of its speed beside such writes on the
+2-core VM, at 89-100 % beside the helper's: benchmarks/writer_lock.py). Arrays travel out of band (pickle
+protocol 5), without a copy on this side. Where the helper cannot start, or stops, the writes run on the worker
+thread, as without it; so does a write whose function or arguments do not pickle.
 """
 
 from __future__ import annotations
@@ -89,7 +90,9 @@ class WriteQueue:
             try:
                 self._helper.run(fn, args, kwargs)
                 return
-            except _HelperLost as lost:
+            except _CannotTake as why:  # this write on the thread; the helper takes the next ones
+                self.helper_note = self.helper_note or str(why)
+            except _HelperLost as lost:  # every write from now on on the thread
                 self.helper_note = str(lost)
                 self._helper.close()
                 self._helper = None
@@ -115,7 +118,11 @@ class WriteQueue:
 
 
 class _HelperLost(Exception):
-    """The helper process could not take a write or stopped before answering."""
+    """The helper process stopped before answering."""
+
+
+class _CannotTake(Exception):
+    """A write the helper process cannot take (its function or arguments do not pickle); nothing was sent."""
 
 
 class _Helper:
@@ -130,13 +137,13 @@ class _Helper:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=env)
 
     def run(self, fn: Callable, args: tuple, kwargs: dict) -> None:
-        """Run ``fn(*args, **kwargs)`` in the helper; its exception is raised here. _HelperLost when the write
-        cannot be sent (not picklable: nothing was sent) or no answer comes back."""
+        """Run ``fn(*args, **kwargs)`` in the helper; its exception is raised here. _CannotTake when the write
+        does not pickle (nothing was sent), _HelperLost when no answer comes back."""
         buffers: list = []
         try:
             head = pickle.dumps((fn, args, kwargs), protocol=5, buffer_callback=buffers.append)
         except Exception as exc:  # noqa: BLE001 - a closure, a lock, ...: written on the thread instead
-            raise _HelperLost(f"a write the file-writing helper cannot take ({type(exc).__name__}: {exc})") from exc
+            raise _CannotTake(f"a write the file-writing helper cannot take ({type(exc).__name__}: {exc})") from exc
         try:
             _send(self._proc.stdin, head, [b.raw() for b in buffers])
             status, value = pickle.loads(_receive(self._proc.stdout)[0])
