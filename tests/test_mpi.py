@@ -178,6 +178,35 @@ def test_rebalanced_runs_follow_the_speeds_and_move_as_few_runs_as_it_takes():
     np.testing.assert_array_equal(same, after)
 
 
+def test_the_e_steps_rows_follow_halves_that_change_size():
+    """The initial model's mini-batches grow from iteration to iteration: each rank's rows are dealt again when a
+    half's number of runs changes (the demo failed at its 57th iteration, the first of more than 128 rows a half),
+    and still cover every row of every half once, with shares by the measured speeds."""
+    import types  # noqa: PLC0415
+
+    from napari_gpu_relion.jobs import em  # noqa: PLC0415
+
+    class Rank(distributed.SingleProcess):
+        def __init__(self, rank: int, size: int) -> None:
+            super().__init__()
+            self.rank, self.size = rank, size
+
+    jobs = [types.SimpleNamespace(comm=Rank(r, 2), _run_owners=None, _owners_speeds=None) for r in range(2)]
+    speeds = None
+    for n, new_speeds in ((100, None), (256, [1.0, 3.0]), (257, None), (1000, [1.0, 3.0]), (3000, None)):
+        halves = [np.arange(0, 2 * n, 2), np.arange(1, 2 * n, 2)]
+        speeds = new_speeds or speeds
+        parts = []
+        for job in jobs:
+            job.halves = halves
+            parts.append(em.EMJob.own_blocks(job, speeds))
+        for h in range(2):
+            np.testing.assert_array_equal(np.sort(np.concatenate([p[h] for p in parts])), halves[h])
+        if speeds is not None and n >= 1000:  # enough runs to follow the speeds
+            share = sum(len(p) for p in parts[1]) / (2 * n)
+            assert 0.6 < share <= 0.75 + distributed.DEAL_RUN / n, share
+
+
 def test_rank_speeds_follow_the_measured_times_half_way():
     """Each rank's share of the next E-step follows its measured speed (particles per second of its own work),
     averaged with the previous estimate (equal speeds before any); a rank without a time, or times within the

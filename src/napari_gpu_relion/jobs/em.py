@@ -517,8 +517,10 @@ class EMJob:
         ``speeds`` (the ranks' measured speeds), the fewest runs moved for shares in proportion to them
         (rebalance_owners), so that the ranks keep most of the images they hold."""
         size = self.comm.size
-        if self._run_owners is None:
-            self._run_owners = [deal_owners(deal_runs(len(r), size), size) for r in self.halves]
+        runs = [deal_runs(len(r), size) for r in self.halves]
+        if self._run_owners is None or [len(o) for o in self._run_owners] != runs:  # first, or new halves' sizes
+            self._run_owners = [deal_owners(n, size) for n in runs]  # (the initial model's growing mini-batches)
+            self._owners_speeds = None
         if speeds is not None and speeds is not self._owners_speeds:
             self._owners_speeds = speeds
             self._run_owners = [rebalance_owners(o, [len(x) for x in np.array_split(r, len(o))], speeds)
