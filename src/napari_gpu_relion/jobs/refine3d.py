@@ -247,7 +247,7 @@ class Refine3D(em.EMJob):
                 tau2, _ = tau2_from_fsc(it.fsc, reference_sigma2(bps[h]), p.tau2_fudge)
                 part.append(self.finished_map(bps[h].reconstruct(tau2, p.tau2_fudge), it))
                 memory_mark("M-step: half map")
-            new_refs = part if not apart else [v for block in comm.allgather(part) for v in block]  # ranks 0, 1
+            new_refs = part if not apart else self.gather_halves(dict(zip(mine, part, strict=True)))
             ssnr = tau2_from_fsc(it.fsc, 1.0, p.tau2_fudge)[1]  # the same for both halves (it depends on the FSC)
         it.ssnr = [ssnr]
         sums = it.sums
@@ -272,6 +272,19 @@ class Refine3D(em.EMJob):
         for h in mine:
             for a, v in zip(names, join_block(blocks[h], blocks[1 - h], sel), strict=True):
                 getattr(bps[h], a)[ix] = v
+
+    def gather_halves(self, mine: dict[int, np.ndarray]) -> list[np.ndarray]:
+        """Both half maps on every rank from their owners (``mine``: this rank's, half -> map): one sum over the
+        ranks of a zero-filled float32 pair on the device (NCCL between GPUs), not a pickled gather of float64
+        maps through the host. The maps are float32 values (finished_map), so the float32 trip and the added
+        zeros leave them exactly as their owners made them."""
+        shape = (2,) + tuple(self.model.refs[0][0].shape)
+        both = self.be.xp.zeros(shape, dtype=np.float32)
+        for h, vol in mine.items():
+            both[h] = self.be.asarray(np.asarray(vol, np.float32))
+        self.comm.sum_arrays([both])
+        host = np.asarray(to_host(both))
+        return [host[0].astype(np.float64), host[1].astype(np.float64)]
 
     def finished_map(self, vol, it: em.Iteration) -> np.ndarray:
         """A reconstructed half (or joined) map (float32, on the job's device) as the next reference: solvent
