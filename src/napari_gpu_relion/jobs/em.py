@@ -71,6 +71,7 @@ from ..runtime.distributed import (
     deal_runs,
     describe_owners,
     fixed_work,
+    gather_by_sum,
     merge_particles,
     owned,
     owners,
@@ -699,21 +700,14 @@ class EMJob:
 
     def gather_class_maps(self, h: int, maps, it: Iteration) -> np.ndarray:
         """Every class's map of half h on the host, in class order, on every rank, from ``maps`` (this rank's
-        block my_classes(h), NumPy or CuPy; None or empty for none). With owner ranks the blocks travel as one sum
-        over the ranks of a zero-filled array of all classes (NCCL from GPU to GPU where the ranks have one: a
-        pickled gather of box-256 maps through the host took about 1 s per iteration on 2 H200s); adding zeros
-        leaves every value exactly as its owner made it."""
+        block my_classes(h), NumPy or CuPy; None or empty for none): with owner ranks through gather_by_sum."""
         if self.comm.size == 1 or all(o is None for o in self.reconstruction_owners(h, it)):
             return np.asarray(to_host(maps))
         lo, hi = self.my_classes(h, it)
         dtypes = self.comm.allgather(None if maps is None or hi <= lo else np.dtype(maps.dtype).str)
         dtype = np.dtype(next(d for d in dtypes if d is not None))
         shape = (len(self.model.refs[h]),) + tuple(self.model.refs[h][0].shape)
-        full = self.be.xp.zeros(shape, dtype=dtype)
-        if hi > lo:
-            full[lo:hi] = self.be.asarray(maps).astype(dtype, copy=False)
-        self.comm.sum_arrays([full])
-        return np.asarray(to_host(full))
+        return gather_by_sum(self.comm, self.be.xp, shape, dtype, {lo + i: maps[i] for i in range(hi - lo)})
 
     def prepared_references(self, current_size: int) -> list[list]:
         """The padded Fourier references of every half at this iteration's image size, prepared once per

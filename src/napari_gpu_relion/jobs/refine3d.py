@@ -48,6 +48,7 @@ from ..events import Finished, FscUpdated, IterationFinished, IterationStarted, 
 from ..io.model_star import write_model_star
 from ..io.mrc import write_mrc
 from ..marks import memory_mark
+from ..runtime.distributed import gather_by_sum
 from . import em
 from .common import param
 
@@ -274,16 +275,10 @@ class Refine3D(em.EMJob):
                 getattr(bps[h], a)[ix] = v
 
     def gather_halves(self, mine: dict[int, np.ndarray]) -> list[np.ndarray]:
-        """Both half maps on every rank from their owners (``mine``: this rank's, half -> map): one sum over the
-        ranks of a zero-filled float32 pair on the device (NCCL between GPUs), not a pickled gather of float64
-        maps through the host. The maps are float32 values (finished_map), so the float32 trip and the added
-        zeros leave them exactly as their owners made them."""
+        """Both half maps on every rank from their owners (``mine``: this rank's, half -> map), as a float32 pair
+        through gather_by_sum: the maps are float32 values (finished_map), so the trip leaves them exact."""
         shape = (2,) + tuple(self.model.refs[0][0].shape)
-        both = self.be.xp.zeros(shape, dtype=np.float32)
-        for h, vol in mine.items():
-            both[h] = self.be.asarray(np.asarray(vol, np.float32))
-        self.comm.sum_arrays([both])
-        host = np.asarray(to_host(both))
+        host = gather_by_sum(self.comm, self.be.xp, shape, np.float32, mine)
         return [host[0].astype(np.float64), host[1].astype(np.float64)]
 
     def finished_map(self, vol, it: em.Iteration) -> np.ndarray:
