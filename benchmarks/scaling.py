@@ -105,6 +105,22 @@ TIMING = re.compile(r"iteration (\d+) timing: E-step ([\d.]+) s(?: \(waiting for
 PER_RANK = re.compile(r"iteration (\d+) per rank: particles ([\d /]+), E-step ([\d. /]+) s, waiting ([\d. /]+) s, "
                       r"sent ([\d. /]+) MB(?:, of the E-step reading images ([\d. /]+) s)?")
 READING = re.compile(r"iteration (\d+) timing: .*; the E-step read images for ([\d.]+) s")
+FILES = re.compile(r"iteration (\d+) timing: .*, files ([\d.]+) s")
+STARTUP = re.compile(r"start-up: ([\d.]+) s before iteration 1(?: \((.*)\))?")
+AFTER_LAST = re.compile(r"the last iteration's files were whole ([\d.]+) s after it")
+DONE = re.compile(r"^\[done in ([\d.]+) s\]", re.M)
+
+
+def fixed_costs(stdout: str) -> dict:
+    """The time a job spends outside its iterations (what more GPUs do not shorten): from its start to iteration 1
+    with the steps of it, waiting for the last files after the last iteration, the job's own time (s)."""
+    start, after, done = STARTUP.search(stdout), AFTER_LAST.search(stdout), DONE.search(stdout)
+    found = re.findall(r"([^,(]+?) ([\d.]+) s(?:,|$)", start[2] or "") if start else []
+    steps = {k.strip(): float(v) for k, v in found}
+    return {"startup_s": float(start[1]) if start else None, "startup_steps_s": steps,
+            "files_after_last_iteration_s": float(after[1]) if after else 0.0,
+            "job_s": float(done[1]) if done else None,
+            "files_per_iteration_s": [float(m[1]) for m in FILES.findall(stdout)]}
 
 
 def per_rank(stdout: str) -> list[dict]:
@@ -190,7 +206,7 @@ def main() -> None:
                "resolution_A": model_resolution(a, out), "per_rank": per_rank(r.stdout),
                "images": images.group(1).strip() if images else None,
                "estep_per_iteration_s": [float(m[1]) for m in timing.values()],
-               "reading_per_iteration_s": [float(m[1]) for m in READING.findall(r.stdout)]}
+               "reading_per_iteration_s": [float(m[1]) for m in READING.findall(r.stdout)]} | fixed_costs(r.stdout)
         if first is None:
             first = (out, row)
         else:

@@ -2,6 +2,7 @@
 checks. The full-size global-search check is benchmarks/science_class3d.py (GPU, results/ JSON) and
 tests/test_gpu.py::test_class3d_global_search_separates_two_states."""
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +61,11 @@ def test_class3d_two_classes_separate_two_states(mixture, tmp_path):
                        ini_high=-1.0, flatten_solvent=True, zero_mask=True, cpu=True)
     events = list(class3d.run(p))
     assert not any("seeding" in getattr(e, "text", "") for e in events)
+    # the fixed cost before iteration 1 (benchmarks/scaling.py reads it): its steps within it, itself within the job
+    line = next(e.text for e in events if "start-up:" in getattr(e, "text", ""))
+    steps = [float(v) for v in re.findall(r"([\d.]+) s", line)]
+    assert line.startswith("  start-up: ") and sum(steps[1:]) <= steps[0] + 0.02, line
+    assert steps[0] < float(re.search(r"in (\d+) s", events[-1].summary)[1]) + 1, (line, events[-1].summary)
     again = starfile.read(tmp_path / "again" / "run_it002_data.star")["particles"]
     assert (again["rlnClassNumber"].to_numpy() == got["rlnClassNumber"].to_numpy()).mean() >= 0.98
 

@@ -344,6 +344,7 @@ class EMJob:
         self.files = RunFiles.from_output(self.p.o)
         check_run_output(self.files, self.name, input_paths(self.p), self.continued)  # before any work (issue 50)
         self.be: Backend = backend_for(self.p)
+        self.startup = {"the device": time.time() - self.t_start}  # step -> s, the start-up line
         # the GPU kernels this job will use get ready in the background while it reads its particles and prepares
         # its references (kernel_preload); stopped when the job ends, or here if it cannot start
         self.preload = Preload(self.name, self.be.device).start()
@@ -352,6 +353,7 @@ class EMJob:
         except BaseException:
             self.preload.finish()
             raise
+        self.startup["reading the particles"] = time.time() - self.t_start - sum(self.startup.values())
 
     def _read_inputs(self) -> None:
         self.ps: ParticleSet = load_particle_set(Path(self.p.i), self.p.ctf, seed=self.p.random_seed,
@@ -807,20 +809,24 @@ def _with_tf32(job: EMJob) -> Iterator:
 def _iterate(job: EMJob, tf32_note: str | None) -> Iterator:
     """_loop with the job's WriteQueue drained at the end: the Finished event comes after the files are whole; a
     cancel or an error waits for the files already handed over (they are written whole) and is what is raised."""
-    done = False
+    done, waited = False, 0.0
     try:
         yield from _loop(job, tf32_note)
         done = True
     finally:
         job.preload.finish()  # and count what the job compiled
         if done:
+            t = time.time()
             job.writer.close()
+            waited = time.time() - t
         else:
             try:
                 job.writer.close()
             except Exception:  # noqa: BLE001 - the job's own error (or cancel) is the one to report
                 pass
     if job.comm.is_root:
+        if waited >= 0.05:  # the fixed cost after the last iteration (benchmarks/scaling.py reads it)
+            yield Message(f"  the last iteration's files were whole {waited:.2f} s after it")
         line = job.preload.summary()
         if line:
             yield Message(line)
@@ -831,9 +837,13 @@ def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
     root = job.comm.is_root
     if READ_AHEAD and job.reads_every_image:  # from the disk in the E-step's order while the job starts and computes
         job.ps.read_ahead(np.concatenate(job.own_blocks()))
+    t = time.time()
     job.model = job.restore() if job.continued else job.initial_model()
+    job.startup["the initial model"], t = time.time() - t, time.time()
     pad_notes = list(job.plan_job_memory())  # refused here, before any file is written, when it cannot fit
+    job.startup["the memory plan"], t = time.time() - t, time.time()
     job.keep_images_on_device()
+    job.startup["room for the images on the GPU"] = time.time() - t
     if READ_AHEAD and job.reads_every_image:  # a store made just now (on the GPU, not kept on the host) reads ahead
         job.ps.read_ahead(np.concatenate(job.own_blocks()))
     refs = job.model.refs  # K maps per half: the first iteration's files must fit on the disk before it starts
@@ -849,6 +859,7 @@ def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
     if root:
         job.files.folder.mkdir(parents=True, exist_ok=True)
         write_note(job.files.folder, job.name, job.p)
+        yield Message(startup_line(time.time() - job.t_start, job.startup))
     while True:
         job.state.iteration += 1
         it = yield from job.update_sampling()
@@ -901,6 +912,13 @@ def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
         if last:
             break
     free_cached_memory(job.be)
+
+
+def startup_line(seconds: float, steps: dict[str, float]) -> str:
+    """One line of the time from the job's start to its first iteration (what benchmarks/scaling.py reads: the
+    fixed cost that more GPUs do not shorten), with the steps that took 0.05 s or more."""
+    parts = ", ".join(f"{k} {v:.2f} s" for k, v in steps.items() if v >= 0.05)
+    return f"  start-up: {seconds:.2f} s before iteration 1" + (f" ({parts})" if parts else "")
 
 
 def iteration_timing(it: Iteration, seconds_mstep: float, seconds_files: float, comm) -> str:
