@@ -106,6 +106,7 @@ PER_RANK = re.compile(r"iteration (\d+) per rank: particles ([\d /]+), E-step ([
                       r"sent ([\d. /]+) MB(?:, of the E-step reading images ([\d. /]+) s)?")
 READING = re.compile(r"iteration (\d+) timing: .*; the E-step read images for ([\d.]+) s")
 FILES = re.compile(r"iteration (\d+) timing: .*, files ([\d.]+) s")
+MSTEP_PARTS = re.compile(r"iteration (\d+) timing: .*M-step [\d.]+ s \(([^)]*)\)")
 STARTUP = re.compile(r"start-up: ([\d.]+) s before iteration 1(?: \((.*)\))?")
 AFTER_LAST = re.compile(r"the last iteration's files were whole ([\d.]+) s after it")
 DONE = re.compile(r"^\[done in ([\d.]+) s\]", re.M)
@@ -115,12 +116,17 @@ def fixed_costs(stdout: str) -> dict:
     """The time a job spends outside its iterations (what more GPUs do not shorten): from its start to iteration 1
     with the steps of it, waiting for the last files after the last iteration, the job's own time (s)."""
     start, after, done = STARTUP.search(stdout), AFTER_LAST.search(stdout), DONE.search(stdout)
-    found = re.findall(r"([^,(]+?) ([\d.]+) s(?:,|$)", start[2] or "") if start else []
-    steps = {k.strip(): float(v) for k, v in found}
+    steps = _parts(start[2] or "") if start else {}
     return {"startup_s": float(start[1]) if start else None, "startup_steps_s": steps,
             "files_after_last_iteration_s": float(after[1]) if after else 0.0,
             "job_s": float(done[1]) if done else None,
-            "files_per_iteration_s": [float(m[1]) for m in FILES.findall(stdout)]}
+            "files_per_iteration_s": [float(m[1]) for m in FILES.findall(stdout)],
+            "mstep_parts_per_iteration_s": [_parts(m[1]) for m in MSTEP_PARTS.findall(stdout)]}
+
+
+def _parts(text: str) -> dict[str, float]:
+    """'a 1.20 s, b c 0.30 s' -> {'a': 1.2, 'b c': 0.3}"""
+    return {k.strip(): float(v) for k, v in re.findall(r"([^,(]+?) ([\d.]+) s(?:,|$)", text)}
 
 
 def per_rank(stdout: str) -> list[dict]:

@@ -58,9 +58,10 @@ def test_a_failed_write_is_raised_in_the_jobs_thread_and_the_writes_after_it_are
 
 
 def test_writes_through_the_helper_process_give_the_same_files_and_errors(tmp_path):
-    """A large job's writes run in a helper process (its STAR formatting does not hold the job's lock): the same
-    bytes as a write in this process, in order, a failed write raised here with its own message, and a write the
-    helper cannot take (not picklable) written on the worker thread, saying so."""
+    """A large job's STAR writes run in a helper process (their formatting does not hold the job's lock), its MRC
+    writes on the thread: the same bytes as a write in this process, a failed write raised here with its own
+    message, and a write the helper cannot take (not picklable) written on the worker thread, saying so."""
+    from napari_gpu_relion.io.model_star import read_optimiser_star, write_optimiser_star  # noqa: PLC0415
     from napari_gpu_relion.io.mrc import write_mrc  # noqa: PLC0415
     from napari_gpu_relion.io.star import read_particles, write_particles  # noqa: PLC0415
 
@@ -78,17 +79,46 @@ def test_writes_through_the_helper_process_give_the_same_files_and_errors(tmp_pa
     there, here = (tmp_path / "there.mrc").read_bytes(), (tmp_path / "here.mrc").read_bytes()
     assert there[:224] == here[:224] and there[1024:] == here[1024:]  # the labels (224-1023) hold the time
     (tmp_path / "a_file").write_text("not a folder")
-    q.put(write_mrc, tmp_path / "a_file" / "x.mrc", vol, 2.5)
+    q.put(write_particles, tmp_path / "a_file" / "x.star", table)
     with pytest.raises(OSError, match="a_file"):
         q.drain()
-    done = []
-    q.put(lambda: done.append(1))  # a closure does not pickle: written here
-    q.put(write_mrc, tmp_path / "after.mrc", vol, 2.5)  # the helper takes the next write again
+
+    class Local:  # a class of a function's own does not pickle; its value formats as "7"
+        def __str__(self):
+            return "7"
+
+    q.put(write_optimiser_star, tmp_path / "local.star", {"rlnCurrentIteration": Local()})  # written here
+    q.put(write_particles, tmp_path / "after.star", table)  # the helper takes the next write again
     q.drain()
-    assert done == [1] and "cannot take" in q.helper_note and q._helper is not None
-    assert (tmp_path / "after.mrc").read_bytes()[1024:] == here[1024:]
+    assert "cannot take" in q.helper_note and q._helper is not None
+    assert read_optimiser_star(tmp_path / "local.star")["rlnCurrentIteration"] == 7
+    assert (tmp_path / "after.star").read_bytes() == (tmp_path / "here.star").read_bytes()
     q.close()
     assert q._helper is None
+
+
+def test_star_writes_in_the_helper_run_beside_the_other_writes_and_put_after_all_waits_for_both(tmp_path):
+    """With a helper process the STAR writes (formats_text) do not wait behind an MRC write held on the thread, and
+    a put_after_all write (the optimiser STAR) appears only after every write handed over before it."""
+    from napari_gpu_relion.io.model_star import read_optimiser_star, write_optimiser_star  # noqa: PLC0415
+
+    gate, done = threading.Event(), []
+    q = WriteQueue("test", helper_process=True)
+    q.put(lambda: (gate.wait(30), done.append("held")))  # not a STAR writer: the thread's lane, held
+    q.put(write_optimiser_star, tmp_path / "beside.star", {"rlnCurrentIteration": 3})
+    for _ in range(600):  # written by the helper while the thread's lane is held (at most 30 s)
+        if (tmp_path / "beside.star").exists():
+            break
+        time.sleep(0.05)
+    assert read_optimiser_star(tmp_path / "beside.star")["rlnCurrentIteration"] == 3 and done == []
+    q.put_after_all(write_optimiser_star, tmp_path / "after.star", {"rlnCurrentIteration": 4})
+    time.sleep(1.0)
+    assert not (tmp_path / "after.star").exists() and done == []  # still behind the held write
+    gate.set()
+    q.drain()
+    assert done == ["held"] and read_optimiser_star(tmp_path / "after.star")["rlnCurrentIteration"] == 4
+    assert q._helper is not None and q.helper_note is None  # the STAR writes went through the helper
+    q.close()
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,10 @@ import pandas as pd
 
 from ..errors import InputError
 from .star import read_star, write_star_blocks
+from .write_queue import formats_text
 
 
+@formats_text
 def write_model_star(path: Path, general: dict, classes: pd.DataFrame, class_curves: list[pd.DataFrame],
                      sigma2: np.ndarray, scales: np.ndarray, group_names: list, pdf_orient: list[np.ndarray],
                      box: int, pixel_size: float) -> Path:
@@ -99,6 +101,7 @@ def read_model_star(path: Path) -> ModelFile:
     return ModelFile(Path(path), classes, sigma2, scales, pdfs, ssnr)
 
 
+@formats_text
 def write_optimiser_star(path: Path, state: dict) -> Path:
     return write_star_blocks(path, {"optimiser_general": state})
 

@@ -34,6 +34,7 @@ from .atomic import atomic_path
 from .image_names import parse_image_name
 from .jobdir import project_path
 from .mrc import mrc_header_info
+from .write_queue import formats_text
 
 __all__ = [
     "ParticleTable",
@@ -767,6 +768,7 @@ def _loop_rows(cols: list[np.ndarray]) -> str:
     return np.ascontiguousarray(np.hstack(parts)).tobytes().decode("ascii")
 
 
+@formats_text
 def write_star_blocks(path: str | os.PathLike, blocks: dict[str, Block]) -> Path:
     """Write blocks in order (tables as loops, dicts as key-value), RELION 3.1 style, atomically."""
     p = Path(path)
@@ -817,6 +819,7 @@ def _split_optics_columns(parts: pd.DataFrame, optics: pd.DataFrame, path: Path,
     return parts.drop(columns=drop)
 
 
+@formats_text
 def write_particles(path: str | os.PathLike, table_or_particles: ParticleTable | pd.DataFrame,
                     optics: pd.DataFrame | None = None, *, block: str | None = None) -> Path:
     """Write a particle or micrograph table in RELION 3.1 layout, atomically; returns the path.

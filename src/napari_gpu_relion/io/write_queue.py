@@ -8,13 +8,17 @@ other, so the optimiser STAR, handed over last, still appears only after the fil
 ``drain``; ``drain`` (the end of a job, a cancel, an error) returns only when everything handed over is on disk,
 so a job never reports itself finished, or stops, before its files are whole.
 
-With ``helper_process`` the worker thread hands each write to a helper process (started at the first write) and
-waits for its answer. Formatting a STAR holds Python's lock (NumPy's casts of numbers to text, pandas' string
-methods): a 100,000-row data STAR takes ~1 s of it, during which a job's thread, which launches GPU kernels from
-Python, hardly runs (a loop of small NumPy operations ran at 13-17 % of its speed beside such writes on the
-2-core VM, at 89-100 % beside the helper's: benchmarks/writer_lock.py). Arrays travel out of band (pickle
-protocol 5), without a copy on this side. Where the helper cannot start, or stops, the writes run on the worker
-thread, as without it; so does a write whose function or arguments do not pickle.
+With ``helper_process`` the writes marked ``formats_text`` (the STAR files) go to a helper process (started at the
+first one) through a second worker thread, which waits for its answer; the others (MRC files) stay on the first
+thread, so the two kinds are written beside each other, each kind in its order (``put_after_all`` for a file
+that must come after all the others). Formatting a STAR holds Python's lock (NumPy's casts of numbers to text,
+pandas' string methods): a 100,000-row data STAR takes ~1 s of it, during which a job's thread, which launches
+GPU kernels from Python, hardly runs (a loop of small NumPy operations ran at 13-17 % of its speed beside such
+writes on the 2-core VM, at 89-100 % beside the helper's: benchmarks/writer_lock.py). Arrays travel out of band
+(pickle protocol 5), without a copy on this side. Where the helper cannot start, or stops, the writes run on the
+worker thread, as without it; so does a write whose function or arguments do not pickle. One iteration's files of
+100,000 particles at box 256 (six maps, a data STAR) were whole 2.07-2.31 s after they were handed over on one
+thread, 4.0-4.5 s when all went through the helper, 1.46-1.58 s in the two lanes (the 2-core VM).
 """
 
 from __future__ import annotations
@@ -29,64 +33,100 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 #: A job with at least this many particles writes through a helper process (below it a data STAR takes < 0.1 s).
 HELPER_FROM_PARTICLES = 10_000
 _LEN = struct.Struct("<Q")
 
 
+def formats_text(fn: Callable) -> Callable:
+    """Mark a module-level write function whose work is mostly Python formatting (a STAR file): a WriteQueue with
+    a helper process runs it there. Other writes (an MRC file: NumPy's statistics and one large write, which let
+    go of Python's lock) run on a thread of the job's process, beside the helper's, and need no copy through the
+    pipe (six box-256 maps took 2.4-2.9 s through it on the 2-core VM, 0.6-1.5 s written here)."""
+    fn.formats_text = True
+    return fn
+
+
 class WriteQueue:
-    """Writes handed over with ``put(fn, *args)`` run on one worker thread, in order (through a helper process
-    with ``helper_process``: ``fn`` then must be a module-level function and the arguments picklable)."""
+    """Writes handed over with ``put(fn, *args)`` run in the order handed over, on one worker thread; with
+    ``helper_process`` the ``formats_text`` ones in a helper process (``fn`` then must be a module-level function
+    and the arguments picklable) and the others on a second thread, each lane in its own order, the two beside
+    each other. ``put_after_all`` runs a write after every write handed over before it, in either lane (an
+    optimiser STAR that names the files before it)."""
 
     def __init__(self, name: str = "file writer", helper_process: bool = False):
-        self._jobs: queue.Queue = queue.Queue()
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
         self._name = name
         self._want_helper = helper_process
+        self._lanes: dict[str, _Lane] = {}
+        self._error: BaseException | None = None
         self._helper: _Helper | None = None
         self.helper_note: str | None = None  # why writes that were to go through the helper ran on the thread
 
     def put(self, fn: Callable, *args, **kwargs) -> None:
         """Hand over ``fn(*args, **kwargs)``; first raises the error of an earlier write, if one failed."""
         self._raise_error()
-        if self._thread is None:
-            # a daemon: a job abandoned without its drain must not keep the interpreter from exiting (each write is
-            # atomic, so one cut short leaves the old file or none, never a partial one)
-            self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
-            self._thread.start()
-        self._jobs.put((fn, args, kwargs))
+        self._lane(self._lane_of(fn)).jobs.put((fn, args, kwargs, ()))
+
+    def put_after_all(self, fn: Callable, *args, **kwargs) -> None:
+        """put, but ``fn`` starts only after every write handed over before it, in both lanes."""
+        self._raise_error()
+        mine = self._lane_of(fn)
+        marks = []
+        for name, lane in self._lanes.items():
+            if name != mine:
+                mark = threading.Event()
+                lane.jobs.put(mark)  # set when that lane reaches it
+                marks.append(mark)
+        self._lane(mine).jobs.put((fn, args, kwargs, tuple(marks)))
 
     def drain(self) -> None:
         """Wait until every write handed over is done; raise the first error of one that failed."""
-        if self._thread is not None:
-            self._jobs.join()
+        for lane in list(self._lanes.values()):
+            lane.jobs.join()
         self._raise_error()
 
     def close(self) -> None:
-        """drain, then stop the worker thread (and the helper process)."""
+        """drain, then stop the worker threads (and the helper process)."""
         try:
             self.drain()
         finally:
-            if self._thread is not None:
-                self._jobs.put(None)
-                self._thread.join()
-                self._thread = None
+            for lane in self._lanes.values():
+                lane.jobs.put(None)
+                lane.thread.join()
+            self._lanes = {}
+            if self._helper is not None:
+                self._helper.close()
+                self._helper = None
+
+    def _lane_of(self, fn: Callable) -> str:
+        return "helper" if self._want_helper and getattr(fn, "formats_text", False) else "here"
+
+    def _lane(self, name: str) -> _Lane:
+        if name not in self._lanes:
+            # a daemon: a job abandoned without its drain must not keep the interpreter from exiting (each write is
+            # atomic, so one cut short leaves the old file or none, never a partial one)
+            jobs: queue.Queue = queue.Queue()
+            lane = _Lane(jobs, threading.Thread(target=self._work, args=(jobs, name == "helper"), daemon=True,
+                                                name=f"{self._name} ({name})"))
+            self._lanes[name] = lane
+            lane.thread.start()
+        return self._lanes[name]
 
     def _raise_error(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
             raise err
 
-    def _run(self, fn: Callable, args: tuple, kwargs: dict) -> None:
-        """One write: through the helper process when there is one, else here."""
-        if self._want_helper and self._helper is None and self.helper_note is None:
+    def _run(self, fn: Callable, args: tuple, kwargs: dict, through_helper: bool) -> None:
+        """One write: through the helper process in the helper lane when there is one, else on this thread."""
+        if through_helper and self._helper is None and self.helper_note is None:
             try:
                 self._helper = _Helper()
             except (OSError, ValueError) as exc:
                 self.helper_note = f"the file-writing helper could not start ({exc})"
-        if self._helper is not None:
+        if through_helper and self._helper is not None:
             try:
                 self._helper.run(fn, args, kwargs)
                 return
@@ -98,23 +138,30 @@ class WriteQueue:
                 self._helper = None
         fn(*args, **kwargs)
 
-    def _work(self) -> None:
-        try:
-            while True:
-                item = self._jobs.get()
-                try:
-                    if item is None:
-                        return
-                    if self._error is None:  # after a failure the rest is skipped: the job stops at its next put
-                        self._run(*item)
-                except BaseException as err:  # noqa: BLE001 - handed to the job's thread
-                    self._error = err
-                finally:
-                    self._jobs.task_done()
-        finally:
-            if self._helper is not None:
-                self._helper.close()
-                self._helper = None
+    def _work(self, jobs: queue.Queue, through_helper: bool) -> None:
+        while True:
+            item = jobs.get()
+            try:
+                if item is None:
+                    return
+                if isinstance(item, threading.Event):  # another lane's put_after_all: set even after a failure
+                    item.set()
+                    continue
+                fn, args, kwargs, marks = item
+                for mark in marks:
+                    mark.wait()
+                if self._error is None:  # after a failure the rest is skipped: the job stops at its next put
+                    self._run(fn, args, kwargs, through_helper)
+            except BaseException as err:  # noqa: BLE001 - handed to the job's thread
+                self._error = self._error or err
+            finally:
+                jobs.task_done()
+
+
+class _Lane(NamedTuple):
+    """One worker thread of a WriteQueue and the writes handed to it."""
+    jobs: queue.Queue
+    thread: threading.Thread
 
 
 class _HelperLost(Exception):

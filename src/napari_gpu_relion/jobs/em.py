@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -315,6 +316,17 @@ class Iteration:
     seconds_reading: float = 0.0  # of the E-step: this process reading images or waiting for its reader
     bytes_at_start: int = 0  # MPI: what this rank had sent before this iteration (comm.bytes_sent)
     particles_here: int = 0  # MPI: the particles of this rank's E-step
+    mstep_parts: dict = field(default_factory=dict)  # M-step part -> s (timed), in the timing line
+
+    @contextmanager
+    def timed(self, part: str, be: Backend):
+        """Add the time of the block (its device work finished) to the M-step part ``part``."""
+        t = time.time()
+        try:
+            yield
+        finally:
+            be.synchronize()
+            self.mstep_parts[part] = self.mstep_parts.get(part, 0.0) + time.time() - t
 
 
 class EMJob:
@@ -763,7 +775,7 @@ class EMJob:
     def write_optimiser(self, it: Iteration, data: Path, models: list[Path]) -> Path:
         """The optimiser STAR (handed over after the files it names, so it appears after them)."""
         path = self.files.optimiser(self.files_iteration(it))
-        self.save(write_optimiser_star, path, self.optimiser_entries(it, data, models))
+        self.writer.put_after_all(write_optimiser_star, path, self.optimiser_entries(it, data, models))
         return Path(path)
 
     def restore_state(self) -> list:
@@ -927,8 +939,9 @@ def iteration_timing(it: Iteration, seconds_mstep: float, seconds_files: float, 
     mpi = (f" (waiting for the slowest rank {it.seconds_waiting:.2f} s, sums over ranks {it.seconds_summing:.2f} s "
            f"through {comm.reduction_path})" if comm.size > 1 else "")
     reading = f"; the E-step read images for {it.seconds_reading:.2f} s" if it.seconds_reading >= 0.005 else ""
-    return (f"E-step {it.seconds_estep:.2f} s{mpi}, M-step {seconds_mstep:.2f} s, files {seconds_files:.2f} s"
-            f"{reading}")
+    parts = ", ".join(f"{k} {v:.2f} s" for k, v in it.mstep_parts.items())
+    return (f"E-step {it.seconds_estep:.2f} s{mpi}, M-step {seconds_mstep:.2f} s" + (f" ({parts})" if parts else "")
+            + f", files {seconds_files:.2f} s{reading}")
 
 
 # ----------------------------------------------------------------------------------------------------------

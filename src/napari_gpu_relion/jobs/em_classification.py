@@ -46,13 +46,16 @@ class Classification(em.EMJob):
         lo, hi = self.my_classes(0, it)
         maps, ssnr = None, []
         if hi > lo:
-            maps, ssnr = reconstruct_classes(it.accumulators[0].block(lo, hi), references_tau2(it.references[0][lo:hi]),
-                                             self.p.tau2_fudge, it.sums[0].pdf_class[lo:hi], self.model.refs[0][lo:hi],
-                                             sym_matrices)
-            if finish is not None:
-                maps = finish(maps)
-        every = self.gather_class_maps(0, maps, it)  # one copy to the host
-        return list(every), list(self.gather_classes(0, list(ssnr), it))
+            with it.timed("reconstructing", self.be):
+                maps, ssnr = reconstruct_classes(it.accumulators[0].block(lo, hi),
+                                                 references_tau2(it.references[0][lo:hi]), self.p.tau2_fudge,
+                                                 it.sums[0].pdf_class[lo:hi], self.model.refs[0][lo:hi], sym_matrices)
+                if finish is not None:
+                    maps = finish(maps)
+        with it.timed("the maps to the host" if self.comm.size == 1 else "gathering the maps", self.be):
+            every = self.gather_class_maps(0, maps, it)  # one copy to the host
+            ssnr = self.gather_classes(0, list(ssnr), it)
+        return list(every), list(ssnr)
 
     def describe(self) -> str:
         kind = "2D classes" if self.ndim == 2 else "classes"

@@ -16,6 +16,7 @@ from ..compute.ctf import CtfParams, OpticsAberrations, parse_zernike
 from ..errors import InputError
 from ..io.particle_images import check_image_stacks, image_names_for, load_images
 from ..io.star import ParticleTable, read_particles, write_particles
+from ..io.write_queue import formats_text
 from .read_ahead import AHEAD_BYTES, BLOCK_ROWS, ImageReadAhead
 
 ANGLES = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")
@@ -378,6 +379,7 @@ def particle_state(ps: ParticleSet) -> ParticleSet:
                    ahead=None)
 
 
+@formats_text
 def write_data_star(path: Path, ps: ParticleSet) -> None:
     """run_itNNN_data.star of ``ps`` (a particle_state: the table is made on the thread that writes it)."""
     write_particles(path, data_star_table(path, ps), ps.table.optics)

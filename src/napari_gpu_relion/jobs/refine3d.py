@@ -228,27 +228,35 @@ class Refine3D(em.EMJob):
                                 root=own[0])
             del z
         else:
-            it.fsc = fsc_from_backprojectors(bps[0], bps[1])
+            with it.timed("the half-map FSC", self.be):
+                it.fsc = fsc_from_backprojectors(bps[0], bps[1])
         memory_mark("M-step: half-map FSC")
         if it.final:
             # one map at a time, each on the host before the next starts
             self.unfiltered = []
             for bp in bps:
-                self.unfiltered.append(to_host(bp.reconstruct(None)))
+                with it.timed("reconstructing", self.be):
+                    self.unfiltered.append(to_host(bp.reconstruct(None)))
                 memory_mark("M-step: unfiltered half map")
             bps[0].add(bps[1])
             bps[1].release()  # half 2 is in half 1 now: its grids are freed before the joined map
-            tau2, ssnr = tau2_from_fsc(it.fsc, reference_sigma2(bps[0]), p.tau2_fudge, joined=True)
-            vol = self.finished_map(bps[0].reconstruct(tau2, p.tau2_fudge), it)
+            with it.timed("reconstructing", self.be):
+                tau2, ssnr = tau2_from_fsc(it.fsc, reference_sigma2(bps[0]), p.tau2_fudge, joined=True)
+                vol = self.finished_map(bps[0].reconstruct(tau2, p.tau2_fudge), it)
             memory_mark("M-step: joined map")
             new_refs = [vol, vol]
         else:
             part = []
             for h in mine:
-                tau2, _ = tau2_from_fsc(it.fsc, reference_sigma2(bps[h]), p.tau2_fudge)
-                part.append(self.finished_map(bps[h].reconstruct(tau2, p.tau2_fudge), it))
+                with it.timed("reconstructing", self.be):
+                    tau2, _ = tau2_from_fsc(it.fsc, reference_sigma2(bps[h]), p.tau2_fudge)
+                    part.append(self.finished_map(bps[h].reconstruct(tau2, p.tau2_fudge), it))
                 memory_mark("M-step: half map")
-            new_refs = part if not apart else self.gather_halves(dict(zip(mine, part, strict=True)))
+            if apart:
+                with it.timed("gathering the maps", self.be):
+                    new_refs = self.gather_halves(dict(zip(mine, part, strict=True)))
+            else:
+                new_refs = part
             ssnr = tau2_from_fsc(it.fsc, 1.0, p.tau2_fudge)[1]  # the same for both halves (it depends on the FSC)
         it.ssnr = [ssnr]
         sums = it.sums
