@@ -14,7 +14,7 @@ def class_report(refs: list[np.ndarray], pdf_class: np.ndarray, mask: np.ndarray
     live = [k for k in range(K) if pdf_class[k] >= empty_below]
     parts = [f"empty class(es): {', '.join(map(str, empty))}" if empty else "no empty class"]
     if len(live) >= 2:
-        v = np.stack([(refs[k] * mask)[mask > 0].astype(np.float64) for k in live])
+        v = np.stack([(np.asarray(refs[k], np.float64) * mask)[mask > 0] for k in live])
         v -= v.mean(axis=1, keepdims=True)
         v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-30)
         c = v @ v.T

@@ -196,12 +196,13 @@ class Class3D(em_classification.Classification):
                 m.pdf_class[0] = np.full(self.K, 1.0 / self.K)
                 it.ssnr = [it.ssnr[0]] * self.K
                 m.pdf_dir[0] = np.broadcast_to(m.pdf_dir[0][:1], m.pdf_dir[0].shape).copy()
-        m.refs[0] = np.asarray(new_refs, np.float32).astype(np.float64)
+        m.refs[0] = np.asarray(new_refs, np.float32)  # the values written (no copy of the gathered float32 maps)
 
     def write(self, it: em.Iteration) -> Iterator:
         f, i, K, apix = self.files, self.state.iteration, self.K, self.apix
         refs = self.model.refs[0]
-        maps = [refs[k].astype(np.float32) for k in range(K)]  # written, shown and reported: one conversion
+        # written, shown and reported: views of the float32 maps, which the next M-step replaces, never changes
+        maps = list(np.asarray(refs, np.float32))
         paths = [f.class_map(k + 1, i) for k in range(K)]
         for k in range(K):
             self.save(write_mrc, paths[k], maps[k], apix)

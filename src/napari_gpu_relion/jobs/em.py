@@ -275,7 +275,9 @@ def continued_params(params_cls, p):
 
 @dataclass
 class EMModel:
-    """Per half h: the K class references refs[h] (K, N, N[, N]) float64, the noise spectra sigma2[h]
+    """Per half h: the K class references refs[h] (K, N, N[, N]): float64, or float32 after a 3D M-step (the
+    values of the float32 maps written: held as float32 on the host, half the bytes to convert, keep and send to
+    the device; each use converts them to float64 exactly, as before), the noise spectra sigma2[h]
     (optics groups, shells), the class distribution pdf_class[h] (K,) and orientation distribution
     pdf_dir[h] (K, n_dirs); shared: group scale corrections and 2D class offset priors (K, 2) in Å."""
 

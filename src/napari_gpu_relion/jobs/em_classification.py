@@ -39,10 +39,11 @@ class Classification(em.EMJob):
             raise InputError(f"nothing to continue: the run already has {int(self.opt['rlnCurrentIteration'])} "
                              f"iterations; give --iter larger than that", path=str(self.p.continue_from))
 
-    def reconstruct_owned(self, it: em.Iteration, sym_matrices=None, finish=None) -> tuple[list, list]:
-        """The M-step's class maps (host arrays) and SSNRs of every class, in class order: this rank reconstructs
-        its block of classes (all of them without MPI; reconstruct_classes with the tau2 of the references this
-        iteration aligned to), ``finish(maps)`` on the device, then every rank gathers the others' blocks."""
+    def reconstruct_owned(self, it: em.Iteration, sym_matrices=None, finish=None) -> tuple[np.ndarray, list]:
+        """The M-step's class maps (one host array, classes first) and SSNRs of every class, in class order: this
+        rank reconstructs its block of classes (all of them without MPI; reconstruct_classes with the tau2 of the
+        references this iteration aligned to), ``finish(maps)`` on the device, then every rank gathers the others'
+        blocks."""
         lo, hi = self.my_classes(0, it)
         maps, ssnr = None, []
         if hi > lo:
@@ -55,7 +56,7 @@ class Classification(em.EMJob):
         with it.timed("the maps to the host" if self.comm.size == 1 else "gathering the maps", self.be):
             every = self.gather_class_maps(0, maps, it)  # one copy to the host
             ssnr = self.gather_classes(0, list(ssnr), it)
-        return list(every), list(ssnr)
+        return every, list(ssnr)
 
     def describe(self) -> str:
         kind = "2D classes" if self.ndim == 2 else "classes"

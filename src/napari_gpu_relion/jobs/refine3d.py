@@ -287,19 +287,19 @@ class Refine3D(em.EMJob):
         through gather_by_sum: the maps are float32 values (finished_map), so the trip leaves them exact."""
         shape = (2,) + tuple(self.model.refs[0][0].shape)
         host = gather_by_sum(self.comm, self.be.xp, shape, np.float32, mine)
-        return [host[0].astype(np.float64), host[1].astype(np.float64)]
+        return [host[0], host[1]]
 
     def finished_map(self, vol, it: em.Iteration) -> np.ndarray:
         """A reconstructed half (or joined) map (float32, on the job's device) as the next reference: solvent
         flattened (--flatten_solvent, not in the final iteration) on the device, where the map is, then on the
-        host as the float64 values of the float32 map that is written. float32 x float32 is exact in float64, so
+        host as the float32 map that is written (EMModel.refs). float32 x float32 is exact in float64, so
         the product rounded once to float32 equals the former host path's float64 product rounded to float32."""
         if self.p.flatten_solvent and not it.final:
             vol = vol * self.be.asarray(self.solvent_mask)
         vol = np.asarray(to_host(vol), np.float32)
         if it.cc:  # RELION re-applies the initial low-pass after a CC iteration
             vol = np.asarray(lowpass_map(vol.astype(np.float64), self.apix, self.p.ini_high), np.float32)
-        return vol.astype(np.float64)  # the values written
+        return vol  # the values written (float32: EMModel.refs)
 
     def update_resolution(self, it: em.Iteration) -> None:
         st = self.state
@@ -331,7 +331,8 @@ class Refine3D(em.EMJob):
         i = self.files_iteration(it)
         maps = [f.class_map(1)] if it.final else [f.class_map(1, i, half=h) for h in (1, 2)]
         models = [f.model()] if it.final else [f.model(i, half=h) for h in (1, 2)]
-        vols = [self.model.refs[h][0].astype(np.float32) for h in range(len(maps))]  # written and shown
+        # written and shown: the float32 maps, which the next M-step replaces, never changes
+        vols = [np.asarray(self.model.refs[h][0], np.float32) for h in range(len(maps))]
         for h, path in enumerate(maps):
             self.save(write_mrc, path, vols[h], apix)
         for h, path in enumerate(models):
