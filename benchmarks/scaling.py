@@ -108,7 +108,7 @@ READING = re.compile(r"iteration (\d+) timing: .*; the E-step read images for ([
 FILES = re.compile(r"iteration (\d+) timing: .*, files ([\d.]+) s")
 MSTEP_PARTS = re.compile(r"iteration (\d+) timing: .*M-step [\d.]+ s \(([^)]*)\)")
 STARTUP = re.compile(r"start-up: ([\d.]+) s before iteration 1(?: \((.*)\))?")
-AFTER_LAST = re.compile(r"the last iteration's files were whole ([\d.]+) s after it")
+AFTER_LAST = re.compile(r"the last iteration's files were whole ([\d.]+) s after it(?: \(the slowest: (.*)\))?")
 DONE = re.compile(r"^\[done in ([\d.]+) s\]", re.M)
 
 
@@ -119,6 +119,7 @@ def fixed_costs(stdout: str) -> dict:
     steps = _parts(start[2] or "") if start else {}
     return {"startup_s": float(start[1]) if start else None, "startup_steps_s": steps,
             "files_after_last_iteration_s": float(after[1]) if after else 0.0,
+            "slowest_last_files_s": _parts(after[2] or "") if after else {},
             "job_s": float(done[1]) if done else None,
             "files_per_iteration_s": [float(m[1]) for m in FILES.findall(stdout)],
             "mstep_parts_per_iteration_s": [_parts(m[1]) for m in MSTEP_PARTS.findall(stdout)]}

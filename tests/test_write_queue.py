@@ -117,6 +117,9 @@ def test_star_writes_in_the_helper_run_beside_the_other_writes_and_put_after_all
     gate.set()
     q.drain()
     assert done == ["held"] and read_optimiser_star(tmp_path / "after.star")["rlnCurrentIteration"] == 4
+    name, seconds = q.slowest_since(0, 1).rsplit(" ", 2)[:2]  # the held write was the slowest, >= 1 s
+    assert name == "<lambda>" and float(seconds) >= 1.0, q.slowest_since(0)
+    assert q.slowest_since(2) == q.slowest_since(2, 1) and q.slowest_since(2).startswith("after.star ")
     assert q._helper is not None and q.helper_note is None  # the STAR writes went through the helper
     q.close()
 

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -63,11 +64,13 @@ class WriteQueue:
         self._error: BaseException | None = None
         self._helper: _Helper | None = None
         self.helper_note: str | None = None  # why writes that were to go through the helper ran on the thread
+        self.handed = 0  # writes handed over so far (the next one's number)
+        self.durations: list[tuple[int, str, float]] = []  # (number, file name, seconds) of each write done
 
     def put(self, fn: Callable, *args, **kwargs) -> None:
         """Hand over ``fn(*args, **kwargs)``; first raises the error of an earlier write, if one failed."""
         self._raise_error()
-        self._lane(self._lane_of(fn)).jobs.put((fn, args, kwargs, ()))
+        self._lane(self._lane_of(fn)).jobs.put((fn, args, kwargs, (), self._number()))
 
     def put_after_all(self, fn: Callable, *args, **kwargs) -> None:
         """put, but ``fn`` starts only after every write handed over before it, in both lanes."""
@@ -79,7 +82,17 @@ class WriteQueue:
                 mark = threading.Event()
                 lane.jobs.put(mark)  # set when that lane reaches it
                 marks.append(mark)
-        self._lane(mine).jobs.put((fn, args, kwargs, tuple(marks)))
+        self._lane(mine).jobs.put((fn, args, kwargs, tuple(marks), self._number()))
+
+    def _number(self) -> int:
+        self.handed += 1
+        return self.handed - 1
+
+    def slowest_since(self, number: int, n: int = 3) -> str:
+        """The ``n`` slowest writes numbered ``number`` or later, as 'name 1.20 s, ...' (a job's log: what its
+        last iteration's files waited for)."""
+        done = sorted((d for d in self.durations if d[0] >= number), key=lambda d: -d[2])[:n]
+        return ", ".join(f"{name} {s:.2f} s" for _, name, s in done)
 
     def drain(self) -> None:
         """Wait until every write handed over is done; raise the first error of one that failed."""
@@ -147,11 +160,14 @@ class WriteQueue:
                 if isinstance(item, threading.Event):  # another lane's put_after_all: set even after a failure
                     item.set()
                     continue
-                fn, args, kwargs, marks = item
+                fn, args, kwargs, marks, number = item
                 for mark in marks:
                     mark.wait()
                 if self._error is None:  # after a failure the rest is skipped: the job stops at its next put
+                    t = time.monotonic()
                     self._run(fn, args, kwargs, through_helper)
+                    name = Path(args[0]).name if args and isinstance(args[0], (str, os.PathLike)) else fn.__name__
+                    self.durations.append((number, name, time.monotonic() - t))
             except BaseException as err:  # noqa: BLE001 - handed to the job's thread
                 self._error = self._error or err
             finally:

@@ -401,6 +401,7 @@ class EMJob:
         # STAR formatting does not hold this process's lock while the job launches its kernels)
         self.writer = WriteQueue(f"{self.name} files", helper_process=len(self.ps) >= HELPER_FROM_PARTICLES)
         self.helper_noted = False
+        self.files_from = 0  # the number (WriteQueue.handed) of the latest iteration's first write
 
     # ---- the job-specific steps ----
     @functools.cached_property
@@ -840,7 +841,9 @@ def _iterate(job: EMJob, tf32_note: str | None) -> Iterator:
                 pass
     if job.comm.is_root:
         if waited >= 0.05:  # the fixed cost after the last iteration (benchmarks/scaling.py reads it)
-            yield Message(f"  the last iteration's files were whole {waited:.2f} s after it")
+            slowest = job.writer.slowest_since(job.files_from)
+            yield Message(f"  the last iteration's files were whole {waited:.2f} s after it"
+                          + (f" (the slowest: {slowest})" if slowest else ""))
         line = job.preload.summary()
         if line:
             yield Message(line)
@@ -899,6 +902,7 @@ def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
             # moved for a first iteration's disk time would only make the receiving rank read more
             job.speeds = rank_speeds(job.speeds, [(r[3], r[0] - r[4]) for r in ranks])
         if root:
+            job.files_from = job.writer.handed  # this iteration's writes: those numbered from here
             yield from job.write(it)
             if job.writer.helper_note and not job.helper_noted:  # once: the files are written in this process
                 job.helper_noted = True
