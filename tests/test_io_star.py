@@ -660,3 +660,28 @@ def test_loop_rows_are_each_column_right_justified_with_floats_that_read_back_ex
     assert rows == want
     back = read_star(tmp_path / "t.star")["particles"]
     np.testing.assert_array_equal(back["rlnAngleRot"].to_numpy(float), df["rlnAngleRot"].to_numpy())
+
+
+def test_a_long_loop_formatted_by_worker_processes_gives_the_same_file_and_errors(tmp_path, monkeypatch):
+    """FORMAT_WORKERS_ENV (the file-writing helper's): a 30,000-row loop formatted in 2 processes gives the bytes
+    of one process, and a bad value in the second part is reported with its own row."""
+    from napari_gpu_relion.io import star  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    n = 30_000
+    df = pd.DataFrame({"rlnImageName": [f"{i + 1:06d}@Extract/job012/Movies/mic{i // 500:03d}.mrcs" for i in range(n)],
+                       "rlnAngleRot": rng.uniform(-180, 180, n), "rlnDefocusU": rng.uniform(8000, 25000, n),
+                       "rlnClassNumber": rng.integers(1, 7, n), "rlnOpticsGroup": np.ones(n, int)})
+    monkeypatch.delenv(star.FORMAT_WORKERS_ENV, raising=False)
+    star.write_star_blocks(tmp_path / "one.star", {"particles": df})
+    monkeypatch.setenv(star.FORMAT_WORKERS_ENV, "2")
+    star.write_star_blocks(tmp_path / "two.star", {"particles": df})
+    assert star._format_pool and star._format_pool[0] == 2  # the workers did the formatting
+    assert (tmp_path / "two.star").read_bytes() == (tmp_path / "one.star").read_bytes()
+    bad = df.copy()
+    bad.loc[20_000, "rlnDefocusU"] = np.nan  # in the second worker's part
+    with pytest.raises(InputError, match=r"rlnDefocusU \(data_particles row 20001\)"):
+        star.write_star_blocks(tmp_path / "bad.star", {"particles": bad})
+    assert not (tmp_path / "bad.star").exists()
+    star._format_pool[1].shutdown()
+    star._format_pool = None

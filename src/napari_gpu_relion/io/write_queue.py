@@ -195,6 +195,9 @@ class _Helper:
         self._err = tempfile.TemporaryFile()
         root = str(Path(__file__).resolve().parents[2])  # this package's folder first: the child runs this code
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        # long STAR loops formatted in processes of the helper's own (io/star.FORMAT_WORKERS_ENV): a quarter of
+        # the cores, at most 8 (a data STAR of 100,000 rows took longer than an iteration on two H200s)
+        env.setdefault("NAPARI_GPU_RELION_FORMAT_WORKERS", str(max(1, min(8, (os.cpu_count() or 1) // 4))))
         self._proc = subprocess.Popen(
             [sys.executable, "-P", "-c", "from napari_gpu_relion.io.write_queue import serve; serve()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=env)
