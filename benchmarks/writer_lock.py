@@ -4,10 +4,13 @@ which writes, took 1.3-2.3x the time per particle of the other rank on 2 H200s).
 A loop of small NumPy operations stands in for a job's thread launching GPU kernels from Python (each step needs
 Python's lock for a few microseconds). It runs alone, then while a WriteQueue writes ``--n`` rows of a data STAR
 ``--writes`` times on its worker thread, then while the same writes go through the helper process
-(``helper_process=True``). Reported: the loop's speed beside the writes as a fraction of its speed alone, and
-the seconds the writes took.
+(``helper_process=True``: the STAR files in the helper, whose long loops are formatted by its worker processes,
+io/star.FORMAT_WORKERS_ENV; the MRC files on a thread). With ``--maps K`` each write is one class3d iteration's
+files: K maps of ``--box`` and the data STAR. Reported: the loop's speed beside the writes as a fraction of its
+speed alone, and the seconds the writes took.
 
-Run: python benchmarks/writer_lock.py [--n 100000] [--writes 3] [--out benchmarks/results/writer_lock_cpu.json]
+Run: python benchmarks/writer_lock.py [--n 100000] [--writes 3] [--maps 6 --box 256]
+         [--out benchmarks/results/writer_lock_cpu.json]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from napari_gpu_relion.io.mrc import write_mrc
 from napari_gpu_relion.io.star import read_particles, write_particles
 from napari_gpu_relion.io.write_queue import WriteQueue
 
@@ -53,6 +57,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=100_000)
     ap.add_argument("--writes", type=int, default=3)
+    ap.add_argument("--maps", type=int, default=0, help="maps written with each data STAR (a class3d iteration)")
+    ap.add_argument("--box", type=int, default=256)
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     table = read_particles(SAMPLE)
@@ -62,7 +68,8 @@ def main() -> None:
     for c in ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi", "rlnOriginXAngst", "rlnOriginYAngst"):
         big[c] = rng.uniform(-180, 180, len(big))
     alone = steps_per_second(2.0)
-    res = {"cpu": cpu_model(), "cores": os.cpu_count(), "rows": a.n,
+    maps = [rng.standard_normal((a.box,) * 3).astype(np.float32) for _ in range(a.maps)]
+    res = {"cpu": cpu_model(), "cores": os.cpu_count(), "rows": a.n, "maps": a.maps, "box": a.box,
            "writes": a.writes, "date": time.strftime("%Y-%m-%d"), "alone_steps_per_s": round(alone)}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("thread", "helper"):
@@ -72,11 +79,14 @@ def main() -> None:
                 q.drain()
             t0 = time.perf_counter()
             for k in range(a.writes):
+                for m, vol in enumerate(maps):
+                    q.put(write_mrc, Path(tmp) / f"{mode}{k}_class{m + 1:03d}.mrc", vol, 1.05)
                 q.put(write_particles, Path(tmp) / f"{mode}{k}.star", big, table.optics)
-            speed = steps_per_second(0.0, until=lambda q=q: q._jobs.unfinished_tasks == 0)
+            speed = steps_per_second(0.0, until=lambda q=q: q.pending() == 0)
             q.drain()
             res[mode] = {"loop_speed_fraction": round(speed / alone, 3),
-                         "writes_s": round(time.perf_counter() - t0, 2), "note": q.helper_note}
+                         "writes_s": round(time.perf_counter() - t0, 2), "note": q.helper_note,
+                         "slowest": q.slowest_since(0)}
             q.close()
             print(mode, res[mode], flush=True)
     if a.out:

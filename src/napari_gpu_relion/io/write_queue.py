@@ -94,6 +94,10 @@ class WriteQueue:
         done = sorted((d for d in self.durations if d[0] >= number), key=lambda d: -d[2])[:n]
         return ", ".join(f"{name} {s:.2f} s" for _, name, s in done)
 
+    def pending(self) -> int:
+        """Writes handed over and not yet done (all lanes)."""
+        return sum(lane.jobs.unfinished_tasks for lane in self._lanes.values())
+
     def drain(self) -> None:
         """Wait until every write handed over is done; raise the first error of one that failed."""
         for lane in list(self._lanes.values()):
