@@ -151,7 +151,9 @@ def image_names_for(table: ParticleTable, out_path: str | os.PathLike,
     first = dict(zip(stacks, paths, strict=True))  # stack text -> where it was found
     if base is not None and all((base / s).resolve() == q.resolve() for s, q in first.items()):
         return names
-    return pd.Series([f"{i + 1:06d}@{q.resolve()}" for i, q in zip(idx, paths, strict=True)], index=names.index)
+    # each stack's absolute path resolved once (a resolve per row took 1.4 s of every 100,000-row data STAR)
+    where = {q: str(q.resolve()) for q in dict.fromkeys(paths)}
+    return pd.Series([f"{i + 1:06d}@{where[q]}" for i, q in zip(idx, paths, strict=True)], index=names.index)
 
 
 def _volume_problem(stack_path: Path, info: MrcHeaderInfo) -> str | None:
