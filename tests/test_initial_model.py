@@ -255,3 +255,17 @@ def test_continue_repeats_the_uninterrupted_run(few_particles, tmp_path):
     ca, cb = (starfile.read(tmp_path / d / "run_data.star")["particles"]["rlnClassNumber"].to_numpy()
               for d in ("full", "part"))
     np.testing.assert_array_equal(ca, cb)
+
+
+def test_final_copies_come_after_the_star_files_written_by_the_helper(particles, tmp_path, monkeypatch):
+    """A run large enough for the write helper (its threshold lowered here): the final run_data.star and
+    run_model.star are copies of the last iteration's, which the helper writes in the other lane; the copies wait
+    for them (put_after_all) and equal them."""
+    from napari_gpu_relion.jobs import em  # noqa: PLC0415
+
+    monkeypatch.setattr(em, "HELPER_FROM_PARTICLES", 1)
+    p = _params(particles, tmp_path, iter=2, K=1, healpix_order=0, grad_ini_subset=20, grad_fin_subset=40)
+    events = list(initial_model.run(p))
+    assert events[-1].outputs["data"] == tmp_path / "run_data.star"
+    for name in ("data", "model"):
+        assert (tmp_path / f"run_{name}.star").read_bytes() == (tmp_path / f"run_it002_{name}.star").read_bytes()

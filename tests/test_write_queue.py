@@ -57,6 +57,77 @@ def test_a_failed_write_is_raised_in_the_jobs_thread_and_the_writes_after_it_are
     assert done == ["again"]
 
 
+def test_writes_handed_over_before_a_failure_was_reported_are_skipped_in_both_lanes(monkeypatch):
+    """Two lanes: an MRC write fails while a STAR write waits in the other lane; the job's next put reports the
+    failure, and the waiting write (handed over before the report) is skipped, the writes after it run."""
+    from napari_gpu_relion.io import write_queue  # noqa: PLC0415
+
+    def no_helper():
+        raise OSError("no helper in this test")
+
+    monkeypatch.setattr(write_queue, "_Helper", no_helper)  # the STAR lane writes on its own thread
+    gate, done = threading.Event(), []
+
+    @write_queue.formats_text
+    def held():
+        gate.wait(30)
+        done.append("held")
+
+    @write_queue.formats_text
+    def star(x):
+        done.append(x)
+
+    def fail():
+        raise InputError("disk full", path="/x/run_it003_class001.mrc")
+
+    q = WriteQueue("test", helper_process=True)
+    q.put(held)
+    q.put(star, "before")  # waits behind the held write
+    q.put(fail)  # the other lane: fails at once
+    for _ in range(600):
+        if q._error is not None:
+            break
+        time.sleep(0.05)
+    with pytest.raises(InputError, match="disk full"):
+        q.put(star, "never handed over")
+    q.put(star, "after")
+    gate.set()
+    q.drain()
+    assert done == ["held", "after"], done
+    assert "could not start" in q.helper_note
+    q.close()
+
+
+def test_a_helper_that_dies_after_starting_formatting_processes_is_noticed_not_waited_for(tmp_path, monkeypatch):
+    """The helper's formatting processes (io/star.FORMAT_WORKERS_ENV) do not hold its answer pipe: when the helper
+    is killed, the next STAR write sees it stopped and is written on the thread (not a job that hangs)."""
+    import pandas as pd  # noqa: PLC0415
+
+    from napari_gpu_relion.io.star import read_star, write_star_blocks  # noqa: PLC0415
+
+    monkeypatch.setenv("NAPARI_GPU_RELION_FORMAT_WORKERS", "2")
+    n = 25_000
+    df = pd.DataFrame({"rlnAngleRot": np.random.default_rng(0).uniform(-180, 180, n),
+                       "rlnClassNumber": np.ones(n, int)})
+    q = WriteQueue("test", helper_process=True)
+    q.put(write_star_blocks, tmp_path / "first.star", {"particles": df})  # the helper starts its processes
+    q.drain()
+    q._helper._proc.kill()
+    q._helper._proc.wait(10)
+    done = threading.Event()
+
+    def again():
+        q.put(write_star_blocks, tmp_path / "again.star", {"particles": df})
+        q.drain()
+        done.set()
+
+    threading.Thread(target=again, daemon=True).start()
+    assert done.wait(60), "the write after the helper died did not finish in 60 s"
+    assert "stopped" in q.helper_note
+    assert len(read_star(tmp_path / "again.star")["particles"]) == n
+    q.close()
+
+
 def test_writes_through_the_helper_process_give_the_same_files_and_errors(tmp_path):
     """A large job's STAR writes run in a helper process (their formatting does not hold the job's lock), its MRC
     writes on the thread: the same bytes as a write in this process, a failed write raised here with its own

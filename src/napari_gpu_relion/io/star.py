@@ -19,6 +19,8 @@ import gzip
 import os
 import re
 import tempfile
+import threading
+import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -83,6 +85,7 @@ _PARALLEL_FROM_ROWS = 20_000
 #: iteration on two GPUs. Unset or <= 1: formatted in the process that writes.
 FORMAT_WORKERS_ENV = "NAPARI_GPU_RELION_FORMAT_WORKERS"
 _format_pool: Any = None  # (workers, ProcessPoolExecutor) made at the first long loop; False after they failed
+_format_pool_lock = threading.Lock()
 
 
 
@@ -789,12 +792,26 @@ def _format_processes() -> tuple[int, Any] | None:
         n = 0
     if n <= 1 or _format_pool is False:  # False: they failed before
         return None
-    if _format_pool is None or _format_pool[0] != n:
-        import concurrent.futures  # noqa: PLC0415
-        import multiprocessing  # noqa: PLC0415
+    with _format_pool_lock:
+        if _format_pool is None or _format_pool[0] != n:
+            import concurrent.futures  # noqa: PLC0415
+            import multiprocessing  # noqa: PLC0415
 
-        _format_pool = (n, concurrent.futures.ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")))
-    return _format_pool
+            if _format_pool is not None:
+                _format_pool[1].shutdown(wait=False)
+            _format_pool = (n, concurrent.futures.ProcessPoolExecutor(
+                n, mp_context=multiprocessing.get_context("spawn"), initializer=_exit_with, initargs=(os.getpid(),)))
+        return _format_pool
+
+
+def _exit_with(parent: int) -> None:
+    """In a formatting process: end when the process that started it has ended (killed, it cannot stop them)."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def _loop_rows(cols: list[np.ndarray]) -> str:

@@ -62,6 +62,8 @@ class WriteQueue:
         self._want_helper = helper_process
         self._lanes: dict[str, _Lane] = {}
         self._error: BaseException | None = None
+        self._lock = threading.Lock()  # for _error and _skip_below (two lanes and the job's thread)
+        self._skip_below = 0  # writes numbered below this are skipped: handed over before a failure was reported
         self._helper: _Helper | None = None
         self.helper_note: str | None = None  # why writes that were to go through the helper ran on the thread
         self.handed = 0  # writes handed over so far (the next one's number)
@@ -132,9 +134,18 @@ class WriteQueue:
         return self._lanes[name]
 
     def _raise_error(self) -> None:
-        if self._error is not None:
+        """Raise a failed write's error once; every write handed over before now is skipped (in either lane), the
+        ones handed over after it run."""
+        with self._lock:
             err, self._error = self._error, None
+            if err is not None:
+                self._skip_below = self.handed
+        if err is not None:
             raise err
+
+    def _skipped(self, number: int) -> bool:
+        with self._lock:
+            return self._error is not None or number < self._skip_below
 
     def _run(self, fn: Callable, args: tuple, kwargs: dict, through_helper: bool) -> None:
         """One write: through the helper process in the helper lane when there is one, else on this thread."""
@@ -167,13 +178,15 @@ class WriteQueue:
                 fn, args, kwargs, marks, number = item
                 for mark in marks:
                     mark.wait()
-                if self._error is None:  # after a failure the rest is skipped: the job stops at its next put
+                if not self._skipped(number):  # after a failure the rest is skipped: the job stops at its next put
                     t = time.monotonic()
                     self._run(fn, args, kwargs, through_helper)
-                    name = Path(args[0]).name if args and isinstance(args[0], (str, os.PathLike)) else fn.__name__
+                    paths = [a for a in args if isinstance(a, (str, os.PathLike))]  # the last: a copy's target
+                    name = Path(paths[-1]).name if paths else fn.__name__
                     self.durations.append((number, name, time.monotonic() - t))
             except BaseException as err:  # noqa: BLE001 - handed to the job's thread
-                self._error = self._error or err
+                with self._lock:
+                    self._error = self._error or err
             finally:
                 jobs.task_done()
 
@@ -201,7 +214,8 @@ class _Helper:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         # long STAR loops formatted in processes of the helper's own (io/star.FORMAT_WORKERS_ENV): a quarter of
         # the cores, at most 8 (a data STAR of 100,000 rows took longer than an iteration on two H200s)
-        env.setdefault("NAPARI_GPU_RELION_FORMAT_WORKERS", str(max(1, min(8, (os.cpu_count() or 1) // 4))))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        env.setdefault("NAPARI_GPU_RELION_FORMAT_WORKERS", str(max(1, min(8, cores // 4))))
         self._proc = subprocess.Popen(
             [sys.executable, "-P", "-c", "from napari_gpu_relion.io.write_queue import serve; serve()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=env)
@@ -267,8 +281,16 @@ def serve() -> None:
     until stdin closes. Niced, so that on a machine of few cores the job's own work goes first."""
     if hasattr(os, "nice"):
         os.nice(10)
-    inp, out = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # stdout carries the answers only
+    # the writes come from, and the answers go to, copies of the stdin and stdout pipes (descriptors that processes
+    # started here do not inherit); descriptors 0 and 1 become /dev/null and stderr before anything starts, so that
+    # io/star's formatting processes neither write into the answers nor keep the pipes open after this process
+    # dies (the job then sees the pipes' end: _HelperLost, not a hang)
+    inp, out = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     while True:
         try:
             head, buffers = _receive(inp)

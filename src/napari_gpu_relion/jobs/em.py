@@ -322,13 +322,12 @@ class Iteration:
 
     @contextmanager
     def timed(self, part: str, be: Backend):
-        """Add the time of the block (its device work finished) to the M-step part ``part``."""
+        """Add the time of the block (its work on this thread's stream finished) to the M-step part ``part``."""
         t = time.time()
-        try:
-            yield
-        finally:
-            be.synchronize()
-            self.mstep_parts[part] = self.mstep_parts.get(part, 0.0) + time.time() - t
+        yield
+        if be.is_gpu:  # this stream only: not the read-ahead's uploads or another job's kernels
+            be.xp.cuda.get_current_stream().synchronize()
+        self.mstep_parts[part] = self.mstep_parts.get(part, 0.0) + time.time() - t
 
 
 class EMJob:
@@ -832,8 +831,11 @@ def _iterate(job: EMJob, tf32_note: str | None) -> Iterator:
         job.preload.finish()  # and count what the job compiled
         if done:
             t = time.time()
-            job.writer.close()
-            waited = time.time() - t
+            try:
+                job.writer.drain()  # the files' own time (closing the helper and its processes comes after)
+            finally:
+                waited = time.time() - t
+                job.writer.close()
         else:
             try:
                 job.writer.close()

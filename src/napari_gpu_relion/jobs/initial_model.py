@@ -349,7 +349,8 @@ class InitialModel(em_classification.Classification):
         final["model"] = (f.model(i), f.model(None))
         final["data"] = (f.data(i), f.data(None))
         for key, (src, dst) in final.items():
-            self.save(copy_atomically, src, dst)  # after the WriteQueue has written src
+            # after every write handed over before it: src may be written in the other lane (a STAR file)
+            self.writer.put_after_all(copy_atomically, src, dst)
             self.outputs[key] = dst
 
     def write_symmetrised(self, refs) -> Iterator:

@@ -13,8 +13,9 @@ shown yet, or nothing:
   ``<root>_model.star``;
 * post-processing: ``postprocess.star`` (its FSC curves) and ``postprocess_masked.mrc`` (else ``postprocess.mrc``).
 
-Complete means: the model STAR(s) of the iteration exist (RELION writes an iteration's maps before its model STAR,
-and so does this plugin), parse, and every image they name (``rlnReferenceImage``, looked for in the followed
+Complete means: the model STAR(s) of the iteration exist (RELION writes an iteration's maps before its model STAR;
+this plugin's large jobs may write the model STAR first, beside the maps, and its optimiser STAR last), parse, and
+every image they name (``rlnReferenceImage``, looked for in the followed
 folder) has all the bytes its MRC header promises; and no file of the iteration changed in the last ``settle_s``
 seconds (RELION writes in place, not through a temporary file: a STAR being written may already parse). An
 incomplete iteration is simply looked at again at the next scan, and :attr:`FolderFollower.waiting` says what it
