@@ -1,4 +1,4 @@
-"""A job's output files written by one background thread, in the order they were handed over.
+"""A job's output files written in the background, in the order they were handed over (per lane, below).
 
 An EM iteration writes maps, model, data and optimiser STARs (0.5 s of a 3.2 s box-256 iteration on the H100
 machine, issue 15) while the next iteration could already compute. The job hands each write to the queue with
