@@ -99,7 +99,8 @@ def test_a_job_that_ends_does_not_wait_for_a_module_being_compiled(monkeypatch, 
 
 
 _WARMED_SCANS = """
-import json, sys
+import json, re, sys
+from pathlib import Path
 import cupy as cp
 import numpy as np
 from napari_gpu_relion.compute import expectation
@@ -119,14 +120,17 @@ expectation.significance_threshold(small, 0.999)  # every kernel of the threshol
 if warm:
     kp.warm_scans(cp)
 cp.cuda.Device().synchronize()
-before = cupy_kernels.cache_files(cache)
+before, sources = cupy_kernels.cache_files(cache), set(Path(cache).glob("*.cu"))
 k, w = expectation.significance_threshold(big, 0.999)
 cp.cuda.Device().synchronize()
 after = cupy_kernels.cache_files(cache)
+# the kernels compiled by the long rows, by name (CUPY_CACHE_SAVE_CUDA_SOURCE keeps each module's source)
+new = [n for q in sorted(set(Path(cache).glob("*.cu")) - sources)
+       for n in re.findall(r"__global__\\s+void\\s+(\\w+)", q.read_text(errors="replace"))]
 counts = (big >= np.float32(expectation.candidate_floor(0.999, big.shape[1]))).sum(axis=1)
 k_ref, _ = expectation._threshold_by_sort(big, 0.999)
 print(json.dumps({"before": before, "after": after, "most": int(counts.max()), "n": big.shape[1],
-                  "same": bool((k == k_ref).all())}))
+                  "same": bool((k == k_ref).all()), "new_kernels": new}))
 """
 
 
@@ -145,7 +149,8 @@ def test_the_warmed_scans_leave_nothing_for_the_significance_threshold_to_compil
     got = {}
     for warm in ("0", "1"):
         cache = tmp_path / f"cache{warm}"
-        env = dict(os.environ, CUPY_CACHE_DIR=str(cache), NAPARI_GPU_RELION_KERNEL_PRELOAD="0")
+        env = dict(os.environ, CUPY_CACHE_DIR=str(cache), NAPARI_GPU_RELION_KERNEL_PRELOAD="0",
+                   CUPY_CACHE_SAVE_CUDA_SOURCE="1")  # the got below names the kernels the long rows compiled
         r = subprocess.run([sys.executable, "-c", _WARMED_SCANS, str(cache), warm], env=env, capture_output=True,
                            text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]

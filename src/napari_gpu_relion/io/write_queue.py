@@ -71,24 +71,22 @@ class WriteQueue:
 
     def put(self, fn: Callable, *args, **kwargs) -> None:
         """Hand over ``fn(*args, **kwargs)``; first raises the error of an earlier write, if one failed."""
-        self._raise_error()
-        self._lane(self._lane_of(fn)).jobs.put((fn, args, kwargs, (), self._number()))
+        self._hand(fn, args, kwargs, after_all=False)
 
     def put_after_all(self, fn: Callable, *args, **kwargs) -> None:
         """put, but ``fn`` starts only after every write handed over before it, in both lanes."""
+        self._hand(fn, args, kwargs, after_all=True)
+
+    def _hand(self, fn: Callable, args: tuple, kwargs: dict, after_all: bool) -> None:
         self._raise_error()
         mine = self._lane_of(fn)
-        marks = []
+        marks = []  # after_all: one set by each other lane when it reaches it
         for name, lane in self._lanes.items():
-            if name != mine:
-                mark = threading.Event()
-                lane.jobs.put(mark)  # set when that lane reaches it
-                marks.append(mark)
-        self._lane(mine).jobs.put((fn, args, kwargs, tuple(marks), self._number()))
-
-    def _number(self) -> int:
+            if after_all and name != mine:
+                marks.append(threading.Event())
+                lane.jobs.put(marks[-1])
+        self._lane(mine).jobs.put((fn, args, kwargs, tuple(marks), self.handed))
         self.handed += 1
-        return self.handed - 1
 
     def slowest_since(self, number: int, n: int = 3) -> str:
         """The ``n`` slowest writes numbered ``number`` or later, as 'name 1.20 s, ...' (a job's log: what its

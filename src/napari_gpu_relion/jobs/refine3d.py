@@ -246,17 +246,16 @@ class Refine3D(em.EMJob):
             memory_mark("M-step: joined map")
             new_refs = [vol, vol]
         else:
-            part = []
+            part = []  # on the device: owner ranks gather them from there (NCCL), without a trip through the host
             for h in mine:
                 with it.timed("reconstructing", self.be):
                     tau2, _ = tau2_from_fsc(it.fsc, reference_sigma2(bps[h]), p.tau2_fudge)
-                    part.append(self.finished_map(bps[h].reconstruct(tau2, p.tau2_fudge), it))
+                    part.append(self.flattened_map(bps[h].reconstruct(tau2, p.tau2_fudge), it))
                 memory_mark("M-step: half map")
             if apart:
                 with it.timed("gathering the maps", self.be):
-                    new_refs = self.gather_halves(dict(zip(mine, part, strict=True)))
-            else:
-                new_refs = part
+                    part = self.gather_halves(dict(zip(mine, part, strict=True)))
+            new_refs = [self.host_map(v, it) for v in part]
             ssnr = tau2_from_fsc(it.fsc, 1.0, p.tau2_fudge)[1]  # the same for both halves (it depends on the FSC)
         it.ssnr = [ssnr]
         sums = it.sums
@@ -283,19 +282,29 @@ class Refine3D(em.EMJob):
                 getattr(bps[h], a)[ix] = v
 
     def gather_halves(self, mine: dict[int, np.ndarray]) -> list[np.ndarray]:
-        """Both half maps on every rank from their owners (``mine``: this rank's, half -> map), as a float32 pair
-        through gather_by_sum: the maps are float32 values (finished_map), so the trip leaves them exact."""
+        """Both half maps on every rank, on the host, from their owners (``mine``: this rank's, half -> flattened
+        map on its device), as a float32 pair through gather_by_sum: rounded to float32 once, as host_map rounds
+        them, and adding zeros leaves them exact."""
         shape = (2,) + tuple(self.model.refs[0][0].shape)
         host = gather_by_sum(self.comm, self.be.xp, shape, np.float32, mine)
         return [host[0], host[1]]
 
     def finished_map(self, vol, it: em.Iteration) -> np.ndarray:
-        """A reconstructed half (or joined) map (float32, on the job's device) as the next reference: solvent
-        flattened (--flatten_solvent, not in the final iteration) on the device, where the map is, then on the
-        host as the float32 map that is written (EMModel.refs). float32 x float32 is exact in float64, so
-        the product rounded once to float32 equals the former host path's float64 product rounded to float32."""
+        """A reconstructed half (or joined) map (float32, on the job's device) as the next reference, on the host:
+        host_map of flattened_map."""
+        return self.host_map(self.flattened_map(vol, it), it)
+
+    def flattened_map(self, vol, it: em.Iteration):
+        """A reconstructed map (float32, on the job's device) solvent flattened there (--flatten_solvent, not in
+        the final iteration). float32 x float32 is exact in float64, so the product rounded once to float32 equals
+        the former host path's float64 product rounded to float32."""
         if self.p.flatten_solvent and not it.final:
             vol = vol * self.be.asarray(self.solvent_mask)
+        return vol
+
+    def host_map(self, vol, it: em.Iteration) -> np.ndarray:
+        """A flattened map (device or host) on the host as the float32 map that is written (EMModel.refs), with
+        the initial low-pass again after a CC iteration."""
         vol = np.asarray(to_host(vol), np.float32)
         if it.cc:  # RELION re-applies the initial low-pass after a CC iteration
             vol = np.asarray(lowpass_map(vol.astype(np.float64), self.apix, self.p.ini_high), np.float32)
