@@ -33,6 +33,10 @@
 #   bash benchmarks/hires_calls.sh ctfwarm M   ctf_refine's CuPy modules recorded (box 96 and 160) and added to the
 #       shipped list (written back to $OUT), then on a fresh kernel cache `warmup` and ctf_refine's first run on M
 #       particles as ctfdata makes them
+#   bash benchmarks/hires_calls.sh lrreal   (thirty-fourth session) a fresh machine's warmup while RELION builds, the
+#       warmed-scans GPU test, then local resolution at box 256 on EMD-11007 at 1.05 Å/px (padded to the box: the
+#       pixel size of the box-256 refinements), ours against relion_postprocess_mpi on 16 ranks
+#   bash benchmarks/hires_calls.sh c2dwarm N LIMIT   after lrreal on the same machine: class2d K=200 at box 360 as c2d
 #   bash benchmarks/hires_calls.sh gputests   every test marked gpu (`pytest -m gpu`), the whole output kept in
 #       $OUT/gpu_tests.log (its last lines printed)
 # Results in $OUT.
@@ -66,7 +70,35 @@ ctf_run() {  # ours twice (and with --batch 16384 when $3 is set), then relion_c
   python3 benchmarks/ctf_refine_bench.py compare $OUT/${CT}_gpu.json $OUT/${CT}_relion_bf0_j16.json \
       --out $OUT/${CT}_compare.json | cut -c1-800
 }
-if [ "$1" = gputests ]; then
+if [ "$1" = lrreal ]; then  # thirty-fourth session, one H200: a fresh machine's warmup, then local resolution
+  start_relion
+  python3 -m napari_gpu_relion.cli warmup > $OUT/warmup.log 2>&1; echo "warmup rc $?"
+  tail -2 $OUT/warmup.log | cut -c1-300; el "warmup (RELION building beside it)"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_preload.py 2>&1 | tail -4 | cut -c1-2500
+  el "the warmed-scans test"
+  for b in 256; do  # EMD-11007 at 1.05 Å/px (the pixel size of the box-256 refinements) padded to the box
+    wait_relion
+    python3 benchmarks/local_resolution.py --make_halves --box $b --angpix_target 1.05 --relion_mpi 16 \
+        --out /root/lr${b}a --json $OUT/local_resolution_h200_box${b}_1.05A_relion_mpi16_thirtyfourth.json \
+        2>&1 | tail -2 | cut -c1-600
+    el "local resolution box $b at 1.05 Å/px"
+  done
+  python3 benchmarks/local_resolution.py --make_halves --box 256 --skip_relion --out /root/lr256 \
+      --json $OUT/local_resolution_h200_box256_ours_thirtyfourth.json 2>&1 | tail -1 | cut -c1-300
+  el "ours at box 256, 0.6255 Å/px (the thirtieth session's maps)"
+elif [ "$1" = c2dwarm ]; then  # after lrreal on the same machine (warmup done, RELION built)
+  D=standard_class2d_K200_box360_n$2_h200_thirtyfourth
+  emd_data 0.75 360 "$2" 1 0.05 /root/c360
+  el "box-360 data"
+  python3 benchmarks/standard_class3d.py run --job class2d --K 200 --tau2_fudge 2 --diameter 220 --data /root/c360 \
+      --sides ours --iters 3 --limits 200 --out $OUT/${D}_ours.json 2>&1 | tail -1 | cut -c1-600
+  grep -E "start-up|timing|done in" /root/c360/ours_class2d/log.txt 2>/dev/null | cut -c1-300
+  el "ours"
+  wait_relion
+  python3 benchmarks/standard_class3d.py run --job class2d --K 200 --tau2_fudge 2 --diameter 220 --data /root/c360 \
+      --sides relion --iters 2 --limits "$3" --relion_ranks 3 --out $OUT/${D}_relion.json 2>&1 | tail -1 | cut -c1-600
+  el "RELION"
+elif [ "$1" = gputests ]; then
   timeout 540 python3 -m pytest -m gpu -p no:cacheprovider -rf tests/ > $OUT/gpu_tests.log 2>&1
   echo "pytest rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gpu_tests.log | tail -15 | cut -c1-300
   el "GPU tests"

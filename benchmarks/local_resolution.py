@@ -77,6 +77,18 @@ def gpu_name() -> str:
 # Test half maps
 # --------------------------------------------------------------------------------------------------------------
 
+def pad_or_crop(v: np.ndarray, box: int) -> np.ndarray:
+    """The cube v centred in a box^3 cube (zeros around it, or its centre cut out)."""
+    n = v.shape[0]
+    if box >= n:
+        out = np.zeros((box,) * 3, v.dtype)
+        o = (box - n) // 2
+        out[o:o + n, o:o + n, o:o + n] = v
+        return out
+    o = (n - box) // 2
+    return np.ascontiguousarray(v[o:o + box, o:o + box, o:o + box])
+
+
 def make_halves(a, out: Path) -> tuple[Path, Path, Path, float]:
     src = Path(a.map) if a.map else next((p for p in MAP_CANDIDATES if p.is_file()), None)
     if src is None or not src.is_file():
@@ -86,8 +98,14 @@ def make_halves(a, out: Path) -> tuple[Path, Path, Path, float]:
     apix0 = m.pixel_size or 0.834
     N0 = v.shape[0]
     box = a.box
-    v = fourier_resize(v, box, 3) if box != N0 else v
-    apix = apix0 * N0 / box
+    if a.angpix_target > 0:  # the map's pixel size set by Fourier resizing, then the box by padding or cropping
+        n1 = 2 * round(N0 * apix0 / a.angpix_target / 2)
+        v = fourier_resize(v, n1, 3) if n1 != N0 else v
+        apix = apix0 * N0 / n1
+        v = pad_or_crop(v - np.median(v), box)
+    else:  # the box by Fourier resizing (the pixel size follows)
+        v = fourier_resize(v, box, 3) if box != N0 else v
+        apix = apix0 * N0 / box
     v -= np.median(v)
     mask = create_mask(v, apix, ini_threshold=float(np.percentile(lowpass_map(v, apix, 15.0), 90)),
                        extend_inimask=3.0, width_soft_edge=6.0, lowpass_A=15.0).astype(np.float64)
@@ -321,6 +339,9 @@ def main(argv=None) -> int:
     ap.add_argument("--make_halves", action="store_true", help="make half1/half2/mask.mrc in --out from --map")
     ap.add_argument("--map", help="the map --make_halves starts from (default: emd_11007_centred192.mrc)")
     ap.add_argument("--box", type=int, default=160, help="--make_halves: box after Fourier cropping (even)")
+    ap.add_argument("--angpix_target", type=float, default=-1.0, help="--make_halves: the map's pixel size (Å) "
+                    "by Fourier resizing, then the box (--box) by padding or cropping (-1: the box by Fourier "
+                    "resizing, the pixel size follows)")
     ap.add_argument("--best_A", type=float, default=3.0, help="--make_halves: best local low-pass (Å)")
     ap.add_argument("--worst_A", type=float, default=9.0, help="--make_halves: worst local low-pass (Å)")
     ap.add_argument("--levels", type=int, default=6, help="--make_halves: low-pass maps blended")
