@@ -93,11 +93,11 @@ def initial_class_averages(images, offsets_px: np.ndarray, ctf, K: int, pixel_si
     stack = BackProjectorStack(K, N, pad, ndim=2, xp=xp, dtype=np.float64)
     ky, kx, flat = pixel_list(N, N / 2, xp, unique=True)
     stack.insert_pixels(cls, A, kx, ky, (F * c).reshape(n, -1)[:, flat], (c * c).reshape(n, -1)[:, flat])
-    avgs = np.zeros((K, N, N))
-    for k, bp in enumerate(stack.members):  # K unregularised reconstructions (once per run)
-        if np.any(cls == k):
-            bp.enforce_hermitian()
-            avgs[k] = to_host(bp.reconstruct(None, 1.0))
-    refs = blob_references(avgs, diameter_px, rng)
+    stack.enforce_hermitian()
+    # the K unregularised reconstructions in batches (one per class took 7.7 s for K=200 at box 360 on an H200);
+    # a class that got no image stays zero
+    avgs = to_host(stack.reconstruct(None)).astype(np.float64)
+    avgs[~np.isin(np.arange(K), cls)] = 0.0
+    refs = xp.asarray(blob_references(avgs, diameter_px, rng))
     refs = lowpass_map(refs, pixel_size, lowpass_A, ndim=2)
-    return refs * soft_spherical_mask(N, mask_radius_px, mask_edge_px, 2)[None]
+    return to_host(refs * xp.asarray(soft_spherical_mask(N, mask_radius_px, mask_edge_px, 2))[None])
