@@ -126,7 +126,7 @@ cp.cuda.Device().synchronize()
 after = cupy_kernels.cache_files(cache)
 # the kernels compiled by the long rows, by name (CUPY_CACHE_SAVE_CUDA_SOURCE keeps each module's source)
 new = [n for q in sorted(set(Path(cache).glob("*.cu")) - sources)
-       for n in re.findall(r"__global__\\s+void\\s+(\\w+)", q.read_text(errors="replace"))]
+       for n in re.findall(r"__global__\\s+void\\s+(\\w+\\s*\\([^)]*\\))", q.read_text(errors="replace"))]
 counts = (big >= np.float32(expectation.candidate_floor(0.999, big.shape[1]))).sum(axis=1)
 k_ref, _ = expectation._threshold_by_sort(big, 0.999)
 print(json.dumps({"before": before, "after": after, "most": int(counts.max()), "n": big.shape[1],
@@ -155,8 +155,9 @@ def test_the_warmed_scans_leave_nothing_for_the_significance_threshold_to_compil
                            text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         got[warm] = json.loads(r.stdout.strip().splitlines()[-1])
+    said = json.dumps(got)  # whole (pytest shortens a dict's repr): the kernels' names and parameters
     for g in got.values():
-        assert 512 < g["most"] < g["n"] // 4, got  # the packed-candidates path, rows longer than a scan block
-        assert g["same"], got
-    assert got["0"]["after"] > got["0"]["before"], got  # long rows need kernels that short ones did not compile
-    assert got["1"]["after"] == got["1"]["before"], got
+        assert 512 < g["most"] < g["n"] // 4, said  # the packed-candidates path, rows longer than a scan block
+        assert g["same"], said
+    assert got["0"]["after"] > got["0"]["before"], said  # long rows need kernels that short ones did not compile
+    assert got["1"]["after"] == got["1"]["before"], said
