@@ -89,7 +89,7 @@ def initial_class_averages(images, offsets_px: np.ndarray, ctf, K: int, pixel_si
     cls = np.arange(n) % K
     A = euler_to_matrix(np.zeros_like(psi), np.zeros_like(psi), psi)
     F = phase_shift_2d(rfft_centered(images, 2), xp.asarray(offsets_px), N)
-    c = xp.ones(F.shape, dtype=np.float32) if ctf is None else xp.asarray(ctf_half_grid(ctf, N, pixel_size))
+    c = xp.ones(F.shape, dtype=np.float32) if ctf is None else ctf_half_grid(ctf, N, pixel_size, xp=xp)
     stack = BackProjectorStack(K, N, pad, ndim=2, xp=xp, dtype=np.float64)
     ky, kx, flat = pixel_list(N, N / 2, xp, unique=True)
     stack.insert_pixels(cls, A, kx, ky, (F * c).reshape(n, -1)[:, flat], (c * c).reshape(n, -1)[:, flat])

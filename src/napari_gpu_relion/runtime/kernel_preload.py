@@ -121,6 +121,12 @@ def warm_scans(cp) -> None:
         cp.cumsum(cp.ones((rows, n), np.float64), axis=1)
         cp.cumsum(cp.ones(n, np.float32), dtype=np.float64)
         cp.cumsum(cp.ones(n, np.int64))
+    # the packed candidates' positions (cp.nonzero of an (I, n) mask): CuPy scans the flat mask in int32, and past
+    # about a million elements its scan adds a level of block sums (cupy_bsum_shfl on int) that smaller ones never
+    # compile (the warmed-scans GPU test named it, thirty-fourth session)
+    big = cp.ones(1 << 22, dtype=bool)
+    cp.nonzero(big)
+    cp.cumsum(big.astype(np.int32))
 
 
 class Preload:
