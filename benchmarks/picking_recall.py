@@ -242,10 +242,6 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--match_px", type=float, default=26.0)
     ap.add_argument("--extra", default="{}", help="more autopick Params as JSON, e.g. '{\"no_local_sigma\": true}'")
-    ap.add_argument("--edge_margin", type=float, default=None, help="set jobs.autopick.TEMPLATE_EDGE_MARGIN (0: "
-                    "RELION's circular correlation of a square micrograph)")
-    ap.add_argument("--diameter_fraction", type=float, default=None, help="set jobs.autopick."
-                    "PROJECTION_DIAMETER_FRACTION (0: RELION's rule for the automatic diameter)")
     ap.add_argument("--oversample", type=int, default=None, help="set jobs.autopick.ZSCORE_OVERSAMPLE (1: RELION's "
                     "working grid; the code after the fix)")
     ap.add_argument("--diagnose", action="store_true", help="the cause of every never-picked particle")
@@ -256,10 +252,6 @@ def main():
     extra = json.loads(args.extra)
     if args.oversample is not None:
         autopick.ZSCORE_OVERSAMPLE = args.oversample
-    if args.edge_margin is not None:
-        autopick.TEMPLATE_EDGE_MARGIN = args.edge_margin
-    if args.diameter_fraction is not None:
-        autopick.PROJECTION_DIAMETER_FRACTION = args.diameter_fraction
     root = Path(__file__).resolve().parents[1]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=root).stdout.strip()
@@ -267,10 +259,7 @@ def main():
                                 cwd=root).stdout.strip())
     res = {"hardware": f"CPU, {os.cpu_count()} cores", "label": args.label, "commit": commit,
            "src_uncommitted_changes": dirty, "options": {**OPTIONS, **extra},
-           "zscore_oversample": getattr(autopick, "ZSCORE_OVERSAMPLE", 1),
-           "edge_margin": getattr(autopick, "TEMPLATE_EDGE_MARGIN", 0.0),
-           "diameter_fraction": getattr(autopick, "PROJECTION_DIAMETER_FRACTION", 0.0),
-           "match_radius_px": args.match_px,
+           "zscore_oversample": getattr(autopick, "ZSCORE_OVERSAMPLE", 1), "match_radius_px": args.match_px,
            "data": {"micrograph_px": SIZE, "pixel_size_A": APIX, "box_px": BOX, "map": MAP.name,
                     "n_micrographs": args.n_mics, "particles_per_micrograph": args.n_particles,
                     "min_particle_distance_A": 360.0, "edge_margin_px": 43, "defocus_um": [1.5, 2.0, 2.5],

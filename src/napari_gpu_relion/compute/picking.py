@@ -325,16 +325,12 @@ def particle_disc(size: int, radius_px: float, xp=np):
     return (c[:, None] ** 2 + c[None, :] ** 2) < radius_px**2
 
 
-def auto_particle_diameter(refs: np.ndarray, pixel_size: float, relative: float = 0.0) -> float:
+def auto_particle_diameter(refs: np.ndarray, pixel_size: float) -> float:
     """RELION's guess (Å): along each reference's central row, the span of pixels differing (> 1e-6) from
-    the corner value; mean span x pixel size. ``relative`` > 0 counts only pixels differing by more than that
-    fraction of the row's largest difference: projections of a 3D map differ from their corner everywhere (its
-    low-pass ringing), and the absolute rule gives the whole box (430 Å for the 250 Å ribosome in an 86-pixel box
-    at 5 Å/px), which leaves the z-score's local-sigma ring nothing to measure (issue 48)."""
+    the corner value; mean span x pixel size."""
     refs = np.asarray(refs, np.float64)
     row = refs[:, refs.shape[-2] // 2, :]
-    dev = np.abs(row - refs[:, :1, 0])
-    diff = dev > (relative * dev.max(axis=1, keepdims=True) if relative > 0 else 1e-6)
+    diff = np.abs(row - refs[:, :1, 0]) > 1e-6
     widths = []
     for d in diff:  # one per reference (a handful): not a hot path
         idx = np.flatnonzero(d)

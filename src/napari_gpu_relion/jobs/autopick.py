@@ -58,13 +58,6 @@ JOB_NAME = "autopick"
 #: wide, and a particle centred between W pixels in both directions lost 0.45-0.80 of its FOM (8-10 %) on W
 #: (benchmarks/picking_recall.py --sampling, issue 48). It costs about 4x the FFTs. LoG and --fom relion keep W.
 ZSCORE_OVERSAMPLE = 2
-#: Without --particle_diameter, a 3D reference's diameter is the mean span of its projections' central rows where
-#: they differ from the corner by more than this fraction of the row's largest difference (RELION's rule, any
-#: difference, gives the box): 241 Å for the 70S map (about 250 Å across), 266 Å for it low-passed to 60 Å.
-PROJECTION_DIAMETER_FRACTION = 0.1
-#: Template picking embeds each micrograph in noise this many template boxes wider (not RELION, which correlates a
-#: square micrograph circularly): near an edge the templates then meet noise, not the far edge's particles.
-TEMPLATE_EDGE_MARGIN = 1.0
 #: Template figures of merit (--fom): the matched-filter z-score (default) and RELION's probability ratio.
 FOM_KINDS = ("zscore", "relion")
 
@@ -212,8 +205,7 @@ def load_references(p: Params, apix: float, odir: Path | None) -> tuple[Referenc
         new = data.shape[-1]
         notes.append(f"references rescaled from {s} px at {ref_px} Å/px to {new} px at {apix} Å/px")
         s = new
-    diam = p.particle_diameter if p.particle_diameter > 0 else pk.auto_particle_diameter(
-        data, apix, PROJECTION_DIAMETER_FRACTION if projections is not None else 0.0)
+    diam = p.particle_diameter if p.particle_diameter > 0 else pk.auto_particle_diameter(data, apix)
     if diam <= 0 or diam > s * apix:
         raise InputError(f"particle diameter {diam:.1f} Å does not fit the {s}-pixel references "
                          f"({s * apix:.1f} Å); give --particle_diameter", path=str(p.ref))
@@ -240,11 +232,10 @@ class Setup:
     extra: dict
 
 
-def _grid(ny: int, nx: int, p: Params, apix: float, margin: int = 0) -> tuple[pk.Grid, int, float]:
+def _grid(ny: int, nx: int, p: Params, apix: float) -> tuple[pk.Grid, int, float]:
     """The FOM maps' grid (RELION's working grid W; ZSCORE_OVERSAMPLE times finer for the z-score template FOM),
-    the low-pass size (downsize_mic) and RELION's working scale W/n (which picks its peak-search rule). ``margin``
-    (pixels) is added to both edges before the square embedding (noise-filled, as a non-square micrograph's)."""
-    n = pk.square_size(ny + margin, nx + margin)
+    the low-pass size (downsize_mic) and RELION's working scale W/n (which picks its peak-search rule)."""
+    n = pk.square_size(ny, nx)
     w = pk.working_size(n, apix, p.lowpass, p.shrink)
     factor = ZSCORE_OVERSAMPLE if (not p.LoG and p.fom == "zscore") else 1
     return pk.Grid(n, pk.oversampled_size(w, n, factor), ny, nx), pk.downsize_mic(n, apix, p.lowpass), w / n
@@ -314,8 +305,7 @@ def _template_one(raw: np.ndarray, setup: Setup, refs: References, p: Params, ap
 
 def _setup(shape: tuple[int, int], p: Params, apix: float, xp, refs: References | None, be) -> Setup:
     ny, nx = shape
-    margin = 0 if p.LoG or refs is None else int(round(TEMPLATE_EDGE_MARGIN * refs.refs.shape[-1]))
-    g, down, relion_scale = _grid(ny, nx, p, apix, margin)
+    g, down, relion_scale = _grid(ny, nx, p, apix)
     extra: dict = {"relion_scale": relion_scale}
     if p.LoG:
         skip = int(max(p.skip_side, int(0.5 * p.LoG_diam_min / apix)) * g.scale)
