@@ -319,3 +319,26 @@ def test_cpu_and_gpu_agree():
     np.testing.assert_array_equal(gpu.resolution, cpu.resolution)
     np.testing.assert_allclose(gpu.locres, cpu.locres, rtol=1e-6)
     np.testing.assert_allclose(gpu.filtered, cpu.filtered, rtol=0, atol=1e-6 * np.abs(cpu.filtered).max())
+
+
+def test_the_outputs_written_together_raise_the_first_error_and_name_the_others(tmp_path, monkeypatch):
+    """write_outputs runs the three writes at once: when two fail, the first is raised with a note naming the
+    second, and the output that could be written is whole (atomic writes), the failed ones absent."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    res = SimpleNamespace(locres=np.ones((4, 4, 4), np.float32),
+                          filtered=np.arange(64, dtype=np.float32).reshape(4, 4, 4))
+    outs = {"locres": tmp_path / "a.mrc", "locres_filtered": tmp_path / "b.mrc", "locres_fscs": tmp_path / "c.star"}
+    outs["locres"].mkdir()  # a folder where the map goes: its write fails
+
+    def no_blocks(_):
+        raise ValueError("no FSC blocks")
+
+    monkeypatch.setattr(job, "_fsc_blocks", no_blocks)
+    with pytest.raises(Exception) as err:
+        job.write_outputs(outs, res, 1.5)
+    assert "a.mrc: output path is a folder" in str(err.value)  # the first output's error, not the STAR's
+    assert any("ValueError: no FSC blocks" in n for n in getattr(err.value, "__notes__", [])), err.value
+    assert np.array_equal(np.asarray(read_mrc(outs["locres_filtered"]).data), res.filtered)
+    assert not outs["locres_fscs"].exists() and outs["locres"].is_dir()
+    assert not [q for q in tmp_path.iterdir() if q.name.startswith(".")]  # no temporaries left

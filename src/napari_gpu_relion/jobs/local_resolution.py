@@ -158,7 +158,13 @@ def write_outputs(outputs: dict[str, Path], res: LR.LocresResult, apix: float) -
         futures = {"locres": pool.submit(write_mrc, outputs["locres"], res.locres, apix),
                    "locres_filtered": pool.submit(write_mrc, outputs["locres_filtered"], res.filtered, apix),
                    "locres_fscs": pool.submit(lambda: write_star_blocks(outputs["locres_fscs"], _fsc_blocks(res)))}
-        return {name: f.result() for name, f in futures.items()}  # the first error is raised, after all ended
+    # all three have ended (each file written whole or not at all): the first error is raised, naming the others
+    errors = [e for e in (f.exception() for f in futures.values()) if e is not None]
+    if errors:
+        for other in errors[1:]:
+            errors[0].add_note(f"another output failed too: {type(other).__name__}: {other}")
+        raise errors[0]
+    return {name: f.result() for name, f in futures.items()}
 
 
 def summary_line(locres: np.ndarray, mask: np.ndarray | None, resolution: np.ndarray) -> str:
