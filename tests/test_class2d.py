@@ -126,3 +126,25 @@ def test_class2d_continue_repeats_the_uninterrupted_run(views_and_junk, tmp_path
     ma = read_mrc(tmp_path / "full" / "run_it004_classes.mrcs").data
     mb = read_mrc(tmp_path / "part" / "run_it004_classes.mrcs").data
     np.testing.assert_allclose(mb, ma, atol=1e-5 * np.abs(ma).max())
+
+
+def test_host_maps_equal_the_steps_one_copy_each_and_leave_their_input_alone():
+    """The M-step's host work in place (class2d.host_maps) gives the array of the plain steps: float64, times the
+    solvent circle, shifted to the centre of mass, rounded to float32; its input maps are not changed."""
+    rng = np.random.default_rng(3)
+    maps = rng.normal(size=(5, 24, 24)).astype(np.float32)
+    maps[:, 14:20, 15:21] += 4.0  # off-centre mass: the centring moves each map
+    keep = maps.copy()
+    yy, xx = np.mgrid[0:24, 0:24] - 12
+    circle = np.clip(10.0 - np.hypot(yy, xx), 0.0, 1.0)
+    for flatten in (False, True):
+        for center in (False, True):
+            want = maps.astype(np.float64) * (circle[None] if flatten else 1.0)
+            if center:
+                shift = -center_of_mass(want, 5.0)
+                assert np.abs(shift).max() > 1.0
+                want = shift_images(want, shift)
+            want = want.astype(np.float32).astype(np.float64)
+            got = class2d.host_maps(maps, circle, 5.0, flatten, center)
+            assert got.dtype == np.float64 and np.array_equal(got, want), (flatten, center)
+            assert np.array_equal(maps, keep)

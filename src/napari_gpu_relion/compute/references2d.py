@@ -50,7 +50,7 @@ def center_of_mass(images, max_shift_px: float):
     xp = get_array_module(images)
     N = images.shape[-1]
     c = xp.arange(N, dtype=np.float64) - N // 2
-    pos = xp.maximum(images.astype(np.float64), 0.0)
+    pos = xp.maximum(xp.asarray(images, dtype=np.float64), 0.0)  # (no copy of float64 images before it)
     tot = pos.sum(axis=(-2, -1))
     safe = xp.maximum(tot, 1e-300)
     cx = (pos.sum(axis=-2) * c[None, :]).sum(-1) / safe

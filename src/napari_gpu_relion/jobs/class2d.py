@@ -71,6 +71,20 @@ def run(p: Params) -> Iterator:
     yield from em.run(Class2D(p))
 
 
+def host_maps(maps, circle: np.ndarray, offset_range_px: float, flatten: bool, center: bool) -> np.ndarray:
+    """The M-step's K class maps (host, float32) as the next references: float64, times the solvent ``circle``
+    (--flatten_solvent), shifted to their centre of mass within ``offset_range_px`` (--center_classes) and rounded
+    to float32 (the maps as written), in place where it can be: at K=200 and box 360 each float64 copy is 200 MB
+    (benchmarks/class2d_mstep_host.py: the same array as one copy per step)."""
+    refs = np.array(maps, dtype=np.float64)  # a copy of its own (the in-place steps below)
+    if flatten:
+        refs *= circle[None]
+    if center:
+        refs = shift_images(refs, -center_of_mass(refs, offset_range_px))
+    refs[...] = refs.astype(np.float32)
+    return refs
+
+
 class Class2D(em_classification.Classification):
     name = JOB_NAME
     ndim = 2
@@ -130,17 +144,12 @@ class Class2D(em_classification.Classification):
     def maximization(self, it: em.Iteration) -> None:
         p, m, sums = self.p, self.model, it.sums[0]
         maps, it.ssnr = self.reconstruct_owned(it)
-        new_refs = np.stack(maps).astype(np.float64)
         m.sigma2[0] = update_sigma2(sums.sigma2, sums.sumw_group, self.N)
         self.state.sigma_offset_A = update_sigma_offset(sums.sigma_offset, sums.sum_weight)
         self.update_corrections(it.sums)
         m.pdf_class[0] = sums.pdf_class / max(sums.pdf_class.sum(), 1e-300)
         m.prior_offsets_A = class_offset_priors(sums.offset_sum, sums.pdf_class)
-        if p.flatten_solvent:
-            new_refs = new_refs * self.circle[None]
-        if p.center_classes:
-            new_refs = shift_images(new_refs, -center_of_mass(new_refs, p.offset_range))
-        m.refs[0] = new_refs.astype(np.float32).astype(np.float64)
+        m.refs[0] = host_maps(maps, self.circle, p.offset_range, p.flatten_solvent, p.center_classes)
 
     def update_resolution(self, it: em.Iteration) -> None:
         if self.p.sort_classes:  # number the classes by decreasing distribution (the particles' classes too)
