@@ -1,7 +1,7 @@
 """The host part of class2d's M-step at K classes of box N: the class maps to float64, the solvent flattened
 (--flatten_solvent), centred (--center_classes) and rounded to float32 as written, on K random maps. The job's
-own code (``Class2DJob.host_maps``) against the same steps as written before the thirty-fourth session (a copy for
-each step), timed alternately; both must give the same array.
+own code (``compute.references2d.references_from_maps``) against the same steps as written before the thirty-fourth
+session (a copy for each step), timed alternately; both must give the same array.
 
 Run: python benchmarks/class2d_mstep_host.py [--K 200 --box 360 --repeats 5] --out benchmarks/results/R.json
 """
@@ -17,8 +17,7 @@ import time
 import numpy as np
 
 from napari_gpu_relion.compute.masks import soft_spherical_mask
-from napari_gpu_relion.compute.references2d import shift_images
-from napari_gpu_relion.jobs.class2d import host_maps
+from napari_gpu_relion.compute.references2d import references_from_maps, shift_images
 
 
 def com_before(images, max_shift_px: float):
@@ -57,7 +56,7 @@ def main():
         b = before(maps, circle, 5.0)
         times["before"].append(time.perf_counter() - t)
         t = time.perf_counter()
-        n = host_maps(maps, circle, 5.0, True, True)
+        n = references_from_maps(maps, circle, 5.0, True, True)
         times["now"].append(time.perf_counter() - t)
     res = {"hardware": f"CPU, {os.cpu_count()} cores ({platform.processor() or platform.machine()})", "K": a.K,
            "box": a.box, "identical": bool(np.array_equal(b, n)),

@@ -8,7 +8,12 @@ import pytest
 import starfile
 
 from napari_gpu_relion.compute.ground_truth import aligned_correlation
-from napari_gpu_relion.compute.references2d import blob_references, center_of_mass, shift_images
+from napari_gpu_relion.compute.references2d import (
+    blob_references,
+    center_of_mass,
+    references_from_maps,
+    shift_images,
+)
 from napari_gpu_relion.errors import InputError
 from napari_gpu_relion.io.mrc import read_mrc
 from napari_gpu_relion.jobs import class2d
@@ -128,9 +133,10 @@ def test_class2d_continue_repeats_the_uninterrupted_run(views_and_junk, tmp_path
     np.testing.assert_allclose(mb, ma, atol=1e-5 * np.abs(ma).max())
 
 
-def test_host_maps_equal_the_steps_one_copy_each_and_leave_their_input_alone():
-    """The M-step's host work in place (class2d.host_maps) gives the array of the plain steps: float64, times the
-    solvent circle, shifted to the centre of mass, rounded to float32; its input maps are not changed."""
+def test_references_from_maps_equal_the_steps_one_copy_each_and_leave_their_input_alone():
+    """The M-step's host work in place (references2d.references_from_maps) gives the array of the plain steps:
+    float64, times the solvent circle, shifted to the centre of mass, rounded to float32; its input maps are not
+    changed."""
     rng = np.random.default_rng(3)
     maps = rng.normal(size=(5, 24, 24)).astype(np.float32)
     maps[:, 14:20, 15:21] += 4.0  # off-centre mass: the centring moves each map
@@ -145,6 +151,6 @@ def test_host_maps_equal_the_steps_one_copy_each_and_leave_their_input_alone():
                 assert np.abs(shift).max() > 1.0
                 want = shift_images(want, shift)
             want = want.astype(np.float32).astype(np.float64)
-            got = class2d.host_maps(maps, circle, 5.0, flatten, center)
+            got = references_from_maps(maps, circle, 5.0, flatten, center)
             assert got.dtype == np.float64 and np.array_equal(got, want), (flatten, center)
             assert np.array_equal(maps, keep)

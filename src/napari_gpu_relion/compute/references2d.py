@@ -101,3 +101,17 @@ def initial_class_averages(images, offsets_px: np.ndarray, ctf, K: int, pixel_si
     refs = xp.asarray(blob_references(avgs, diameter_px, rng))
     refs = lowpass_map(refs, pixel_size, lowpass_A, ndim=2)
     return to_host(refs * xp.asarray(soft_spherical_mask(N, mask_radius_px, mask_edge_px, 2))[None])
+
+
+def references_from_maps(maps, circle: np.ndarray, offset_range_px: float, flatten: bool, center: bool) -> np.ndarray:
+    """The M-step's K class maps (host, float32) as the next references: float64, times the solvent ``circle``
+    (--flatten_solvent), shifted to their centre of mass within ``offset_range_px`` (--center_classes) and rounded
+    to float32 (the maps as written), in place where it can be: at K=200 and box 360 each float64 copy is 200 MB
+    (class2d's M-step; benchmarks/class2d_mstep_host.py: the same array as one copy per step)."""
+    refs = np.array(maps, dtype=np.float64)  # a copy of its own (the in-place steps below)
+    if flatten:
+        refs *= circle[None]
+    if center:
+        refs = shift_images(refs, -center_of_mass(refs, offset_range_px))
+    refs[...] = refs.astype(np.float32)
+    return refs

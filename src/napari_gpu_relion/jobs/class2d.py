@@ -27,7 +27,7 @@ from ..compute.maximization import (
     update_sigma2,
     update_sigma_offset,
 )
-from ..compute.references2d import center_of_mass, initial_class_averages, shift_images
+from ..compute.references2d import initial_class_averages, references_from_maps
 from ..compute.sampling import InPlaneSampling
 from ..errors import InputError
 from ..events import ClassAveragesUpdated, Finished, IterationFinished, IterationStarted, Message
@@ -69,20 +69,6 @@ class Params(em.EMParams, em.EMCorrections, em.EMOptions, Class2DOptions, em.EMI
 
 def run(p: Params) -> Iterator:
     yield from em.run(Class2D(p))
-
-
-def host_maps(maps, circle: np.ndarray, offset_range_px: float, flatten: bool, center: bool) -> np.ndarray:
-    """The M-step's K class maps (host, float32) as the next references: float64, times the solvent ``circle``
-    (--flatten_solvent), shifted to their centre of mass within ``offset_range_px`` (--center_classes) and rounded
-    to float32 (the maps as written), in place where it can be: at K=200 and box 360 each float64 copy is 200 MB
-    (benchmarks/class2d_mstep_host.py: the same array as one copy per step)."""
-    refs = np.array(maps, dtype=np.float64)  # a copy of its own (the in-place steps below)
-    if flatten:
-        refs *= circle[None]
-    if center:
-        refs = shift_images(refs, -center_of_mass(refs, offset_range_px))
-    refs[...] = refs.astype(np.float32)
-    return refs
 
 
 class Class2D(em_classification.Classification):
@@ -149,7 +135,8 @@ class Class2D(em_classification.Classification):
         self.update_corrections(it.sums)
         m.pdf_class[0] = sums.pdf_class / max(sums.pdf_class.sum(), 1e-300)
         m.prior_offsets_A = class_offset_priors(sums.offset_sum, sums.pdf_class)
-        m.refs[0] = host_maps(maps, self.circle, p.offset_range, p.flatten_solvent, p.center_classes)
+        m.refs[0] = references_from_maps(maps, self.circle, p.offset_range, p.flatten_solvent,
+                                         p.center_classes)
 
     def update_resolution(self, it: em.Iteration) -> None:
         if self.p.sort_classes:  # number the classes by decreasing distribution (the particles' classes too)
