@@ -17,27 +17,13 @@ import time
 import numpy as np
 
 from napari_gpu_relion.compute.masks import soft_spherical_mask
-from napari_gpu_relion.compute.references2d import references_from_maps, shift_images
-
-
-def com_before(images, max_shift_px: float):
-    """center_of_mass as it was: a float64 copy even of float64 images."""
-    N = images.shape[-1]
-    c = np.arange(N, dtype=np.float64) - N // 2
-    pos = np.maximum(images.astype(np.float64), 0.0)
-    tot = pos.sum(axis=(-2, -1))
-    safe = np.maximum(tot, 1e-300)
-    cx = (pos.sum(axis=-2) * c[None, :]).sum(-1) / safe
-    cy = (pos.sum(axis=-1) * c[None, :]).sum(-1) / safe
-    com = np.stack([cx, cy], axis=1) * (tot > 0)[:, None]
-    length = np.sqrt((com**2).sum(1, keepdims=True))
-    return com * np.minimum(1.0, max_shift_px / np.maximum(length, 1e-300))
+from napari_gpu_relion.compute.references2d import center_of_mass, references_from_maps, shift_images
 
 
 def before(maps, circle, offset_range):
     r = np.stack(maps).astype(np.float64)
     r = r * circle[None]
-    r = shift_images(r, -com_before(r, offset_range))
+    r = shift_images(r, -center_of_mass(r.astype(np.float64), offset_range))  # (it copied float64 images too)
     return r.astype(np.float32).astype(np.float64)
 
 

@@ -95,9 +95,8 @@ def initial_class_averages(images, offsets_px: np.ndarray, ctf, K: int, pixel_si
     stack.insert_pixels(cls, A, kx, ky, (F * c).reshape(n, -1)[:, flat], (c * c).reshape(n, -1)[:, flat])
     stack.enforce_hermitian()
     # the K unregularised reconstructions in batches (one per class took 7.7 s for K=200 at box 360 on an H200);
-    # a class that got no image stays zero
+    # a class that got no image has no weight and reconstructs to zero
     avgs = to_host(stack.reconstruct(None)).astype(np.float64)
-    avgs[~np.isin(np.arange(K), cls)] = 0.0
     refs = xp.asarray(blob_references(avgs, diameter_px, rng))
     refs = lowpass_map(refs, pixel_size, lowpass_A, ndim=2)
     return to_host(refs * xp.asarray(soft_spherical_mask(N, mask_radius_px, mask_edge_px, 2))[None])
