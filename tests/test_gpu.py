@@ -784,3 +784,60 @@ def test_local_coarse_slices_projected_into_the_score_layout_equal_the_projected
     corner = cp.asnumpy(pixel_set(N, 24, cp).beyond_radius)
     assert np.all(stacked[..., :K][..., corner] == 0) and np.all(power[..., corner] == 0)
     assert np.all(stacked[..., 2 * K:] == 0) and np.abs(stacked[..., :K]).max() > 0
+
+
+@pytest.mark.parametrize("n_classes,n_trans", [(1, 21), (2, 45), (1, 70)])
+def test_local_coarse_scores_projected_and_scored_in_one_pass_equal_the_gathered_products(n_classes, n_trans):
+    """A local search's coarse scores (estep._gathered_coarse_scores): the one-pass kernel (projection in
+    registers, float32 sums) against the gathered slices and scores_gathered's float32 products on the GPU and
+    against NumPy's, within float32 rounding of the sums: translations in one half of a block (21), in both (45)
+    and in two blocks (70 > 64); 9 particles of more candidates than a block's 64."""
+    from types import SimpleNamespace
+
+    from napari_gpu_relion.compute import estep, gpu_kernels
+    from napari_gpu_relion.compute.expectation import (
+        gather_pixels,
+        gemm_width,
+        particle_terms,
+        pixel_set,
+        translation_ramps,
+    )
+    from napari_gpu_relion.compute.projector import stack_references
+    from napari_gpu_relion.compute.sampling import Sampling, local_candidates
+
+    rng = np.random.default_rng(5)
+    N = 32
+    vols = rng.normal(size=(n_classes, N, N, N))
+    smp = Sampling(3, "C1")
+    angles = rng.uniform([-180, 0, -180], [180, 180, 180], (9, 3))
+    cand, _ = local_candidates(angles, smp, 4.0, "C1", n_classes=n_classes)
+    X = (rng.normal(size=(9, N, N // 2 + 1)) + 1j * rng.normal(size=(9, N, N // 2 + 1))).astype(np.complex64)
+    shifts = rng.uniform(-3, 3, (n_trans, 2))
+    npix = pixel_set(N, 24).npix
+    w = rng.random((9, npix)).astype(np.float32)
+    ctf = rng.uniform(-1, 1, (9, npix)).astype(np.float32)
+    got = {}
+    for xp in (np, cp):
+        refs = [prepare_reference(xp.asarray(v), pad=2) for v in vols]
+        setup = SimpleNamespace(refs=refs, ref_stack=refs[0] if n_classes == 1 else stack_references(refs),
+                                sampling=smp, mag=None, coarse_tf32=False, check_cancel=None)
+        pix = pixel_set(N, 24, xp)
+        terms = particle_terms(gather_pixels(xp.asarray(X), pix), xp.asarray(ctf), xp.asarray(w),
+                               translation_ramps(pix, shifts), width=gemm_width(pix.npix))
+        c = xp.asarray(cand)
+        urows, pos = xp.unique(xp.where(c >= 0, c, 0), return_inverse=True)
+        pos = pos.reshape(c.shape)
+        urows = urows.get() if xp is cp else urows
+        got[(xp.__name__, "fused")] = cp.asnumpy(estep._gathered_coarse_scores(setup, urows, pos, pix, terms))
+        if xp is cp:
+            gpu_kernels.ENABLED = False
+            try:
+                got[("cupy", "gathered")] = cp.asnumpy(estep._gathered_coarse_scores(setup, urows, pos, pix, terms))
+            finally:
+                gpu_kernels.ENABLED = True
+    want = got[("numpy", "fused")]  # NumPy takes the gathered products (the kernel needs a GPU)
+    assert want.shape == (9, n_trans, cand.shape[1])
+    scale = np.abs(want).max()
+    for key in (("cupy", "fused"), ("cupy", "gathered")):
+        np.testing.assert_allclose(got[key], want, rtol=0, atol=2e-5 * scale, err_msg=str(key))
+    assert np.abs(got[("cupy", "fused")] - got[("cupy", "gathered")]).max() > 0  # two paths ran (rounding)

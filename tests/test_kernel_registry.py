@@ -36,6 +36,12 @@ def test_the_twins_equal_direct_calculations():
         if 0 <= r < inp["n"]:
             want[r] += inp["values"][e]
     np.testing.assert_allclose(by_name["segment rows sum"].twin(inp), want, rtol=1e-12)
+    inp = by_name["shifted images"].example(rng, "padded")
+    got, K = by_name["shifted images"].twin(inp), inp["g"].shape[1]
+    exact = inp["g"].astype(np.complex128)[:, None, :] * inp["ramps"].astype(np.complex128)[None]
+    np.testing.assert_allclose(got[..., :K], exact.real, rtol=0, atol=1e-6 * np.abs(exact).max())
+    np.testing.assert_allclose(got[..., K:2 * K], exact.imag, rtol=0, atol=1e-6 * np.abs(exact).max())
+    assert got.shape[-1] == inp["width"] > 2 * K and not got[..., 2 * K:].any()
     inp = by_name["rows sorted descending"].example(rng, "float32")
     got = by_name["rows sorted descending"].twin(inp)
     assert (np.diff(got, axis=1) <= 0).all() and got.min() == 0.0
