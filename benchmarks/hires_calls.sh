@@ -14,7 +14,8 @@
 #       tests of the local searches' one-pass coarse scores, then hr (files tagged thirtyfifth; b with
 #       HR_TAG=realistic_emd11007_box192_h200_thirtyfifth)
 #   bash benchmarks/hires_calls.sh hrprof N TAG   (thirty-fifth session) the GPU tests of the fused kernels while
-#       RELION builds, N particles as hr, our auto-refine under profile_job.py and then alone (files tagged TAG)
+#       RELION builds, N particles as hr, our auto-refine under profile_job.py (not with NOPROF=1) and then alone
+#       (files tagged TAG)
 #   bash benchmarks/hires_calls.sh b       waits for RELION's run, merges both sides into one JSON, plots the FSCs
 #   bash benchmarks/hires_calls.sh c N LIMIT   issue 48 item 3 at box 360 (0.75 Å/px): N EMD-11007 particles of two
 #       states by relion_project, class3d K=6 with the standard benchmark's options, ours 5 iterations, then RELION
@@ -94,12 +95,12 @@ if [ "$1" = hrprof ]; then  # thirty-fifth session: the GPU tests, then N partic
   emd_data 1.4 192 "$2" 1 0.1 /root/hr
   el "data"
   P=profile_refine3d_emd11007_box192_n$2_h200_$3
-  REPO=$PWD; (cd /root/hr && timeout 200 python3 $REPO/benchmarks/profile_job.py --out $OUT/$P.json --kernel_trace 12 \
+  [ -n "${NOPROF:-}" ] || (REPO=$PWD; cd /root/hr && timeout 200 python3 $REPO/benchmarks/profile_job.py --out $OUT/$P.json --kernel_trace 12 \
       -- refine3d --i particles.star --particle_diameter 180.0 --ctf --flatten_solvent --zero_mask --offset_range 5.0 \
       --offset_step 2.0 --pad 2 --random_seed 1 --ref ref.mrc --ini_high 30.0 --sym C1 --healpix_order 2 \
-      --auto_local_healpix_order 4 --low_resol_join_halves 40 --norm --scale --o prof_refine3d/run) \
-      > $OUT/$P.log 2>&1; echo "profile rc $?"; rm -f $OUT/$P.trace.json
-  el "profile"
+      --auto_local_healpix_order 4 --low_resol_join_halves 40 --norm --scale --o prof_refine3d/run \
+      > $OUT/$P.log 2>&1; echo "profile rc $?"; rm -f $OUT/$P.trace.json)
+  el "profile (skipped with NOPROF=1)"
   timeout 150 python3 benchmarks/realistic.py science --data /root/hr --sides ours --diameter 180 --no_true_poses \
       --out $OUT/realistic_emd11007_box192_h200_$3_ours.json 2>&1 | tail -2 | cut -c1-700
   el "ours alone"

@@ -29,8 +29,10 @@ from .backend import get_array_module, launch_grid_stride, raw_module
 ENABLED = True
 
 _SOURCE = r"""
-__device__ __forceinline__ long long wrap(long long i, long long P) {  // Python's i % P for P > 0
-    long long m = i % P;
+__device__ __forceinline__ long long wrap(long long i, int P) {
+    // Python's i % P for P > 0 and |i| < 2^31, in 32 bits (a 64-bit remainder is a long software routine on a
+    // GPU); every caller's i lies within about P of 0 (a point inside the r_max sphere of a grid of edge P)
+    const int m = (int)i % P;
     return m < 0 ? m + P : m;
 }
 
