@@ -40,14 +40,12 @@ from .backend import free_pool, get_array_module, matmul_tf32, to_host
 from .backprojector import insert_by_class, insertion_orientations
 from .ctf import CtfParams, ctf_from_frequencies, demodulation_factors, gamma_offsets
 from .expectation import (
-    ParticleTerms,
     PixelSet,
     SampleLogPrior,
     SliceSet,
     add_to_rows,
     as_slices,
     fine_sums,
-    finish_scores,
     gather_pixels,
     gemm_width,
     grouped_sum,
@@ -538,7 +536,10 @@ def _coarse_pass(b: _Batch, candidates, candidate_log_prior) -> _CoarseResult:
         cand = xp.asarray(candidates)
         valid = cand >= 0
         urows, pos = xp.unique(xp.where(valid, cand, 0), return_inverse=True)
-        diff2 = _gathered_coarse_scores(setup, to_host(urows), pos.reshape(cand.shape), pix, terms)
+        S = _gathered_coarse_slices(setup, to_host(urows), pos.reshape(cand.shape), pix)
+        with matmul_tf32(xp, setup.coarse_tf32):
+            diff2 = scores_gathered(S, terms, setup.check_cancel)
+        del S
         lp_orient = xp.where(valid, xp.asarray(candidate_log_prior), -np.inf)
         if class_prior is not None:
             lp_orient = lp_orient + xp.take_along_axis(class_prior, xp.maximum(cand, 0) // R, axis=1)
@@ -1051,24 +1052,6 @@ def _add_mstep_sums(b: _Batch, acc: _FineSums, sums: EStepSums, groups, scale_gr
 #: searches, where particles rarely share rows. Below it (many particles at the same orientations) the distinct
 #: rows are projected once and copied to each particle.
 DIRECT_PROJECTION_FRACTION = 0.5
-
-
-def _gathered_coarse_scores(setup: EStepSetup, urows: np.ndarray, pos, pix: PixelSet, terms: ParticleTerms):
-    """Scores (I, T, n) of each particle's candidates, given as positions ``pos`` (I, n) in the distinct global
-    rows ``urows``: on a GPU with a 3D reference, projected and scored in one pass (gpu_kernels.project_scores:
-    no (I, n, W) slices are made, read or copied); else the gathered slices and scores_gathered's products."""
-    xp = get_array_module(pos)
-    ref = setup.ref_stack
-    if ref.ndim == 3 and gpu_kernels.project_scores_apply(ref.data, terms.Yt):
-        R = setup.sampling.n_orient
-        A = magnified(xp.asarray(setup.sampling.coarse_matrices(urows % R)), setup.mag)
-        cross, pnorm = gpu_kernels.project_scores(
-            ref.data, A, pix.kx, pix.ky, ref.pad, ref.pad * ref.r_max, pos, terms.Yt, terms.wc2,
-            index=xp.asarray(urows // R) if ref.stacked else None, zero=pix.beyond_radius)
-        return finish_scores(cross, pnorm, terms).astype(np.float32, copy=False)
-    S = _gathered_coarse_slices(setup, urows, pos, pix)
-    with matmul_tf32(xp, setup.coarse_tf32):
-        return scores_gathered(S, terms, setup.check_cancel)
 
 
 def _gathered_coarse_slices(setup: EStepSetup, urows: np.ndarray, pos, pix: PixelSet) -> SliceSet:

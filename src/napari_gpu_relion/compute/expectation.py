@@ -197,7 +197,7 @@ def particle_terms(X, ctf, w, ramps, cc: bool = False, width: int | None = None)
     return ParticleTerms(stacked_shifted((w * c) * X, ramps, width), wc2, x2, cc, xnorm)  # (I, T, 2K): w C X e_t
 
 
-def finish_scores(cross, pnorm, terms: ParticleTerms):
+def _finish_scores(cross, pnorm, terms: ParticleTerms):
     """diff2 without the constant: pnorm - 2 cross; in CC mode -CC = -cross / (|C P| |X|)."""
     xp = get_array_module(cross)
     if terms.cc:
@@ -228,7 +228,7 @@ def scores_shared(P, terms: ParticleTerms, check: Callable[[], None] | None = No
     pnorm = (terms.wc2 @ S.power.T)[:, None, :]  # (I, 1, R)
     if check is not None:
         check()
-    return finish_scores(cross, pnorm, terms).astype(np.float32, copy=False)
+    return _finish_scores(cross, pnorm, terms).astype(np.float32, copy=False)
 
 
 def scores_gathered(Pg, terms: ParticleTerms, check: Callable[[], None] | None = None):
@@ -240,7 +240,7 @@ def scores_gathered(Pg, terms: ParticleTerms, check: Callable[[], None] | None =
     if check is not None:
         check()
     pnorm = xp.matmul(S.power, terms.wc2[:, :, None]).transpose(0, 2, 1)  # (I, 1, n)
-    return finish_scores(cross, pnorm, terms).astype(np.float32, copy=False)
+    return _finish_scores(cross, pnorm, terms).astype(np.float32, copy=False)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -132,87 +132,6 @@ extern "C" __global__ void project_stacked(
     }
 }
 
-#define SCORE_J 64  // candidates per block
-#define SCORE_Q 32  // pixels per tile
-#define SCORE_T 64  // translations per block (blockIdx.z takes the next 64)
-extern "C" __global__ void project_scores(
-        const float2* __restrict__ grid, const float* __restrict__ A, const float* __restrict__ kx,
-        const float* __restrict__ ky, const long long* __restrict__ index, const long long* __restrict__ pos,
-        const bool* __restrict__ zero, const float* __restrict__ Yt, const float* __restrict__ wc2,
-        const long long grid_size, const int P, const int d, const float pad, const float rmp2, const long long I,
-        const long long n, const int T, const long long npix, const long long W, const long long jblocks,
-        float* __restrict__ cross, float* __restrict__ pnorm) {
-    // 256 threads: candidates j0 .. j0 + 63 of particle i (column j is orientation m = pos[i, j] of A, of
-    // reference index[m] of a stack) against translations t0 .. t0 + 63, a tile of 32 pixels at a time: the
-    // tile's 64 x 32 projections are made into shared memory (8 per thread, 0 where zero[p]) beside the
-    // particle's terms Yt[i, t, p] = [Re | Im] there; then thread (t = lane, lane + 32; candidates 8 g .. 8 g + 7,
-    // g its warp) adds Yt Re P + Yt Im P over the tile: cross[i, t, j] is the gathered GEMM's sum in float32, and
-    // pnorm[i, j] = sum_p wc2[i, p] |P(p)|^2. No slice is written to memory.
-    __shared__ float2 S[SCORE_Q][SCORE_J + 1];
-    __shared__ float2 Y[SCORE_Q][SCORE_T];
-    const int tid = threadIdx.x, lane = tid & 31, g = tid >> 5;
-    const long long i = blockIdx.x / jblocks;
-    const long long j0 = (blockIdx.x - i * jblocks) * SCORE_J;
-    const int t0 = blockIdx.z * SCORE_T;
-    const bool two = T - t0 > 32;  // the same in the whole block
-    // the projection role: candidate pj, pixels pq, pq + 4, ..., pq + 28 of each tile
-    const int pj = tid >> 2, pq = tid & 3;
-    const bool valid = j0 + pj < n;
-    const long long m = valid ? pos[i * n + j0 + pj] : 0;
-    const float* a = A + m * d * d;
-    const long long base = (index && valid) ? index[m] * grid_size : 0;
-    const float* c2 = wc2 + i * npix;
-    float acc0[8], acc1[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) { acc0[k] = 0.f; acc1[k] = 0.f; }
-    float pn = 0.f;
-    for (long long p0 = 0; p0 < npix; p0 += SCORE_Q) {
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            const int q = pq + 4 * k;
-            const long long p = p0 + q;
-            float2 v = make_float2(0.f, 0.f);
-            if (valid && p < npix && !(zero && zero[p]))
-                v = project_point(grid, a, kx[p], ky[p], base, P, d, pad, rmp2);
-            if (p < npix) pn += c2[p] * (v.x * v.x + v.y * v.y);
-            S[q][pj] = v;
-        }
-        for (int e = tid; e < SCORE_Q * SCORE_T; e += 256) {
-            const int q = e & (SCORE_Q - 1), t = e / SCORE_Q;
-            const long long p = p0 + q;
-            float2 y = make_float2(0.f, 0.f);
-            if (t0 + t < T && p < npix) {
-                const float* row = Yt + (i * T + t0 + t) * W;
-                y = make_float2(row[p], row[npix + p]);
-            }
-            Y[q][t] = y;
-        }
-        __syncthreads();
-        const int nq = (int)(npix - p0 < SCORE_Q ? npix - p0 : SCORE_Q);
-        for (int q = 0; q < nq; ++q) {
-            const float2 y0 = Y[q][lane];
-            const float2 y1 = Y[q][lane + 32];
-#pragma unroll
-            for (int k = 0; k < 8; ++k) {
-                const float2 v = S[q][g * 8 + k];
-                acc0[k] += y0.x * v.x + y0.y * v.y;
-                if (two) acc1[k] += y1.x * v.x + y1.y * v.y;
-            }
-        }
-        __syncthreads();
-    }
-    pn += __shfl_down_sync(0xffffffffu, pn, 2);
-    pn += __shfl_down_sync(0xffffffffu, pn, 1);
-    if (pq == 0 && valid && blockIdx.z == 0) pnorm[i * n + j0 + pj] = pn;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        const long long j = j0 + g * 8 + k;
-        if (j >= n) break;
-        if (t0 + lane < T) cross[(i * T + t0 + lane) * n + j] = acc0[k];
-        if (t0 + lane + 32 < T) cross[(i * T + t0 + lane + 32) * n + j] = acc1[k];
-    }
-}
-
 extern "C" __global__ void insert_splat(
         double* __restrict__ data_re, double* __restrict__ data_im, double* __restrict__ weight,
         const double* __restrict__ A, const double* __restrict__ kx, const double* __restrict__ ky,
@@ -354,7 +273,7 @@ def finish_scores_applies(cross, pnorm) -> bool:
 
 def finish_scores(cross, pnorm):
     """cross (I, T, R) float32 C-contiguous becomes pnorm - 2 cross in place (pnorm (I, 1, R) float32, broadcast):
-    the diff2 of expectation.finish_scores, the same float32 values, in one pass; returns cross."""
+    the diff2 of expectation._finish_scores, the same float32 values, in one pass; returns cross."""
     if not finish_scores_applies(cross, pnorm):
         raise ValueError("finish_scores takes C-contiguous float32 CuPy scores and float32 norms")
     _finish_kernel()(pnorm, cross)
@@ -470,56 +389,6 @@ def project_stacked(grid, A, kx, ky, pad: int, r_max_padded: float, source, widt
              np.float32(pad), np.float32(r_max_padded**2), np.int64(R), np.int64(npix), np.int64(width), stacked,
              power))
     return stacked, power
-
-
-#: project_scores' candidates and translations per block (SCORE_J, SCORE_T in the source).
-SCORE_J, SCORE_T = 64, 64
-
-
-def project_scores_apply(grid, Yt) -> bool:
-    """project_scores takes these: enabled, a complex64 CuPy reference grid, float32 particle terms."""
-    return projection_applies(grid) and _on_gpu(Yt) and Yt.dtype == np.float32
-
-
-def project_scores(grid, A, kx, ky, pad: int, r_max_padded: float, pos, Yt, wc2, index=None, zero=None):
-    """The coarse scores of a local search in one pass: (cross (I, T, n), pnorm (I, 1, n)) float32 of particle
-    terms Yt (I, T, W) = [Re | Im | zeros] of w C X e_t and wc2 (I, npix), against orientation pos[i, j] of A
-    (M, d, d) for particle i (reference index[pos] of a stacked grid), projected at pixels (kx, ky) (0 where
-    ``zero``). The numbers of project_stacked followed by expectation.scores_gathered's two products, summed in
-    float32 in pixel order, without the (I, n, W) slices: each tile of projections is made in shared memory and
-    used at once by 64 translations (RELION's kernels project on the fly alike)."""
-    import cupy as cp  # noqa: PLC0415
-
-    if not project_scores_apply(grid, Yt):
-        raise ValueError("project_scores takes a complex64 grid and float32 terms")
-    A = cp.ascontiguousarray(A, dtype=np.float32)
-    d = int(A.shape[-1])
-    kx = cp.ascontiguousarray(kx, dtype=np.float32).reshape(-1)
-    ky = cp.ascontiguousarray(ky, dtype=np.float32).reshape(-1)
-    npix = int(kx.size)
-    Yt = cp.ascontiguousarray(Yt)
-    I, T, W = (int(v) for v in Yt.shape)
-    if W < 2 * npix or wc2.shape != (I, npix):
-        raise ValueError(f"terms of shape {Yt.shape} and {wc2.shape} for {npix} pixels")
-    pos = cp.ascontiguousarray(pos, dtype=np.int64)
-    n = int(pos.shape[1]) if pos.ndim == 2 else 0
-    if pos.shape != (I, n):
-        raise ValueError(f"columns of shape {pos.shape} for {I} particles")
-    cross = cp.empty((I, T, n), dtype=np.float32)
-    pnorm = cp.empty((I, 1, n), dtype=np.float32)
-    if I * n == 0:
-        return cross, pnorm
-    idx = np.uint64(0) if index is None else cp.ascontiguousarray(index, dtype=np.int64)
-    zr = np.uint64(0) if zero is None else cp.ascontiguousarray(zero, dtype=bool).reshape(-1)
-    P = int(grid.shape[-2])
-    jblocks = -(-n // SCORE_J)
-    raw_module(_SOURCE).get_function("project_scores")(
-        (I * jblocks, 1, -(-T // SCORE_T)), (256,),
-        (cp.ascontiguousarray(grid), A, kx, ky, idx, pos, zr, Yt, cp.ascontiguousarray(wc2, dtype=np.float32),
-         np.int64(int(np.prod(grid.shape[-d:]))), np.int32(P), np.int32(d), np.float32(pad),
-         np.float32(r_max_padded**2), np.int64(I), np.int64(n), np.int32(T), np.int64(npix), np.int64(W),
-         np.int64(jblocks), cross, pnorm))
-    return cross, pnorm
 
 
 @functools.cache

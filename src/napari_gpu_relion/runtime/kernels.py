@@ -98,33 +98,6 @@ def _stacked_projection_run(xp, inp: dict):
     return xp.concatenate([stacked, power], axis=1)
 
 
-def _local_scores_example(rng, flag: str) -> dict:
-    inp = _stacked_projection_example(rng, flag)
-    I, npix, T = inp["source"].shape[0], inp["kx"].size, 37  # 37 translations: two lane slots of the kernel
-    Yt = np.zeros((I, T, inp["width"]), np.float32)
-    Yt[..., :2 * npix] = rng.normal(size=(I, T, 2 * npix))
-    inp.update(Yt=Yt, wc2=rng.random((I, npix)).astype(np.float32))
-    return inp
-
-
-def _local_scores_run(xp, inp: dict):
-    """[cross | pnorm] (I, T + 1, n) of each particle's rows ``source``: the one-pass kernel on the GPU, on NumPy
-    the array code it replaces (the slices projected, gathered and multiplied)."""
-    d = _device(xp, inp)
-    refs = [projector.prepare_reference(d["vols"][k], pad=2) for k in range(d["vols"].shape[0])]
-    ref = refs[0] if len(refs) == 1 else projector.stack_references(refs)
-    if xp is np:
-        P = projector.project_pixels(ref, d["A"], d["kx"], d["ky"], index=d["index"])
-        P[:, d["zero"]] = 0
-        S = expectation.as_slices(P, d["width"]).take(d["source"])
-        cross = np.matmul(d["Yt"], S.stacked.transpose(0, 2, 1))
-        pnorm = np.matmul(S.power, d["wc2"][:, :, None]).transpose(0, 2, 1)
-    else:
-        cross, pnorm = gpu_kernels.project_scores(ref.data, d["A"], d["kx"], d["ky"], ref.pad, ref.pad * ref.r_max,
-                                                  d["source"], d["Yt"], d["wc2"], index=d["index"], zero=d["zero"])
-    return xp.concatenate([cross, pnorm], axis=1)
-
-
 def _shifted_example(rng, flag: str) -> dict:
     g = (rng.normal(size=(5, 300)) + 1j * rng.normal(size=(5, 300))).astype(np.complex64)
     return {"g": g, "ramps": np.exp(1j * rng.uniform(0, 2 * np.pi, (9, 300))).astype(np.complex64),
@@ -243,8 +216,6 @@ REGISTRY: tuple[FusedOp, ...] = (
             _projection_run, close=2e-5),
     FusedOp("projection into the score layout", ("project_stacked",), "gpu_kernels", ("one reference", "stacked"),
             _stacked_projection_example, _stacked_projection_run, close=2e-5),
-    FusedOp("local coarse scores", ("project_scores",), "gpu_kernels", ("one reference", "stacked"),
-            _local_scores_example, _local_scores_run, close=2e-5),
     FusedOp("shifted images", ("ngr_stacked_shifted",), "gpu_kernels", ("exact width", "padded"), _shifted_example,
             lambda xp, d: expectation.stacked_shifted(*(_device(xp, d)[k] for k in ("g", "ramps", "width"))),
             _shifted_twin),
