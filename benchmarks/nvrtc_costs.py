@@ -20,6 +20,7 @@ import gzip
 import json
 import os
 import platform
+import re
 import time
 from pathlib import Path
 
@@ -37,6 +38,16 @@ def _load_nvrtc() -> None:
             ctypes.CDLL(f, mode=ctypes.RTLD_GLOBAL)
         except OSError:
             pass
+
+
+def _local_include(option: str, site: str) -> str:
+    """A recorded include option (-I<site-packages>/...) on this machine: the recording machine's CUDA headers
+    (nvidia/cu13/include) stand for the local CUDA runtime wheel's where those are absent."""
+    path = option[2:].replace("<site-packages>", site)
+    if not os.path.isdir(path) and "/nvidia/" in path:
+        local = os.path.join(site, "nvidia", "cuda_runtime", "include")
+        path = local if os.path.isdir(local) else path
+    return f"-I{path}"
 
 
 def kind(source: str) -> str:
@@ -58,19 +69,21 @@ def main() -> None:
     from cupy_backends.cuda.libs import nvrtc  # noqa: PLC0415
 
     data = json.loads(gzip.decompress(SHIPPED.read_bytes()))
-    inc = os.path.join(os.path.dirname(cupy.__file__), "_core", "include")
-    includes = [f"-I{inc}"] + [f"-I{inc}/cupy/_cccl/{x}" for x in ("libcudacxx", "cub", "thrust")]
+    site = os.path.dirname(os.path.dirname(cupy.__file__))
     rows = []
     for m in (m for m in data["modules"] if a.job in m["jobs"]):
         opts = [o for o in m["options"] if not o.startswith("-I") and not o.startswith("-arch")]
+        includes = [_local_include(o, site) for o in m["options"] if o.startswith("-I")]
         t = time.perf_counter()
         prog = nvrtc.createProgram(m["source"], "module.cu", [], [])
         try:
             nvrtc.compileProgram(prog, opts + includes + [f"-arch={a.arch}"])
-            ok = True
-        except Exception:  # noqa: BLE001 - counted and reported
-            ok = False
-        rows.append({"kind": kind(m["source"]), "seconds": time.perf_counter() - t, "ok": ok})
+            error = None
+        except Exception:  # noqa: BLE001 - counted and reported with NVRTC's log
+            error = nvrtc.getProgramLog(prog)[:400]
+        name = (re.findall(r"__global__\s+void\s+(\w+)", m["source"]) or ["?"])[0]
+        rows.append({"kind": kind(m["source"]), "name": name, "seconds": time.perf_counter() - t, "ok": error is None,
+                     "error": error})
     by_kind = {}
     for r in rows:
         k = by_kind.setdefault(r["kind"], {"modules": 0, "seconds": 0.0})
@@ -79,7 +92,8 @@ def main() -> None:
     out = {"job": a.job, "arch": a.arch, "cupy": cupy.__version__, "shipped_cupy": data.get("cupy"),
            "nvrtc": list(nvrtc.getVersion()), "cpu": platform.processor() or platform.machine(),
            "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d"), "by_kind": by_kind,
-           "failed": sum(not r["ok"] for r in rows), "total_s": sum(r["seconds"] for r in rows)}
+           "modules": len(rows), "failed": [{k: r[k] for k in ("name", "error")} for r in rows if not r["ok"]],
+           "total_s": sum(r["seconds"] for r in rows)}
     Path(a.out).write_text(json.dumps(out, indent=1))
     print(json.dumps(out))
 
