@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The first-run measurement of issue 46 on one GPU (run from the repository root on the GPU machine; $OUT gets the
 # JSON): a fresh machine's first class3d without any warm-up, then `warmup` and the first and second run of five
-# jobs, each a fresh process (benchmarks/first_run.py).
+# jobs, each a fresh process (benchmarks/first_run.py). With the argument `cub`: the cold class3d with and without
+# CuPy's CUB block reductions instead (not run yet).
 set -u; . benchmarks/gpu_env.sh; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import cupy; print('cupy', cupy.__version__)"; mkdir -p $OUT
 S="--n_micrographs 0 --particle_diameter 250 --snr 0.05"
@@ -15,6 +16,17 @@ R3="refine3d --i /root/d128/particles.star --ref /root/d128/reference.mrc --ini_
 C2="class2d --i /root/d128/particles.star --K 200 --iter 3 $J"
 C6="class3d --i /root/d256/particles.star --ref /root/d256/reference.mrc --ini_high 60 --K 6 --iter 3 --random_seed 1 $J"
 R6="refine3d --i /root/d360/particles.star --ref /root/d360/reference.mrc --ini_high 60 --healpix_order 1 --auto_local_healpix_order 2 --auto_iter_max 4 $J"
+if [ "${1:-}" = cub ]; then  # `bash benchmarks/first_run.sh cub`: the cold class3d with CuPy's CUB block reductions
+  # (its default) and without them (CUPY_ACCELERATORS empty: CuPy's own reduction kernels), each on a fresh cache,
+  # three runs each: CUB's 25 modules are 65 % of NVRTC's time on the class3d list (nvrtc_costs.py)
+  for acc in cub none; do
+    A=""; [ $acc = cub ] && A=cub
+    CUPY_ACCELERATORS=$A CUPY_CACHE_DIR=/root/c_$acc python3 benchmarks/first_run.py --data x --work /root/w_$acc \
+      --out $OUT/first_run_cold_accelerators_${acc}.json --step "cold_class3d=$C3" --step "second_class3d=$C3" \
+      --step "third_class3d=$C3"
+  done
+  exit 0
+fi
 CUPY_CACHE_DIR=/root/c_cold python3 benchmarks/first_run.py --data x --work /root/w1 --out $OUT/first_run_cold.json --step "cold_class3d=$C3" --step "second_class3d=$C3"
 CUPY_CACHE_DIR=/root/c_warm python3 benchmarks/first_run.py --data x --work /root/w2 --out $OUT/first_run_warmup.json --step "warmup=warmup --gpu 0" \
   --step "first_class3d=$C3" --step "second_class3d=$C3" --step "first_refine3d=$R3" --step "second_refine3d=$R3" \
