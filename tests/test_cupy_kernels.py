@@ -74,6 +74,28 @@ def test_entries_hold_their_own_options_and_another_version_takes_none(monkeypat
     assert cupy_kernels.shipped_entries("class2d") == []
 
 
+def test_cubs_block_reductions_are_left_out_where_cupy_is_set_not_to_use_cub(monkeypatch, tmp_path):
+    data = _data()
+    _fake_cupy(monkeypatch, tmp_path, data["cupy"])
+    cub = [e for e in data["modules"] if "class3d" in e["jobs"] and cupy_kernels.CUB_REDUCTION in e["source"]]
+    everything = cupy_kernels.shipped_entries("class3d")
+    for setting, kept in ((None, len(everything)), ("cub", len(everything)), ("cutensor, cub", len(everything)),
+                          ("", len(everything) - len(cub)), ("cutensor", len(everything) - len(cub))):
+        if setting is None:
+            monkeypatch.delenv("CUPY_ACCELERATORS", raising=False)
+        else:
+            monkeypatch.setenv("CUPY_ACCELERATORS", setting)
+        got = cupy_kernels.shipped_entries("class3d")
+        assert len(got) == kept, setting
+        assert any(cupy_kernels.CUB_REDUCTION in e["source"] for e in got) == (kept == len(everything))
+    assert len(cub) >= 20
+    # a cache compiled without them is not taken for one compiled with them
+    monkeypatch.setenv("CUPY_ACCELERATORS", "")
+    without = cupy_kernels._marker("class3d", tmp_path)  # noqa: SLF001
+    monkeypatch.delenv("CUPY_ACCELERATORS")
+    assert without != cupy_kernels._marker("class3d", tmp_path)  # noqa: SLF001
+
+
 def test_a_worker_compiles_each_module_as_a_raw_module_and_counts_what_compiled(monkeypatch, tmp_path):
     calls = _fake_cupy(monkeypatch, tmp_path, "x", fail="broken")
     entries = [{"source": "a __global__", "options": ["--std=c++17"]},

@@ -58,9 +58,22 @@ def entry_key(source: str, options) -> str:
     return json.dumps([source, own_options(options)])
 
 
+#: The kernel name that marks CuPy's CUB block reductions (``cupy_cub_sum``, ``cupy_cub_any_pass1``, ...).
+CUB_REDUCTION = "cupy_cub_"
+
+
+def cub_reductions() -> bool:
+    """Whether CuPy makes its reductions with CUB: its public CUPY_ACCELERATORS setting (unset: CuPy's default,
+    CUB) names "cub". These 25 modules of the class3d list take 65 % of NVRTC's time (benchmarks/nvrtc_costs.py):
+    where CuPy will not use them, nothing compiles them ahead."""
+    setting = os.environ.get("CUPY_ACCELERATORS")
+    return setting is None or "cub" in [s.strip() for s in setting.split(",")]
+
+
 def shipped_entries(job: str | None = None) -> list[dict]:
     """The shipped modules of job kind ``job`` (every kind: None) as {"source", "options"} with the module's own
-    options; [] without CuPy, without the list, or when it was recorded with another CuPy version."""
+    options, less CuPy's CUB block reductions where CuPy is set not to use CUB; [] without CuPy, without the list,
+    or when it was recorded with another CuPy version."""
     data = _data()
     try:
         import cupy  # noqa: PLC0415
@@ -68,13 +81,15 @@ def shipped_entries(job: str | None = None) -> list[dict]:
         return []
     if data is None or data.get("cupy") != cupy.__version__:
         return []
+    cub = cub_reductions()
     return [{"source": e["source"], "options": own_options(e["options"])}
-            for e in data["modules"] if job is None or job in e["jobs"]]
+            for e in data["modules"] if (job is None or job in e["jobs"]) and (cub or CUB_REDUCTION not in e["source"])]
 
 
 def _marker(job: str | None, cache_dir: Path) -> Path:
     digest = hashlib.sha1(SHIPPED.read_bytes()).hexdigest()[:12] if SHIPPED.exists() else "none"
-    return cache_dir / "napari_gpu_relion_preload" / f"compiled_{job or 'all'}_{digest}.done"
+    cub = "" if cub_reductions() else "_without_cub"
+    return cache_dir / "napari_gpu_relion_preload" / f"compiled_{job or 'all'}{cub}_{digest}.done"
 
 
 def compiled(job: str, cache_dir: Path) -> bool:
