@@ -11,8 +11,8 @@
 #       own session (stopped after LIMIT s); the call waits for it until UNTIL s (560) after its start, then does
 #       what b does if RELION finished
 #   bash benchmarks/hires_calls.sh hrlocal N SNR LIMIT [UNTIL]   (thirty-fifth session) RELION's build beside the GPU
-#       tests of the local searches' one-pass coarse scores, then hr (files tagged thirtyfifth; b with
-#       HR_TAG=realistic_emd11007_box192_h200_thirtyfifth)
+#       tests of the fused kernels and local searches (that session's one-pass coarse scores, since reverted), then
+#       hr (files tagged thirtyfifth; b with HR_TAG=realistic_emd11007_box192_h200_thirtyfifth)
 #   bash benchmarks/hires_calls.sh hrprof N TAG   (thirty-fifth session) the GPU tests of the fused kernels while
 #       RELION builds, N particles as hr, our auto-refine under profile_job.py (not with NOPROF=1) and then alone
 #       (files tagged TAG)
@@ -55,6 +55,11 @@ emd_data() {  # $1 Å/px, $2 box, $3 particles, $4 states, $5 SNR, $6 folder: EM
   python3 benchmarks/standard_class3d.py make-data --map .relion_kit/emd_11007_centred192.mrc --map_angpix 0.834 \
       --angpix $1 --box $2 --n "$3" --states $4 --snr $5 --jobs 16 --out $6 2>&1 | tail -1 | cut -c1-300
 }
+fused_tests() {  # $1 tag: the GPU tests of the fused kernels and the local searches (log in $OUT)
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_registry.py tests/test_gpu.py \
+      -k "local or twin or build or fused" > $OUT/gpu_tests_$1.log 2>&1; echo "pytest rc $?"
+  grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gpu_tests_$1.log | tail -8 | cut -c1-300
+}
 ctf_data() {  # $1 particles for ctf_refine_bench.py (16 processes); RELION and relion_ctf_refine built
   start_relion
   python3 benchmarks/ctf_refine_bench.py make --out /root/ctf$1 --n $1 --seed 2 --jobs 16 | cut -c1-300
@@ -76,10 +81,9 @@ ctf_run() {  # ours twice (and with --batch 16384 when $3 is set), then relion_c
   python3 benchmarks/ctf_refine_bench.py compare $OUT/${CT}_gpu.json $OUT/${CT}_relion_bf0_j16.json \
       --out $OUT/${CT}_compare.json | cut -c1-800
 }
-if [ "$1" = hrlocal ]; then  # thirty-fifth session: the GPU tests of the one-pass local coarse scores, then hr
+if [ "$1" = hrlocal ]; then  # thirty-fifth session: the GPU tests of the fused kernels, then hr
   start_relion
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_registry.py tests/test_gpu.py \
-      -k "local or twin or build or fused" 2>&1 | tail -4 | cut -c1-2500
+  fused_tests thirtyfifth
   el "GPU tests (RELION building beside them)"
   wait_relion
   export HR_TAG=realistic_emd11007_box192_h200_thirtyfifth; R=$HR_TAG
@@ -87,18 +91,16 @@ if [ "$1" = hrlocal ]; then  # thirty-fifth session: the GPU tests of the one-pa
 fi
 if [ "$1" = hrprof ]; then  # thirty-fifth session: the GPU tests, then N particles as hr, our auto-refine profiled
   start_relion              # (iteration 12 under the kernel trace) and run alone (realistic.py, no true poses)
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_registry.py tests/test_gpu.py \
-      -k "local or twin or build or fused" > $OUT/gpu_tests_$3.log 2>&1; echo "pytest rc $?"
-  grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gpu_tests_$3.log | tail -8 | cut -c1-300
+  fused_tests "$3"
   el "GPU tests (RELION building beside them)"
   wait_relion
   emd_data 1.4 192 "$2" 1 0.1 /root/hr
   el "data"
   P=profile_refine3d_emd11007_box192_n$2_h200_$3
-  [ -n "${NOPROF:-}" ] || (REPO=$PWD; cd /root/hr && timeout 200 python3 $REPO/benchmarks/profile_job.py --out $OUT/$P.json --kernel_trace 12 \
-      -- refine3d --i particles.star --particle_diameter 180.0 --ctf --flatten_solvent --zero_mask --offset_range 5.0 \
-      --offset_step 2.0 --pad 2 --random_seed 1 --ref ref.mrc --ini_high 30.0 --sym C1 --healpix_order 2 \
-      --auto_local_healpix_order 4 --low_resol_join_halves 40 --norm --scale --o prof_refine3d/run \
+  [ -n "${NOPROF:-}" ] || (REPO=$PWD; cd /root/hr && timeout 200 python3 $REPO/benchmarks/profile_job.py \
+      --out $OUT/$P.json --kernel_trace 12 -- refine3d --i particles.star --particle_diameter 180.0 --ctf \
+      --flatten_solvent --zero_mask --offset_range 5.0 --offset_step 2.0 --pad 2 --random_seed 1 --ref ref.mrc \
+      --ini_high 30.0 --sym C1 --healpix_order 2 --auto_local_healpix_order 4 --low_resol_join_halves 40 --norm --scale --o prof_refine3d/run \
       > $OUT/$P.log 2>&1; echo "profile rc $?"; rm -f $OUT/$P.trace.json)
   el "profile (skipped with NOPROF=1)"
   timeout 150 python3 benchmarks/realistic.py science --data /root/hr --sides ours --diameter 180 --no_true_poses \
