@@ -66,10 +66,11 @@ def test_writes_handed_over_before_a_failure_was_reported_are_skipped_in_both_la
         raise OSError("no helper in this test")
 
     monkeypatch.setattr(write_queue, "_Helper", no_helper)  # the STAR lane writes on its own thread
-    gate, done = threading.Event(), []
+    gate, started, done = threading.Event(), threading.Event(), []
 
     @write_queue.formats_text
     def held():
+        started.set()
         gate.wait(30)
         done.append("held")
 
@@ -83,6 +84,7 @@ def test_writes_handed_over_before_a_failure_was_reported_are_skipped_in_both_la
     q = WriteQueue("test", helper_process=True)
     q.put(held)
     q.put(star, "before")  # waits behind the held write
+    assert started.wait(30)  # the held write runs before the failure (on a loaded machine its lane starts late)
     q.put(fail)  # the other lane: fails at once
     for _ in range(600):
         if q._error is not None:
