@@ -59,10 +59,12 @@ def main() -> None:
     a = ap.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    rows = [run_step(s.split("=", 1)[0], s.split("=", 1)[1], a.data, work) for s in a.step]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"gpu": gpu_name(), "date": time.strftime("%Y-%m-%d"), "steps": rows},
-                                      indent=1))
+    rows: list[dict] = []
+    for s in a.step:  # the JSON is written after every step: a call cut short keeps the steps it finished
+        rows.append(run_step(s.split("=", 1)[0], s.split("=", 1)[1], a.data, work))
+        Path(a.out).write_text(json.dumps({"gpu": gpu_name(), "date": time.strftime("%Y-%m-%d"), "steps": rows},
+                                          indent=1))
 
 
 if __name__ == "__main__":

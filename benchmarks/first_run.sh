@@ -6,9 +6,10 @@
 set -u; . benchmarks/gpu_env.sh; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import cupy; print('cupy', cupy.__version__)"; mkdir -p $OUT
 S="--n_micrographs 0 --particle_diameter 250 --snr 0.05"
+M=${1:-}  # `cub`: all three runs with and without CUB; `nocub`: the box-128 data only, without CUB first
 [ -f /root/d128/particles.star ] || ngr simulate --o /root/d128 --n_particles 5000 --box 128 --angpix 2.54 --conformations 2 $S > /tmp/s1.log 2>&1 &
-[ -f /root/d256/particles.star ] || ngr simulate --o /root/d256 --n_particles 3000 --box 256 --angpix 1.27 --conformations 2 $S > /tmp/s2.log 2>&1 &
-[ -f /root/d360/particles.star ] || ngr simulate --o /root/d360 --n_particles 1500 --box 360 --angpix 0.903 $S > /tmp/s3.log 2>&1 &
+[ -f /root/d256/particles.star ] || [ -n "$M" ] || ngr simulate --o /root/d256 --n_particles 3000 --box 256 --angpix 1.27 --conformations 2 $S > /tmp/s2.log 2>&1 &
+[ -f /root/d360/particles.star ] || [ -n "$M" ] || ngr simulate --o /root/d360 --n_particles 1500 --box 360 --angpix 0.903 $S > /tmp/s3.log 2>&1 &
 wait
 J="--ctf --particle_diameter 250 --gpu 0 --o {out}/run"
 C3="class3d --i /root/d128/particles.star --ref /root/d128/reference.mrc --ini_high 60 --K 4 --iter 5 --random_seed 1 $J"
@@ -16,7 +17,15 @@ R3="refine3d --i /root/d128/particles.star --ref /root/d128/reference.mrc --ini_
 C2="class2d --i /root/d128/particles.star --K 200 --iter 3 $J"
 C6="class3d --i /root/d256/particles.star --ref /root/d256/reference.mrc --ini_high 60 --K 6 --iter 3 --random_seed 1 $J"
 R6="refine3d --i /root/d360/particles.star --ref /root/d360/reference.mrc --ini_high 60 --healpix_order 1 --auto_local_healpix_order 2 --auto_iter_max 4 $J"
-if [ "${1:-}" = cub ]; then  # `bash benchmarks/first_run.sh cub`: the cold class3d with CuPy's CUB block reductions
+if [ "$M" = nocub ]; then  # a short call: cold and second run without CUB, then with it (each on a fresh cache)
+  for acc in none cub; do
+    A=""; [ $acc = cub ] && A=cub
+    CUPY_ACCELERATORS=$A CUPY_CACHE_DIR=/root/c_$acc python3 benchmarks/first_run.py --data x --work /root/w_$acc \
+      --out $OUT/first_run_cold_accelerators_${acc}.json --step "cold_class3d=$C3" --step "second_class3d=$C3"
+  done
+  exit 0
+fi
+if [ "$M" = cub ]; then  # `bash benchmarks/first_run.sh cub`: the cold class3d with CuPy's CUB block reductions
   # (its default) and without them (CUPY_ACCELERATORS empty: CuPy's own reduction kernels), each on a fresh cache,
   # three runs each: CUB's 25 modules are 65 % of NVRTC's time on the class3d list (nvrtc_costs.py)
   for acc in cub none; do
