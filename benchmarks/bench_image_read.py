@@ -8,7 +8,9 @@ one random half, then the other). Each read path (``direct``: io/mrc.LazyStack's
 thread (Python work with a short call that releases Python's lock every ~50 statements, like CuPy's launches):
 the job thread's work lost while the reader runs is what the reader costs the job.
 
-Run: python benchmarks/bench_image_read.py --out benchmarks/results/image_read_<machine>.json
+With ``--threads 1,2,4`` also the job's background reader (jobs/read_ahead.ImageReadAhead) with that many threads.
+
+Run: python benchmarks/bench_image_read.py --threads 1,2,4 --out benchmarks/results/image_read_<machine>.json
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import starfile
 
 from napari_gpu_relion.io import mrc
 from napari_gpu_relion.jobs.particles import load_particle_set
-from napari_gpu_relion.jobs.read_ahead import BLOCK_ROWS
+from napari_gpu_relion.jobs.read_ahead import AHEAD_BYTES, BLOCK_ROWS, ImageReadAhead
 
 _BUF = bytes(4096)
 
@@ -105,15 +107,40 @@ def measure(star: Path, order_kind: str, path_kind: str) -> dict:
         mrc.DIRECT_READ_MIN_IMAGES_PER_WINDOW = saved
 
 
+def measure_threads(star: Path, order_kind: str, threads: int) -> dict:
+    """Every image read by the job's background reader (jobs/read_ahead.ImageReadAhead) with ``threads`` threads,
+    blocks taken in order as a job takes them (best of three, the page cache warm)."""
+    ps = load_particle_set(star, ctf=False)
+    order = np.arange(len(ps)) if order_kind == "stack" else \
+        np.concatenate([np.flatnonzero(ps.subset == h) for h in (1, 2)])
+    ahead = AHEAD_BYTES // (BLOCK_ROWS * ps.box * ps.box * 4)
+
+    def read_all() -> float:
+        ps.checked[:] = False
+        t = time.perf_counter()
+        reader = ImageReadAhead(ps._read, order, len(ps), BLOCK_ROWS, ahead, threads=threads)
+        while reader.next(wait=True) is not None:
+            pass
+        return time.perf_counter() - t
+
+    read_all()
+    alone = min(read_all() for _ in range(3))
+    gb = len(order) * ps.box * ps.box * 4 / 1e9
+    return {"order": order_kind, "path": "read_ahead", "threads": threads, "read_alone_s": round(alone, 4),
+            "gb_per_s": round(gb / alone, 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=10000)
     ap.add_argument("--box", type=int, default=128)
     ap.add_argument("--dir", default="/tmp/bench_image_read")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--threads", default="", help="e.g. 1,2,4: the background reader with that many threads")
     a = ap.parse_args()
     star = make_data(Path(a.dir), a.n, a.box)
     rows = [measure(star, o, p) for o in ("stack", "halves") for p in ("direct", "map")]
+    rows += [measure_threads(star, o, int(k)) for o in ("stack", "halves") for k in a.threads.split(",") if k]
     for r in rows:
         print(r)
     res = {"hardware": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",

@@ -44,13 +44,14 @@ def _stack_table(folder: Path, n: int = 40, box: int = 8, nan_at: int | None = N
     return read_particles(folder / "p.star"), imgs
 
 
-def test_images_read_ahead_are_load_images(tmp_path, monkeypatch):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_images_read_ahead_are_load_images(tmp_path, monkeypatch, threads):
     monkeypatch.chdir(tmp_path)
     table, imgs = _stack_table(tmp_path)
     locations = check_image_stacks(table)
     seq = np.random.default_rng(1).permutation(len(imgs))  # the batches' order of the rows
     cuts = np.array([0, 7, 20, 33, 40])
-    reader = J._ImagesAhead(J._image_reader(table, locations), seq, cuts, ahead=1)
+    reader = J._ImagesAhead(J._image_reader(table, locations), seq, cuts, ahead=1, threads=threads)
     try:
         for a, b in ((0, 7), (7, 12), (7, 10), (10, 25), (25, 40)):  # a batch; a retry's smaller part; across
             got = reader.take(a, b)
@@ -62,11 +63,13 @@ def test_images_read_ahead_are_load_images(tmp_path, monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:Data array contains NaN")
-def test_a_bad_image_is_raised_by_take_every_time(tmp_path, monkeypatch):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_bad_image_is_raised_by_take_every_time(tmp_path, monkeypatch, threads):
     monkeypatch.chdir(tmp_path)
     table, imgs = _stack_table(tmp_path, nan_at=25)
     seq = np.arange(len(imgs))
-    reader = J._ImagesAhead(J._image_reader(table, check_image_stacks(table)), seq, np.array([0, 20, 40]), ahead=1)
+    reader = J._ImagesAhead(J._image_reader(table, check_image_stacks(table)), seq, np.array([0, 20, 40]), ahead=1,
+                            threads=threads)
     try:
         np.testing.assert_array_equal(reader.take(0, 20), imgs[:20])
         for _ in range(2):  # also when an out-of-memory retry asks again (never a wait for a block that never comes)

@@ -416,11 +416,12 @@ def test_the_device_image_policy_counts_a_ranks_rows_with_a_margin():
     assert memory.device_images_capacity(1000, each, free, own_rows=900) == 1000  # never more than the set
 
 
-def test_images_read_ahead_in_the_background_equal_the_disk_whatever_the_order_asked(tmp_path, monkeypatch):
-    """The reader reads blocks of its order in a thread; images() takes what is ready, waits only for rows being
-    read, and reads itself the rows the reader has not started (asked out of order) or was never given. The same
-    images as the disk, each row read once; afterwards no file is needed, the reader's thread has ended, and a
-    second read_ahead has nothing to do."""
+@pytest.mark.parametrize("threads", [1, 3])
+def test_images_read_ahead_in_the_background_equal_the_disk_whatever_the_order_asked(tmp_path, monkeypatch, threads):
+    """The reader reads blocks of its order in a thread (or several); images() takes what is ready, waits only for
+    rows being read, and reads itself the rows the reader has not started (asked out of order) or was never given.
+    The same images as the disk, each row read once; afterwards no file is needed, the reader's threads have ended,
+    and a second read_ahead has nothing to do."""
     monkeypatch.setattr(particles, "BLOCK_ROWS", 7)
     star = _copy_sample(tmp_path / "d")
     ps = load_particle_set(star, ctf=True, halves=False)
@@ -436,7 +437,7 @@ def test_images_read_ahead_in_the_background_equal_the_disk_whatever_the_order_a
 
     monkeypatch.setattr(ps, "_read", counted)
     order = np.r_[np.arange(n - 1, 10, -1), np.arange(0, 6)]  # rows 6..10 are not the reader's
-    ps.read_ahead(np.r_[order, order[:5]])  # repeated rows are read once
+    ps.read_ahead(np.r_[order, order[:5]], threads)  # repeated rows are read once
     reader = ps.ahead
     assert reader is not None
     for rows in (np.array([0, n - 1, 8]), np.arange(n)[::3], np.array([7, 9, 10, 6]), np.arange(n)):
@@ -451,9 +452,49 @@ def test_images_read_ahead_in_the_background_equal_the_disk_whatever_the_order_a
     np.testing.assert_array_equal(ps.images(np.arange(n)[::-1]), disk[::-1])
 
 
-def test_a_bad_image_met_by_the_reader_is_raised_in_the_jobs_thread(tmp_path, monkeypatch):
-    """An image with a NaN pixel, read by the background reader: the job's thread gets the same InputError (stack,
-    image number, STAR line) as a read in its own thread, at its next request; the reader has stopped."""
+def test_several_reader_threads_hand_the_blocks_over_in_order_each_row_once():
+    """Four threads read blocks that take random times: next() gives them in the blocks' order (ctf_refine's
+    batches need it), each unclaimed row once, never a claimed row; a block wholly claimed is skipped; at most
+    ``ahead_blocks`` blocks are read beyond the last one taken."""
+    from napari_gpu_relion.jobs.read_ahead import ImageReadAhead  # noqa: PLC0415
+
+    rng = np.random.default_rng(3)
+    order = rng.permutation(200)
+    delays = rng.uniform(0, 0.01, 200)
+    lock, ahead_seen, taken = threading.Lock(), [], [0]
+    started = [0]
+
+    def read(rows):
+        with lock:
+            started[0] += 1
+            ahead_seen.append(started[0] - taken[0])
+        time.sleep(float(delays[rows].max()))
+        return rows[:, None, None].astype(np.float32) * np.ones((1, 2, 2), np.float32)
+
+    reader = ImageReadAhead(read, order, 200, 9, ahead_blocks=3, threads=4)
+    claimed = order[18:27]  # the third block, claimed by the caller before a thread reaches it (or in part)
+    reader.claim(claimed)
+    got = []
+    while (item := reader.next(wait=True)) is not None:
+        rows, images = item
+        time.sleep(0.01)  # a slow job: unbounded threads would run many blocks ahead
+        with lock:
+            taken[0] += 1
+        np.testing.assert_array_equal(images[:, 0, 0], rows)
+        got.append(rows)
+    assert reader.finished and not reader.alive
+    done = np.concatenate(got)
+    expect = order[~np.isin(order, claimed) | np.isin(order, done)]
+    np.testing.assert_array_equal(done, expect)  # in order, each row once; claimed rows only if started first
+    assert not np.isin(order[27:], claimed).any() and len(np.unique(done)) == len(done)
+    assert max(ahead_seen) <= 3 + 1  # a thread starts a block only while fewer than 3 wait beyond the last taken
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_bad_image_met_by_the_reader_is_raised_in_the_jobs_thread(tmp_path, monkeypatch, threads):
+    """An image with a NaN pixel, read by the background reader (one thread or several): the job's thread gets the
+    same InputError (stack, image number, STAR line) as a read in its own thread, at its next request; the reader
+    has stopped."""
     monkeypatch.setattr(particles, "BLOCK_ROWS", 5)
     star = _copy_sample(tmp_path / "d")
     stack = tmp_path / "d" / "particles" / "particles.mrcs"
@@ -466,9 +507,9 @@ def test_a_bad_image_met_by_the_reader_is_raised_in_the_jobs_thread(tmp_path, mo
         ps.images(np.arange(10, 14))
     ps = load_particle_set(star, ctf=True, halves=False)
     ps.keep_images_in_memory()
-    ps.read_ahead(np.arange(len(ps)))
+    ps.read_ahead(np.arange(len(ps)), threads)
     reader = ps.ahead
-    reader._thread.join(timeout=10)  # the reader has met the bad block and stopped
+    reader.join(timeout=10)  # the reader has met the bad block and stopped
     assert not reader.alive
     with pytest.raises(InputError) as ahead:
         for _ in range(4):  # the blocks before the bad one come first
@@ -517,3 +558,13 @@ def test_a_data_star_handed_to_the_writer_says_the_state_when_handed_over_not_la
     assert got["rlnImageName"].tolist() == expected["rlnImageName"].tolist()
     assert got["rlnClassNumber"].tolist() == [3] * len(ps)
     assert state.kept is None and state.ahead is None
+
+
+def test_reader_threads_leave_half_the_hosts_cores_to_the_jobs(monkeypatch):
+    """read_threads: READ_THREADS per rank at most, the ranks of a host together at most half its cores, one at
+    least (a 2-core machine keeps one reader thread)."""
+    from napari_gpu_relion.jobs import read_ahead  # noqa: PLC0415
+
+    for cores, ranks, want in ((16, 1, 4), (16, 2, 4), (16, 4, 2), (16, 16, 1), (2, 1, 1), (1, 1, 1), (64, 1, 4)):
+        monkeypatch.setattr(read_ahead.os, "cpu_count", lambda c=cores: c)
+        assert read_ahead.read_threads(ranks) == want, (cores, ranks)

@@ -55,7 +55,7 @@ from ..runtime.distributed import root_events, world
 from ..runtime.memory import batched_with_oom_retry, free_cached_memory, image_batch
 from .common import check_output_folder, param, prepare_output, require_file, write_note
 from .particles import MAG_COLUMNS, row_aberrations, row_magnification
-from .read_ahead import AHEAD_BYTES, ImageReadAhead
+from .read_ahead import AHEAD_BYTES, ImageReadAhead, read_threads
 from .reconstruct import ANGLE_COLUMNS, particle_offsets_px
 
 JOB_NAME = "ctf_refine"
@@ -288,10 +288,11 @@ class _ImagesAhead:
     of positions [p0, p1) of ``seq``: a batch, or part of one when a batch was cut after running out of memory (p0
     never goes back). A reading error is raised by ``take``, again at every later call."""
 
-    def __init__(self, read: Callable[[np.ndarray], np.ndarray], seq: np.ndarray, cuts: np.ndarray, ahead: int):
+    def __init__(self, read: Callable[[np.ndarray], np.ndarray], seq: np.ndarray, cuts: np.ndarray, ahead: int,
+                 threads: int = 1):
         blocks = [seq[a:b] for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True)]
         self._reader = ImageReadAhead(read, seq, int(seq.max()) + 1 if seq.size else 0, 0, max(1, int(ahead)),
-                                      blocks=blocks)
+                                      blocks=blocks, threads=threads)
         self._held: list[tuple[int, int, np.ndarray]] = []  # (p0, p1, images) taken from the reader
         self._end = 0  # where the reader's next block starts
         self._error: BaseException | None = None
@@ -578,7 +579,8 @@ def _job(p: Params, closing: list) -> Iterator:
     cuts = np.append(cuts, seq.size)
     reader = None
     if seq.size:  # reading starts now, beside the reference's preparation and the refinement
-        reader = _ImagesAhead(_image_reader(table, locations), seq, cuts, AHEAD_BYTES // max(1, per_batch * 4 * N * N))
+        reader = _ImagesAhead(_image_reader(table, locations), seq, cuts, AHEAD_BYTES // max(1, per_batch * 4 * N * N),
+                              read_threads(comm.ranks_on_host))
         closing.append(reader)
 
     v1, v2 = ref_in.half1, ref_in.half2

@@ -141,10 +141,10 @@ class ParticleSet:
             self.kept[xp.asarray(places[ok])] = xp.asarray(part)
         self.slot[rows[ok]] = places[ok]
 
-    def read_ahead(self, order) -> None:
-        """Read the images of rows ``order`` (in the order the job will ask for them) from their stacks in a
-        background thread while the job starts and computes (jobs/read_ahead.py); images() takes them as they
-        come, and reads itself the rows the reader has not started. Nothing when images are not kept in memory,
+    def read_ahead(self, order, threads: int = 1) -> None:
+        """Read the images of rows ``order`` (in the order the job will ask for them) from their stacks in
+        ``threads`` background threads while the job starts and computes (jobs/read_ahead.py); images() takes them
+        as they come, and reads itself the rows the reader has not started. Nothing when images are not kept in memory,
         when they all are already, or while a reader runs."""
         if self.kept is None or self.ahead is not None:
             return
@@ -155,7 +155,8 @@ class ParticleSet:
         if order.size == 0:
             return
         block_bytes = BLOCK_ROWS * self.box * self.box * 4
-        self.ahead = ImageReadAhead(self._read, order, len(self), BLOCK_ROWS, AHEAD_BYTES // block_bytes)
+        self.ahead = ImageReadAhead(self._read, order, len(self), BLOCK_ROWS, AHEAD_BYTES // block_bytes,
+                                    threads=threads)
 
     def stop_reading(self) -> None:
         """End the background reader (the job ends, is cancelled or failed); the rows it has not read are read

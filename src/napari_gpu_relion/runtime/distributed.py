@@ -96,6 +96,11 @@ class SingleProcess:
     def local_rank(self) -> int:
         return self.rank
 
+    @property
+    def ranks_on_host(self) -> int:
+        """How many ranks run on this rank's host (they share its cores: jobs/read_ahead.read_threads)."""
+        return 1
+
     def describe(self) -> str:
         return f"rank {self.rank} of {self.size} on {self.host}"
 
@@ -168,12 +173,17 @@ class MPICommunicator(SingleProcess):
         self.host = MPI.Get_processor_name()
         lr = local_rank()
         self._local = lr if lr is not None else self.comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+        self._on_host = sum(h == self.host for h in self.comm.allgather(self.host))
         self._gpu_sum: _GPUSum | None | bool = False  # not decided yet (see _device_sum)
         self.reduction_path = "host buffers (MPI)"
 
     @property
     def local_rank(self) -> int:
         return self._local
+
+    @property
+    def ranks_on_host(self) -> int:
+        return self._on_host
 
     def _allreduce_host(self, buf: np.ndarray) -> None:
         flat = buf.reshape(-1)
