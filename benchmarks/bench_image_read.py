@@ -65,6 +65,26 @@ def job_thread(stop: threading.Event, out: list) -> None:
     out.append(n)
 
 
+def beside_job(read_all, alone: float) -> tuple[float, float]:
+    """(seconds of ``read_all`` beside a job thread, the job thread's work lost meanwhile in seconds): the job
+    thread's loop rate alone (for ``alone`` seconds at least 0.2) against its rate while ``read_all`` runs."""
+    rates = {}
+    for beside in (False, True):
+        stop, loops = threading.Event(), []
+        th = threading.Thread(target=job_thread, args=(stop, loops))
+        th.start()
+        t = time.perf_counter()
+        if beside:
+            read_all()
+        else:
+            time.sleep(max(alone, 0.2))
+        dt = time.perf_counter() - t
+        stop.set()
+        th.join()
+        rates[beside] = (loops[0] / dt, dt)
+    return rates[True][1], rates[True][1] * (1.0 - rates[True][0] / rates[False][0])
+
+
 def measure(star: Path, order_kind: str, path_kind: str) -> dict:
     saved = mrc.DIRECT_READ_MIN_IMAGES_PER_WINDOW
     if path_kind == "map":
@@ -84,24 +104,10 @@ def measure(star: Path, order_kind: str, path_kind: str) -> dict:
 
         read_all()  # the page cache holds the stack (a job's data read before)
         alone = min(read_all() for _ in range(3))
-        rates = {}
-        for beside in (False, True):
-            stop, loops = threading.Event(), []
-            th = threading.Thread(target=job_thread, args=(stop, loops))
-            th.start()
-            t = time.perf_counter()
-            if beside:
-                read_all()
-            else:
-                time.sleep(max(alone, 0.2))
-            dt = time.perf_counter() - t
-            stop.set()
-            th.join()
-            rates[beside] = (loops[0] / dt, dt)
-        lost = rates[True][1] * (1.0 - rates[True][0] / rates[False][0])
+        beside, lost = beside_job(read_all, alone)
         gb = len(order) * ps.box * ps.box * 4 / 1e9
         return {"order": order_kind, "path": path_kind, "read_alone_s": round(alone, 4),
-                "gb_per_s": round(gb / alone, 2), "read_beside_job_s": round(rates[True][1], 4),
+                "gb_per_s": round(gb / alone, 2), "read_beside_job_s": round(beside, 4),
                 "job_thread_lost_s": round(lost, 4)}
     finally:
         mrc.DIRECT_READ_MIN_IMAGES_PER_WINDOW = saved
@@ -125,9 +131,11 @@ def measure_threads(star: Path, order_kind: str, threads: int) -> dict:
 
     read_all()
     alone = min(read_all() for _ in range(3))
+    beside, lost = beside_job(read_all, alone)
     gb = len(order) * ps.box * ps.box * 4 / 1e9
     return {"order": order_kind, "path": "read_ahead", "threads": threads, "read_alone_s": round(alone, 4),
-            "gb_per_s": round(gb / alone, 2)}
+            "gb_per_s": round(gb / alone, 2), "read_beside_job_s": round(beside, 4),
+            "job_thread_lost_s": round(lost, 4)}
 
 
 def main() -> None:
