@@ -3,10 +3,11 @@
 # JSON): a fresh machine's first class3d without any warm-up, then `warmup` and the first and second run of five
 # jobs, each a fresh process (benchmarks/first_run.py). With the argument `cub`: the cold class3d with and without
 # CuPy's CUB block reductions instead (not run yet).
+M=${1:-}  # `cub`: all three runs with and without CUB; `nocub`: the box-128 data only, without CUB first
+case $M in ""|cub|nocub) ;; *) echo "first_run.sh: unknown mode '$M' (none, cub or nocub)"; exit 2 ;; esac
 set -u; . benchmarks/gpu_env.sh; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import cupy; print('cupy', cupy.__version__)"; mkdir -p $OUT
 S="--n_micrographs 0 --particle_diameter 250 --snr 0.05"
-M=${1:-}  # `cub`: all three runs with and without CUB; `nocub`: the box-128 data only, without CUB first
 [ -f /root/d128/particles.star ] || ngr simulate --o /root/d128 --n_particles 5000 --box 128 --angpix 2.54 --conformations 2 $S > /tmp/s1.log 2>&1 &
 [ -f /root/d256/particles.star ] || [ -n "$M" ] || ngr simulate --o /root/d256 --n_particles 3000 --box 256 --angpix 1.27 --conformations 2 $S > /tmp/s2.log 2>&1 &
 [ -f /root/d360/particles.star ] || [ -n "$M" ] || ngr simulate --o /root/d360 --n_particles 1500 --box 360 --angpix 0.903 $S > /tmp/s3.log 2>&1 &

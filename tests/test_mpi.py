@@ -258,6 +258,7 @@ for root in range(n):  # a sum on one rank: float64 in chunks, int64 packed
     if r == root:
         assert np.all(a == tot) and np.all(b == np.arange(3) * tot), (root, a, b)
 assert w.bcast(r, root=n - 1) == n - 1
+assert w.ranks_on_host == n and sorted(w.allgather(w.local_rank)) == list(range(n))  # one host here
 for src, dst in ((0, n - 1), (n - 1, 0), (1, 1)):  # point to point, in chunks; nothing changes elsewhere
     a = np.arange(40.0) + 100 * r
     w.send_arrays([a], src, dst)

@@ -282,7 +282,7 @@ def _image_reader(table: ParticleTable, locations) -> Callable[[np.ndarray], np.
 
 
 class _ImagesAhead:
-    """The batches' images read in a background thread (jobs/read_ahead.ImageReadAhead with the batches as its
+    """The batches' images read in background threads (jobs/read_ahead.ImageReadAhead with the batches as its
     blocks), in the order the refinement takes them (``seq``: rows, ``cuts``: the batches' boundaries in ``seq``), at
     most ``ahead`` batches ahead, so that reading the stacks overlaps the refinement. :meth:`take` gives the images
     of positions [p0, p1) of ``seq``: a batch, or part of one when a batch was cut after running out of memory (p0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -29,11 +30,18 @@ AHEAD_BYTES = 256 << 20
 READ_THREADS = 4
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (a batch system's or a container's share, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def read_threads(ranks_on_host: int = 1) -> int:
     """Reader threads for one rank: READ_THREADS, or fewer so that the ranks of a host together use at most half
-    its cores (the job's threads and the other ranks' need the rest); at least one."""
-    cores = os.cpu_count() or 1
-    return max(1, min(READ_THREADS, cores // (2 * max(1, int(ranks_on_host)))))
+    the cores (the job's threads and the other ranks' need the rest); at least one."""
+    return max(1, min(READ_THREADS, usable_cores() // (2 * max(1, int(ranks_on_host)))))
 
 
 class ImageReadAhead:
@@ -87,6 +95,8 @@ class ImageReadAhead:
                 except BaseException as exc:  # noqa: BLE001 - handed to the job's thread, which raises it
                     item = exc
             with self._ready:
+                if self._stop.is_set():
+                    return
                 self._done[number] = item
                 self._ready.notify_all()
                 if isinstance(item, BaseException):
@@ -114,6 +124,10 @@ class ImageReadAhead:
                 if self._taken not in self._done:
                     if not wait or self._stop.is_set():
                         return None
+                    if not self.alive:  # every thread ended without handing this block over
+                        self.finished = True
+                        raise RuntimeError(f"the image reader's threads ended before block {self._taken} of "
+                                           f"{len(self._blocks)} was read")
                     self._ready.wait(0.1)
                     continue
                 item = self._done.pop(self._taken)
@@ -138,9 +152,10 @@ class ImageReadAhead:
         self.join(10.0)
 
     def join(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for each thread to end (all blocks read, an error, or stop)."""
+        """Wait up to ``timeout`` seconds in all for the threads to end (all blocks read, an error, or stop)."""
+        end = time.monotonic() + timeout
         for t in self._threads:
-            t.join(timeout=timeout)
+            t.join(timeout=max(0.0, end - time.monotonic()))
 
     @property
     def alive(self) -> bool:

@@ -172,8 +172,10 @@ class MPICommunicator(SingleProcess):
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.host = MPI.Get_processor_name()
         lr = local_rank()
-        self._local = lr if lr is not None else self.comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
-        self._on_host = sum(h == self.host for h in self.comm.allgather(self.host))
+        shared = self.comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks of this host (collective: every rank)
+        self._local = lr if lr is not None else shared.Get_rank()
+        self._on_host = shared.Get_size()
+        shared.Free()
         self._gpu_sum: _GPUSum | None | bool = False  # not decided yet (see _device_sum)
         self.reduction_path = "host buffers (MPI)"
 
