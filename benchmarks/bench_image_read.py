@@ -65,6 +65,13 @@ def job_thread(stop: threading.Event, out: list) -> None:
     out.append(n)
 
 
+def job_order(ps, order_kind: str) -> np.ndarray:
+    """The rows in the order a job asks for them: ``stack`` (class2d/class3d) or ``halves`` (refine3d)."""
+    if order_kind == "stack":
+        return np.arange(len(ps))
+    return np.concatenate([np.flatnonzero(ps.subset == h) for h in (1, 2)])
+
+
 def beside_job(read_all, alone: float) -> tuple[float, float]:
     """(seconds of ``read_all`` beside a job thread, the job thread's work lost meanwhile in seconds): the job
     thread's loop rate alone (for ``alone`` seconds at least 0.2) against its rate while ``read_all`` runs."""
@@ -91,8 +98,7 @@ def measure(star: Path, order_kind: str, path_kind: str) -> dict:
         mrc.DIRECT_READ_MIN_IMAGES_PER_WINDOW = 1 << 40  # never direct
     try:
         ps = load_particle_set(star, ctf=False)
-        order = np.arange(len(ps)) if order_kind == "stack" else \
-            np.concatenate([np.flatnonzero(ps.subset == h) for h in (1, 2)])
+        order = job_order(ps, order_kind)
         blocks = [order[i:i + BLOCK_ROWS] for i in range(0, len(order), BLOCK_ROWS)]
 
         def read_all() -> float:
@@ -117,8 +123,7 @@ def measure_threads(star: Path, order_kind: str, threads: int) -> dict:
     """Every image read by the job's background reader (jobs/read_ahead.ImageReadAhead) with ``threads`` threads,
     blocks taken in order as a job takes them (best of three, the page cache warm)."""
     ps = load_particle_set(star, ctf=False)
-    order = np.arange(len(ps)) if order_kind == "stack" else \
-        np.concatenate([np.flatnonzero(ps.subset == h) for h in (1, 2)])
+    order = job_order(ps, order_kind)
     ahead = AHEAD_BYTES // (BLOCK_ROWS * ps.box * ps.box * 4)
 
     def read_all() -> float:

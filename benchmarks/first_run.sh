@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The first-run measurement of issue 46 on one GPU (run from the repository root on the GPU machine; $OUT gets the
 # JSON): a fresh machine's first class3d without any warm-up, then `warmup` and the first and second run of five
-# jobs, each a fresh process (benchmarks/first_run.py). With the argument `cub`: the cold class3d with and without
-# CuPy's CUB block reductions instead (not run yet).
-M=${1:-}  # `cub`: all three runs with and without CUB; `nocub`: the box-128 data only, without CUB first
+# jobs, each a fresh process (benchmarks/first_run.py). With the argument `cub` or `nocub`: the cold class3d with and
+# without CuPy's CUB block reductions instead, on the box-128 data only (not run yet).
+M=${1:-}
 case $M in ""|cub|nocub) ;; *) echo "first_run.sh: unknown mode '$M' (none, cub or nocub)"; exit 2 ;; esac
 set -u; . benchmarks/gpu_env.sh; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import cupy; print('cupy', cupy.__version__)"; mkdir -p $OUT
@@ -18,22 +18,16 @@ R3="refine3d --i /root/d128/particles.star --ref /root/d128/reference.mrc --ini_
 C2="class2d --i /root/d128/particles.star --K 200 --iter 3 $J"
 C6="class3d --i /root/d256/particles.star --ref /root/d256/reference.mrc --ini_high 60 --K 6 --iter 3 --random_seed 1 $J"
 R6="refine3d --i /root/d360/particles.star --ref /root/d360/reference.mrc --ini_high 60 --healpix_order 1 --auto_local_healpix_order 2 --auto_iter_max 4 $J"
-if [ "$M" = nocub ]; then  # a short call: cold and second run without CUB, then with it (each on a fresh cache)
-  for acc in none cub; do
+if [ -n "$M" ]; then  # the cold class3d with CuPy's CUB block reductions (its default) and without them
+  # (CUPY_ACCELERATORS empty: CuPy's own reduction kernels), each on a fresh cache: CUB's 25 modules are 65 % of
+  # NVRTC's time on the class3d list (nvrtc_costs.py). `cub`: three runs each; `nocub` (a short call): two, without
+  # CUB first
+  ORDER="cub none"; STEPS=(--step "cold_class3d=$C3" --step "second_class3d=$C3")
+  if [ "$M" = nocub ]; then ORDER="none cub"; else STEPS+=(--step "third_class3d=$C3"); fi
+  for acc in $ORDER; do
     A=""; [ $acc = cub ] && A=cub
     CUPY_ACCELERATORS=$A CUPY_CACHE_DIR=/root/c_$acc python3 benchmarks/first_run.py --data x --work /root/w_$acc \
-      --out $OUT/first_run_cold_accelerators_${acc}.json --step "cold_class3d=$C3" --step "second_class3d=$C3"
-  done
-  exit 0
-fi
-if [ "$M" = cub ]; then  # `bash benchmarks/first_run.sh cub`: the cold class3d with CuPy's CUB block reductions
-  # (its default) and without them (CUPY_ACCELERATORS empty: CuPy's own reduction kernels), each on a fresh cache,
-  # three runs each: CUB's 25 modules are 65 % of NVRTC's time on the class3d list (nvrtc_costs.py)
-  for acc in cub none; do
-    A=""; [ $acc = cub ] && A=cub
-    CUPY_ACCELERATORS=$A CUPY_CACHE_DIR=/root/c_$acc python3 benchmarks/first_run.py --data x --work /root/w_$acc \
-      --out $OUT/first_run_cold_accelerators_${acc}.json --step "cold_class3d=$C3" --step "second_class3d=$C3" \
-      --step "third_class3d=$C3"
+      --out $OUT/first_run_cold_accelerators_${acc}.json "${STEPS[@]}"
   done
   exit 0
 fi

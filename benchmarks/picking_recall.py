@@ -130,7 +130,7 @@ def curve(mics, picks: dict, radius: float) -> dict:
             "particles": int(n), "picks": int(fom.size), "recall_ceiling": float(np.isfinite(best).sum() / n),
             "never_picked": int((~np.isfinite(best)).sum()), "precision_at_recall_0.7": prec_at(0.7),
             "precision_at_recall_0.8": prec_at(0.8), "precision_at_recall_0.9": prec_at(0.9),
-            "recall_at_precision_0.8": max(good) if good else 0.0,
+            "recall_at_precision_0.8": rec,
             "curve": [{"threshold": t, "recall": r, "precision": p, "picks": c} for t, r, p, c in pts[::4]]}
 
 

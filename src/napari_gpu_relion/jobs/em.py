@@ -853,10 +853,16 @@ def _iterate(job: EMJob, tf32_note: str | None) -> Iterator:
         yield job.finished()
 
 
+def _read_ahead(job: EMJob) -> None:
+    """This rank's images read from the disk in the E-step's order, in background threads, while the job starts and
+    computes (jobs/read_ahead.py)."""
+    job.ps.read_ahead(np.concatenate(job.own_blocks()), read_threads(job.comm.ranks_on_host))
+
+
 def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
     root = job.comm.is_root
     if READ_AHEAD and job.reads_every_image:  # from the disk in the E-step's order while the job starts and computes
-        job.ps.read_ahead(np.concatenate(job.own_blocks()), read_threads(job.comm.ranks_on_host))
+        _read_ahead(job)
     t = time.time()
     job.model = job.restore() if job.continued else job.initial_model()
     job.startup["the initial model"], t = time.time() - t, time.time()
@@ -865,7 +871,7 @@ def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
     job.keep_images_on_device()
     job.startup["room for the images on the GPU"] = time.time() - t
     if READ_AHEAD and job.reads_every_image:  # a store made just now (on the GPU, not kept on the host) reads ahead
-        job.ps.read_ahead(np.concatenate(job.own_blocks()), read_threads(job.comm.ranks_on_host))
+        _read_ahead(job)
     refs = job.model.refs  # K maps per half: the first iteration's files must fit on the disk before it starts
     notes = prepare_output(job.files.folder, em_iteration_bytes(sum(len(r) for r in refs), job.N, job.ndim,
                                                                 len(job.ps), job.p.i, len(refs)),
