@@ -58,6 +58,7 @@ def _fake_cupy(monkeypatch, tmp_path, version: str, fail: str | None = None):
 
 
 def test_entries_hold_their_own_options_and_another_version_takes_none(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUPY_ACCELERATORS", "cub")  # every shipped module (the package's default leaves CUB's out)
     data = _data()
     _fake_cupy(monkeypatch, tmp_path, data["cupy"])
     got = cupy_kernels.shipped_entries("class2d")
@@ -78,6 +79,7 @@ def test_cubs_block_reductions_are_left_out_where_cupy_is_set_not_to_use_cub(mon
     data = _data()
     _fake_cupy(monkeypatch, tmp_path, data["cupy"])
     cub = [e for e in data["modules"] if "class3d" in e["jobs"] and cupy_kernels.CUB_REDUCTION in e["source"]]
+    monkeypatch.setenv("CUPY_ACCELERATORS", "cub")
     everything = cupy_kernels.shipped_entries("class3d")
     for setting, kept in ((None, len(everything)), ("cub", len(everything)), ("cutensor, cub", len(everything)),
                           ("", len(everything) - len(cub)), ("cutensor", len(everything) - len(cub))):
@@ -120,3 +122,19 @@ def test_the_marker_of_a_kind_is_written_when_its_modules_were_handled(tmp_path)
     assert cupy_kernels.compiled("class3d", tmp_path) and not cupy_kernels.compiled("refine3d", tmp_path)
     cupy_kernels.compile_ahead([], 0, tmp_path, None)  # warmup: every kind
     assert cupy_kernels.compiled("refine3d", tmp_path)
+
+
+def test_the_package_sets_cupy_without_cub_unless_the_user_chose(tmp_path):
+    """Importing the package (before CuPy) makes CuPy's reductions go without CUB (an empty CUPY_ACCELERATORS); a
+    value the user set is kept."""
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    code = "import os, napari_gpu_relion; print(repr(os.environ.get('CUPY_ACCELERATORS')))"
+    for given, want in ((None, "''"), ("cub", "'cub'"), ("cub,cutensor", "'cub,cutensor'")):
+        env = {k: v for k, v in os.environ.items() if k != "CUPY_ACCELERATORS"}
+        if given is not None:
+            env["CUPY_ACCELERATORS"] = given
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want, given

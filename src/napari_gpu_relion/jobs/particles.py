@@ -19,6 +19,8 @@ from ..io.star import ParticleTable, read_particles, write_particles
 from ..io.write_queue import formats_text
 from .read_ahead import AHEAD_BYTES, BLOCK_ROWS, ImageReadAhead
 
+#: Rows moved at once when the kept images move to another array (keep_images_on).
+MOVE_ROWS = 2048
 ANGLES = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")
 CTF_COLUMNS = ("rlnDefocusU", "rlnDefocusV", "rlnDefocusAngle", "rlnVoltage", "rlnSphericalAberration",
                "rlnAmplitudeContrast")
@@ -99,10 +101,10 @@ class ParticleSet:
         old, old_slot = self.kept, self.slot
         self.kept = xp.empty((cap, self.box, self.box), dtype=np.float32)
         self.slot = np.full(n, -1, dtype=np.int64)
-        if old is not None:
+        if old is not None:  # in pieces: no second host copy of a large store
             done = np.flatnonzero(old_slot >= 0)
-            if done.size:
-                self._store(done, old[get_array_module(old).asarray(old_slot[done])])
+            for part in np.array_split(done, -(-done.size // MOVE_ROWS)) if done.size else ():
+                self._store(part, old[get_array_module(old).asarray(old_slot[part])])
 
     @property
     def _identity(self) -> bool:
@@ -166,13 +168,22 @@ class ParticleSet:
             self.ahead = None
 
     def _take_read_ahead(self, rows: np.ndarray) -> None:
-        """Claim the rows of ``rows`` the reader has not started (images() reads them), then move the blocks it
-        has read into the store, waiting while a row of ``rows`` is being read (its error is raised here, in the
-        job's thread)."""
+        """Claim the rows of ``rows`` the reader has not started (images() reads them), then move into the store
+        the blocks it had read when asked, and more only while a row of ``rows`` is being read (its error is
+        raised here, in the job's thread). Taking every block as it came let several fast threads hand the whole
+        set to one call: the initial model's 1,000 images took 20.9 s and moved 100,000 box-256 images into the
+        host's store, which then took 33.8 s to move to the GPU (2 H200s, thirty-seventh session)."""
         self.ahead.claim(rows)
+        more = self.ahead.ready()
         while self.ahead is not None:
+            wait = self.ahead.in_flight(rows)
+            if not wait and more <= 0:
+                if self.ahead.exhausted():
+                    self.stop_reading()
+                return
+            more -= 1
             try:
-                item = self.ahead.next(wait=self.ahead.in_flight(rows))
+                item = self.ahead.next(wait=wait)
             except BaseException:
                 self.stop_reading()
                 raise

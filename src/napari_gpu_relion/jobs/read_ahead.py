@@ -108,6 +108,19 @@ class ImageReadAhead:
         with self._lock:
             self._todo[rows] = False
 
+    def ready(self) -> int:
+        """Blocks read and ready to be taken now, in order (the next ``next`` calls that do not wait)."""
+        with self._lock:
+            k = self._taken
+            while k in self._done:
+                k += 1
+            return k - self._taken
+
+    def exhausted(self) -> bool:
+        """Whether nothing is left for the caller: every row was claimed or taken (the blocks left are empty)."""
+        with self._lock:
+            return not (self._todo.any() or self._in_flight.any())
+
     def in_flight(self, rows: np.ndarray) -> bool:
         """Whether a row of ``rows`` is being read (or read and not yet taken) by a thread."""
         with self._lock:

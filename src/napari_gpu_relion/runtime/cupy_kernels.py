@@ -63,9 +63,10 @@ CUB_REDUCTION = "cupy_cub_"
 
 
 def cub_reductions() -> bool:
-    """Whether CuPy makes its reductions with CUB: its public CUPY_ACCELERATORS setting (unset: CuPy's default,
-    CUB) names "cub". These 25 modules of the class3d list take 65 % of NVRTC's time (benchmarks/nvrtc_costs.py):
-    where CuPy will not use them, nothing compiles them ahead."""
+    """Whether CuPy makes its reductions with CUB: its public CUPY_ACCELERATORS setting names "cub" (unset:
+    CuPy's default, CUB; the package sets it empty unless the user set it, napari_gpu_relion/__init__.py). These
+    25 modules of the class3d list take 65 % of NVRTC's time (benchmarks/nvrtc_costs.py): where CuPy will not use
+    them, nothing compiles them ahead."""
     setting = os.environ.get("CUPY_ACCELERATORS")
     return setting is None or "cub" in [s.strip() for s in setting.split(",")]
 
