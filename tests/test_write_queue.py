@@ -518,6 +518,34 @@ def test_a_request_takes_the_blocks_read_when_asked_not_all_that_fast_threads_re
     ps.stop_reading()
 
 
+def test_rows_asked_in_the_readers_order_are_read_by_its_threads_and_rows_far_ahead_by_the_caller(tmp_path,
+                                                                                                   monkeypatch):
+    """A request for rows the reader will reach within its bound plus the blocks they fill leaves them to its
+    threads (past the bound), and the caller waits for them; rows far ahead in its order are the caller's."""
+    monkeypatch.setattr(particles, "BLOCK_ROWS", 1)
+    star = _copy_sample(tmp_path / "d")
+    ps = load_particle_set(star, ctf=True, halves=False)
+    n = len(ps)
+    disk = ps.images(np.arange(n))
+    ps.keep_images_in_memory()
+    monkeypatch.setattr(particles, "AHEAD_BYTES", 3 * ps.box * ps.box * 4)
+    by = {}
+    read = ps._read
+
+    def named(rows):
+        for r in rows:
+            by[int(r)] = threading.current_thread().name
+        return read(rows)
+
+    monkeypatch.setattr(ps, "_read", named)
+    ps.read_ahead(np.arange(n), threads=2)
+    np.testing.assert_array_equal(ps.images(np.arange(10)), disk[:10])  # 10 blocks: past the bound of 3
+    assert all(by[r].startswith("particle images") for r in range(10)), by
+    np.testing.assert_array_equal(ps.images(np.arange(50, 55)), disk[50:55])  # beyond 10 + 3 + 5 blocks
+    assert all(by[r] == threading.current_thread().name for r in range(50, 55)), by
+    ps.stop_reading()
+
+
 def test_a_reader_whose_threads_ended_without_a_block_raises_instead_of_waiting(monkeypatch):
     """Threads that end without handing a block over (not a read error, which is handed over) leave next(wait=True)
     a clear error, not a job that waits for ever."""

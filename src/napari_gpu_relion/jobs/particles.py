@@ -168,15 +168,16 @@ class ParticleSet:
             self.ahead = None
 
     def _take_read_ahead(self, rows: np.ndarray) -> None:
-        """Claim the rows of ``rows`` the reader has not started (images() reads them), then move into the store
-        the blocks it had read when asked, and more only while a row of ``rows`` is being read (its error is
-        raised here, in the job's thread). Taking every block as it came let several fast threads hand the whole
-        set to one call: the initial model's 1,000 images took 20.9 s and moved 100,000 box-256 images into the
-        host's store, which then took 33.8 s to move to the GPU (2 H200s, thirty-seventh session)."""
-        self.ahead.claim(rows)
+        """Request ``rows`` from the reader (those it has not started and will not reach soon are images()'s to
+        read), then move into the store the blocks it had read when asked, and more only while a row of ``rows``
+        is still coming (a thread's error is raised here, in the job's thread). Taking every block as it came let
+        several fast threads hand the whole set to one call: the initial model's 1,000 images took 20.9 s and moved
+        100,000 box-256 images into the host's store, which then took 33.8 s to move to the GPU (2 H200s,
+        thirty-seventh session)."""
+        self.ahead.request(rows)
         more = self.ahead.ready()
         while self.ahead is not None:
-            wait = self.ahead.in_flight(rows)
+            wait = self.ahead.coming(rows)
             if not wait and more <= 0:
                 if self.ahead.exhausted():
                     self.stop_reading()
