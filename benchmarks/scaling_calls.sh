@@ -10,6 +10,9 @@
 #   bash benchmarks/scaling_calls.sh relion N GPUS RANKS LIMIT   RELION's class3d (the same options) on the N
 #       particles with RANKS MPI ranks over GPUS GPUs (mpirun -n 5 and -n 9 on 4), stopped after LIMIT s
 #   bash benchmarks/scaling_calls.sh refine3d N GPUS ITER   auto-refine (ITER-1 iterations at most) on them, 1 and GPUS
+#   bash benchmarks/scaling_calls.sh accelerators N  class3d K=6 (as above) on one GPU with CuPy's reductions
+#       without CUB (the package's default) and with CUB (CUPY_ACCELERATORS=cub), alternated twice on the same
+#       machine: whether CUB's reductions pay at this size (compare iterations 2-5; iteration 1 compiles)
 # RANKS=2 bash benchmarks/scaling_calls.sh class3d N 2    only the given rank counts (default 1,GPUS)
 # Results (scaling.py's JSON, which names the GPU) in $OUT.
 . benchmarks/gpu_env.sh
@@ -50,6 +53,14 @@ case "$1" in
         --out $OUT/scaling_class3d_K6_box256_n$2_h200x$NG.json | grep '^{"ranks' | cut -c1-900
     for d in /root/w256_$2/class3d_n*; do cp $d/log.txt $OUT/log_class3d_n$2_$(basename $d).txt; done
     el "class3d" ;;
+  accelerators)
+    for run in none_1 cub_1 none_2 cub_2; do
+      A=""; [ ${run%_*} = cub ] && A=cub
+      CUPY_ACCELERATORS=$A python3 benchmarks/scaling.py --job class3d --ranks 1 --gpu 0 --data /root/s256_$2 --K 6 \
+          --iter 5 --work /root/wa_$run --extra "$STD --tau2_fudge 4" \
+          --out $OUT/accelerators_class3d_K6_box256_n$2_${run}.json | grep '^{"ranks' | cut -c1-300
+    done
+    el "accelerators" ;;
   relion)  # RELION 5's class3d on the same set and GPUs: $4 ranks (5 and 9 on 4 GPUs), stopped after $5 s
     wait_relion
     python3 benchmarks/standard_class3d.py run --data /root/s256_$2 --sides relion --iters 5 --limits $5 \

@@ -9,6 +9,8 @@ compile call a plain RawModule cannot repeat (name expressions, another backend)
 
 Run: python benchmarks/ship_kernels.py --cupy 14.2.0 DIR/class3d.json DIR/refine3d.json DIR/class2d.json
      python benchmarks/ship_kernels.py --cupy 14.2.0 --add DIR/ctf_refine.json   (another kind, to the list)
+     python benchmarks/ship_kernels.py --cupy 14.2.0 --add --without_cub DIR/*.json   (recorded with
+         CUPY_ACCELERATORS empty: the modules new to the list are marked, and compiled ahead only without CUB)
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ def main() -> None:
     ap.add_argument("--add", action="store_true",
                     help="add the manifests' modules to the shipped list (of the same CuPy version) instead of "
                          "replacing it: another job kind recorded on its own")
+    ap.add_argument("--without_cub", action="store_true",
+                    help="the manifests were recorded with CuPy's reductions without CUB: modules new to the list "
+                         "are marked so that only a CuPy set not to use CUB compiles them ahead")
     a = ap.parse_args()
     modules: dict[str, dict] = {}
     skipped = 0
@@ -51,6 +56,8 @@ def main() -> None:
             options = [o.replace(site, cupy_kernels.SITE) if site else o for o in e["options"]]
             entry = {"source": e["source"], "options": options}
             key = cupy_kernels.entry_key(e["source"], options)
+            if a.without_cub and key not in modules:
+                entry[cupy_kernels.WITHOUT_CUB] = True
             jobs = modules.setdefault(key, {**entry, "jobs": []})["jobs"]
             if job not in jobs:
                 jobs.append(job)

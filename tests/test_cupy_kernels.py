@@ -58,11 +58,11 @@ def _fake_cupy(monkeypatch, tmp_path, version: str, fail: str | None = None):
 
 
 def test_entries_hold_their_own_options_and_another_version_takes_none(monkeypatch, tmp_path):
-    monkeypatch.setenv("CUPY_ACCELERATORS", "cub")  # every shipped module (the package's default leaves CUB's out)
+    monkeypatch.setenv("CUPY_ACCELERATORS", "cub")  # the modules of a CuPy with CUB (the next test: without)
     data = _data()
     _fake_cupy(monkeypatch, tmp_path, data["cupy"])
     got = cupy_kernels.shipped_entries("class2d")
-    mine = [e for e in data["modules"] if "class2d" in e["jobs"]]
+    mine = [e for e in data["modules"] if "class2d" in e["jobs"] and not e.get(cupy_kernels.WITHOUT_CUB)]
     assert len(got) == len(mine)
     for g, e in zip(got, mine, strict=True):
         assert g["source"] == e["source"]
@@ -70,7 +70,7 @@ def test_entries_hold_their_own_options_and_another_version_takes_none(monkeypat
         assert g["options"] == [o for o in e["options"] if not o.startswith("-I")]
         assert g["options"] and all(not o.startswith("-I") for o in g["options"])
     assert {tuple(g["options"]) for g in got} >= {("--std=c++17",)}
-    assert len(cupy_kernels.shipped_entries(None)) == len(data["modules"])
+    assert len(cupy_kernels.shipped_entries(None)) == sum(not e.get(cupy_kernels.WITHOUT_CUB) for e in data["modules"])
     _fake_cupy(monkeypatch, tmp_path / "other", "0.0.1")
     assert cupy_kernels.shipped_entries("class2d") == []
 
@@ -79,10 +79,15 @@ def test_cubs_block_reductions_are_left_out_where_cupy_is_set_not_to_use_cub(mon
     data = _data()
     _fake_cupy(monkeypatch, tmp_path, data["cupy"])
     cub = [e for e in data["modules"] if "class3d" in e["jobs"] and cupy_kernels.CUB_REDUCTION in e["source"]]
+    # modules recorded only without CUB (CuPy's own reductions in CUB's place): compiled ahead only without CUB
+    own = [e for e in data["modules"] if "class3d" in e["jobs"] and e.get(cupy_kernels.WITHOUT_CUB)]
+    assert own and not any(cupy_kernels.CUB_REDUCTION in e["source"] for e in own)
     monkeypatch.setenv("CUPY_ACCELERATORS", "cub")
     everything = cupy_kernels.shipped_entries("class3d")
+    assert len(everything) == sum("class3d" in e["jobs"] for e in data["modules"]) - len(own)
+    without = len(everything) - len(cub) + len(own)
     for setting, kept in ((None, len(everything)), ("cub", len(everything)), ("cutensor, cub", len(everything)),
-                          ("", len(everything) - len(cub)), ("cutensor", len(everything) - len(cub))):
+                          ("", without), ("cutensor", without)):
         if setting is None:
             monkeypatch.delenv("CUPY_ACCELERATORS", raising=False)
         else:
@@ -90,6 +95,7 @@ def test_cubs_block_reductions_are_left_out_where_cupy_is_set_not_to_use_cub(mon
         got = cupy_kernels.shipped_entries("class3d")
         assert len(got) == kept, setting
         assert any(cupy_kernels.CUB_REDUCTION in e["source"] for e in got) == (kept == len(everything))
+        assert any(e["source"] == own[0]["source"] for e in got) == (kept == without)
     assert len(cub) >= 20
     # a cache compiled without them is not taken for one compiled with them
     monkeypatch.setenv("CUPY_ACCELERATORS", "")

@@ -60,6 +60,9 @@ def entry_key(source: str, options) -> str:
 
 #: The kernel name that marks CuPy's CUB block reductions (``cupy_cub_sum``, ``cupy_cub_any_pass1``, ...).
 CUB_REDUCTION = "cupy_cub_"
+#: The key that marks a module recorded only with CuPy's reductions without CUB (CuPy's own reduction kernels in
+#: place of CUB's): compiled ahead only where CuPy does not use CUB.
+WITHOUT_CUB = "without_cub"
 
 
 def cub_reductions() -> bool:
@@ -73,8 +76,9 @@ def cub_reductions() -> bool:
 
 def shipped_entries(job: str | None = None) -> list[dict]:
     """The shipped modules of job kind ``job`` (every kind: None) as {"source", "options"} with the module's own
-    options, less CuPy's CUB block reductions where CuPy is set not to use CUB; [] without CuPy, without the list,
-    or when it was recorded with another CuPy version."""
+    options, less CuPy's CUB block reductions where CuPy is set not to use CUB and less the modules only a CuPy
+    without CUB uses where it uses CUB; [] without CuPy, without the list, or when it was recorded with another CuPy
+    version."""
     data = _data()
     try:
         import cupy  # noqa: PLC0415
@@ -84,7 +88,8 @@ def shipped_entries(job: str | None = None) -> list[dict]:
         return []
     cub = cub_reductions()
     return [{"source": e["source"], "options": own_options(e["options"])}
-            for e in data["modules"] if (job is None or job in e["jobs"]) and (cub or CUB_REDUCTION not in e["source"])]
+            for e in data["modules"] if (job is None or job in e["jobs"])
+            and (CUB_REDUCTION not in e["source"] if not cub else not e.get(WITHOUT_CUB))]
 
 
 def _marker(job: str | None, cache_dir: Path) -> Path:
