@@ -4,7 +4,7 @@
 #   bash benchmarks/scaling_calls.sh small GPUS      10,000 particles of our simulator at box 128, class3d K=4, 5
 #       iterations, on 1 and GPUS ranks (the "never slower on more GPUs")
 #   bash benchmarks/scaling_calls.sh data N          RELION built; N EMD-11007 particles of two states at box 256
-#       (1.05 Å/px, SNR 0.05) by relion_project in 32 processes, kept in /root/s256_N
+#       (1.05 Å/px, SNR 0.05) by relion_project in 32 processes, kept in /root/s256_N; then `warmup`
 #   bash benchmarks/scaling_calls.sh class3d N GPUS  class3d K=6, 5 iterations, the standard benchmark's options, on
 #       the N particles, 1 and GPUS ranks
 #   bash benchmarks/scaling_calls.sh relion N GPUS RANKS LIMIT   RELION's class3d (the same options) on the N
@@ -46,7 +46,10 @@ case "$1" in
     start_relion; wait_relion; el "RELION built"
     python3 benchmarks/standard_class3d.py make-data --map .relion_kit/emd_11007_centred192.mrc --map_angpix 0.834 \
         --angpix 1.05 --box 256 --n $2 --states 2 --snr 0.05 --jobs 32 --out /root/s256_$2 | cut -c1-400
-    df -h /root | tail -1; el "data" ;;
+    df -h /root | tail -1; el "data"
+    # the kernels compiled before the runs: otherwise the first (1-GPU) run compiles them and the ratio flatters more
+    # GPUs (thirty-seventh session: the 1-GPU class3d compiled 313 modules, its start-up 8.27 s against 3.6 s)
+    python3 -m napari_gpu_relion.cli warmup --gpu 0 2>&1 | tail -1 | cut -c1-300; el "warmup" ;;
   class3d)
     python3 benchmarks/scaling.py --job class3d --ranks ${RANKS:-1,$NG} --gpu $GPUS --data /root/s256_$2 --K 6 --iter 5 \
         --work /root/w256_$2 --extra "$STD --tau2_fudge 4" --mpiexec "$MPI" \
