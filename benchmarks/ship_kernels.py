@@ -38,6 +38,9 @@ def main() -> None:
                     help="the manifests were recorded with CuPy's reductions without CUB: modules new to the list "
                          "are marked so that only a CuPy set not to use CUB compiles them ahead")
     a = ap.parse_args()
+    if a.without_cub and not a.add:
+        raise SystemExit("--without_cub marks the modules new to the shipped list: it needs --add (a list recorded "
+                         "with CUB first)")
     modules: dict[str, dict] = {}
     skipped = 0
     if a.add:
@@ -58,6 +61,8 @@ def main() -> None:
             key = cupy_kernels.entry_key(e["source"], options)
             if a.without_cub and key not in modules:
                 entry[cupy_kernels.WITHOUT_CUB] = True
+            elif not a.without_cub and key in modules:  # a CuPy with CUB uses it too
+                modules[key].pop(cupy_kernels.WITHOUT_CUB, None)
             jobs = modules.setdefault(key, {**entry, "jobs": []})["jobs"]
             if job not in jobs:
                 jobs.append(job)

@@ -546,6 +546,59 @@ def test_rows_asked_in_the_readers_order_are_read_by_its_threads_and_rows_far_ah
     ps.stop_reading()
 
 
+def test_a_request_lets_the_threads_read_past_the_bound_only_as_far_as_its_rows_fill(tmp_path, monkeypatch):
+    """Rows asked for in the reader's order: its threads read past the bound up to them (while the job's slow store
+    takes the first blocks). Rows scattered over the set: the threads read no further than the bound plus as many
+    blocks as the rows fill; the rest are the caller's (a scattered request let them read most of the set)."""
+    monkeypatch.setattr(particles, "BLOCK_ROWS", 1)
+    star = _copy_sample(tmp_path / "d")
+    ps = load_particle_set(star, ctf=True, halves=False)
+    n = len(ps)
+    disk = ps.images(np.arange(n))
+    ps.keep_images_in_memory()
+    monkeypatch.setattr(particles, "AHEAD_BYTES", 3 * ps.box * ps.box * 4)
+    store, read, seen = ps._store, ps._read, []
+
+    def slow_store(rows, data):
+        time.sleep(0.02)
+        store(rows, data)
+
+    def watched(rows):
+        reader = ps.ahead
+        if reader is not None:
+            seen.append(reader._started - reader._taken)  # noqa: SLF001 - blocks started beyond the last taken
+        return read(rows)
+
+    monkeypatch.setattr(ps, "_store", slow_store)
+    monkeypatch.setattr(ps, "_read", watched)
+    ps.read_ahead(np.arange(n), threads=3)
+    np.testing.assert_array_equal(ps.images(np.arange(12)), disk[:12])
+    assert max(seen) > 3 + 1  # past the bound of 3 blocks (and the one a thread may start at it)
+    ps.stop_reading()
+
+    ps = load_particle_set(star, ctf=True, halves=False)
+    ps.keep_images_in_memory()
+    read = ps._read
+    by_threads = []
+
+    def counted(rows):
+        if threading.current_thread().name.startswith("particle images"):
+            by_threads.extend(int(r) for r in rows)
+        return read(rows)
+
+    monkeypatch.setattr(ps, "_read", counted)
+    monkeypatch.setattr(particles, "BLOCK_ROWS", 4)
+    monkeypatch.setattr(particles, "AHEAD_BYTES", 3 * 4 * ps.box * ps.box * 4)  # three blocks of four rows
+    ps.read_ahead(np.arange(n), threads=3)
+    scattered = np.arange(0, 13 * 30, 13)  # 30 rows in 30 blocks, which 30 rows would fill 8 of
+    assert n >= 13 * 30
+    np.testing.assert_array_equal(ps.images(scattered), disk[scattered])
+    time.sleep(0.2)  # threads that were let go further would have read on meanwhile
+    # the bound (3 blocks), 8 blocks, one more per thread: 14 blocks of 4 rows (taking the 30 touched: 132 rows)
+    assert len(by_threads) <= 4 * (3 + 8 + 3), sorted(by_threads)
+    ps.stop_reading()
+
+
 def test_a_reader_whose_threads_ended_without_a_block_raises_instead_of_waiting(monkeypatch):
     """Threads that end without handing a block over (not a read error, which is handed over) leave next(wait=True)
     a clear error, not a job that waits for ever."""
