@@ -488,17 +488,24 @@ def test_several_reader_threads_hand_the_blocks_over_in_order_each_row_once():
     assert max(ahead_seen) <= 3 + 1  # a thread starts a block only while fewer than 3 wait beyond the last taken
 
 
+def _one_row_blocks(tmp_path: Path, monkeypatch):
+    """The sample set with its images kept in memory, read ahead in blocks of one row, three blocks ahead; returns
+    (set, its star, every image from the disk)."""
+    monkeypatch.setattr(particles, "BLOCK_ROWS", 1)
+    star = _copy_sample(tmp_path / "d")
+    ps = load_particle_set(star, ctf=True, halves=False)
+    disk = ps.images(np.arange(len(ps)))
+    ps.keep_images_in_memory()
+    monkeypatch.setattr(particles, "AHEAD_BYTES", 3 * ps.box * ps.box * 4)
+    return ps, star, disk
+
+
 def test_a_request_takes_the_blocks_read_when_asked_not_all_that_fast_threads_read_meanwhile(tmp_path, monkeypatch):
     """Fast reader threads and a slow store: a request for a few rows takes the blocks that were ready when it
     came (at most the reader's bound ahead) and its own rows, not block after block as the threads keep reading
     (the whole set went into one initial-model request on 2 H200s: 20.9 s, then 33.8 s moving it to the GPU)."""
-    monkeypatch.setattr(particles, "BLOCK_ROWS", 1)
-    star = _copy_sample(tmp_path / "d")
-    ps = load_particle_set(star, ctf=True, halves=False)
+    ps, _, disk = _one_row_blocks(tmp_path, monkeypatch)
     n = len(ps)
-    disk = ps.images(np.arange(n))
-    ps.keep_images_in_memory()
-    monkeypatch.setattr(particles, "AHEAD_BYTES", 3 * ps.box * ps.box * 4)  # three blocks of one row ahead
     store = ps._store
 
     def slow_store(rows, data):
@@ -522,13 +529,8 @@ def test_rows_asked_in_the_readers_order_are_read_by_its_threads_and_rows_far_ah
                                                                                                    monkeypatch):
     """A request for rows the reader will reach within its bound plus the blocks they fill leaves them to its
     threads (past the bound), and the caller waits for them; rows far ahead in its order are the caller's."""
-    monkeypatch.setattr(particles, "BLOCK_ROWS", 1)
-    star = _copy_sample(tmp_path / "d")
-    ps = load_particle_set(star, ctf=True, halves=False)
+    ps, _, disk = _one_row_blocks(tmp_path, monkeypatch)
     n = len(ps)
-    disk = ps.images(np.arange(n))
-    ps.keep_images_in_memory()
-    monkeypatch.setattr(particles, "AHEAD_BYTES", 3 * ps.box * ps.box * 4)
     by = {}
     read = ps._read
 
@@ -550,13 +552,8 @@ def test_a_request_lets_the_threads_read_past_the_bound_only_as_far_as_its_rows_
     """Rows asked for in the reader's order: its threads read past the bound up to them (while the job's slow store
     takes the first blocks). Rows scattered over the set: the threads read no further than the bound plus as many
     blocks as the rows fill; the rest are the caller's (a scattered request let them read most of the set)."""
-    monkeypatch.setattr(particles, "BLOCK_ROWS", 1)
-    star = _copy_sample(tmp_path / "d")
-    ps = load_particle_set(star, ctf=True, halves=False)
+    ps, star, disk = _one_row_blocks(tmp_path, monkeypatch)
     n = len(ps)
-    disk = ps.images(np.arange(n))
-    ps.keep_images_in_memory()
-    monkeypatch.setattr(particles, "AHEAD_BYTES", 3 * ps.box * ps.box * 4)
     store, read, seen = ps._store, ps._read, []
 
     def slow_store(rows, data):
