@@ -103,7 +103,8 @@ class ParticleSet:
         self.slot = np.full(n, -1, dtype=np.int64)
         if old is not None:  # in pieces: no second host copy of a large store
             done = np.flatnonzero(old_slot >= 0)
-            for part in np.array_split(done, -(-done.size // MOVE_ROWS)) if done.size else ():
+            for i in range(0, done.size, MOVE_ROWS):
+                part = done[i:i + MOVE_ROWS]
                 self._store(part, old[get_array_module(old).asarray(old_slot[part])])
 
     @property

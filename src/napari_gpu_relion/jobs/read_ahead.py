@@ -130,7 +130,7 @@ class ImageReadAhead:
             # as many blocks as the rows would fill, not the blocks they touch: a scattered request (the initial
             # model's 1,000 rows touched ~560 of 780 blocks) would let the threads read most of the set
             reach = self._taken + self._ahead + -(-todo.size // self._block_rows)
-            near = (blocks >= 0) & (blocks < reach)
+            near = blocks < reach  # a row still to read is in a block of the order
             self._todo[todo[~near]] = False
             if near.any():
                 self._target = max(self._target, int(blocks[near].max()))
@@ -138,10 +138,10 @@ class ImageReadAhead:
 
     def coming(self, rows: np.ndarray) -> bool:
         """Whether a row of ``rows`` is being read, read and not taken, or left to the threads by ``request``."""
+        rows = np.asarray(rows, dtype=np.int64)
         with self._lock:
-            rows = np.asarray(rows, dtype=np.int64)
-            return bool(self._in_flight[rows].any() or (self._todo[rows] & (self._block_of[rows] >= 0)
-                                                        & (self._block_of[rows] <= self._target)).any())
+            left = self._todo[rows] & (self._block_of[rows] <= self._target)  # left to the threads by request
+            return bool(self._in_flight[rows].any() or left.any())
 
     def ready(self) -> int:
         """Blocks read and ready to be taken now, in order (the next ``next`` calls that do not wait)."""
