@@ -16,6 +16,12 @@
 #   bash benchmarks/hires_calls.sh hrprof N TAG   (thirty-fifth session) the GPU tests of the fused kernels while
 #       RELION builds, N particles as hr, our auto-refine under profile_job.py (not with NOPROF=1) and then alone
 #       (files tagged TAG)
+#   bash benchmarks/hires_calls.sh hrconv N SNR LIMIT [UNTIL]   (thirty-eighth session, nvidia-h200-x2) RELION's
+#       build beside bench_image_read.py --gpu on GPU 1, then hr with RELION's run on GPU 0 (files tagged
+#       thirtyeighth); while it refines, GPU 1 compares CuPy's reductions without and with CUB (our simulator's
+#       20,000 particles at box 256, class3d K=6, 3 iterations, alternated twice) and runs the GPU tests
+#   bash benchmarks/hires_calls.sh beside   what hrconv runs on GPU 1 while RELION refines (when call 1 ran out)
+#   bash benchmarks/hires_calls.sh progress   RELION's finished iterations so far (realistic.py progress)
 #   bash benchmarks/hires_calls.sh b       waits for RELION's run, merges both sides into one JSON, plots the FSCs
 #   bash benchmarks/hires_calls.sh c N LIMIT   issue 48 item 3 at box 360 (0.75 Å/px): N EMD-11007 particles of two
 #       states by relion_project, class3d K=6 with the standard benchmark's options, ours 5 iterations, then RELION
@@ -81,6 +87,36 @@ ctf_run() {  # ours twice (and with --batch 16384 when $3 is set), then relion_c
   python3 benchmarks/ctf_refine_bench.py compare $OUT/${CT}_gpu.json $OUT/${CT}_relion_bf0_j16.json \
       --out $OUT/${CT}_compare.json | cut -c1-800
 }
+beside_relion() {  # GPU 1 of an x2 host while RELION refines on GPU 0: CUB or not, then the GPU tests
+  (export CUDA_VISIBLE_DEVICES=1
+   STD="--particle_diameter 180 --flatten_solvent --zero_mask --offset_range 5 --offset_step 2 --pad 2 --norm --scale"
+   for run in none_1 cub_1 none_2 cub_2; do
+     A=""; [ ${run%_*} = cub ] && A=cub
+     CUPY_ACCELERATORS=$A timeout 200 python3 benchmarks/scaling.py --job class3d --ranks 1 --gpu 0 --n_particles 20000 \
+         --box 256 --K 6 --iter 3 --work /root/acc --extra "$STD --tau2_fudge 4" \
+         --out $OUT/accelerators_class3d_K6_box256_n20000_h200x2_thirtyeighth_${run}.json | grep '^{"ranks' | cut -c1-400
+     el "class3d, CUPY_ACCELERATORS='$A' ($run)"
+   done
+   timeout 420 python3 -m pytest -m gpu -p no:cacheprovider -rf tests/ > $OUT/gpu_tests.log 2>&1
+   echo "pytest rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gpu_tests.log | tail -15 | cut -c1-300
+   el "GPU tests on GPU 1")
+}
+if [ "$1" = hrconv ]; then  # thirty-eighth session, nvidia-h200-x2: the reading bench while RELION builds, then hr
+  start_relion
+  CUDA_VISIBLE_DEVICES=1 timeout 240 python3 benchmarks/bench_image_read.py --n 20000 --box 256 --threads 1,2,4 --gpu \
+      --dir /root/ir --out $OUT/image_read_h200x2_thirtyeighth.json > $OUT/image_read.log 2>&1; echo "bench rc $?"
+  tail -12 $OUT/image_read.log | cut -c1-300; rm -rf /root/ir
+  el "bench_image_read (RELION building beside it)"
+  wait_relion
+  export HR_TAG=realistic_emd11007_box192_h200x2_thirtyeighth HR_BESIDE=beside_relion; R=$HR_TAG
+  set -- hr "$2" "$3" "$4" "${5:-560}"
+fi
+if [ "$1" = beside ]; then
+  beside_relion
+fi
+if [ "$1" = progress ]; then
+  python3 benchmarks/realistic.py progress --data /root/hr --side relion | cut -c1-300
+fi
 if [ "$1" = hrlocal ]; then  # thirty-fifth session: the GPU tests of the fused kernels, then hr
   start_relion
   fused_tests thirtyfifth
@@ -272,6 +308,7 @@ elif [ "$1" = hr ]; then
       --data /root/hr --sides relion --no_true_poses --diameter 180 --limit_s $4 --out /root/${R}_relion.json" \
       > /root/relion_refine.log 2>&1 < /dev/null &)
   sleep 2; pgrep -f "sides relion" >/dev/null && el "RELION started in the background"
+  [ -n "${HR_BESIDE:-}" ] && $HR_BESIDE
   while pgrep -f "sides relion" >/dev/null && [ $(( $(date +%s) - T0 )) -lt ${5:-560} ]; do sleep 5; done
   pgrep -f "sides relion" >/dev/null && el "RELION still running: call b next" || { el "RELION finished"; B_NOW=1; }
 fi

@@ -173,6 +173,7 @@ def run_side(side: str, a, data: Path, info: dict, truth) -> dict:
     else:
         cmd = vr.our_command(ns, "refine3d", root)
     t0 = time.time()
+    (folder / "started").write_text(f"{t0}\n")  # for ``progress`` while the run goes on
     with open(folder / "log.txt", "w") as fh:
         proc = subprocess.Popen(cmd, cwd=data, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -220,7 +221,7 @@ def science(a) -> None:
     if a.true_poses:
         true_poses(a, data, info, out)
         save()
-    for side in a.sides.split(","):
+    for side in [s for s in a.sides.split(",") if s]:  # none: the mask and the true-pose maps only
         out[side] = run_side(side, a, data, info, truth)
         summary = {k: v for k, v in out[side].items() if k not in ("maps", "iterations")}
         summary["last"] = out[side]["iterations"][-1] if out[side]["iterations"] else None
@@ -246,6 +247,20 @@ def true_poses(a, data: Path, info: dict, out: dict) -> None:
                                    tp / "judge", info["angpix"])
     out["true_poses"]["reconstruct_s"] = time.time() - t
     print("true poses:", {k: v for k, v in out["true_poses"].items() if not isinstance(v, list)}, flush=True)
+
+
+def progress(a) -> None:
+    """The finished iterations of a side's run that may still be going on (resolution, errors against the truth,
+    wall time), printed as JSON lines: what a run stopped by the session's end had reached."""
+    data = Path(a.data).resolve()
+    truth = by_number(vr.particles_of(data / "truth.star"))
+    tag = f"{a.side}_refine3d_{a.tag}" if a.tag else f"{a.side}_refine3d"
+    folder = data / tag
+    t0 = float((folder / "started").read_text())
+    marker = folder / "note.txt" if a.side == "ours" else None
+    for row in per_iteration(folder / "run", truth, t0, marker):
+        print(json.dumps({"side": a.side, **row}))
+    print(json.dumps({"side": a.side, "running_s": round(time.time() - t0, 1)}))
 
 
 def plot(a) -> None:
@@ -303,8 +318,12 @@ def main(argv=None) -> None:
     p = sub.add_parser("plot")
     p.add_argument("json")
     p.add_argument("png")
+    g = sub.add_parser("progress")
+    g.add_argument("--data", required=True)
+    g.add_argument("--side", default="relion")
+    g.add_argument("--tag", default="")
     a = ap.parse_args(argv)
-    science(a) if a.cmd == "science" else plot(a)
+    {"science": science, "plot": plot, "progress": progress}[a.cmd](a)
 
 
 if __name__ == "__main__":
