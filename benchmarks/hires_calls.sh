@@ -88,7 +88,7 @@ ctf_run() {  # ours twice (and with --batch 16384 when $3 is set), then relion_c
       --out $OUT/${CT}_compare.json | cut -c1-800
 }
 beside_relion() {  # GPU 1 of an x2 host while RELION refines on GPU 0: CUB or not, then the GPU tests
-  (export CUDA_VISIBLE_DEVICES=1
+  (export CUDA_VISIBLE_DEVICES=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
    STD="--particle_diameter 180 --flatten_solvent --zero_mask --offset_range 5 --offset_step 2 --pad 2 --norm --scale"
    for run in none_1 cub_1 none_2 cub_2; do
      A=""; [ ${run%_*} = cub ] && A=cub
@@ -97,7 +97,7 @@ beside_relion() {  # GPU 1 of an x2 host while RELION refines on GPU 0: CUB or n
          --out $OUT/accelerators_class3d_K6_box256_n20000_h200x2_thirtyeighth_${run}.json | grep '^{"ranks' | cut -c1-400
      el "class3d, CUPY_ACCELERATORS='$A' ($run)"
    done
-   timeout 420 python3 -m pytest -m gpu -p no:cacheprovider -rf tests/ > $OUT/gpu_tests.log 2>&1
+   timeout 400 python3 -m pytest -m gpu -p no:cacheprovider --continue-on-collection-errors -rf tests/ > $OUT/gpu_tests.log 2>&1
    echo "pytest rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gpu_tests.log | tail -15 | cut -c1-300
    el "GPU tests on GPU 1")
 }

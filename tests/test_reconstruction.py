@@ -271,3 +271,21 @@ def test_joining_low_resolution_by_blocks_equals_the_whole_grid_join(r_join):
             assert np.array_equal(getattr(bps[h], a), g)
     changed = sum(int((getattr(bps[0], a) != b).sum()) for a, b in zip(names, before, strict=True))
     assert changed >= 3 * int(sel.sum()) - 3  # the selected voxels did change (all but a chance tie)
+
+
+def test_squared_radius_adds_in_the_fused_kernels_order_whatever_the_library():
+    """The r_max test of the array code sums |q|^2 as ((q0^2 + q1^2) + q2^2) in the coordinates' float type, as
+    the fused projection and insertion kernels do; another order (a library's reduction: CuPy without CUB adds
+    q0^2 + q2^2 first) differs in the last bit for some points, which then fall on the other side of the sphere."""
+    from napari_gpu_relion.compute.projector import squared_radius
+
+    rng = np.random.default_rng(3)
+    q = rng.uniform(-40, 40, (20000, 3)).astype(np.float32)
+    sq = q * q
+    kernel_order = (sq[:, 0] + sq[:, 1]) + sq[:, 2]
+    other_order = (sq[:, 0] + sq[:, 2]) + sq[:, 1]
+    got = squared_radius(q)
+    assert got.dtype == np.float32
+    assert np.array_equal(got, kernel_order)
+    assert np.count_nonzero(kernel_order != other_order) > 100  # the orders do differ: the test could fail
+    assert np.array_equal(squared_radius(q[:, :2]), sq[:, 0] + sq[:, 1])

@@ -174,6 +174,17 @@ def rotated_frequencies(A, kx, ky, pad: int):
     return pad * (kx[None, :, None] * A[:, None, 0, :] + ky[None, :, None] * A[:, None, 1, :])
 
 
+def squared_radius(q):
+    """|q|^2 over the last axis (2 or 3 coordinates) summed in a fixed order, ((q0^2 + q1^2) + q2^2), as the fused
+    kernels sum it: a reduction (``(q * q).sum(-1)``) adds in an order that depends on the library (CuPy's own
+    reductions, CUB's, NumPy's), and a point on the r_max sphere then falls inside on one and outside on another:
+    a whole value apart (the GPU tests of the fused kernels failed so once CuPy's reductions ran without CUB)."""
+    r2 = q[..., 0] * q[..., 0]
+    for c in range(1, q.shape[-1]):
+        r2 = r2 + q[..., c] * q[..., c]
+    return r2
+
+
 def stack_offsets(index, grid_size: int, total_size: int, xp):
     """Flat offsets index * grid_size of the grids of a stack, shaped (R, 1) to broadcast over pixels."""
     itype = np.int32 if total_size < 2**31 else np.int64
@@ -189,7 +200,7 @@ def interpolate(grid, q, r_max_padded: float, index=None):
     P = grid.shape[-2]
     neg = q[..., 0] < 0
     q = xp.where(neg[..., None], -q, q)
-    inside = (q * q).sum(-1) <= r_max_padded**2
+    inside = squared_radius(q) <= r_max_padded**2
     flat = grid.reshape(-1)
     base = None if index is None else stack_offsets(index, grid[0].size, grid.size, xp)
     out = None
