@@ -36,7 +36,9 @@ import starfile
 
 from napari_gpu_relion.io import mrc
 from napari_gpu_relion.jobs.particles import load_particle_set
-from napari_gpu_relion.jobs.read_ahead import AHEAD_BYTES, BLOCK_ROWS, ImageReadAhead
+from napari_gpu_relion.jobs.read_ahead import BLOCK_ROWS, ImageReadAhead
+from napari_gpu_relion.runtime.device import host_available_bytes
+from napari_gpu_relion.runtime.memory import read_ahead_bytes
 
 _BUF = bytes(4096)
 
@@ -129,7 +131,7 @@ def measure_threads(star: Path, order_kind: str, threads: int) -> dict:
     blocks taken in order as a job takes them (best of three, the page cache warm)."""
     ps = load_particle_set(star, ctf=False)
     order = job_order(ps, order_kind)
-    ahead = AHEAD_BYTES // (BLOCK_ROWS * ps.box * ps.box * 4)
+    ahead = read_ahead_bytes(host_available_bytes()) // (BLOCK_ROWS * ps.box * ps.box * 4)
 
     def read_all() -> float:
         ps.checked[:] = False
@@ -161,7 +163,7 @@ def measure_gpu_store(star: Path, order_kind: str, threads: int, batch: int) -> 
         ps = load_particle_set(star, ctf=False)  # a fresh store each time
         ps.keep_images_on(cupy)
         t = time.perf_counter()
-        ps.read_ahead(order, threads)
+        ps.read_ahead(order, threads, read_ahead_bytes(host_available_bytes()))
         for i in range(0, len(order), batch):
             ps.images(order[i:i + batch])
         cupy.cuda.Device().synchronize()

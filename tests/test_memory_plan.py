@@ -371,3 +371,19 @@ def test_stacked_shifted_images_are_the_complex_products(monkeypatch):
     U = rng.normal(size=(3, 7, 100)).astype(np.float32)
     direct = ((U[..., :50].astype(np.complex128) - 1j * U[..., 50:]) * ramps[None]).sum(axis=1)
     np.testing.assert_allclose(expectation.sum_conj_shifted(U, ramps), direct, rtol=0, atol=1e-5)
+
+
+def test_a_reader_holds_a_share_of_the_host_memory_within_its_bounds():
+    """runtime.memory.read_ahead_bytes: 5 % of the available host memory shared by the host's ranks, never below
+    256 MiB (a laptop keeps what the reader always had) nor above 2 GiB; a GPU node of 128 GB reads more than one
+    box-256 batch (1,749 images of 256 KiB) ahead."""
+    from napari_gpu_relion.runtime.memory import read_ahead_bytes
+
+    GiB = 1 << 30
+    assert read_ahead_bytes(8 * GiB) == 256 << 20
+    assert read_ahead_bytes(0) == 256 << 20
+    assert read_ahead_bytes(20 * GiB) == GiB
+    assert read_ahead_bytes(20 * GiB, ranks_on_host=2) == GiB // 2
+    assert read_ahead_bytes(120 * GiB) == 2 * GiB
+    assert read_ahead_bytes(120 * GiB, ranks_on_host=8) == int(0.05 * 120 * GiB / 8)
+    assert read_ahead_bytes(120 * GiB) > 1749 * 256 * 256 * 4

@@ -5,6 +5,7 @@ reports itself finished, and images read from their stack only once, in a backgr
 
 from __future__ import annotations
 
+import functools
 import shutil
 import threading
 import time
@@ -496,7 +497,7 @@ def _one_row_blocks(tmp_path: Path, monkeypatch):
     ps = load_particle_set(star, ctf=True, halves=False)
     disk = ps.images(np.arange(len(ps)))
     ps.keep_images_in_memory()
-    monkeypatch.setattr(particles, "AHEAD_BYTES", 3 * ps.box * ps.box * 4)
+    monkeypatch.setattr(ps, "read_ahead", functools.partial(ps.read_ahead, ahead_bytes=3 * ps.box * ps.box * 4))
     return ps, star, disk
 
 
@@ -584,8 +585,8 @@ def test_a_request_lets_the_threads_read_past_the_bound_only_as_far_as_its_rows_
         return read(rows)
 
     monkeypatch.setattr(ps, "_read", counted)
-    monkeypatch.setattr(particles, "BLOCK_ROWS", 4)
-    monkeypatch.setattr(particles, "AHEAD_BYTES", 3 * 4 * ps.box * ps.box * 4)  # three blocks of four rows
+    monkeypatch.setattr(particles, "BLOCK_ROWS", 4)  # three blocks of four rows ahead:
+    monkeypatch.setattr(ps, "read_ahead", functools.partial(ps.read_ahead, ahead_bytes=3 * 4 * ps.box * ps.box * 4))
     ps.read_ahead(np.arange(n), threads=3)
     scattered = np.arange(0, 13 * 30, 13)  # 30 rows in 30 blocks, which 30 rows would fill 8 of
     assert n >= 13 * 30

@@ -50,12 +50,12 @@ from ..io.jobdir import project_path
 from ..io.mrc import read_mrc, require_usable_map
 from ..io.particle_images import check_image_stacks, load_images
 from ..io.star import ParticleTable, read_particles, read_star, write_particles
-from ..runtime.device import backend_for, warm_device
+from ..runtime.device import backend_for, host_available_bytes, warm_device
 from ..runtime.distributed import root_events, world
-from ..runtime.memory import batched_with_oom_retry, free_cached_memory, image_batch
+from ..runtime.memory import batched_with_oom_retry, free_cached_memory, image_batch, read_ahead_bytes
 from .common import check_output_folder, param, prepare_output, require_file, write_note
 from .particles import MAG_COLUMNS, row_aberrations, row_magnification
-from .read_ahead import AHEAD_BYTES, ImageReadAhead, read_threads
+from .read_ahead import ImageReadAhead, read_threads
 from .reconstruct import ANGLE_COLUMNS, particle_offsets_px
 
 JOB_NAME = "ctf_refine"
@@ -579,7 +579,8 @@ def _job(p: Params, closing: list) -> Iterator:
     cuts = np.append(cuts, seq.size)
     reader = None
     if seq.size:  # reading starts now, beside the reference's preparation and the refinement
-        reader = _ImagesAhead(_image_reader(table, locations), seq, cuts, AHEAD_BYTES // max(1, per_batch * 4 * N * N),
+        ahead = read_ahead_bytes(host_available_bytes(), comm.ranks_on_host)
+        reader = _ImagesAhead(_image_reader(table, locations), seq, cuts, ahead // max(1, per_batch * 4 * N * N),
                               read_threads(comm.ranks_on_host))
         closing.append(reader)
 

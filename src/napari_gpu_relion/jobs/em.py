@@ -95,6 +95,7 @@ from ..runtime.memory import (
     free_cached_memory,
     memory_trace_active,
     plan_memory,
+    read_ahead_bytes,
     refusal,
     release_cached,
 )
@@ -856,7 +857,9 @@ def _iterate(job: EMJob, tf32_note: str | None) -> Iterator:
 def _read_ahead(job: EMJob) -> None:
     """This rank's images read from the disk in the E-step's order, in background threads, while the job starts and
     computes (jobs/read_ahead.py)."""
-    job.ps.read_ahead(np.concatenate(job.own_blocks()), read_threads(job.comm.ranks_on_host))
+    ranks = job.comm.ranks_on_host
+    job.ps.read_ahead(np.concatenate(job.own_blocks()), read_threads(ranks),
+                      read_ahead_bytes(host_available_bytes(), ranks))
 
 
 def _loop(job: EMJob, tf32_note: str | None) -> Iterator:

@@ -17,7 +17,8 @@ from ..errors import InputError
 from ..io.particle_images import check_image_stacks, image_names_for, load_images
 from ..io.star import ParticleTable, read_particles, write_particles
 from ..io.write_queue import formats_text
-from .read_ahead import AHEAD_BYTES, BLOCK_ROWS, ImageReadAhead
+from ..runtime.memory import READ_AHEAD_MIN_BYTES
+from .read_ahead import BLOCK_ROWS, ImageReadAhead
 
 #: Rows moved at once when the kept images move to another array (keep_images_on).
 MOVE_ROWS = 2048
@@ -144,11 +145,12 @@ class ParticleSet:
             self.kept[xp.asarray(places[ok])] = xp.asarray(part)
         self.slot[rows[ok]] = places[ok]
 
-    def read_ahead(self, order, threads: int = 1) -> None:
+    def read_ahead(self, order, threads: int = 1, ahead_bytes: int = READ_AHEAD_MIN_BYTES) -> None:
         """Read the images of rows ``order`` (in the order the job will ask for them) from their stacks in
         ``threads`` background threads while the job starts and computes (jobs/read_ahead.py); images() takes them
-        as they come, and reads itself the rows the reader has not started. Nothing when images are not kept in memory,
-        when they all are already, or while a reader runs."""
+        as they come, and reads itself the rows the reader has not started; the threads hold at most ``ahead_bytes``
+        of images not yet taken (runtime.memory.read_ahead_bytes), more for a request. Nothing when images are not
+        kept in memory, when they all are already, or while a reader runs."""
         if self.kept is None or self.ahead is not None:
             return
         order = np.asarray(order, dtype=np.int64)
@@ -158,7 +160,7 @@ class ParticleSet:
         if order.size == 0:
             return
         block_bytes = BLOCK_ROWS * self.box * self.box * 4
-        self.ahead = ImageReadAhead(self._read, order, len(self), BLOCK_ROWS, AHEAD_BYTES // block_bytes,
+        self.ahead = ImageReadAhead(self._read, order, len(self), BLOCK_ROWS, ahead_bytes // block_bytes,
                                     threads=threads)
 
     def stop_reading(self) -> None:

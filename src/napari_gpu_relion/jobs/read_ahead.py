@@ -11,8 +11,9 @@ read meanwhile.
 
 Several threads read consecutive blocks at once (the positioned reads and the value checks release Python's
 lock): one thread read ~3 GB/s from the page cache on the H200 host, so a rank's 50,000 box-256 images took
-4.2-4.6 s of auto-refine's first iteration (issue 47). The blocks are handed over in their order whatever thread
-read them, as ctf_refine's batches need.
+4.2-4.6 s of auto-refine's first iteration (issue 47). How far ahead a reader may read is the memory policy's
+(runtime.memory.read_ahead_bytes: a share of the host's memory, so that a GPU node reads whole batches ahead).
+The blocks are handed over in their order whatever thread read them, as ctf_refine's batches need.
 """
 
 from __future__ import annotations
@@ -26,9 +27,6 @@ import numpy as np
 
 #: Rows per block the reader reads at once.
 BLOCK_ROWS = 128
-#: Bytes of blocks read and not yet taken that the reader may hold (at least two blocks); a request may add as many
-#: blocks as its own rows fill.
-AHEAD_BYTES = 256 << 20
 #: Most threads one reader uses (fewer on a machine of few cores: read_threads).
 READ_THREADS = 4
 

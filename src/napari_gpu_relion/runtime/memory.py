@@ -35,6 +35,29 @@ from ..marks import memory_mark, set_mark_hook  # noqa: F401 - memory_mark: the 
 from .device import Backend
 
 # ----------------------------------------------------------------------------------------------------------
+# Host memory: particle images read ahead of the job
+# ----------------------------------------------------------------------------------------------------------
+
+#: Bytes of images read ahead and not yet taken that one rank's background reader may hold: at least
+#: READ_AHEAD_MIN_BYTES, a share READ_AHEAD_HOST_FRACTION of the host memory available to the ranks of the host,
+#: at most READ_AHEAD_MAX_BYTES. 256 MB alone was less than one box-256 E-step batch (1,749 images, 458 MB), so
+#: the threads stopped after half of the next batch and the job's thread waited for the rest: iteration 1 of a
+#: 100,000-particle class3d read for 6.57 s on an H200, while four threads read 7.8 GB/s on their own
+#: (bench_image_read.py, thirty-eighth session).
+READ_AHEAD_MIN_BYTES = 256 << 20
+READ_AHEAD_MAX_BYTES = 2 << 30
+READ_AHEAD_HOST_FRACTION = 0.05
+
+
+def read_ahead_bytes(available_host_bytes: int, ranks_on_host: int = 1) -> int:
+    """What one rank's image reader may hold ahead of the job (bytes): 5 % of the host's available memory shared
+    by its ranks, within [256 MiB, 2 GiB] (a laptop of 8 GB keeps the old 256 MiB; a GPU node reads several
+    batches ahead, so that the next batch's images are read while the current one computes)."""
+    share = READ_AHEAD_HOST_FRACTION * max(0, int(available_host_bytes)) / max(1, int(ranks_on_host))
+    return int(min(READ_AHEAD_MAX_BYTES, max(READ_AHEAD_MIN_BYTES, share)))
+
+
+# ----------------------------------------------------------------------------------------------------------
 # One E-step iteration: batches, fine chunks, the union of significant orientations
 # ----------------------------------------------------------------------------------------------------------
 
