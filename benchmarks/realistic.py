@@ -287,8 +287,10 @@ def plot(a) -> None:
         ax.set_ylim(-0.05, 1.02)
         ax.legend(fontsize=8)
     d = r["data"]
+    gpus = r["gpu"].splitlines()  # nvidia-smi names every GPU of the host; each side ran on one
+    host = gpus[0] if len(gpus) == 1 else f"one {gpus[0]} of a {len(gpus)}-GPU host"
     fig.suptitle(f"EMD-11007, {d['n']} particles, box {d['box']} at {d['angpix']} Å/px, SNR {d['snr']} "
-                 f"({r['gpu']})", fontsize=10)
+                 f"({host})", fontsize=10)
     fig.tight_layout()
     fig.savefig(a.png, dpi=110)
     print("wrote", a.png)
