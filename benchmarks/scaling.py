@@ -110,17 +110,20 @@ MSTEP_PARTS = re.compile(r"iteration (\d+) timing: .*M-step [\d.]+ s \(([^)]*)\)
 STARTUP = re.compile(r"start-up: ([\d.]+) s before iteration 1(?: \((.*)\))?")
 AFTER_LAST = re.compile(r"the last iteration's files were whole ([\d.]+) s after it(?: \(the slowest: (.*)\))?")
 DONE = re.compile(r"^\[done in ([\d.]+) s\]", re.M)
+BEFORE_JOB = re.compile(r"the process started ([\d.]+) s before the job")
 
 
 def fixed_costs(stdout: str) -> dict:
     """The time a job spends outside its iterations (what more GPUs do not shorten): from its start to iteration 1
     with the steps of it, waiting for the last files after the last iteration, the job's own time (s)."""
     start, after, done = STARTUP.search(stdout), AFTER_LAST.search(stdout), DONE.search(stdout)
+    before = BEFORE_JOB.search(stdout)
     steps = _parts(start[2] or "") if start else {}
     return {"startup_s": float(start[1]) if start else None, "startup_steps_s": steps,
             "files_after_last_iteration_s": float(after[1]) if after else 0.0,
             "slowest_last_files_s": _parts(after[2] or "") if after else {},
             "job_s": float(done[1]) if done else None,
+            "process_before_job_s": float(before[1]) if before else None,
             "files_per_iteration_s": [float(m[1]) for m in FILES.findall(stdout)],
             "mstep_parts_per_iteration_s": [_parts(m[1]) for m in MSTEP_PARTS.findall(stdout)]}
 

@@ -51,3 +51,19 @@ def test_a_gpu_that_is_not_there_is_refused_not_replaced_by_the_cpu(tmp_path, ca
     assert code == 2 and "--gpu 5" in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "Refine3D").exists()  # refused before any file was written
+
+
+def test_the_process_age_counts_from_the_process_start():
+    """cli.process_age_s: the seconds since this process started (what a job's log reports as the time before the
+    job), at least the time this test sleeps and less than the whole test session."""
+    import time
+
+    from napari_gpu_relion.cli import process_age_s
+
+    a = process_age_s()
+    if a is None:
+        pytest.skip("no /proc on this system")
+    time.sleep(0.3)
+    b = process_age_s()
+    assert 0.25 <= b - a <= 5.0, (a, b)
+    assert 0.0 < a < 24 * 3600

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 import time
 import traceback
@@ -168,6 +169,19 @@ def run_job(module, params, out=None, sink=None) -> Finished | None:
     return last
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: /proc; None elsewhere): the interpreter, the imports and the
+    option checks before a job, which more GPUs do not shorten (issue 47's fixed costs)."""
+    try:
+        with open("/proc/self/stat") as fh:
+            start_ticks = int(fh.read().rsplit(")", 1)[1].split()[19])  # field 22, after the command's name
+        with open("/proc/uptime") as fh:
+            uptime = float(fh.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(only=_job_named(argv))
@@ -203,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
                    "stopping all ranks", 1)
     if (code := start_up(failure)) != 0:  # under MPI every rank's checks, together: one rank fails, all end
         return code
+    age = process_age_s()
+    if age is not None and not quiet:  # benchmarks/scaling.py reads it
+        print(f"  the process started {age:.2f} s before the job (Python, imports, option checks"
+              f"{', MPI' if mpi else ''})", flush=True)
     try:
         run_job(module, params, sink=event_sender(args.events) if args.events else None)
     except (InputError, OSError) as exc:  # bad input, or a read-only folder, a full disk, ...: one line, the path
