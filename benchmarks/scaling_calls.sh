@@ -13,6 +13,9 @@
 #   bash benchmarks/scaling_calls.sh accelerators N  class3d K=6 (as above) on one GPU with CuPy's reductions
 #       without CUB (the package's default) and with CUB (CUPY_ACCELERATORS=cub), alternated twice on the same
 #       machine: whether CUB's reductions pay at this size (compare iterations 2-5; iteration 1 compiles)
+#   bash benchmarks/scaling_calls.sh cubprofile N    which kernels CuPy's reductions with CUB speed up: class3d K=6
+#       (2 iterations) on N particles of our simulator at box 256 under profile_job.py --kernel_trace 2, without and
+#       with CUB (thirty-eighth session: the M-step 0.49 s per iteration without, 0.32 s with, the E-step the same)
 # RANKS=2 bash benchmarks/scaling_calls.sh class3d N 2    only the given rank counts (default 1,GPUS)
 # Results (scaling.py's JSON, which names the GPU) in $OUT.
 . benchmarks/gpu_env.sh
@@ -64,6 +67,19 @@ case "$1" in
           --out $OUT/accelerators_class3d_K6_box256_n$2_${run}.json | grep '^{"ranks' | cut -c1-300
     done
     el "accelerators" ;;
+  cubprofile)
+    [ -f /root/acc/data/particles.star ] || python3 benchmarks/scaling.py --job class3d --ranks 1 --gpu 0 \
+        --n_particles $2 --box 256 --K 6 --iter 1 --work /root/acc --extra "$STD" > /dev/null
+    REPO=$PWD
+    for A in none cub; do
+      X=""; [ $A = cub ] && X=cub
+      (cd /root/acc && CUPY_ACCELERATORS=$X timeout 280 python3 $REPO/benchmarks/profile_job.py --kernel_trace 2 \
+          --out $OUT/profile_class3d_K6_box256_n$2_accelerators_$A.json -- class3d --i data/particles.star \
+          --ref data/reference.mrc --K 6 --iter 2 --ctf --healpix_order 2 --ini_high 40 $STD --tau2_fudge 4 \
+          --o prof_$A/run > $OUT/profile_accelerators_$A.log 2>&1; echo "profile ($A) rc $?")
+      grep -E "timing" $OUT/profile_accelerators_$A.log | cut -c1-200
+    done
+    el "cubprofile" ;;
   relion)  # RELION 5's class3d on the same set and GPUs: $4 ranks (5 and 9 on 4 GPUs), stopped after $5 s
     wait_relion
     python3 benchmarks/standard_class3d.py run --data /root/s256_$2 --sides relion --iters 5 --limits $5 \
