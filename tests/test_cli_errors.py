@@ -67,3 +67,9 @@ def test_the_process_age_counts_from_the_process_start():
     b = process_age_s()
     assert 0.25 <= b - a <= 5.0, (a, b)
     assert 0.0 < a < 24 * 3600
+    import subprocess
+    import sys
+
+    fresh = subprocess.run([sys.executable, "-c", "from napari_gpu_relion.cli import process_age_s; "
+                            "print(process_age_s())"], capture_output=True, text=True, check=True).stdout
+    assert 0.0 < float(fresh) < 30.0, fresh  # a new process: its imports, not the machine's uptime

@@ -375,15 +375,43 @@ def test_stacked_shifted_images_are_the_complex_products(monkeypatch):
 
 def test_a_reader_holds_a_share_of_the_host_memory_within_its_bounds():
     """runtime.memory.read_ahead_bytes: 5 % of the available host memory shared by the host's ranks, never below
-    256 MiB (a laptop keeps what the reader always had) nor above 2 GiB; a GPU node of 128 GB reads more than one
-    box-256 batch (1,749 images of 256 KiB) ahead."""
+    256 MiB (below 5 GiB available: what the reader always had) nor above 2 GiB; a GPU node of 128 GB reads more
+    than one box-256 batch (1,749 images of 256 KiB) ahead."""
     from napari_gpu_relion.runtime.memory import read_ahead_bytes
 
     GiB = 1 << 30
-    assert read_ahead_bytes(8 * GiB) == 256 << 20
+    assert read_ahead_bytes(4 * GiB) == 256 << 20
+    assert read_ahead_bytes(8 * GiB) == int(0.05 * 8 * GiB)
     assert read_ahead_bytes(0) == 256 << 20
     assert read_ahead_bytes(20 * GiB) == GiB
     assert read_ahead_bytes(20 * GiB, ranks_on_host=2) == GiB // 2
     assert read_ahead_bytes(120 * GiB) == 2 * GiB
     assert read_ahead_bytes(120 * GiB, ranks_on_host=8) == int(0.05 * 120 * GiB / 8)
     assert read_ahead_bytes(120 * GiB) > 1749 * 256 * 256 * 4
+
+
+def test_host_memory_is_the_nodes_available_or_less_under_a_memory_cgroup(tmp_path):
+    """runtime.device.host_available_bytes: MemAvailable from meminfo, or the room a memory cgroup (a SLURM job's,
+    a container's) leaves, limit minus use, where that is less (cgroup v2 and v1); no limit ("max", v1's huge
+    number) leaves MemAvailable; 4 GiB when nothing can be read."""
+    from napari_gpu_relion.runtime.device import host_available_bytes
+
+    GiB = 1 << 30
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: {256 * GiB // 1024} kB\nMemAvailable: {200 * GiB // 1024} kB\n")
+    v2, v1, none = tmp_path / "v2", tmp_path / "v1", tmp_path / "none"
+    v2.mkdir()
+    (v2 / "memory.max").write_text(f"{32 * GiB}\n")
+    (v2 / "memory.current").write_text(f"{12 * GiB}\n")
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{16 * GiB}\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{4 * GiB}\n")
+    none.mkdir()
+    (none / "memory.max").write_text("max\n")
+    (none / "memory.current").write_text(f"{4 * GiB}\n")
+    assert host_available_bytes(meminfo, v2) == 20 * GiB
+    assert host_available_bytes(meminfo, v1) == 12 * GiB
+    assert host_available_bytes(meminfo, none) == 200 * GiB
+    assert host_available_bytes(meminfo, tmp_path / "absent") == 200 * GiB
+    assert host_available_bytes(tmp_path / "absent", v2) == 20 * GiB
+    assert host_available_bytes(tmp_path / "absent", tmp_path / "absent") == 4 * GiB

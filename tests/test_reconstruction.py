@@ -276,7 +276,9 @@ def test_joining_low_resolution_by_blocks_equals_the_whole_grid_join(r_join):
 def test_squared_radius_adds_in_the_fused_kernels_order_whatever_the_library():
     """The r_max test of the array code sums |q|^2 as ((q0^2 + q1^2) + q2^2) in the coordinates' float type, as
     the fused projection and insertion kernels do; another order (a library's reduction: CuPy without CUB adds
-    q0^2 + q2^2 first) differs in the last bit for some points, which then fall on the other side of the sphere."""
+    q0^2 + q2^2 first) differs in the last bit for some points, which then fall on the other side of the sphere.
+    NumPy's own sum over three numbers is in this order too, so only the GPU tests of the fused kernels against the
+    array code (tests/test_gpu.py) would see CuPy's order come back."""
     from napari_gpu_relion.compute.projector import squared_radius
 
     rng = np.random.default_rng(3)

@@ -689,3 +689,60 @@ def test_reader_threads_leave_half_the_hosts_cores_to_the_jobs(monkeypatch):
     for cores, ranks, want in ((16, 1, 4), (16, 2, 4), (16, 4, 2), (16, 16, 1), (2, 1, 1), (1, 1, 1), (64, 1, 4)):
         monkeypatch.setattr(read_ahead, "usable_cores", lambda c=cores: c)
         assert read_ahead.read_threads(ranks) == want, (cores, ranks)
+
+
+def test_a_readers_bound_raised_while_it_runs_lets_its_threads_read_further():
+    """ImageReadAhead.raise_ahead: with nothing taken, the threads stop at the bound (2 blocks); raised to 6 they
+    go on to 6 and stop there; a lower value never lowers it. ParticleSet.read_ahead on a running reader raises it
+    so (a job raises it once its images' store is on the GPU)."""
+    from napari_gpu_relion.jobs.read_ahead import ImageReadAhead  # noqa: PLC0415
+
+    started = []
+    lock = threading.Lock()
+
+    def read(rows):
+        with lock:
+            started.append(int(rows[0]))
+        return rows[:, None, None].astype(np.float32) * np.ones((1, 2, 2), np.float32)
+
+    def settled(count: int) -> int:
+        deadline = time.monotonic() + 5
+        while len(started) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # a thread that would read past the bound has had time to start
+        return len(started)
+
+    reader = ImageReadAhead(read, np.arange(40), 40, 4, ahead_blocks=2, threads=3)
+    try:
+        assert settled(2) == 2
+        reader.raise_ahead(6)
+        assert settled(6) == 6
+        reader.raise_ahead(3)  # never lower
+        assert reader.next(wait=True)[0][0] == 0
+        assert settled(7) == 7  # one taken: one more block, 6 ahead of the taken one
+    finally:
+        reader.stop()
+
+
+def test_an_em_job_reads_ahead_little_before_its_store_is_made_and_the_policys_share_after(tmp_path, monkeypatch):
+    """jobs/em.py: the reader starts with runtime.memory.READ_AHEAD_MIN_BYTES (what the initial model takes goes to
+    the host's store and is moved to the GPU's later) and gets the memory policy's share of the host
+    (read_ahead_bytes) once the images' store is made."""
+    from napari_gpu_relion.jobs import class3d, em  # noqa: PLC0415
+    from napari_gpu_relion.runtime.memory import READ_AHEAD_MIN_BYTES  # noqa: PLC0415
+
+    share = 7 * READ_AHEAD_MIN_BYTES
+    monkeypatch.setattr(em, "read_ahead_bytes", lambda available, ranks=1: share)
+    asked = []
+    real = particles.ParticleSet.read_ahead
+
+    def recorded(self, order, threads=1, ahead_bytes=READ_AHEAD_MIN_BYTES):
+        asked.append(ahead_bytes)
+        return real(self, order, threads, ahead_bytes)
+
+    monkeypatch.setattr(particles.ParticleSet, "read_ahead", recorded)
+    star = _copy_sample(tmp_path / "d")
+    list(class3d.run(class3d.Params(i=star, ref=SAMPLE / "reference.mrc", o=tmp_path / "c3" / "run", K=1, iter=1,
+                                    healpix_order=1, ctf=True, particle_diameter=150.0, cpu=True,
+                                    preread_images=True)))
+    assert asked[:2] == [READ_AHEAD_MIN_BYTES, share], asked

@@ -220,7 +220,8 @@ def _chunk_contributions(A, kx, ky, v, w, pad: int, P: int, rmp2: float, base=No
     neg = q[..., 0] < 0
     q = xp.where(neg[..., None], -q, q)
     v = xp.where(neg, xp.conj(v), v)
-    inside = (squared_radius(q) <= rmp2) & (w != 0)
+    r2 = squared_radius(q)
+    inside = (r2 <= r2.dtype.type(rmp2)) & (w != 0)
     q, v, w = q[inside], v[inside], w[inside]
     b = None if base is None else xp.broadcast_to(base, inside.shape)[inside]
     idx_all, vr, vi, ww = [], [], [], []

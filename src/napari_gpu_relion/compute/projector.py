@@ -200,7 +200,8 @@ def interpolate(grid, q, r_max_padded: float, index=None):
     P = grid.shape[-2]
     neg = q[..., 0] < 0
     q = xp.where(neg[..., None], -q, q)
-    inside = squared_radius(q) <= r_max_padded**2
+    r2 = squared_radius(q)
+    inside = r2 <= r2.dtype.type(r_max_padded**2)  # in the coordinates' type, as the kernels compare
     flat = grid.reshape(-1)
     base = None if index is None else stack_offsets(index, grid[0].size, grid.size, xp)
     out = None

@@ -579,9 +579,10 @@ def _job(p: Params, closing: list) -> Iterator:
     cuts = np.append(cuts, seq.size)
     reader = None
     if seq.size:  # reading starts now, beside the reference's preparation and the refinement
-        ahead = read_ahead_bytes(host_available_bytes(), comm.ranks_on_host)
-        reader = _ImagesAhead(_image_reader(table, locations), seq, cuts, ahead // max(1, per_batch * 4 * N * N),
-                              read_threads(comm.ranks_on_host))
+        # the reader's blocks are the batches of whole micrographs (cuts), not per_batch images
+        block_bytes = 4 * N * N * max(1, -(-seq.size // max(1, len(cuts) - 1)))
+        ahead = read_ahead_bytes(host_available_bytes(), comm.ranks_on_host) // block_bytes
+        reader = _ImagesAhead(_image_reader(table, locations), seq, cuts, ahead, read_threads(comm.ranks_on_host))
         closing.append(reader)
 
     v1, v2 = ref_in.half1, ref_in.half2

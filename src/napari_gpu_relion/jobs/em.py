@@ -85,6 +85,7 @@ from ..runtime.distributed import (
 )
 from ..runtime.kernel_preload import Preload
 from ..runtime.memory import (
+    READ_AHEAD_MIN_BYTES,
     JobMemory,
     MemoryPlan,
     SearchSpace,
@@ -854,18 +855,21 @@ def _iterate(job: EMJob, tf32_note: str | None) -> Iterator:
         yield job.finished()
 
 
-def _read_ahead(job: EMJob) -> None:
+def _read_ahead(job: EMJob, ahead_bytes: int | None = None) -> None:
     """This rank's images read from the disk in the E-step's order, in background threads, while the job starts and
-    computes (jobs/read_ahead.py)."""
+    computes (jobs/read_ahead.py), at most ``ahead_bytes`` ahead (default: the memory policy's share of the host);
+    a reader already running gets that bound."""
     ranks = job.comm.ranks_on_host
-    job.ps.read_ahead(np.concatenate(job.own_blocks()), read_threads(ranks),
-                      read_ahead_bytes(host_available_bytes(), ranks))
+    if ahead_bytes is None:
+        ahead_bytes = read_ahead_bytes(host_available_bytes(), ranks)
+    job.ps.read_ahead(np.concatenate(job.own_blocks()), read_threads(ranks), ahead_bytes)
 
 
 def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
     root = job.comm.is_root
-    if READ_AHEAD and job.reads_every_image:  # from the disk in the E-step's order while the job starts and computes
-        _read_ahead(job)
+    if READ_AHEAD and job.reads_every_image:  # from the disk in the E-step's order while the job starts and computes;
+        _read_ahead(job, READ_AHEAD_MIN_BYTES)  # little until the images' store is made: what the initial model
+        # takes from the reader goes to the host's store, and from there to the GPU's at ~0.8 GB/s
     t = time.time()
     job.model = job.restore() if job.continued else job.initial_model()
     job.startup["the initial model"], t = time.time() - t, time.time()
@@ -873,8 +877,8 @@ def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
     job.startup["the memory plan"], t = time.time() - t, time.time()
     job.keep_images_on_device()
     job.startup["room for the images on the GPU"] = time.time() - t
-    if READ_AHEAD and job.reads_every_image:  # a store made just now (on the GPU, not kept on the host) reads ahead
-        _read_ahead(job)
+    if READ_AHEAD and job.reads_every_image:  # the store's final home: the reader may go whole batches ahead (a
+        _read_ahead(job)  # store made just now, on the GPU, not kept on the host, starts its reader here)
     refs = job.model.refs  # K maps per half: the first iteration's files must fit on the disk before it starts
     notes = prepare_output(job.files.folder, em_iteration_bytes(sum(len(r) for r in refs), job.N, job.ndim,
                                                                 len(job.ps), job.p.i, len(refs)),

@@ -150,8 +150,13 @@ class ParticleSet:
         ``threads`` background threads while the job starts and computes (jobs/read_ahead.py); images() takes them
         as they come, and reads itself the rows the reader has not started; the threads hold at most ``ahead_bytes``
         of images not yet taken (runtime.memory.read_ahead_bytes), more for a request. Nothing when images are not
-        kept in memory, when they all are already, or while a reader runs."""
-        if self.kept is None or self.ahead is not None:
+        kept in memory or when they all are already; while a reader runs, only its bound is raised to
+        ``ahead_bytes``."""
+        block_bytes = BLOCK_ROWS * self.box * self.box * 4
+        if self.ahead is not None:
+            self.ahead.raise_ahead(ahead_bytes // block_bytes)
+            return
+        if self.kept is None:
             return
         order = np.asarray(order, dtype=np.int64)
         _, first = np.unique(order, return_index=True)
@@ -159,7 +164,6 @@ class ParticleSet:
         order = order[self.slot[order] < 0]
         if order.size == 0:
             return
-        block_bytes = BLOCK_ROWS * self.box * self.box * 4
         self.ahead = ImageReadAhead(self._read, order, len(self), BLOCK_ROWS, ahead_bytes // block_bytes,
                                     threads=threads)
 

@@ -110,6 +110,14 @@ class ImageReadAhead:
                     self._started = len(self._blocks)  # no thread starts another block
                     return
 
+    def raise_ahead(self, ahead_blocks: int) -> None:
+        """Let the threads hold up to ``ahead_blocks`` blocks beyond the last one taken from now on (never fewer than
+        now): a job raises the bound once its images have their final store (on the GPU)."""
+        with self._ready:
+            if int(ahead_blocks) > self._ahead:
+                self._ahead = int(ahead_blocks)
+                self._ready.notify_all()
+
     def claim(self, rows: np.ndarray) -> None:
         """The rows of ``rows`` no thread has started become the caller's: the threads skip them."""
         with self._lock:

@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -71,15 +72,39 @@ def set_matmul_tf32(be: Backend, on: bool) -> bool:
     return on
 
 
-def host_available_bytes() -> int:
+def _cgroup_room(cgroup: Path) -> int | None:
+    """Bytes this process's memory cgroup (a batch system's or a container's limit) still allows: limit minus use,
+    cgroup v2 (memory.max, memory.current) or v1 (memory/memory.limit_in_bytes, memory.usage_in_bytes); None
+    without a limit."""
+    for limit_file, use_file in (("memory.max", "memory.current"),
+                                 ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            limit = (cgroup / limit_file).read_text().strip()
+            use = int((cgroup / use_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v1 writes a huge number for none
+            return None
+        return max(0, int(limit) - use)
+    return None
+
+
+def host_available_bytes(meminfo: str | Path = "/proc/meminfo", cgroup: str | Path = "/sys/fs/cgroup") -> int:
+    """Host memory this process may still use (bytes): the node's MemAvailable, or less where a memory cgroup (a
+    SLURM job's or a container's limit) leaves less; 4 GiB when neither can be read."""
+    avail = None
     try:
-        with open("/proc/meminfo") as fh:
+        with open(meminfo) as fh:
             for line in fh:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    avail = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return 4 * 1024**3
+    room = _cgroup_room(Path(cgroup))
+    if avail is None and room is None:
+        return 4 * 1024**3
+    return min(v for v in (avail, room) if v is not None)
 
 
 _selected: dict[tuple[bool, int | None], Backend] = {}

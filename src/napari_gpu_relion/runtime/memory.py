@@ -51,7 +51,7 @@ READ_AHEAD_HOST_FRACTION = 0.05
 
 def read_ahead_bytes(available_host_bytes: int, ranks_on_host: int = 1) -> int:
     """What one rank's image reader may hold ahead of the job (bytes): 5 % of the host's available memory shared
-    by its ranks, within [256 MiB, 2 GiB] (a laptop of 8 GB keeps the old 256 MiB; a GPU node reads several
+    by its ranks, within [256 MiB, 2 GiB] (below 5 GiB available the old 256 MiB; a GPU node reads several
     batches ahead, so that the next batch's images are read while the current one computes)."""
     share = READ_AHEAD_HOST_FRACTION * max(0, int(available_host_bytes)) / max(1, int(ranks_on_host))
     return int(min(READ_AHEAD_MAX_BYTES, max(READ_AHEAD_MIN_BYTES, share)))
