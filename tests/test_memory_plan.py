@@ -392,8 +392,8 @@ def test_a_reader_holds_a_share_of_the_host_memory_within_its_bounds():
 
 def test_host_memory_is_the_nodes_available_or_less_under_a_memory_cgroup(tmp_path):
     """runtime.device.host_available_bytes: MemAvailable from meminfo, or the room a memory cgroup (a SLURM job's,
-    a container's) leaves, limit minus use, where that is less (cgroup v2 and v1); no limit ("max", v1's huge
-    number) leaves MemAvailable; 4 GiB when nothing can be read."""
+    a container's) leaves, limit minus use less the inactive page cache, where that is less (cgroup v2 and v1); no
+    limit ("max", v1's huge number) leaves MemAvailable; 4 GiB when nothing can be read."""
     from napari_gpu_relion.runtime.device import host_available_bytes
 
     GiB = 1 << 30
@@ -406,12 +406,13 @@ def test_host_memory_is_the_nodes_available_or_less_under_a_memory_cgroup(tmp_pa
     (v1 / "memory").mkdir(parents=True)
     (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{16 * GiB}\n")
     (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{4 * GiB}\n")
+    (v2 / "memory.stat").write_text(f"anon {10 * GiB}\ninactive_file {2 * GiB}\nactive_file 0\n")
     none.mkdir()
     (none / "memory.max").write_text("max\n")
     (none / "memory.current").write_text(f"{4 * GiB}\n")
-    assert host_available_bytes(meminfo, v2) == 20 * GiB
+    assert host_available_bytes(meminfo, v2) == 22 * GiB  # 32 - (12 - 2 of page cache it may reclaim)
     assert host_available_bytes(meminfo, v1) == 12 * GiB
     assert host_available_bytes(meminfo, none) == 200 * GiB
     assert host_available_bytes(meminfo, tmp_path / "absent") == 200 * GiB
-    assert host_available_bytes(tmp_path / "absent", v2) == 20 * GiB
+    assert host_available_bytes(tmp_path / "absent", v2) == 22 * GiB
     assert host_available_bytes(tmp_path / "absent", tmp_path / "absent") == 4 * GiB

@@ -73,11 +73,14 @@ def set_matmul_tf32(be: Backend, on: bool) -> bool:
 
 
 def _cgroup_room(cgroup: Path) -> int | None:
-    """Bytes this process's memory cgroup (a batch system's or a container's limit) still allows: limit minus use,
-    cgroup v2 (memory.max, memory.current) or v1 (memory/memory.limit_in_bytes, memory.usage_in_bytes); None
-    without a limit."""
-    for limit_file, use_file in (("memory.max", "memory.current"),
-                                 ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+    """Bytes this process's memory cgroup (a batch system's or a container's limit) still allows: the limit minus
+    the use less its inactive page cache (which the kernel reclaims: a stack just read would otherwise count as
+    used), cgroup v2 (memory.max, memory.current, memory.stat) or v1 (memory/memory.limit_in_bytes,
+    usage_in_bytes, memory.stat); None without a limit."""
+    for limit_file, use_file, stat_file, cache_key in (
+            ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
+             "total_inactive_file")):
         try:
             limit = (cgroup / limit_file).read_text().strip()
             use = int((cgroup / use_file).read_text().strip())
@@ -85,7 +88,16 @@ def _cgroup_room(cgroup: Path) -> int | None:
             continue
         if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v1 writes a huge number for none
             return None
-        return max(0, int(limit) - use)
+        cache = 0
+        try:
+            for line in (cgroup / stat_file).read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == cache_key:
+                    cache = int(value)
+                    break
+        except (OSError, ValueError):
+            pass
+        return max(0, int(limit) - max(0, use - cache))
     return None
 
 
