@@ -5,8 +5,8 @@
 #       iterations, on 1 and GPUS ranks (the issue's "never slower on more GPUs")
 #   bash benchmarks/scaling_calls.sh data N          RELION built; N EMD-11007 particles of two states at box 256
 #       (1.05 Å/px, SNR 0.05) by relion_project in 32 processes, kept in /root/s256_N; then `warmup`
-#   bash benchmarks/scaling_calls.sh class3d N GPUS  class3d K=6, 5 iterations, the standard benchmark's options, on
-#       the N particles, 1 and GPUS ranks
+#   bash benchmarks/scaling_calls.sh class3d N GPUS [ITER]  class3d K=6, ITER iterations (5; the standard benchmark
+#       runs 25), the standard benchmark's options, on the N particles, 1 and GPUS ranks
 #   bash benchmarks/scaling_calls.sh relion N GPUS RANKS LIMIT   RELION's class3d (the same options) on the N
 #       particles with RANKS MPI ranks over GPUS GPUs (mpirun -n 5 and -n 9 on 4), stopped after LIMIT s
 #   bash benchmarks/scaling_calls.sh refine3d N GPUS ITER   auto-refine (ITER-1 iterations at most) on them, 1 and GPUS
@@ -54,9 +54,9 @@ case "$1" in
     # GPUs (thirty-seventh session: the 1-GPU class3d compiled 313 modules, its start-up 8.27 s against 3.6 s)
     python3 -m napari_gpu_relion.cli warmup --gpu 0 2>&1 | tail -1 | cut -c1-300; el "warmup" ;;
   class3d)
-    python3 benchmarks/scaling.py --job class3d --ranks ${RANKS:-1,$NG} --gpu $GPUS --data /root/s256_$2 --K 6 --iter 5 \
-        --work /root/w256_$2 --extra "$STD --tau2_fudge 4" --mpiexec "$MPI" \
-        --out $OUT/scaling_class3d_K6_box256_n$2_h200x$NG.json | grep '^{"ranks' | cut -c1-900
+    python3 benchmarks/scaling.py --job class3d --ranks ${RANKS:-1,$NG} --gpu $GPUS --data /root/s256_$2 --K 6 \
+        --iter ${4:-5} --work /root/w256_$2 --extra "$STD --tau2_fudge 4" --mpiexec "$MPI" \
+        --out $OUT/scaling_class3d_K6_box256_n$2_it${4:-5}_h200x$NG.json | grep '^{"ranks' | cut -c1-900
     for d in /root/w256_$2/class3d_n*; do cp $d/log.txt $OUT/log_class3d_n$2_$(basename $d).txt; done
     el "class3d" ;;
   accelerators)
