@@ -7,7 +7,9 @@ docs/relion_schedule.md walks through the derivations). No images: fast."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -437,3 +439,72 @@ def test_the_sampling_perturbation_follows_relions_draws(seed):
     steps = (np.diff(values) % 1.0)
     assert np.all((steps >= 0.25 - 1e-12) & (steps < 0.5 + 1e-12)), values
     assert all(-0.5 <= v < 0.5 for v in values)
+
+
+RELION_LOG = Path(__file__).parent / "data" / "relion5_autorefine_emd11007_box192_log.txt"
+
+
+def _relion_iterations(path: Path) -> list[dict]:
+    """The 'Auto-refine:' lines of a RELION 5.0.1 relion_refine_mpi run, per iteration: what it printed at the
+    iteration's start (resolution and change counters after the previous iteration, the accuracy it estimated, the
+    sampling it chose) and whether it entered the final iteration."""
+    its: list[dict] = []
+    pats = {"res": r"Resolution= ([\d.]+) \(no gain for (\d+) iter\)",
+            "changes": r"Changes in angles= ([\d.]+) degrees; and in offsets= ([\d.]+) Angstroms \(no gain for (\d+)",
+            "acc": r"Estimated accuracy angles= ([\d.]+) degrees; offsets= ([\d.]+) Angstroms",
+            "step": r"Angular step= ([\d.]+) degrees; local searches= (\w+)",
+            "offsets": r"Offset search range= ([\d.]+) Angstroms; offset step= ([\d.]+) Angstroms"}
+    for line in path.read_text().splitlines():
+        if m := re.search(r"Iteration= (\d+)", line):
+            its.append({"it": int(m[1]), "final": False})
+        elif "entering last iteration" in line:
+            its[-1]["final"] = True
+        else:
+            for key, pat in pats.items():
+                if m := re.search(pat, line):
+                    its[-1][key] = m.groups()
+    return its
+
+
+def test_relions_own_converged_run_is_followed_decision_by_decision():
+    """RELION 5's auto-refine of 4,000 EMD-11007 particles at box 192, 1.4 Å/px (thirty-eighth session, 19+1
+    iterations, tests/data/relion5_autorefine_emd11007_box192_log.txt), replayed through EMState with the
+    resolution, hidden-variable changes and accuracies RELION printed: at every iteration our counters of
+    iterations without a resolution gain and without large changes equal RELION's, our sampling (fine angular
+    step, local searches, offset range and fine step) equals the one it chose, and the final iteration is its
+    iteration 20."""
+    box, apix, auto_local = 192, 1.4, 4
+    its = _relion_iterations(RELION_LOG)
+    assert len(its) == 20 and its[-1]["final"] and not any(r["final"] for r in its[:-1])
+    st = EMState(order=2, offset_range=5.0, offset_step=2.0)
+    st.start_auto_refine(box, apix, 30.0, auto_local)
+    orders = []
+    for k, r in enumerate(its):
+        st.iteration += 1
+        assert st.iteration == r["it"]
+        res_A, no_gain = float(r["res"][0]), int(r["res"][1])
+        assert box * apix / st.res_shell == pytest.approx(res_A, rel=1e-5), r["it"]
+        assert st.nr_iter_wo_resol_gain == no_gain, (r["it"], st.nr_iter_wo_resol_gain, no_gain)
+        if k:  # iteration 1 prints RELION's starting 999s
+            assert st.nr_iter_wo_large_changes == int(r["changes"][2]), (r["it"], st.nr_iter_wo_large_changes)
+        acc_rot, acc_trans = (float(v) for v in r["acc"])
+        plan = st.plan_auto_refine_iteration(box, apix, auto_local, lambda size, a=acc_rot, t=acc_trans: (a, t))
+        assert plan.final == r["final"], r["it"]
+        if k:  # RELION prints the sampling from iteration 2 on
+            step, local = float(r["step"][0]), r["step"][1] == "true"
+            range_A, fine_step_A = (float(v) for v in r["offsets"])
+            assert angular_step(st.order + 1) == pytest.approx(step, rel=1e-5), r["it"]
+            assert st.local == local, r["it"]
+            assert st.offset_range * apix == pytest.approx(range_A, rel=2e-4), r["it"]
+            assert st.offset_step / 2 * apix == pytest.approx(fine_step_A, rel=2e-4), r["it"]
+        orders.append(st.order)
+        if plan.final:
+            break
+        nxt = its[k + 1]
+        shell = round(box * apix / float(nxt["res"][0]))
+        angle, offset = float(nxt["changes"][0]), float(nxt["changes"][1])
+        moved = 1.0 if k == 0 else 0.0  # the input STAR has no rlnClassNumber: every particle's class "changed"
+        st.finish_auto_refine_iteration(shell, fsc_curve(shell, box // 2 + 1), plan.current_size, 0.05, angle, offset,
+                                        angular_step(2 + 1), 2.0 / 2 * apix, moved)
+    assert st.iteration == 20 and plan.final
+    assert orders == [2] * 5 + [3] * 3 + [4] * 2 + [5] * 2 + [6] * 2 + [7] * 2 + [8] * 4
