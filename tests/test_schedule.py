@@ -469,10 +469,13 @@ def _relion_iterations(path: Path) -> list[dict]:
 def test_relions_own_converged_run_is_followed_decision_by_decision():
     """RELION 5's auto-refine of 4,000 EMD-11007 particles at box 192, 1.4 Å/px (thirty-eighth session, 19+1
     iterations, tests/data/relion5_autorefine_emd11007_box192_log.txt), replayed through EMState with the
-    resolution, hidden-variable changes and accuracies RELION printed: at every iteration our counters of
-    iterations without a resolution gain and without large changes equal RELION's, our sampling (fine angular
-    step, local searches, offset range and fine step) equals the one it chose, and the final iteration is its
-    iteration 20."""
+    resolution, hidden-variable changes and accuracies RELION printed, and the two rules jobs/refine3d.py applies
+    as relion_refine_mpi does (the change monitor's "small" thresholds stay 0.4 x the first iteration's fine steps:
+    MPI RELION's leader never updates its sampling; without rlnClassNumber every particle changes class in
+    iteration 1): at every iteration our counters of iterations without a resolution gain and without large changes
+    equal RELION's, our sampling (fine angular step, local searches, offset range and fine step) equals the one it
+    chose, and the final iteration is its iteration 20. (With the current steps, or no class change, the counters
+    part at iterations 11 and 3.)"""
     box, apix, auto_local = 192, 1.4, 4
     its = _relion_iterations(RELION_LOG)
     assert len(its) == 20 and its[-1]["final"] and not any(r["final"] for r in its[:-1])
@@ -504,7 +507,8 @@ def test_relions_own_converged_run_is_followed_decision_by_decision():
         shell = round(box * apix / float(nxt["res"][0]))
         angle, offset = float(nxt["changes"][0]), float(nxt["changes"][1])
         moved = 1.0 if k == 0 else 0.0  # the input STAR has no rlnClassNumber: every particle's class "changed"
+        first_steps = (angular_step(2 + 1), 2.0 / 2 * apix)  # refine3d's monitor_steps: iteration 1's fine steps
         st.finish_auto_refine_iteration(shell, fsc_curve(shell, box // 2 + 1), plan.current_size, 0.05, angle, offset,
-                                        angular_step(2 + 1), 2.0 / 2 * apix, moved)
+                                        *first_steps, moved)
     assert st.iteration == 20 and plan.final
     assert orders == [2] * 5 + [3] * 3 + [4] * 2 + [5] * 2 + [6] * 2 + [7] * 2 + [8] * 4
