@@ -302,6 +302,7 @@ elif [ "$1" = hr ]; then
       2>&1 | tail -3 | cut -c1-900
   cp $OUT/${R}_ours.json /root/
   tail -4 /root/hr/ours_refine3d/log.txt | cut -c1-300
+  cp /root/hr/ours_refine3d/log.txt $OUT/${R}_ours_log.txt  # its sampling per iteration, for comparing schedules
   el "ours"
   rm -rf /root/repo; mkdir -p /root/repo; cp -r benchmarks src .whl /root/repo/
   (cd /root/repo && setsid nohup bash -c ". benchmarks/gpu_env.sh && python3 benchmarks/realistic.py science \
