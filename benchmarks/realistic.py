@@ -93,19 +93,11 @@ def per_iteration(root: Path, truth, t0: float, marker: Path | None) -> list[dic
         ang, off = vr.pose_differences(truth, d)
         model = Path(f"{root}_it{it:03d}_half1_model.star") if it is not None else Path(f"{root}_model.star")
         gen = vr._star_general(model)
-        row = {"iteration": it if it is not None else "final",
-               "resolution_A": float(gen.get("rlnCurrentResolution", np.nan)),
-               "median_angular_error_deg": float(np.median(ang)),
-               "median_offset_error_A": float(np.median(off)),
-               "wall_s": times[k] if k < len(times) else None}
-        opt = Path(f"{root}_it{it:03d}_optimiser.star") if it is not None else None
-        if opt is not None and opt.exists():  # the schedule's counters after the iteration (both programs write them)
-            og = vr._star_general(opt)
-            for key, label in (("iterations_without_resolution_gain", "rlnNumberOfIterWithoutResolutionGain"),
-                               ("iterations_without_large_changes", "rlnNumberOfIterWithoutChangingAssignments")):
-                if label in og:
-                    row[key] = int(og[label])
-        rows.append(row)
+        rows.append({"iteration": it if it is not None else "final",
+                     "resolution_A": float(gen.get("rlnCurrentResolution", np.nan)),
+                     "median_angular_error_deg": float(np.median(ang)),
+                     "median_offset_error_A": float(np.median(off)),
+                     "wall_s": times[k] if k < len(times) else None})
         k += 1
     return rows
 
@@ -195,7 +187,8 @@ def run_side(side: str, a, data: Path, info: dict, truth) -> dict:
     wall = time.time() - t0
     marker = folder / "note.txt" if side == "ours" else None
     res = {"command": " ".join(cmd), "wall_s": wall, "rc": rc, "stopped_at_limit": stopped,
-           "iterations": per_iteration(data / root, truth, t0, marker)}
+           "iterations": per_iteration(data / root, truth, t0, marker),
+           "schedule": vr.schedule_trace(data / root)}  # orders, counters, changes: why the iteration counts differ
     halves = halves_of(data / root, data)
     if halves:
         res["maps"] = judge_maps(*halves, data / "state1.mrc", data / "mask.mrc", folder / "judge", info["angpix"])
