@@ -15,7 +15,7 @@ from .backend import get_array_module, to_host
 from .fourier import _fft_module, half_grid_indices, round_half_away, shell_count, shell_sum, signed_index
 from .masks import soft_edge_weight
 from .memory_model import INSERT_CHUNK_POINTS, SLAB_BYTES, orientations_per_chunk
-from .projector import _corner_indices, interpolate, pixel_list, rotated_frequencies, squared_radius, stack_offsets
+from .projector import _corner_indices, interpolate, pixel_list, rotated_frequencies, stack_offsets, within_radius
 
 
 def _scatter_add(target_flat, idx, vals):
@@ -220,8 +220,7 @@ def _chunk_contributions(A, kx, ky, v, w, pad: int, P: int, rmp2: float, base=No
     neg = q[..., 0] < 0
     q = xp.where(neg[..., None], -q, q)
     v = xp.where(neg, xp.conj(v), v)
-    r2 = squared_radius(q)
-    inside = (r2 <= r2.dtype.type(rmp2)) & (w != 0)
+    inside = within_radius(q, rmp2) & (w != 0)
     q, v, w = q[inside], v[inside], w[inside]
     b = None if base is None else xp.broadcast_to(base, inside.shape)[inside]
     idx_all, vr, vi, ww = [], [], [], []

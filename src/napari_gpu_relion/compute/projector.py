@@ -185,6 +185,13 @@ def squared_radius(q):
     return r2
 
 
+def within_radius(q, r2_max: float):
+    """Whether |q|^2 (squared_radius's order) <= ``r2_max``, compared in the coordinates' type (float32 q: float32,
+    as the fused kernels compare); no temporary outlives the call."""
+    r2 = squared_radius(q)
+    return r2 <= r2.dtype.type(r2_max)
+
+
 def stack_offsets(index, grid_size: int, total_size: int, xp):
     """Flat offsets index * grid_size of the grids of a stack, shaped (R, 1) to broadcast over pixels."""
     itype = np.int32 if total_size < 2**31 else np.int64
@@ -200,8 +207,7 @@ def interpolate(grid, q, r_max_padded: float, index=None):
     P = grid.shape[-2]
     neg = q[..., 0] < 0
     q = xp.where(neg[..., None], -q, q)
-    r2 = squared_radius(q)
-    inside = r2 <= r2.dtype.type(r_max_padded**2)  # in the coordinates' type, as the kernels compare
+    inside = within_radius(q, r_max_padded**2)
     flat = grid.reshape(-1)
     base = None if index is None else stack_offsets(index, grid[0].size, grid.size, xp)
     out = None
