@@ -416,3 +416,25 @@ def test_host_memory_is_the_nodes_available_or_less_under_a_memory_cgroup(tmp_pa
     assert host_available_bytes(meminfo, tmp_path / "absent") == 200 * GiB
     assert host_available_bytes(tmp_path / "absent", v2) == 22 * GiB
     assert host_available_bytes(tmp_path / "absent", tmp_path / "absent") == 4 * GiB
+
+
+def test_host_memory_follows_the_processs_own_cgroup_and_the_ones_above_it(tmp_path):
+    """A SLURM job's limit sits on the job's cgroup, above the step and task the process runs in: the cgroup path
+    of /proc/self/cgroup is walked up to the root, and the least room of any limit counts (v2 here; v1's memory
+    controller likewise under memory/)."""
+    from napari_gpu_relion.runtime import device
+
+    GiB = 1 << 30
+    root, proc = tmp_path / "cg", tmp_path / "cgroup"
+    job = root / "system.slice" / "slurmstepd.scope" / "job_7"
+    task = job / "step_0" / "user" / "task_0"
+    task.mkdir(parents=True)
+    (task / "memory.max").write_text("max\n")
+    (task / "memory.current").write_text(f"{GiB}\n")
+    (job / "memory.max").write_text(f"{16 * GiB}\n")
+    (job / "memory.current").write_text(f"{6 * GiB}\n")
+    proc.write_text("0::/system.slice/slurmstepd.scope/job_7/step_0/user/task_0\n")
+    folders = device._own_cgroups(root, proc)
+    assert (task, "v2") in folders and (job, "v2") in folders and (root, "v2") in folders
+    rooms = [r for r in (device._cgroup_room(f, k) for f, k in folders) if r is not None]
+    assert rooms == [10 * GiB]

@@ -72,38 +72,59 @@ def set_matmul_tf32(be: Backend, on: bool) -> bool:
     return on
 
 
-def _cgroup_room(cgroup: Path) -> int | None:
-    """Bytes this process's memory cgroup (a batch system's or a container's limit) still allows: the limit minus
-    the use less its inactive page cache (which the kernel reclaims: a stack just read would otherwise count as
-    used), cgroup v2 (memory.max, memory.current, memory.stat) or v1 (memory/memory.limit_in_bytes,
-    usage_in_bytes, memory.stat); None without a limit."""
-    for limit_file, use_file, stat_file, cache_key in (
-            ("memory.max", "memory.current", "memory.stat", "inactive_file"),
-            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
-             "total_inactive_file")):
-        try:
-            limit = (cgroup / limit_file).read_text().strip()
-            use = int((cgroup / use_file).read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v1 writes a huge number for none
-            return None
-        cache = 0
-        try:
-            for line in (cgroup / stat_file).read_text().splitlines():
-                key, _, value = line.partition(" ")
-                if key == cache_key:
-                    cache = int(value)
-                    break
-        except (OSError, ValueError):
-            pass
-        return max(0, int(limit) - max(0, use - cache))
-    return None
+#: The files of a memory cgroup: limit, use, and the key of its inactive page cache in memory.stat (v2, v1).
+_CGROUP_FILES = {"v2": ("memory.max", "memory.current", "inactive_file"),
+                 "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
 
 
-def host_available_bytes(meminfo: str | Path = "/proc/meminfo", cgroup: str | Path = "/sys/fs/cgroup") -> int:
-    """Host memory this process may still use (bytes): the node's MemAvailable, or less where a memory cgroup (a
-    SLURM job's or a container's limit) leaves less; 4 GiB when neither can be read."""
+def _cgroup_room(folder: Path, kind: str) -> int | None:
+    """Bytes one memory cgroup (``kind`` "v2" or "v1", its files in ``folder``) still allows: its limit minus its
+    use less its inactive page cache (which the kernel reclaims: a stack just read would otherwise count as used);
+    None without a limit or its files."""
+    limit_file, use_file, cache_key = _CGROUP_FILES[kind]
+    try:
+        limit = (folder / limit_file).read_text().strip()
+        use = int((folder / use_file).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v1 writes a huge number for none
+        return None
+    cache = 0
+    try:
+        for line in (folder / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == cache_key:
+                cache = int(value)
+                break
+    except (OSError, ValueError):
+        pass
+    return max(0, int(limit) - max(0, use - cache))
+
+
+def _own_cgroups(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc/self/cgroup")
+                 ) -> list[tuple[Path, str]]:
+    """The folders of this process's memory cgroup and of every cgroup above it, v2 and v1 (a SLURM job's limit
+    sits on the job's cgroup, above the step and task the process runs in; a container's cgroup namespace shows
+    its own cgroup as the root)."""
+    paths = {"v2": "/", "v1": "/"}
+    try:
+        for line in proc.read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":
+                paths["v2"] = path
+            elif "memory" in controllers.split(","):
+                paths["v1"] = path
+    except (OSError, ValueError):
+        pass
+    base = {"v2": root, "v1": root / "memory"}
+    return [(base[kind] / str(a).lstrip("/"), kind) for kind, path in paths.items()
+            for a in (Path(path), *Path(path).parents)]
+
+
+def host_available_bytes(meminfo: str | Path = "/proc/meminfo", cgroup: str | Path | None = None) -> int:
+    """Host memory this process may still use (bytes): the node's MemAvailable, or less where a memory cgroup of
+    this process or above it (a SLURM job's, a container's limit) leaves less; 4 GiB when nothing can be read.
+    ``cgroup``: one cgroup folder to read instead (its v2 files, and v1's under ``memory/``)."""
     avail = None
     try:
         with open(meminfo) as fh:
@@ -113,10 +134,10 @@ def host_available_bytes(meminfo: str | Path = "/proc/meminfo", cgroup: str | Pa
                     break
     except OSError:
         pass
-    room = _cgroup_room(Path(cgroup))
-    if avail is None and room is None:
-        return 4 * 1024**3
-    return min(v for v in (avail, room) if v is not None)
+    folders = _own_cgroups() if cgroup is None else [(Path(cgroup), "v2"), (Path(cgroup) / "memory", "v1")]
+    rooms = [r for r in (_cgroup_room(f, kind) for f, kind in folders) if r is not None]
+    values = [v for v in (avail, *rooms) if v is not None]
+    return min(values) if values else 4 * 1024**3
 
 
 _selected: dict[tuple[bool, int | None], Backend] = {}
