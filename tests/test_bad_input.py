@@ -251,6 +251,10 @@ def test_continue_removes_the_temporary_of_a_killed_iteration(class2d_run, tmp_p
     assert not left.exists()
     assert not [q for q in run.iterdir() if "-tmp-" in q.name]
     assert (run / "run_it002_optimiser.star").is_file()
+    # the iteration's summary is printed once (the jobs also sent it as a Message: every line twice), and the
+    # start-up line names the iteration it comes before (it said "before iteration 1" after --continue)
+    assert sum(line.strip().startswith("iteration 2: largest classes") for line in out.splitlines()) == 1, out
+    assert "s before iteration 2" in out and "before iteration 1" not in out, out
 
 
 # ------------------------------------------------------------------------------------------------------------

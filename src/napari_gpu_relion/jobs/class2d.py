@@ -165,7 +165,6 @@ class Class2D(em_classification.Classification):
         summary = self.summary(it, f"largest classes {largest}")
         yield ClassAveragesUpdated("classes", refs, pdf.copy(), np.asarray(self.res_A), apix, stack)
         yield IterationFinished(i, {"classes": refs}, pdf.copy(), float(min(self.res_A)), None, summary)
-        yield Message(f"  iteration {i}: {summary}")
 
     def finished(self) -> Finished:
         pdf = self.model.pdf_class[0]

@@ -218,7 +218,6 @@ class Class3D(em_classification.Classification):
         summary = self.summary(it, f"class distribution {dist}")
         yield IterationFinished(i, {f"class{k + 1:03d}": maps[k] for k in range(K)},
                                 self.model.pdf_class[0].copy(), float(min(self.res_A)), None, summary)
-        yield Message(f"  iteration {i}: {summary}")
         if it.final:
             self.report = class_report(list(refs), self.model.pdf_class[0], to_host(self.solvent_mask))
             yield Message(self.report)

@@ -892,7 +892,7 @@ def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
     if root:
         job.files.folder.mkdir(parents=True, exist_ok=True)
         write_note(job.files.folder, job.name, job.p)
-        yield Message(startup_line(time.time() - job.t_start, job.startup))
+        yield Message(startup_line(time.time() - job.t_start, job.startup, job.state.iteration + 1))
     while True:
         job.state.iteration += 1
         it = yield from job.update_sampling()
@@ -948,11 +948,12 @@ def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
     free_cached_memory(job.be)
 
 
-def startup_line(seconds: float, steps: dict[str, float]) -> str:
-    """One line of the time from the job's start to its first iteration (what benchmarks/scaling.py reads: the
-    fixed cost that more GPUs do not shorten), with the steps that took 0.05 s or more."""
+def startup_line(seconds: float, steps: dict[str, float], first: int = 1) -> str:
+    """One line of the time from the job's start to its first iteration, ``first`` (after --continue, the one after
+    the saved iteration; what benchmarks/scaling.py reads: the fixed cost that more GPUs do not shorten), with the
+    steps that took 0.05 s or more."""
     parts = ", ".join(f"{k} {v:.2f} s" for k, v in steps.items() if v >= 0.05)
-    return f"  start-up: {seconds:.2f} s before iteration 1" + (f" ({parts})" if parts else "")
+    return f"  start-up: {seconds:.2f} s before iteration {first}" + (f" ({parts})" if parts else "")
 
 
 def iteration_timing(it: Iteration, seconds_mstep: float, seconds_files: float, comm) -> str:

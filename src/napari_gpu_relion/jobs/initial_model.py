@@ -314,8 +314,6 @@ class InitialModel(em_classification.Classification):
         summary = (f"mini-batch {sum(h.size for h in self.halves)}, {self.res_A[0]:.1f} Å, step {self.step:.2f}; "
                    f"class distribution {dist}; E-step {it.seconds_estep:.1f} s")
         yield IterationFinished(i, maps, self.model.pdf_class[0].copy(), float(self.res_A[0]), None, summary)
-        if i % 10 == 0 or it.final:
-            yield Message(f"  iteration {i}: {summary}")
         if it.final:
             self.write_final()
             if symmetry_group(self.p.sym).order > 1:
