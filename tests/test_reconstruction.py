@@ -4,11 +4,24 @@ import numpy as np
 import pytest
 
 from napari_gpu_relion.compute import simulate as sim
-from napari_gpu_relion.compute.backprojector import BackProjector, BackProjectorStack, insert_by_class
+from napari_gpu_relion.compute.backprojector import (
+    BackProjector,
+    BackProjectorStack,
+    _soft_edge_and_gridding,
+    insert_by_class,
+)
 from napari_gpu_relion.compute.fourier import irfft_centered, rfft_centered
 from napari_gpu_relion.compute.fsc import fsc, fsc_to_full, resolution_shell
 from napari_gpu_relion.compute.geometry import euler_to_matrix, symmetry_group
-from napari_gpu_relion.compute.projector import pixel_list, prepare_reference, project, project_pixels, stack_references
+from napari_gpu_relion.compute.masks import soft_mask_outside
+from napari_gpu_relion.compute.projector import (
+    pixel_list,
+    prepare_reference,
+    project,
+    project_pixels,
+    sinc2_gridding,
+    stack_references,
+)
 
 
 @pytest.fixture(scope="module")
@@ -291,3 +304,15 @@ def test_squared_radius_adds_in_the_fused_kernels_order_whatever_the_library():
     assert np.array_equal(got, kernel_order)
     assert np.count_nonzero(kernel_order != other_order) > 100  # the orders do differ: the test could fail
     assert np.array_equal(squared_radius(q[:, :2]), sq[:, 0] + sq[:, 1])
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_soft_edge_and_gridding_in_slabs_equals_the_whole_box(ndim):
+    """The M-step's soft edge at N/2 and sinc^2 division, in slabs of 3 planes with the edge means summed last axis
+    first, equal masks.soft_mask_outside and projector.sinc2_gridding on the whole box (float64)."""
+    rng = np.random.default_rng(3)
+    N, pf, B = 20, 2, 3
+    vol = rng.normal(size=(B,) + (N,) * ndim) + 5.0 * np.arange(1, B + 1).reshape((B,) + (1,) * ndim)
+    want = soft_mask_outside(vol, N / 2, 3.0, ndim) / sinc2_gridding(N, pf, ndim)
+    got = _soft_edge_and_gridding(vol.copy(), N, pf, ndim, True, max_bytes=B * N ** (ndim - 1) * 8 * 6 * 3)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
