@@ -319,6 +319,31 @@ def test_ranks_sharing_a_gpu_sum_on_it_through_cuda_ipc(tmp_path):
     assert all(f"ok {r} 3 CUDA IPC (all ranks share one GPU)" in out for r in range(3)), out
 
 
+def _gpu_count() -> int:
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # noqa: BLE001 - no CuPy or no driver
+        return 0
+
+
+@needs_mpi
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_count() < 2, reason="needs two CUDA GPUs with CuPy")
+def test_ranks_on_their_own_gpus_sum_through_nccl_started_before_the_first_sum(tmp_path):
+    """Two ranks, each on its own GPU, decide how to sum before the first sum (prepare_device_sum: NCCL's
+    communicator made in a background thread while a job starts); the sums of every kind then go through NCCL and
+    equal the float64 sum over the ranks."""
+    script = tmp_path / "ncclcomm.py"
+    script.write_text(GPU_COMM_SCRIPT.replace(
+        "w = distributed.world()\n",
+        "w = distributed.world()\ncp.cuda.Device(w.rank % cp.cuda.runtime.getDeviceCount()).use()\n"
+        "w.prepare_device_sum()\n"))
+    out = _ok(_mpirun(2, [], tmp_path, timeout=120, python=[str(script)]))
+    assert all(f"ok {r} 2 NCCL (GPU to GPU)" in out for r in range(2)), out
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     return make_sample_data(tmp_path_factory.mktemp("mpi"), box=32, angpix=6.0, n_particles=160, snr=0.2,

@@ -360,6 +360,8 @@ class EMJob:
         self.files = RunFiles.from_output(self.p.o)
         check_run_output(self.files, self.name, input_paths(self.p), self.continued)  # before any work (issue 50)
         self.be: Backend = backend_for(self.p)
+        if self.be.is_gpu:  # the ranks' GPU-to-GPU sums get ready (NCCL) while the job starts
+            self.comm.prepare_device_sum()
         self.startup = {"the device": time.time() - self.t_start}  # step -> s, the start-up line
         # the GPU kernels this job will use get ready in the background while it reads its particles and prepares
         # its references (kernel_preload); stopped when the job ends, or here if it cannot start

@@ -123,6 +123,10 @@ class SingleProcess:
 
     reduction_path = "none (one process)"
 
+    def prepare_device_sum(self) -> None:
+        """Decide how device arrays will be summed before the first sum (collective: every rank, once its GPU is
+        chosen); NCCL's communicator is then made in the background while the job starts (nothing without MPI)."""
+
     def sum_arrays(self, arrays: list) -> None:
         """Sum each NumPy/CuPy array over the ranks, in place (every rank gets the same sums)."""
 
@@ -177,6 +181,7 @@ class MPICommunicator(SingleProcess):
         self._on_host = shared.Get_size()
         shared.Free()
         self._gpu_sum: _GPUSum | None | bool = False  # not decided yet (see _device_sum)
+        self._nccl_starting = False  # NCCL's communicator is being made in the background (prepare_device_sum)
         self.reduction_path = "host buffers (MPI)"
 
     @property
@@ -239,12 +244,35 @@ class MPICommunicator(SingleProcess):
             if self.rank == root:
                 _store(a, host)
 
+    def prepare_device_sum(self) -> None:
+        """Decide how device arrays are summed now, not at the first sum (collective: every rank calls it once its
+        GPU is chosen). NCCL's communicator is made in a background thread while the job reads its particles and
+        makes its first references: made at the first sum, it cost the end of iteration 1 0.5-0.7 s on 2 H200s
+        (thirty-ninth session), time that more GPUs add and do not shorten."""
+        if self._gpu_sum is False:
+            self._decide_device_sum(early=True)
+
     def _device_sum(self) -> _GPUSum | None:
-        """How device arrays are summed, decided by all ranks together at the first sum of device arrays: a
-        ``_GPUSum`` (CUDA IPC within a shared GPU, NCCL or host buffers between GPUs), or None (host buffers:
-        some rank has no GPU, or the device paths failed or were turned off)."""
-        if self._gpu_sum is not False:
-            return self._gpu_sum
+        """How device arrays are summed, decided by all ranks together at the first sum of device arrays (or at
+        prepare_device_sum): a ``_GPUSum`` (CUDA IPC within a shared GPU, NCCL or host buffers between GPUs), or
+        None (host buffers: some rank has no GPU, or the device paths failed or were turned off). Collective."""
+        if self._gpu_sum is False:
+            self._decide_device_sum(early=False)
+        if self._nccl_starting:  # every rank, at the same first sum: whether each leader's NCCL started
+            self._nccl_starting = False
+            nccl_comm, why = (self._gpu_sum.nccl.result() if self._gpu_sum is not None
+                              and isinstance(self._gpu_sum.nccl, _NcclStarting) else (None, ""))
+            whys = self.comm.allgather(why)
+            if any(whys):
+                self._gpu_sum = None
+                self.reduction_path = f"host buffers (MPI; NCCL failed: {next(w for w in whys if w)})"
+            elif self._gpu_sum is not None and nccl_comm is not None:
+                self._gpu_sum.nccl = nccl_comm
+        return self._gpu_sum
+
+    def _decide_device_sum(self, early: bool) -> None:
+        """The decision of _device_sum (collective). ``early``: NCCL's communicator is started in a background
+        thread and its failure, if any, is found out together at the first sum."""
         self._gpu_sum, self.reduction_path = None, "host buffers (MPI)"
         key = None
         if _env_on("NAPARI_GPU_RELION_NCCL") or _env_on("NAPARI_GPU_RELION_IPC"):
@@ -256,19 +284,19 @@ class MPICommunicator(SingleProcess):
                 key = None
         keys = self.comm.allgather(key)
         if any(k is None for k in keys):
-            return None
+            return
         gpus = list(dict.fromkeys(keys))  # each GPU once, in the order of its first rank
         shared = len(gpus) < len(keys)
         if shared and not _env_on("NAPARI_GPU_RELION_IPC"):
             self.reduction_path = "host buffers (MPI; ranks share a GPU and NAPARI_GPU_RELION_IPC=0)"
-            return None
+            return
         if not shared and not _env_on("NAPARI_GPU_RELION_NCCL"):
-            return None
+            return
         group = self.comm.Split(gpus.index(key), self.rank) if shared else None
         leader = group is None or group.Get_rank() == 0
         leaders = self.comm.Split(0 if leader else self.MPI.UNDEFINED, self.rank)
-        nccl_comm, why_nccl = (_nccl_among(leaders, self.rank) if leader and len(gpus) > 1
-                               and _env_on("NAPARI_GPU_RELION_NCCL") else (None, ""))
+        with_nccl = len(gpus) > 1 and _env_on("NAPARI_GPU_RELION_NCCL")
+        nccl_comm, why_nccl = _nccl_among(leaders, self.rank, early) if leader and with_nccl else (None, "")
         why_ipc, exchange = "", None
         if shared:
             try:
@@ -286,7 +314,8 @@ class MPICommunicator(SingleProcess):
         if any(w[0] for w in whys) or any(w[1] for w in whys):
             what = next(w for pair in whys for w in pair if w)
             self.reduction_path = f"host buffers (MPI; {'CUDA IPC' if shared else 'NCCL'} failed: {what})"
-            return None
+            return
+        self._nccl_starting = early and with_nccl
         between = self.comm.allgather(nccl_comm is not None if leader else None)
         between = [b for b in between if b is not None]
         n_gpu = len(gpus)
@@ -298,7 +327,6 @@ class MPICommunicator(SingleProcess):
             self.reduction_path = ("CUDA IPC within each GPU, " +
                                    ("NCCL between GPUs" if all(between) else "host buffers (MPI) between GPUs"))
         self._gpu_sum = _GPUSum(group, leaders if leader else None, nccl_comm, exchange, self.MPI)
-        return self._gpu_sum
 
     def sum_scalars(self, values: list[float]) -> list[float]:
         buf = np.asarray(values, dtype=np.float64)
@@ -359,9 +387,9 @@ def _env_on(name: str) -> bool:
     return os.environ.get(name, "1").strip().lower() not in ("0", "no", "false", "off")
 
 
-def _nccl_among(comm, rank: int):
+def _nccl_among(comm, rank: int, early: bool = False):
     """(an NCCL communicator over the ranks of the MPI communicator ``comm``, each on its own GPU, "") or (None, why).
-    Every rank of ``comm`` must call it."""
+    Every rank of ``comm`` must call it. ``early``: (an _NcclStarting, "") that makes it in the background."""
     uid, why = None, ""
     if comm.Get_rank() == 0:
         try:
@@ -374,12 +402,52 @@ def _nccl_among(comm, rank: int):
     uid, why = comm.bcast((uid, why), root=0)
     if why:
         return None, why
+    if early:
+        return _NcclStarting(comm.Get_size(), uid, comm.Get_rank(), rank), ""
+    return _make_nccl(comm.Get_size(), uid, comm.Get_rank(), rank)
+
+
+def _make_nccl(n: int, uid, nccl_rank: int, rank: int, warm: bool = False):
+    """(NCCL communicator of ``n`` ranks, "") or (None, why) on the current device; ``warm``: then one small and
+    one 16 MiB sum, so that NCCL's lazy set-up (its kernels, the connections of both protocols) happens too."""
     try:
+        import cupy  # noqa: PLC0415
         from cupy.cuda import nccl  # noqa: PLC0415
 
-        return nccl.NcclCommunicator(comm.Get_size(), uid, comm.Get_rank()), ""
+        comm = nccl.NcclCommunicator(n, uid, nccl_rank)
+        if warm:
+            stream = cupy.cuda.Stream(non_blocking=True)
+            for size in (1, 4 << 20):
+                buf = cupy.zeros(size, dtype=np.float32)
+                comm.allReduce(buf.data.ptr, buf.data.ptr, size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream.ptr)
+            stream.synchronize()
+        return comm, ""
     except Exception as exc:  # noqa: BLE001
         return None, f"rank {rank}: {type(exc).__name__}: {exc}"
+
+
+class _NcclStarting:
+    """An NCCL communicator being made (and warmed) in a background thread on this rank's device; ``result()``
+    waits for it: (communicator, "") or (None, why)."""
+
+    def __init__(self, n: int, uid, nccl_rank: int, rank: int) -> None:
+        import threading  # noqa: PLC0415
+
+        import cupy  # noqa: PLC0415
+
+        self._made: tuple = (None, "not made")
+        device = cupy.cuda.Device().id  # the thread's current device is its own: the rank's is passed on
+
+        def make() -> None:
+            with cupy.cuda.Device(device):
+                self._made = _make_nccl(n, uid, nccl_rank, rank, warm=True)
+
+        self._thread = threading.Thread(target=make, name="nccl-start", daemon=True)
+        self._thread.start()
+
+    def result(self) -> tuple:
+        self._thread.join()
+        return self._made
 
 
 class _IPCExchange:
