@@ -316,3 +316,39 @@ def test_soft_edge_and_gridding_in_slabs_equals_the_whole_box(ndim):
     want = soft_mask_outside(vol, N / 2, 3.0, ndim) / sinc2_gridding(N, pf, ndim)
     got = _soft_edge_and_gridding(vol.copy(), N, pf, ndim, True, max_bytes=B * N ** (ndim - 1) * 8 * 6 * 3)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("sym", ["C1", "D2"])
+def test_pooled_average_over_the_insertion_box_equals_pooling_the_whole_grid(sym):
+    """The half-map FSC's pooled averages go over insertion_reach's box only: after insertion up to r_max, the
+    symmetrisation and the low-resolution join, they equal sum data / sum weight of every padded voxel pooled at
+    ROUND(q / pf), counted here voxel by voxel over the whole grid (np.add.at, float64)."""
+    from napari_gpu_relion.compute.backprojector import insertion_reach, support_index
+    from napari_gpu_relion.compute.fourier import half_grid_indices
+    from napari_gpu_relion.compute.maximization import join_low_resolution, pooled_average, round_half_away
+
+    rng = np.random.default_rng(11)
+    N, pad, r_max, R = 24, 2, 5.0, 200
+    A = euler_to_matrix(*(rng.uniform(-180, 180, (3, R)) * np.array([[1], [0.5], [1]])))
+    ky, kx, _ = pixel_list(N, r_max, unique=True)
+    bps = []
+    for _ in range(2):
+        bp = BackProjector(N, pad, r_max, ndim=3)
+        bp.insert_pixels(A, kx, ky, rng.standard_normal((R, kx.size)) + 1j * rng.standard_normal((R, kx.size)),
+                         rng.uniform(0.5, 1.5, (R, kx.size)))
+        bp.enforce_hermitian()
+        bp.symmetrise(symmetry_group(sym).matrices)
+        bps.append(bp)
+    join_low_resolution(bps[0], bps[1], 2.0)
+    assert support_index(bps[0].weight.shape, insertion_reach(pad, r_max)) is not None  # a box smaller than the grid
+    kz_, ky_, kx_ = np.broadcast_arrays(*half_grid_indices(bps[0].padded_size, 3))
+    r = [round_half_away(k / pad).astype(int) for k in (kz_, ky_, kx_)]
+    ok = (r[2] <= N // 2) & (np.abs(r[1]) <= N // 2) & (np.abs(r[0]) <= N // 2)
+    for bp in bps:
+        num = np.zeros((N, N, N // 2 + 1), complex)
+        den = np.zeros((N, N, N // 2 + 1))
+        where = (r[0][ok] % N, r[1][ok] % N, r[2][ok])
+        np.add.at(num, where, (bp.data_re + 1j * bp.data_im)[ok])
+        np.add.at(den, where, bp.weight[ok])
+        want = np.where(den > 0, num / np.where(den > 0, den, 1.0), 0)
+        np.testing.assert_allclose(pooled_average(bp), want, rtol=1e-12, atol=1e-12 * np.abs(want).max())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .backend import get_array_module, to_host
-from .backprojector import BackProjector, support_index
+from .backprojector import BackProjector, insertion_reach, support_index
 from .fourier import (
     half_grid_box_slabs,
     half_grid_indices,
@@ -110,12 +110,16 @@ def tau2_from_fsc(fsc: np.ndarray, sigma2_ref: np.ndarray, tau2_fudge: float = 1
 
 def pooled_average(bp: BackProjector):
     """sum data / sum weight per voxel of the unpadded N grid, pooling padded voxels at ROUND(q/pf)
-    (RELION compareTwoHalves): an unregularised estimate on the (N, N, N//2+1) half grid. Slab by slab."""
+    (RELION compareTwoHalves): an unregularised estimate on the (N, N, N//2+1) half grid. Slab by slab, over the
+    box the accumulators can hold values in (insertion_reach of r_max; symmetrisation and the low-resolution join
+    stay inside pf r_max): the rest is zero. Over the whole padded grid, the FSC of both halves took 0.41 s of
+    every auto-refine iteration at box 256 on an H200 whatever the resolution (thirty-ninth session), while the
+    early iterations fill a few per cent of the grid."""
     xp = bp.xp
     N, pf = bp.size, bp.pad
     size = N * N * (N // 2 + 1)
     d_re, d_im, w = xp.zeros(size + 1), xp.zeros(size + 1), xp.zeros(size + 1)
-    for sl, (kz, ky, kx) in half_grid_slabs(bp.padded_size, 3, xp):
+    for sl, (kz, ky, kx) in half_grid_box_slabs(bp.padded_size, insertion_reach(pf, bp.r_max), 3, xp):
         rz = round_half_away(kz / pf).astype(np.int64)
         ry = round_half_away(ky / pf).astype(np.int64)
         rx = round_half_away(kx / pf).astype(np.int64)
