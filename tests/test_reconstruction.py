@@ -259,8 +259,10 @@ def test_reconstruct_classes_keeps_the_old_map_of_an_empty_class_to_the_bit(weig
 @pytest.mark.parametrize("r_join", [2.0, 5.5, 40.0])
 def test_joining_low_resolution_by_blocks_equals_the_whole_grid_join(r_join):
     """Auto-refine under MPI joins the halves' low resolution on their two owner ranks from a block of each grid
-    (maximization.low_resolution_block, join_block): bit for bit what join_low_resolution does on both whole
-    grids, for a join radius inside the grid and one past its edge (the whole grid as the block)."""
+    (maximization.low_resolution_block, join_block), and join_low_resolution does so on both: bit for bit the
+    average of every padded voxel with |q|^2 <= ROUND(pf r_join)^2 over the whole grids (computed here), for a
+    join radius inside the grid and one past its edge (the whole grid as the block)."""
+    from napari_gpu_relion.compute.fourier import half_grid_indices
     from napari_gpu_relion.compute.maximization import join_block, join_low_resolution, low_resolution_block
 
     rng = np.random.default_rng(5)
@@ -278,10 +280,15 @@ def test_joining_low_resolution_by_blocks_equals_the_whole_grid_join(r_join):
             g[ix] = v
         split.append(grids)
     before = [getattr(bps[0], a).copy() for a in names]
+    q2 = sum(k.astype(np.float64) ** 2 for k in half_grid_indices(bps[0].padded_size, 3))
+    inside = q2 <= np.floor(2 * r_join + 0.5) ** 2
+    whole = [[np.where(inside, 0.5 * (getattr(bps[h], a) + getattr(bps[1 - h], a)), getattr(bps[h], a))
+              for a in names] for h in (0, 1)]
     join_low_resolution(bps[0], bps[1], r_join)
     for h in (0, 1):
-        for a, g in zip(names, split[h], strict=True):
-            assert np.array_equal(getattr(bps[h], a), g)
+        for a, g, w in zip(names, split[h], whole[h], strict=True):
+            assert np.array_equal(g, w)
+            assert np.array_equal(getattr(bps[h], a), w)
     changed = sum(int((getattr(bps[0], a) != b).sum()) for a, b in zip(names, before, strict=True))
     assert changed >= 3 * int(sel.sum()) - 3  # the selected voxels did change (all but a chance tie)
 

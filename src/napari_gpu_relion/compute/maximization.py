@@ -14,7 +14,6 @@ from .backprojector import BackProjector, insertion_reach, support_index
 from .fourier import (
     half_grid_box_slabs,
     half_grid_indices,
-    half_grid_slabs,
     hermitian_unique_mask,
     radial_average,
     rfft_centered,
@@ -169,16 +168,14 @@ def join_block(own: list, other: list, selection) -> list:
 
 def join_low_resolution(bp1: BackProjector, bp2: BackProjector, r_join: float) -> None:
     """Average data and weight of both halves for padded voxels with |q|^2 <= ROUND(pf r_join)^2 and write
-    the average back to both (RELION --low_resol_join_halves)."""
-    xp = bp1.xp
-    lim = float(round_half_away(np.float64(bp1.pad * r_join))) ** 2
-    for sl, ks in half_grid_slabs(bp1.padded_size, bp1.ndim, xp):
-        sel = xp.broadcast_to(sum(k.astype(np.float64) ** 2 for k in ks) <= lim, bp1.weight[sl].shape)
-        for a in ("data_re", "data_im", "weight"):
-            x1, x2 = getattr(bp1, a)[sl], getattr(bp2, a)[sl]
-            avg = 0.5 * (x1 + x2)
-            x1[sel] = avg[sel]
-            x2[sel] = avg[sel]
+    the average back to both (RELION --low_resol_join_halves). Over low_resolution_block only, as the halves'
+    owner ranks do under MPI: a loop over the whole padded grid cost every iteration a pass over 3 x 2 grids."""
+    ix, sel = low_resolution_block(bp1.weight.shape, bp1.pad, r_join, bp1.xp)
+    names = ("data_re", "data_im", "weight")
+    blocks = [[getattr(bp, a)[ix] for a in names] for bp in (bp1, bp2)]
+    for h, bp in enumerate((bp1, bp2)):
+        for a, v in zip(names, join_block(blocks[h], blocks[1 - h], sel), strict=True):
+            getattr(bp, a)[ix] = v
 
 
 def update_sigma_offset(wsum: float, sum_weight: float, min_sigma2: float = 2.0, ndim: int = 2) -> float:
