@@ -209,14 +209,20 @@ def test_the_e_steps_rows_follow_halves_that_change_size():
 
 def test_rank_speeds_follow_the_measured_times_half_way():
     """Each rank's share of the next E-step follows its measured speed (particles per second of its own work),
-    averaged with the previous estimate (equal speeds before any); a rank without a time, or times within the
-    noise band, keep the previous one."""
-    s = distributed.rank_speeds(None, [(100, 10.0), (100, 5.0)])
+    averaged with the previous estimate (equal speeds before any), once the same rank was the slowest beyond the
+    noise band in two iterations in a row; one slow iteration, a rank without a time, or times within the band
+    keep the previous estimate."""
+    slow0, slow1 = [(100, 10.0), (100, 5.0)], [(100, 5.0), (100, 10.0)]
+    s = distributed.rank_speeds(None, slow0, slow0)
     np.testing.assert_allclose(s, [5 / 12, 7 / 12])
-    np.testing.assert_allclose(distributed.rank_speeds([0.5, 0.5], [(100, 10.0), (100, 5.0)]), [5 / 12, 7 / 12])
-    assert distributed.rank_speeds([0.5, 0.5], [(100, 10.0), (0, 0.0)]) == [0.5, 0.5]
-    assert distributed.rank_speeds(None, [(10, 0.0), (10, 1.0)]) is None
-    assert distributed.rank_speeds([0.4, 0.6], [(100, 10.0), (100, 11.0)]) == [0.4, 0.6]  # within the noise band
+    np.testing.assert_allclose(distributed.rank_speeds([0.5, 0.5], slow0, [(90, 10.0), (110, 7.0)]),
+                               [5 / 12, 7 / 12])
+    assert distributed.rank_speeds(None, slow0) is None  # the first iteration: nothing before it
+    assert distributed.rank_speeds([0.5, 0.5], slow0, slow1) == [0.5, 0.5]  # the other rank was slow before
+    assert distributed.rank_speeds([0.5, 0.5], slow0, [(100, 10.0), (100, 9.5)]) == [0.5, 0.5]  # even before
+    assert distributed.rank_speeds([0.5, 0.5], [(100, 10.0), (0, 0.0)], slow0) == [0.5, 0.5]
+    assert distributed.rank_speeds(None, [(10, 0.0), (10, 1.0)], slow0) is None
+    assert distributed.rank_speeds([0.4, 0.6], [(100, 10.0), (100, 11.0)], slow1) == [0.4, 0.6]  # within the band
 
 
 def test_every_estep_sum_is_summed_over_ranks():

@@ -397,6 +397,7 @@ class EMJob:
         self.data_vs_prior: list[np.ndarray] | None = None  # the last M-step's SSNR per class (--scale's shells)
         self._plan_shown = False
         self.speeds: list[float] | None = None  # MPI: each rank's measured E-step speed (its share of the next)
+        self.rank_work_before: list | None = None  # MPI: (particles, seconds) per rank in the last iteration
         self._run_owners: list[np.ndarray] | None = None  # MPI: the rank of each run of each half's particles
         self._owners_speeds: list[float] | None = None  # the speeds _run_owners were balanced for
         self.job_memory: JobMemory | None = None
@@ -918,7 +919,8 @@ def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
                                         it.particles_here, it.seconds_reading))
             # shares follow the compute speed: reading an image happens once per rank that holds it, and a share
             # moved for a first iteration's disk time would only make the receiving rank read more
-            job.speeds = rank_speeds(job.speeds, [(r[3], r[0] - r[4]) for r in ranks])
+            work = [(r[3], r[0] - r[4]) for r in ranks]
+            job.speeds, job.rank_work_before = rank_speeds(job.speeds, work, job.rank_work_before), work
         if root:
             job.files_from = job.writer.handed  # this iteration's writes: those numbered from here
             yield from job.write(it)
