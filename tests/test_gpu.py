@@ -784,3 +784,20 @@ def test_local_coarse_slices_projected_into_the_score_layout_equal_the_projected
     corner = cp.asnumpy(pixel_set(N, 24, cp).beyond_radius)
     assert np.all(stacked[..., :K][..., corner] == 0) and np.all(power[..., corner] == 0)
     assert np.all(stacked[..., 2 * K:] == 0) and np.abs(stacked[..., :K]).max() > 0
+
+
+def test_maps_come_back_into_pinned_memory_that_is_used_again_once_free():
+    """compute.backend.to_host(pinned=True): the same values as cp.asnumpy, in page-locked memory (the driver
+    says so), and the pinned pool's block comes back for the next iteration's maps once the first are gone."""
+    from napari_gpu_relion.compute.backend import to_host
+
+    a = cp.random.default_rng(2).standard_normal((3, 32, 32, 32), dtype=np.float32)
+    first = to_host(a, pinned=True)
+    np.testing.assert_array_equal(first, cp.asnumpy(a))
+    attrs = cp.cuda.runtime.pointerGetAttributes(first.ctypes.data)
+    assert attrs.type == cp.cuda.runtime.memoryTypeHost, attrs.type
+    address = first.ctypes.data
+    del first
+    second = to_host(a[:, ::-1] * 2, pinned=True)  # a strided view: copied contiguous first
+    np.testing.assert_array_equal(second, cp.asnumpy(a[:, ::-1] * 2))
+    assert second.ctypes.data == address

@@ -390,6 +390,21 @@ def test_a_reader_holds_a_share_of_the_host_memory_within_its_bounds():
     assert read_ahead_bytes(120 * GiB) > 1749 * 256 * 256 * 4
 
 
+def test_maps_come_back_pinned_only_within_their_share_of_the_host_memory():
+    """runtime.memory.pinned_maps_ok: three sets of an M-step's maps within 2 % of the host's available memory
+    shared by its ranks: six box-256 float32 maps (403 MB) on a 256 GB GPU host, not on a 16 GB laptop, nor with
+    eight ranks on a 128 GB host; never an empty set."""
+    from napari_gpu_relion.runtime.memory import pinned_maps_ok
+
+    GiB = 1 << 30
+    six_256 = 6 * 256**3 * 4
+    assert pinned_maps_ok(six_256, 240 * GiB)
+    assert not pinned_maps_ok(six_256, 16 * GiB)
+    assert not pinned_maps_ok(six_256, 120 * GiB, ranks_on_host=8)
+    assert pinned_maps_ok(200 * 360 * 360 * 4, 16 * GiB)  # class2d K=200 at box 360: 104 MB
+    assert not pinned_maps_ok(0, 240 * GiB)
+
+
 def test_host_memory_is_the_nodes_available_or_less_under_a_memory_cgroup(tmp_path):
     """runtime.device.host_available_bytes: MemAvailable from meminfo, or the room a memory cgroup (a SLURM job's,
     a container's) leaves, limit minus use less the inactive page cache, where that is less (cgroup v2 and v1); no

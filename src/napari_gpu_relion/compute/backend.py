@@ -63,10 +63,21 @@ def get_array_module(*arrays) -> ModuleType:
     return np
 
 
-def to_host(a):
-    """A NumPy array (copies device arrays to the host; passes NumPy arrays and scalars through)."""
+def to_host(a, pinned: bool = False):
+    """A NumPy array (copies device arrays to the host; passes NumPy arrays and scalars through). ``pinned``: a
+    device array comes back into page-locked memory from CuPy's pinned pool (a fast copy, and the pool's blocks
+    are used again once the arrays that hold them are gone); pageable memory when none can be had."""
     cp = _cupy if _cupy is not None else _cupy_of((a,))
     if cp is not None and isinstance(a, cp.ndarray):
+        if pinned and a.size:
+            try:
+                import cupyx  # noqa: PLC0415 - only reached with CuPy arrays
+
+                out = cupyx.empty_pinned(a.shape, a.dtype)
+            except Exception:  # noqa: BLE001 - no page-locked memory to be had: the pageable copy below
+                out = None
+            if out is not None:
+                return a.get(out=out)
         return cp.asnumpy(a)
     return np.asarray(a)
 

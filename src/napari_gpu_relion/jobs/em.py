@@ -95,6 +95,7 @@ from ..runtime.memory import (
     device_pool_line,
     free_cached_memory,
     memory_trace_active,
+    pinned_maps_ok,
     plan_memory,
     read_ahead_bytes,
     refusal,
@@ -724,12 +725,17 @@ class EMJob:
         """Every class's map of half h on the host, in class order, on every rank, from ``maps`` (this rank's
         block my_classes(h), NumPy or CuPy; None or empty for none): with owner ranks through gather_by_sum."""
         if self.comm.size == 1 or all(o is None for o in self.reconstruction_owners(h, it)):
-            return np.asarray(to_host(maps))
+            return np.asarray(to_host(maps, pinned=maps is not None and self.pinned_maps(maps.nbytes)))
         lo, hi = self.my_classes(h, it)
         dtypes = self.comm.allgather(None if maps is None or hi <= lo else np.dtype(maps.dtype).str)
         dtype = np.dtype(next(d for d in dtypes if d is not None))
         shape = (len(self.model.refs[h]),) + tuple(self.model.refs[h][0].shape)
-        return gather_by_sum(self.comm, self.be.xp, shape, dtype, {lo + i: maps[i] for i in range(hi - lo)})
+        return gather_by_sum(self.comm, self.be.xp, shape, dtype, {lo + i: maps[i] for i in range(hi - lo)},
+                             pinned=self.pinned_maps(int(np.prod(shape)) * dtype.itemsize))
+
+    def pinned_maps(self, nbytes: int) -> bool:
+        """Whether maps of ``nbytes`` come back from the GPU into page-locked memory (runtime.memory's policy)."""
+        return self.be.is_gpu and pinned_maps_ok(nbytes, host_available_bytes(), self.comm.ranks_on_host)
 
     def prepared_references(self, current_size: int) -> list[list]:
         """The padded Fourier references of every half at this iteration's image size, prepared once per

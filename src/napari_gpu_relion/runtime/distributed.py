@@ -262,12 +262,15 @@ class MPICommunicator(SingleProcess):
             self._nccl_starting = False
             nccl_comm, why = (self._gpu_sum.nccl.result() if self._gpu_sum is not None
                               and isinstance(self._gpu_sum.nccl, _NcclStarting) else (None, ""))
-            whys = self.comm.allgather(why)
-            if any(whys):
-                self._gpu_sum = None
-                self.reduction_path = f"host buffers (MPI; NCCL failed: {next(w for w in whys if w)})"
-            elif self._gpu_sum is not None and nccl_comm is not None:
-                self._gpu_sum.nccl = nccl_comm
+            failed = next((w for w in self.comm.allgather(why) if w), "")
+            if self._gpu_sum is not None:
+                self._gpu_sum.nccl = None if failed else nccl_comm
+                if failed and self._gpu_sum.group is None:  # NCCL was the whole path: host buffers instead
+                    self._gpu_sum = None
+                    self.reduction_path = f"host buffers (MPI; NCCL failed: {failed})"
+                elif failed:  # the GPUs' leaders sum through host buffers, every one of them
+                    self.reduction_path = f"CUDA IPC within each GPU, host buffers (MPI; NCCL failed: {failed}) " \
+                                          "between GPUs"
         return self._gpu_sum
 
     def _decide_device_sum(self, early: bool) -> None:
@@ -403,34 +406,52 @@ def _nccl_among(comm, rank: int, early: bool = False):
     if why:
         return None, why
     if early:
-        return _NcclStarting(comm.Get_size(), uid, comm.Get_rank(), rank), ""
+        try:  # the warm-up's buffers, here: a rank that cannot have them says so before any rank starts NCCL
+            warm = _WarmBuffers()
+        except Exception as exc:  # noqa: BLE001
+            return None, f"rank {rank}: {type(exc).__name__}: {exc}"
+        return _NcclStarting(comm.Get_size(), uid, comm.Get_rank(), rank, warm), ""
     return _make_nccl(comm.Get_size(), uid, comm.Get_rank(), rank)
 
 
-def _make_nccl(n: int, uid, nccl_rank: int, rank: int, warm: bool = False):
-    """(NCCL communicator of ``n`` ranks, "") or (None, why) on the current device; ``warm``: then one small and
-    one 16 MiB sum, so that NCCL's lazy set-up (its kernels, the connections of both protocols) happens too."""
-    try:
+class _WarmBuffers:
+    """Two float32 buffers (1 element and 16 MiB) and a non-blocking stream for NCCL's first sums, made on the
+    current device and on that stream: CuPy's pool never hands a block of one stream to another, so the job's own
+    kernels cannot be reading a block these sums write, and the sums never wait for the job's kernels."""
+
+    def __init__(self) -> None:
         import cupy  # noqa: PLC0415
+
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        with self.stream:
+            self.arrays = [cupy.zeros(n, dtype=np.float32) for n in (1, 4 << 20)]
+        self.stream.synchronize()
+
+
+def _make_nccl(n: int, uid, nccl_rank: int, rank: int, warm: _WarmBuffers | None = None):
+    """(NCCL communicator of ``n`` ranks, "") or (None, why) on the current device; ``warm``: then one small and
+    one 16 MiB sum on its buffers, so that NCCL's lazy set-up (its kernels, the connections of both protocols)
+    happens too, and the buffers are let go only after them."""
+    try:
         from cupy.cuda import nccl  # noqa: PLC0415
 
         comm = nccl.NcclCommunicator(n, uid, nccl_rank)
-        if warm:
-            stream = cupy.cuda.Stream(non_blocking=True)
-            for size in (1, 4 << 20):
-                buf = cupy.zeros(size, dtype=np.float32)
-                comm.allReduce(buf.data.ptr, buf.data.ptr, size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream.ptr)
-            stream.synchronize()
+        if warm is not None:
+            for buf in warm.arrays:
+                comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
+                               warm.stream.ptr)
+            warm.stream.synchronize()
+            warm.arrays.clear()
         return comm, ""
     except Exception as exc:  # noqa: BLE001
         return None, f"rank {rank}: {type(exc).__name__}: {exc}"
 
 
 class _NcclStarting:
-    """An NCCL communicator being made (and warmed) in a background thread on this rank's device; ``result()``
-    waits for it: (communicator, "") or (None, why)."""
+    """An NCCL communicator being made (and warmed on ``warm``) in a background thread on this rank's device;
+    ``result()`` waits for it: (communicator, "") or (None, why)."""
 
-    def __init__(self, n: int, uid, nccl_rank: int, rank: int) -> None:
+    def __init__(self, n: int, uid, nccl_rank: int, rank: int, warm: _WarmBuffers) -> None:
         import threading  # noqa: PLC0415
 
         import cupy  # noqa: PLC0415
@@ -440,7 +461,7 @@ class _NcclStarting:
 
         def make() -> None:
             with cupy.cuda.Device(device):
-                self._made = _make_nccl(n, uid, nccl_rank, rank, warm=True)
+                self._made = _make_nccl(n, uid, nccl_rank, rank, warm)
 
         self._thread = threading.Thread(target=make, name="nccl-start", daemon=True)
         self._thread.start()
@@ -742,16 +763,17 @@ def accumulator_grids(acc) -> list:
     return list(acc.arrays) if hasattr(acc, "arrays") else [acc.data_re, acc.data_im, acc.weight]
 
 
-def gather_by_sum(comm: SingleProcess, xp, shape: tuple, dtype, mine: dict[int, Any]) -> np.ndarray:
+def gather_by_sum(comm: SingleProcess, xp, shape: tuple, dtype, mine: dict[int, Any],
+                  pinned: bool = False) -> np.ndarray:
     """Every rank's items on every rank, on the host: one sum over the ranks of a zero-filled ``shape`` array of
     ``xp`` into which each rank puts its own items (``mine``: index along the first axis -> array); NCCL between
     GPUs (a pickled gather of box-256 maps through the host took about 1 s per iteration on 2 H200s). Adding
-    zeros leaves every value exactly as its owner made it."""
+    zeros leaves every value exactly as its owner made it. ``pinned``: to_host's page-locked copy."""
     full = xp.zeros(shape, dtype=dtype)
     for i, a in mine.items():
         full[i] = xp.asarray(a).astype(dtype, copy=False)
     comm.sum_arrays([full])
-    return np.asarray(to_host(full))
+    return np.asarray(to_host(full, pinned=pinned))
 
 
 def sum_estep(comm: SingleProcess, sums: EStepSums, acc, owners: list[int | None] | None = None) -> None:

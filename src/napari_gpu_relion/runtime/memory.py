@@ -57,6 +57,22 @@ def read_ahead_bytes(available_host_bytes: int, ranks_on_host: int = 1) -> int:
     return int(min(READ_AHEAD_MAX_BYTES, max(READ_AHEAD_MIN_BYTES, share)))
 
 
+#: Page-locked host memory the M-step's maps may come back in, as a share of the host's available memory (shared
+#: by its ranks), counted for PINNED_MAP_SETS sets of maps (those of the model, those the writer or the viewer still
+#: hold, the new ones). Six box-256 maps came back in 0.10-0.13 s of every class3d iteration into fresh pageable
+#: memory on an H200 host (thirty-ninth session; ~3 GB/s: the page faults of new arrays), a pinned copy runs at
+#: ~50 GB/s (bench_image_read.py's pinned uploads), and CuPy's pinned pool hands a block back out once its arrays
+#: are gone, so the same few blocks serve every iteration.
+PINNED_MAPS_HOST_FRACTION = 0.02
+PINNED_MAP_SETS = 3
+
+
+def pinned_maps_ok(map_bytes: int, available_host_bytes: int, ranks_on_host: int = 1) -> bool:
+    """Whether one set of an M-step's maps (``map_bytes``) may come back to the host in page-locked memory."""
+    share = PINNED_MAPS_HOST_FRACTION * max(0, int(available_host_bytes)) / max(1, int(ranks_on_host))
+    return 0 < PINNED_MAP_SETS * int(map_bytes) <= share
+
+
 # ----------------------------------------------------------------------------------------------------------
 # One E-step iteration: batches, fine chunks, the union of significant orientations
 # ----------------------------------------------------------------------------------------------------------
