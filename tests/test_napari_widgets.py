@@ -671,10 +671,14 @@ def test_class2d_widget_shows_a_labelled_class_grid(make_napari_viewer, qtbot, t
     _, w = viewer.window.add_plugin_dock_widget(PLUGIN, "2D classification")
     w.set_values(i=sample_dir / "particles.star", o=tmp_path / "Class2D", K=4, iter=2, ctf=True,
                  particle_diameter=160.0, cpu=True)
+    statuses: list[str] = []
     w.run_button.native.click()
+    w.runner.status_callbacks.append(statuses.append)  # the runner's status line (the job's events, in order)
     _wait_done(qtbot, w, timeout=240_000)
     assert w.job.state is JobState.FINISHED, w.status_text
     assert not errors
+    # each iteration's summary reaches the runner's status (it came as a Message, which also printed twice)
+    assert [t for t in statuses if ": iteration 2: largest classes" in t], statuses
     LiveDisplay.for_viewer(viewer).flush()
     grid = viewer.layers["classes"]
     assert grid.data.shape == (128, 128)  # 4 classes of 64 px in a 2 x 2 grid

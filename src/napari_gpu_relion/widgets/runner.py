@@ -44,7 +44,7 @@ from qtpy.QtWidgets import QApplication
 
 from ..cancel import cancel_scope
 from ..errors import InputError, JobCancelled, os_error_line
-from ..events import Finished, Message, Progress, Started
+from ..events import Finished, IterationFinished, Message, Progress, Started
 
 __all__ = ["JobError", "JobState", "Job", "JobRunner", "get_runner", "close_all_runners", "error_message", "frozen_gc",
            "note_gui_busy", "wait_after_collection"]
@@ -407,6 +407,8 @@ class JobRunner:
             self._set_status(f"{job.name}: {stage}{event.done}/{event.total}")
         elif isinstance(event, Message):
             self._set_status(f"{job.name}: {event.text}")
+        elif isinstance(event, IterationFinished) and event.summary:
+            self._set_status(f"{job.name}: iteration {event.iteration}: {event.summary}")
         elif isinstance(event, Finished):
             self._set_status(f"{job.name}: finished" + (f": {event.summary}" if event.summary else ""))
 
