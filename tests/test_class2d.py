@@ -134,8 +134,8 @@ def test_class2d_continue_repeats_the_uninterrupted_run(views_and_junk, tmp_path
 
 
 def test_references_from_maps_equal_the_steps_one_copy_each_and_leave_their_input_alone():
-    """The M-step's host work in place (references2d.references_from_maps) gives the array of the plain steps:
-    float64, times the solvent circle, shifted to the centre of mass, rounded to float32; its input maps are not
+    """The M-step's reference work (references2d.references_from_maps) gives the array of the plain steps:
+    float64, times the solvent circle, shifted to the centre of mass, then float32; its input maps are not
     changed."""
     rng = np.random.default_rng(3)
     maps = rng.normal(size=(5, 24, 24)).astype(np.float32)
@@ -150,7 +150,7 @@ def test_references_from_maps_equal_the_steps_one_copy_each_and_leave_their_inpu
                 shift = -center_of_mass(want, 5.0)
                 assert np.abs(shift).max() > 1.0
                 want = shift_images(want, shift)
-            want = want.astype(np.float32).astype(np.float64)
+            want = want.astype(np.float32)
             got = references_from_maps(maps, circle, 5.0, flatten, center)
-            assert got.dtype == np.float64 and np.array_equal(got, want), (flatten, center)
+            assert got.dtype == np.float32 and np.array_equal(got, want), (flatten, center)
             assert np.array_equal(maps, keep)

@@ -129,14 +129,17 @@ class Class2D(em_classification.Classification):
 
     def maximization(self, it: em.Iteration) -> None:
         p, m, sums = self.p, self.model, it.sums[0]
-        maps, it.ssnr = self.reconstruct_owned(it)
+        circle = self.be.asarray(self.circle)
+
+        def references(maps):  # on the device, before the maps come to the host (each rank its block of classes)
+            return references_from_maps(maps, circle, p.offset_range, p.flatten_solvent, p.center_classes)
+
+        m.refs[0], it.ssnr = self.reconstruct_owned(it, finish=references)
         m.sigma2[0] = update_sigma2(sums.sigma2, sums.sumw_group, self.N)
         self.state.sigma_offset_A = update_sigma_offset(sums.sigma_offset, sums.sum_weight)
         self.update_corrections(it.sums)
         m.pdf_class[0] = sums.pdf_class / max(sums.pdf_class.sum(), 1e-300)
         m.prior_offsets_A = class_offset_priors(sums.offset_sum, sums.pdf_class)
-        m.refs[0] = references_from_maps(maps, self.circle, p.offset_range, p.flatten_solvent,
-                                         p.center_classes)
 
     def update_resolution(self, it: em.Iteration) -> None:
         if self.p.sort_classes:  # number the classes by decreasing distribution (the particles' classes too)
