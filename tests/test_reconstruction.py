@@ -17,6 +17,7 @@ from napari_gpu_relion.compute.masks import soft_mask_outside
 from napari_gpu_relion.compute.projector import (
     pixel_list,
     prepare_reference,
+    prepare_references,
     project,
     project_pixels,
     sinc2_gridding,
@@ -359,3 +360,20 @@ def test_pooled_average_over_the_insertion_box_equals_pooling_the_whole_grid(sym
         np.add.at(den, where, bp.weight[ok])
         want = np.where(den > 0, num / np.where(den > 0, den, 1.0), 0)
         np.testing.assert_allclose(pooled_average(bp), want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_references_prepared_in_batches_equal_one_at_a_time(ndim):
+    """projector.prepare_references (2D images in batches of a few per FFT, here 3 per batch; 3D maps one by one)
+    gives each reference exactly what prepare_reference gives it alone, from float32 and float64 maps."""
+    rng = np.random.default_rng(8)
+    N, pad, r_max = 16, 2, 5.5
+    vols = [rng.normal(size=(N,) * ndim).astype(dt) for dt in (np.float32, np.float64, np.float32, np.float64,
+                                                                np.float32, np.float32, np.float64)]
+    got = prepare_references(vols, pad, r_max, max_bytes=3 * (pad * N) ** 2 * 24)
+    assert len(got) == len(vols)
+    for v, g in zip(vols, got, strict=True):
+        want = prepare_reference(v, pad, r_max)
+        assert g.data.shape == want.data.shape and g.data.dtype == want.data.dtype
+        np.testing.assert_array_equal(g.data, want.data)
+        assert (g.size, g.pad, g.r_max) == (want.size, want.pad, want.r_max)

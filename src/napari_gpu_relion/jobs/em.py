@@ -41,7 +41,7 @@ from ..compute.maximization import (
     update_norm,
     update_scales,
 )
-from ..compute.projector import prepare_reference
+from ..compute.projector import prepare_references
 from ..compute.sampling import check_healpix_order, check_offset_search, local_candidates, local_search_rows
 from ..compute.schedule import EMState
 from ..compute.simulate import fit_box
@@ -744,8 +744,12 @@ class EMJob:
         if self._prepared is None or self._prepared[0] != key:
             K, H = len(self.model.refs[0]), len(self.model.refs)
             mine = owned(assign(fixed_work(K, H), self.comm), "prepare reference", self.comm)
-            refs = [[prepare_reference(self.be.asarray(v), self.p.pad, r_max=current_size / 2) if (k, h) in mine
-                     else None for k, v in enumerate(half)] for h, half in enumerate(self.model.refs)]
+            refs = []
+            for h, half in enumerate(self.model.refs):  # 2D references in batches (prepare_references)
+                ks = [k for k in range(len(half)) if (k, h) in mine]
+                made = dict(zip(ks, prepare_references([self.be.asarray(half[k]) for k in ks], self.p.pad,
+                                                       r_max=current_size / 2), strict=True))
+                refs.append([made.get(k) for k in range(len(half))])
             self._prepared = (key, refs)
         return self._prepared[1]
 
