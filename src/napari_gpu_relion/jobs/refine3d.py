@@ -219,14 +219,15 @@ class Refine3D(em.EMJob):
                 join_low_resolution(bps[0], bps[1], r_join)
         memory_mark("M-step: Hermitian, symmetry, join")
         if apart:  # half 2 pooled on its rank, sent to half 1's, which computes the FSC for every rank
-            z = [pooled_average(bps[h]) if h in mine else None for h in (0, 1)]
-            if comm.rank == own[0]:
-                z[1] = self.be.xp.empty_like(z[0])
-            if z[1] is not None:
-                comm.send_arrays([z[1]], own[1], own[0])
-            it.fsc = comm.bcast(fsc_from_pooled(z[0], z[1], bps[0].r_max) if comm.rank == own[0] else None,
-                                root=own[0])
-            del z
+            with it.timed("the half-map FSC", self.be):
+                z = [pooled_average(bps[h]) if h in mine else None for h in (0, 1)]
+                if comm.rank == own[0]:
+                    z[1] = self.be.xp.empty_like(z[0])
+                if z[1] is not None:
+                    comm.send_arrays([z[1]], own[1], own[0])
+                it.fsc = comm.bcast(fsc_from_pooled(z[0], z[1], bps[0].r_max) if comm.rank == own[0] else None,
+                                    root=own[0])
+                del z
         else:
             with it.timed("the half-map FSC", self.be):
                 it.fsc = fsc_from_backprojectors(bps[0], bps[1])
