@@ -185,8 +185,8 @@ def main() -> None:
     res = {"job": a.job, "args": vars(a), "host": platform.node(), "cpu": f"{cpu_model()} ({cores} cores)",
            "mpi": mpi_library(sys.executable), "date": time.strftime("%Y-%m-%d"), "results": []}
     first = None
-    for n in ranks:
-        out = work / f"{a.job}_n{n}"
+    for i, n in enumerate(ranks):  # a rank count given twice (--ranks 1,1,2): runs of their own, the repeat's
+        out = work / (f"{a.job}_n{n}" if ranks.count(n) == 1 else f"{a.job}_n{n}_{i}")  # agreement = float noise
         shutil.rmtree(out, ignore_errors=True)
         env = dict(os.environ)
         threads = a.threads or max(1, cores // n)

@@ -17,6 +17,8 @@
 #       (2 iterations) on N particles of our simulator at box 256 under profile_job.py --kernel_trace 2, without and
 #       with CUB (thirty-eighth session: the M-step 0.49 s per iteration without, 0.32 s with, the E-step the same)
 # RANKS=2 bash benchmarks/scaling_calls.sh class3d N 2    only the given rank counts (default 1,GPUS)
+# RANKS=1,1,2 bash benchmarks/scaling_calls.sh class3d 100000 2 25   the 1-GPU run twice: how far two runs of one
+#       layout agree after 25 iterations (the GPU's atomic sums), beside how far 1 and 2 GPUs do
 # Results (scaling.py's JSON, which names the GPU) in $OUT.
 . benchmarks/gpu_env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
