@@ -531,6 +531,20 @@ def _continue(capsys, opt: Path, *names: str) -> str:
     return _fails(capsys, ["class2d", "--continue", opt, "--iter", "2", "--cpu"], *names)
 
 
+def test_continue_says_which_options_of_its_command_line_it_does_not_apply(class2d_run, tmp_path, capsys):
+    """--continue takes the run's saved options: a different --tau2_fudge or --K on its command line is named in one
+    warning line (with the value the run keeps), not applied silently; --iter and the runtime options apply."""
+    run = Path(shutil.copytree(class2d_run, tmp_path / "C"))
+    code, out, err = _run(capsys, ["class2d", "--continue", run / "run_it001_optimiser.star", "--iter", "2",
+                                   "--tau2_fudge", "4", "--K", "3", "--cpu"])
+    assert code == 0, err
+    lines = [line for line in out.splitlines() if "not applied" in line]
+    assert len(lines) == 1, out
+    assert "--tau2_fudge 4.0 (the run keeps 2.0)" in lines[0] and "--K 3 (the run keeps 2)" in lines[0], lines
+    assert "--iter 2" not in lines[0] and "--cpu True" not in lines[0]
+    assert (run / "run_it002_optimiser.star").is_file()
+
+
 def test_continue_from_a_missing_file(tmp_path, capsys):
     _continue(capsys, tmp_path / "run_it001_optimiser.star", tmp_path / "run_it001_optimiser.star", "--continue")
 

@@ -105,6 +105,7 @@ from .common import (
     check_output_folder,
     check_run_output,
     em_iteration_bytes,
+    flag_of,
     holding_lock,
     input_paths,
     param,
@@ -272,6 +273,22 @@ def continued_params(params_cls, p):
     return params_from_optimiser(params_cls, opt, source=p.continue_from, **given), opt
 
 
+def not_continued(params_cls, asked, continued) -> list[str]:
+    """The options of a --continue's command line (``asked``) that the run does not take: given with a value other
+    than their default and other than the saved one, which the continued run (``continued``) keeps ("--pad 1
+    (the run keeps 2)"). Only --iter and the runtime options change on --continue (RELION's own --continue changes
+    a few more; a user who typed one should hear that it did not apply, not find it out from the results)."""
+    out = []
+    for name in saved_options(params_cls):
+        fld = params_cls.__dataclass_fields__[name]
+        if name == "iter" or not hasattr(asked, name):
+            continue
+        value, kept = getattr(asked, name), getattr(continued, name)
+        if value != fld.default and value != kept:
+            out.append(f"{flag_of(fld)} {value} (the run keeps {kept})")
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The model: references and the arrays the M-step updates, per gold-standard half (one "half" in classification)
 # ----------------------------------------------------------------------------------------------------------
@@ -356,8 +373,10 @@ class EMJob:
         self.t_start = time.time()
         self.continued = p.continue_from is not None
         self.opt: dict | None = None
+        self.not_continued: list[str] = []  # options of the command line a --continue does not take
         if self.continued:
             self.p, self.opt = continued_params(type(p), p)
+            self.not_continued = not_continued(type(p), p, self.p)
         self.files = RunFiles.from_output(self.p.o)
         check_run_output(self.files, self.name, input_paths(self.p), self.continued)  # before any work (issue 50)
         self.be: Backend = backend_for(self.p)
@@ -897,6 +916,9 @@ def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
                                                                 len(job.ps), job.p.i, len(refs)),
                            "one iteration's files") if root else []  # rank 0 alone writes (and cleans up)
     yield Started(job.name, job.files.folder, job.be.name, job.describe())
+    if job.not_continued:
+        yield Message("--continue keeps the run's saved options; not applied: " + "; ".join(job.not_continued)
+                      + " (only --iter and the runtime options change on --continue)", "warning")
     if tf32_note:
         yield Message(tf32_note)
     yield from notes
