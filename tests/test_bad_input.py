@@ -20,6 +20,7 @@ from pathlib import Path
 import mrcfile
 import numpy as np
 import pytest
+import starfile
 from cli_cases import fails as _fails
 from cli_cases import run_cli as _run
 
@@ -531,18 +532,22 @@ def _continue(capsys, opt: Path, *names: str) -> str:
     return _fails(capsys, ["class2d", "--continue", opt, "--iter", "2", "--cpu"], *names)
 
 
-def test_continue_says_which_options_of_its_command_line_it_does_not_apply(class2d_run, tmp_path, capsys):
-    """--continue takes the run's saved options: a different --tau2_fudge or --K on its command line is named in one
-    warning line (with the value the run keeps), not applied silently; --iter and the runtime options apply."""
+def test_continue_changes_relions_options_and_names_those_it_does_not_apply(class2d_run, tmp_path, capsys):
+    """--continue takes the run's saved options, except --iter, the runtime options and those RELION's --continue
+    changes too (CONTINUE_CHANGES): --tau2_fudge 4 applies (the next model STAR has it), while --K 3 is named in one
+    warning line with the value the run keeps; a bad value of a changeable option is one error line."""
     run = Path(shutil.copytree(class2d_run, tmp_path / "C"))
     code, out, err = _run(capsys, ["class2d", "--continue", run / "run_it001_optimiser.star", "--iter", "2",
                                    "--tau2_fudge", "4", "--K", "3", "--cpu"])
     assert code == 0, err
     lines = [line for line in out.splitlines() if "not applied" in line]
     assert len(lines) == 1, out
-    assert "--tau2_fudge 4.0 (the run keeps 2.0)" in lines[0] and "--K 3 (the run keeps 2)" in lines[0], lines
+    assert "--K 3 (the run keeps 2)" in lines[0] and "--tau2_fudge 4" not in lines[0], lines
     assert "--iter 2" not in lines[0] and "--cpu True" not in lines[0]
-    assert (run / "run_it002_optimiser.star").is_file()
+    model = starfile.read(run / "run_it002_model.star")["model_general"]
+    assert float(model["rlnTau2FudgeFactor"]) == 4.0 and int(model["rlnNrClasses"]) == 2
+    _fails(capsys, ["class2d", "--continue", run / "run_it001_optimiser.star", "--iter", "3", "--pad", "0",
+                    "--cpu"], "--pad", "0")
 
 
 def test_continue_from_a_missing_file(tmp_path, capsys):

@@ -55,6 +55,7 @@ class Class2DOptions:
 
 @dataclass(frozen=True)
 class Params(em.EMParams, em.EMCorrections, em.EMOptions, Class2DOptions, em.EMInputs):
+    CONTINUE_CHANGES = em.EMParams.CONTINUE_CHANGES + ("offset_range", "offset_step", "center_classes")
     # runs written before class2d took --norm and --scale, or before --subpixel_offsets, had them off
     NEWER_OPTIONS = {"norm": False, "scale": False, "subpixel_offsets": False}
 

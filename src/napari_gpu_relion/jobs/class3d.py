@@ -68,6 +68,7 @@ class Class3DOptions:
 
 @dataclass(frozen=True)
 class Params(em.EMParams, em.EMCorrections, em.EMOptions, Class3DOptions, em.EMInputs):
+    CONTINUE_CHANGES = em.EMParams.CONTINUE_CHANGES + ("offset_range", "offset_step")
     # runs written before class3d took --norm and --scale, or before --subpixel_offsets, had them off
     NEWER_OPTIONS = {"norm": False, "scale": False, "subpixel_offsets": False}
 

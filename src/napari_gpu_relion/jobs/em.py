@@ -212,6 +212,10 @@ class EMParams:
     #: Options that --continue takes from the command line, not from the optimiser STAR.
     RUNTIME = ("continue_from", "cpu", "gpu", "batch", "memory_limit", "tf32", "coarse_float32", "preread_images",
                "dont_check_norm")
+    #: Saved options that a --continue changes when its command line gives them a value other than their default,
+    #: as RELION's --continue does (MlOptimiser::parseContinue; each job adds its own). The others stay as saved
+    #: and are named in a warning (not_continued).
+    CONTINUE_CHANGES = ("tau2_fudge", "particle_diameter", "pad", "flatten_solvent", "norm", "scale")
     #: Options a job gained after runs of it were written, with the value those runs had: a --continue of such a
     #: run, whose optimiser STAR lacks them, takes that value; any other missing option is a damaged file.
     NEWER_OPTIONS = {"subpixel_offsets": False}
@@ -223,8 +227,9 @@ class EMParams:
             raise InputError(f"--batch must be at least 1 particle (or 0: from the free memory), got {self.batch}")
         if not self.memory_limit >= 0:
             raise InputError(f"--memory_limit must be >= 0 GiB (0: all free memory), got {self.memory_limit}")
-        if self.continue_from is not None:
+        if self.continue_from is not None:  # the values a --continue may change (CONTINUE_CHANGES), checked too
             require_file(self.continue_from, "--continue optimiser STAR", (".star",))
+            self.check_values()
             return
         require_file(self.i, "--i particles STAR", (".star",))
         if needs_ref:
@@ -233,13 +238,19 @@ class EMParams:
             raise InputError("--o (output rootname, e.g. Refine3D/job001/run) is required")
         check_output_folder(RunFiles.from_output(self.o).folder, "--o")
         ensure_not_input(RunFiles.from_output(self.o).data(1), self.i)
+        check_healpix_order(healpix_order)
+        self.check_values()
+
+    def check_values(self) -> None:
+        """Clear errors for the values of the options that a --continue may change too."""
         if self.particle_diameter <= 0 and self.particle_diameter != -1:
             raise InputError(f"--particle_diameter must be > 0 Å, or -1 for (box - 5) x pixel size; got "
                              f"{self.particle_diameter:g}")
-        check_healpix_order(healpix_order)
         check_offset_search(self.offset_range, self.offset_step, np.inf)  # the box: plan_job_memory
         if self.pad < 1:
             raise InputError(f"--pad must be >= 1, got {self.pad}")
+        if not getattr(self, "tau2_fudge", 1.0) > 0:
+            raise InputError(f"--tau2_fudge must be > 0, got {self.tau2_fudge}")
 
 
 def saved_options(params_cls) -> tuple[str, ...]:
@@ -270,14 +281,18 @@ def continued_params(params_cls, p):
     for k, before in params_cls.NEWER_OPTIONS.items():
         if f"{PARAM_PREFIX}{k}" not in opt:
             given[k] = before
+    for k in params_cls.CONTINUE_CHANGES:  # given on this command line (a value other than the default)
+        if k in params_cls.__dataclass_fields__ and getattr(p, k) != params_cls.__dataclass_fields__[k].default:
+            given[k] = getattr(p, k)
     return params_from_optimiser(params_cls, opt, source=p.continue_from, **given), opt
 
 
 def not_continued(params_cls, asked, continued) -> list[str]:
     """The options of a --continue's command line (``asked``) that the run does not take: given with a value other
     than their default and other than the saved one, which the continued run (``continued``) keeps ("--pad 1
-    (the run keeps 2)"). Only --iter and the runtime options change on --continue (RELION's own --continue changes
-    a few more; a user who typed one should hear that it did not apply, not find it out from the results)."""
+    (the run keeps 2)"). --iter, the runtime options and CONTINUE_CHANGES change on --continue (RELION's own
+    --continue changes a few more; a user who typed one should hear that it did not apply, not find it out from
+    the results)."""
     out = []
     for name in saved_options(params_cls):
         fld = params_cls.__dataclass_fields__[name]
@@ -918,7 +933,9 @@ def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
     yield Started(job.name, job.files.folder, job.be.name, job.describe())
     if job.not_continued:
         yield Message("--continue keeps the run's saved options; not applied: " + "; ".join(job.not_continued)
-                      + " (only --iter and the runtime options change on --continue)", "warning")
+                      + " (--continue changes only --iter, the runtime options and "
+                      + ", ".join(flag_of(type(job.p).__dataclass_fields__[k]) for k in type(job.p).CONTINUE_CHANGES
+                                  if k in type(job.p).__dataclass_fields__) + ")", "warning")
     if tf32_note:
         yield Message(tf32_note)
     yield from notes

@@ -74,6 +74,7 @@ class Refine3DOptions:
 
 @dataclass(frozen=True)
 class Params(em.EMParams, em.EMCorrections, em.EMOptions, Refine3DOptions, em.EMInputs):
+    CONTINUE_CHANGES = em.EMParams.CONTINUE_CHANGES + ("auto_iter_max", "auto_local_healpix_order")
     # On by default in auto-refinement (off in RELION, which searches around offsets rounded to whole pixels): on
     # EMD-11007 at box 192 (4,000 particles, 3.09 Å) the final median angular error fell from 0.508° to 0.318° and
     # the offset error from 0.30 to 0.16 Å at the same cost (benchmarks/README.md); --no-subpixel_offsets for RELION's
