@@ -538,11 +538,12 @@ def test_continue_changes_relions_options_and_names_those_it_does_not_apply(clas
     warning line with the value the run keeps; a bad value of a changeable option is one error line."""
     run = Path(shutil.copytree(class2d_run, tmp_path / "C"))
     code, out, err = _run(capsys, ["class2d", "--continue", run / "run_it001_optimiser.star", "--iter", "2",
-                                   "--tau2_fudge", "4", "--K", "3", "--cpu"])
+                                   "--tau2_fudge", "4", "--K", "3", "--zero_mask", "--cpu"])
     assert code == 0, err
     lines = [line for line in out.splitlines() if "not applied" in line]
     assert len(lines) == 1, out
     assert "--K 3 (the run keeps 2)" in lines[0] and "--tau2_fudge 4" not in lines[0], lines
+    assert "--zero_mask (the run keeps it off)" in lines[0], lines
     assert "--iter 2" not in lines[0] and "--cpu True" not in lines[0]
     model = starfile.read(run / "run_it002_model.star")["model_general"]
     assert float(model["rlnTau2FudgeFactor"]) == 4.0 and int(model["rlnNrClasses"]) == 2

@@ -364,14 +364,22 @@ def test_pooled_average_over_the_insertion_box_equals_pooling_the_whole_grid(sym
 
 @pytest.mark.parametrize("ndim", [2, 3])
 def test_references_prepared_in_batches_equal_one_at_a_time(ndim):
-    """projector.prepare_references (2D images in batches of a few per FFT, here 3 per batch; 3D maps one by one)
-    gives each reference exactly what prepare_reference gives it alone, from float32 and float64 maps."""
+    """projector.prepare_references (2D images in batches of a few per FFT, here 3 per batch, each batch moved to
+    the device in one go; 3D maps one by one) gives each reference exactly what prepare_reference gives it alone,
+    from float32 and float64 maps."""
     rng = np.random.default_rng(8)
     N, pad, r_max = 16, 2, 5.5
     vols = [rng.normal(size=(N,) * ndim).astype(dt) for dt in (np.float32, np.float64, np.float32, np.float64,
                                                                 np.float32, np.float32, np.float64)]
-    got = prepare_references(vols, pad, r_max, max_bytes=3 * (pad * N) ** 2 * 24)
+    moved = []  # what to_device was given: one batch of 3 images at a time in 2D, one map at a time in 3D
+
+    def to_device(a):
+        moved.append(a.shape)
+        return a
+
+    got = prepare_references(vols, pad, r_max, max_bytes=3 * (pad * N) ** 2 * 48, to_device=to_device)
     assert len(got) == len(vols)
+    assert moved == ([(3, N, N), (3, N, N), (1, N, N)] if ndim == 2 else [(N,) * 3] * len(vols)), moved
     for v, g in zip(vols, got, strict=True):
         want = prepare_reference(v, pad, r_max)
         assert g.data.shape == want.data.shape and g.data.dtype == want.data.dtype

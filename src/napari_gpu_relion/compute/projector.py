@@ -63,31 +63,38 @@ def stack_references(refs: list[FourierReference]) -> FourierReference:
     return FourierReference(stack, first.size, first.pad, max(r.r_max for r in refs), stacked=True)
 
 
-def prepare_references(vols, pad: int = 2, r_max: float | None = None, max_bytes: int = memory_model.SLAB_BYTES
-                       ) -> list[FourierReference]:
-    """prepare_reference of each map of ``vols`` ((K, N, N) images or (K, N, N, N) maps, or a list of them). 2D
-    images are prepared in batches of about ``max_bytes`` of padded float64 (K x 2 N x 2 N): one upload and a few
-    batched FFTs instead of K of each (class2d's 200 references at box 360 took 0.53 s of an iteration on an
-    H200 one at a time, thirty-fourth session); each reference's data is a view into its batch. 3D maps one by
-    one (each already works in slabs)."""
+def prepare_references(vols, pad: int = 2, r_max: float | None = None, max_bytes: int = memory_model.SLAB_BYTES,
+                       to_device=None) -> list[FourierReference]:
+    """prepare_reference of each map of ``vols`` ((K, N, N) images or (K, N, N, N) maps, or a list of them), each
+    moved to the device by ``to_device`` (none: as they are) only when its turn comes. 2D images are prepared in
+    batches of about ``max_bytes`` of transients (48 bytes per padded pixel, measured: the float64 padded images,
+    their complex128 transforms and the mask's result): one upload and a few batched FFTs instead of K of each
+    (class2d's 200 references at box 360 took 0.53 s of an iteration on an H200 one at a time, thirty-fourth
+    session); each reference's data is a view into its batch. 3D maps one by one (each already works in slabs)."""
+    move = (lambda a: a) if to_device is None else to_device
     if len(vols) == 0:
         return []
-    xp = get_array_module(vols[0]) if isinstance(vols, list) else get_array_module(vols)
     if vols[0].ndim != 2:
-        return [prepare_reference(v, pad, r_max, max_bytes=max_bytes) for v in vols]
+        return [prepare_reference(move(v), pad, r_max, max_bytes=max_bytes) for v in vols]
     N = vols[0].shape[-1]
+    if any(tuple(v.shape) != (N, N) for v in vols):
+        raise ValueError(f"2D references must be square images of one size, got {[tuple(v.shape) for v in vols]}")
     P = pad * N
     rmax = N / 2 if r_max is None else float(r_max)
-    step = int(max(1, max_bytes // (P * P * 24)))
-    ky, kx = half_grid_indices(P, 2, xp)
-    keep = ky.astype(np.float64) ** 2 + kx.astype(np.float64) ** 2 <= (pad * rmax) ** 2
-    grid = sinc2_gridding(N, pad, 2, xp)
-    lo = P // 2 - N // 2
+    step = int(max(1, max_bytes // (P * P * 48)))
     out: list[FourierReference] = []
+    keep = grid = None
     for a in range(0, len(vols), step):
-        v = xp.asarray(xp.stack(vols[a:a + step]) if isinstance(vols, list) else vols[a:a + step], np.float64)
+        part = vols[a:a + step]
+        v = move(part if not isinstance(part, list) else get_array_module(part[0]).stack(part))
+        xp = get_array_module(v)
+        if keep is None:
+            ky, kx = half_grid_indices(P, 2, xp)
+            keep = ky.astype(np.float64) ** 2 + kx.astype(np.float64) ** 2 <= (pad * rmax) ** 2
+            grid = sinc2_gridding(N, pad, 2, xp)
         padded = xp.zeros((v.shape[0], P, P), dtype=np.float64)
-        padded[:, lo:lo + N, lo:lo + N] = v / grid
+        lo = P // 2 - N // 2
+        padded[:, lo:lo + N, lo:lo + N] = xp.asarray(v, dtype=np.float64) / grid
         F = (xp.where(keep, rfft_centered(padded, 2), 0) * pad**2).astype(np.complex64)
         out += [FourierReference(F[k], N, pad, rmax) for k in range(F.shape[0])]
     return out

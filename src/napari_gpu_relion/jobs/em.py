@@ -299,8 +299,14 @@ def not_continued(params_cls, asked, continued) -> list[str]:
         if name == "iter" or not hasattr(asked, name):
             continue
         value, kept = getattr(asked, name), getattr(continued, name)
+        if isinstance(value, str) and isinstance(kept, str) and value.casefold() == kept.casefold():
+            continue  # --sym c1 is the run's C1
         if value != fld.default and value != kept:
-            out.append(f"{flag_of(fld)} {value} (the run keeps {kept})")
+            if isinstance(value, bool):  # a flag: as typed (--flatten_solvent, --no-subpixel_offsets)
+                out.append(f"{flag_of(fld) if value else '--no-' + flag_of(fld)[2:]} (the run keeps it "
+                           f"{'on' if kept else 'off'})")
+            else:
+                out.append(f"{flag_of(fld)} {value} (the run keeps {kept})")
     return out
 
 
@@ -311,7 +317,7 @@ def not_continued(params_cls, asked, continued) -> list[str]:
 
 @dataclass
 class EMModel:
-    """Per half h: the K class references refs[h] (K, N, N[, N]): float64, or float32 after a 3D M-step (the
+    """Per half h: the K class references refs[h] (K, N, N[, N]): float64, or float32 after an M-step (the
     values of the float32 maps written: held as float32 on the host, half the bytes to convert, keep and send to
     the device; each use converts them to float64 exactly, as before), the noise spectra sigma2[h]
     (optics groups, shells), the class distribution pdf_class[h] (K,) and orientation distribution
@@ -781,8 +787,8 @@ class EMJob:
             refs = []
             for h, half in enumerate(self.model.refs):  # 2D references in batches (prepare_references)
                 ks = [k for k in range(len(half)) if (k, h) in mine]
-                made = dict(zip(ks, prepare_references([self.be.asarray(half[k]) for k in ks], self.p.pad,
-                                                       r_max=current_size / 2), strict=True))
+                made = dict(zip(ks, prepare_references([half[k] for k in ks], self.p.pad, r_max=current_size / 2,
+                                                       to_device=self.be.asarray), strict=True))
                 refs.append([made.get(k) for k in range(len(half))])
             self._prepared = (key, refs)
         return self._prepared[1]
