@@ -82,6 +82,7 @@ def prepare_references(vols, pad: int = 2, r_max: float | None = None, max_bytes
     P = pad * N
     rmax = N / 2 if r_max is None else float(r_max)
     step = int(max(1, max_bytes // (P * P * 48)))
+    lo = P // 2 - N // 2  # where the image sits in the padded box
     out: list[FourierReference] = []
     keep = grid = None
     for a in range(0, len(vols), step):
@@ -93,7 +94,6 @@ def prepare_references(vols, pad: int = 2, r_max: float | None = None, max_bytes
             keep = ky.astype(np.float64) ** 2 + kx.astype(np.float64) ** 2 <= (pad * rmax) ** 2
             grid = sinc2_gridding(N, pad, 2, xp)
         padded = xp.zeros((v.shape[0], P, P), dtype=np.float64)
-        lo = P // 2 - N // 2
         padded[:, lo:lo + N, lo:lo + N] = xp.asarray(v, dtype=np.float64) / grid
         F = (xp.where(keep, rfft_centered(padded, 2), 0) * pad**2).astype(np.complex64)
         out += [FourierReference(F[k], N, pad, rmax) for k in range(F.shape[0])]

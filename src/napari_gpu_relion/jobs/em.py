@@ -296,7 +296,7 @@ def not_continued(params_cls, asked, continued) -> list[str]:
     out = []
     for name in saved_options(params_cls):
         fld = params_cls.__dataclass_fields__[name]
-        if name == "iter" or not hasattr(asked, name):
+        if name == "iter":
             continue
         value, kept = getattr(asked, name), getattr(continued, name)
         if isinstance(value, str) and isinstance(kept, str) and value.casefold() == kept.casefold():
@@ -308,6 +308,14 @@ def not_continued(params_cls, asked, continued) -> list[str]:
             else:
                 out.append(f"{flag_of(fld)} {value} (the run keeps {kept})")
     return out
+
+
+def not_continued_line(params_cls, ignored: list[str]) -> str:
+    """The warning that names the options a --continue did not apply (not_continued), and those it changes."""
+    fields = params_cls.__dataclass_fields__
+    changes = ", ".join(flag_of(fields[k]) for k in params_cls.CONTINUE_CHANGES if k in fields)
+    return (f"--continue keeps the run's saved options; not applied: {'; '.join(ignored)} (--continue changes only "
+            f"--iter, the runtime options and {changes})")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -938,10 +946,7 @@ def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
                            "one iteration's files") if root else []  # rank 0 alone writes (and cleans up)
     yield Started(job.name, job.files.folder, job.be.name, job.describe())
     if job.not_continued:
-        yield Message("--continue keeps the run's saved options; not applied: " + "; ".join(job.not_continued)
-                      + " (--continue changes only --iter, the runtime options and "
-                      + ", ".join(flag_of(type(job.p).__dataclass_fields__[k]) for k in type(job.p).CONTINUE_CHANGES
-                                  if k in type(job.p).__dataclass_fields__) + ")", "warning")
+        yield Message(not_continued_line(type(job.p), job.not_continued), "warning")
     if tf32_note:
         yield Message(tf32_note)
     yield from notes

@@ -16,13 +16,12 @@ from . import em
 
 
 def check_classification(p) -> None:
-    """Clear errors for the classification options (before any work)."""
+    """Clear errors for the classification options (before any work; --tau2_fudge with the options a --continue
+    may change, EMParams.check_values)."""
     if p.K < 1:
         raise InputError(f"--K must be at least 1, got {p.K}")
     if p.iter < 1:
         raise InputError(f"--iter must be at least 1, got {p.iter}")
-    if p.tau2_fudge <= 0:
-        raise InputError(f"--tau2_fudge must be > 0, got {p.tau2_fudge}")
 
 
 class Classification(em.EMJob):
