@@ -2,7 +2,8 @@
 #   . benchmarks/gpu_env.sh
 # The call carries `.whl` (starfile and mrcfile wheels: `pip download --no-deps --only-binary=:all: --python-version
 # 3.12 --platform manylinux2014_x86_64 -d .whl starfile mrcfile`) and `.relion_kit` (a copy of ../shared/relion_gpu
-# with ../shared/data/real/emd_11007_centred192.mrc gzipped beside it). The machine's python3 has CuPy, NumPy, SciPy and pandas.
+# with ../shared/data/real/emd_11007_centred192.mrc beside it, packed by `benchmarks/kit_map.py pack` into
+# emd_11007_centred192.mrc.planes.gz). The machine's python3 has CuPy, NumPy, SciPy and pandas.
 # It installs the wheels once per machine and puts src/ on PYTHONPATH; `start_relion` starts RELION's build in the
 # background (/root/rb, ~2.5 min on 16 cores) unless it is built or building, `wait_relion` waits for it.
 set -u
@@ -10,8 +11,11 @@ export PYTHONUNBUFFERED=1
 [ -d /tmp/site/starfile ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD/src:/tmp/site
-# the kit's maps travel gzipped (the call's 64 MiB limit): unpacked beside them on every call
+# the kit's maps travel packed (the call's 64 MiB limit): unpacked beside them on every call
 for f in .relion_kit/*.mrc.gz; do [ -f "$f" ] && [ ! -f "${f%.gz}" ] && gunzip -k "$f"; done
+for f in .relion_kit/*.mrc.planes.gz; do
+  [ -f "$f" ] && [ ! -f "${f%.planes.gz}" ] && python3 benchmarks/kit_map.py unpack "$f" "${f%.planes.gz}"
+done
 ngr() { python3 -m napari_gpu_relion.cli "$@"; }
 start_relion() {
   if [ ! -x /root/rb/build/bin/relion_refine_mpi ] && ! pgrep -f build_relion.sh >/dev/null; then
