@@ -210,19 +210,26 @@ def test_the_e_steps_rows_follow_halves_that_change_size():
 def test_rank_speeds_follow_the_measured_times_half_way():
     """Each rank's share of the next E-step follows its measured speed (particles per second of its own work),
     averaged with the previous estimate (equal speeds before any), once the same rank was the slowest beyond the
-    noise band in two iterations in a row; one slow iteration, a rank without a time, or times within the band
-    keep the previous estimate."""
+    noise band in three iterations in a row; fewer slow iterations, a rank without a time, or times within the
+    band keep the previous estimate."""
     slow0, slow1 = [(100, 10.0), (100, 5.0)], [(100, 5.0), (100, 10.0)]
-    s = distributed.rank_speeds(None, slow0, slow0)
+    assert distributed.REBALANCE_AFTER == 3
+    s = distributed.rank_speeds(None, [slow0, slow0, slow0])
     np.testing.assert_allclose(s, [5 / 12, 7 / 12])
-    np.testing.assert_allclose(distributed.rank_speeds([0.5, 0.5], slow0, [(90, 10.0), (110, 7.0)]),
+    np.testing.assert_allclose(distributed.rank_speeds([0.5, 0.5], [slow0, [(90, 10.0), (110, 7.0)], slow0]),
                                [5 / 12, 7 / 12])
-    assert distributed.rank_speeds(None, slow0) is None  # the first iteration: nothing before it
-    assert distributed.rank_speeds([0.5, 0.5], slow0, slow1) == [0.5, 0.5]  # the other rank was slow before
-    assert distributed.rank_speeds([0.5, 0.5], slow0, [(100, 10.0), (100, 9.5)]) == [0.5, 0.5]  # even before
-    assert distributed.rank_speeds([0.5, 0.5], [(100, 10.0), (0, 0.0)], slow0) == [0.5, 0.5]
-    assert distributed.rank_speeds(None, [(10, 0.0), (10, 1.0)], slow0) is None
-    assert distributed.rank_speeds([0.4, 0.6], [(100, 10.0), (100, 11.0)], slow1) == [0.4, 0.6]  # within the band
+    assert distributed.rank_speeds(None, [slow0]) is None  # the first iteration: nothing before it
+    assert distributed.rank_speeds(None, [slow0, slow0]) is None  # two slow iterations: a passing difference
+    assert distributed.rank_speeds([0.5, 0.5], [slow0, slow1, slow0]) == [0.5, 0.5]  # the other rank between
+    assert distributed.rank_speeds([0.5, 0.5], [slow0, [(100, 10.0), (100, 9.5)], slow0]) == [0.5, 0.5]
+    assert distributed.rank_speeds([0.5, 0.5], [slow0, slow0, [(100, 10.0), (0, 0.0)]]) == [0.5, 0.5]
+    assert distributed.rank_speeds(None, [slow0, slow0, [(10, 0.0), (10, 1.0)]]) is None
+    within = [(100, 10.0), (100, 11.0)]
+    assert distributed.rank_speeds([0.4, 0.6], [slow1, slow1, within]) == [0.4, 0.6]  # within the band
+    # a share moved for a passing difference moves back half way once the other rank is as long the slow one:
+    # rank 1 holds 60 % and is as fast per particle as rank 0, so 1.5x as long
+    moved = [(80, 4.0), (120, 6.0)]
+    np.testing.assert_allclose(distributed.rank_speeds([0.4, 0.6], [moved, moved, moved]), [0.45, 0.55])
 
 
 def test_every_estep_sum_is_summed_over_ranks():

@@ -67,6 +67,7 @@ from ..io.write_queue import HELPER_FROM_PARTICLES, WriteQueue
 from ..marks import memory_mark
 from ..runtime.device import Backend, backend_for, host_available_bytes, set_matmul_tf32
 from ..runtime.distributed import (
+    REBALANCE_AFTER,
     assign,
     deal_owners,
     deal_runs,
@@ -446,7 +447,7 @@ class EMJob:
         self.data_vs_prior: list[np.ndarray] | None = None  # the last M-step's SSNR per class (--scale's shells)
         self._plan_shown = False
         self.speeds: list[float] | None = None  # MPI: each rank's measured E-step speed (its share of the next)
-        self.rank_work_before: list | None = None  # MPI: (particles, seconds) per rank in the last iteration
+        self.rank_work_recent: list[list] = []  # MPI: (particles, seconds) per rank in the last few iterations
         self._run_owners: list[np.ndarray] | None = None  # MPI: the rank of each run of each half's particles
         self._owners_speeds: list[float] | None = None  # the speeds _run_owners were balanced for
         self.job_memory: JobMemory | None = None
@@ -980,7 +981,8 @@ def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
             # shares follow the compute speed: reading an image happens once per rank that holds it, and a share
             # moved for a first iteration's disk time would only make the receiving rank read more
             work = [(r[3], r[0] - r[4]) for r in ranks]
-            job.speeds, job.rank_work_before = rank_speeds(job.speeds, work, job.rank_work_before), work
+            job.rank_work_recent = [*job.rank_work_recent, work][-REBALANCE_AFTER:]
+            job.speeds = rank_speeds(job.speeds, job.rank_work_recent)
         if root:
             job.files_from = job.writer.handed  # this iteration's writes: those numbered from here
             yield from job.write(it)

@@ -26,7 +26,7 @@ import socket
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -925,21 +925,31 @@ def _slowest_beyond_noise(per_rank: list[tuple[int, float]] | None) -> int | Non
     return int(np.argmin([n / t for n, t in per_rank]))
 
 
-def rank_speeds(previous: list[float] | None, per_rank: list[tuple[int, float]],
-                per_rank_before: list[tuple[int, float]] | None = None) -> list[float] | None:
+#: The shares move only after this many iterations in a row with the same rank slowest beyond REBALANCE_ABOVE.
+REBALANCE_AFTER = 3
+
+
+def rank_speeds(previous: list[float] | None, recent: Sequence[list[tuple[int, float]]]) -> list[float] | None:
     """Each rank's E-step speed (particles per second of its own work) from (particles, seconds) per rank of the
-    iteration just done, averaged with the ``previous`` estimate (equal speeds before any), when the same rank
-    was the slowest beyond REBALANCE_ABOVE in this iteration and in the one before (``per_rank_before``);
-    ``previous`` otherwise. One slow iteration moves nothing: on 2 H200s (thirty-ninth session) one rank of a
-    100,000-particle auto-refine was 16 % slower in iteration 2 alone, and the share moved for it made the next
-    two iterations wait 0.53 and 0.71 s (the receiving rank read the moved images from the disk, and the ranks
-    were as fast per particle as before). A persistent difference (a root rank formatting the files, 1.3-2.3x
-    slower per particle in the thirty-second session) still moves the shares, half way each time: a full move
-    after one such iteration gave the other rank 70 % of the set and a 4.7 s wait in the next."""
-    slowest = _slowest_beyond_noise(per_rank)
-    if slowest is None or slowest != _slowest_beyond_noise(per_rank_before):
+    iteration just done (``recent[-1]``; the iterations before it precede), averaged with the ``previous``
+    estimate (equal speeds before any), when the same rank was the slowest beyond REBALANCE_ABOVE in each of the
+    last REBALANCE_AFTER iterations; ``previous`` otherwise.
+
+    Why three: a rank's cost per particle swings with its particles' data for a few iterations. On 2 H200s
+    (100,000 particles, class3d K=6) one rank was 16-17 % slower in iterations 3-4 of a 25-iteration run and
+    the other 10 % slower in iterations 4-5 of a 5-iteration run on the same data; the share moved after the
+    two slow iterations left both ranks as fast per particle as each other and the receiving rank 0.2-0.4 s
+    behind in 17 of the next 21 iterations (4.45 s of waiting, fortieth session), the move itself costing
+    a read of the moved images from the disk. A persistent difference (a root rank formatting the files,
+    1.3-2.3x slower per particle in the thirty-second session) still moves the shares, half way each time: a
+    full move after one such iteration gave the other rank 70 % of the set and a 4.7 s wait in the next. A
+    share moved for a passing difference moves back once the other rank is the slow one as long."""
+    if len(recent) < REBALANCE_AFTER:
         return previous
-    now = np.array([n / t for n, t in per_rank], np.float64)
+    slowest = {_slowest_beyond_noise(per_rank) for per_rank in recent[-REBALANCE_AFTER:]}
+    if len(slowest) != 1 or None in slowest:
+        return previous
+    now = np.array([n / t for n, t in recent[-1]], np.float64)
     now /= now.sum()
     before = (np.asarray(previous, np.float64) if previous is not None and len(previous) == len(now)
               else np.ones(len(now)))
