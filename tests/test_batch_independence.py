@@ -98,3 +98,27 @@ def test_tf32_on_the_cpu_says_it_has_no_effect_and_changes_nothing(data, tmp_pat
     assert said == {False: [], True: ["--tf32 has no effect on the CPU: NumPy computes in float32"]}
     for c in (*ANG, "rlnClassNumber", "rlnOriginXAngst", "rlnMaxValueProbDistribution"):
         np.testing.assert_array_equal(out[False][c].to_numpy(), out[True][c].to_numpy(), err_msg=c)
+
+
+@pytest.mark.slow
+def test_cpu_threads_give_the_same_refinement_to_the_bit(data, tmp_path, monkeypatch):
+    """--j 1 and --j 3: the same angles, offsets and maps to the bit (a local search's coarse rows projected
+    straight into the score layout, the projections and insertions in chunks run in threads, added in order).
+    HEALPix order 3 from the start: at order 2 the particles share their coarse rows and the direct projection
+    does not apply."""
+    from napari_gpu_relion.compute import estep
+    from napari_gpu_relion.io.mrc import read_mrc
+
+    calls = []
+    direct = estep.project_as_slices
+    monkeypatch.setattr(estep, "project_as_slices", lambda *a, **k: calls.append(1) or direct(*a, **k))
+    for j in (1, 3):
+        list(refine3d.run(refine3d.Params(i=data / "particles.star", ref=data / "reference.mrc",
+                                          o=tmp_path / f"j{j}" / "run", healpix_order=3, auto_local_healpix_order=3,
+                                          auto_iter_max=1, ctf=True, particle_diameter=150.0, cpu=True, j=j)))
+    assert calls  # the local searches' direct projection ran
+    a, b = (_particles(tmp_path / f"j{j}" / "run_data.star") for j in (1, 3))
+    for c in (*ANG, "rlnOriginXAngst", "rlnOriginYAngst"):
+        np.testing.assert_array_equal(a[c].to_numpy(), b[c].to_numpy())
+    for name in ("run_class001.mrc", "run_half1_class001_unfil.mrc"):
+        np.testing.assert_array_equal(read_mrc(tmp_path / "j1" / name).data, read_mrc(tmp_path / "j3" / name).data)

@@ -443,3 +443,35 @@ def test_the_pre_shift_moves_by_whole_pixels_with_zeros_where_nothing_comes_in()
         inside = ((rows >= 0) & (rows < N))[:, None] & ((cols >= 0) & (cols < N))[None, :]
         np.testing.assert_array_equal(out[i], np.where(inside, want, 0.0))
         assert (out[i] == 0).sum() >= N * N - (N - abs(sy)) * (N - abs(sx))
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_rows_projected_straight_into_the_score_layout_equal_the_gathered_slices(stacked):
+    """project_as_slices (the NumPy coarse pass of a local search, chunked, in threads) gives, bit for bit, the
+    array code it replaces: every orientation's complex slice, the zeroed corners, as_slices and a take of the
+    rows of each particle."""
+    from napari_gpu_relion.compute import host_threads
+    from napari_gpu_relion.compute.expectation import as_slices, gemm_width, project_as_slices
+    from napari_gpu_relion.compute.geometry import euler_to_matrix
+    from napari_gpu_relion.compute.projector import pixel_list, prepare_reference, project_pixels, stack_references
+
+    rng = np.random.default_rng(11)
+    N, U = 20, 90
+    refs = [prepare_reference(rng.standard_normal((N, N, N)), 2, r_max=8) for _ in range(2 if stacked else 1)]
+    ref = stack_references(refs) if stacked else refs[0]
+    A = euler_to_matrix(*(rng.uniform(-180, 180, (3, U)) * np.array([[1], [0.5], [1]]))).astype(np.float32)
+    index = rng.integers(0, 2, U) if stacked else None
+    ky, kx, _ = pixel_list(N, 8)
+    zero = np.zeros(kx.size, bool)
+    zero[::13] = True
+    source = rng.integers(0, U, (7, 100))  # 7 particles x 100 rows, some shared: several chunks of 2^15 points
+    width = gemm_width(kx.size) + 16  # padded beyond the GEMM width: the zeros too
+    P = project_pixels(ref, A, kx, ky, index=index)
+    P[:, zero] = 0
+    want = as_slices(P, width).take(source)
+    for threads in (1, 3):
+        with host_threads.using(threads):
+            got = project_as_slices(ref, A, kx, ky, source, width, index=index, zero=zero)
+        np.testing.assert_array_equal(got.stacked, want.stacked)
+        np.testing.assert_array_equal(got.power, want.power)
+    assert got.stacked.shape == (7, 100, width) and np.abs(got.stacked).sum() > 0

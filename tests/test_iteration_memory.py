@@ -33,8 +33,10 @@ def _traced(data, out, union_bytes=None):
     ``union_bytes`` its memory plan's budget of the union of significant orientations is that many bytes."""
     # the Å offset prior, under which the peaks below were measured: RELION's narrower prior (the default since the
     # tenth session) keeps fewer significant samples, so a smaller union whose split saves less
+    # one thread (--j 1): the peaks below are the union's own arrays at the scale of a few MB, and every thread of
+    # the projections holds one more cache-sized chunk's temporaries (~6 MB) at once
     p = refine3d.Params(i=data / "particles.star", ref=data / "reference.mrc", o=out / "run", ctf=True,
-                        particle_diameter=300.0, auto_iter_max=1, cpu=True, angstrom_offset_prior=True)
+                        particle_diameter=300.0, auto_iter_max=1, cpu=True, angstrom_offset_prior=True, j=1)
     job = refine3d.Refine3D(p)
     with pytest.MonkeyPatch.context() as mp:
         if union_bytes is not None:

@@ -385,3 +385,54 @@ def test_references_prepared_in_batches_equal_one_at_a_time(ndim):
         assert g.data.shape == want.data.shape and g.data.dtype == want.data.dtype
         np.testing.assert_array_equal(g.data, want.data)
         assert (g.size, g.pad, g.r_max) == (want.size, want.pad, want.r_max)
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_projection_and_insertion_in_threads_equal_one_thread_to_the_bit(ndim):
+    """The NumPy path's chunks of orientations in 3 threads (host_threads.using) give the same projections and the
+    same accumulators, bit for bit, as one thread: chunks are the same and are added in their order."""
+    from napari_gpu_relion.compute import host_threads
+
+    rng = np.random.default_rng(5)
+    N, R = 24, 301
+    ref = prepare_reference(rng.standard_normal((N,) * ndim), 2, r_max=9)
+    A = euler_to_matrix(*(rng.uniform(-180, 180, (3, R)) * np.array([[1], [0.5], [1]])))
+    ky, kx, _ = pixel_list(N, 9, unique=True)
+    chunk = 7 * kx.size  # 7 orientations a chunk: 43 chunks, many more than threads
+    one = project_pixels(ref, A, kx, ky, chunk_points=chunk)
+    with host_threads.using(3):
+        assert host_threads.host_threads() == 3
+        three = project_pixels(ref, A, kx, ky, chunk_points=chunk)
+    assert host_threads.host_threads() == 1
+    np.testing.assert_array_equal(three, one)
+    w = np.abs(one).astype(np.float64) + 0.1
+    grids = []
+    for threads in (1, 3):
+        bp = BackProjector(N, 2, 9, ndim=ndim)
+        with host_threads.using(threads):
+            bp.insert_pixels(A, kx, ky, one * (1 - 0.5j), w, chunk_points=chunk)
+        grids.append((bp.data_re, bp.data_im, bp.weight))
+    for a, b in zip(*grids, strict=True):
+        assert np.abs(a).sum() > 0
+        np.testing.assert_array_equal(a, b)
+
+
+def test_threaded_chunks_come_back_in_order_and_raise_in_turn():
+    """map_ordered yields results in the items' order whatever order the threads finish in, and an error of one
+    item is raised when that item's turn comes, after the results before it."""
+    import time
+
+    from napari_gpu_relion.compute import host_threads
+
+    def slow_first(i):
+        time.sleep(0.02 * (5 - i) if i < 5 else 0)
+        if i == 7:
+            raise ValueError("item 7")
+        return i * i
+
+    with host_threads.using(4):
+        got = []
+        with pytest.raises(ValueError, match="item 7"):
+            for v in host_threads.map_ordered(slow_first, range(10)):
+                got.append(v)
+    assert got == [i * i for i in range(7)]

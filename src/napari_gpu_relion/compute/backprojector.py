@@ -13,6 +13,7 @@ from ..errors import is_out_of_memory
 from . import gpu_kernels
 from .backend import get_array_module, to_host
 from .fourier import _fft_module, half_grid_indices, round_half_away, shell_count, shell_sum, signed_index
+from .host_threads import map_ordered
 from .masks import soft_edge_weight
 from .memory_model import INSERT_CHUNK_POINTS, SLAB_BYTES, orientations_per_chunk
 from .projector import _corner_indices, interpolate, pixel_list, rotated_frequencies, stack_offsets, within_radius
@@ -264,24 +265,34 @@ def _insert_chunks(targets: tuple, pad: int, r_max: float, A, kx, ky, values, we
             gpu_kernels.insert_slices(targets, A[r0:r0 + step], kx, ky, values[r0:r0 + step],
                                       weights[r0:r0 + step], pad, rmp2, None if index is None else index[r0:r0 + step])
         return
-    r0 = 0
-    while r0 < R:
+
+    def contributions(r0_step: tuple[int, int]) -> tuple:
+        r0, n = r0_step
         if check is not None:
             check()
-        try:  # everything that allocates comes before the first add, so a chunk is added whole or not at all
-            base = None if index is None else stack_offsets(index[r0:r0 + step], grid_size, targets[0].size, xp)
-            idx, vr, vi, ww = _chunk_contributions(A[r0:r0 + step], kx, ky, values[r0:r0 + step],
-                                                   weights[r0:r0 + step], pad, P, rmp2, base, check)
-        except Exception as exc:  # noqa: BLE001 - out of memory: a smaller chunk; anything else: raise
-            if not is_out_of_memory(exc) or step == 1:
-                raise
-            step = max(1, step // 2)
-            continue
-        for flat, contrib in zip(flats, (vr, vi, ww), strict=True):
-            if check is not None:  # a cancelled job's accumulators are dropped: stopping between the adds is safe
-                check()
-            _scatter_add(flat, idx, contrib)
-        r0 += step
+        base = None if index is None else stack_offsets(index[r0:r0 + n], grid_size, targets[0].size, xp)
+        return _chunk_contributions(A[r0:r0 + n], kx, ky, values[r0:r0 + n], weights[r0:r0 + n], pad, P, rmp2,
+                                    base, check)
+
+    r0 = 0
+    while r0 < R:  # the contributions of the next chunks are made (NumPy: in threads) while one is added
+        chunks = (map_ordered if xp is np else map)(contributions, [(a, step) for a in range(r0, R, step)])
+        try:
+            while r0 < R:
+                try:  # everything that allocates comes before the first add: a chunk is added whole or not at all
+                    idx, vr, vi, ww = next(chunks)
+                except Exception as exc:  # noqa: BLE001 - out of memory: smaller chunks from r0; else: raise
+                    if not is_out_of_memory(exc) or step == 1:
+                        raise
+                    step = max(1, step // 2)
+                    break
+                for flat, contrib in zip(flats, (vr, vi, ww), strict=True):
+                    if check is not None:  # a cancelled job's accumulators are dropped: stopping between adds is safe
+                        check()
+                    _scatter_add(flat, idx, contrib)
+                r0 += step
+        finally:
+            getattr(chunks, "close", lambda: None)()  # chunks started and not added: waited for, dropped
 
 
 class BackProjector:

@@ -51,6 +51,7 @@ from .expectation import (
     grouped_sum,
     particle_terms,
     posterior_weights,
+    project_as_slices,
     scores_gathered,
     scores_shared,
     segment_sum,
@@ -1062,12 +1063,15 @@ def _gathered_coarse_slices(setup: EStepSetup, urows: np.ndarray, pos, pix: Pixe
     xp = get_array_module(pos)
     width = gemm_width(pix.npix)
     ref = setup.ref_stack
-    direct = (ref.ndim == 3 and gpu_kernels.projection_applies(ref.data)
-              and urows.size >= DIRECT_PROJECTION_FRACTION * pos.size)
+    fused = gpu_kernels.projection_applies(ref.data)
+    direct = ref.ndim == 3 and (fused or xp is np) and urows.size >= DIRECT_PROJECTION_FRACTION * pos.size
     if not direct:
         return as_slices(_project_rows(setup, urows, pix, fine=False), width).take(pos)
     R = setup.sampling.n_orient
     A = magnified(xp.asarray(setup.sampling.coarse_matrices(urows % R)), setup.mag)
+    if not fused:  # NumPy: the same numbers chunk by chunk, in the host's threads
+        return project_as_slices(ref, xp.asarray(A, dtype=np.float32), pix.kx, pix.ky, pos, width,
+                                 index=urows // R if ref.stacked else None, zero=pix.beyond_radius)
     stacked, power = gpu_kernels.project_stacked(
         ref.data, A, pix.kx, pix.ky, ref.pad, ref.pad * ref.r_max, pos, width,
         index=xp.asarray(urows // R) if ref.stacked else None, zero=pix.beyond_radius)

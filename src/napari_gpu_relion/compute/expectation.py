@@ -27,7 +27,9 @@ from scipy.sparse import csr_matrix
 from . import gpu_kernels, gpu_posterior
 from .backend import get_array_module, to_host
 from .fourier import round_half_away, signed_index
-from .memory_model import CPU_SHIFT_BLOCK_BYTES
+from .host_threads import map_ordered
+from .memory_model import CPU_SHIFT_BLOCK_BYTES, PROJECT_CHUNK_POINTS, orientations_per_chunk
+from .projector import FourierReference, project_pixels
 from .sample_prior import SampleLogPrior
 
 # ----------------------------------------------------------------------------------------------------------
@@ -165,6 +167,33 @@ def as_slices(P, width: int | None = None) -> SliceSet:
     power += P.imag * P.imag
     power = power.astype(np.float32, copy=False)
     return SliceSet(stack_complex(P, width), power)
+
+
+def project_as_slices(ref: FourierReference, A, kx, ky, source, width: int, index=None, zero=None) -> SliceSet:
+    """NumPy: the rows ``source`` (I, n) (positions in the orientations A (U, d, d) and, for a stacked reference,
+    their reference ``index`` (U,)) projected straight into the score GEMMs' form, a cache-sized chunk of rows at a
+    time (in the host's threads), pixels where ``zero`` (npix,) is set zeroed: the numbers of
+    as_slices(project_pixels(...) zeroed, width).take(source) without the complex slices of every orientation and
+    the gathered copy (a local search, where particles rarely share rows: gpu_kernels.project_stacked on a GPU)."""
+    src = np.asarray(source).reshape(-1)
+    npix = int(np.size(kx))
+    stacked = np.empty((src.size, int(width)), dtype=np.float32)
+    power = np.empty((src.size, npix), dtype=np.float32)
+    step = orientations_per_chunk(np, PROJECT_CHUNK_POINTS, npix)
+
+    def chunk(r0: int) -> None:
+        rows = src[r0:r0 + step]
+        P = project_pixels(ref, A[rows], kx, ky, index=None if index is None else index[rows])
+        if zero is not None:
+            P[:, zero] = 0
+        s = as_slices(P, width)
+        stacked[r0:r0 + step] = s.stacked
+        power[r0:r0 + step] = s.power
+
+    for _ in map_ordered(chunk, range(0, src.size, step)):
+        pass
+    shape = np.shape(source)
+    return SliceSet(stacked.reshape(shape + (int(width),)), power.reshape(shape + (npix,)))
 
 
 # ----------------------------------------------------------------------------------------------------------

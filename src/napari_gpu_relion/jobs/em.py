@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 
 from ..cancel import check_cancel
+from ..compute import host_threads
 from ..compute.backend import to_host
 from ..compute.backprojector import BackProjectorStack
 from ..compute.estep import EStepSetup, EStepSums, expectation_batch, prepare_batch
@@ -65,7 +66,7 @@ from ..io.paths import is_star_path
 from ..io.star import read_star
 from ..io.write_queue import HELPER_FROM_PARTICLES, WriteQueue
 from ..marks import memory_mark
-from ..runtime.device import Backend, backend_for, host_available_bytes, set_matmul_tf32
+from ..runtime.device import Backend, backend_for, compute_threads, host_available_bytes, set_matmul_tf32
 from ..runtime.distributed import (
     REBALANCE_AFTER,
     assign,
@@ -209,10 +210,12 @@ class EMParams:
     dont_check_norm: bool = param(False, "--dont_check_norm", "Run even when the particles do not look normalised "
                                   "(RELION's flag; background mean 0, stddev 1 outside the particle circle): a "
                                   "warning instead of the error")
+    j: int = param(0, "--j", "CPU: threads for the projections and insertions (RELION's option); 0 = this rank's "
+                   "share of the cores, at most 8. The results are the same for any count; a GPU job ignores it")
 
     #: Options that --continue takes from the command line, not from the optimiser STAR.
     RUNTIME = ("continue_from", "cpu", "gpu", "batch", "memory_limit", "tf32", "coarse_float32", "preread_images",
-               "dont_check_norm")
+               "dont_check_norm", "j")
     #: Saved options that a --continue changes when its command line gives them a value other than their default,
     #: as RELION's --continue does (MlOptimiser::parseContinue; each job adds its own). The others stay as saved
     #: and are named in a warning (not_continued).
@@ -228,6 +231,8 @@ class EMParams:
             raise InputError(f"--batch must be at least 1 particle (or 0: from the free memory), got {self.batch}")
         if not self.memory_limit >= 0:
             raise InputError(f"--memory_limit must be >= 0 GiB (0: all free memory), got {self.memory_limit}")
+        if self.j < 0:
+            raise InputError(f"--j must be at least 1 thread (or 0: this rank's share of the cores), got {self.j}")
         if self.continue_from is not None:  # the values a --continue may change (CONTINUE_CHANGES), checked too
             require_file(self.continue_from, "--continue optimiser STAR", (".star",))
             self.check_values()
@@ -876,8 +881,11 @@ def _with_tf32(job: EMJob) -> Iterator:
     on = set_matmul_tf32(job.be, job.p.tf32)
     note = ("--tf32: the E-step's float32 matrix products run in TF32 on tensor cores" if on else
             "--tf32 has no effect on the CPU: NumPy computes in float32" if job.p.tf32 else None)
+    # the NumPy path's projections and insertions in threads, this rank's share of the host's cores
+    threads = 1 if job.be.is_gpu else (job.p.j or compute_threads(job.comm.ranks_on_host))
     try:
-        yield from _iterate(job, note)
+        with host_threads.using(threads):
+            yield from _iterate(job, note)
     finally:
         if getattr(job, "ps", None) is not None:
             job.ps.stop_reading()

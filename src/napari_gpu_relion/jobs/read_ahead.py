@@ -18,25 +18,18 @@ The blocks are handed over in their order whatever thread read them, as ctf_refi
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
 
+from ..runtime.device import usable_cores
+
 #: Rows per block the reader reads at once.
 BLOCK_ROWS = 128
 #: Most threads one reader uses (fewer on a machine of few cores: read_threads).
 READ_THREADS = 4
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (a batch system's or a container's share, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def read_threads(ranks_on_host: int = 1) -> int:
