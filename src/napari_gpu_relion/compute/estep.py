@@ -251,8 +251,8 @@ class EStepSetup:
     def coarse_slices(self):
         if self.P_coarse is None:
             R = self.sampling.n_orient
-            self.P_coarse = as_slices(_project_rows(self, np.arange(len(self.refs) * R), self.pix_coarse, fine=False),
-                                      gemm_width(self.pix_coarse.npix))
+            self.P_coarse = _row_slices(self, np.arange(len(self.refs) * R), self.pix_coarse, False,
+                                        gemm_width(self.pix_coarse.npix))
         return self.P_coarse
 
 
@@ -695,10 +695,8 @@ def _with_union_slices(b: _Batch, fine: _FineData, union_rows_host: np.ndarray) 
         return replace(fine, matrices=c.matrices, slices=c.slices, n_children=c.n_children)
     setup.union_cache = None  # its memory goes before the new projection
     A = magnified(xp.asarray(setup.sampling.fine_matrices(union_rows_host % b.n_orient).reshape(-1, 3, 3)), setup.mag)
-    P = _project_rows(setup, union_rows_host, setup.pix_fine, fine=True, matrices=A)
-    n_children = P.shape[0] // max(1, int(union_rows_host.size)) or fine.n_children
-    slices = as_slices(P)
-    del P
+    slices = _row_slices(setup, union_rows_host, setup.pix_fine, True, None, matrices=A)
+    n_children = int(A.shape[0]) // max(1, int(union_rows_host.size)) or fine.n_children
     setup.union_cache = _UnionSlices(np.array(union_rows_host), xp.asarray(union_rows_host), A, slices, n_children)
     return replace(fine, matrices=A, slices=slices, n_children=n_children)
 
@@ -1066,7 +1064,7 @@ def _gathered_coarse_slices(setup: EStepSetup, urows: np.ndarray, pos, pix: Pixe
     fused = gpu_kernels.projection_applies(ref.data)
     direct = ref.ndim == 3 and (fused or xp is np) and urows.size >= DIRECT_PROJECTION_FRACTION * pos.size
     if not direct:
-        return as_slices(_project_rows(setup, urows, pix, fine=False), width).take(pos)
+        return _row_slices(setup, urows, pix, False, width).take(pos)
     R = setup.sampling.n_orient
     A = magnified(xp.asarray(setup.sampling.coarse_matrices(urows % R)), setup.mag)
     if not fused:  # NumPy: the same numbers chunk by chunk, in the host's threads
@@ -1099,3 +1097,24 @@ def _project_rows(setup: EStepSetup, rows: np.ndarray, pix: PixelSet, fine: bool
     if pix.beyond_radius is not None:
         P[:, pix.beyond_radius] = 0
     return P
+
+
+def _row_slices(setup: EStepSetup, rows: np.ndarray, pix: PixelSet, fine: bool, width: int | None,
+                matrices=None) -> SliceSet:
+    """as_slices(_project_rows(...), width): on the GPU the complex slices, then their GEMM form; with NumPy the
+    same numbers a cache-sized chunk at a time in the host's threads (expectation.project_as_slices), without the
+    complex slices of every row."""
+    xp = get_array_module(setup.refs[0].data)
+    if xp is not np:
+        return as_slices(_project_rows(setup, rows, pix, fine, matrices), width)
+    smp, ref = setup.sampling, setup.ref_stack
+    R = smp.n_orient
+    rows = np.asarray(rows, dtype=np.int64)
+    nover = smp.n_children if fine else 1
+    if matrices is None:
+        matrices = magnified(smp.fine_matrices(rows % R).reshape(-1, 3, 3) if fine else smp.coarse_matrices(rows % R),
+                             setup.mag)
+    A = np.asarray(matrices, dtype=np.float32)
+    index = np.repeat(rows // R, nover) if ref.stacked else None
+    return project_as_slices(ref, A, pix.kx, pix.ky, np.arange(A.shape[0]), width or 2 * pix.npix, index=index,
+                             zero=pix.beyond_radius)
