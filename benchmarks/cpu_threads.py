@@ -75,7 +75,7 @@ def main() -> None:
     cores = usable_cores()
     result = {"benchmark": "cpu_threads", "cpu": platform.processor() or platform.machine(), "usable_cores": cores,
               "os_cpu_count": os.cpu_count(), "args": vars(a) | {"out": str(a.out)}, "runs": runs,
-              "speedup": {str(r["j"]): round(runs[0]["wall_s"] / r["wall_s"], 2) for r in runs}}
+              "speedup": [{"j": r["j"], "over_first": round(runs[0]["wall_s"] / r["wall_s"], 2)} for r in runs]}
     out = a.out or Path(f"benchmarks/results/cpu_threads_cpu{cores}.json")
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result["speedup"]), "->", out)
