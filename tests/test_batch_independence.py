@@ -82,6 +82,8 @@ def test_a_batch_below_one_is_refused(data, tmp_path):
         class2d.Params(i=data / "particles.star", o=tmp_path / "x" / "run", batch=-5)
     with pytest.raises(InputError, match="--batch"):
         refine3d.Params(continue_from=tmp_path / "any_optimiser.star", batch=-1)
+    with pytest.raises(InputError, match="--j must be at least 1 thread"):
+        class3d.Params(i=data / "particles.star", ref=data / "reference.mrc", o=tmp_path / "y" / "run", j=-2)
 
 
 def test_tf32_on_the_cpu_says_it_has_no_effect_and_changes_nothing(data, tmp_path):
@@ -101,22 +103,19 @@ def test_tf32_on_the_cpu_says_it_has_no_effect_and_changes_nothing(data, tmp_pat
 
 
 @pytest.mark.slow
-def test_cpu_threads_give_the_same_refinement_to_the_bit(data, tmp_path, monkeypatch):
-    """--j 1 and --j 3: the same angles, offsets and maps to the bit (a local search's coarse rows projected
-    straight into the score layout, the projections and insertions in chunks run in threads, added in order).
-    HEALPix order 3 from the start: at order 2 the particles share their coarse rows and the direct projection
-    does not apply."""
-    from napari_gpu_relion.compute import estep
+def test_cpu_threads_give_the_same_refinement_to_the_bit(data, tmp_path):
+    """--j 1 and --j 3: the same angles, offsets and maps to the bit, local searches from the start (HEALPix order
+    2): the projections into the score layout and the insertions in chunks run in threads, added in order."""
+    from napari_gpu_relion.events import Message
     from napari_gpu_relion.io.mrc import read_mrc
 
-    calls = []
-    direct = estep.project_as_slices
-    monkeypatch.setattr(estep, "project_as_slices", lambda *a, **k: calls.append(1) or direct(*a, **k))
+    said = []
     for j in (1, 3):
-        list(refine3d.run(refine3d.Params(i=data / "particles.star", ref=data / "reference.mrc",
-                                          o=tmp_path / f"j{j}" / "run", healpix_order=3, auto_local_healpix_order=3,
-                                          auto_iter_max=1, ctf=True, particle_diameter=150.0, cpu=True, j=j)))
-    assert calls  # the local searches' direct projection ran
+        said += [e.text for e in refine3d.run(refine3d.Params(
+            i=data / "particles.star", ref=data / "reference.mrc", o=tmp_path / f"j{j}" / "run", healpix_order=2,
+            auto_local_healpix_order=2, auto_iter_max=1, ctf=True, particle_diameter=150.0, cpu=True, j=j))
+            if isinstance(e, Message)]
+    assert any("iteration 1: image size" in t and "(local, sigma" in t for t in said)
     a, b = (_particles(tmp_path / f"j{j}" / "run_data.star") for j in (1, 3))
     for c in (*ANG, "rlnOriginXAngst", "rlnOriginYAngst"):
         np.testing.assert_array_equal(a[c].to_numpy(), b[c].to_numpy())

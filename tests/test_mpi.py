@@ -226,10 +226,13 @@ def test_rank_speeds_follow_the_measured_times_half_way():
     assert distributed.rank_speeds(None, [slow0, slow0, [(10, 0.0), (10, 1.0)]]) is None
     within = [(100, 10.0), (100, 11.0)]
     assert distributed.rank_speeds([0.4, 0.6], [slow1, slow1, within]) == [0.4, 0.6]  # within the band
-    # a share moved for a passing difference moves back half way once the other rank is as long the slow one:
-    # rank 1 holds 60 % and is as fast per particle as rank 0, so 1.5x as long
-    moved = [(80, 4.0), (120, 6.0)]
-    np.testing.assert_allclose(distributed.rank_speeds([0.4, 0.6], [moved, moved, moved]), [0.45, 0.55])
+    # a share moved for a passing difference moves back half way once the other rank is the slow one as long:
+    # rank 1 holds 60 %, is a little slower per particle (19.05 against 20 particles/s) and 1.575x as long
+    moved = [(80, 4.0), (120, 6.3)]
+    now = np.array([20.0, 120 / 6.3]) / (20.0 + 120 / 6.3)
+    np.testing.assert_allclose(distributed.rank_speeds([0.4, 0.6], [moved, moved, moved]),
+                               0.5 * (now + np.array([0.4, 0.6])))
+    assert distributed.rank_speeds([0.4, 0.6], [moved, moved, moved])[0] > 0.45  # back towards equal shares
 
 
 def test_every_estep_sum_is_summed_over_ranks():
@@ -655,3 +658,12 @@ def test_every_reconstruction_has_one_owner_in_blocks_and_the_rest_is_everyones(
     assert distributed.owners(a, "reconstruction", 3, 0) == [0, 0, 1]  # 6 items on 4 ranks: 2, 2, 1, 1
     assert distributed.owners(a, "reconstruction", 3, 1) == [1, 2, 3]
     assert distributed.owner_blocks([0, 0, 1, None, None, 2]) == [(0, 0, 2), (1, 2, 3), (None, 3, 5), (2, 5, 6)]
+
+
+def test_compute_threads_share_the_usable_cores_among_a_hosts_ranks(monkeypatch):
+    """A CPU rank's threads: the usable cores over the host's ranks, at most COMPUTE_THREADS_MAX, at least one."""
+    from napari_gpu_relion.runtime import device
+
+    for cores, ranks, want in ((2, 1, 2), (16, 4, 4), (64, 1, device.COMPUTE_THREADS_MAX), (2, 3, 1)):
+        monkeypatch.setattr(device, "usable_cores", lambda c=cores: c)
+        assert device.compute_threads(ranks) == want, (cores, ranks)

@@ -436,3 +436,52 @@ def test_threaded_chunks_come_back_in_order_and_raise_in_turn():
             for v in host_threads.map_ordered(slow_first, range(10)):
                 got.append(v)
     assert got == [i * i for i in range(7)]
+
+
+def test_thread_counts_belong_to_their_thread_and_nested_loops_run_alone():
+    """A count set by one thread (a job) is not another thread's; inside a chunk run in the pool the count is 1, so
+    a loop nested in a chunk runs in that chunk's thread (and cannot wait on busy workers)."""
+    import threading
+
+    from napari_gpu_relion.compute import host_threads
+
+    seen = {}
+    with host_threads.using(3):
+        t = threading.Thread(target=lambda: seen.setdefault("other", host_threads.host_threads()))
+        t.start()
+        t.join()
+        inner = list(host_threads.map_ordered(lambda i: (host_threads.host_threads(), list(
+            host_threads.map_ordered(lambda k: k + i, range(3)))), range(5)))
+    assert seen["other"] == 1
+    assert inner == [(1, [i, i + 1, i + 2]) for i in range(5)]
+
+
+def test_insertion_in_threads_retries_out_of_memory_with_smaller_chunks_and_adds_each_chunk_once(monkeypatch):
+    """An out-of-memory error while a chunk's contributions are made (in a thread) halves the chunk from where it
+    stopped: the accumulators equal one clean insertion (to rounding: the chunks differ), none added twice."""
+    from napari_gpu_relion.compute import backprojector, host_threads
+
+    rng = np.random.default_rng(8)
+    N, R = 20, 200
+    A = euler_to_matrix(*(rng.uniform(-180, 180, (3, R)) * np.array([[1], [0.5], [1]])))
+    ky, kx, _ = pixel_list(N, 8, unique=True)
+    vals = (rng.normal(size=(R, kx.size)) + 1j * rng.normal(size=(R, kx.size))).astype(np.complex64)
+    w = rng.uniform(0.1, 1, (R, kx.size)).astype(np.float32)
+    clean = BackProjector(N, 2, 8)
+    clean.insert_pixels(A, kx, ky, vals, w, chunk_points=16 * kx.size)
+    calls = {"n": 0}
+    real = backprojector._chunk_contributions
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise MemoryError("out of memory")
+        return real(*a, **k)
+
+    monkeypatch.setattr(backprojector, "_chunk_contributions", flaky)
+    retried = BackProjector(N, 2, 8)
+    with host_threads.using(3):
+        retried.insert_pixels(A, kx, ky, vals, w, chunk_points=16 * kx.size)
+    assert calls["n"] > 13  # the failed chunk and those after it made again in halves
+    for x, y in ((clean.data_re, retried.data_re), (clean.data_im, retried.data_im), (clean.weight, retried.weight)):
+        np.testing.assert_allclose(y, x, rtol=1e-9, atol=1e-9 * np.abs(x).max())

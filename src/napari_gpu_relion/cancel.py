@@ -31,3 +31,15 @@ def check_cancel() -> None:
     is_cancelled = getattr(_cancel, "is_cancelled", None)
     if is_cancelled is not None and is_cancelled():
         raise JobCancelled("cancelled")
+
+
+def bound_check() -> Callable[[], None]:
+    """check_cancel bound to this thread's cancel scope: a cancel point that also works when called from other
+    threads (the NumPy path's chunks run in a pool, compute/host_threads)."""
+    is_cancelled = getattr(_cancel, "is_cancelled", None)
+
+    def check() -> None:
+        if is_cancelled is not None and is_cancelled():
+            raise JobCancelled("cancelled")
+
+    return check

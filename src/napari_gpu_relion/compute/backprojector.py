@@ -18,6 +18,9 @@ from .masks import soft_edge_weight
 from .memory_model import INSERT_CHUNK_POINTS, SLAB_BYTES, orientations_per_chunk
 from .projector import _corner_indices, interpolate, pixel_list, rotated_frequencies, stack_offsets, within_radius
 
+#: NumPy insertion: chunks whose contributions are made at once in threads, at most.
+INSERT_AHEAD = 2
+
 
 def _scatter_add(target_flat, idx, vals):
     xp = get_array_module(target_flat)
@@ -276,7 +279,10 @@ def _insert_chunks(targets: tuple, pad: int, r_max: float, A, kx, ky, values, we
 
     r0 = 0
     while r0 < R:  # the contributions of the next chunks are made (NumPy: in threads) while one is added
-        chunks = (map_ordered if xp is np else map)(contributions, [(a, step) for a in range(r0, R, step)])
+        todo = [(a, step) for a in range(r0, R, step)]
+        # NumPy: two chunks' contributions made at once at most (a chunk is up to INSERT_CHUNK_POINTS points at
+        # ~160 bytes each; the adds, in this thread, take one at a time)
+        chunks = map_ordered(contributions, todo, ahead=INSERT_AHEAD) if xp is np else map(contributions, todo)
         try:
             while r0 < R:
                 try:  # everything that allocates comes before the first add: a chunk is added whole or not at all

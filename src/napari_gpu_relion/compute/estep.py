@@ -1061,15 +1061,12 @@ def _gathered_coarse_slices(setup: EStepSetup, urows: np.ndarray, pos, pix: Pixe
     xp = get_array_module(pos)
     width = gemm_width(pix.npix)
     ref = setup.ref_stack
-    fused = gpu_kernels.projection_applies(ref.data)
-    direct = ref.ndim == 3 and (fused or xp is np) and urows.size >= DIRECT_PROJECTION_FRACTION * pos.size
-    if not direct:
+    direct = (ref.ndim == 3 and gpu_kernels.projection_applies(ref.data)
+              and urows.size >= DIRECT_PROJECTION_FRACTION * pos.size)
+    if not direct:  # (NumPy: each distinct row once, chunk by chunk, then the take: faster than each pair's row)
         return _row_slices(setup, urows, pix, False, width).take(pos)
     R = setup.sampling.n_orient
     A = magnified(xp.asarray(setup.sampling.coarse_matrices(urows % R)), setup.mag)
-    if not fused:  # NumPy: the same numbers chunk by chunk, in the host's threads
-        return project_as_slices(ref, xp.asarray(A, dtype=np.float32), pix.kx, pix.ky, pos, width,
-                                 index=urows // R if ref.stacked else None, zero=pix.beyond_radius)
     stacked, power = gpu_kernels.project_stacked(
         ref.data, A, pix.kx, pix.ky, ref.pad, ref.pad * ref.r_max, pos, width,
         index=xp.asarray(urows // R) if ref.stacked else None, zero=pix.beyond_radius)

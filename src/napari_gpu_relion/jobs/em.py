@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..cancel import check_cancel
+from ..cancel import bound_check, check_cancel
 from ..compute import host_threads
 from ..compute.backend import to_host
 from ..compute.backprojector import BackProjectorStack
@@ -698,7 +698,7 @@ class EMJob:
                             class_offset_prior_A=opts.pop("class_offset_prior_A", None),
                             max_significants=opts.pop("max_significants", -1), coarse_tf32=not self.p.coarse_float32,
                             max_fine_bytes=it.plan.fine_chunk_bytes, max_union_bytes=it.plan.union_bytes,
-                            scale_shells=self.scale_shells(frefs[h], pix_f, h), check_cancel=check_cancel,
+                            scale_shells=self.scale_shells(frefs[h], pix_f, h), check_cancel=bound_check(),
                             aberrations=self.aberrations)
             stage = f"it {self.state.iteration:03d}" + (f" half {h + 1}" if len(self.halves) > 1 else "")
             it.particles_here += len(mine)
@@ -870,8 +870,9 @@ def run(job: EMJob) -> Iterator:
 
 
 def _run(job: EMJob) -> Iterator:
-    """_iterate with the thread's matrix products in TF32 for the job's duration when --tf32 asks for it (float32
-    again afterwards, also after a cancel or an error: other jobs may run in this worker thread next), while rank 0
+    """_iterate with the thread's matrix products in TF32 for the job's duration when --tf32 asks for it, and on the
+    CPU its NumPy projections and insertions in --j threads (compute/host_threads); both as before afterwards,
+    also after a cancel or an error (other jobs may run in this worker thread next), while rank 0
     (the one that writes) holds the rootname's lock (jobs/common.holding_lock: a second job on the same --o is
     refused, naming the holder)."""
     yield from holding_lock(_with_tf32(job), job.files.root, job.name, "--o")

@@ -57,8 +57,8 @@ class Backend:
             self.xp.cuda.Device(self.device).synchronize()
 
 
-#: Most threads one process gives the NumPy path's chunked loops (compute/host_threads): beyond about 8 the
-#: projections' gathers wait on memory rather than on cores.
+#: Most threads one rank gives the NumPy path's chunked loops (compute/host_threads): a bound for many-core hosts,
+#: where the chunks' gathers will wait on memory rather than on cores (measured only on 2 cores so far).
 COMPUTE_THREADS_MAX = 8
 
 
@@ -72,8 +72,8 @@ def usable_cores() -> int:
 
 def compute_threads(ranks_on_host: int = 1) -> int:
     """Threads for one rank's NumPy projections and insertions: its share of the host's usable cores (the ranks
-    of a host split them), at most COMPUTE_THREADS_MAX, at least one. On 2 cores the demo's auto-refine local
-    searches project 1.7-2x faster in 2 threads than in one."""
+    of a host split them), at most COMPUTE_THREADS_MAX, at least one. On 2 cores the projections alone run
+    1.7-2x faster in 2 threads than in one (the whole job less: the adds of the insertion stay in one thread)."""
     return max(1, min(COMPUTE_THREADS_MAX, usable_cores() // max(1, int(ranks_on_host))))
 
 

@@ -149,7 +149,7 @@ _FORMS: dict[str, FieldForm] = {
     "--coarse_float32": _a("Coarse pass in float32 (GPU; default TF32)", "Compute"),
     "--preread_images": _a("Keep all particle images in memory", "Compute"),
     "--dont_check_norm": _a("Run with unnormalised particles (warn only)", "Compute"),
-    "--j": _a("CPU threads (0 = this machine's share of the cores)", "Compute"),
+    "--j": _a("CPU threads (0 = this rank's share of the cores)", "Compute"),
     "--pad": _a("Padding factor", "Compute"),
     "--random_seed": _a("Random seed", "Compute"),
 }
