@@ -1073,21 +1073,26 @@ def _gathered_coarse_slices(setup: EStepSetup, urows: np.ndarray, pos, pix: Pixe
     return SliceSet(stacked.reshape(pos.shape + (width,)), power.reshape(pos.shape + (pix.npix,)))
 
 
-def _project_rows(setup: EStepSetup, rows: np.ndarray, pix: PixelSet, fine: bool, matrices=None):
-    """Slices of global rows (class-major) at a pixel set: coarse (n, K) or fine children (n * 8, K).
-    ``matrices`` (n * nover, 3, 3) may pass the rows' matrices when the caller already has them."""
+def _rows_geometry(setup: EStepSetup, rows: np.ndarray, fine: bool, matrices=None):
+    """The matrices (n * nover, 3, 3) of global rows (class-major; fine: their children), magnified, and for a
+    stacked reference each matrix's reference index, on the references' device; ``matrices`` may pass the rows'
+    matrices when the caller already has them (magnified already)."""
     xp = get_array_module(setup.refs[0].data)
     smp = setup.sampling
     R = smp.n_orient
     rows = np.asarray(rows, dtype=np.int64)
-    nover = smp.n_children if fine else 1
-    if matrices is None:  # else the caller's, magnified already
+    if matrices is None:
         matrices = magnified(xp.asarray(smp.fine_matrices(rows % R).reshape(-1, 3, 3) if fine
                                         else smp.coarse_matrices(rows % R)), setup.mag)
-    matrices = xp.asarray(matrices)
-    ref = setup.ref_stack
-    index = xp.asarray(np.repeat(rows // R, nover)) if ref.stacked else None
-    P = project_pixels(ref, matrices, pix.kx, pix.ky, index=index)
+    index = np.repeat(rows // R, smp.n_children if fine else 1) if setup.ref_stack.stacked else None
+    return xp.asarray(matrices), None if index is None else xp.asarray(index)
+
+
+def _project_rows(setup: EStepSetup, rows: np.ndarray, pix: PixelSet, fine: bool, matrices=None):
+    """Slices of global rows (class-major) at a pixel set: coarse (n, K) or fine children (n * 8, K).
+    ``matrices`` (n * nover, 3, 3) may pass the rows' matrices when the caller already has them."""
+    matrices, index = _rows_geometry(setup, rows, fine, matrices)
+    P = project_pixels(setup.ref_stack, matrices, pix.kx, pix.ky, index=index)
     # RELION's projector gives 0 beyond radius s/2 of the image size s in use (its r_max; the pixel set keeps the
     # corners of shell s/2, where ROUND(|k|) = s/2 but |k| > s/2): those pixels then score |X|^2 at every pose. Our
     # fine references are prepared with r_max = s/2 already; the coarse pass at its smaller size needs the cut.
@@ -1101,17 +1106,9 @@ def _row_slices(setup: EStepSetup, rows: np.ndarray, pix: PixelSet, fine: bool, 
     """as_slices(_project_rows(...), width): on the GPU the complex slices, then their GEMM form; with NumPy the
     same numbers a cache-sized chunk at a time in the host's threads (expectation.project_as_slices), without the
     complex slices of every row."""
-    xp = get_array_module(setup.refs[0].data)
-    if xp is not np:
+    if get_array_module(setup.refs[0].data) is not np:
         return as_slices(_project_rows(setup, rows, pix, fine, matrices), width)
-    smp, ref = setup.sampling, setup.ref_stack
-    R = smp.n_orient
-    rows = np.asarray(rows, dtype=np.int64)
-    nover = smp.n_children if fine else 1
-    if matrices is None:
-        matrices = magnified(smp.fine_matrices(rows % R).reshape(-1, 3, 3) if fine else smp.coarse_matrices(rows % R),
-                             setup.mag)
-    A = np.asarray(matrices, dtype=np.float32)
-    index = np.repeat(rows // R, nover) if ref.stacked else None
-    return project_as_slices(ref, A, pix.kx, pix.ky, np.arange(A.shape[0]), width or 2 * pix.npix, index=index,
-                             zero=pix.beyond_radius)
+    A, index = _rows_geometry(setup, rows, fine, matrices)
+    A = A.astype(np.float32, copy=False)
+    return project_as_slices(setup.ref_stack, A, pix.kx, pix.ky, np.arange(A.shape[0]), width or 2 * pix.npix,
+                             index=index, zero=pix.beyond_radius)

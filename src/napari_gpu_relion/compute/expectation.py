@@ -27,7 +27,7 @@ from scipy.sparse import csr_matrix
 from . import gpu_kernels, gpu_posterior
 from .backend import get_array_module, to_host
 from .fourier import round_half_away, signed_index
-from .host_threads import map_ordered
+from .host_threads import for_each
 from .memory_model import CPU_SHIFT_BLOCK_BYTES, PROJECT_CHUNK_POINTS, orientations_per_chunk
 from .projector import FourierReference, project_pixels
 from .sample_prior import SampleLogPrior
@@ -190,8 +190,7 @@ def project_as_slices(ref: FourierReference, A, kx, ky, source, width: int, inde
         stacked[r0:r0 + step] = s.stacked
         power[r0:r0 + step] = s.power
 
-    for _ in map_ordered(chunk, range(0, src.size, step)):
-        pass
+    for_each(chunk, range(0, src.size, step))
     shape = np.shape(source)
     return SliceSet(stacked.reshape(shape + (int(width),)), power.reshape(shape + (npix,)))
 

@@ -92,3 +92,10 @@ def map_ordered(fn: Callable[[T], R], items: Iterable[T], ahead: int | None = No
                     f.result()
                 except BaseException:  # noqa: BLE001 - the first error is the one raised
                     pass
+
+
+def for_each(fn: Callable[[T], object], items: Iterable[T], threads: bool = True) -> None:
+    """fn(item) for each item, for what it writes (map_ordered's threads; in this thread alone when ``threads`` is
+    false: a GPU array's chunks)."""
+    for _ in map_ordered(fn, items) if threads else map(fn, items):
+        pass

@@ -16,7 +16,7 @@ import numpy as np
 from . import gpu_kernels, memory_model
 from .backend import get_array_module
 from .fourier import _fft_module, half_grid_indices, real_radius_grid, rfft_centered
-from .host_threads import map_ordered
+from .host_threads import for_each
 
 
 def sinc2_gridding(size: int, pad: int, ndim: int = 3, xp=np):
@@ -317,7 +317,5 @@ def project_pixels(ref: FourierReference, A, kx, ky, chunk_points: int | None = 
         q = rotated_frequencies(A[r0:r0 + step], kx, ky, ref.pad)
         out[r0:r0 + step] = interpolate(ref.data, q, rmp, None if index is None else index[r0:r0 + step])
 
-    chunks = range(0, R, step)
-    for _ in (map_ordered(chunk, chunks) if xp is np else map(chunk, chunks)):  # NumPy: chunks in threads
-        pass
+    for_each(chunk, range(0, R, step), threads=xp is np)  # NumPy: chunks in threads
     return out

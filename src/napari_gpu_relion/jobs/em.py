@@ -875,10 +875,10 @@ def _run(job: EMJob) -> Iterator:
     also after a cancel or an error (other jobs may run in this worker thread next), while rank 0
     (the one that writes) holds the rootname's lock (jobs/common.holding_lock: a second job on the same --o is
     refused, naming the holder)."""
-    yield from holding_lock(_with_tf32(job), job.files.root, job.name, "--o")
+    yield from holding_lock(_with_thread_settings(job), job.files.root, job.name, "--o")
 
 
-def _with_tf32(job: EMJob) -> Iterator:
+def _with_thread_settings(job: EMJob) -> Iterator:
     on = set_matmul_tf32(job.be, job.p.tf32)
     note = ("--tf32: the E-step's float32 matrix products run in TF32 on tensor cores" if on else
             "--tf32 has no effect on the CPU: NumPy computes in float32" if job.p.tf32 else None)
