@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -32,18 +33,30 @@ def gpu_name() -> str:
         return "no GPU"
 
 
-def run_step(name: str, args: str, data: str, work: Path) -> dict:
+def cache_timeline(since: float) -> list[int]:
+    """Modules written into CuPy's disk cache (CUPY_CACHE_DIR) in each whole second after ``since`` (epoch s): when a
+    first run's compiles happened, beside its log's steps."""
+    cache = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+    ages = [int(q.stat().st_mtime - since) for q in cache.glob("*.cubin") if q.stat().st_mtime >= since]
+    return [ages.count(s) for s in range(max(ages) + 1)] if ages else []
+
+
+def run_step(name: str, args: str, data: str, work: Path, logs: Path | None = None) -> dict:
     out = work / name.replace(":", "_")
     argv = args.replace("{data}", data).replace("{out}", str(out)).split()
-    t = time.perf_counter()
+    t, since = time.perf_counter(), time.time()
     r = subprocess.run([sys.executable, "-m", "napari_gpu_relion.cli", *argv], capture_output=True, text=True)
     wall = time.perf_counter() - t
     text = r.stdout + r.stderr
+    if logs is not None:  # the whole log: its start-up line and iterations say where a first run's time went
+        logs.mkdir(parents=True, exist_ok=True)
+        (logs / f"{name.replace(':', '_')}.log").write_text(text)
     m = LINE.findall(text)
     row = {"step": name, "argv": argv, "wall_s": round(wall, 2), "returncode": r.returncode,
            "modules_compiled": int(m[-1]) if m else None,
            "kernel_line": next((ln.strip() for ln in text.splitlines() if "GPU kernels:" in ln), None)}
     row["log_lines"] = [ln.strip() for ln in text.splitlines() if "compiled" in ln][-6:]
+    row["cache_modules_per_s"] = cache_timeline(since)
     if r.returncode:
         row["tail"] = text[-2000:]
     print(json.dumps(row), flush=True)
@@ -56,13 +69,15 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/first_run")
     ap.add_argument("--out", required=True)
     ap.add_argument("--step", action="append", default=[], help="name=args")
+    ap.add_argument("--logs", default=None, help="a folder for each step's whole log")
     a = ap.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     for s in a.step:  # the JSON is written after every step: a call cut short keeps the steps it finished
-        rows.append(run_step(s.split("=", 1)[0], s.split("=", 1)[1], a.data, work))
+        rows.append(run_step(s.split("=", 1)[0], s.split("=", 1)[1], a.data, work,
+                             Path(a.logs) if a.logs else None))
         Path(a.out).write_text(json.dumps({"gpu": gpu_name(), "date": time.strftime("%Y-%m-%d"), "steps": rows},
                                           indent=1))
 

@@ -3,8 +3,12 @@
 # JSON): a fresh machine's first class3d without any warm-up, then `warmup` and the first and second run of five
 # jobs, each a fresh process (benchmarks/first_run.py). With the argument `cub` or `nocub`: the cold class3d with and
 # without CuPy's CUB block reductions instead, on the box-128 data only (not run yet).
+# With `pairs` (forty-first session): the cold class3d and its second run, each pair on fresh caches (CuPy's and the
+# driver's: CUDA_CACHE_PATH), for this code ("new") and, where .old_src/src holds an older copy (`git archive REV src |
+# tar -x -C .old_src`, carried), for that ("old"), alternated on one machine: PAIRS="new1 old1 new2" by default. The
+# first "new" pair keeps its whole logs.
 M=${1:-}
-case $M in ""|cub|nocub) ;; *) echo "first_run.sh: unknown mode '$M' (none, cub or nocub)"; exit 2 ;; esac
+case $M in ""|cub|nocub|pairs) ;; *) echo "first_run.sh: unknown mode '$M' (none, cub, nocub or pairs)"; exit 2 ;; esac
 set -u; . benchmarks/gpu_env.sh; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import cupy; print('cupy', cupy.__version__)"; mkdir -p $OUT
 S="--n_micrographs 0 --particle_diameter 250 --snr 0.05"
@@ -18,6 +22,16 @@ R3="refine3d --i /root/d128/particles.star --ref /root/d128/reference.mrc --ini_
 C2="class2d --i /root/d128/particles.star --K 200 --iter 3 $J"
 C6="class3d --i /root/d256/particles.star --ref /root/d256/reference.mrc --ini_high 60 --K 6 --iter 3 --random_seed 1 $J"
 R6="refine3d --i /root/d360/particles.star --ref /root/d360/reference.mrc --ini_high 60 --healpix_order 1 --auto_local_healpix_order 2 --auto_iter_max 4 $J"
+if [ "$M" = pairs ]; then
+  for v in ${PAIRS:-new1 old1 new2}; do
+    P=$PWD/src; case $v in old*) P=$PWD/.old_src/src ;; esac
+    rm -rf /root/c_$v /root/j_$v /root/w_$v
+    PYTHONPATH=$P:/tmp/site CUPY_CACHE_DIR=/root/c_$v CUDA_CACHE_PATH=/root/j_$v python3 benchmarks/first_run.py \
+      --data x --work /root/w_$v $( [ $v = new1 ] && echo --logs $OUT/logs_$v ) --out $OUT/first_run_cold_$v.json \
+      --step "cold_class3d=$C3" --step "second_class3d=$C3" | cut -c1-400
+  done
+  exit 0
+fi
 if [ -n "$M" ]; then  # the cold class3d with CuPy's CUB block reductions (its default) and without them
   # (CUPY_ACCELERATORS empty: CuPy's own reduction kernels), each on a fresh cache: CUB's 25 modules are 65 % of
   # NVRTC's time on the class3d list (nvrtc_costs.py). `cub`: three runs each; `nocub` (a short call): two, without

@@ -130,6 +130,15 @@ def test_the_marker_of_a_kind_is_written_when_its_modules_were_handled(tmp_path)
     assert cupy_kernels.compiled("refine3d", tmp_path)
 
 
+def test_no_marker_when_nothing_compiled(tmp_path):
+    """A worker that compiles nothing (a spawned process: without CuPy, as on a machine without a GPU, or with a
+    source that does not compile) leaves no marker, so that the next job tries again instead of taking the kind as
+    compiled."""
+    report = cupy_kernels.compile_ahead([{"source": "not CUDA", "options": []}], 0, tmp_path, "class2d", workers=1)
+    assert report["modules"] == 0 and report["of"] == 1 and not report["stopped"]
+    assert not cupy_kernels.compiled("class2d", tmp_path)
+
+
 def test_the_package_sets_cupy_without_cub_unless_the_user_chose(tmp_path):
     """Importing the package (before CuPy) makes CuPy's reductions go without CUB (an empty CUPY_ACCELERATORS); a
     value the user set is kept."""
@@ -144,3 +153,24 @@ def test_the_package_sets_cupy_without_cub_unless_the_user_chose(tmp_path):
             env["CUPY_ACCELERATORS"] = given
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == want, given
+
+
+def test_the_cupy_version_is_read_without_importing_cupy(monkeypatch, tmp_path):
+    """The command line's compile ahead reads CuPy's version from its _version.py: importing CuPy takes most of a
+    second before the worker processes could start. A package whose import would fail shows it is not imported."""
+    pkg = tmp_path / "cupy"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    (pkg / "_version.py").write_text("__version__ = '14.2.0'\n")
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cupy_kernels.installed_cupy_version() == "14.2.0"
+    assert "cupy" not in sys.modules
+    (pkg / "_version.py").write_text("# no version here\n")
+    assert cupy_kernels.installed_cupy_version() is None
+    (pkg / "_version.py").write_text('__version__ = "14.2.0"\n')
+    # being imported in another thread (the command line's GPU start): in sys.modules, its version not set yet
+    monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+    assert cupy_kernels.installed_cupy_version() == "14.2.0"
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(__version__="9.9.9"))  # imported: its own
+    assert cupy_kernels.installed_cupy_version() == "9.9.9"

@@ -1,11 +1,12 @@
 """A GPU job's background preparation of its kernels (runtime/kernel_preload.py) with stand-ins for the compile
 ahead and the registry: on a machine where the job's kind was never compiled its shipped modules are compiled
-first, then the registry is built; the job's log counts the modules compiled into CuPy's cache while it ran; off
-means off, the CPU starts nothing, and a job that ends does not wait for a module being compiled.
-tests/test_gpu.py runs the real thing."""
+while the registry is built and the libraries warmed, each in a thread of its own; the job's log counts the modules
+compiled into CuPy's cache while it ran; off means off, the CPU starts nothing, and a job that ends does not wait for
+a module being compiled. tests/test_gpu.py runs the real thing."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -38,9 +39,10 @@ def _stand_ins(monkeypatch, tmp_path, compile_s: float = 0.0):
 
     monkeypatch.setattr(cupy_kernels, "compile_ahead", compile_ahead)
     monkeypatch.setattr(cupy_kernels, "compiled", lambda job, d: (d / f"compiled_{job}.done").exists())
-    monkeypatch.setattr(kernels, "build", lambda device, stop: calls.append(("registry", device)) or
-                        {"ops": 9, "seconds": 0.0})
-    monkeypatch.setattr(kp, "_warm_libraries", lambda device, stop: calls.append(("libraries",)) or 0.0)
+    monkeypatch.setattr(kernels, "build", lambda device, stop: calls.append(
+        ("registry", device, threading.current_thread().name)) or {"ops": 9, "seconds": 0.0})
+    monkeypatch.setattr(kp, "_warm_libraries", lambda device, stop: calls.append(
+        ("libraries", device, threading.current_thread().name)) or 0.0)
     return calls, cache
 
 
@@ -48,8 +50,10 @@ def test_a_new_machine_compiles_the_kinds_modules_first_then_the_job_counts_its_
     calls, cache = _stand_ins(monkeypatch, tmp_path)
     first = kp.Preload("class3d", 0).start()
     first.thread.join()
-    assert [c[0] for c in calls] == ["compile", "registry", "libraries"]
-    assert calls[0][1:3] == ("class3d", 2) and calls[0][3].startswith("kernel preload")
+    assert sorted(c[0] for c in calls) == ["compile", "libraries", "registry"]
+    threads = {c[0]: c[-1] for c in calls}
+    assert len(set(threads.values())) == 3 and all(t.startswith("kernel preload") for t in threads.values())
+    assert next(c for c in calls if c[0] == "compile")[1:3] == ("class3d", 2)
     (cache / "job_own.cubin").write_text("x")  # a module the job compiled at its first use
     first.finish()
     assert first.compiled == 3
@@ -60,15 +64,57 @@ def test_a_new_machine_compiles_the_kinds_modules_first_then_the_job_counts_its_
     calls.clear()
     second = kp.Preload("class3d", 0).start()  # the next job of the kind: nothing left to compile ahead
     second.thread.join()
-    assert [c[0] for c in calls] == ["registry", "libraries"]
+    assert sorted(c[0] for c in calls) == ["libraries", "registry"]
     second.finish()
     assert second.compiled == 0 and second.summary().startswith("GPU kernels: 0 modules compiled into CuPy's "
                                                                  "cache by the job")
     calls.clear()
     other = kp.Preload("refine3d", 0).start()  # another kind was never compiled here
     other.thread.join()
-    assert calls[0][:2] == ("compile", "refine3d")
+    assert [c[:2] for c in calls if c[0] == "compile"] == [("compile", "refine3d")]
     other.finish()
+
+
+def test_the_command_line_starts_the_compile_ahead_and_the_job_takes_it_over(monkeypatch, tmp_path):
+    """The command line starts the shipped modules' compile for the job it names, on the GPU --gpu names first,
+    before the job's imports; the job's preload takes it over (no second pool) and counts its modules as the job's.
+    --cpu, a host's other ranks, a job without shipped modules and preloading off start nothing."""
+    calls, cache = _stand_ins(monkeypatch, tmp_path)
+    monkeypatch.setattr(cupy_kernels, "shipped_kinds", lambda: {"class3d", "refine3d"})
+    monkeypatch.setattr(kp, "NVIDIA_CONTROL", tmp_path)  # stands for the driver's device: a GPU machine
+    for v in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "MV2_COMM_WORLD_LOCAL_RANK",
+              "PMI_LOCAL_RANK"):
+        monkeypatch.delenv(v, raising=False)
+    argv = ["class3d", "--i", "p.star", "--gpu", "1:0", "--K", "4"]
+    early = kp.start_early("class3d", argv)
+    assert early is not None and early.device == 1
+    early.thread.join()
+    assert [c[:3] for c in calls] == [("compile", "class3d", 2)]
+    assert calls[0][3].startswith("kernel compile ahead")
+    job = kp.Preload("class3d", 1).start()
+    job.thread.join()
+    assert sorted(c[0] for c in calls) == ["compile", "libraries", "registry"]  # no second compile
+    job.finish()
+    assert job.compiled == 2 and "2 of 2 shipped CuPy modules compiled ahead" in job.summary()
+    assert kp._early is None  # noqa: SLF001 - handed over
+
+    for args, env in ((["refine3d", "--cpu"], {}), (["refine3d", "--gpu", "0"], {"OMPI_COMM_WORLD_LOCAL_RANK": "1"}),
+                      (["postprocess", "--gpu", "0"], {}), (["refine3d", "--gpu", "0"],
+                                                            {"NAPARI_GPU_RELION_KERNEL_PRELOAD": "0"})):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert kp.start_early(args[0], args) is None, (args, env)
+        for k in env:
+            monkeypatch.delenv(k)
+    if sys.platform.startswith("linux"):  # no NVIDIA driver (a CPU machine with CuPy installed): nothing starts
+        monkeypatch.setattr(kp, "NVIDIA_CONTROL", tmp_path / "no_such_device")
+        assert kp.start_early("class3d", ["class3d", "--gpu", "0"]) is None
+        monkeypatch.setattr(kp, "NVIDIA_CONTROL", tmp_path)
+    # one the job never takes over (its checks failed) is stopped at the command line's end
+    (cache / "compiled_class3d.done").unlink()
+    started = kp.start_early("class3d", ["class3d", "--gpu", "0"])
+    kp.stop_early()
+    assert started.stop.is_set() and kp._early is None  # noqa: SLF001
 
 
 def test_off_means_off_and_the_cpu_starts_nothing(monkeypatch, tmp_path):
@@ -95,7 +141,7 @@ def test_a_job_that_ends_does_not_wait_for_a_module_being_compiled(monkeypatch, 
     job.finish()
     assert time.perf_counter() - t < kp.FINISH_WAIT_S + 0.3
     job.thread.join(2.0)
-    assert not job.thread.is_alive() and calls[0][0] == "compile"
+    assert not job.thread.is_alive() and [c[0] for c in calls if c[0] == "compile"] == ["compile"]
 
 
 _WARMED_SCANS = """

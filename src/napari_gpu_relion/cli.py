@@ -23,6 +23,7 @@ from .events import Finished, FscUpdated, IterationFinished, Message, Progress, 
 from .jobs.common import flag_of
 from .mpi_child import event_sender
 from .runtime.distributed import launched_by_mpi, launcher_rank, rank_error, rank_prefix, start_up, world
+from .runtime.kernel_preload import start_early, stop_early
 
 __all__ = ["JOBS", "build_parser", "main", "os_error_line", "run_job"]
 
@@ -184,7 +185,17 @@ def process_age_s() -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(only=_job_named(argv))
+    job = _job_named(argv)
+    if job is not None:  # a GPU job's kernels start compiling now on a machine where they never were
+        start_early(job, argv)
+    try:
+        return _main(argv, job)
+    finally:
+        stop_early()  # if the job did not take it over (it failed its checks, or is not an EM job)
+
+
+def _main(argv: list[str], job: str | None) -> int:
+    parser = build_parser(only=job)
     mpi = launched_by_mpi()
     if mpi:  # MPI_Init on every rank before any check can fail on one alone (see start_up)
         try:

@@ -419,8 +419,9 @@ class EMJob:
             self.comm.prepare_device_sum()
         self.startup = {"the device": time.time() - self.t_start}  # step -> s, the start-up line
         # the GPU kernels this job will use get ready in the background while it reads its particles and prepares
-        # its references (kernel_preload); stopped when the job ends, or here if it cannot start
-        self.preload = Preload(self.name, self.be.device).start()
+        # its references (kernel_preload; the host's first rank compiles the shipped modules for the host, unless
+        # the command line already started that); stopped when the job ends, or here if it cannot start
+        self.preload = Preload(self.name, self.be.device, compile_ahead=self.comm.local_rank == 0).start()
         try:
             self._read_inputs()
         except BaseException:

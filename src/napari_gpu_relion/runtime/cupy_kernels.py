@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import importlib.machinery
 import json
 import logging
 import os
+import re
+import sys
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -34,8 +37,12 @@ log = logging.getLogger("napari_gpu_relion")
 SHIPPED = Path(__file__).with_name("cupy_kernels.json.gz")
 #: Stands for the recording machine's Python packages folder in the include options.
 SITE = "<site-packages>"
-#: Modules per task of a worker process (small, so that a cancelled job's pool stops soon).
-TASK_MODULES = 6
+#: Modules per task of a worker process (small, so that the modules a job uses first, first in the list, are
+#: compiled first, and so that a cancelled job's pool stops soon).
+TASK_MODULES = 2
+#: How much lower the worker processes' CPU priority is than the job's (``os.nice``): on a new machine the job's
+#: own thread, which waits for these kernels, is not slowed by the compiles beside it.
+WORKER_NICE = 5
 #: CuPy's compile path adds its include folders (``-I``) to every module's options itself: a module's own options
 #: are the others, in their order.
 INCLUDE = "-I"
@@ -74,22 +81,41 @@ def cub_reductions() -> bool:
     return setting is None or "cub" in [s.strip() for s in setting.split(",")]
 
 
+def installed_cupy_version() -> str | None:
+    """CuPy's version, without importing CuPy where it is not imported yet (its ``_version.py``; an import takes
+    most of a second, which the command line's compile ahead does not wait for); None without CuPy. A CuPy being
+    imported in another thread (in sys.modules, its ``__version__`` not set yet) is read from the file too."""
+    version = getattr(sys.modules.get("cupy"), "__version__", None)
+    if version:
+        return str(version)
+    try:
+        spec = importlib.machinery.PathFinder.find_spec("cupy")  # the file on sys.path, not sys.modules' entry
+        folders = list(spec.submodule_search_locations or []) if spec is not None else []
+        text = (Path(folders[0]) / "_version.py").read_text() if folders else ""
+    except (ImportError, OSError, ValueError):
+        return None
+    found = re.search(r"__version__\s*=\s*['\"]([^'\"]+)['\"]", text)
+    return found.group(1) if found else None
+
+
 def shipped_entries(job: str | None = None) -> list[dict]:
     """The shipped modules of job kind ``job`` (every kind: None) as {"source", "options"} with the module's own
     options, less CuPy's CUB block reductions where CuPy is set not to use CUB and less the modules only a CuPy
     without CUB uses where it uses CUB; [] without CuPy, without the list, or when it was recorded with another CuPy
-    version."""
+    version. It does not import CuPy."""
     data = _data()
-    try:
-        import cupy  # noqa: PLC0415
-    except Exception:  # noqa: BLE001 - no CuPy: nothing to compile
-        return []
-    if data is None or data.get("cupy") != cupy.__version__:
+    if data is None or data.get("cupy") != installed_cupy_version():
         return []
     cub = cub_reductions()
     return [{"source": e["source"], "options": own_options(e["options"])}
             for e in data["modules"] if (job is None or job in e["jobs"])
             and (CUB_REDUCTION not in e["source"] if not cub else not e.get(WITHOUT_CUB))]
+
+
+def shipped_kinds() -> set[str]:
+    """The job kinds the shipped list has modules of (without importing CuPy)."""
+    data = _data()
+    return set() if data is None else {j for e in data.get("modules", []) for j in e.get("jobs", [])}
 
 
 def _marker(job: str | None, cache_dir: Path) -> Path:
@@ -133,6 +159,14 @@ def _compile_task(entries: list[dict], device: int) -> int:
     return done
 
 
+def _lower_priority() -> None:
+    """A worker process's start: below the job's priority."""
+    try:
+        os.nice(WORKER_NICE)
+    except (OSError, AttributeError):  # not allowed or not here: the same priority
+        pass
+
+
 def default_workers() -> int:
     """Worker processes: the cores less two (the job's thread and its image reader), at most 12, at least 1."""
     return max(1, min(12, (os.cpu_count() or 1) - 2))
@@ -141,7 +175,10 @@ def default_workers() -> int:
 def compile_ahead(entries: list[dict], device: int, cache_dir: Path, job: str | None = None,
                   workers: int | None = None, stop: threading.Event | None = None) -> dict:
     """Compile ``entries`` into CuPy's disk cache in ``workers`` spawned processes; when all were handled, write
-    the marker of ``job`` (None: every kind). Returns the modules compiled or found, and the seconds."""
+    the marker of ``job`` (None: every kind). Returns the modules compiled or found, and the seconds. Processes,
+    not threads: NVRTC compiles one program at a time in a process (279 modules took 18-20 s in 6, 12 or 14
+    threads of one process against 6.2 s in 12 processes on an H200 host; processes forked from a server that
+    imported CuPy once were no faster than spawned ones: benchmarks/compile_ahead_pools.py)."""
     import multiprocessing  # noqa: PLC0415
 
     t0 = time.perf_counter()
@@ -150,7 +187,8 @@ def compile_ahead(entries: list[dict], device: int, cache_dir: Path, job: str | 
     # the pool finds its first kernels compiled first
     done, stopped = 0, False
     if tasks:
-        ex = ProcessPoolExecutor(workers or default_workers(), mp_context=multiprocessing.get_context("spawn"))
+        ex = ProcessPoolExecutor(workers or default_workers(), mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_lower_priority)
         try:
             pending = {ex.submit(_compile_task, t, device) for t in tasks}
             while pending:
@@ -161,7 +199,7 @@ def compile_ahead(entries: list[dict], device: int, cache_dir: Path, job: str | 
                     break
         finally:
             ex.shutdown(wait=not stopped, cancel_futures=True)
-    if not stopped:
+    if not stopped and (done or not entries):  # none compiled (no GPU, no compiler): the next job tries again
         marker = _marker(job, cache_dir)
         try:
             marker.parent.mkdir(parents=True, exist_ok=True)

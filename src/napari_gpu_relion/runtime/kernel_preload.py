@@ -1,13 +1,22 @@
 """Get the GPU kernels a job will use ready while it starts up, instead of one by one at their first use.
 
-A GPU job starts a background thread (``Preload``) while it reads its particles and prepares its references:
+On a machine where the CuPy kernel modules the package ships for a job kind (runtime/cupy_kernels.py) were never
+compiled, the command line starts compiling them, in parallel processes, into CuPy's disk cache as its first step
+(``start_early``: before its imports, the option checks and the CUDA context, which it makes in a thread beside),
+and the job takes that over. A GPU job started otherwise (the viewer, the demo) compiles them in its own
+background thread (``Preload``). Beside the compile, each in its own thread, while the job reads its particles and
+prepares its references:
 
-1. on a machine where the CuPy kernel modules the package ships for this job kind (runtime/cupy_kernels.py) were
-   never compiled, it compiles them first, in parallel processes, into CuPy's disk cache;
-2. it builds the fused ops of the registry (runtime/kernels.py: ours, declared with their specialisations and built
+1. it builds the fused ops of the registry (runtime/kernels.py: ours, declared with their specialisations and built
    through CuPy's public API), so that they are loaded in the process;
-3. it makes a few sorts and matrix products, which load the thrust and cuBLAS kernels that CuPy's own first sorts
-   and products would otherwise load in iteration 1 (``_warm_libraries``).
+2. it makes a few sorts and matrix products, which load the thrust and cuBLAS kernels that CuPy's own first sorts
+   and products would otherwise load in iteration 1 (``_warm_libraries``; on a new machine the driver compiles
+   thrust's kernels from their PTX here).
+
+A new machine's first class3d at box 128 (one H200, fresh caches, paired runs on one machine, forty-first session,
+benchmarks/README.md): 11.2-11.7 s with the three one after another from the job's start, 9.7-10.5 s with the
+compile started by the command line and the other two beside it (1.6-1.8x the job run again; 1.9-2.1x before);
+starting the other two after the compile instead: 11.0 s.
 
 CuPy's own kernels (ufuncs, take, scatters, CUB reductions) are then read from the disk cache at their first use in
 the process (a few milliseconds each); only CuPy's private compile function could hand them over loaded, and the
@@ -22,13 +31,14 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-from . import cupy_kernels, kernels
+from . import cupy_kernels
 
 log = logging.getLogger("napari_gpu_relion")
 
@@ -46,25 +56,154 @@ def kernel_cache_dir() -> Path:
     return Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
 
 
-def _load(job: str, device: int, stop: threading.Event, report: dict) -> None:
-    """The preload thread: the shipped modules compiled where they never were, the registry's fused ops built,
-    then the libraries' kernels loaded."""
+def _build_registry(device: int, stop: threading.Event, report: dict) -> None:
+    from . import kernels  # noqa: PLC0415 - the compute stack, imported here: the command line imports this module first
+
     try:
+        report["registry"] = kernels.build(device, stop.is_set)
+    except Exception as exc:  # noqa: BLE001 - an op that does not build here builds at its first use
+        log.debug("kernel preload, registry: %s", exc)
+
+
+def _libraries(device: int, stop: threading.Event, report: dict) -> None:
+    if not stop.is_set():
+        report["libraries_s"] = _warm_libraries(device, stop)
+
+
+#: The preload's parts that run beside the compile ahead, each in a thread of its own (name, function).
+BESIDE = (("registry", _build_registry), ("libraries", _libraries))
+
+
+class CompileAhead:
+    """The shipped modules of job kind ``job`` compiled into CuPy's disk cache in a thread (cupy_kernels'
+    ``compile_ahead`` and its processes), where they never were. The command line starts it as soon as it knows the
+    job (``start_early``); the job's preload takes it over, or starts its own."""
+
+    def __init__(self, job: str, device: int):
+        self.job, self.device = job, device
+        self.stop = threading.Event()
+        self.report: dict = {}
+        self.cache_before = cupy_kernels.cache_files(kernel_cache_dir())
+        self.thread = threading.Thread(target=self._run, name=f"kernel compile ahead ({job})", daemon=True)
+
+    def _run(self) -> None:
         try:
-            shipped = cupy_kernels.shipped_entries(job)
+            shipped = cupy_kernels.shipped_entries(self.job)
         except Exception as exc:  # noqa: BLE001 - no shipped list: CuPy compiles at first use
             log.debug("kernel preload, shipped list: %s", exc)
             shipped = []
-        if shipped and not stop.is_set() and not cupy_kernels.compiled(job, kernel_cache_dir()):
-            report["compiled_ahead"] = cupy_kernels.compile_ahead(shipped, device, kernel_cache_dir(), job,
-                                                                  stop=stop)
-        try:
-            report["registry"] = kernels.build(device, stop.is_set)
-        except Exception as exc:  # noqa: BLE001 - an op that does not build here builds at its first use
-            log.debug("kernel preload, registry: %s", exc)
-        if not stop.is_set():
-            report["libraries_s"] = _warm_libraries(device, stop)
+        if shipped and not self.stop.is_set() and not cupy_kernels.compiled(self.job, kernel_cache_dir()):
+            self.report["compiled_ahead"] = cupy_kernels.compile_ahead(shipped, self.device, kernel_cache_dir(),
+                                                                       self.job, stop=self.stop)
+
+    def start(self, with_context: bool = False) -> CompileAhead:
+        """Start compiling; ``with_context``: also import CuPy and make the GPU's CUDA context in a thread of this
+        process now (the job's own start then finds both made), while the worker processes start."""
+        self.thread.start()
+        if with_context:
+            threading.Thread(target=_make_context, args=(self.device,), name="GPU start", daemon=True).start()
+        return self
+
+
+def _make_context(device: int) -> None:
+    try:
+        import cupy as cp  # noqa: PLC0415
+
+        with cp.cuda.Device(device):
+            cp.cuda.runtime.memGetInfo()  # needs (so makes) the device's context
+    except Exception as exc:  # noqa: BLE001 - the job's own start meets and reports it
+        log.debug("kernel preload, GPU start: %s", exc)
+
+
+#: The compile ahead the command line started (start_early), until a job's preload takes it over.
+_early: CompileAhead | None = None
+
+
+def _option_value(argv: list[str], flag: str) -> str | None:
+    for k, a in enumerate(argv):
+        if a == flag and k + 1 < len(argv):
+            return argv[k + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+#: The NVIDIA driver's control device on Linux: without it there is no GPU to compile for (the job runs on the CPU).
+NVIDIA_CONTROL = Path("/dev/nvidiactl")
+
+
+def _nvidia_driver() -> bool:
+    """Whether this machine may have an NVIDIA GPU (Linux: the driver's control device; elsewhere: yes), checked
+    without importing CuPy."""
+    return not sys.platform.startswith("linux") or NVIDIA_CONTROL.exists()
+
+
+def start_early(job: str, argv: list[str]) -> CompileAhead | None:
+    """Start compiling the shipped modules of ``job`` now, from its command line ``argv``, before the job's imports
+    and checks (the command line's first step), and make the GPU's context beside it. Only a GPU job (no ``--cpu``)
+    of the host's first rank (the ranks of a host share one disk cache), on the GPU its ``--gpu`` names first;
+    nothing when preloading is off. It decides nothing: a bad --gpu or a missing GPU is left to the job to report
+    (its thread finds no shipped list without CuPy). ``stop_early`` stops it if no job took it over."""
+    global _early  # noqa: PLW0603 - one per process: the command line's job
+    from .device import parse_gpu  # noqa: PLC0415
+    from .distributed import local_rank  # noqa: PLC0415
+
+    if (not enabled() or "--cpu" in argv or (local_rank() or 0) != 0 or _early is not None
+            or job not in cupy_kernels.shipped_kinds() or not _nvidia_driver()):
+        return None
+    try:
+        gpus = parse_gpu(_option_value(argv, "--gpu"))
+    except ValueError:
+        return None
+    _early = CompileAhead(job, gpus[0] if gpus else 0).start(with_context=True)
+    return _early
+
+
+def stop_early() -> None:
+    """Stop the command line's compile ahead if it is still running (the job ended, failed its checks, or never
+    took it over): between two tasks of its processes, without waiting."""
+    global _early  # noqa: PLW0603
+    if _early is not None:
+        _early.stop.set()
+        _early = None
+
+
+def _take_early(job: str) -> CompileAhead | None:
+    """The command line's compile ahead for ``job``, handed over (None when it started none); one for another kind
+    is stopped."""
+    global _early  # noqa: PLW0603
+    got, _early = _early, None
+    if got is not None and got.job != job:
+        got.stop.set()
+        return None
+    return got
+
+
+def _load(job: str, device: int, stop: threading.Event, report: dict, ahead: CompileAhead | None,
+          compile_ahead: bool = True) -> None:
+    """The preload thread: the registry's fused ops built and the libraries' kernels loaded, each in a thread of its
+    own, while the shipped modules are compiled where they never were (``ahead``: the command line's, already
+    running; None: this thread's own, unless ``compile_ahead`` is False). The three at once: NVRTC and the driver's
+    compiler each take one core, and a new machine's job waits for whichever of them it needs first."""
+    beside = [threading.Thread(target=fn, args=(device, stop, report), name=f"kernel preload ({name})",
+                               daemon=True) for name, fn in BESIDE]
+    try:
+        for t in beside:
+            t.start()
+        if ahead is not None:
+            while ahead.thread.is_alive() and not stop.is_set():
+                ahead.thread.join(0.1)
+            if stop.is_set():
+                ahead.stop.set()
+        elif compile_ahead:
+            ahead = CompileAhead(job, device)
+            ahead.stop = stop
+            ahead._run()  # noqa: SLF001 - in this thread
+        if ahead is not None and "compiled_ahead" in ahead.report:
+            report["compiled_ahead"] = ahead.report["compiled_ahead"]
     finally:
+        for t in beside:
+            t.join()
         report["finished"] = time.perf_counter()
 
 
@@ -132,19 +271,26 @@ def warm_scans(cp) -> None:
 class Preload:
     """The background preparation of one job's kernels: ``start`` when the job starts, ``finish`` when it ends."""
 
-    def __init__(self, job: str, device: int | None):
+    def __init__(self, job: str, device: int | None, compile_ahead: bool = True):
         self.job, self.device = job, device
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
         self.t0, self.report = time.perf_counter(), {}
-        self.cache_before = cupy_kernels.cache_files(kernel_cache_dir()) if device is not None else 0
+        # the command line's compile ahead, when it started one for this job: its modules count as the job's
+        self.ahead = _take_early(job) if device is not None else None
+        self.compile_ahead = compile_ahead  # False: the host's other ranks (its first rank compiles for them)
+        self.cache_before = (self.ahead.cache_before if self.ahead is not None else
+                             cupy_kernels.cache_files(kernel_cache_dir()) if device is not None else 0)
         self.compiled: int | None = None
 
     def start(self) -> Preload:
         if self.device is not None and enabled():
-            self.thread = threading.Thread(target=_load, args=(self.job, self.device, self.stop, self.report),
+            self.thread = threading.Thread(target=_load, args=(self.job, self.device, self.stop, self.report,
+                                                               self.ahead, self.compile_ahead),
                                            name=f"kernel preload ({self.job})", daemon=True)
             self.thread.start()
+        elif self.ahead is not None:
+            self.ahead.stop.set()
         return self
 
     def finish(self) -> None:
