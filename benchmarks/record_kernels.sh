@@ -16,6 +16,17 @@ c /root/d128 refine3d --o /root/w/r3_128/run --ref /root/d128/reference.mrc --in
 c /root/d128 class2d --o /root/w/c2_128/run --K 200 --iter 3
 c /root/d256 class3d --o /root/w/c3_256/run --ref /root/d256/reference.mrc --ini_high 60 --K 6 --iter 3 --random_seed 1
 c /root/d360 refine3d --o /root/w/r3_360/run --ref /root/d360/reference.mrc --ini_high 60 --healpix_order 1 --auto_local_healpix_order 2 --auto_iter_max 4
+# the ranks' path (forty-first session: a 2-GPU job compiled 2 modules the single-GPU runs never did): class3d on 2
+# MPI ranks, on GPUs 0 and 1 where there are two (NCCL), else both on GPU 0 (CUDA IPC), into class3d's cache
+G=$(nvidia-smi -L | wc -l); GPUS=0:0; [ "$G" -ge 2 ] && GPUS=0:1
+if command -v mpiexec > /dev/null; then
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0 CUPY_CACHE_DIR=/root/c_rec_class3d
+  echo "class3d on 2 ranks, --gpu $GPUS"; t0=$SECONDS
+  mpiexec --bind-to none -n 2 python3 -m napari_gpu_relion.cli class3d --i /root/d128/particles.star --ctf \
+      --particle_diameter 250 --gpu $GPUS --o /root/w/c3_128_ranks2/run --ref /root/d128/reference.mrc --ini_high 60 \
+      --K 4 --iter 3 --random_seed 1 > $OUT/class3d_ranks2.log 2>&1
+  echo "  rc $? $((SECONDS - t0)) s"; grep "GPU kernels" $OUT/class3d_ranks2.log | cut -c1-200
+fi
 for job in class3d refine3d class2d; do
   # a kind's runs at several boxes share its cache: the list holds every module of them
   python3 benchmarks/record_kernels.py --cache /root/c_rec_$job --out $OUT/$job.json

@@ -16,6 +16,9 @@
 #   bash benchmarks/scaling_calls.sh cubprofile N    which kernels CuPy's reductions with CUB speed up: class3d K=6
 #       (2 iterations) on N particles of our simulator at box 256 under profile_job.py --kernel_trace 2, without and
 #       with CUB (thirty-eighth session: the M-step 0.49 s per iteration without, 0.32 s with, the E-step the same)
+#   bash benchmarks/scaling_calls.sh fixedwork N     issue 47's work every rank repeats, on one GPU: class3d K=6 (3
+#       iterations, the options above) on the N particles of `data N` and on their first half (a subset STAR), then
+#       the half under profile_job.py --kernel_trace 3; a rank's fixed work per iteration is E(N/2) - E(N)/2
 # RANKS=2 bash benchmarks/scaling_calls.sh class3d N 2    only the given rank counts (default 1,GPUS)
 # RANKS=1,1,2 bash benchmarks/scaling_calls.sh class3d 100000 2 25   the 1-GPU run twice: how far two runs of one
 #       layout agree after 25 iterations (the GPU's atomic sums), beside how far 1 and 2 GPUs do
@@ -82,6 +85,23 @@ case "$1" in
       grep -E "timing" $OUT/profile_accelerators_$A.log | cut -c1-200
     done
     el "cubprofile" ;;
+  fixedwork)
+    python3 -c "
+import starfile
+d = starfile.read('/root/s256_$2/particles.star', always_dict=True)
+d['particles'] = d['particles'].iloc[: len(d['particles']) // 2]
+starfile.write(d, '/root/s256_$2/half.star', overwrite=True)"
+    for n in particles half; do
+      python3 -m napari_gpu_relion.cli class3d --i /root/s256_$2/$n.star --ref /root/s256_$2/ref.mrc --K 6 \
+          --iter 3 --random_seed 1 --ctf $STD --tau2_fudge 4 --gpu 0 --o /root/wf_$n/run > $OUT/fixedwork_$n.log 2>&1
+      echo "$n rc $?"; grep -E "start-up|timing: E" $OUT/fixedwork_$n.log | cut -c1-200
+    done
+    REPO=$PWD
+    (cd /root/s256_$2 && timeout 300 python3 $REPO/benchmarks/profile_job.py --kernel_trace 3 \
+        --out $OUT/profile_class3d_K6_box256_n$(( $2 / 2 ))_fixedwork.json -- class3d --i half.star \
+        --ref ref.mrc --K 6 --iter 3 --random_seed 1 --ctf $STD --tau2_fudge 4 --gpu 0 --o prof/run \
+        > $OUT/profile_fixedwork.log 2>&1; echo "profile rc $?")
+    el "fixedwork" ;;
   relion)  # RELION 5's class3d on the same set and GPUs: $4 ranks (5 and 9 on 4 GPUs), stopped after $5 s
     wait_relion
     python3 benchmarks/standard_class3d.py run --data /root/s256_$2 --sides relion --iters 5 --limits $5 \

@@ -174,3 +174,14 @@ def test_the_cupy_version_is_read_without_importing_cupy(monkeypatch, tmp_path):
     assert cupy_kernels.installed_cupy_version() == "14.2.0"
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(__version__="9.9.9"))  # imported: its own
     assert cupy_kernels.installed_cupy_version() == "9.9.9"
+
+
+def test_the_worker_count_follows_the_cores_unless_set(monkeypatch):
+    monkeypatch.delenv("NAPARI_GPU_RELION_COMPILE_WORKERS", raising=False)
+    for cores, want in ((1, 1), (2, 1), (8, 6), (16, 12), (64, 12)):
+        monkeypatch.setattr(cupy_kernels.os, "cpu_count", lambda c=cores: c)
+        assert cupy_kernels.default_workers() == want
+    monkeypatch.setenv("NAPARI_GPU_RELION_COMPILE_WORKERS", "4")
+    assert cupy_kernels.default_workers() == 4
+    monkeypatch.setenv("NAPARI_GPU_RELION_COMPILE_WORKERS", "no")  # not a number: the cores decide
+    assert cupy_kernels.default_workers() == 12

@@ -168,7 +168,12 @@ def _lower_priority() -> None:
 
 
 def default_workers() -> int:
-    """Worker processes: the cores less two (the job's thread and its image reader), at most 12, at least 1."""
+    """Worker processes: the cores less two (the job's thread and its image reader), at most 12, at least 1;
+    NAPARI_GPU_RELION_COMPILE_WORKERS sets another number (to measure: CUDA's start in N processes at once is
+    serialised by the driver, 0.41 s for 4 and 1.48 s for 12 on an H200 host, benchmarks/worker_start.py)."""
+    asked = os.environ.get("NAPARI_GPU_RELION_COMPILE_WORKERS", "").strip()
+    if asked.isdigit() and int(asked) > 0:
+        return int(asked)
     return max(1, min(12, (os.cpu_count() or 1) - 2))
 
 
