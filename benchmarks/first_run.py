@@ -41,6 +41,24 @@ def cache_timeline(since: float) -> list[int]:
     return [ages.count(s) for s in range(max(ages) + 1)] if ages else []
 
 
+KERNEL = re.compile(r"__global__\s+void\s+(\w+)")
+
+
+def cache_modules(since: float) -> list[tuple[float, str]]:
+    """(seconds after ``since``, first kernel's name) of each module written into CuPy's disk cache since then, in
+    time order, where CuPy saved its source (CUPY_CACHE_SAVE_CUDA_SOURCE=1; else []): which modules a first run
+    waited for, told by name from the shipped list's order (the compile ahead writes in that order)."""
+    cache = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+    out = []
+    for q in cache.glob("*.cubin"):
+        t = q.stat().st_mtime
+        src = q.with_name(q.name + ".cu")
+        if t >= since and src.is_file():
+            found = KERNEL.search(src.read_text(errors="replace"))
+            out.append((round(t - since, 3), found.group(1) if found else "?"))
+    return sorted(out)
+
+
 def run_step(name: str, args: str, data: str, work: Path, logs: Path | None = None) -> dict:
     out = work / name.replace(":", "_")
     argv = args.replace("{data}", data).replace("{out}", str(out)).split()
@@ -57,6 +75,8 @@ def run_step(name: str, args: str, data: str, work: Path, logs: Path | None = No
            "kernel_line": next((ln.strip() for ln in text.splitlines() if "GPU kernels:" in ln), None)}
     row["log_lines"] = [ln.strip() for ln in text.splitlines() if "compiled" in ln][-6:]
     row["cache_modules_per_s"] = cache_timeline(since)
+    if os.environ.get("CUPY_CACHE_SAVE_CUDA_SOURCE") == "1":
+        row["cache_modules"] = cache_modules(since)
     if r.returncode:
         row["tail"] = text[-2000:]
     print(json.dumps(row), flush=True)

@@ -26,7 +26,10 @@ if [ "$M" = pairs ]; then
   for v in ${PAIRS:-new1 old1 new2}; do
     P=$PWD/src; case $v in old*) P=$PWD/.old_src/src ;; esac
     rm -rf /root/c_$v /root/j_$v /root/w_$v
-    PYTHONPATH=$P:/tmp/site CUPY_CACHE_DIR=/root/c_$v CUDA_CACHE_PATH=/root/j_$v python3 benchmarks/first_run.py \
+    # the first pair saves the modules' sources: its JSON lists each module written, by name and time
+    SAVE=0; [ $v = new1 ] && SAVE=1
+    CUPY_CACHE_SAVE_CUDA_SOURCE=$SAVE PYTHONPATH=$P:/tmp/site CUPY_CACHE_DIR=/root/c_$v CUDA_CACHE_PATH=/root/j_$v \
+      python3 benchmarks/first_run.py \
       --data x --work /root/w_$v $( [ $v = new1 ] && echo --logs $OUT/logs_$v ) --out $OUT/first_run_cold_$v.json \
       --step "cold_class3d=$C3" --step "second_class3d=$C3" | cut -c1-400
   done
