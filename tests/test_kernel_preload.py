@@ -98,9 +98,10 @@ def test_the_command_line_starts_the_compile_ahead_and_the_job_takes_it_over(mon
     assert job.compiled == 2 and "2 of 2 shipped CuPy modules compiled ahead" in job.summary()
     assert kp._early is None  # noqa: SLF001 - handed over
 
-    for args, env in ((["refine3d", "--cpu"], {}), (["refine3d", "--gpu", "0"], {"OMPI_COMM_WORLD_LOCAL_RANK": "1"}),
-                      (["postprocess", "--gpu", "0"], {}), (["refine3d", "--gpu", "0"],
-                                                            {"NAPARI_GPU_RELION_KERNEL_PRELOAD": "0"})):
+    for args, env in ((["refine3d", "--cpu"], {}), (["refine3d", "--help"], {}),
+                      (["refine3d", "--gpu", "0"], {"OMPI_COMM_WORLD_LOCAL_RANK": "1"}),
+                      (["postprocess", "--gpu", "0"], {}),
+                      (["refine3d", "--gpu", "0"], {"NAPARI_GPU_RELION_KERNEL_PRELOAD": "0"})):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         assert kp.start_early(args[0], args) is None, (args, env)

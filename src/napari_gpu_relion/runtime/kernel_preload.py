@@ -140,15 +140,15 @@ def _nvidia_driver() -> bool:
 
 def start_early(job: str, argv: list[str]) -> CompileAhead | None:
     """Start compiling the shipped modules of ``job`` now, from its command line ``argv``, before the job's imports
-    and checks (the command line's first step), and make the GPU's context beside it. Only a GPU job (no ``--cpu``)
-    of the host's first rank (the ranks of a host share one disk cache), on the GPU its ``--gpu`` names first;
-    nothing when preloading is off. It decides nothing: a bad --gpu or a missing GPU is left to the job to report
-    (its thread finds no shipped list without CuPy). ``stop_early`` stops it if no job took it over."""
+    and checks (the command line's first step), and make the GPU's context beside it. Only a GPU job (no ``--cpu``;
+    not for ``--help``) of the host's first rank (the ranks of a host share one disk cache), on the GPU its ``--gpu``
+    names first; nothing when preloading is off. It decides nothing: a bad --gpu or a missing GPU is left to the job
+    to report (its thread finds no shipped list without CuPy). ``stop_early`` stops it if no job took it over."""
     global _early  # noqa: PLW0603 - one per process: the command line's job
     from .device import parse_gpu  # noqa: PLC0415
     from .distributed import local_rank  # noqa: PLC0415
 
-    if (not enabled() or "--cpu" in argv or (local_rank() or 0) != 0 or _early is not None
+    if (not enabled() or {"--cpu", "-h", "--help"} & set(argv) or (local_rank() or 0) != 0 or _early is not None
             or job not in cupy_kernels.shipped_kinds() or not _nvidia_driver()):
         return None
     try:
