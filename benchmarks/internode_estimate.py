@@ -4,14 +4,18 @@ bytes each rank sent in a measured run on one host (the job's log: "iteration N 
 A rank's bytes per iteration are two kinds (jobs/em.py, runtime/distributed.py):
 - the finished maps, gathered as a sum over the ranks of a zero-filled array of every class's map (gather_by_sum:
   K maps of box^3 float32 whatever the rank count): an allreduce of ``maps`` bytes;
-- each class's accumulator block (the part insertion reaches) reduced to the class's owner rank: a rank sends its
-  partial block of every class it does not own. With two ranks that is K/2 blocks, so the K blocks together are
-  twice (sent - maps).
+- each class's accumulator block (the part insertion reaches) reduced to the class's owner rank, one class after
+  another: a rank sends its partial block of every class it does not own. With two ranks that is K/2 blocks, so
+  the K blocks together are twice (sent - maps).
 On n nodes joined by one link of L Gb/s each (one rank per node, ring collectives): an allreduce of P bytes sends
-2 P (n-1)/n per rank, a reduce of each class block B about B (n-1)/n, so a rank sends
-2 maps (n-1)/n + K B (n-1)/n per iteration; the time is that over L/8 GB/s (the link's full rate: a lower bound).
-The iteration's work on n nodes is taken as the measured E-step times 2/n (the 2-rank run's E-step split evenly)
-plus the measured M-step. An allgather of the maps instead of the sum would send maps (n-1)/n.
+2 P (n-1)/n per rank; in a ring reduce every rank but the root sends the whole block, so the busiest rank (the one
+owning fewest classes, ceil(K/n) at most and none when n > K) sends (K - floor(K/n)) blocks. The time is the
+busiest rank's bytes over L/8 GB/s (the link's full rate: a lower bound). The iteration's work on n nodes is the
+2-rank E-step times 2/n (the particles split evenly; the work every rank repeats, all references and coarse
+projections, does not shrink, so the work is taken too short and the transfer's share too high) plus the 2-rank
+M-step times ceil(K/n) / ceil(K/2) (each rank reconstructs its
+own classes). Gathering the maps by an allgather instead of the sum would send (n-1) ceil(K/n) maps per rank
+(NCCL's allgather takes equal parts, so the parts are the largest owner block).
 
     python benchmarks/internode_estimate.py --log results/class3d_..._n2_....log --K 6 --box 256 --nodes 2,8 \
         --link_gbps 100 --out results/internode_estimate_....json
@@ -39,17 +43,19 @@ def read_log(text: str) -> dict[int, dict]:
     return {k: v for k, v in sorted(its.items()) if {"sent_bytes", "estep_s", "mstep_s"} <= set(v)}
 
 
-def estimate(it: dict, maps_bytes: float, nodes: int, link_gbps: float) -> dict:
-    """One iteration on ``nodes`` nodes from its 2-rank figures."""
-    blocks = 2.0 * max(it["sent_bytes"] - maps_bytes, 0.0)  # the K classes' accumulator blocks together
-    share = (nodes - 1) / nodes
-    wire = 2 * maps_bytes * share + blocks * share
-    wire_allgather = maps_bytes * share + blocks * share
+def estimate(it: dict, maps_bytes: float, K: int, nodes: int, link_gbps: float) -> dict:
+    """One iteration on ``nodes`` nodes from its 2-rank figures (K classes, maps_bytes for all K maps)."""
+    block = 2.0 * max(it["sent_bytes"] - maps_bytes, 0.0) / K  # one class's accumulator block
+    maps_wire = 2 * maps_bytes * (nodes - 1) / nodes
+    blocks_wire = (K - K // nodes) * block
+    one_map = maps_bytes / K
+    allgather_wire = (nodes - 1) * -(-K // nodes) * one_map
     rate = link_gbps / 8 * 1e9  # bytes per second
-    work = it["estep_s"] * 2 / nodes + it["mstep_s"]
+    work = it["estep_s"] * 2 / nodes + it["mstep_s"] * -(-K // nodes) / -(-K // 2)
+    wire = maps_wire + blocks_wire
     return {"nodes": nodes, "sent_per_rank_GB": round(wire / 1e9, 3), "transfer_s": round(wire / rate, 3),
             "work_s": round(work, 3), "transfer_of_work": round(wire / rate / work, 3),
-            "transfer_s_maps_by_allgather": round(wire_allgather / rate, 3)}
+            "transfer_s_maps_by_allgather": round((allgather_wire + blocks_wire) / rate, 3)}
 
 
 def main() -> None:
@@ -66,7 +72,7 @@ def main() -> None:
     rows = []
     for k, it in its.items():
         rows.append({"iteration": k, "sent_2_ranks_MB": round(it["sent_bytes"] / 1e6, 1),
-                     "estimates": [estimate(it, maps, int(n), a.link_gbps) for n in a.nodes.split(",")]})
+                     "estimates": [estimate(it, maps, a.K, int(n), a.link_gbps) for n in a.nodes.split(",")]})
     summary = {}
     for n in a.nodes.split(","):
         got = [e for r in rows for e in r["estimates"] if e["nodes"] == int(n)]

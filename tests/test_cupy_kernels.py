@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import subprocess
 import sys
+import time
 import types
+from pathlib import Path
 
 from napari_gpu_relion.runtime import cupy_kernels
 
@@ -185,3 +189,133 @@ def test_the_worker_count_follows_the_cores_unless_set(monkeypatch):
     assert cupy_kernels.default_workers() == 4
     monkeypatch.setenv("NAPARI_GPU_RELION_COMPILE_WORKERS", "no")  # not a number: the cores decide
     assert cupy_kernels.default_workers() == 12
+
+
+_FAKE_CUPY = """
+import os, time
+__version__ = "fake"
+
+
+class RawModule:
+    def __init__(self, code, options=()):
+        self.code = code
+
+    def compile(self):
+        with open(os.environ["FAKE_CUPY_LOG"], "a") as fh:
+            fh.write(f"{os.getpid()} {self.code}\\n")
+        time.sleep(float(os.environ.get("FAKE_CUPY_SECONDS", "0.3")))
+
+
+class _Device:
+    def __init__(self, i):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+class cuda:
+    Device = _Device
+"""
+
+
+def _fake_cupy_for_workers(monkeypatch, tmp_path) -> Path:
+    """A cupy package whose compile logs the module and sleeps, first on the spawned workers' path."""
+    pkg = tmp_path / "fake" / "cupy"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(_FAKE_CUPY)
+    log = tmp_path / "compiles.log"
+    log.write_text("")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("FAKE_CUPY_LOG", str(log))
+    return log
+
+
+def _lines(log: Path) -> list[str]:
+    return [ln for ln in log.read_text().splitlines() if ln.strip()]
+
+
+_STOPPED = """
+import json, os, sys, threading, time
+from pathlib import Path
+from napari_gpu_relion.runtime import cupy_kernels
+log = Path(os.environ["FAKE_CUPY_LOG"])
+lines = lambda: len([ln for ln in log.read_text().splitlines() if ln.strip()])
+entries = [{"source": f"m{i}", "options": []} for i in range(60)]  # 9 s of compiles in 2 workers
+stop, got = threading.Event(), {}
+t = threading.Thread(target=lambda: got.update(cupy_kernels.compile_ahead(entries, 0, Path(sys.argv[1]), "class3d",
+                                                                          workers=2, stop=stop)))
+t.start()
+deadline = time.monotonic() + 60
+while lines() < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
+started = lines()
+stop.set()
+t0 = time.monotonic()
+t.join(5.0)
+returned_s = time.monotonic() - t0
+time.sleep(2.0)  # what the workers had in hand (a task of 2 modules each, and the queue's next) ends
+settled = lines()
+time.sleep(1.5)
+print(json.dumps({"started": started, "returned_s": returned_s, "stopped": got.get("stopped"), "settled": settled,
+                  "later": lines(), "marker": cupy_kernels.compiled("class3d", Path(sys.argv[1]))}))
+"""
+
+
+def test_a_stopped_compile_ahead_cancels_what_it_had_not_started(monkeypatch, tmp_path):
+    """Real worker processes (a stand-in CuPy whose compile takes 0.3 s): stopped after its first modules, the
+    compile returns at once and its workers compile nothing more than what they had in hand, instead of the whole
+    list (which, uncancelled, also held the interpreter's exit: a job that failed its checks waited for it)."""
+    _fake_cupy_for_workers(monkeypatch, tmp_path)
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", _STOPPED, str(tmp_path / "cache")], capture_output=True, text=True,
+                       timeout=120)
+    wall = time.monotonic() - t0
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["started"] >= 2, got  # the workers compiled (else the stand-in was not theirs)
+    assert got["stopped"] and got["returned_s"] < 1.0, got
+    assert got["later"] == got["settled"] < 20 and not got["marker"], got
+    # the interpreter's exit did not wait for the list: the script sleeps 3.5 s after the stop, the whole list
+    # takes 9 s in the two workers
+    assert wall < 8.0, (wall, got)
+
+
+_ORPHAN = """
+import os, sys, threading, time
+from pathlib import Path
+from napari_gpu_relion.runtime import cupy_kernels
+entries = [{"source": f"m{i}", "options": []} for i in range(40)]
+threading.Thread(target=cupy_kernels.compile_ahead, args=(entries, 0, Path(sys.argv[1])), kwargs={"workers": 2},
+                 daemon=True).start()
+log = Path(os.environ["FAKE_CUPY_LOG"])
+while len([ln for ln in log.read_text().splitlines() if ln.strip()]) < 2:
+    time.sleep(0.05)
+os._exit(0)  # as an MPI rank's abort does: no clean-up of the pool
+"""
+
+
+def test_workers_end_with_the_process_that_started_them(monkeypatch, tmp_path):
+    """A process that ends by os._exit (an MPI rank's abort) while its compile ahead runs: its workers, which would
+    otherwise wait on the pool's queue for ever holding a CUDA context each, exit within seconds."""
+    log = _fake_cupy_for_workers(monkeypatch, tmp_path)
+    monkeypatch.setenv("FAKE_CUPY_SECONDS", "5")  # a worker is inside a compile when its parent goes
+    r = subprocess.run([sys.executable, "-c", _ORPHAN, str(tmp_path / "cache")], timeout=60)
+    assert r.returncode == 0
+    pids = {int(ln.split()[0]) for ln in _lines(log)}
+    assert pids
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids), f"workers {pids} outlived their parent"

@@ -118,6 +118,34 @@ def test_the_command_line_starts_the_compile_ahead_and_the_job_takes_it_over(mon
     assert started.stop.is_set() and kp._early is None  # noqa: SLF001
 
 
+def test_the_command_line_reads_abbreviated_options_and_the_first_rank_of_all(monkeypatch, tmp_path):
+    """argparse takes unambiguous abbreviations: "--cp" runs on the CPU (nothing starts), "--gp 1" and "--gpu=1"
+    name GPU 1. Under a launcher that gives no host rank, only the first rank of all starts the compile; a rank
+    that does not compile for the host stops one handed to it."""
+    _stand_ins(monkeypatch, tmp_path)
+    monkeypatch.setattr(cupy_kernels, "shipped_kinds", lambda: {"class3d"})
+    monkeypatch.setattr(kp, "NVIDIA_CONTROL", tmp_path)
+    for v in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "MV2_COMM_WORLD_LOCAL_RANK",
+              "PMI_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "NAPARI_GPU_RELION_MPI"):
+        monkeypatch.delenv(v, raising=False)
+    assert kp.start_early("class3d", ["class3d", "--cp"]) is None
+    for argv in (["class3d", "--gp", "1"], ["class3d", "--gpu=1"]):
+        got = kp.start_early("class3d", argv)
+        assert got is not None and got.device == 1, argv
+        got.thread.join()
+        kp.stop_early()
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
+    assert kp.start_early("class3d", ["class3d", "--gpu", "0"]) is None
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    early = kp.start_early("class3d", ["class3d", "--gpu", "0"])
+    assert early is not None
+    other = kp.Preload("class3d", 0, compile_ahead=False).start()  # a rank that does not compile for the host
+    other.thread.join(2.0)
+    assert early.stop.is_set() and not other.thread.is_alive()
+    other.finish()
+
+
 def test_off_means_off_and_the_cpu_starts_nothing(monkeypatch, tmp_path):
     calls, _ = _stand_ins(monkeypatch, tmp_path)
     monkeypatch.setenv("NAPARI_GPU_RELION_KERNEL_PRELOAD", "0")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib.machinery
+import importlib.util
 import json
 import logging
 import os
@@ -89,7 +90,10 @@ def installed_cupy_version() -> str | None:
     if version:
         return str(version)
     try:
-        spec = importlib.machinery.PathFinder.find_spec("cupy")  # the file on sys.path, not sys.modules' entry
+        try:  # any finder (an editable install's too); a module being imported has its spec already
+            spec = importlib.util.find_spec("cupy")
+        except ValueError:  # in sys.modules without a spec
+            spec = importlib.machinery.PathFinder.find_spec("cupy")  # the file on sys.path
         folders = list(spec.submodule_search_locations or []) if spec is not None else []
         text = (Path(folders[0]) / "_version.py").read_text() if folders else ""
     except (ImportError, OSError, ValueError):
@@ -159,12 +163,26 @@ def _compile_task(entries: list[dict], device: int) -> int:
     return done
 
 
-def _lower_priority() -> None:
-    """A worker process's start: below the job's priority."""
+def _worker_start() -> None:
+    """A worker process's start: below the job's priority, and a watch on the process that started it. A worker
+    whose parent is gone (an MPI rank's abort by os._exit, a kill) would otherwise wait on the pool's queue for
+    ever, holding its CUDA context: it exits with its parent."""
     try:
         os.nice(WORKER_NICE)
     except (OSError, AttributeError):  # not allowed or not here: the same priority
         pass
+    import multiprocessing  # noqa: PLC0415
+    from multiprocessing.connection import wait as wait_for  # noqa: PLC0415
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait_for([parent.sentinel])  # ready when the parent is gone
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent watch", daemon=True).start()
 
 
 def default_workers() -> int:
@@ -179,21 +197,26 @@ def default_workers() -> int:
 
 def compile_ahead(entries: list[dict], device: int, cache_dir: Path, job: str | None = None,
                   workers: int | None = None, stop: threading.Event | None = None) -> dict:
-    """Compile ``entries`` into CuPy's disk cache in ``workers`` spawned processes; when all were handled, write
-    the marker of ``job`` (None: every kind). Returns the modules compiled or found, and the seconds. Processes,
+    """Compile ``entries`` into CuPy's disk cache in ``workers`` spawned processes; when all were handled and at
+    least one compiled (or was found), write the marker of ``job`` (None: every kind). ``stop`` set: the tasks not
+    started are cancelled and the call returns without waiting for those running (at most TASK_MODULES modules per
+    worker). Returns the modules compiled or found, and the seconds. Processes,
     not threads: NVRTC compiles one program at a time in a process (279 modules took 18-20 s in 6, 12 or 14
     threads of one process against 6.2 s in 12 processes on an H200 host; processes forked from a server that
     imported CuPy once were no faster than spawned ones: benchmarks/compile_ahead_pools.py)."""
     import multiprocessing  # noqa: PLC0415
 
     t0 = time.perf_counter()
+    if stop is not None and stop.is_set():  # stopped before it began: no pool
+        return {"modules": 0, "of": len(entries), "seconds": 0.0, "stopped": True}
     tasks = [entries[i:i + TASK_MODULES] for i in range(0, len(entries), TASK_MODULES)]
     # in the list's order (a job kind's modules in the order a job first used them), so that a job running beside
     # the pool finds its first kernels compiled first
     done, stopped = 0, False
     if tasks:
         ex = ProcessPoolExecutor(workers or default_workers(), mp_context=multiprocessing.get_context("spawn"),
-                                 initializer=_lower_priority)
+                                 initializer=_worker_start)
+        pending: set = set()
         try:
             pending = {ex.submit(_compile_task, t, device) for t in tasks}
             while pending:
@@ -203,6 +226,11 @@ def compile_ahead(entries: list[dict], device: int, cache_dir: Path, job: str | 
                     stopped = True
                     break
         finally:
+            # the tasks not started are cancelled here, each: shutdown's own cancel reaches the pool's manager
+            # thread only while the executor object lives, and a pool that misses it compiles the whole list (and
+            # the interpreter's exit waits for that)
+            for f in pending:
+                f.cancel()
             ex.shutdown(wait=not stopped, cancel_futures=True)
     if not stopped and (done or not entries):  # none compiled (no GPU, no compiler): the next job tries again
         marker = _marker(job, cache_dir)

@@ -3,7 +3,8 @@
 On a machine where the CuPy kernel modules the package ships for a job kind (runtime/cupy_kernels.py) were never
 compiled, the command line starts compiling them, in parallel processes, into CuPy's disk cache as its first step
 (``start_early``: before its imports, the option checks and the CUDA context, which it makes in a thread beside),
-and the job takes that over. A GPU job started otherwise (the viewer, the demo) compiles them in its own
+and the EM job takes that over (ctf_refine, which has shipped modules but no preload, runs beside it until it
+ends). A GPU job started otherwise (the viewer, the demo) compiles them in its own
 background thread (``Preload``). Beside the compile, each in its own thread, while the job reads its particles and
 prepares its references:
 
@@ -93,8 +94,11 @@ class CompileAhead:
             log.debug("kernel preload, shipped list: %s", exc)
             shipped = []
         if shipped and not self.stop.is_set() and not cupy_kernels.compiled(self.job, kernel_cache_dir()):
-            self.report["compiled_ahead"] = cupy_kernels.compile_ahead(shipped, self.device, kernel_cache_dir(),
-                                                                       self.job, stop=self.stop)
+            try:
+                self.report["compiled_ahead"] = cupy_kernels.compile_ahead(shipped, self.device, kernel_cache_dir(),
+                                                                           self.job, stop=self.stop)
+            except RuntimeError as exc:  # the interpreter is ending (a pool cannot start then): nothing to do
+                log.debug("kernel preload, compile ahead: %s", exc)
 
     def start(self, with_context: bool = False) -> CompileAhead:
         """Start compiling; ``with_context``: also import CuPy and make the GPU's CUDA context in a thread of this
@@ -119,12 +123,19 @@ def _make_context(device: int) -> None:
 _early: CompileAhead | None = None
 
 
+def _names(arg: str, flag: str) -> bool:
+    """Whether command-line word ``arg`` names option ``flag``: argparse takes unambiguous abbreviations ("--cp" for
+    --cpu, "--gp" for --gpu) and "--flag=value"."""
+    name = arg.split("=", 1)[0]
+    return len(name) >= 4 and flag.startswith(name)
+
+
 def _option_value(argv: list[str], flag: str) -> str | None:
     for k, a in enumerate(argv):
-        if a == flag and k + 1 < len(argv):
-            return argv[k + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
+        if _names(a, flag):
+            if "=" in a:
+                return a.split("=", 1)[1]
+            return argv[k + 1] if k + 1 < len(argv) else None
     return None
 
 
@@ -146,10 +157,12 @@ def start_early(job: str, argv: list[str]) -> CompileAhead | None:
     to report (its thread finds no shipped list without CuPy). ``stop_early`` stops it if no job took it over."""
     global _early  # noqa: PLW0603 - one per process: the command line's job
     from .device import parse_gpu  # noqa: PLC0415
-    from .distributed import local_rank  # noqa: PLC0415
+    from .distributed import launcher_rank, local_rank  # noqa: PLC0415
 
-    if (not enabled() or {"--cpu", "-h", "--help"} & set(argv) or (local_rank() or 0) != 0 or _early is not None
-            or job not in cupy_kernels.shipped_kinds() or not _nvidia_driver()):
+    rank = local_rank()
+    rank = (launcher_rank() or 0) if rank is None else rank  # no host rank given: the first rank of all
+    if (not enabled() or any(_names(a, "--cpu") or a in ("-h", "--help") for a in argv) or rank != 0
+            or _early is not None or job not in cupy_kernels.shipped_kinds() or not _nvidia_driver()):
         return None
     try:
         gpus = parse_gpu(_option_value(argv, "--gpu"))
@@ -160,8 +173,9 @@ def start_early(job: str, argv: list[str]) -> CompileAhead | None:
 
 
 def stop_early() -> None:
-    """Stop the command line's compile ahead if it is still running (the job ended, failed its checks, or never
-    took it over): between two tasks of its processes, without waiting."""
+    """Stop the command line's compile ahead if it is still running (the job ended, failed its checks, or is not
+    one that takes it over, as ctf_refine): its tasks not started are cancelled; the process's exit waits for those
+    its workers are compiling (a few tenths of a second)."""
     global _early  # noqa: PLW0603
     if _early is not None:
         _early.stop.set()
@@ -190,7 +204,9 @@ def _load(job: str, device: int, stop: threading.Event, report: dict, ahead: Com
     try:
         for t in beside:
             t.start()
-        if ahead is not None:
+        if ahead is not None and not compile_ahead:  # not the rank that compiles for the host
+            ahead.stop.set()
+        elif ahead is not None:
             while ahead.thread.is_alive() and not stop.is_set():
                 ahead.thread.join(0.1)
             if stop.is_set():
