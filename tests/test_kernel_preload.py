@@ -43,6 +43,7 @@ def _stand_ins(monkeypatch, tmp_path, compile_s: float = 0.0):
         ("registry", device, threading.current_thread().name)) or {"ops": 9, "seconds": 0.0})
     monkeypatch.setattr(kp, "_warm_libraries", lambda device, stop: calls.append(
         ("libraries", device, threading.current_thread().name)) or 0.0)
+    monkeypatch.setattr(kp, "_make_context", lambda device: None)  # no CUDA context made inside the tests
     return calls, cache
 
 
@@ -111,11 +112,17 @@ def test_the_command_line_starts_the_compile_ahead_and_the_job_takes_it_over(mon
         monkeypatch.setattr(kp, "NVIDIA_CONTROL", tmp_path / "no_such_device")
         assert kp.start_early("class3d", ["class3d", "--gpu", "0"]) is None
         monkeypatch.setattr(kp, "NVIDIA_CONTROL", tmp_path)
-    # one the job never takes over (its checks failed) is stopped at the command line's end
-    (cache / "compiled_class3d.done").unlink()
+    # one the job never takes over (its checks failed) is stopped at the command line's end: a compile that would
+    # run for 5 s ends at once
+    (tmp_path / "again").mkdir()
+    _stand_ins(monkeypatch, tmp_path / "again", compile_s=5.0)
+    monkeypatch.setattr(kp, "_make_context", lambda device: None)
     started = kp.start_early("class3d", ["class3d", "--gpu", "0"])
+    time.sleep(0.3)
+    assert started.thread.is_alive()
     kp.stop_early()
-    assert started.stop.is_set() and kp._early is None  # noqa: SLF001
+    started.thread.join(1.0)
+    assert not started.thread.is_alive() and kp._early is None  # noqa: SLF001
 
 
 def test_the_command_line_reads_abbreviated_options_and_the_first_rank_of_all(monkeypatch, tmp_path):

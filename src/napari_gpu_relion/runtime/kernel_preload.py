@@ -311,7 +311,8 @@ class Preload:
 
     def finish(self) -> None:
         """Stop the thread (between two modules; one being compiled on a new machine is not waited for beyond
-        FINISH_WAIT_S, so that a cancelled job ends at once) and count the modules compiled while the job ran."""
+        FINISH_WAIT_S, so that a cancelled job ends at once; the process's exit waits for the few modules its
+        compile workers hold) and count the modules compiled while the job ran."""
         self.stop.set()
         if self.thread is not None:
             self.thread.join(FINISH_WAIT_S)
