@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from first_run import gpu_name  # the benchmarks folder is on the path when a script runs
+
 CASE = """
 import json, sys, time
 from pathlib import Path
@@ -32,14 +34,6 @@ got["process_s"] = time.perf_counter() - t0
 got["cache_files"] = cupy_kernels.cache_files(Path(sys.argv[2]))
 print(json.dumps(got))
 """
-
-
-def gpu_name() -> str:
-    try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=30).stdout.strip() or "no GPU"
-    except OSError:
-        return "no GPU"
 
 
 def main() -> None:

@@ -14,11 +14,12 @@ import json
 import multiprocessing
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+from first_run import gpu_name  # the benchmarks folder is on the path when a script runs
 
 
 def _worker(t0: float, entries: list[dict], context_first: bool) -> dict:
@@ -37,14 +38,6 @@ def _worker(t0: float, entries: list[dict], context_first: bool) -> dict:
         cupy_kernels.compile_module(e["source"], e["options"])
         marks[f"module {k + 1} compiled"] = time.time() - t0
     return marks
-
-
-def gpu_name() -> str:
-    try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=30).stdout.strip() or "no GPU"
-    except OSError:
-        return "no GPU"
 
 
 def main() -> None:
