@@ -200,10 +200,10 @@ def compile_ahead(entries: list[dict], device: int, cache_dir: Path, job: str | 
     """Compile ``entries`` into CuPy's disk cache in ``workers`` spawned processes; when all were handled and at
     least one compiled (or was found), write the marker of ``job`` (None: every kind). ``stop`` set: the tasks not
     started are cancelled and the call returns without waiting for those running (at most TASK_MODULES modules per
-    worker). Returns the modules compiled or found, and the seconds. Processes,
-    not threads: NVRTC compiles one program at a time in a process (279 modules took 18-20 s in 6, 12 or 14
-    threads of one process against 6.2 s in 12 processes on an H200 host; processes forked from a server that
-    imported CuPy once were no faster than spawned ones: benchmarks/compile_ahead_pools.py)."""
+    worker). Returns the modules compiled or found, and the seconds. Processes, not threads: NVRTC compiles one
+    program at a time in a process (279 modules took 18-20 s in 6, 12 or 14 threads of one process against 6.2 s
+    in 12 processes on an H200 host; processes forked from a server that imported CuPy once were no faster than
+    spawned ones: benchmarks/compile_ahead_pools.py)."""
     import multiprocessing  # noqa: PLC0415
 
     t0 = time.perf_counter()

@@ -4,9 +4,9 @@ On a machine where the CuPy kernel modules the package ships for a job kind (run
 compiled, the command line starts compiling them, in parallel processes, into CuPy's disk cache as its first step
 (``start_early``: before its imports, the option checks and the CUDA context, which it makes in a thread beside),
 and the EM job takes that over (ctf_refine, which has shipped modules but no preload, runs beside it until it
-ends). A GPU job started otherwise (the viewer, the demo) compiles them in its own
-background thread (``Preload``). Beside the compile, each in its own thread, while the job reads its particles and
-prepares its references:
+ends). An EM job started otherwise (the viewer, the demo) compiles them in its own background thread
+(``Preload``). Beside the compile, each in its own thread, while the job reads its particles and prepares its
+references:
 
 1. it builds the fused ops of the registry (runtime/kernels.py: ours, declared with their specialisations and built
    through CuPy's public API), so that they are loaded in the process;
@@ -15,7 +15,7 @@ prepares its references:
    thrust's kernels from their PTX here).
 
 A new machine's first class3d at box 128 (one H200, fresh caches, paired runs on one machine, forty-first session,
-benchmarks/README.md): 11.2-11.7 s with the three one after another from the job's start, 9.7-10.5 s with the
+benchmarks/README.md): 11.2-11.7 s with the three one after another from the job's start, 9.9-10.6 s with the
 compile started by the command line and the other two beside it (1.6-1.8x the job run again; 1.9-2.1x before);
 starting the other two after the compile instead: 11.0 s.
 
@@ -58,7 +58,7 @@ def kernel_cache_dir() -> Path:
 
 
 def _build_registry(device: int, stop: threading.Event, report: dict) -> None:
-    from . import kernels  # noqa: PLC0415 - the compute stack, imported here: the command line imports this module first
+    from . import kernels  # noqa: PLC0415 - the compute stack: the command line imports this module first
 
     try:
         report["registry"] = kernels.build(device, stop.is_set)
