@@ -141,6 +141,12 @@ def test_no_marker_when_nothing_compiled(tmp_path):
     report = cupy_kernels.compile_ahead([{"source": "not CUDA", "options": []}], 0, tmp_path, "class2d", workers=1)
     assert report["modules"] == 0 and report["of"] == 1 and not report["stopped"]
     assert not cupy_kernels.compiled("class2d", tmp_path)
+    # ... but not at once: the next jobs of the kind skip it for FAILED_RETRY_S, other kinds do not
+    assert cupy_kernels.failed_recently("class2d", tmp_path) and not cupy_kernels.failed_recently("class3d", tmp_path)
+    old = time.time() - cupy_kernels.FAILED_RETRY_S - 1
+    marker = cupy_kernels._failed_marker("class2d", tmp_path)  # noqa: SLF001
+    os.utime(marker, (old, old))
+    assert not cupy_kernels.failed_recently("class2d", tmp_path)
 
 
 def test_the_package_sets_cupy_without_cub_unless_the_user_chose(tmp_path):

@@ -243,3 +243,21 @@ def test_the_warmed_scans_leave_nothing_for_the_significance_threshold_to_compil
         assert g["same"], said
     assert got["0"]["after"] > got["0"]["before"], said  # long rows need kernels that short ones did not compile
     assert got["1"]["after"] == got["1"]["before"], said
+
+
+def test_a_kind_whose_compile_ahead_compiled_nothing_is_not_compiled_again_at_once(monkeypatch, tmp_path):
+    """After a compile ahead in which no module compiled (cupy_kernels writes its failed marker), the next job of
+    the kind builds the registry and warms the libraries but starts no compile workers."""
+    calls, cache = _stand_ins(monkeypatch, tmp_path)
+    marker = cupy_kernels._failed_marker("class3d", cache)  # noqa: SLF001
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text("0 of 2\n")
+    job = kp.Preload("class3d", 0).start()
+    job.thread.join()
+    job.finish()
+    assert sorted(c[0] for c in calls) == ["libraries", "registry"]
+    marker.unlink()
+    again = kp.Preload("class3d", 0).start()  # the control: without the marker it compiles
+    again.thread.join()
+    again.finish()
+    assert [c[0] for c in calls].count("compile") == 1

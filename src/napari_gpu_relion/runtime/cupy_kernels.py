@@ -133,6 +133,23 @@ def compiled(job: str, cache_dir: Path) -> bool:
     return _marker(job, cache_dir).exists() or _marker(None, cache_dir).exists()
 
 
+#: After a compile ahead in which no module compiled (a broken NVRTC, no usable GPU), the next jobs of the kind
+#: start none for this long (seconds): they would start the workers only to fail again.
+FAILED_RETRY_S = 3600.0
+
+
+def _failed_marker(job: str | None, cache_dir: Path) -> Path:
+    return _marker(job, cache_dir).with_suffix(".failed")
+
+
+def failed_recently(job: str, cache_dir: Path) -> bool:
+    """Whether a compile ahead of ``job``'s modules into ``cache_dir`` compiled none within FAILED_RETRY_S."""
+    try:
+        return time.time() - _failed_marker(job, cache_dir).stat().st_mtime < FAILED_RETRY_S
+    except OSError:
+        return False
+
+
 def cache_files(cache_dir: Path) -> int:
     """How many compiled modules CuPy's disk cache holds (0 when it does not exist)."""
     try:
@@ -232,7 +249,13 @@ def compile_ahead(entries: list[dict], device: int, cache_dir: Path, job: str | 
             for f in pending:
                 f.cancel()
             ex.shutdown(wait=not stopped, cancel_futures=True)
-    if not stopped and (done or not entries):  # none compiled (no GPU, no compiler): the next job tries again
+    if not stopped and entries and not done:  # none compiled (no GPU, no compiler): not again for a while
+        try:
+            _failed_marker(job, cache_dir).parent.mkdir(parents=True, exist_ok=True)
+            _failed_marker(job, cache_dir).write_text(f"0 of {len(entries)}\n")
+        except OSError as exc:
+            log.debug("compile ahead marker: %s", exc)
+    if not stopped and (done or not entries):
         marker = _marker(job, cache_dir)
         try:
             marker.parent.mkdir(parents=True, exist_ok=True)

@@ -93,7 +93,8 @@ class CompileAhead:
         except Exception as exc:  # noqa: BLE001 - no shipped list: CuPy compiles at first use
             log.debug("kernel preload, shipped list: %s", exc)
             shipped = []
-        if shipped and not self.stop.is_set() and not cupy_kernels.compiled(self.job, kernel_cache_dir()):
+        if (shipped and not self.stop.is_set() and not cupy_kernels.compiled(self.job, kernel_cache_dir())
+                and not cupy_kernels.failed_recently(self.job, kernel_cache_dir())):
             try:
                 self.report["compiled_ahead"] = cupy_kernels.compile_ahead(shipped, self.device, kernel_cache_dir(),
                                                                            self.job, stop=self.stop)
