@@ -325,3 +325,34 @@ def test_workers_end_with_the_process_that_started_them(monkeypatch, tmp_path):
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in pids), f"workers {pids} outlived their parent"
+
+
+_WAITING = """
+import json, multiprocessing, os, sys, threading, time
+from pathlib import Path
+from napari_gpu_relion.runtime import cupy_kernels
+log = Path(os.environ["FAKE_CUPY_LOG"])
+lines = lambda: len([ln for ln in log.read_text().splitlines() if ln.strip()])
+made = multiprocessing.get_context("spawn").Event()
+entries = [{"source": f"m{i}", "options": []} for i in range(4)]
+t = threading.Thread(target=cupy_kernels.compile_ahead, args=(entries, 0, Path(sys.argv[1]), "class3d"),
+                     kwargs={"workers": 2, "parent_context": made})
+t.start()
+time.sleep(4.0)  # the workers are up long before this (about a second), and wait
+before = lines()
+made.set()
+t.join(30)
+print(json.dumps({"before": before, "after": lines()}))
+"""
+
+
+def test_the_workers_wait_for_their_parents_context(monkeypatch, tmp_path):
+    """Real worker processes (the stand-in CuPy): with an unset parent_context event none compiles (so none makes a
+    CUDA context before the job's); once it is set, all the modules compile."""
+    _fake_cupy_for_workers(monkeypatch, tmp_path)
+    monkeypatch.setenv("FAKE_CUPY_SECONDS", "0.05")
+    r = subprocess.run([sys.executable, "-c", _WAITING, str(tmp_path / "cache")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got == {"before": 0, "after": 4}, got

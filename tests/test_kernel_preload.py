@@ -27,7 +27,7 @@ def _stand_ins(monkeypatch, tmp_path, compile_s: float = 0.0):
     monkeypatch.delenv("NAPARI_GPU_RELION_KERNEL_PRELOAD", raising=False)
     monkeypatch.setattr(cupy_kernels, "shipped_entries", lambda job: list(ENTRIES))
 
-    def compile_ahead(entries, device, cache_dir, job=None, workers=None, stop=None):
+    def compile_ahead(entries, device, cache_dir, job=None, workers=None, stop=None, parent_context=None):
         calls.append(("compile", job, len(entries), threading.current_thread().name))
         t = time.perf_counter()
         while time.perf_counter() - t < compile_s and not (stop is not None and stop.is_set()):
@@ -261,3 +261,39 @@ def test_a_kind_whose_compile_ahead_compiled_nothing_is_not_compiled_again_at_on
     again.thread.join()
     again.finish()
     assert [c[0] for c in calls].count("compile") == 1
+
+
+def test_in_an_exclusive_compute_mode_the_job_keeps_the_gpu(monkeypatch, tmp_path):
+    """The command line's GPU start makes the job's context first and tells the compile workers (they wait for it);
+    on a GPU in an exclusive compute mode (clusters' EXCLUSIVE_PROCESS), where a worker's context would take the GPU
+    from the job, it stops the compile ahead and keeps the kind's off for a while; in the default mode it goes on."""
+    import multiprocessing  # noqa: PLC0415
+    import types  # noqa: PLC0415
+
+    make_context = kp._make_context  # noqa: SLF001 - the real one (the stand-ins replace it)
+    _, cache = _stand_ins(monkeypatch, tmp_path)
+    made = []
+    for mode in (3, 0):
+        fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
+            runtime=types.SimpleNamespace(memGetInfo=lambda: made.append("context") or (1, 1),
+                                          getDeviceProperties=lambda d, m=mode: {"computeMode": m})))
+
+        class Device:  # a context manager, as cupy.cuda.Device
+            def __init__(self, i):
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *a):
+                return False
+
+        fake.cuda.Device = Device
+        monkeypatch.setitem(sys.modules, "cupy", fake)
+        ahead = kp.CompileAhead("class3d", 0)
+        ahead.context_made = multiprocessing.get_context("spawn").Event()
+        make_context(ahead)
+        assert ahead.context_made.is_set() and made.pop() == "context"
+        assert ahead.stop.is_set() == (mode == 3), mode
+        assert cupy_kernels.failed_recently("class3d", cache) == (mode == 3), mode
+        cupy_kernels._failed_marker("class3d", cache).unlink(missing_ok=True)  # noqa: SLF001

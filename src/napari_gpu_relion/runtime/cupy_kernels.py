@@ -142,6 +142,15 @@ def _failed_marker(job: str | None, cache_dir: Path) -> Path:
     return _marker(job, cache_dir).with_suffix(".failed")
 
 
+def note_failed(job: str | None, cache_dir: Path, why: str) -> None:
+    """Keep ``job``'s compile ahead off for FAILED_RETRY_S (see failed_recently)."""
+    try:
+        _failed_marker(job, cache_dir).parent.mkdir(parents=True, exist_ok=True)
+        _failed_marker(job, cache_dir).write_text(why + "\n")
+    except OSError as exc:  # a read-only cache: the next job tries again
+        log.debug("compile ahead marker: %s", exc)
+
+
 def failed_recently(job: str, cache_dir: Path) -> bool:
     """Whether a compile ahead of ``job``'s modules into ``cache_dir`` compiled none within FAILED_RETRY_S."""
     try:
@@ -180,10 +189,16 @@ def _compile_task(entries: list[dict], device: int) -> int:
     return done
 
 
-def _worker_start() -> None:
-    """A worker process's start: below the job's priority, and a watch on the process that started it. A worker
-    whose parent is gone (an MPI rank's abort by os._exit, a kill) would otherwise wait on the pool's queue for
-    ever, holding its CUDA context: it exits with its parent."""
+#: How long a worker waits for its parent's CUDA context before it starts compiling anyway (seconds).
+CONTEXT_WAIT_S = 30.0
+
+
+def _worker_start(parent_context=None) -> None:
+    """A worker process's start: below the job's priority, and a watch on the process that started it (a worker
+    whose parent is gone, by an MPI rank's abort with os._exit or a kill, would otherwise wait on the pool's queue
+    for ever holding its CUDA context: it exits with its parent). ``parent_context``: an event the parent sets once
+    its own CUDA context is made; the worker waits for it before its first compile makes a context (on a GPU in an
+    exclusive compute mode the first context takes the GPU: it must be the job's)."""
     try:
         os.nice(WORKER_NICE)
     except (OSError, AttributeError):  # not allowed or not here: the same priority
@@ -192,14 +207,14 @@ def _worker_start() -> None:
     from multiprocessing.connection import wait as wait_for  # noqa: PLC0415
 
     parent = multiprocessing.parent_process()
-    if parent is None:
-        return
+    if parent is not None:
+        def watch() -> None:
+            wait_for([parent.sentinel])  # ready when the parent is gone
+            os._exit(0)
 
-    def watch() -> None:
-        wait_for([parent.sentinel])  # ready when the parent is gone
-        os._exit(0)
-
-    threading.Thread(target=watch, name="parent watch", daemon=True).start()
+        threading.Thread(target=watch, name="parent watch", daemon=True).start()
+    if parent_context is not None:
+        parent_context.wait(CONTEXT_WAIT_S)
 
 
 def default_workers() -> int:
@@ -213,11 +228,13 @@ def default_workers() -> int:
 
 
 def compile_ahead(entries: list[dict], device: int, cache_dir: Path, job: str | None = None,
-                  workers: int | None = None, stop: threading.Event | None = None) -> dict:
+                  workers: int | None = None, stop: threading.Event | None = None, parent_context=None) -> dict:
     """Compile ``entries`` into CuPy's disk cache in ``workers`` spawned processes; when all were handled and at
     least one compiled (or was found), write the marker of ``job`` (None: every kind). ``stop`` set: the tasks not
     started are cancelled and the call returns without waiting for those running (at most TASK_MODULES modules per
-    worker). Returns the modules compiled or found, and the seconds. Processes, not threads: NVRTC compiles one
+    worker). ``parent_context``: a ``multiprocessing`` event of the spawn context that the workers wait for before
+    compiling (_worker_start). Returns the modules compiled or found, and the seconds. Processes, not threads: NVRTC
+    compiles one
     program at a time in a process (279 modules took 18-20 s in 6, 12 or 14 threads of one process against 6.2 s
     in 12 processes on an H200 host; processes forked from a server that imported CuPy once were no faster than
     spawned ones: benchmarks/compile_ahead_pools.py)."""
@@ -232,7 +249,7 @@ def compile_ahead(entries: list[dict], device: int, cache_dir: Path, job: str | 
     done, stopped = 0, False
     if tasks:
         ex = ProcessPoolExecutor(workers or default_workers(), mp_context=multiprocessing.get_context("spawn"),
-                                 initializer=_worker_start)
+                                 initializer=_worker_start, initargs=(parent_context,))
         pending: set = set()
         try:
             pending = {ex.submit(_compile_task, t, device) for t in tasks}
@@ -250,11 +267,7 @@ def compile_ahead(entries: list[dict], device: int, cache_dir: Path, job: str | 
                 f.cancel()
             ex.shutdown(wait=not stopped, cancel_futures=True)
     if not stopped and entries and not done:  # none compiled (no GPU, no compiler): not again for a while
-        try:
-            _failed_marker(job, cache_dir).parent.mkdir(parents=True, exist_ok=True)
-            _failed_marker(job, cache_dir).write_text(f"0 of {len(entries)}\n")
-        except OSError as exc:
-            log.debug("compile ahead marker: %s", exc)
+        note_failed(job, cache_dir, f"0 of {len(entries)} compiled")
     if not stopped and (done or not entries):
         marker = _marker(job, cache_dir)
         try:

@@ -86,6 +86,7 @@ class CompileAhead:
         self.report: dict = {}
         self.cache_before = cupy_kernels.cache_files(kernel_cache_dir())
         self.thread = threading.Thread(target=self._run, name=f"kernel compile ahead ({job})", daemon=True)
+        self.context_made = None  # with_context: the event the workers wait for (their parent's CUDA context)
 
     def _run(self) -> None:
         try:
@@ -93,31 +94,62 @@ class CompileAhead:
         except Exception as exc:  # noqa: BLE001 - no shipped list: CuPy compiles at first use
             log.debug("kernel preload, shipped list: %s", exc)
             shipped = []
-        if (shipped and not self.stop.is_set() and not cupy_kernels.compiled(self.job, kernel_cache_dir())
-                and not cupy_kernels.failed_recently(self.job, kernel_cache_dir())):
-            try:
-                self.report["compiled_ahead"] = cupy_kernels.compile_ahead(shipped, self.device, kernel_cache_dir(),
-                                                                           self.job, stop=self.stop)
-            except RuntimeError as exc:  # the interpreter is ending (a pool cannot start then): nothing to do
-                log.debug("kernel preload, compile ahead: %s", exc)
+        if (not shipped or self.stop.is_set() or cupy_kernels.compiled(self.job, kernel_cache_dir())
+                or cupy_kernels.failed_recently(self.job, kernel_cache_dir())):
+            return
+        if self.context_made is None and not _workers_allowed(self.device, self.job):  # the job's context exists
+            return
+        try:
+            self.report["compiled_ahead"] = cupy_kernels.compile_ahead(shipped, self.device, kernel_cache_dir(),
+                                                                       self.job, stop=self.stop,
+                                                                       parent_context=self.context_made)
+        except RuntimeError as exc:  # the interpreter is ending (a pool cannot start then): nothing to do
+            log.debug("kernel preload, compile ahead: %s", exc)
 
     def start(self, with_context: bool = False) -> CompileAhead:
         """Start compiling; ``with_context``: also import CuPy and make the GPU's CUDA context in a thread of this
-        process now (the job's own start then finds both made), while the worker processes start."""
-        self.thread.start()
+        process now (the job's own start then finds both made), while the worker processes start; they make theirs
+        after it (_make_context)."""
         if with_context:
-            threading.Thread(target=_make_context, args=(self.device,), name="GPU start", daemon=True).start()
+            import multiprocessing  # noqa: PLC0415
+
+            self.context_made = multiprocessing.get_context("spawn").Event()
+            threading.Thread(target=_make_context, args=(self,), name="GPU start", daemon=True).start()
+        self.thread.start()
         return self
 
 
-def _make_context(device: int) -> None:
+def _workers_allowed(device: int, job: str) -> bool:
+    """Whether other processes may make a context on GPU ``device`` beside this one's: not in an exclusive or
+    prohibited compute mode (clusters often set EXCLUSIVE_PROCESS, where a worker's context would hold the GPU).
+    Where they may not, the kind's compile ahead stays off for a while (cupy_kernels.note_failed)."""
     try:
         import cupy as cp  # noqa: PLC0415
 
-        with cp.cuda.Device(device):
+        mode = int(cp.cuda.runtime.getDeviceProperties(device).get("computeMode", 0))
+    except Exception as exc:  # noqa: BLE001 - no answer: the compile ahead goes on (its workers fail alone)
+        log.debug("kernel preload, compute mode: %s", exc)
+        return True
+    if mode != 0:
+        cupy_kernels.note_failed(job, kernel_cache_dir(), f"GPU {device} in compute mode {mode}: no workers")
+    return mode == 0
+
+
+def _make_context(ahead: CompileAhead) -> None:
+    """The command line's GPU start: CuPy imported and the device's context made, before the compile workers make
+    theirs (they wait for ``ahead.context_made``); in an exclusive compute mode the compile ahead stops."""
+    try:
+        import cupy as cp  # noqa: PLC0415
+
+        with cp.cuda.Device(ahead.device):
             cp.cuda.runtime.memGetInfo()  # needs (so makes) the device's context
+        if not _workers_allowed(ahead.device, ahead.job):
+            ahead.stop.set()
     except Exception as exc:  # noqa: BLE001 - the job's own start meets and reports it
         log.debug("kernel preload, GPU start: %s", exc)
+    finally:
+        if ahead.context_made is not None:
+            ahead.context_made.set()
 
 
 #: The compile ahead the command line started (start_early), until a job's preload takes it over.
