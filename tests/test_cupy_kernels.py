@@ -333,26 +333,35 @@ from pathlib import Path
 from napari_gpu_relion.runtime import cupy_kernels
 log = Path(os.environ["FAKE_CUPY_LOG"])
 lines = lambda: len([ln for ln in log.read_text().splitlines() if ln.strip()])
-made = multiprocessing.get_context("spawn").Event()
+ctx = multiprocessing.get_context("spawn")
+made, abort = ctx.Event(), ctx.Event()
 entries = [{"source": f"m{i}", "options": []} for i in range(4)]
-t = threading.Thread(target=cupy_kernels.compile_ahead, args=(entries, 0, Path(sys.argv[1]), "class3d"),
-                     kwargs={"workers": 2, "parent_context": made})
+got = {}
+t = threading.Thread(target=lambda: got.update(cupy_kernels.compile_ahead(
+    entries, 0, Path(sys.argv[1]), "class3d", workers=2, parent_context=(made, abort))))
 t.start()
 time.sleep(4.0)  # the workers are up long before this (about a second), and wait
 before = lines()
+if sys.argv[2] == "abort":  # the parent's context failed, or the GPU is exclusive: the workers compile nothing
+    abort.set()
 made.set()
+t0 = time.monotonic()
 t.join(30)
-print(json.dumps({"before": before, "after": lines()}))
+print(json.dumps({"before": before, "after": lines(), "joined_s": time.monotonic() - t0,
+                  "modules": got.get("modules")}))
 """
 
 
 def test_the_workers_wait_for_their_parents_context(monkeypatch, tmp_path):
-    """Real worker processes (the stand-in CuPy): with an unset parent_context event none compiles (so none makes a
-    CUDA context before the job's); once it is set, all the modules compile."""
-    _fake_cupy_for_workers(monkeypatch, tmp_path)
+    """Real worker processes (the stand-in CuPy): with the parent's "made" event unset none compiles (so none makes
+    a CUDA context before the job's); once it is set all the modules compile at once; with "abort" set too, none."""
+    log = _fake_cupy_for_workers(monkeypatch, tmp_path)
     monkeypatch.setenv("FAKE_CUPY_SECONDS", "0.05")
-    r = subprocess.run([sys.executable, "-c", _WAITING, str(tmp_path / "cache")], capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got == {"before": 0, "after": 4}, got
+    for how, want in (("go", 4), ("abort", 0)):
+        log.write_text("")
+        r = subprocess.run([sys.executable, "-c", _WAITING, str(tmp_path / f"cache_{how}"), how],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        assert got["before"] == 0 and got["after"] == got["modules"] == want, (how, got)
+        assert got["joined_s"] < 5.0, (how, got)  # not the workers' own time-out (CONTEXT_WAIT_S)

@@ -43,7 +43,8 @@ def _stand_ins(monkeypatch, tmp_path, compile_s: float = 0.0):
         ("registry", device, threading.current_thread().name)) or {"ops": 9, "seconds": 0.0})
     monkeypatch.setattr(kp, "_warm_libraries", lambda device, stop: calls.append(
         ("libraries", device, threading.current_thread().name)) or 0.0)
-    monkeypatch.setattr(kp, "_make_context", lambda device: None)  # no CUDA context made inside the tests
+    monkeypatch.setattr(kp, "_make_context", lambda ahead: None)  # no CUDA context made inside the tests
+    monkeypatch.setattr(kp, "_workers_allowed", lambda device, job: True)  # nor asked for its compute mode
     return calls, cache
 
 
@@ -116,7 +117,7 @@ def test_the_command_line_starts_the_compile_ahead_and_the_job_takes_it_over(mon
     # run for 5 s ends at once
     (tmp_path / "again").mkdir()
     _stand_ins(monkeypatch, tmp_path / "again", compile_s=5.0)
-    monkeypatch.setattr(kp, "_make_context", lambda device: None)
+    monkeypatch.setattr(kp, "_make_context", lambda ahead: None)
     started = kp.start_early("class3d", ["class3d", "--gpu", "0"])
     time.sleep(0.3)
     assert started.thread.is_alive()
@@ -271,7 +272,9 @@ def test_in_an_exclusive_compute_mode_the_job_keeps_the_gpu(monkeypatch, tmp_pat
     import types  # noqa: PLC0415
 
     make_context = kp._make_context  # noqa: SLF001 - the real one (the stand-ins replace it)
+    workers_allowed = kp._workers_allowed  # noqa: SLF001
     _, cache = _stand_ins(monkeypatch, tmp_path)
+    monkeypatch.setattr(kp, "_workers_allowed", workers_allowed)
     made = []
     for mode in (3, 0):
         fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
@@ -291,9 +294,10 @@ def test_in_an_exclusive_compute_mode_the_job_keeps_the_gpu(monkeypatch, tmp_pat
         fake.cuda.Device = Device
         monkeypatch.setitem(sys.modules, "cupy", fake)
         ahead = kp.CompileAhead("class3d", 0)
-        ahead.context_made = multiprocessing.get_context("spawn").Event()
+        ctx = multiprocessing.get_context("spawn")
+        ahead.context_made = (ctx.Event(), ctx.Event())
         make_context(ahead)
-        assert ahead.context_made.is_set() and made.pop() == "context"
-        assert ahead.stop.is_set() == (mode == 3), mode
+        assert ahead.context_made[0].is_set() and made.pop() == "context"
+        assert ahead.stop.is_set() == ahead.context_made[1].is_set() == (mode == 3), mode
         assert cupy_kernels.failed_recently("class3d", cache) == (mode == 3), mode
         cupy_kernels._failed_marker("class3d", cache).unlink(missing_ok=True)  # noqa: SLF001

@@ -27,10 +27,13 @@ import json
 import logging
 import os
 import re
+import signal
+import socket
 import sys
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 log = logging.getLogger("napari_gpu_relion")
@@ -139,7 +142,8 @@ FAILED_RETRY_S = 3600.0
 
 
 def _failed_marker(job: str | None, cache_dir: Path) -> Path:
-    return _marker(job, cache_dir).with_suffix(".failed")
+    """Per host: a cache on a shared filesystem keeps one node's failure to itself."""
+    return _marker(job, cache_dir).with_suffix(f".{socket.gethostname()}.failed")
 
 
 def note_failed(job: str | None, cache_dir: Path, why: str) -> None:
@@ -174,8 +178,15 @@ def compile_module(source: str, options) -> None:
     cupy.RawModule(code=source, options=tuple(options)).compile()
 
 
+#: In a worker process: True when its parent said not to compile (its context failed, an exclusive compute mode,
+#: the compile stopped) or did not say within CONTEXT_WAIT_S.
+_SKIP = False
+
+
 def _compile_task(entries: list[dict], device: int) -> int:
     """In a worker process: compile (or find in the disk cache) each module; returns how many succeeded."""
+    if _SKIP:
+        return 0
     import cupy  # noqa: PLC0415
 
     done = 0
@@ -194,14 +205,22 @@ CONTEXT_WAIT_S = 30.0
 
 
 def _worker_start(parent_context=None) -> None:
-    """A worker process's start: below the job's priority, and a watch on the process that started it (a worker
-    whose parent is gone, by an MPI rank's abort with os._exit or a kill, would otherwise wait on the pool's queue
-    for ever holding its CUDA context: it exits with its parent). ``parent_context``: an event the parent sets once
-    its own CUDA context is made; the worker waits for it before its first compile makes a context (on a GPU in an
-    exclusive compute mode the first context takes the GPU: it must be the job's)."""
+    """A worker process's start: below the job's priority, deaf to Ctrl-C (the terminal's interrupt reaches the
+    whole process group; the job decides, and the worker ends with it), and a watch on the process that started it
+    (a worker whose parent is gone, by an MPI rank's abort with os._exit or a kill, would otherwise wait on the
+    pool's queue for ever holding its CUDA context: it exits with its parent). ``parent_context``: (made, abort),
+    events of the parent: the worker waits for ``made`` (set once the parent's own CUDA context is made, or when
+    the parent gives up) before its first compile makes a context (on a GPU in an exclusive compute mode the first
+    context holds the GPU: it must be the job's), and compiles nothing when ``abort`` is set or ``made`` did not
+    come within CONTEXT_WAIT_S."""
+    global _SKIP  # noqa: PLW0603 - this worker process's own
     try:
         os.nice(WORKER_NICE)
     except (OSError, AttributeError):  # not allowed or not here: the same priority
+        pass
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except (ValueError, OSError):  # not the main thread or no signals here
         pass
     import multiprocessing  # noqa: PLC0415
     from multiprocessing.connection import wait as wait_for  # noqa: PLC0415
@@ -214,7 +233,8 @@ def _worker_start(parent_context=None) -> None:
 
         threading.Thread(target=watch, name="parent watch", daemon=True).start()
     if parent_context is not None:
-        parent_context.wait(CONTEXT_WAIT_S)
+        made, abort = parent_context
+        _SKIP = not made.wait(CONTEXT_WAIT_S) or abort.is_set()
 
 
 def default_workers() -> int:
@@ -232,8 +252,9 @@ def compile_ahead(entries: list[dict], device: int, cache_dir: Path, job: str | 
     """Compile ``entries`` into CuPy's disk cache in ``workers`` spawned processes; when all were handled and at
     least one compiled (or was found), write the marker of ``job`` (None: every kind). ``stop`` set: the tasks not
     started are cancelled and the call returns without waiting for those running (at most TASK_MODULES modules per
-    worker). ``parent_context``: a ``multiprocessing`` event of the spawn context that the workers wait for before
-    compiling (_worker_start). Returns the modules compiled or found, and the seconds. Processes, not threads: NVRTC
+    worker). ``parent_context``: (made, abort), ``multiprocessing`` events of the spawn context that the workers
+    wait for before compiling (_worker_start); a stop sets both, so that workers still waiting compile nothing.
+    Returns the modules compiled or found, and the seconds. Processes, not threads: NVRTC
     compiles one
     program at a time in a process (279 modules took 18-20 s in 6, 12 or 14 threads of one process against 6.2 s
     in 12 processes on an H200 host; processes forked from a server that imported CuPy once were no faster than
@@ -246,7 +267,7 @@ def compile_ahead(entries: list[dict], device: int, cache_dir: Path, job: str | 
     tasks = [entries[i:i + TASK_MODULES] for i in range(0, len(entries), TASK_MODULES)]
     # in the list's order (a job kind's modules in the order a job first used them), so that a job running beside
     # the pool finds its first kernels compiled first
-    done, stopped = 0, False
+    done, stopped, errors = 0, False, 0  # errors: tasks lost with a broken pool
     if tasks:
         ex = ProcessPoolExecutor(workers or default_workers(), mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_worker_start, initargs=(parent_context,))
@@ -256,17 +277,22 @@ def compile_ahead(entries: list[dict], device: int, cache_dir: Path, job: str | 
             while pending:
                 finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
                 done += sum(f.result() for f in finished if f.exception() is None)
+                errors += sum(isinstance(f.exception(), BrokenProcessPool) for f in finished)
                 if stop is not None and stop.is_set():
                     stopped = True
                     break
         finally:
+            if stopped and parent_context is not None:  # workers still waiting for the parent: nothing to do
+                parent_context[1].set()
+                parent_context[0].set()
             # the tasks not started are cancelled here, each: shutdown's own cancel reaches the pool's manager
             # thread only while the executor object lives, and a pool that misses it compiles the whole list (and
             # the interpreter's exit waits for that)
             for f in pending:
                 f.cancel()
             ex.shutdown(wait=not stopped, cancel_futures=True)
-    if not stopped and entries and not done:  # none compiled (no GPU, no compiler): not again for a while
+    if not stopped and entries and not done and not errors:  # none compiled (no GPU, no compiler), and the pool
+        # itself did not fail (an interrupted or killed worker breaks it): not again for a while
         note_failed(job, cache_dir, f"0 of {len(entries)} compiled")
     if not stopped and (done or not entries):
         marker = _marker(job, cache_dir)

@@ -86,7 +86,8 @@ class CompileAhead:
         self.report: dict = {}
         self.cache_before = cupy_kernels.cache_files(kernel_cache_dir())
         self.thread = threading.Thread(target=self._run, name=f"kernel compile ahead ({job})", daemon=True)
-        self.context_made = None  # with_context: the event the workers wait for (their parent's CUDA context)
+        # with_context: the events the workers wait for (made: their parent's CUDA context; abort: compile nothing)
+        self.context_made: tuple | None = None
 
     def _run(self) -> None:
         try:
@@ -99,6 +100,8 @@ class CompileAhead:
             return
         if self.context_made is None and not _workers_allowed(self.device, self.job):  # the job's context exists
             return
+        if self.stop.is_set():
+            return
         try:
             self.report["compiled_ahead"] = cupy_kernels.compile_ahead(shipped, self.device, kernel_cache_dir(),
                                                                        self.job, stop=self.stop,
@@ -109,13 +112,18 @@ class CompileAhead:
     def start(self, with_context: bool = False) -> CompileAhead:
         """Start compiling; ``with_context``: also import CuPy and make the GPU's CUDA context in a thread of this
         process now (the job's own start then finds both made), while the worker processes start; they make theirs
-        after it (_make_context)."""
-        if with_context:
+        after it (_make_context). Where the kind's modules are compiled already (or failed lately) no events are
+        made (a semaphore costs a resource-tracker process)."""
+        to_compile = not (cupy_kernels.compiled(self.job, kernel_cache_dir())
+                          or cupy_kernels.failed_recently(self.job, kernel_cache_dir()))
+        if with_context and to_compile:
             import multiprocessing  # noqa: PLC0415
 
-            self.context_made = multiprocessing.get_context("spawn").Event()
+            ctx = multiprocessing.get_context("spawn")
+            self.context_made = (ctx.Event(), ctx.Event())
+        if with_context:
             threading.Thread(target=_make_context, args=(self,), name="GPU start", daemon=True).start()
-        self.thread.start()
+        self.thread.start()  # (finds nothing to do where the modules are compiled)
         return self
 
 
@@ -137,19 +145,25 @@ def _workers_allowed(device: int, job: str) -> bool:
 
 def _make_context(ahead: CompileAhead) -> None:
     """The command line's GPU start: CuPy imported and the device's context made, before the compile workers make
-    theirs (they wait for ``ahead.context_made``); in an exclusive compute mode the compile ahead stops."""
+    theirs (they wait for ``ahead.context_made``). Where the context fails or the GPU is in an exclusive compute
+    mode, the compile ahead stops and its workers compile nothing."""
+    go = False
     try:
         import cupy as cp  # noqa: PLC0415
 
         with cp.cuda.Device(ahead.device):
             cp.cuda.runtime.memGetInfo()  # needs (so makes) the device's context
-        if not _workers_allowed(ahead.device, ahead.job):
-            ahead.stop.set()
+        go = ahead.context_made is None or _workers_allowed(ahead.device, ahead.job)
     except Exception as exc:  # noqa: BLE001 - the job's own start meets and reports it
         log.debug("kernel preload, GPU start: %s", exc)
     finally:
+        if not go:
+            ahead.stop.set()
         if ahead.context_made is not None:
-            ahead.context_made.set()
+            made, abort = ahead.context_made
+            if not go:
+                abort.set()
+            made.set()
 
 
 #: The compile ahead the command line started (start_early), until a job's preload takes it over.
