@@ -6,6 +6,7 @@ a module being compiled. tests/test_gpu.py runs the real thing."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -278,20 +279,9 @@ def test_in_an_exclusive_compute_mode_the_job_keeps_the_gpu(monkeypatch, tmp_pat
     made = []
     for mode in (3, 0):
         fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
+            Device=lambda i: contextlib.nullcontext(),  # a context manager, as cupy.cuda.Device
             runtime=types.SimpleNamespace(memGetInfo=lambda: made.append("context") or (1, 1),
                                           getDeviceProperties=lambda d, m=mode: {"computeMode": m})))
-
-        class Device:  # a context manager, as cupy.cuda.Device
-            def __init__(self, i):
-                pass
-
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *a):
-                return False
-
-        fake.cuda.Device = Device
         monkeypatch.setitem(sys.modules, "cupy", fake)
         ahead = kp.CompileAhead("class3d", 0)
         ctx = multiprocessing.get_context("spawn")

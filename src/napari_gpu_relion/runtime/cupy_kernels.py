@@ -19,6 +19,7 @@ starts (runtime/kernel_preload.py). With another CuPy version the list is not us
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import importlib.machinery
@@ -52,11 +53,18 @@ WORKER_NICE = 5
 INCLUDE = "-I"
 
 
+@functools.cache
 def _data() -> dict | None:
+    """The shipped list, read once per process (every GPU command line asks it for its job's kind; do not mutate)."""
     try:
         return json.loads(gzip.decompress(SHIPPED.read_bytes()))
     except (OSError, ValueError):
         return None
+
+
+@functools.cache
+def _digest() -> str:
+    return hashlib.sha1(SHIPPED.read_bytes()).hexdigest()[:12] if SHIPPED.exists() else "none"
 
 
 def own_options(options) -> list[str]:
@@ -126,9 +134,8 @@ def shipped_kinds() -> set[str]:
 
 
 def _marker(job: str | None, cache_dir: Path) -> Path:
-    digest = hashlib.sha1(SHIPPED.read_bytes()).hexdigest()[:12] if SHIPPED.exists() else "none"
     cub = "" if cub_reductions() else "_without_cub"
-    return cache_dir / "napari_gpu_relion_preload" / f"compiled_{job or 'all'}{cub}_{digest}.done"
+    return cache_dir / "napari_gpu_relion_preload" / f"compiled_{job or 'all'}{cub}_{_digest()}.done"
 
 
 def compiled(job: str, cache_dir: Path) -> bool:

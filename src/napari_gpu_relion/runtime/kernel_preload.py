@@ -95,12 +95,12 @@ class CompileAhead:
         except Exception as exc:  # noqa: BLE001 - no shipped list: CuPy compiles at first use
             log.debug("kernel preload, shipped list: %s", exc)
             shipped = []
-        if (not shipped or self.stop.is_set() or cupy_kernels.compiled(self.job, kernel_cache_dir())
+        if (not shipped or cupy_kernels.compiled(self.job, kernel_cache_dir())
                 or cupy_kernels.failed_recently(self.job, kernel_cache_dir())):
             return
         if self.context_made is None and not _workers_allowed(self.device, self.job):  # the job's context exists
             return
-        if self.stop.is_set():
+        if self.stop.is_set():  # (the command line's GPU start may have stopped it meanwhile)
             return
         try:
             self.report["compiled_ahead"] = cupy_kernels.compile_ahead(shipped, self.device, kernel_cache_dir(),
@@ -209,7 +209,7 @@ def start_early(job: str, argv: list[str]) -> CompileAhead | None:
     rank = local_rank()
     rank = (launcher_rank() or 0) if rank is None else rank  # no host rank given: the first rank of all
     if (not enabled() or any(_names(a, "--cpu") or a in ("-h", "--help") for a in argv) or rank != 0
-            or _early is not None or job not in cupy_kernels.shipped_kinds() or not _nvidia_driver()):
+            or _early is not None or not _nvidia_driver() or job not in cupy_kernels.shipped_kinds()):
         return None
     try:
         gpus = parse_gpu(_option_value(argv, "--gpu"))
