@@ -20,6 +20,8 @@
 #       iterations, the options above) on the N particles of `data N` and on their first half (a subset STAR), then
 #       the half under profile_job.py --kernel_trace 3; a rank's fixed work per iteration is E(N/2) - E(N)/2
 # RANKS=2 bash benchmarks/scaling_calls.sh class3d N 2    only the given rank counts (default 1,GPUS)
+# TAG=_x bash benchmarks/scaling_calls.sh class3d N 2    _x added to the JSON's and logs' names (several runs in a call;
+#       e.g. NAPARI_GPU_RELION_NCCL=0 NAPARI_GPU_RELION_IPC=0 TAG=_host: issue 47's stand-in for ranks on other nodes)
 # RANKS=1,1,2 bash benchmarks/scaling_calls.sh class3d 100000 2 25   the 1-GPU run twice: how far two runs of one
 #       layout agree after 25 iterations (the GPU's atomic sums), beside how far 1 and 2 GPUs do
 # Results (scaling.py's JSON, which names the GPU) in $OUT.
@@ -61,8 +63,8 @@ case "$1" in
   class3d)
     python3 benchmarks/scaling.py --job class3d --ranks ${RANKS:-1,$NG} --gpu $GPUS --data /root/s256_$2 --K 6 \
         --iter ${4:-5} --work /root/w256_$2 --extra "$STD --tau2_fudge 4" --mpiexec "$MPI" \
-        --out $OUT/scaling_class3d_K6_box256_n$2_it${4:-5}_h200x$NG.json | grep '^{"ranks' | cut -c1-900
-    for d in /root/w256_$2/class3d_n*; do cp $d/log.txt $OUT/log_class3d_n$2_$(basename $d).txt; done
+        --out $OUT/scaling_class3d_K6_box256_n$2_it${4:-5}_h200x$NG${TAG:-}.json | grep '^{"ranks' | cut -c1-900
+    for d in /root/w256_$2/class3d_n*; do cp $d/log.txt $OUT/log_class3d_n$2_$(basename $d)${TAG:-}.txt; done
     el "class3d" ;;
   accelerators)
     for run in none_1 cub_1 none_2 cub_2; do
