@@ -279,6 +279,20 @@ for src, dst in ((0, n - 1), (n - 1, 0), (1, 1)):  # point to point, in chunks; 
     a = np.arange(40.0) + 100 * r
     w.send_arrays([a], src, dst)
     assert np.array_equal(a, np.arange(40.0) + 100 * (src if r == dst else r)), (src, dst, a)
+counts = [2, 0, 3][:n] if n > 1 else [2]  # blocks of rows in rank order, one rank with none
+for dt in (np.float32, np.complex128):
+    rows = (np.arange(counts[r] * 6).reshape(counts[r], 2, 3) + 100 * r).astype(dt)
+    got = w.allgather_rows(rows, counts)
+    want = np.concatenate([(np.arange(c * 6).reshape(c, 2, 3) + 100 * k).astype(dt) for k, c in enumerate(counts)])
+    assert got.dtype == dt and np.array_equal(got, want), (dt, got)
+before = w.bytes_sent
+mine = {k: np.full((2, 2), 10.0 * k) for k in range(sum(counts)) if sum(counts[:r]) <= k < sum(counts[:r + 1])}
+got = distributed.gather_items(w, np, (sum(counts), 2, 2), np.float32, mine)
+assert np.array_equal(got, np.arange(sum(counts), dtype=np.float32)[:, None, None] * 10 + np.zeros((1, 2, 2)))
+assert w.bytes_sent - before == 16 * len(mine)  # each rank's own block once
+mine = {n - 1 - r: np.full(3, r + 1.0)}  # not in rank order: the sum of zero-filled arrays
+got = distributed.gather_items(w, np, (n, 3), np.float64, mine)
+assert np.array_equal(got, np.repeat(np.arange(n, 0, -1.0)[:, None], 3, 1)), got
 print(f"ok {r} {n}")
 """
 
@@ -318,6 +332,12 @@ for root in range(n):  # a sum on one rank (ranks sharing a GPU: every rank gets
     w.reduce_arrays([x], root)
     if r == root:
         assert np.allclose(cp.asnumpy(x), sum(v[0] for v in every), rtol=1e-12, atol=1e-12), root
+counts = [2, 0, 3][:n] if n > 2 else [1, 2][:n]  # each rank's rows once, in rank order (one rank with none)
+for dt in (np.float32, np.complex64):
+    rows = cp.asarray((np.arange(counts[r] * 12).reshape(counts[r], 3, 4) + 1000 * r).astype(dt))
+    got = w.allgather_rows(rows, counts, pinned=True)
+    want = np.concatenate([(np.arange(c * 12).reshape(c, 3, 4) + 1000 * k).astype(dt) for k, c in enumerate(counts)])
+    assert isinstance(got, np.ndarray) and got.dtype == dt and np.array_equal(got, want), (dt, w.reduction_path)
 print(f"ok {r} {n} {w.reduction_path}")
 """
 
@@ -621,6 +641,18 @@ def test_the_class2d_widget_runs_on_two_mpi_ranks_and_shows_the_classes(make_nap
     tiles = read_mrc(data / "Wwidget" / "run_it001_classes.mrcs").data
     t = tiles[grid.metadata["order"][0]]
     np.testing.assert_allclose(grid.data[:32, :32], (t - t.mean()) / t.std(), atol=1e-4)
+
+
+def test_one_process_gathers_its_own_items_in_index_order():
+    """Without MPI gather_items is the items themselves, in index order, in the asked dtype (the jobs call it the
+    same way on one rank and on many); allgather_rows gives the rows back on the host."""
+    w = distributed.SingleProcess()
+    mine = {1: np.full((2, 2), 2.5), 0: np.arange(4.0).reshape(2, 2)}
+    got = distributed.gather_items(w, np, (2, 2, 2), np.float32, mine)
+    want = np.stack([np.arange(4.0).reshape(2, 2), np.full((2, 2), 2.5)])
+    assert got.dtype == np.float32 and np.array_equal(got, want)
+    rows = np.arange(6.0).reshape(3, 2)
+    assert np.array_equal(w.allgather_rows(rows, [3]), rows)
 
 
 def test_every_reconstruction_has_one_owner_in_blocks_and_the_rest_is_everyones():

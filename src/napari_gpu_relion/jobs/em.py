@@ -74,7 +74,7 @@ from ..runtime.distributed import (
     deal_runs,
     describe_owners,
     fixed_work,
-    gather_by_sum,
+    gather_items,
     merge_particles,
     owned,
     owners,
@@ -778,14 +778,14 @@ class EMJob:
 
     def gather_class_maps(self, h: int, maps, it: Iteration) -> np.ndarray:
         """Every class's map of half h on the host, in class order, on every rank, from ``maps`` (this rank's
-        block my_classes(h), NumPy or CuPy; None or empty for none): with owner ranks through gather_by_sum."""
+        block my_classes(h), NumPy or CuPy; None or empty for none): with owner ranks through gather_items."""
         if self.comm.size == 1 or all(o is None for o in self.reconstruction_owners(h, it)):
             return np.asarray(to_host(maps, pinned=maps is not None and self.pinned_maps(maps.nbytes)))
         lo, hi = self.my_classes(h, it)
         dtypes = self.comm.allgather(None if maps is None or hi <= lo else np.dtype(maps.dtype).str)
         dtype = np.dtype(next(d for d in dtypes if d is not None))
         shape = (len(self.model.refs[h]),) + tuple(self.model.refs[h][0].shape)
-        return gather_by_sum(self.comm, self.be.xp, shape, dtype, {lo + i: maps[i] for i in range(hi - lo)},
+        return gather_items(self.comm, self.be.xp, shape, dtype, {lo + i: maps[i] for i in range(hi - lo)},
                              pinned=self.pinned_maps(int(np.prod(shape)) * dtype.itemsize))
 
     def pinned_maps(self, nbytes: int) -> bool:

@@ -48,7 +48,7 @@ from ..events import Finished, FscUpdated, IterationFinished, IterationStarted, 
 from ..io.model_star import write_model_star
 from ..io.mrc import write_mrc
 from ..marks import memory_mark
-from ..runtime.distributed import gather_by_sum
+from ..runtime.distributed import gather_items
 from . import em
 from .common import param
 
@@ -285,10 +285,10 @@ class Refine3D(em.EMJob):
 
     def gather_halves(self, mine: dict[int, np.ndarray]) -> list[np.ndarray]:
         """Both half maps on every rank, on the host, from their owners (``mine``: this rank's, half -> flattened
-        map on its device), as a float32 pair through gather_by_sum: rounded to float32 once, as host_map rounds
+        map on its device), as a float32 pair through gather_items: rounded to float32 once, as host_map rounds
         them, and adding zeros leaves them exact."""
         shape = (2,) + tuple(self.model.refs[0][0].shape)
-        host = gather_by_sum(self.comm, self.be.xp, shape, np.float32, mine)
+        host = gather_items(self.comm, self.be.xp, shape, np.float32, mine)
         return [host[0], host[1]]
 
     def finished_map(self, vol, it: em.Iteration) -> np.ndarray:

@@ -156,6 +156,12 @@ class SingleProcess:
         """Copy rank ``source``'s NumPy/CuPy arrays into rank ``dest``'s arrays of the same shapes, in place
         (the other ranks do nothing)."""
 
+    def allgather_rows(self, rows, counts: Sequence[int], pinned: bool = False) -> np.ndarray:
+        """Every rank's block of rows (along the first axis) on every rank, on the host, in rank order: ``rows``
+        is this rank's block (NumPy or CuPy, ``counts[rank]`` rows, possibly none; the same dtype and row shape on
+        every rank). ``pinned``: a device block comes back in page-locked memory (to_host)."""
+        return np.asarray(to_host(rows, pinned=pinned))
+
     def barrier(self) -> None:
         pass
 
@@ -367,6 +373,43 @@ class MPICommunicator(SingleProcess):
             if self.rank == dest:
                 _store(a, host)
 
+    def allgather_rows(self, rows, counts: Sequence[int], pinned: bool = False) -> np.ndarray:
+        """As SingleProcess.allgather_rows: NCCL's allgather between GPUs of their own (each rank's block padded to
+        the largest), MPI_Allgatherv of host buffers on the host path (row by row: each call's counts stay within
+        MPI's int), and a sum of zero-filled arrays where ranks share a GPU (the IPC path sums only). Each rank
+        sends its own rows once, where a sum of the whole zero-filled array sent every row 2 (n-1) / n times
+        (issue 47: six box-256 maps took 0.54-0.88 s per iteration through host buffers on 2 H200s)."""
+        counts = [int(c) for c in counts]
+        if len(rows) != counts[self.rank]:
+            raise ValueError(f"allgather_rows: rank {self.rank} has {len(rows)} rows, counts say {counts[self.rank]}")
+        self.bytes_sent += int(rows.nbytes)
+        tail, dtype = tuple(rows.shape[1:]), np.dtype(rows.dtype)
+        on_gpu = get_array_module(rows) is not np and dtype.name in NCCL_DTYPES
+        dev = self._device_sum() if on_gpu else None  # collective: every rank passes the same kind of array
+        if dev is not None and dev.group is None and dev.nccl is not None:
+            return _nccl_allgather_rows(dev.nccl, rows, counts, pinned)
+        if dev is not None:  # ranks share a GPU: the sum of zero-filled arrays, on the devices
+            xp = get_array_module(rows)
+            full = xp.zeros((sum(counts), *tail), dtype=dtype)
+            start = sum(counts[:self.rank])
+            full[start:start + len(rows)] = rows
+            self.sum_arrays([full])
+            self.bytes_sent -= int(full.nbytes)  # counted above as its own rows
+            return np.asarray(to_host(full, pinned=pinned))
+        host = np.ascontiguousarray(to_host(rows))
+        out = np.empty((sum(counts), *tail), dtype=dtype)
+        if out.size == 0:
+            return out
+        per_row = int(np.prod(tail, dtype=np.int64))
+        flat_out = out.reshape(sum(counts), per_row)
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        for j in range(max(counts)):  # row j of every rank that has one
+            send = host[j].reshape(-1) if j < counts[self.rank] else host.reshape(-1)[:0]
+            sizes = [per_row if j < c else 0 for c in counts]
+            displs = [int(starts[k] + j) * per_row if j < c else 0 for k, c in enumerate(counts)]
+            self.comm.Allgatherv(send, [flat_out.reshape(-1), (sizes, displs)])
+        return out
+
     def barrier(self) -> None:
         self.comm.Barrier()
 
@@ -407,7 +450,7 @@ def _nccl_among(comm, rank: int, early: bool = False):
         return None, why
     if early:
         try:  # the warm-up's buffers, here: a rank that cannot have them says so before any rank starts NCCL
-            warm = _WarmBuffers()
+            warm = _WarmBuffers(comm.Get_size())
         except Exception as exc:  # noqa: BLE001
             return None, f"rank {rank}: {type(exc).__name__}: {exc}"
         return _NcclStarting(comm.Get_size(), uid, comm.Get_rank(), rank, warm), ""
@@ -415,33 +458,37 @@ def _nccl_among(comm, rank: int, early: bool = False):
 
 
 class _WarmBuffers:
-    """Two float32 buffers (1 element and 16 MiB) and a non-blocking stream for NCCL's first sums, made on the
-    current device and on that stream: CuPy's pool never hands a block of one stream to another, so the job's own
-    kernels cannot be reading a block these sums write, and the sums never wait for the job's kernels."""
+    """Two float32 buffers (1 element and 16 MiB), a receive buffer for an allgather of each over ``n`` ranks and a
+    non-blocking stream for NCCL's first collectives, made on the current device and on that stream: CuPy's pool
+    never hands a block of one stream to another, so the job's own kernels cannot be reading a block these
+    collectives write, and they never wait for the job's kernels."""
 
-    def __init__(self) -> None:
+    def __init__(self, n: int) -> None:
         import cupy  # noqa: PLC0415
 
         self.stream = cupy.cuda.Stream(non_blocking=True)
         with self.stream:
-            self.arrays = [cupy.zeros(n, dtype=np.float32) for n in (1, 4 << 20)]
+            self.arrays = [cupy.zeros(k, dtype=np.float32) for k in (1, 4 << 20)]
+            self.gathered = [cupy.zeros(n * a.size, dtype=np.float32) for a in self.arrays]
         self.stream.synchronize()
 
 
 def _make_nccl(n: int, uid, nccl_rank: int, rank: int, warm: _WarmBuffers | None = None):
     """(NCCL communicator of ``n`` ranks, "") or (None, why) on the current device; ``warm``: then one small and
-    one 16 MiB sum on its buffers, so that NCCL's lazy set-up (its kernels, the connections of both protocols)
-    happens too, and the buffers are let go only after them."""
+    one 16 MiB sum and allgather on its buffers, so that NCCL's lazy set-up (its kernels, the connections of both
+    protocols) happens too, and the buffers are let go only after them."""
     try:
         from cupy.cuda import nccl  # noqa: PLC0415
 
         comm = nccl.NcclCommunicator(n, uid, nccl_rank)
-        if warm is not None:
-            for buf in warm.arrays:
+        if warm is not None:  # the M-step's maps are allgathered: its first call cost 0.2 s on 2 H200s
+            for buf, into in zip(warm.arrays, warm.gathered, strict=True):
                 comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
                                warm.stream.ptr)
+                comm.allGather(buf.data.ptr, into.data.ptr, buf.size, nccl.NCCL_FLOAT32, warm.stream.ptr)
             warm.stream.synchronize()
             warm.arrays.clear()
+            warm.gathered.clear()
         return comm, ""
     except Exception as exc:  # noqa: BLE001
         return None, f"rank {rank}: {type(exc).__name__}: {exc}"
@@ -572,20 +619,48 @@ def _nccl_sum(comm, arrays: list, root: int | None = None) -> None:
     import cupy  # noqa: PLC0415
     from cupy.cuda import nccl  # noqa: PLC0415
 
-    types = {np.dtype(np.float64): nccl.NCCL_FLOAT64, np.dtype(np.float32): nccl.NCCL_FLOAT32,
-             np.dtype(np.int64): nccl.NCCL_INT64, np.dtype(np.int32): nccl.NCCL_INT32}
-
     def reduce(buf) -> None:
         flat = buf.reshape(-1)
         if flat.dtype.kind == "c":
             flat = flat.view(flat.real.dtype)
         stream = cupy.cuda.get_current_stream().ptr
         if root is None:
-            comm.allReduce(flat.data.ptr, flat.data.ptr, flat.size, types[flat.dtype], nccl.NCCL_SUM, stream)
+            comm.allReduce(flat.data.ptr, flat.data.ptr, flat.size, _nccl_type(flat.dtype), nccl.NCCL_SUM, stream)
         else:
-            comm.reduce(flat.data.ptr, flat.data.ptr, flat.size, types[flat.dtype], nccl.NCCL_SUM, root, stream)
+            comm.reduce(flat.data.ptr, flat.data.ptr, flat.size, _nccl_type(flat.dtype), nccl.NCCL_SUM, root,
+                        stream)
 
     _reduce_packed(arrays, reduce)
+
+
+def _nccl_allgather_rows(comm, rows, counts: list[int], pinned: bool) -> np.ndarray:
+    """Every rank's block of ``rows`` on every rank, on the host, through NCCL's allgather on the current stream:
+    each block padded to the largest (NCCL gathers equal counts), the padding left out after."""
+    import cupy  # noqa: PLC0415
+
+    n, most = len(counts), max(counts)
+    tail = tuple(rows.shape[1:])
+    send = cupy.zeros((most, *tail), dtype=rows.dtype)
+    send[:len(rows)] = rows
+    recv = cupy.empty((n * most, *tail), dtype=rows.dtype)
+    flat_send, flat_recv = send.reshape(-1), recv.reshape(-1)
+    if flat_send.dtype.kind == "c":
+        flat_send, flat_recv = flat_send.view(flat_send.real.dtype), flat_recv.view(flat_recv.real.dtype)
+    if most:
+        comm.allGather(flat_send.data.ptr, flat_recv.data.ptr, flat_send.size, _nccl_type(flat_send.dtype),
+                       cupy.cuda.get_current_stream().ptr)
+    if any(c != most for c in counts):
+        recv = cupy.concatenate([recv[k * most:k * most + c] for k, c in enumerate(counts)])
+    cupy.cuda.get_current_stream().synchronize()
+    return np.asarray(to_host(recv, pinned=pinned))
+
+
+def _nccl_type(dtype):
+    """NCCL's type of a real NumPy dtype NCCL sums (float64, float32, int64, int32)."""
+    from cupy.cuda import nccl  # noqa: PLC0415
+
+    return {np.dtype(np.float64): nccl.NCCL_FLOAT64, np.dtype(np.float32): nccl.NCCL_FLOAT32,
+            np.dtype(np.int64): nccl.NCCL_INT64, np.dtype(np.int32): nccl.NCCL_INT32}[np.dtype(dtype)]
 
 
 def _reduce_packed(arrays: list, reduce) -> None:
@@ -763,12 +838,20 @@ def accumulator_grids(acc) -> list:
     return list(acc.arrays) if hasattr(acc, "arrays") else [acc.data_re, acc.data_im, acc.weight]
 
 
-def gather_by_sum(comm: SingleProcess, xp, shape: tuple, dtype, mine: dict[int, Any],
-                  pinned: bool = False) -> np.ndarray:
-    """Every rank's items on every rank, on the host: one sum over the ranks of a zero-filled ``shape`` array of
-    ``xp`` into which each rank puts its own items (``mine``: index along the first axis -> array); NCCL between
-    GPUs (a pickled gather of box-256 maps through the host took about 1 s per iteration on 2 H200s). Adding
-    zeros leaves every value exactly as its owner made it. ``pinned``: to_host's page-locked copy."""
+def gather_items(comm: SingleProcess, xp, shape: tuple, dtype, mine: dict[int, Any],
+                 pinned: bool = False) -> np.ndarray:
+    """Every rank's items on every rank, on the host, as one ``shape`` array (``mine``: this rank's items, index
+    along the first axis -> array of ``xp``). When the ranks' items are consecutive blocks in rank order (the
+    owners of classes and halves: runtime.distributed.owner_blocks) each rank's block travels once
+    (allgather_rows); otherwise one sum over the ranks of a zero-filled array holding each rank's items (adding
+    zeros leaves every value as its owner made it). A pickled gather of box-256 maps through the host took about 1 s
+    per iteration on 2 H200s. ``pinned``: to_host's page-locked copy."""
+    keys = sorted(int(i) for i in mine)
+    every = comm.allgather(keys)
+    if [i for ks in every for i in ks] == list(range(shape[0])):
+        rows = (xp.stack([xp.asarray(mine[i]).astype(dtype, copy=False) for i in keys]) if keys
+                else xp.empty((0, *shape[1:]), dtype=dtype))
+        return comm.allgather_rows(rows, [len(ks) for ks in every], pinned=pinned)
     full = xp.zeros(shape, dtype=dtype)
     for i, a in mine.items():
         full[i] = xp.asarray(a).astype(dtype, copy=False)
