@@ -209,9 +209,14 @@ def _compile_task(entries: list[dict], device: int) -> int:
 
 #: How long a worker waits for its parent's CUDA context before it starts compiling anyway (seconds).
 CONTEXT_WAIT_S = 30.0
+#: Workers that make their CUDA context at once. The driver serialises the start of contexts: 12 processes starting
+#: together all waited 1.48 s, one alone 0.2-0.34 s (benchmarks/worker_start.py, an H200 host), so a pool whose
+#: workers all started together compiled nothing for ~1.5 s; two at a time, the first workers compile a job's
+#: first modules while the others start.
+CUDA_STARTS_AT_ONCE = 2
 
 
-def _worker_start(parent_context=None) -> None:
+def _worker_start(parent_context=None, starting=None, device: int = 0) -> None:
     """A worker process's start: below the job's priority, deaf to Ctrl-C (the terminal's interrupt reaches the
     whole process group; the job decides, and the worker ends with it), and a watch on the process that started it
     (a worker whose parent is gone, by an MPI rank's abort with os._exit or a kill, would otherwise wait on the
@@ -219,7 +224,8 @@ def _worker_start(parent_context=None) -> None:
     events of the parent: the worker waits for ``made`` (set once the parent's own CUDA context is made, or when
     the parent gives up) before its first compile makes a context (on a GPU in an exclusive compute mode the first
     context holds the GPU: it must be the job's), and compiles nothing when ``abort`` is set or ``made`` did not
-    come within CONTEXT_WAIT_S."""
+    come within CONTEXT_WAIT_S. ``starting``: a semaphore of the pool (CUDA_STARTS_AT_ONCE) held while the worker
+    makes its context on ``device``, after CuPy's import (which needs no context, so it overlaps the wait)."""
     global _SKIP  # noqa: PLW0603 - this worker process's own
     try:
         os.nice(WORKER_NICE)
@@ -239,9 +245,21 @@ def _worker_start(parent_context=None) -> None:
             os._exit(0)
 
         threading.Thread(target=watch, name="parent watch", daemon=True).start()
+    try:
+        import cupy  # noqa: PLC0415
+    except Exception as exc:  # noqa: BLE001 - the first compile meets and logs it
+        log.debug("compile ahead worker: %s", exc)
+        return
     if parent_context is not None:
         made, abort = parent_context
         _SKIP = not made.wait(CONTEXT_WAIT_S) or abort.is_set()
+    if starting is not None and not _SKIP:
+        with starting:
+            try:
+                with cupy.cuda.Device(device):
+                    cupy.cuda.runtime.memGetInfo()  # needs (so makes) this process's context
+            except Exception as exc:  # noqa: BLE001 - the first compile meets it again and logs it
+                log.debug("compile ahead worker context: %s", exc)
 
 
 def default_workers() -> int:
@@ -276,8 +294,9 @@ def compile_ahead(entries: list[dict], device: int, cache_dir: Path, job: str | 
     # the pool finds its first kernels compiled first
     done, stopped, errors = 0, False, 0  # errors: tasks lost with a broken pool
     if tasks:
-        ex = ProcessPoolExecutor(workers or default_workers(), mp_context=multiprocessing.get_context("spawn"),
-                                 initializer=_worker_start, initargs=(parent_context,))
+        ctx = multiprocessing.get_context("spawn")
+        ex = ProcessPoolExecutor(workers or default_workers(), mp_context=ctx, initializer=_worker_start,
+                                 initargs=(parent_context, ctx.Semaphore(CUDA_STARTS_AT_ONCE), device))
         pending: set = set()
         try:
             pending = {ex.submit(_compile_task, t, device) for t in tasks}
