@@ -450,7 +450,7 @@ def _nccl_among(comm, rank: int, early: bool = False):
         return None, why
     if early:
         try:  # the warm-up's buffers, here: a rank that cannot have them says so before any rank starts NCCL
-            warm = _WarmBuffers(comm.Get_size())
+            warm = _WarmBuffers()
         except Exception as exc:  # noqa: BLE001
             return None, f"rank {rank}: {type(exc).__name__}: {exc}"
         return _NcclStarting(comm.Get_size(), uid, comm.Get_rank(), rank, warm), ""
@@ -458,37 +458,33 @@ def _nccl_among(comm, rank: int, early: bool = False):
 
 
 class _WarmBuffers:
-    """Two float32 buffers (1 element and 16 MiB), a receive buffer for an allgather of each over ``n`` ranks and a
-    non-blocking stream for NCCL's first collectives, made on the current device and on that stream: CuPy's pool
-    never hands a block of one stream to another, so the job's own kernels cannot be reading a block these
-    collectives write, and they never wait for the job's kernels."""
+    """Two float32 buffers (1 element and 16 MiB) and a non-blocking stream for NCCL's first sums, made on the
+    current device and on that stream: CuPy's pool never hands a block of one stream to another, so the job's own
+    kernels cannot be reading a block these sums write, and the sums never wait for the job's kernels."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self) -> None:
         import cupy  # noqa: PLC0415
 
         self.stream = cupy.cuda.Stream(non_blocking=True)
         with self.stream:
-            self.arrays = [cupy.zeros(k, dtype=np.float32) for k in (1, 4 << 20)]
-            self.gathered = [cupy.zeros(n * a.size, dtype=np.float32) for a in self.arrays]
+            self.arrays = [cupy.zeros(n, dtype=np.float32) for n in (1, 4 << 20)]
         self.stream.synchronize()
 
 
 def _make_nccl(n: int, uid, nccl_rank: int, rank: int, warm: _WarmBuffers | None = None):
     """(NCCL communicator of ``n`` ranks, "") or (None, why) on the current device; ``warm``: then one small and
-    one 16 MiB sum and allgather on its buffers, so that NCCL's lazy set-up (its kernels, the connections of both
-    protocols) happens too, and the buffers are let go only after them."""
+    one 16 MiB sum on its buffers, so that NCCL's lazy set-up (its kernels, the connections of both protocols)
+    happens too, and the buffers are let go only after them."""
     try:
         from cupy.cuda import nccl  # noqa: PLC0415
 
         comm = nccl.NcclCommunicator(n, uid, nccl_rank)
-        if warm is not None:  # the M-step's maps are allgathered: its first call cost 0.2 s on 2 H200s
-            for buf, into in zip(warm.arrays, warm.gathered, strict=True):
+        if warm is not None:
+            for buf in warm.arrays:
                 comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
                                warm.stream.ptr)
-                comm.allGather(buf.data.ptr, into.data.ptr, buf.size, nccl.NCCL_FLOAT32, warm.stream.ptr)
             warm.stream.synchronize()
             warm.arrays.clear()
-            warm.gathered.clear()
         return comm, ""
     except Exception as exc:  # noqa: BLE001
         return None, f"rank {rank}: {type(exc).__name__}: {exc}"
