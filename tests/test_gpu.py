@@ -801,3 +801,20 @@ def test_maps_come_back_into_pinned_memory_that_is_used_again_once_free():
     second = to_host(a[:, ::-1] * 2, pinned=True)  # a strided view: copied contiguous first
     np.testing.assert_array_equal(second, cp.asnumpy(a[:, ::-1] * 2))
     assert second.ctypes.data == address
+
+
+def test_warmed_pinned_blocks_are_the_ones_the_next_copies_of_that_shape_take():
+    """compute.backend.warm_pinned: the blocks it made and let go are in the pinned pool, and two to_host(pinned)
+    copies of that shape and dtype take them (their addresses), none made anew."""
+    from napari_gpu_relion.compute.backend import to_host, warm_pinned
+
+    pool = cp.get_default_pinned_memory_pool()
+    pool.free_all_blocks()
+    shape = (3, 40, 40, 40)
+    before = pool.n_free_blocks()
+    warm_pinned(shape, np.float32, 2, cp.cuda.Device().id)
+    assert pool.n_free_blocks() == before + 2
+    a = cp.ones(shape, dtype=np.float32)
+    copies = [to_host(a, pinned=True), to_host(a * 2, pinned=True)]
+    assert pool.n_free_blocks() == before  # both blocks taken, no new one made
+    assert len({c.ctypes.data for c in copies}) == 2 and float(copies[1].sum()) == 2 * a.size
