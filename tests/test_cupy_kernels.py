@@ -125,6 +125,25 @@ def test_the_cache_count_counts_compiled_modules_only(tmp_path):
     assert cupy_kernels.cache_files(tmp_path) == 2
 
 
+def test_the_modules_a_job_compiled_are_named_by_their_kernels_oldest_first(tmp_path):
+    """new_module_names reads each new module's kernel entries (ELF sections ".text.<name>") from CuPy's cache files
+    written at or after the time given, oldest first; older files and files of other kinds are left out."""
+    import os  # noqa: PLC0415
+
+    def module(name: str, entries: list[str], mtime: float) -> None:
+        body = b"\x7fELF\x00" + b"".join(b"\x00.text." + e.encode() + b"\x00.nv.info." + e.encode() for e in entries)
+        (tmp_path / name).write_bytes(b"0123abcd" + body)
+        os.utime(tmp_path / name, (mtime, mtime))
+
+    module("old.cubin", ["cupy_add__float32"], 1000.0)
+    module("b.cubin", ["ngr_significant", "ngr_finish_scores"], 2002.0)
+    module("a.cubin", ["cupy_bsum_shfl"], 2001.0)
+    (tmp_path / "a.cubin.cu").write_text("extern C __global__ void cupy_bsum_shfl()")
+    os.utime(tmp_path / "a.cubin.cu", (3000.0, 3000.0))
+    assert cupy_kernels.new_module_names(tmp_path, 2000.0) == ["cupy_bsum_shfl", "ngr_significant+ngr_finish_scores"]
+    assert cupy_kernels.new_module_names(tmp_path / "none", 0.0) == []
+
+
 def test_the_marker_of_a_kind_is_written_when_its_modules_were_handled(tmp_path):
     assert not cupy_kernels.compiled("class3d", tmp_path)
     report = cupy_kernels.compile_ahead([], 0, tmp_path, "class3d")

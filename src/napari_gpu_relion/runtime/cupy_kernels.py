@@ -178,6 +178,29 @@ def cache_files(cache_dir: Path) -> int:
         return 0
 
 
+#: A kernel's entry in a compiled module: the ELF section ".text.<name>" of its code.
+_ENTRY = re.compile(rb"\.text\.([A-Za-z_][A-Za-z0-9_]{0,120})")
+
+
+def new_module_names(cache_dir: Path, since: float) -> list[str]:
+    """The kernels of each module CuPy's disk cache got at or after ``since`` (time.time()), oldest first: its entry
+    names joined by "+" (a job's log names what it compiled, so that the shipped list can take it in)."""
+    try:
+        new = sorted((q.stat().st_mtime, q.path) for q in os.scandir(cache_dir)
+                     if q.name.endswith(".cubin") and q.is_file() and q.stat().st_mtime >= since)
+    except OSError:
+        return []
+    out = []
+    for _, path in new:
+        try:
+            data = Path(path).read_bytes()
+        except OSError:
+            continue
+        names = dict.fromkeys(m.decode() for m in _ENTRY.findall(data))
+        out.append("+".join(names) or Path(path).name)
+    return out
+
+
 def compile_module(source: str, options) -> None:
     """Compile one module into CuPy's disk cache (or find it there), through CuPy's public RawModule."""
     import cupy  # noqa: PLC0415

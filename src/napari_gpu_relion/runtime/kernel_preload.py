@@ -331,6 +331,11 @@ def warm_scans(cp) -> None:
     cp.cumsum(big.astype(np.int32))
 
 
+#: A job's log names the modules it compiled when they are this few (after `warmup`, the ones the shipped list
+#: lacks: benchmarks/record_kernels.sh records them).
+NAMED_MODULES = 5
+
+
 class Preload:
     """The background preparation of one job's kernels: ``start`` when the job starts, ``finish`` when it ends."""
 
@@ -345,6 +350,8 @@ class Preload:
         self.cache_before = (self.ahead.cache_before if self.ahead is not None else
                              cupy_kernels.cache_files(kernel_cache_dir()) if device is not None else 0)
         self.compiled: int | None = None
+        self.since = time.time()  # the modules the job compiles are named when few (NAMED_MODULES)
+        self.names: list[str] = []
 
     def start(self) -> Preload:
         if self.device is not None and enabled():
@@ -365,6 +372,8 @@ class Preload:
             self.thread.join(FINISH_WAIT_S)
         if self.device is not None:
             self.compiled = cupy_kernels.cache_files(kernel_cache_dir()) - self.cache_before
+            if 0 < self.compiled <= NAMED_MODULES:
+                self.names = cupy_kernels.new_module_names(kernel_cache_dir(), self.since)[:NAMED_MODULES]
 
     def summary(self) -> str | None:
         """One line of what the preload did and what the job compiled (after finish; None on the CPU)."""
@@ -382,4 +391,5 @@ class Preload:
             parts.append(f"done {r['finished'] - self.t0:.2f} s after the job started")
         ahead = "" if not parts else f" (background: {', '.join(parts)})"
         where = "the compile ahead and the job" if r.get("compiled_ahead") is not None else "the job"
-        return f"GPU kernels: {self.compiled} modules compiled into CuPy's cache by {where}{ahead}"
+        named = f" [{', '.join(self.names)}]" if self.names else ""
+        return f"GPU kernels: {self.compiled} modules compiled into CuPy's cache by {where}{named}{ahead}"
