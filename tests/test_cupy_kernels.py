@@ -55,6 +55,11 @@ def _fake_cupy(monkeypatch, tmp_path, version: str, fail: str | None = None):
         def __exit__(self, *a):
             return False
 
+        def use(self):
+            used.append(self.i)
+
+    used: list[int] = []
+    fake.used = used  # the devices made current for good (compute.backend.use_device), in order
     fake.RawModule = RawModule
     fake.cuda = types.SimpleNamespace(Device=Device)
     monkeypatch.setitem(sys.modules, "cupy", fake)
@@ -113,8 +118,10 @@ def test_a_worker_compiles_each_module_as_a_raw_module_and_counts_what_compiled(
     entries = [{"source": "a __global__", "options": ["--std=c++17"]},
                {"source": "broken __global__", "options": []},
                {"source": "b __global__", "options": ["-DFIRST_PASS=1", "--std=c++17"]}]
-    assert cupy_kernels._compile_task(entries, 0) == 2
+    assert cupy_kernels._compile_task(entries, 1) == 2
     assert calls == [("a __global__", ("--std=c++17",)), ("b __global__", ("-DFIRST_PASS=1", "--std=c++17"))]
+    # the worker's device set for good, not in a block whose end would make device 0 current (and its context)
+    assert sys.modules["cupy"].used == [1]
 
 
 def test_the_cache_count_counts_compiled_modules_only(tmp_path):
@@ -231,7 +238,12 @@ class RawModule:
         time.sleep(float(os.environ.get("FAKE_CUPY_SECONDS", "0.3")))
 
 
-cuda = types.SimpleNamespace(Device=lambda i: contextlib.nullcontext())
+class _Device(contextlib.nullcontext):
+    def use(self):
+        pass
+
+
+cuda = types.SimpleNamespace(Device=lambda i: _Device())
 """
 
 

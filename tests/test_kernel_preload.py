@@ -20,6 +20,13 @@ from napari_gpu_relion.runtime import kernel_preload as kp
 ENTRIES = [{"source": "a", "options": ["--std=c++17"]}, {"source": "b", "options": ["--std=c++17"]}]
 
 
+class _StandInDevice(contextlib.nullcontext):
+    """cupy.cuda.Device's stand-in: a context manager with use()."""
+
+    def use(self):
+        pass
+
+
 def _stand_ins(monkeypatch, tmp_path, compile_s: float = 0.0):
     calls = []
     cache = tmp_path / "cache"
@@ -279,7 +286,7 @@ def test_in_an_exclusive_compute_mode_the_job_keeps_the_gpu(monkeypatch, tmp_pat
     made = []
     for mode in (3, 0):
         fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
-            Device=lambda i: contextlib.nullcontext(),  # a context manager, as cupy.cuda.Device
+            Device=lambda i: _StandInDevice(),  # a context manager with use(), as cupy.cuda.Device
             runtime=types.SimpleNamespace(memGetInfo=lambda: made.append("context") or (1, 1),
                                           getDeviceProperties=lambda d, m=mode: {"computeMode": m})))
         monkeypatch.setitem(sys.modules, "cupy", fake)

@@ -279,7 +279,14 @@ for src, dst in ((0, n - 1), (n - 1, 0), (1, 1)):  # point to point, in chunks; 
     a = np.arange(40.0) + 100 * r
     w.send_arrays([a], src, dst)
     assert np.array_equal(a, np.arange(40.0) + 100 * (src if r == dst else r)), (src, dst, a)
-counts = [2, 0, 3][:n] if n > 1 else [2]  # blocks of rows in rank order, one rank with none
+counts = [(2, 0, 3)[k % 3] for k in range(n)]  # blocks of rows in rank order, one rank with none
+for bad in (counts + [1], [0] * n if r == 0 else counts):  # too many counts; rank 0's block contradicts them
+    try:
+        w.allgather_rows(np.zeros((counts[r], 2, 3), np.float32), bad)
+    except ValueError:
+        pass  # every rank: none is left waiting in the gather
+    else:
+        raise AssertionError(f"rank {r}: no error for counts {bad}")
 for dt in (np.float32, np.complex128):
     rows = (np.arange(counts[r] * 6).reshape(counts[r], 2, 3) + 100 * r).astype(dt)
     got = w.allgather_rows(rows, counts)
@@ -332,12 +339,14 @@ for root in range(n):  # a sum on one rank (ranks sharing a GPU: every rank gets
     w.reduce_arrays([x], root)
     if r == root:
         assert np.allclose(cp.asnumpy(x), sum(v[0] for v in every), rtol=1e-12, atol=1e-12), root
-counts = [2, 0, 3][:n] if n > 2 else [1, 2][:n]  # each rank's rows once, in rank order (one rank with none)
-for dt in (np.float32, np.complex64):
-    rows = cp.asarray((np.arange(counts[r] * 12).reshape(counts[r], 3, 4) + 1000 * r).astype(dt))
-    got = w.allgather_rows(rows, counts, pinned=True)
-    want = np.concatenate([(np.arange(c * 12).reshape(c, 3, 4) + 1000 * k).astype(dt) for k, c in enumerate(counts)])
-    assert isinstance(got, np.ndarray) and got.dtype == dt and np.array_equal(got, want), (dt, w.reduction_path)
+# each rank's rows once, in rank order: uneven blocks, a rank with none, and equal full blocks
+for counts in ([(k + 1) % 3 for k in range(n)], [0] + [2] * (n - 1), [2] * n):
+    for dt in (np.float32, np.complex64):
+        rows = cp.asarray((np.arange(counts[r] * 12).reshape(counts[r], 3, 4) + 1000 * r).astype(dt))
+        got = w.allgather_rows(rows, counts, pinned=True)
+        want = np.concatenate([(np.arange(c * 12).reshape(c, 3, 4) + 1000 * k).astype(dt)
+                               for k, c in enumerate(counts)])
+        assert isinstance(got, np.ndarray) and got.dtype == dt and np.array_equal(got, want), (counts, dt)
 print(f"ok {r} {n} {w.reduction_path}")
 """
 

@@ -70,31 +70,45 @@ def to_host(a, pinned: bool = False):
     cp = _cupy if _cupy is not None else _cupy_of((a,))
     if cp is not None and isinstance(a, cp.ndarray):
         if pinned and a.size:
-            try:
-                import cupyx  # noqa: PLC0415 - only reached with CuPy arrays
-
-                out = cupyx.empty_pinned(a.shape, a.dtype)
-            except Exception:  # noqa: BLE001 - no page-locked memory to be had: the pageable copy below
-                out = None
-            if out is not None:
-                return a.get(out=out)
+            return a.get(out=host_empty(a.shape, a.dtype, pinned=True))  # pageable where none can be had
         return cp.asnumpy(a)
     return np.asarray(a)
+
+
+def host_empty(shape: tuple, dtype, pinned: bool = False) -> np.ndarray:
+    """An empty host array; ``pinned``: in page-locked memory from CuPy's pinned pool where CuPy is (to_host's
+    kind of array: device copies into it are fast, and the pool's blocks are used again), pageable otherwise."""
+    if pinned and _try_cupy() is not None and int(np.prod(shape)) > 0:
+        try:
+            import cupyx  # noqa: PLC0415
+
+            return cupyx.empty_pinned(shape, dtype)
+        except Exception:  # noqa: BLE001 - no page-locked memory to be had: pageable
+            pass
+    return np.empty(shape, dtype=dtype)
+
+
+def use_device(cp: ModuleType, device: int) -> None:
+    """Make CUDA ``device`` the calling thread's current device for the rest of the thread: the first step of a
+    background thread's GPU work. Not ``with cupy.cuda.Device(device)`` there: leaving that block makes the thread's
+    previous device current again, device 0 in a new thread, and cudaSetDevice initialises the primary context of
+    the device it sets (CUDA 12), so a rank on GPU 1 would make a context on GPU 0 (its memory, and a failure where
+    GPU 0 is in an exclusive compute mode). Inside a thread that did this, ``with`` blocks on the same device
+    switch nothing."""
+    cp.cuda.Device(device).use()
 
 
 def warm_pinned(shape: tuple, dtype, count: int, device: int) -> None:
     """Put ``count`` page-locked blocks for arrays of ``shape`` and ``dtype`` into CuPy's pinned pool (made, then let
     go: the pool keeps them), so that later to_host(..., pinned=True) copies of such arrays find a block there
     instead of waiting for cudaHostAlloc: a first copy of six box-256 maps (403 MB) took 0.2-0.36 s on an H200 host,
-    the later ones 0.01 s. ``device``: the CUDA device whose context makes them (a thread's own current device is
-    device 0). Nothing without a GPU."""
+    the later ones 0.01 s. ``device``: the CUDA device whose context makes them, made the calling thread's device
+    (use_device: call it in a thread of its own). Nothing without a GPU."""
     cupy = _try_cupy()
     if cupy is None:
         return
-    import cupyx  # noqa: PLC0415
-
-    with cupy.cuda.Device(device):
-        held = [cupyx.empty_pinned(shape, dtype) for _ in range(int(count))]
+    use_device(cupy, device)
+    held = [host_empty(shape, dtype, pinned=True) for _ in range(int(count))]
     del held
 
 

@@ -15,7 +15,6 @@ runs in batches sized by the memory plan (compute/backend.plan_memory), halving 
 from __future__ import annotations
 
 import functools
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,7 +26,7 @@ import pandas as pd
 
 from ..cancel import bound_check, check_cancel
 from ..compute import host_threads
-from ..compute.backend import to_host, warm_pinned
+from ..compute.backend import to_host
 from ..compute.backprojector import BackProjectorStack
 from ..compute.estep import EStepSetup, EStepSums, expectation_batch, prepare_batch
 from ..compute.expectation import PixelSet, pixel_set
@@ -790,18 +789,8 @@ class EMJob:
                              pinned=self.pinned_maps(int(np.prod(shape)) * dtype.itemsize))
 
     def warm_pinned_maps(self) -> None:
-        """Page-locked blocks for the M-step's class maps (K float32 maps of the references' shape, the float32 maps
-        the M-step returns) made in a background thread while the first E-step runs, as many as the first two
-        iterations take (the model's and the new maps; later ones find freed blocks): each first copy of six
-        box-256 maps waited 0.29-0.34 s for cudaHostAlloc in class3d's iterations 1 and 2 on an H200."""
-        refs = self.model.refs[0] if self.model is not None and self.model.refs else None
-        if not self.be.is_gpu or refs is None or len(refs) == 0:
-            return
-        shape = (len(refs),) + tuple(refs[0].shape)
-        if not self.pinned_maps(int(np.prod(shape)) * 4):
-            return
-        threading.Thread(target=warm_pinned, args=(shape, np.float32, 2, self.be.device), name="pinned maps",
-                         daemon=True).start()
+        """Page-locked blocks for the M-step's maps, made while the first E-step runs: nothing here (the
+        classification jobs' class maps come back page-locked: em_classification.Classification)."""
 
     def pinned_maps(self, nbytes: int) -> bool:
         """Whether maps of ``nbytes`` come back from the GPU into page-locked memory (runtime.memory's policy)."""

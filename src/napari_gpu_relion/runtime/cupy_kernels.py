@@ -219,14 +219,16 @@ def _compile_task(entries: list[dict], device: int) -> int:
         return 0
     import cupy  # noqa: PLC0415
 
+    from ..compute.backend import use_device  # noqa: PLC0415 - the command line's first step imports this module
+
     done = 0
-    with cupy.cuda.Device(device):
-        for e in entries:
-            try:
-                compile_module(e["source"], e["options"])
-                done += 1
-            except Exception as exc:  # noqa: BLE001 - a module that does not compile here compiles at its use
-                log.debug("compile ahead: %s", exc)
+    use_device(cupy, device)  # the worker's, for good (compute.backend.use_device)
+    for e in entries:
+        try:
+            compile_module(e["source"], e["options"])
+            done += 1
+        except Exception as exc:  # noqa: BLE001 - a module that does not compile here compiles at its use
+            log.debug("compile ahead: %s", exc)
     return done
 
 
@@ -277,10 +279,12 @@ def _worker_start(parent_context=None, starting=None, device: int = 0) -> None:
         made, abort = parent_context
         _SKIP = not made.wait(CONTEXT_WAIT_S) or abort.is_set()
     if starting is not None and not _SKIP:
+        from ..compute.backend import use_device  # noqa: PLC0415
+
         with starting:
             try:
-                with cupy.cuda.Device(device):
-                    cupy.cuda.runtime.memGetInfo()  # needs (so makes) this process's context
+                use_device(cupy, device)  # the worker's, for good (compute.backend.use_device)
+                cupy.cuda.runtime.memGetInfo()  # needs (so makes) this process's context
             except Exception as exc:  # noqa: BLE001 - the first compile meets it again and logs it
                 log.debug("compile ahead worker context: %s", exc)
 

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..compute.backend import use_device
 from . import cupy_kernels
 
 log = logging.getLogger("napari_gpu_relion")
@@ -57,9 +58,20 @@ def kernel_cache_dir() -> Path:
     return Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
 
 
+def _on_device(device: int) -> None:
+    """A preload thread's first step: the job's device made the thread's own (compute.backend.use_device)."""
+    try:
+        import cupy  # noqa: PLC0415
+
+        use_device(cupy, device)
+    except Exception as exc:  # noqa: BLE001 - no CuPy or no device: the thread's work meets it and logs it
+        log.debug("kernel preload, device: %s", exc)
+
+
 def _build_registry(device: int, stop: threading.Event, report: dict) -> None:
     from . import kernels  # noqa: PLC0415 - the compute stack: the command line imports this module first
 
+    _on_device(device)
     try:
         report["registry"] = kernels.build(device, stop.is_set)
     except Exception as exc:  # noqa: BLE001 - an op that does not build here builds at its first use
@@ -67,6 +79,7 @@ def _build_registry(device: int, stop: threading.Event, report: dict) -> None:
 
 
 def _libraries(device: int, stop: threading.Event, report: dict) -> None:
+    _on_device(device)
     if not stop.is_set():
         report["libraries_s"] = _warm_libraries(device, stop)
 
@@ -151,8 +164,8 @@ def _make_context(ahead: CompileAhead) -> None:
     try:
         import cupy as cp  # noqa: PLC0415
 
-        with cp.cuda.Device(ahead.device):
-            cp.cuda.runtime.memGetInfo()  # needs (so makes) the device's context
+        use_device(cp, ahead.device)  # this thread's, for good (compute.backend.use_device)
+        cp.cuda.runtime.memGetInfo()  # needs (so makes) the device's context
         go = ahead.context_made is None or _workers_allowed(ahead.device, ahead.job)
     except Exception as exc:  # noqa: BLE001 - the job's own start meets and reports it
         log.debug("kernel preload, GPU start: %s", exc)
