@@ -313,6 +313,7 @@ def test_job_refines_defocus_beam_tilt_and_trefoil(simulated, refined):
 
 
 @needs_map
+@pytest.mark.slow
 def test_reconstruction_applies_the_refined_aberrations(simulated, refined):
     """The images carry beam tilt and trefoil. Reconstructed from the true poses with the STAR ctf_refine wrote
     (its defocus, tilt and odd terms, applied: images demodulated), the map agrees with the true map better at high
@@ -350,6 +351,7 @@ def test_reconstruction_applies_the_refined_aberrations(simulated, refined):
 
 @needs_map
 @pytest.mark.skipif(mpi_missing() is not None, reason=str(mpi_missing()))
+@pytest.mark.slow
 def test_two_mpi_ranks_equal_one_process(simulated, refined):
     """The micrographs shared between 2 ranks: the same particles and fits as one process (the defocus to the
     iterations' stopping tolerance: each batch stops on its own sums)."""

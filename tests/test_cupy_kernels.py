@@ -14,6 +14,8 @@ import time
 import types
 from pathlib import Path
 
+import pytest
+
 from napari_gpu_relion.runtime import cupy_kernels
 
 
@@ -290,6 +292,7 @@ print(json.dumps({"started": started, "returned_s": returned_s, "stopped": got.g
 """
 
 
+@pytest.mark.slow
 def test_a_stopped_compile_ahead_cancels_what_it_had_not_started(monkeypatch, tmp_path):
     """Real worker processes (a stand-in CuPy whose compile takes 0.3 s): stopped after its first modules, the
     compile returns at once and its workers compile nothing more than what they had in hand, instead of the whole
@@ -371,6 +374,7 @@ print(json.dumps({"before": before, "after": lines(), "joined_s": time.monotonic
 """
 
 
+@pytest.mark.slow
 def test_the_workers_wait_for_their_parents_context(monkeypatch, tmp_path):
     """Real worker processes (the stand-in CuPy): with the parent's "made" event unset none compiles (so none makes
     a CUDA context before the job's); once it is set all the modules compile at once; with "abort" set too, none."""

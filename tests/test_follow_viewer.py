@@ -45,6 +45,7 @@ def _class2d(project: Path, job: str = "Class2D/job010") -> Path:
     return project / job
 
 
+@pytest.mark.slow
 def test_the_view_follows_the_kind_of_job_followed(make_napari_viewer, qtbot, tmp_path, session, errors):
     """A 3D refinement followed: the 3D view, the FSC titled with the job; then a 2D classification: the 2D view
     with the class grid flat in it, and the refinement's FSC cleared (saying whose curves are awaited); then the

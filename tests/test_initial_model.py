@@ -78,6 +78,7 @@ def test_grid_round_trip_and_gradient_step_moves_towards_the_data(phantom_map):
     assert start < 0.8 and cc(ref) > 0.9, (start, cc(ref))
 
 
+@pytest.mark.slow
 def test_aligned_map_correlation_finds_a_rotated_shifted_mirrored_copy(phantom_map):
     """The helper recovers a copy of the map rotated by an arbitrary rotation (not on its grid), shifted and
     mirrored (cc >= 0.9 at 30 Å, mirror detected); an unrelated map (another phantom of the same size) and a

@@ -191,6 +191,7 @@ def _ctf_refine(d: Path, star: str, out: Path, *extra: str) -> pd.DataFrame:
     return read_particles(out / "particles_ctf_refine.star")
 
 
+@pytest.mark.slow
 def test_ctf_refine_fits_the_magnification_matrix(simulated, tmp_path):
     """One pass is RELION's linearised estimate: the right matrix in direction, short of a 2 % distortion (the
     slices change over a pixel when the particle fills the box: measured 0.0138/0.0043/0.0042/-0.0114 of

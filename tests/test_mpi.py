@@ -422,6 +422,7 @@ def test_class2d_on_three_ranks_equals_one_process(data, class2d_one):
 
 
 @needs_mpi
+@pytest.mark.slow
 def test_continue_with_another_number_of_ranks(data, class2d_one):
     """Iteration 1 on 3 ranks, iteration 2 continued on 2 ranks: the run of one process, uninterrupted."""
     _ok(_mpirun(3, CLASS2D + ["--iter", "1", "--o", "Cc/run"], data))
@@ -479,7 +480,8 @@ def refine_one(data) -> Path:
 
 
 @needs_mpi
-@pytest.mark.parametrize("n", [3, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [3, 2])
 def test_refine3d_on_several_ranks_equals_one_process(data, refine_one, n):
     """Gold-standard auto-refine (both halves spread over the ranks), 3 iterations: the same angles for >= 99.5 %
     of the particles, the same final resolution and maps (to float rounding) on 1 and n ranks. Before the final
@@ -502,6 +504,7 @@ def test_reconstruct_on_three_ranks_equals_one_process(data):
 
 
 @needs_mpi
+@pytest.mark.slow
 def test_autopick_and_extract_on_several_ranks_equal_one_process(data):
     """Two micrographs on 3 ranks (one rank has none): the same picks, one autopick.star in STAR order; then
     extraction on 2 ranks: the same particles and boxes."""
@@ -577,6 +580,7 @@ def test_a_failing_rank_stops_the_job_naming_rank_and_host(data, tmp_path, how):
 
 
 @needs_mpi
+@pytest.mark.slow
 def test_a_job_under_mpiexec_as_a_child_sends_the_events_of_one_in_process(data):
     """What the napari widgets do for "MPI ranks" > 1: class2d on 2 ranks in a child process; its events arrive
     (Started naming 2 ranks, the class averages as arrays, the iteration, Finished) and equal the job's files."""
@@ -594,6 +598,7 @@ def test_a_job_under_mpiexec_as_a_child_sends_the_events_of_one_in_process(data)
 
 
 @needs_mpi
+@pytest.mark.slow
 def test_cancelling_a_child_mpi_job_ends_every_rank(data):
     from napari_gpu_relion import mpi_child  # noqa: PLC0415
     from napari_gpu_relion.events import Progress  # noqa: PLC0415

@@ -584,6 +584,7 @@ def test_refine3d_widget_shows_half_maps_each_iteration_and_fsc(make_napari_view
     assert viewer.layers["half1"].visible and not viewer.layers["half2"].visible  # the halves lie on each other
 
 
+@pytest.mark.slow
 def test_class3d_widget_shows_one_map_per_class_each_iteration(make_napari_viewer, qtbot, tmp_path, errors):
     from napari_gpu_relion.jobs.simulate import make_sample_data
 

@@ -208,6 +208,7 @@ def test_a_post_processing_chained_into_local_resolution_shows_the_coloured_surf
     assert not caption.visible
 
 
+@pytest.mark.slow
 def test_ctf_refinement_dock_runs_and_shows_its_aberration_plot(make_napari_viewer, qtbot, tmp_path, session,
                                                                 errors):
     from napari_gpu_relion.jobs.simulate import sample_data_dir

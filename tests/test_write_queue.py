@@ -501,6 +501,7 @@ def _one_row_blocks(tmp_path: Path, monkeypatch):
     return ps, star, disk
 
 
+@pytest.mark.slow
 def test_a_request_takes_the_blocks_read_when_asked_not_all_that_fast_threads_read_meanwhile(tmp_path, monkeypatch):
     """Fast reader threads and a slow store: a request for a few rows takes the blocks that were ready when it
     came (at most the reader's bound ahead) and its own rows, not block after block as the threads keep reading
