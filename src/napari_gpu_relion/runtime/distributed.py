@@ -375,10 +375,11 @@ class MPICommunicator(SingleProcess):
 
     def allgather_rows(self, rows, counts: Sequence[int], pinned: bool = False) -> np.ndarray:
         """As SingleProcess.allgather_rows: NCCL's allgather between GPUs of their own (each rank's block padded to
-        the largest), one MPI_Allgatherv of host buffers on the host path (counts and places in rows: a row
-        datatype), and a sum of zero-filled arrays where ranks share a GPU (the IPC path sums only). Each rank sends
-        its own rows once, where a sum of the whole zero-filled array sent every row 2 (n-1) / n times (issue 47:
-        six box-256 maps took 0.54-0.88 s per iteration through host buffers on 2 H200s, 0.23 s gathered)."""
+        the largest), one MPI_Allgatherv of host buffers on the host path (counts and places in rows: a row of
+        bytes as the datatype, any dtype), and a sum of zero-filled arrays where ranks share a GPU (the IPC path
+        sums only). Each rank sends its own rows once, where a sum of the whole zero-filled array sent every row
+        2 (n-1) / n times (issue 47: six box-256 maps took 0.54-0.88 s per iteration through host buffers on 2
+        H200s, 0.23 s gathered)."""
         counts = [int(c) for c in counts]
         if len(counts) != self.size:
             raise ValueError(f"allgather_rows: {len(counts)} counts for {self.size} ranks")
@@ -404,7 +405,7 @@ class MPICommunicator(SingleProcess):
         out = host_empty((sum(counts), *tail), dtype, pinned=pinned and device_rows)
         if out.size == 0:
             return out
-        row = self.MPI.Datatype.fromcode(dtype.char).Create_contiguous(int(np.prod(tail, dtype=np.int64))).Commit()
+        row = self.MPI.BYTE.Create_contiguous(int(np.prod(tail, dtype=np.int64)) * dtype.itemsize).Commit()
         try:
             starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
             self.comm.Allgatherv([host, len(host), row], [out, (counts, starts), row])
