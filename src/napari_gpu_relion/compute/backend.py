@@ -98,6 +98,13 @@ def use_device(cp: ModuleType, device: int) -> None:
     cp.cuda.Device(device).use()
 
 
+def make_context(cp: ModuleType, device: int) -> None:
+    """``device`` made the calling thread's for good (use_device) and its CUDA context made now (a thread or process
+    that starts the GPU ahead of the work that needs it)."""
+    use_device(cp, device)
+    cp.cuda.runtime.memGetInfo()  # needs (so makes) the device's context
+
+
 def warm_pinned(shape: tuple, dtype, count: int, device: int) -> None:
     """Put ``count`` page-locked blocks for arrays of ``shape`` and ``dtype`` into CuPy's pinned pool (made, then let
     go: the pool keeps them), so that later to_host(..., pinned=True) copies of such arrays find a block there

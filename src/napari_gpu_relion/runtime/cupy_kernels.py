@@ -186,10 +186,11 @@ def new_module_names(cache_dir: Path, since: float) -> list[str]:
     """The kernels of each module CuPy's disk cache got at or after ``since`` (time.time()), oldest first: its entry
     names joined by "+" (a job's log names what it compiled, so that the shipped list can take it in)."""
     try:
-        new = sorted((q.stat().st_mtime, q.path) for q in os.scandir(cache_dir)
-                     if q.name.endswith(".cubin") and q.is_file() and q.stat().st_mtime >= since)
+        files = [(q.stat().st_mtime, q.path) for q in os.scandir(cache_dir)
+                 if q.name.endswith(".cubin") and q.is_file()]
     except OSError:
         return []
+    new = sorted(f for f in files if f[0] >= since)
     out = []
     for _, path in new:
         try:
@@ -279,12 +280,11 @@ def _worker_start(parent_context=None, starting=None, device: int = 0) -> None:
         made, abort = parent_context
         _SKIP = not made.wait(CONTEXT_WAIT_S) or abort.is_set()
     if starting is not None and not _SKIP:
-        from ..compute.backend import use_device  # noqa: PLC0415
+        from ..compute.backend import make_context  # noqa: PLC0415
 
         with starting:
             try:
-                use_device(cupy, device)  # the worker's, for good (compute.backend.use_device)
-                cupy.cuda.runtime.memGetInfo()  # needs (so makes) this process's context
+                make_context(cupy, device)
             except Exception as exc:  # noqa: BLE001 - the first compile meets it again and logs it
                 log.debug("compile ahead worker context: %s", exc)
 
@@ -306,11 +306,10 @@ def compile_ahead(entries: list[dict], device: int, cache_dir: Path, job: str | 
     started are cancelled and the call returns without waiting for those running (at most TASK_MODULES modules per
     worker). ``parent_context``: (made, abort), ``multiprocessing`` events of the spawn context that the workers
     wait for before compiling (_worker_start); a stop sets both, so that workers still waiting compile nothing.
-    Returns the modules compiled or found, and the seconds. Processes, not threads: NVRTC
-    compiles one
-    program at a time in a process (279 modules took 18-20 s in 6, 12 or 14 threads of one process against 6.2 s
-    in 12 processes on an H200 host; processes forked from a server that imported CuPy once were no faster than
-    spawned ones: benchmarks/compile_ahead_pools.py)."""
+    Returns the modules compiled or found, and the seconds. Processes, not threads: NVRTC compiles one program at a
+    time in a process (279 modules took 18-20 s in 6, 12 or 14 threads of one process against 6.2 s in 12 processes
+    on an H200 host; processes forked from a server that imported CuPy once were no faster than spawned ones:
+    benchmarks/compile_ahead_pools.py)."""
     import multiprocessing  # noqa: PLC0415
 
     t0 = time.perf_counter()

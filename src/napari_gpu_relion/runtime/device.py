@@ -16,7 +16,7 @@ from types import ModuleType
 
 import numpy as np
 
-from ..compute.backend import _set_tf32, _try_cupy, to_host, use_device
+from ..compute.backend import _set_tf32, _try_cupy, make_context, to_host
 from ..errors import InputError
 from .distributed import world
 
@@ -263,8 +263,7 @@ def warm_device(params) -> threading.Thread | None:
             dev = gpu_for_rank(getattr(params, "gpu", None), comm.local_rank, count if comm.size > 1 else None)
             dev = 0 if dev is None else dev
             if 0 <= dev < count:
-                use_device(cp, dev)  # this thread's, for good (compute.backend.use_device)
-                cp.cuda.runtime.memGetInfo()  # needs (so makes) the device's context
+                make_context(cp, dev)
         except Exception:  # noqa: BLE001, S110 - backend_for meets and reports it
             pass
 

@@ -394,13 +394,11 @@ class MPICommunicator(SingleProcess):
         if dev is not None and dev.group is None and dev.nccl is not None:
             return _nccl_allgather_rows(dev.nccl, rows, counts, pinned)
         if dev is not None:  # ranks share a GPU: the sum of zero-filled arrays, on the devices
-            xp = get_array_module(rows)
-            full = xp.zeros((sum(counts), *tail), dtype=dtype)
-            start = sum(counts[:self.rank])
-            full[start:start + len(rows)] = rows
-            self.sum_arrays([full])
-            self.bytes_sent -= int(full.nbytes)  # counted above as its own rows
-            return np.asarray(to_host(full, pinned=pinned))
+            before = self.bytes_sent
+            out = _zero_filled_sum(self, get_array_module(rows), (sum(counts), *tail), dtype,
+                                   [(sum(counts[:self.rank]), rows)], pinned)
+            self.bytes_sent = before  # counted above as its own rows
+            return out
         host = np.ascontiguousarray(to_host(rows))
         out = host_empty((sum(counts), *tail), dtype, pinned=pinned and device_rows)
         if out.size == 0:
@@ -862,9 +860,16 @@ def gather_items(comm: SingleProcess, xp, shape: tuple, dtype, mine: dict[int, A
         rows = (xp.stack([xp.asarray(mine[i]).astype(dtype, copy=False) for i in keys]) if keys
                 else xp.empty((0, *shape[1:]), dtype=dtype))
         return comm.allgather_rows(rows, [len(ks) for ks in every], pinned=pinned)
+    return _zero_filled_sum(comm, xp, shape, dtype, [(i, xp.asarray(a)[None]) for i, a in mine.items()], pinned)
+
+
+def _zero_filled_sum(comm: SingleProcess, xp, shape: tuple, dtype, blocks: list[tuple[int, Any]],
+                     pinned: bool) -> np.ndarray:
+    """One sum over the ranks of a zero-filled ``shape`` array of ``xp`` holding this rank's ``blocks`` (first index
+    along the first axis, rows) on the host: every rank's rows, each exactly as its owner made it."""
     full = xp.zeros(shape, dtype=dtype)
-    for i, a in mine.items():
-        full[i] = xp.asarray(a).astype(dtype, copy=False)
+    for lo, block in blocks:
+        full[lo:lo + len(block)] = block.astype(dtype, copy=False)
     comm.sum_arrays([full])
     return np.asarray(to_host(full, pinned=pinned))
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..compute.backend import use_device
+from ..compute.backend import make_context, use_device
 from . import cupy_kernels
 
 log = logging.getLogger("napari_gpu_relion")
@@ -164,8 +164,7 @@ def _make_context(ahead: CompileAhead) -> None:
     try:
         import cupy as cp  # noqa: PLC0415
 
-        use_device(cp, ahead.device)  # this thread's, for good (compute.backend.use_device)
-        cp.cuda.runtime.memGetInfo()  # needs (so makes) the device's context
+        make_context(cp, ahead.device)
         go = ahead.context_made is None or _workers_allowed(ahead.device, ahead.job)
     except Exception as exc:  # noqa: BLE001 - the job's own start meets and reports it
         log.debug("kernel preload, GPU start: %s", exc)
