@@ -282,6 +282,21 @@ def test_only_reading_images_counts_as_reading_time(tmp_path, monkeypatch):
     assert ps.seconds_reading - first < 0.2
 
 
+def test_reading_time_parts_say_who_read(tmp_path, monkeypatch):
+    """The parts of seconds_reading (the log's breakdown): rows no reader has started are the job's thread's own
+    reading; rows of a slow background reader are waiting for it; the parts add up to the total."""
+    waiting, own, _ = particles.READING_PARTS
+    ps = _slowed_set(tmp_path, monkeypatch, 0.2)
+    ps.images(np.arange(4))  # no reader: the thread reads them itself
+    assert ps.reading_parts[own] >= 0.2 and ps.reading_parts[waiting] == 0.0
+    ps.read_ahead(np.arange(4, len(ps)))  # a background reader with the same slow reads
+    ps.images(np.arange(4, 8))  # its first block: the thread waits for it
+    assert ps.reading_parts[waiting] >= 0.15
+    assert ps.reading_parts[own] < 0.4  # the reader's rows were not read again by the thread
+    assert abs(sum(ps.reading_parts.values()) - ps.seconds_reading) < 0.05
+    ps.stop_reading()
+
+
 def test_a_particle_set_parses_its_image_names_once_and_reads_the_same_images(tmp_path, monkeypatch):
     """The job's reads (block by block, by a background reader) and its data STAR's names use the locations
     parsed when the set was loaded: the same images as load_images parsing the names, the same rlnImageName."""

@@ -372,6 +372,7 @@ class Iteration:
     seconds_waiting: float = 0.0  # MPI: waiting for the slowest rank at the end of each half's E-step
     seconds_summing: float = 0.0  # MPI: sums over ranks and merging the particles' results
     seconds_reading: float = 0.0  # of the E-step: this process reading images or waiting for its reader
+    reading_parts: dict = field(default_factory=dict)  # seconds_reading in its parts (particles.READING_PARTS)
     bytes_at_start: int = 0  # MPI: what this rank had sent before this iteration (comm.bytes_sent)
     particles_here: int = 0  # MPI: the particles of this rank's E-step
     mstep_parts: dict = field(default_factory=dict)  # M-step part -> s (timed), in the timing line
@@ -685,7 +686,7 @@ class EMJob:
         blocks = self.own_blocks(self.speeds)  # this rank's block of each half (by measured speed)
         if self.comm.size > 1:  # a rank's image store keeps this iteration's blocks
             self.ps.retain(np.concatenate(blocks))
-        t0, read0 = time.time(), self.ps.seconds_reading
+        t0, read0, parts0 = time.time(), self.ps.seconds_reading, dict(self.ps.reading_parts)
         for h, mine in enumerate(blocks):
             acc = self.accumulators(it.current_size)
             memory_mark("E-step: accumulators")
@@ -738,6 +739,7 @@ class EMJob:
         self._prepared = None  # it.references keeps them for the M-step; nothing else holds them after it
         it.seconds_estep = time.time() - t0
         it.seconds_reading = self.ps.seconds_reading - read0
+        it.reading_parts = {k: v - parts0.get(k, 0.0) for k, v in self.ps.reading_parts.items()}
 
     def owned_kinds_of(self, it: Iteration) -> tuple[str, ...]:
         """The kinds of fixed work with one owner each in iteration ``it`` (owned_kinds)."""
@@ -1042,7 +1044,10 @@ def iteration_timing(it: Iteration, seconds_mstep: float, seconds_files: float, 
     wait for the slowest rank and the sums over ranks (MPI), the M-step with the resolution update, the files."""
     mpi = (f" (waiting for the slowest rank {it.seconds_waiting:.2f} s, sums over ranks {it.seconds_summing:.2f} s "
            f"through {comm.reduction_path})" if comm.size > 1 else "")
-    reading = f"; the E-step read images for {it.seconds_reading:.2f} s" if it.seconds_reading >= 0.005 else ""
+    reading = ""
+    if it.seconds_reading >= 0.005:
+        parts = ", ".join(f"{k} {v:.2f} s" for k, v in it.reading_parts.items() if v >= 0.005)
+        reading = f"; the E-step read images for {it.seconds_reading:.2f} s" + (f" ({parts})" if parts else "")
     parts = ", ".join(f"{k} {v:.2f} s" for k, v in it.mstep_parts.items())
     return (f"E-step {it.seconds_estep:.2f} s{mpi}, M-step {seconds_mstep:.2f} s" + (f" ({parts})" if parts else "")
             + f", files {seconds_files:.2f} s{reading}")

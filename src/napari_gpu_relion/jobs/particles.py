@@ -20,6 +20,10 @@ from ..io.write_queue import formats_text
 from ..runtime.memory import READ_AHEAD_MIN_BYTES
 from .read_ahead import BLOCK_ROWS, ImageReadAhead
 
+#: The parts of ParticleSet.seconds_reading: the job's thread waiting for the background reader's next block, reading
+#: rows itself (the reader had not started them), and putting images into the store (on the GPU: the upload, which
+#: also waits for the device work queued before it).
+READING_PARTS = ("waiting for the reader", "read by the job's thread", "into the store")
 #: Rows moved at once when the kept images move to another array (keep_images_on).
 MOVE_ROWS = 2048
 ANGLES = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")
@@ -58,6 +62,10 @@ class ParticleSet:
     # seconds the job's thread has spent reading images or waiting for the background reader (images()): the part
     # of an E-step that is disk, not compute, so that MPI ranks' shares follow their compute speed only
     seconds_reading: float = field(default=0.0, repr=False, compare=False)
+    # seconds_reading in its parts (READING_PARTS): where an E-step's reading time goes (issue 47: iteration 1's
+    # reading grew with a rank's image count as if the background reader overlapped nothing)
+    reading_parts: dict = field(default_factory=lambda: dict.fromkeys(READING_PARTS, 0.0), repr=False,
+                                compare=False)
 
     def __post_init__(self):
         n = len(self.table)
@@ -190,17 +198,25 @@ class ParticleSet:
                     self.stop_reading()
                 return
             more -= 1
+            t0 = time.perf_counter()
             try:
                 item = self.ahead.next(wait=wait)
             except BaseException:
                 self.stop_reading()
                 raise
+            finally:
+                self._count(READING_PARTS[0], t0)
             if item is None:
                 if self.ahead.finished:
                     self.stop_reading()
                 return
             got, data = item
+            t0 = time.perf_counter()
             self._store(got, data)
+            self._count(READING_PARTS[2], t0)
+
+    def _count(self, part: str, t0: float) -> None:
+        self.reading_parts[part] += time.perf_counter() - t0
 
     def images(self, rows):
         """The images of ``rows`` (float32; an array of the kept images' module, so on the GPU when they are kept
@@ -210,6 +226,7 @@ class ParticleSet:
         t0 = time.perf_counter()
         if self.kept is None:
             out = self._read(rows)
+            self._count(READING_PARTS[1], t0)
             self.seconds_reading += time.perf_counter() - t0
             return out
         if self.ahead is not None:
@@ -218,8 +235,12 @@ class ParticleSet:
         new = np.unique(rows[self.slot[rows] < 0])
         data = None
         if new.size:
+            t1 = time.perf_counter()
             data = self._read(new)
+            self._count(READING_PARTS[1], t1)
+            t1 = time.perf_counter()
             self._store(new, data)
+            self._count(READING_PARTS[2], t1)
         self.seconds_reading += time.perf_counter() - t0
         places = self.slot[rows]
         if (places >= 0).all():
