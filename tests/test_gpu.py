@@ -818,3 +818,40 @@ def test_warmed_pinned_blocks_are_the_ones_the_next_copies_of_that_shape_take():
     copies = [to_host(a, pinned=True), to_host(a * 2, pinned=True)]
     assert pool.n_free_blocks() == before  # both blocks taken, no new one made
     assert len({c.ctypes.data for c in copies}) == 2 and float(copies[1].sum()) == 2 * a.size
+
+
+@pytest.mark.parametrize("capacity", [None, 7])
+def test_images_uploaded_by_the_readers_threads_are_the_disks(tmp_path, capacity):
+    """Issue 47: with the image store on the GPU, the reader's threads copy each block there (thread_upload, on the
+    job's stream) and the job's thread only moves it into the store: every image the set returns is the disk's,
+    bit for bit, in any order asked, for a store of every row and for an MPI rank's smaller store (7 places: the
+    rest read each time); the threads did the copies."""
+    import shutil  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from napari_gpu_relion.compute.backend import thread_upload  # noqa: PLC0415
+    from napari_gpu_relion.io.particle_images import load_images  # noqa: PLC0415
+    from napari_gpu_relion.jobs import particles  # noqa: PLC0415
+
+    sample = Path(__file__).resolve().parents[1] / "sample_data"
+    shutil.copytree(sample, tmp_path / "d")
+    ps = particles.load_particle_set(tmp_path / "d" / "particles.star", ctf=True, halves=False)
+    disk = load_images(ps.table)
+    ps.keep_images_on(cp, capacity)
+    up = thread_upload(0)
+    uploads = []
+
+    def counted(a):
+        uploads.append(len(a))
+        return up(a)
+    n = len(ps)
+    ps.read_ahead(np.arange(n), threads=3, upload=counted)
+    got = []
+    for i in range(0, n, 50):
+        rows = np.arange(i, min(n, i + 50))
+        got.append(cp.asnumpy(ps.images(rows)))
+    ps.stop_reading()
+    np.testing.assert_array_equal(np.concatenate(got), disk)
+    assert sum(uploads) >= n // 2  # the threads copied (the job's thread may claim a few rows itself)
+    back = np.arange(n)[::-1]
+    np.testing.assert_array_equal(cp.asnumpy(ps.images(back)), disk[back])

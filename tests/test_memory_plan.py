@@ -390,6 +390,18 @@ def test_a_reader_holds_a_share_of_the_host_memory_within_its_bounds():
     assert read_ahead_bytes(120 * GiB) > 1749 * 256 * 256 * 4
 
 
+def test_a_reader_that_uploads_holds_what_the_gpu_has_room_for():
+    """runtime.memory.device_read_ahead_bytes: the host's bound, at most a quarter of what the plan leaves free on
+    the GPU once the image store is made, and no uploads by the reader (0) where that is under 64 MiB."""
+    from napari_gpu_relion.runtime.memory import device_read_ahead_bytes
+
+    GiB = 1 << 30
+    assert device_read_ahead_bytes(2 * GiB, 100 * GiB) == 2 * GiB
+    assert device_read_ahead_bytes(2 * GiB, 4 * GiB) == GiB
+    assert device_read_ahead_bytes(2 * GiB, 200 << 20) == 0
+    assert device_read_ahead_bytes(2 * GiB, -GiB) == 0
+
+
 def test_maps_come_back_pinned_only_within_their_share_of_the_host_memory():
     """runtime.memory.pinned_maps_ok: three sets of an M-step's maps within 2 % of the host's available memory
     shared by its ranks: six box-256 float32 maps (403 MB) on a 256 GB GPU host, not on a 16 GB laptop, nor with

@@ -755,9 +755,9 @@ def test_an_em_job_reads_ahead_little_before_its_store_is_made_and_the_policys_s
     class Seen(Exception):
         """Both bounds asked: the rest of the job (its E-step) is not this test's."""
 
-    def recorded(self, order, threads=1, ahead_bytes=READ_AHEAD_MIN_BYTES):
+    def recorded(self, order, threads=1, ahead_bytes=READ_AHEAD_MIN_BYTES, upload=None):
         asked.append(ahead_bytes)
-        out = real(self, order, threads, ahead_bytes)
+        out = real(self, order, threads, ahead_bytes, upload)
         if len(asked) == 2:
             self.stop_reading()
             raise Seen
@@ -770,3 +770,42 @@ def test_an_em_job_reads_ahead_little_before_its_store_is_made_and_the_policys_s
                                         iter=1, healpix_order=1, ctf=True, particle_diameter=150.0, cpu=True,
                                         preread_images=True)))
     assert asked == [READ_AHEAD_MIN_BYTES, share], asked
+
+
+def test_the_readers_next_step_applies_to_the_blocks_its_threads_start_after_it_is_given():
+    """ImageReadAhead.then (how the threads copy blocks to the job's GPU once its store is there): blocks started
+    before keep the images read, blocks started after hand over step(images), in order, each row once."""
+    from napari_gpu_relion.jobs.read_ahead import ImageReadAhead  # noqa: PLC0415
+
+    def read(rows):
+        return rows[:, None, None].astype(np.float32) * np.ones((1, 2, 2), np.float32)
+
+    reader = ImageReadAhead(read, np.arange(40), 40, 4, ahead_blocks=2, threads=2)
+    try:
+        first = [reader.next(wait=True) for _ in range(2)]  # the bound held the threads at 2 blocks ahead...
+        reader.then(lambda images: ("stepped", images))  # ...so at most 2 more were started before this
+        rest = []
+        while (item := reader.next(wait=True)) is not None:
+            rest.append(item)
+    finally:
+        reader.stop()
+    stepped = [isinstance(images, tuple) for _, images in rest]
+    assert not any(isinstance(images, tuple) for _, images in first)
+    assert sum(stepped) >= len(rest) - 2 and stepped == sorted(stepped)  # once the step is given, every later one
+    rows = np.concatenate([r for r, _ in first + rest])
+    np.testing.assert_array_equal(rows, np.arange(40))
+    for r, images in rest:
+        np.testing.assert_array_equal((images[1] if isinstance(images, tuple) else images)[:, 0, 0], r)
+
+
+def test_a_reader_upload_is_left_out_without_a_store_on_the_gpu(tmp_path):
+    """ParticleSet.read_ahead gives its reader the upload only for a store on a GPU: a host store's blocks stay
+    NumPy arrays, and images() returns the disk's images."""
+    ps = load_particle_set(_copy_sample(tmp_path / "d"), ctf=True, halves=False)
+    ps.keep_images_in_memory()
+    calls = []
+    ps.read_ahead(np.arange(len(ps)), threads=2, upload=lambda a: calls.append(1) or a)
+    got = ps.images(np.arange(len(ps)))
+    ps.stop_reading()
+    assert calls == []
+    np.testing.assert_array_equal(got, load_images(ps.table))

@@ -15,6 +15,7 @@ runs in batches sized by the memory plan (compute/backend.plan_memory), halving 
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,7 +27,7 @@ import pandas as pd
 
 from ..cancel import bound_check, check_cancel
 from ..compute import host_threads
-from ..compute.backend import to_host
+from ..compute.backend import thread_upload, to_host
 from ..compute.backprojector import BackProjectorStack
 from ..compute.estep import EStepSetup, EStepSums, expectation_batch, prepare_batch
 from ..compute.expectation import PixelSet, pixel_set
@@ -95,6 +96,7 @@ from ..runtime.memory import (
     choose_padding,
     device_images_capacity,
     device_pool_line,
+    device_read_ahead_bytes,
     free_cached_memory,
     memory_trace_active,
     pinned_maps_ok,
@@ -132,6 +134,9 @@ MASK_EDGE = 5.0
 #: Read the images not yet kept in memory in a background thread, in the E-step's order, while it computes
 #: (ParticleSet.read_ahead); off only to compare.
 READ_AHEAD = True
+#: The reader's threads also copy each block to the GPU once the image store is there (compute.backend.thread_upload);
+#: ``NAPARI_GPU_RELION_READ_UPLOADS=0`` leaves the copies to the job's thread (to compare).
+READ_UPLOADS = os.environ.get("NAPARI_GPU_RELION_READ_UPLOADS", "1").strip() not in ("0", "false", "no", "off")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -402,6 +407,7 @@ class EMJob:
     #: and made by one rank, and the maps are gathered (maximization); a job that keeps state of every class on
     #: every rank (the initial model's moments) owns nothing.
     owned_kinds: tuple[str, ...] = ("reconstruction",)
+    room_after_images: int = 0  # bytes the run's plan leaves free on the GPU once the image store is made
 
     def __init__(self, p):
         self.p = p
@@ -620,6 +626,7 @@ class EMJob:
         if capacity == 0:
             return
         ps.keep_images_on(self.be.xp, capacity)
+        self.room_after_images = plan.budget_bytes - plan.peak - capacity * ps.box * ps.box * 4
         whose = "" if own is None else f" of this rank's {own} particles, room for {capacity}"
         self.images_note = (f"images{whose} kept on the GPU after their first reading "
                             f"({capacity * ps.box * ps.box * 4 / 1024**3:.2f} GiB)")
@@ -935,12 +942,17 @@ def _iterate(job: EMJob, tf32_note: str | None) -> Iterator:
 
 def _read_ahead(job: EMJob, ahead_bytes: int | None = None) -> None:
     """This rank's images read from the disk in the E-step's order, in background threads, while the job starts and
-    computes (jobs/read_ahead.py), at most ``ahead_bytes`` ahead (default: the memory policy's share of the host);
+    computes (jobs/read_ahead.py), at most ``ahead_bytes`` ahead (default: the memory policy's share of the host,
+    and with the store on the GPU, the threads copy the blocks there within the room the plan leaves: READ_UPLOADS);
     a reader already running gets that bound."""
     ranks = job.comm.ranks_on_host
+    upload = None
     if ahead_bytes is None:
         ahead_bytes = read_ahead_bytes(host_available_bytes(), ranks)
-    job.ps.read_ahead(np.concatenate(job.own_blocks()), read_threads(ranks), ahead_bytes)
+        on_device = device_read_ahead_bytes(ahead_bytes, job.room_after_images)
+        if READ_UPLOADS and job.be.is_gpu and on_device:
+            ahead_bytes, upload = on_device, thread_upload(job.be.device)
+    job.ps.read_ahead(np.concatenate(job.own_blocks()), read_threads(ranks), ahead_bytes, upload)
 
 
 def _loop(job: EMJob, tf32_note: str | None) -> Iterator:

@@ -5,6 +5,7 @@ run_itNNN_data.star."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -153,16 +154,21 @@ class ParticleSet:
             self.kept[xp.asarray(places[ok])] = xp.asarray(part)
         self.slot[rows[ok]] = places[ok]
 
-    def read_ahead(self, order, threads: int = 1, ahead_bytes: int = READ_AHEAD_MIN_BYTES) -> None:
+    def read_ahead(self, order, threads: int = 1, ahead_bytes: int = READ_AHEAD_MIN_BYTES,
+                   upload: Callable | None = None) -> None:
         """Read the images of rows ``order`` (in the order the job will ask for them) from their stacks in
         ``threads`` background threads while the job starts and computes (jobs/read_ahead.py); images() takes them
         as they come, and reads itself the rows the reader has not started; the threads hold at most ``ahead_bytes``
-        of images not yet taken (runtime.memory.read_ahead_bytes), more for a request. Nothing when images are not
-        kept in memory or when they all are already; while a reader runs, only its bound is raised to
-        ``ahead_bytes``."""
+        of images not yet taken (runtime.memory.read_ahead_bytes), more for a request. ``upload`` (the store is on
+        a GPU: compute.backend.thread_upload): the threads copy each block to the GPU too, so that the job's thread
+        only moves it into the store there. Nothing when images are not kept in memory or when they all are
+        already; while a reader runs, only its bound is raised to ``ahead_bytes`` and ``upload`` given to it."""
         block_bytes = BLOCK_ROWS * self.box * self.box * 4
+        if upload is not None and (self.kept is None or get_array_module(self.kept) is np):
+            upload = None  # no store on the GPU
         if self.ahead is not None:
             self.ahead.raise_ahead(ahead_bytes // block_bytes)
+            self.ahead.then(upload)
             return
         if self.kept is None:
             return
@@ -174,6 +180,7 @@ class ParticleSet:
             return
         self.ahead = ImageReadAhead(self._read, order, len(self), BLOCK_ROWS, ahead_bytes // block_bytes,
                                     threads=threads)
+        self.ahead.then(upload)
 
     def stop_reading(self) -> None:
         """End the background reader (the job ends, is cancelled or failed); the rows it has not read are read

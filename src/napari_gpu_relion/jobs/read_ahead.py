@@ -2,8 +2,9 @@
 them, so that the first iteration's disk reading overlaps the job's start and its computing (issue 15: reading
 took 0.55 s of a 3.3 s first iteration of a box-128 auto-refine of 5,000 particles on an H100).
 
-Only the reading (files to NumPy arrays, with the jobs' value checks) runs in the threads; the job's own thread
-takes the blocks into its image store (ParticleSet.images), so no device work leaves it. Rows the job asks for
+The threads read (files to NumPy arrays, with the jobs' value checks) and, once the job's image store is on its
+GPU, copy each block there (``then``: the copy is queued on the job's stream, so its work on the block follows
+it); the job's own thread puts the blocks into its store (ParticleSet.images). Rows the job asks for
 (``request``) in the reader's order within reach (the bound ahead plus as many blocks as the rows would fill) are
 left to the threads, which may then read past the bound up to them; rows asked for out of order are the job's to read
 (``claim``). A request takes the blocks ready when it came and those its rows are in, not every block the threads
@@ -58,6 +59,7 @@ class ImageReadAhead:
         self._todo[order] = True
         self._in_flight = np.zeros(n, dtype=bool)  # a thread has started it and the caller not taken it
         self._target = -1  # threads may start every block up to this one, past the bound (a request's rows)
+        self._then: Callable | None = None  # applied by the thread to each block it reads from now on (then)
         self.finished = False
         if blocks is None:  # fixed blocks of ``block`` rows; a caller's own blocks (``order`` split) otherwise
             step = max(1, int(block))
@@ -83,7 +85,7 @@ class ImageReadAhead:
                     self._ready.wait(0.1)
                 if self._stop.is_set() or self._started >= len(self._blocks):
                     return
-                number, rows = self._started, self._blocks[self._started]
+                number, rows, then = self._started, self._blocks[self._started], self._then
                 self._started += 1
                 mine = rows[self._todo[rows]]
                 self._todo[mine] = False
@@ -91,7 +93,8 @@ class ImageReadAhead:
             item: object = None
             if mine.size:
                 try:
-                    item = (mine, self._read(mine))
+                    data = self._read(mine)
+                    item = (mine, data if then is None else then(data))
                 except BaseException as exc:  # noqa: BLE001 - handed to the job's thread, which raises it
                     item = exc
             with self._ready:
@@ -110,6 +113,13 @@ class ImageReadAhead:
             if int(ahead_blocks) > self._ahead:
                 self._ahead = int(ahead_blocks)
                 self._ready.notify_all()
+
+    def then(self, step: Callable | None) -> None:
+        """From the next block a thread starts on, the thread hands over step(images) instead of the images (the
+        upload to the job's GPU, once the job's store is there: ParticleSet.read_ahead); blocks read before keep
+        their host arrays."""
+        with self._lock:
+            self._then = step
 
     def claim(self, rows: np.ndarray) -> None:
         """The rows of ``rows`` no thread has started become the caller's: the threads skip them."""

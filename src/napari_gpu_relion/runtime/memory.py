@@ -160,6 +160,14 @@ def device_images_capacity(n_images: int, image_bytes: int, free_at_peak: int, o
     return count if count * image_bytes <= free_at_peak // DEVICE_IMAGES_FRACTION else 0
 
 
+def device_read_ahead_bytes(host_ahead_bytes: int, free_after_images: int) -> int:
+    """How far ahead a reader that uploads its blocks to the GPU (ParticleSet.read_ahead with a device) may read:
+    the host's bound (read_ahead_bytes), at most 1/DEVICE_IMAGES_FRACTION of what the run's plan leaves free at its
+    peak once the image store is made (``free_after_images``); 0 (no uploads by the reader) below 64 MiB."""
+    out = min(int(host_ahead_bytes), max(0, int(free_after_images)) // DEVICE_IMAGES_FRACTION)
+    return out if out >= 64 << 20 else 0
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """What an E-step iteration holds and how it is cut: the free memory, the references and accumulators, the
