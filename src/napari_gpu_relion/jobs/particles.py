@@ -179,8 +179,7 @@ class ParticleSet:
         if order.size == 0:
             return
         self.ahead = ImageReadAhead(self._read, order, len(self), BLOCK_ROWS, ahead_bytes // block_bytes,
-                                    threads=threads)
-        self.ahead.then(upload)
+                                    threads=threads, then=upload)
 
     def stop_reading(self) -> None:
         """End the background reader (the job ends, is cancelled or failed); the rows it has not read are read

@@ -45,11 +45,13 @@ class ImageReadAhead:
     blocks beyond the last one taken (more for a ``request``). ``claim(rows)`` hands the rows no thread has started
     to the caller; ``request(rows)`` leaves those within reach to the threads and claims the others;
     ``next(wait)`` gives the next block in order, (rows, images), or None (it is not read yet and ``wait`` is
-    false, or the reader ``finished``). An error of a thread (InputError for a bad image, OSError) is raised by the
-    ``next`` call that reaches its block, in the caller's thread."""
+    false, or the reader ``finished``); with ``then``, (rows, then(images)) (the method then changes it later). An
+    error of a thread (InputError for a bad image, OSError, or then's) is raised by the ``next`` call that reaches
+    its block, in the caller's thread."""
 
     def __init__(self, read: Callable[[np.ndarray], np.ndarray], order: np.ndarray, n: int, block: int,
-                 ahead_blocks: int, blocks: list[np.ndarray] | None = None, threads: int = 1):
+                 ahead_blocks: int, blocks: list[np.ndarray] | None = None, threads: int = 1,
+                 then: Callable | None = None):
         self._read = read
         self._ahead = max(2, int(ahead_blocks))
         self._stop = threading.Event()
@@ -59,7 +61,7 @@ class ImageReadAhead:
         self._todo[order] = True
         self._in_flight = np.zeros(n, dtype=bool)  # a thread has started it and the caller not taken it
         self._target = -1  # threads may start every block up to this one, past the bound (a request's rows)
-        self._then: Callable | None = None  # applied by the thread to each block it reads from now on (then)
+        self._then = then  # applied by the threads to each block they read from now on (the method then)
         self.finished = False
         if blocks is None:  # fixed blocks of ``block`` rows; a caller's own blocks (``order`` split) otherwise
             step = max(1, int(block))
