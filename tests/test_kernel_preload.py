@@ -298,3 +298,40 @@ def test_in_an_exclusive_compute_mode_the_job_keeps_the_gpu(monkeypatch, tmp_pat
         assert ahead.stop.is_set() == ahead.context_made[1].is_set() == (mode == 3), mode
         assert cupy_kernels.failed_recently("class3d", cache) == (mode == 3), mode
         cupy_kernels._failed_marker("class3d", cache).unlink(missing_ok=True)  # noqa: SLF001
+
+
+def test_a_hosts_other_ranks_make_their_own_gpus_context_at_once(monkeypatch, tmp_path):
+    """Issue 47's start-up: a rank other than the host's first compiles nothing but makes the CUDA context of the
+    GPU backend_for will give it (--gpu's entries in turn, or the host's GPUs in turn) in a thread at once; a rank
+    the launcher gives no host rank makes none (its GPU is not known yet), nor does --cpu."""
+    import types  # noqa: PLC0415
+
+    made = []
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 2)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(kp, "make_context", lambda cp, device: made.append((cp, device)))
+    monkeypatch.setattr(kp, "NVIDIA_CONTROL", tmp_path)
+    monkeypatch.setattr(cupy_kernels, "shipped_kinds", lambda: {"class3d"})
+    for v in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "MV2_COMM_WORLD_LOCAL_RANK",
+              "PMI_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "NAPARI_GPU_RELION_MPI"):
+        monkeypatch.delenv(v, raising=False)
+
+    def started(argv, **env):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        before = {t for t in threading.enumerate() if t.name == "GPU start"}
+        assert kp.start_early("class3d", argv) is None
+        for t in threading.enumerate():
+            if t.name == "GPU start" and t not in before:
+                t.join(2.0)
+        for k in env:
+            monkeypatch.delenv(k)
+        got = [d for _, d in made]
+        made.clear()
+        return got
+
+    assert started(["class3d", "--gpu", "0:1"], OMPI_COMM_WORLD_LOCAL_RANK="1") == [1]
+    assert started(["class3d", "--gpu", "3"], MPI_LOCALRANKID="2") == []  # GPU 3 is not there: backend_for says so
+    assert started(["class3d"], SLURM_LOCALID="3") == [1]  # no --gpu: the host's 2 GPUs in turn
+    assert started(["class3d", "--cpu"], OMPI_COMM_WORLD_LOCAL_RANK="1") == []
+    assert started(["class3d", "--gpu", "0:1"], OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK="1") == []

@@ -218,10 +218,15 @@ def start_early(job: str, argv: list[str]) -> CompileAhead | None:
     from .device import parse_gpu  # noqa: PLC0415
     from .distributed import launcher_rank, local_rank  # noqa: PLC0415
 
-    rank = local_rank()
-    rank = (launcher_rank() or 0) if rank is None else rank  # no host rank given: the first rank of all
-    if (not enabled() or any(_names(a, "--cpu") or a in ("-h", "--help") for a in argv) or rank != 0
-            or _early is not None or not _nvidia_driver() or job not in cupy_kernels.shipped_kinds()):
+    host_rank = local_rank()
+    rank = (launcher_rank() or 0) if host_rank is None else host_rank  # no host rank given: the first rank of all
+    if not enabled() or any(_names(a, "--cpu") or a in ("-h", "--help") for a in argv) or not _nvidia_driver():
+        return None
+    if rank != 0:
+        if host_rank is not None:  # its GPU known from the launcher's host rank, as backend_for will choose it
+            _start_rank_gpu(_option_value(argv, "--gpu"), host_rank)
+        return None
+    if _early is not None or job not in cupy_kernels.shipped_kinds():
         return None
     try:
         gpus = parse_gpu(_option_value(argv, "--gpu"))
@@ -229,6 +234,30 @@ def start_early(job: str, argv: list[str]) -> CompileAhead | None:
         return None
     _early = CompileAhead(job, gpus[0] if gpus else 0).start(with_context=True)
     return _early
+
+
+def _start_rank_gpu(spec: str | None, host_rank: int) -> threading.Thread:
+    """A host's other rank (``host_rank`` > 0) imports CuPy and makes its GPU's context in a thread now, before its
+    imports and MPI's start, as the first rank does beside its compile: the GPU backend_for will choose for it
+    (runtime.device.gpu_for_rank of --gpu ``spec``, or the host's GPUs in turn). Without this, a second rank made its
+    context in the job's start-up, 0.35-0.45 s that the first rank waited for at the first collective (2 H200s,
+    100,000-particle class3d and auto-refine, forty-third session). It decides nothing: errors are backend_for's."""
+    from .device import gpu_for_rank  # noqa: PLC0415
+
+    def start() -> None:
+        try:
+            import cupy  # noqa: PLC0415
+
+            count = cupy.cuda.runtime.getDeviceCount()
+            device = gpu_for_rank(spec, host_rank, count)
+            if device is not None and 0 <= device < count:
+                make_context(cupy, device)
+        except Exception as exc:  # noqa: BLE001 - a bad --gpu or no GPU: the job's start reports it
+            log.debug("kernel preload, a rank's GPU start: %s", exc)
+
+    thread = threading.Thread(target=start, name="GPU start", daemon=True)
+    thread.start()
+    return thread
 
 
 def stop_early() -> None:
