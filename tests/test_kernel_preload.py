@@ -335,3 +335,56 @@ def test_a_hosts_other_ranks_make_their_own_gpus_context_at_once(monkeypatch, tm
     assert started(["class3d"], SLURM_LOCALID="3") == [1]  # no --gpu: the host's 2 GPUs in turn
     assert started(["class3d", "--cpu"], OMPI_COMM_WORLD_LOCAL_RANK="1") == []
     assert started(["class3d", "--gpu", "0:1"], OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK="1") == []
+
+
+def test_a_readers_upload_sets_its_threads_device_once_and_gives_the_host_array_back_out_of_memory(monkeypatch):
+    """compute.backend.thread_upload (the reader's copies to the GPU): each calling thread makes the job's device
+    its own once, the copy is made on the stream current where thread_upload was called (the job's), and out of GPU
+    memory the host array comes back unchanged (the job's thread copies it later) instead of an error."""
+    import types  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+
+    from napari_gpu_relion.compute import backend  # noqa: PLC0415
+
+    class OutOfMemoryError(Exception):
+        pass
+
+    used, streams, full, current = [], [], [False], [None]
+
+    class Stream:
+        def __enter__(self):
+            current[0] = self
+
+        def __exit__(self, *exc):
+            current[0] = None
+
+    class Device:
+        def __init__(self, d):
+            self.d = d
+
+        def use(self):
+            used.append((threading.get_ident(), self.d))
+
+    def asarray(a):
+        streams.append(current[0])
+        if full[0]:
+            raise OutOfMemoryError
+        return ("on the device", a)
+
+    job_stream = Stream()
+    fake = types.SimpleNamespace(asarray=asarray, cuda=types.SimpleNamespace(
+        get_current_stream=lambda: job_stream, Device=Device,
+        memory=types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError)))
+    monkeypatch.setattr(backend, "_try_cupy", lambda: fake)
+    upload = backend.thread_upload(3)
+    a = np.ones(4)
+    got = []
+    worker = threading.Thread(target=lambda: got.extend([upload(a), upload(a)]))
+    worker.start()
+    worker.join()
+    assert [g[0] for g in got] == ["on the device", "on the device"]
+    assert used == [(worker.ident, 3)]  # once per thread
+    assert streams == [job_stream, job_stream]
+    full[0] = True
+    assert upload(a) is a
