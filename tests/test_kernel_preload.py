@@ -320,7 +320,7 @@ def test_a_hosts_other_ranks_make_their_own_gpus_context_at_once(monkeypatch, tm
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         before = {t for t in threading.enumerate() if t.name == "GPU start"}
-        assert kp.start_early("class3d", argv) is None
+        assert kp.start_early(argv[0], argv) is None
         for t in threading.enumerate():
             if t.name == "GPU start" and t not in before:
                 t.join(2.0)
@@ -330,10 +330,15 @@ def test_a_hosts_other_ranks_make_their_own_gpus_context_at_once(monkeypatch, tm
         made.clear()
         return got
 
-    assert started(["class3d", "--gpu", "0:1"], OMPI_COMM_WORLD_LOCAL_RANK="1") == [1]
-    assert started(["class3d", "--gpu", "3"], MPI_LOCALRANKID="2") == []  # GPU 3 is not there: backend_for says so
-    assert started(["class3d"], SLURM_LOCALID="3") == [1]  # no --gpu: the host's 2 GPUs in turn
-    assert started(["class3d", "--cpu"], OMPI_COMM_WORLD_LOCAL_RANK="1") == []
+    ompi = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}
+    assert started(["class3d", "--gpu", "0:1"], **ompi) == [1]
+    assert started(["class3d", "--gpu", "3"], PMI_SIZE="3", MPI_LOCALRANKID="2") == []  # no GPU 3: backend_for says so
+    assert started(["class3d"], SLURM_STEP_NUM_TASKS="4", SLURM_PROCID="3", SLURM_LOCALID="3") == [1]  # no --gpu:
+    # the host's 2 GPUs in turn
+    assert started(["class3d", "--cpu"], **ompi) == []
+    assert started(["select", "--gpu", "0:1"], **ompi) == []  # not a GPU job
+    assert started(["class3d", "--gpu", "0:1"], NAPARI_GPU_RELION_MPI="0", **ompi) == []  # MPI off: a single run
+    # on --gpu's first GPU, which backend_for chooses; no context on GPU 1
     assert started(["class3d", "--gpu", "0:1"], OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK="1") == []
 
 
@@ -353,6 +358,8 @@ def test_a_readers_upload_sets_its_threads_device_once_and_gives_the_host_array_
     used, streams, full, current = [], [], [False], [None]
 
     class Stream:
+        ptr = 0  # the legacy default stream
+
         def __enter__(self):
             current[0] = self
 
@@ -374,7 +381,7 @@ def test_a_readers_upload_sets_its_threads_device_once_and_gives_the_host_array_
 
     job_stream = Stream()
     fake = types.SimpleNamespace(asarray=asarray, cuda=types.SimpleNamespace(
-        get_current_stream=lambda: job_stream, Device=Device,
+        get_current_stream=lambda: job_stream, Device=Device, runtime=types.SimpleNamespace(streamPerThread=2),
         memory=types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError)))
     monkeypatch.setattr(backend, "_try_cupy", lambda: fake)
     upload = backend.thread_upload(3)
@@ -388,3 +395,8 @@ def test_a_readers_upload_sets_its_threads_device_once_and_gives_the_host_array_
     assert streams == [job_stream, job_stream]
     full[0] = True
     assert upload(a) is a
+    calls = len(streams)
+    full[0] = False  # CuPy's retry after freeing its pools is not repeated for every later block
+    assert upload(a) is a and len(streams) == calls
+    job_stream.ptr = 2  # CuPy's per-thread default stream: a reader's copies would be on its own stream
+    assert backend.thread_upload(3) is None

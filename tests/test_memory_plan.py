@@ -392,13 +392,16 @@ def test_a_reader_holds_a_share_of_the_host_memory_within_its_bounds():
 
 def test_a_reader_that_uploads_holds_what_the_gpu_has_room_for():
     """runtime.memory.device_read_ahead_bytes: the host's bound, at most a quarter of what the plan leaves free on
-    the GPU once the image store is made, and no uploads by the reader (0) where that is under 64 MiB."""
+    the GPU once the image store is made, and no uploads by the reader (0) where that is under the bound a reader
+    started before the store keeps (READ_AHEAD_MIN_BYTES: bounds are never lowered)."""
     from napari_gpu_relion.runtime.memory import device_read_ahead_bytes
 
     GiB = 1 << 30
     assert device_read_ahead_bytes(2 * GiB, 100 * GiB) == 2 * GiB
     assert device_read_ahead_bytes(2 * GiB, 4 * GiB) == GiB
     assert device_read_ahead_bytes(2 * GiB, 200 << 20) == 0
+    assert device_read_ahead_bytes(2 * GiB, 800 << 20) == 0  # 200 MiB: less than the first reader's 256 MiB
+    assert device_read_ahead_bytes(2 * GiB, 1 << 30) == 256 << 20
     assert device_read_ahead_bytes(2 * GiB, -GiB) == 0
 
 

@@ -12,6 +12,7 @@ import functools
 import logging
 import os
 import threading
+from collections.abc import Callable
 from types import ModuleType
 
 import numpy as np
@@ -105,21 +106,30 @@ def make_context(cp: ModuleType, device: int) -> None:
     cp.cuda.runtime.memGetInfo()  # needs (so makes) the device's context
 
 
-def thread_upload(device: int):
+def thread_upload(device: int) -> Callable[[np.ndarray], object] | None:
     """A function for background threads that copies a host array to CUDA ``device``: ``upload(a)`` -> the device
     array. The copy is queued on the stream that was current where thread_upload was called (the job's), so that
     the job's GPU work that uses the array, queued after the array is handed over, runs after the copy; the host
     side of the copy (into CuPy's page-locked staging block) then costs the background thread, not the job's: the
     job's thread spent 4.36 s of a 25 s first iteration (100,000 box-256 images) on it (2 H200s, forty-third
-    session). Each calling thread makes ``device`` its own on its first call (use_device). Out of GPU memory, the
-    host array comes back as it was (the job's thread copies it when it takes it). None without a GPU."""
+    session). Each calling thread makes ``device`` its own on its first call (use_device). Once the GPU is out of
+    memory, every host array comes back as it was (the job's thread copies it when it takes it; CuPy frees all its
+    cached blocks before it says so, which no later block should repeat). The staging blocks are page-locked host
+    memory that CuPy's pinned pool keeps for reuse: up to the reader's bound ahead. None without a GPU, and where
+    the calling thread's stream is CuPy's per-thread default stream (another thread's copies would not be ordered
+    before this thread's work)."""
     cupy = _try_cupy()
     if cupy is None:
         return None
     stream = cupy.cuda.get_current_stream()
+    if stream.ptr == cupy.cuda.runtime.streamPerThread:
+        return None
     own = threading.local()
+    full = threading.Event()
 
-    def upload(a: np.ndarray):
+    def upload(a: np.ndarray) -> object:
+        if full.is_set():
+            return a
         if not getattr(own, "device_set", False):
             use_device(cupy, device)
             own.device_set = True
@@ -127,6 +137,7 @@ def thread_upload(device: int):
             with stream:
                 return cupy.asarray(a)
         except cupy.cuda.memory.OutOfMemoryError:
+            full.set()
             return a
     return upload
 

@@ -22,8 +22,8 @@ from ..runtime.memory import READ_AHEAD_MIN_BYTES
 from .read_ahead import BLOCK_ROWS, ImageReadAhead
 
 #: The parts of ParticleSet.seconds_reading: the job's thread waiting for the background reader's next block, reading
-#: rows itself (the reader had not started them), and putting images into the store (on the GPU: the upload, which
-#: also waits for the device work queued before it).
+#: rows itself (the reader had not started them), and moving images into the store (the copies to the GPU the
+#: reader's threads did not make, through CuPy's page-locked staging blocks, and the scatters into the store).
 READING_PARTS = ("waiting for the reader", "read by the job's thread", "into the store")
 #: Rows moved at once when the kept images move to another array (keep_images_on).
 MOVE_ROWS = 2048
@@ -222,6 +222,7 @@ class ParticleSet:
             self._count(READING_PARTS[2], t0)
 
     def _count(self, part: str, t0: float) -> None:
+        """Add the seconds since ``t0`` (time.perf_counter) to reading part ``part`` (READING_PARTS)."""
         self.reading_parts[part] += time.perf_counter() - t0
 
     def images(self, rows):

@@ -210,23 +210,28 @@ def _nvidia_driver() -> bool:
 
 def start_early(job: str, argv: list[str]) -> CompileAhead | None:
     """Start compiling the shipped modules of ``job`` now, from its command line ``argv``, before the job's imports
-    and checks (the command line's first step), and make the GPU's context beside it. Only a GPU job (no ``--cpu``;
-    not for ``--help``) of the host's first rank (the ranks of a host share one disk cache), on the GPU its ``--gpu``
-    names first; nothing when preloading is off. It decides nothing: a bad --gpu or a missing GPU is left to the job
-    to report (its thread finds no shipped list without CuPy). ``stop_early`` stops it if no job took it over."""
+    and checks (the command line's first step), and make the GPU's context beside it. Only a GPU job (one with
+    shipped modules; no ``--cpu``; not for ``--help``) of the host's first rank (the ranks of a host share one disk
+    cache), on the GPU its ``--gpu`` names first; a host's other MPI ranks only make their own GPU's context
+    (_start_rank_gpu); nothing when preloading is off. It decides nothing: a bad --gpu or a missing GPU is left to
+    the job to report (its thread finds no shipped list without CuPy). ``stop_early`` stops it if no job took it
+    over."""
     global _early  # noqa: PLW0603 - one per process: the command line's job
     from .device import parse_gpu  # noqa: PLC0415
-    from .distributed import launcher_rank, local_rank  # noqa: PLC0415
+    from .distributed import launched_by_mpi, launcher_rank, local_rank  # noqa: PLC0415
 
     host_rank = local_rank()
     rank = (launcher_rank() or 0) if host_rank is None else host_rank  # no host rank given: the first rank of all
-    if not enabled() or any(_names(a, "--cpu") or a in ("-h", "--help") for a in argv) or not _nvidia_driver():
+    if (not enabled() or any(_names(a, "--cpu") or a in ("-h", "--help") for a in argv) or not _nvidia_driver()
+            or job not in cupy_kernels.shipped_kinds()):
         return None
     if rank != 0:
-        if host_rank is not None:  # its GPU known from the launcher's host rank, as backend_for will choose it
+        # an MPI rank's GPU follows from the launcher's host rank as backend_for will choose it; a process the
+        # launcher started with MPI off (NAPARI_GPU_RELION_MPI=0) is a single run, on --gpu's first GPU
+        if host_rank is not None and launched_by_mpi():
             _start_rank_gpu(_option_value(argv, "--gpu"), host_rank)
         return None
-    if _early is not None or job not in cupy_kernels.shipped_kinds():
+    if _early is not None:
         return None
     try:
         gpus = parse_gpu(_option_value(argv, "--gpu"))

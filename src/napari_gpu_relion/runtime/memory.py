@@ -161,11 +161,13 @@ def device_images_capacity(n_images: int, image_bytes: int, free_at_peak: int, o
 
 
 def device_read_ahead_bytes(host_ahead_bytes: int, free_after_images: int) -> int:
-    """How far ahead a reader that uploads its blocks to the GPU (ParticleSet.read_ahead with a device) may read:
+    """How far ahead a reader that uploads its blocks to the GPU (ParticleSet.read_ahead with an upload) may read:
     the host's bound (read_ahead_bytes), at most 1/DEVICE_IMAGES_FRACTION of what the run's plan leaves free at its
-    peak once the image store is made (``free_after_images``); 0 (no uploads by the reader) below 64 MiB."""
+    peak once the image store is made (``free_after_images``); 0 (no uploads by the reader) below
+    READ_AHEAD_MIN_BYTES, which a reader started before the store keeps (a bound is never lowered). As much
+    page-locked host memory stages the copies (compute.backend.thread_upload), kept by CuPy's pinned pool."""
     out = min(int(host_ahead_bytes), max(0, int(free_after_images)) // DEVICE_IMAGES_FRACTION)
-    return out if out >= 64 << 20 else 0
+    return out if out >= READ_AHEAD_MIN_BYTES else 0
 
 
 @dataclass(frozen=True)
