@@ -3,7 +3,7 @@
 import importlib
 
 #: Where each name lives: the package imports a module at the first use of one of its names (PEP 562), so that
-#: ``from napari_gpu_relion.io.mrc import ...`` does not pay for pandas and starfile (the command line's start-up).
+#: ``from napari_gpu_relion.io.mrc import ...`` does not pay for pandas (the command line's start-up).
 _WHERE = {
     "atomic_path": "atomic", "ensure_not_input": "atomic",
     "LazyStack": "mrc", "MrcData": "mrc", "is_stack": "mrc", "read_mrc": "mrc", "write_mrc": "mrc",
