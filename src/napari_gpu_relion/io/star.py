@@ -1,8 +1,8 @@
 """RELION STAR files: blocks, particle and micrograph tables with their optics groups, coordinate files.
 
 Reading finds the STAR text line of every block, label and table row first (so errors can say "line 57, column
-rlnDefocusU"), then reads each loop's rows in one pass of pandas' C parser (as the starfile package does, whose
-line-by-line walk of the file took most of a 100,000-particle read; tests compare the two on RELION-made files),
+rlnDefocusU"), then reads each loop's rows in one pass of pandas' C parser (as the starfile package does after its
+own line-by-line walk of the file, a fifth of a 100,000-particle read; tests compare the two on RELION-made files),
 merges optics-group values into each particle row, and turns RELION 3.0 files (no optics table) into the 3.1
 layout. Files are read as bytes: gzip-compressed ones (found by
 their content, .star.gz or not) are decompressed, text is UTF-8 (a byte-order mark dropped) or else Latin-1, as
@@ -278,8 +278,9 @@ def _loop_frame(lines: list[str], blk: _BlockLayout, labels: list[str], strings:
 
 def _read_blocks(star: _StarText, layout: dict[str, _BlockLayout], as_string: list[str]) -> dict[str, Block]:
     """Every data block of the text, in file order, from the lines _scan_layout found: a loop as one pass of
-    pandas' C parser over its rows (starfile's reader walked the file line by line, 0.69 s of a 1.0 s read of a
-    100,000-particle STAR on the 2-core machine; ours 0.25 s), a key-value block as {label: value}. A block with
+    pandas' C parser over its rows (starfile's reader walked the file line by line again: read_particles of
+    100,000 rows took 0.78-0.83 s with it, 0.61-0.64 s now, on the 2-core machine, benchmarks/bench_star_read.py),
+    a key-value block as {label: value}. A block with
     no labels is None."""
     lines = star.text.split("\n")
     strings = set(as_string)
