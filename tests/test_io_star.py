@@ -722,3 +722,16 @@ def test_our_star_reader_gives_starfiles_blocks_on_relion_made_files(name):
                 np.testing.assert_array_equal(x, y, err_msg=f"{block} {col}")
             else:
                 assert [str(v) for v in x] == [str(v) for v in y], (block, col)
+
+
+def test_a_star_files_version_is_read_from_comment_lines_only():
+    """io/star._detect_version: '# version 5xxxx' counts on a line whose first non-blank character is its '#' (RELION
+    writes one before each block), anywhere in the file; a '# version' after a value (a row's trailing comment) does
+    not; without one, an optics table means 3.1, else 3.0."""
+    from napari_gpu_relion.io.star import _detect_version  # noqa: PLC0415
+
+    assert _detect_version("\n# version 30001\ndata_optics\n\n  \t# version 50001\ndata_particles\n", {}) == "5"
+    assert _detect_version("data_\nloop_\n_rlnA\n1 # version 50001\n", {}) == "3.0"
+    assert _detect_version("#version 50001", {}) == "5"
+    assert _detect_version("# version 30001\n", {"optics": None}) == "3.1"
+    assert _detect_version("# versions 50001\n# version x50001\n", {}) == "3.0"
