@@ -202,15 +202,34 @@ def _read_text(path: Path) -> _StarText:
     return _StarText(_decode(raw))
 
 
+def _fields(line: str) -> int:
+    """Fields of a loop row as pandas' C parser counts them in _loop_frame: words, quoted text (single quotes as
+    double ones) one field, a "#" outside quotes ending the row."""
+    if '"' not in line and "'" not in line:
+        return len(line.split("#", 1)[0].split())
+    try:
+        return len(shlex.split(line.replace("'", '"'), comments=True))
+    except ValueError:  # an unclosed quote
+        return len(line.split())
+
+
 def _find_ragged_row(text: str, layout: dict[str, _BlockLayout]) -> tuple[int, str, int, int] | None:
     """First loop row whose field count differs from its label count: (line, block, labels, fields)."""
     lines = text.split("\n")
     for name, blk in layout.items():
-        want = len(blk.label_lines)
-        for lineno in blk.row_lines:
-            got = len(lines[lineno - 1].split())
-            if got != want:
-                return lineno, name, want, got
+        bad = _ragged_in(lines, blk)
+        if bad is not None:
+            return bad[0], name, len(blk.label_lines), bad[1]
+    return None
+
+
+def _ragged_in(lines: list[str], blk: _BlockLayout) -> tuple[int, int] | None:
+    """(line, fields) of the block's first loop row whose field count is not its label count."""
+    want = len(blk.label_lines)
+    for lineno in blk.row_lines:
+        got = _fields(lines[lineno - 1])
+        if got != want:
+            return lineno, got
     return None
 
 
@@ -273,15 +292,22 @@ def _loop_frame(lines: list[str], blk: _BlockLayout, labels: list[str], strings:
     if df.shape[1] != len(labels):
         raise ValueError(f"{df.shape[1]} fields for {len(labels)} labels")
     df.columns = labels
+    # a row short of fields reads as NaN or '' where its fields are missing: where either is seen, the rows are
+    # counted (only then: a loop of 100,000 rows takes ~0.1 s), and a short one is the file's error
+    suspect = any(bool(df[c].isna().any()) or (df[c].dtype.kind not in "fc" and bool((df[c] == "").any()))
+                  for c in df.columns if df[c].dtype.kind not in "iub")
+    if suspect and _ragged_in(lines, blk) is not None:
+        raise ValueError("a row's field count is not the labels'")
     return df
 
 
-def _read_blocks(star: _StarText, layout: dict[str, _BlockLayout], as_string: list[str]) -> dict[str, Block]:
+def _read_blocks(path: Path, star: _StarText, layout: dict[str, _BlockLayout], as_string: list[str]
+                 ) -> dict[str, Block]:
     """Every data block of the text, in file order, from the lines _scan_layout found: a loop as one pass of
     pandas' C parser over its rows (starfile's reader walked the file line by line again: read_particles of
     100,000 rows took 0.78-0.83 s with it, 0.61-0.64 s now, on the 2-core machine, benchmarks/bench_star_read.py),
-    a key-value block as {label: value}. A block with
-    no labels is None."""
+    a key-value block as {label: value} (a "#" outside quotes starts a comment). A block with no labels is left
+    out. InputError naming the line for a key without one value."""
     lines = star.text.split("\n")
     strings = set(as_string)
     out: dict[str, Block] = {}
@@ -292,13 +318,17 @@ def _read_blocks(star: _StarText, layout: dict[str, _BlockLayout], as_string: li
         elif labels:
             block = {}
             for label in labels:
-                words = shlex.split(lines[blk.label_lines[label] - 1].strip())
+                line = blk.label_lines[label]
+                try:
+                    words = shlex.split(lines[line - 1].strip(), comments=True)
+                except ValueError as exc:  # an unclosed quote
+                    raise InputError(f"_{label} in data_{name}: {exc}", path=str(path), line=line,
+                                     column=label) from exc
                 if len(words) != 2:
-                    raise ValueError(f"_{label}: {len(words) - 1} values")
+                    raise InputError(f"_{label} in data_{name} has {len(words) - 1} values; a key takes one (quote "
+                                     "a value with spaces)", path=str(path), line=line, column=label)
                 block[label] = words[1] if label in strings else _numeric(words[1])
             out[name] = block
-        else:
-            out[name] = None
     return out
 
 
@@ -312,8 +342,10 @@ def _parse_blocks(path: Path, star: _StarText, layout: dict[str, _BlockLayout]) 
         raise InputError("STAR file is empty", path=str(path))
     _check_layout(path, layout)
     try:
-        blocks = _read_blocks(star, layout, as_string)
-    except Exception as exc:  # pandas/starfile raise many types on malformed text
+        blocks = _read_blocks(path, star, layout, as_string)
+    except InputError:
+        raise
+    except Exception as exc:  # pandas raises many types on malformed text
         bad = _find_ragged_row(text, layout)
         if bad is not None:
             line, name, want, got = bad
@@ -331,7 +363,7 @@ def _parse_blocks(path: Path, star: _StarText, layout: dict[str, _BlockLayout]) 
                 if _is_string_label(col) or pd.api.types.is_numeric_dtype(s):
                     continue
                 num = pd.to_numeric(s, errors="coerce")
-                if len(s) and bool((num.notna() | s.isna()).all()):
+                if bool(num.notna().any()) and bool((num.notna() | s.isna() | s.eq("")).all()):  # "" is NaN
                     blk[col] = num
         out[name] = blk
     return out
