@@ -951,7 +951,8 @@ def _read_ahead(job: EMJob, ahead_bytes: int | None = None) -> None:
         ahead_bytes = read_ahead_bytes(host_available_bytes(), ranks)
         on_device = device_read_ahead_bytes(ahead_bytes, job.room_after_images)
         if READ_UPLOADS and job.be.is_gpu and on_device:
-            ahead_bytes, upload = on_device, thread_upload(job.be.device)
+            upload = thread_upload(job.be.device)  # None where the job's stream is CuPy's per-thread one
+            ahead_bytes = on_device if upload is not None else ahead_bytes
     job.ps.read_ahead(np.concatenate(job.own_blocks()), read_threads(ranks), ahead_bytes, upload)
 
 
