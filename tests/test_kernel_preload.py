@@ -309,7 +309,9 @@ def test_a_hosts_other_ranks_make_their_own_gpus_context_at_once(monkeypatch, tm
     made = []
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 2)))
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(kp, "make_context", lambda cp, device: made.append((cp, device)))
+    from napari_gpu_relion.runtime import device as runtime_device  # noqa: PLC0415
+
+    monkeypatch.setattr(runtime_device, "make_context", lambda cp, device: made.append((cp, device)))
     monkeypatch.setattr(kp, "NVIDIA_CONTROL", tmp_path)
     monkeypatch.setattr(cupy_kernels, "shipped_kinds", lambda: {"class3d"})
     for v in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "MV2_COMM_WORLD_LOCAL_RANK",

@@ -165,13 +165,6 @@ def _scan_layout(text: str) -> dict[str, _BlockLayout]:
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
-@dataclass(frozen=True)
-class _StarText:
-    """A STAR file's text (decompressed and decoded: _read_text)."""
-
-    text: str
-
-
 def _decode(raw: bytes) -> str:
     """Text of a STAR file's bytes: UTF-8 (a leading byte-order mark dropped), else Latin-1, which reads every byte
     (RELION reads the bytes as they are, so a Latin-1 comment or name is no error there)."""
@@ -181,7 +174,7 @@ def _decode(raw: bytes) -> str:
         return raw.decode("latin-1")
 
 
-def _read_text(path: Path) -> _StarText:
+def _read_text(path: Path) -> str:
     """File text (gzip-compressed files decompressed, see :func:`_decode`), or InputError for a missing,
     unreadable or damaged compressed file."""
     if not path.exists():
@@ -199,7 +192,7 @@ def _read_text(path: Path) -> _StarText:
         except (OSError, EOFError, zlib.error) as exc:
             raise InputError(f"STAR file is gzip-compressed but cannot be decompressed ({exc}): the file may be "
                              "cut short", path=str(path)) from exc
-    return _StarText(_decode(raw))
+    return _decode(raw)
 
 
 def _fields(line: str) -> int:
@@ -213,9 +206,8 @@ def _fields(line: str) -> int:
         return len(line.split())
 
 
-def _find_ragged_row(text: str, layout: dict[str, _BlockLayout]) -> tuple[int, str, int, int] | None:
+def _find_ragged_row(lines: list[str], layout: dict[str, _BlockLayout]) -> tuple[int, str, int, int] | None:
     """First loop row whose field count differs from its label count: (line, block, labels, fields)."""
-    lines = text.split("\n")
     for name, blk in layout.items():
         bad = _ragged_in(lines, blk)
         if bad is not None:
@@ -301,14 +293,13 @@ def _loop_frame(lines: list[str], blk: _BlockLayout, labels: list[str], strings:
     return df
 
 
-def _read_blocks(path: Path, star: _StarText, layout: dict[str, _BlockLayout], as_string: list[str]
+def _read_blocks(path: Path, lines: list[str], layout: dict[str, _BlockLayout], as_string: list[str]
                  ) -> dict[str, Block]:
     """Every data block of the text, in file order, from the lines _scan_layout found: a loop as one pass of
     pandas' C parser over its rows (starfile's reader walked the file line by line again: read_particles of
     100,000 rows took 0.78-0.83 s with it, 0.61-0.64 s now, on the 2-core machine, benchmarks/bench_star_read.py),
     a key-value block as {label: value} (a "#" outside quotes starts a comment). A block with no labels is left
-    out. InputError naming the line for a key without one value."""
-    lines = star.text.split("\n")
+    out. InputError naming the line for a key without one value. ``lines``: the file's text split at newlines."""
     strings = set(as_string)
     out: dict[str, Block] = {}
     for name, blk in layout.items():
@@ -332,21 +323,21 @@ def _read_blocks(path: Path, star: _StarText, layout: dict[str, _BlockLayout], a
     return out
 
 
-def _parse_blocks(path: Path, star: _StarText, layout: dict[str, _BlockLayout]) -> dict[str, Block]:
+def _parse_blocks(path: Path, text: str, layout: dict[str, _BlockLayout]) -> dict[str, Block]:
     """The file's blocks (_read_blocks) with text labels kept as text and all-numeric text columns (inf) made
     numeric."""
-    text = star.text
     labels = {lab for blk in layout.values() for lab in blk.label_lines}
     as_string = sorted(lab for lab in labels if _is_string_label(lab))
     if not text.strip():
         raise InputError("STAR file is empty", path=str(path))
     _check_layout(path, layout)
+    lines = text.split("\n")
     try:
-        blocks = _read_blocks(path, star, layout, as_string)
+        blocks = _read_blocks(path, lines, layout, as_string)
     except InputError:
         raise
     except Exception as exc:  # pandas raises many types on malformed text
-        bad = _find_ragged_row(text, layout)
+        bad = _find_ragged_row(lines, layout)
         if bad is not None:
             line, name, want, got = bad
             raise InputError(f"row of data_{name} has {got} fields but the block has {want} labels",
@@ -356,8 +347,7 @@ def _parse_blocks(path: Path, star: _StarText, layout: dict[str, _BlockLayout]) 
         raise InputError("no data blocks (no 'data_' line followed by labels) in STAR file", path=str(path))
     out: dict[str, Block] = {}
     for name, blk in blocks.items():
-        if isinstance(blk, pd.DataFrame):
-            blk = blk.copy()
+        if isinstance(blk, pd.DataFrame):  # (a frame of its own: _loop_frame made it)
             for col in blk.columns:
                 s = blk[col]
                 if _is_string_label(col) or pd.api.types.is_numeric_dtype(s):
@@ -376,8 +366,8 @@ def read_star(path: str | os.PathLike) -> dict[str, Block]:
     InputError for a missing or empty file, or one without data blocks.
     """
     p = Path(path)
-    star = _read_text(p)
-    return _parse_blocks(p, star, _scan_layout(star.text))
+    text = _read_text(p)
+    return _parse_blocks(p, text, _scan_layout(text))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -693,10 +683,10 @@ def _check_uniform(optics: pd.DataFrame, used: np.ndarray, label: str, tol: floa
 def _read_table(path: str | os.PathLike, kind: str, require: Sequence[str], uniform_optics: bool,
                 even_box: bool, project_dir: str | os.PathLike | None) -> ParticleTable:
     p = Path(path)
-    star = _read_text(p)
-    layout = _scan_layout(star.text)
-    blocks = _parse_blocks(p, star, layout)
-    version = _detect_version(star.text, blocks)
+    text = _read_text(p)
+    layout = _scan_layout(text)
+    blocks = _parse_blocks(p, text, layout)
+    version = _detect_version(text, blocks)
     name = _pick_block(blocks, kind, require, p)
     lay = layout.get(name)
     header_line = lay.header_line if lay else None
@@ -1049,9 +1039,9 @@ def read_coordinates(path: str | os.PathLike) -> pd.DataFrame:
     (-999, RELION's manual-pick placeholder). InputError when X or Y is missing or a value is not finite.
     """
     p = Path(path)
-    star = _read_text(p)
-    layout = _scan_layout(star.text)
-    blocks = _parse_blocks(p, star, layout)
+    text = _read_text(p)
+    layout = _scan_layout(text)
+    blocks = _parse_blocks(p, text, layout)
     name = next((n for n, b in blocks.items() if n == "" and "rlnCoordinateX" in _as_frame(b).columns), None)
     if name is None:
         name = next((n for n, b in blocks.items() if "rlnCoordinateX" in _as_frame(b).columns), None)

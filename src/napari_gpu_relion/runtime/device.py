@@ -246,6 +246,17 @@ def backend_for(params) -> Backend:
     return be
 
 
+def make_rank_context(cp: ModuleType, spec: str | int | None, local_rank: int, several_ranks: bool) -> None:
+    """The CUDA context of the GPU backend_for chooses for the rank ``local_rank`` of its host (--gpu ``spec``'s
+    entries in turn; without one, GPU 0, or the host's GPUs in turn for ``several_ranks``), made now and the calling
+    thread's for good (compute.backend.make_context); nothing where that GPU is not there (backend_for says so)."""
+    count = cp.cuda.runtime.getDeviceCount()
+    dev = gpu_for_rank(spec, local_rank, count if several_ranks else None)
+    dev = 0 if dev is None else dev
+    if 0 <= dev < count:
+        make_context(cp, dev)
+
+
 def warm_device(params) -> threading.Thread | None:
     """CuPy imported and the CUDA context of the GPU :func:`backend_for` will choose made in a background thread, so
     that a job can overlap them with reading its inputs (join it before backend_for, which then finds both done).
@@ -259,11 +270,7 @@ def warm_device(params) -> threading.Thread | None:
             if cp is None:
                 return
             comm = world()
-            count = cp.cuda.runtime.getDeviceCount()
-            dev = gpu_for_rank(getattr(params, "gpu", None), comm.local_rank, count if comm.size > 1 else None)
-            dev = 0 if dev is None else dev
-            if 0 <= dev < count:
-                make_context(cp, dev)
+            make_rank_context(cp, getattr(params, "gpu", None), comm.local_rank, comm.size > 1)
         except Exception:  # noqa: BLE001, S110 - backend_for meets and reports it
             pass
 

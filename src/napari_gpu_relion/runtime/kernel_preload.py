@@ -247,16 +247,13 @@ def _start_rank_gpu(spec: str | None, host_rank: int) -> threading.Thread:
     (runtime.device.gpu_for_rank of --gpu ``spec``, or the host's GPUs in turn). Without this, a second rank made its
     context in the job's start-up, 0.35-0.45 s that the first rank waited for at the first collective (2 H200s,
     100,000-particle class3d and auto-refine, forty-third session). It decides nothing: errors are backend_for's."""
-    from .device import gpu_for_rank  # noqa: PLC0415
+    from .device import make_rank_context  # noqa: PLC0415
 
     def start() -> None:
         try:
             import cupy  # noqa: PLC0415
 
-            count = cupy.cuda.runtime.getDeviceCount()
-            device = gpu_for_rank(spec, host_rank, count)
-            if device is not None and 0 <= device < count:
-                make_context(cupy, device)
+            make_rank_context(cupy, spec, host_rank, several_ranks=True)
         except Exception as exc:  # noqa: BLE001 - a bad --gpu or no GPU: the job's start reports it
             log.debug("kernel preload, a rank's GPU start: %s", exc)
 
