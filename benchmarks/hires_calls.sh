@@ -20,6 +20,9 @@
 #       build beside bench_image_read.py --gpu on GPU 1, then hr with RELION's run on GPU 0 (files tagged
 #       thirtyeighth); while it refines, GPU 1 compares CuPy's reductions without and with CUB (our simulator's
 #       20,000 particles at box 256, class3d K=6, 3 iterations, alternated twice) and runs the GPU tests
+#   bash benchmarks/hires_calls.sh hr256 N SNR LIMIT [UNTIL]   (forty-fourth session, one H200) the GPU tests while
+#       RELION builds, then hr at box 256 and 1.05 Å/px (the same 269 Å box; Nyquist 2.1 Å), files tagged fortyfourth
+#       (b with HR_TAG=realistic_emd11007_box256_h200_fortyfourth)
 #   bash benchmarks/hires_calls.sh beside   what hrconv runs on GPU 1 while RELION refines (when call 1 ran out)
 #   bash benchmarks/hires_calls.sh progress   RELION's finished iterations so far (realistic.py progress)
 #   bash benchmarks/hires_calls.sh b       waits for RELION's run, merges both sides into one JSON, plots the FSCs
@@ -110,6 +113,16 @@ if [ "$1" = hrconv ]; then  # thirty-eighth session, nvidia-h200-x2: the reading
   wait_relion
   export HR_TAG=realistic_emd11007_box192_h200x2_thirtyeighth HR_BESIDE=beside_relion; R=$HR_TAG
   set -- hr "$2" "$3" "$4" "${5:-560}"
+fi
+if [ "$1" = hr256 ]; then  # forty-fourth session, one H200: the GPU tests while RELION builds, then hr at box 256
+  start_relion
+  CUPY_CACHE_DIR=/root/c_tests timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests --ignore=tests/test_io_star.py \
+      --continue-on-collection-errors -rf > $OUT/gpu_tests.log 2>&1
+  echo "pytest rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gpu_tests.log | tail -15 | cut -c1-300
+  el "GPU tests (RELION building beside them)"
+  wait_relion
+  export HR_TAG=realistic_emd11007_box256_h200_fortyfourth HR_BOX=256 HR_ANGPIX=1.05; R=$HR_TAG
+  set -- hr "$2" "$3" "$4" "${5:-585}"
 fi
 if [ "$1" = beside ]; then
   beside_relion
@@ -296,7 +309,7 @@ elif [ "$1" = c ]; then
   el "done"
 elif [ "$1" = hr ]; then
   . /root/rb/env.sh
-  emd_data 1.4 192 "$2" 1 "$3" /root/hr
+  emd_data ${HR_ANGPIX:-1.4} ${HR_BOX:-192} "$2" 1 "$3" /root/hr
   el "data"
   python3 benchmarks/realistic.py science --data /root/hr --sides ours --diameter 180 --out $OUT/${R}_ours.json \
       2>&1 | tail -3 | cut -c1-900
