@@ -9,7 +9,9 @@ centred in --box, particles made by RELION's ``relion_project --ctf --add_noise`
    one-GPU MPI layout) from the map low-passed to --ini_high; a side may be stopped after --limit_s seconds and is
    then judged at its last finished iteration (the JSON says so);
 3. per iteration: the resolution each program reports, the median angular and offset errors against the true
-   poses, the iteration's wall time;
+   poses (raw, and after each half set's common turn and shift of its frame: ``vs_relion.frame_aligned_pose_errors``;
+   a C1 refinement's frame may drift by a fraction of a degree, which the raw errors count once per particle), the
+   iteration's wall time;
 4. at the end: the same post-processing (our ``postprocess``, one soft mask made from the true map by
    ``mask_create``) of every side's half maps and of the true-pose halves: gold-standard masked FSC at 0.143,
    the map-vs-truth FSC at 0.5, and the FSC curves for plotting (``plot``).
@@ -91,12 +93,16 @@ def per_iteration(root: Path, truth, t0: float, marker: Path | None) -> list[dic
             continue
         d = by_number(vr.particles_of(f)).loc[truth.index]
         ang, off = vr.pose_differences(truth, d)
+        fa = vr.frame_aligned_pose_errors(truth, d)
         model = Path(f"{root}_it{it:03d}_half1_model.star") if it is not None else Path(f"{root}_model.star")
         gen = vr._star_general(model)
         rows.append({"iteration": it if it is not None else "final",
                      "resolution_A": float(gen.get("rlnCurrentResolution", np.nan)),
                      "median_angular_error_deg": float(np.median(ang)),
                      "median_offset_error_A": float(np.median(off)),
+                     "median_angular_error_frame_aligned_deg": float(np.median(fa["angular_deg"])),
+                     "median_offset_error_frame_aligned_A": float(np.median(fa["offset_A"])),
+                     "frame_turn_deg": fa["turn_deg"], "frame_shift_A": fa["shift_A"],
                      "wall_s": times[k] if k < len(times) else None})
         k += 1
     return rows

@@ -41,6 +41,7 @@ from scipy import ndimage
 
 from napari_gpu_relion.compute.fsc import fsc, resolution_A
 from napari_gpu_relion.compute.geometry import angular_distance_deg, euler_to_matrix
+from napari_gpu_relion.compute.ground_truth import frame_aligned_angular_errors
 from napari_gpu_relion.compute.simulate import fit_box
 from napari_gpu_relion.io.mrc import read_mrc, write_mrc
 
@@ -273,6 +274,35 @@ def pose_differences(a: pd.DataFrame, b: pd.DataFrame) -> tuple[np.ndarray, np.n
     off = np.hypot(a["rlnOriginXAngst"].to_numpy() - b["rlnOriginXAngst"].to_numpy(),
                    a["rlnOriginYAngst"].to_numpy() - b["rlnOriginYAngst"].to_numpy())
     return ang, off
+
+
+def frame_aligned_pose_errors(truth: pd.DataFrame, refined: pd.DataFrame) -> dict:
+    """Pose errors of a C1 refinement after the common turn and shift of its frame, fitted in each half set.
+
+    A refinement's map and poses are fixed only up to a turn G and a 3D shift t of the whole (a map turned by G gives
+    every pose A G; one shifted by t moves every offset by the image-plane part of A t): each half set
+    (rlnRandomSubset) has its own reference, and its frame can drift from the truth's by a fraction of a degree
+    without any particle being worse aligned to it. The raw errors then count the drift once per particle. Here G is
+    ``frame_aligned_angular_errors``'s robust fit and t the least-squares fit of the offset differences, per half.
+    Returns the aligned per-particle errors (degrees, Å) and each half's turn (degrees) and shift (Å)."""
+    A = euler_to_matrix(*(refined[c].to_numpy() for c in ANG))
+    B = euler_to_matrix(*(truth[c].to_numpy() for c in ANG))
+    d = np.stack([refined[c].to_numpy(float) - truth[c].to_numpy(float)
+                  for c in ("rlnOriginXAngst", "rlnOriginYAngst")], axis=1)
+    halves = (refined["rlnRandomSubset"].to_numpy(int) if "rlnRandomSubset" in refined
+              else np.ones(len(refined), int))
+    ang = np.empty(len(refined))
+    off = np.empty(len(refined))
+    turns, shifts = {}, {}
+    for h in np.unique(halves):
+        sel = halves == h
+        ang[sel], G = frame_aligned_angular_errors(A[sel], B[sel])
+        M = B[sel][:, :2, :].reshape(-1, 3)  # each particle's two image-plane rows of its true pose
+        t = np.linalg.lstsq(M, d[sel].reshape(-1), rcond=None)[0]
+        off[sel] = np.linalg.norm(d[sel] - (M @ t).reshape(-1, 2), axis=1)
+        turns[int(h)] = float(np.degrees(np.arccos(np.clip((np.trace(G) - 1) / 2, -1.0, 1.0))))
+        shifts[int(h)] = float(np.linalg.norm(t))
+    return {"angular_deg": ang, "offset_A": off, "turn_deg": turns, "shift_A": shifts}
 
 
 def evaluate(root: Path, truth: pd.DataFrame, job: str, angpix: float) -> dict:
