@@ -43,6 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_relion as vr  # noqa: E402
 
 from napari_gpu_relion.compute.fsc import fsc, resolution_A  # noqa: E402
+from napari_gpu_relion.compute.geometry import euler_to_matrix  # noqa: E402
+from napari_gpu_relion.compute.ground_truth import frame_aligned_angular_errors  # noqa: E402
+from napari_gpu_relion.compute.symmetry_alignment import rotate_map  # noqa: E402
 from napari_gpu_relion.io.mrc import read_mrc  # noqa: E402
 
 
@@ -108,6 +111,17 @@ def per_iteration(root: Path, truth, t0: float, marker: Path | None) -> list[dic
     return rows
 
 
+def frame_turn(root: Path, truth) -> np.ndarray | None:
+    """The turn G of the refinement's frame (poses A = B G, every particle), from its last data STAR."""
+    files = sorted(root.parent.glob(root.name + "_it*_data.star"))
+    last = Path(f"{root}_data.star") if Path(f"{root}_data.star").exists() else (files[-1] if files else None)
+    if last is None:
+        return None
+    d = by_number(vr.particles_of(last)).loc[truth.index]
+    A, B = (euler_to_matrix(*(q[c].to_numpy() for c in vr.ANG)) for q in (d, truth))
+    return frame_aligned_angular_errors(A, B)[1]
+
+
 def halves_of(root: Path, data: Path) -> tuple[Path, Path] | None:
     """The run's final unfiltered half maps; for a run stopped before its final iteration, half maps reconstructed
     (our ``reconstruct``, per rlnRandomSubset, no solvent flattening) from the poses of the last iteration's data
@@ -142,8 +156,11 @@ def reconstruct_halves(star: Path, data: Path, folder: Path) -> tuple[Path, Path
     return folder / "half1.mrc", folder / "half2.mrc"
 
 
-def judge_maps(h1: Path, h2: Path, truth_map: Path, mask: Path, folder: Path, angpix: float) -> dict:
-    """Our post-processing of a pair of half maps with the common mask, and the map-vs-truth FSC."""
+def judge_maps(h1: Path, h2: Path, truth_map: Path, mask: Path, folder: Path, angpix: float,
+               turn: np.ndarray | None = None) -> dict:
+    """Our post-processing of a pair of half maps with the common mask, and the map-vs-truth FSC; with ``turn`` (the
+    refinement's frame turn G fitted on its poses: poses A = B G) also against the truth in the refinement's frame,
+    V(G y) (``rotate_map`` by G^T, cubic splines)."""
     folder.mkdir(parents=True, exist_ok=True)
     ngr(["postprocess", "--i", str(h1), "--i2", str(h2), "--mask", str(mask), "--o", str(folder),
          "--auto_bfac", "--autob_lowres", "10"], folder / "postprocess.log", folder)
@@ -155,7 +172,12 @@ def judge_maps(h1: Path, h2: Path, truth_map: Path, mask: Path, folder: Path, an
     msk = np.asarray(read_mrc(mask).data, np.float64)
     n = t.shape[0]
     f_truth = fsc((a + b) * msk, t * msk)
-    return {"gold_standard_masked_A": float(gen["rlnFinalResolution"]),
+    extra = {}
+    if turn is not None:
+        f_al = fsc((a + b) * msk, rotate_map(t, np.asarray(turn).T, order=3) * msk)
+        extra = {"frame_turn_deg": float(np.degrees(np.arccos(np.clip((np.trace(turn) - 1) / 2, -1.0, 1.0)))),
+                 "fsc_map_vs_truth_frame_aligned": [float(x) for x in f_al]}
+    return {**extra, "gold_standard_masked_A": float(gen["rlnFinalResolution"]),
             "bfactor": float(gen.get("rlnBfactorUsedForSharpening", np.nan)),
             "map_vs_truth_fsc05_A": float(resolution_A(f_truth, n, angpix, 0.5)),
             "map_vs_truth_fsc0143_A": float(resolution_A(f_truth, n, angpix, 0.143)),
@@ -197,7 +219,8 @@ def run_side(side: str, a, data: Path, info: dict, truth) -> dict:
            "schedule": vr.schedule_trace(data / root)}  # orders, counters, changes: why the iteration counts differ
     halves = halves_of(data / root, data)
     if halves:
-        res["maps"] = judge_maps(*halves, data / "state1.mrc", data / "mask.mrc", folder / "judge", info["angpix"])
+        res["maps"] = judge_maps(*halves, data / "state1.mrc", data / "mask.mrc", folder / "judge", info["angpix"],
+                                 turn=frame_turn(data / root, truth))
         res["maps"]["halves"] = [str(h) for h in halves]
     return res
 

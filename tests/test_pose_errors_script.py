@@ -60,3 +60,34 @@ def test_frame_drift_of_each_half_is_found_and_removed():
     assert abs(np.median(res["angular_deg"]) - np.median(own)) < 0.005  # the particles' own errors back
     assert np.median(raw) > np.median(own) + 0.1  # the raw errors count the drift
     assert np.median(res["offset_A"]) < 0.08  # the offsets' own noise (0.05 Å per axis: median 0.059)
+
+
+def test_truth_turned_into_the_refinement_frame_projects_as_the_refined_poses_see_it():
+    """realistic.py judges a refined map against rotate_map(truth, G^T): the map whose projections at the refined poses
+    A = B G are the truth's projections at the true poses B (projections summed along z after rotate_map by the pose,
+    RELION's image = A . map coordinates)."""
+    from scipy import ndimage
+
+    from napari_gpu_relion.compute.symmetry_alignment import rotate_map
+
+    rng = np.random.default_rng(3)
+    n = 32
+    vol = np.zeros((n, n, n))
+    for _ in range(6):  # an asymmetric set of blobs
+        vol[tuple(rng.integers(10, 22, 3))] += rng.uniform(0.5, 1.5)
+    vol = ndimage.gaussian_filter(vol, 1.0)
+    G = rotation_about_axis([0.3, -0.5, 1.0], 15.0)
+    turned = rotate_map(vol, G.T, order=3)
+    wrong = rotate_map(vol, G, order=3)  # the other way round
+
+    def image(v, A):
+        return rotate_map(v, A, order=3).sum(axis=0)
+
+    def cc(a, b):
+        a, b = a - a.mean(), b - b.mean()
+        return float((a * b).sum() / np.sqrt((a * a).sum() * (b * b).sum()))
+
+    for B in (rotation_about_axis([1.0, 0.2, 0.1], 40.0), rotation_about_axis([0.0, 1.0, -1.0], 110.0)):
+        assert cc(image(turned, B @ G), image(vol, B)) > 0.999
+        assert cc(image(wrong, B @ G), image(vol, B)) < 0.95
+        assert cc(image(turned, B), image(vol, B)) < 0.95  # the turn is seen without it
