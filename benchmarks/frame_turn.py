@@ -8,7 +8,7 @@ previous iteration, the iteration's random perturbation of the sampling, and the
 at the end the final map's FSC against the truth, as it is and turned into the fitted frame.
 
   python benchmarks/frame_turn.py --work /tmp/ft --n 600 --snr 0.3 --seed 1 --out benchmarks/results/x.json
-(A run already in --work/run_s<seed> is judged again without running.)
+(A run already in --work/sim_n<N>_snr<SNR>_run_s<seed> is judged again without running.)
 """
 
 from __future__ import annotations
@@ -46,12 +46,16 @@ def rotation_vector_deg(G: np.ndarray) -> list[float]:
 
 
 def simulate(work: Path, n: int, snr: float) -> Path:
-    sim = work / "sim"
+    """Our simulator's particles (kept in a folder named by their number and SNR, made once)."""
+    sim = work / f"sim_n{n}_snr{snr:g}"
     if (sim / "particles.star").exists():
         return sim
-    src = next(p for p in so.MAPS if p.exists())
+    src = next((p for p in so.MAPS if p.exists()), None)
+    if src is None:
+        raise SystemExit("EMD-11007's centred copy is in neither " + " nor ".join(map(str, so.MAPS))
+                         + " (on the GPU machine: . benchmarks/gpu_env.sh unpacks it from .relion_kit)")
     small = ndimage.zoom(mrcfile.read(src).astype(np.float32), 1 / 3, order=1)
-    with mrcfile.new(work / "map64.mrc", overwrite=True) as m:
+    with mrcfile.new(work / "map64.mrc", overwrite=True) as m:  # the truth of every simulation here
         m.set_data((small - np.median(small)).astype(np.float32))
         m.voxel_size = so.ANGPIX
     so.run("simulate", "--o", sim, "--map", work / "map64.mrc", "--box", so.BOX, "--angpix", so.ANGPIX,
@@ -69,9 +73,9 @@ def main() -> None:
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     sim = simulate(a.work, a.n, a.snr)
-    folder = a.work / f"run_s{a.seed}"
+    folder = sim.parent / f"{sim.name}_run_s{a.seed}"
     folder.mkdir(exist_ok=True)
-    log = a.work / f"run_s{a.seed}.log"
+    log = sim.parent / f"{folder.name}.log"
     args = ["refine3d", "--i", sim / "particles.star", "--ref", sim / "reference.mrc", "--o", folder / "run",
             "--ini_high", 30, "--particle_diameter", 150, "--ctf", "--flatten_solvent", "--zero_mask",
             "--healpix_order", 2, "--auto_local_healpix_order", 4, "--offset_range", 5, "--offset_step", 2,
@@ -79,12 +83,15 @@ def main() -> None:
     t0 = time.time()
     if not (folder / "run_it001_data.star").exists():
         with open(log, "w") as fh:
-            subprocess.run([sys.executable, "-m", "napari_gpu_relion.cli", *map(str, args)], stdout=fh,
-                           stderr=subprocess.STDOUT)
+            rc = subprocess.run([sys.executable, "-m", "napari_gpu_relion.cli", *map(str, args)], stdout=fh,
+                                stderr=subprocess.STDOUT).returncode
+        if rc:
+            raise SystemExit(f"refine3d failed (rc {rc}); see {log}")
     truth = so.keyed(starfile.read(sim / "particles.star")["particles"])
     B = euler_to_matrix(*(truth[c].to_numpy() for c in vr.ANG))
     orders = {int(m.group(1)): int(m.group(2)) for m in
-              re.finditer(r"iteration (\d+): image size .*?HEALPix order (\d+)", log.read_text())}
+              re.finditer(r"iteration (\d+): image size .*?HEALPix order (\d+)",
+                          log.read_text() if log.exists() else "")}
     rows, prev = [], None
     files = [f for f in sorted(folder.glob("run_it*_data.star")) if "_it000_" not in f.name]
     for f in files + ([folder / "run_data.star"] if (folder / "run_data.star").exists() else []):
@@ -115,17 +122,24 @@ def main() -> None:
            "seed": a.seed, "command": "napari-gpu-relion " + " ".join(map(str, args)), "iterations": rows,
            "judged_s": time.time() - t0}
     final = folder / "run_class001.mrc"
-    if final.exists():  # the map against the truth, as it is and in the fitted frame (all particles)
+    if final.exists():  # the map against the truth: as it is, in the fitted frame, and with the shift reversed
         d = so.keyed(starfile.read(folder / "run_data.star")["particles"]).loc[truth.index]
-        G = frame_aligned_angular_errors(euler_to_matrix(*(d[c].to_numpy() for c in vr.ANG)), B)[1]
-        t = mrcfile.read(a.work / "map64.mrc").astype(np.float64)
+        diff = np.stack([d[c].to_numpy(float) - truth[c].to_numpy(float)
+                         for c in ("rlnOriginXAngst", "rlnOriginYAngst")], axis=1)
+        G, t, _, _ = vr.frame_fit(euler_to_matrix(*(d[c].to_numpy() for c in vr.ANG)), B, diff)
+        truth_map = mrcfile.read(a.work / "map64.mrc").astype(np.float64)
         mp = mrcfile.read(final).astype(np.float64)
-        n = t.shape[0]
+        n = truth_map.shape[0]
         r = np.sqrt(sum(g ** 2 for g in np.meshgrid(*(np.arange(n) - n // 2,) * 3, indexing="ij")))
         msk = (r < 28).astype(float)
+        t_px = t / so.ANGPIX
+        res["frame"] = {"turn_deg": rotation_vector_deg(G), "shift_A": [float(x) for x in t]}
         res["map_vs_truth_mean_fsc_shells_8_25"] = {
-            name: float(fsc(mp * msk, rotate_map(t, R, order=3) * msk)[8:26].mean())
-            for name, R in (("as_is", np.eye(3)), ("in_fitted_frame", G.T), ("turned_the_other_way", G))}
+            name: float(fsc(mp * msk, v * msk)[8:26].mean()) for name, v in (
+                ("as_is", truth_map), ("turned", rotate_map(truth_map, G.T, order=3)),
+                ("turned_and_shifted", vr.truth_in_frame(truth_map, G, t_px)),
+                ("turned_the_other_way", rotate_map(truth_map, G, order=3)),
+                ("turned_and_shifted_the_other_way", vr.truth_in_frame(truth_map, G, -t_px)))}
         print(json.dumps(res["map_vs_truth_mean_fsc_shells_8_25"]))
     if a.out:
         a.out.write_text(json.dumps(res, indent=1))

@@ -332,12 +332,15 @@ if [ "$1" = b ] || [ "${B_NOW:-0}" = 1 ]; then
   tail -3 /root/relion_refine.log | cut -c1-900
   cp /root/${R}_relion.json $OUT/ 2>/dev/null
   tail -30 /root/hr/relion_refine3d/log.txt > $OUT/relion_refine3d_log_tail.txt 2>/dev/null
-  # the truth and each side's last data STAR, for judging the poses again later (a few MB, gzipped)
-  mkdir -p $OUT/stars; gzip -c /root/hr/truth.star > $OUT/stars/truth.star.gz
+  # the truth and each side's last data STAR in one file, for judging the poses again later (the device returns
+  # at most 8 files: hr + b in one call writes 9 others)
+  SL=""; [ -f /root/hr/truth.star ] && SL="truth.star"
   for s in ours relion; do
-    L=$(ls /root/hr/${s}_refine3d/run_data.star 2>/dev/null || ls /root/hr/${s}_refine3d/run_it*_data.star | tail -1)
-    [ -n "$L" ] && gzip -c "$L" > $OUT/stars/${s}_$(basename "$L").gz
+    L=$(cd /root/hr && { ls ${s}_refine3d/run_data.star 2>/dev/null || ls ${s}_refine3d/run_it*_data.star 2>/dev/null \
+        | tail -1; })
+    [ -n "$L" ] && SL="$SL $L"
   done
+  [ -n "$SL" ] && (cd /root/hr && tar czf $OUT/${R}_stars.tgz $SL)
   python3 - "$OUT" "$R" <<'PY'
 import json, sys
 from pathlib import Path

@@ -44,8 +44,6 @@ import vs_relion as vr  # noqa: E402
 
 from napari_gpu_relion.compute.fsc import fsc, resolution_A  # noqa: E402
 from napari_gpu_relion.compute.geometry import euler_to_matrix  # noqa: E402
-from napari_gpu_relion.compute.ground_truth import frame_aligned_angular_errors  # noqa: E402
-from napari_gpu_relion.compute.symmetry_alignment import rotate_map  # noqa: E402
 from napari_gpu_relion.io.mrc import read_mrc  # noqa: E402
 
 
@@ -111,15 +109,19 @@ def per_iteration(root: Path, truth, t0: float, marker: Path | None) -> list[dic
     return rows
 
 
-def frame_turn(root: Path, truth) -> np.ndarray | None:
-    """The turn G of the refinement's frame (poses A = B G, every particle), from its last data STAR."""
-    files = sorted(root.parent.glob(root.name + "_it*_data.star"))
+def frame_of(root: Path, truth) -> tuple[np.ndarray, np.ndarray] | None:
+    """The turn G and shift t (Å) of the refinement's frame (``vs_relion.frame_fit``, every particle together: the
+    summed half maps are judged), from its last data STAR (the final one when written)."""
+    files = [f for f in sorted(root.parent.glob(root.name + "_it*_data.star")) if "_it000_" not in f.name]
     last = Path(f"{root}_data.star") if Path(f"{root}_data.star").exists() else (files[-1] if files else None)
     if last is None:
         return None
     d = by_number(vr.particles_of(last)).loc[truth.index]
     A, B = (euler_to_matrix(*(q[c].to_numpy() for c in vr.ANG)) for q in (d, truth))
-    return frame_aligned_angular_errors(A, B)[1]
+    diff = np.stack([d[c].to_numpy(float) - truth[c].to_numpy(float) for c in ("rlnOriginXAngst", "rlnOriginYAngst")],
+                    axis=1)
+    G, t, _, _ = vr.frame_fit(A, B, diff)
+    return G, t
 
 
 def halves_of(root: Path, data: Path) -> tuple[Path, Path] | None:
@@ -157,10 +159,10 @@ def reconstruct_halves(star: Path, data: Path, folder: Path) -> tuple[Path, Path
 
 
 def judge_maps(h1: Path, h2: Path, truth_map: Path, mask: Path, folder: Path, angpix: float,
-               turn: np.ndarray | None = None) -> dict:
-    """Our post-processing of a pair of half maps with the common mask, and the map-vs-truth FSC; with ``turn`` (the
-    refinement's frame turn G fitted on its poses: poses A = B G) also against the truth in the refinement's frame,
-    V(G y) (``rotate_map`` by G^T, cubic splines)."""
+               frame: tuple[np.ndarray, np.ndarray] | None = None) -> dict:
+    """Our post-processing of a pair of half maps with the common mask, and the map-vs-truth FSC; with ``frame``
+    (the refinement's turn G and shift t (Å) fitted on its poses: ``frame_of``) also against the truth as the
+    refinement's frame holds it (``vs_relion.truth_in_frame``)."""
     folder.mkdir(parents=True, exist_ok=True)
     ngr(["postprocess", "--i", str(h1), "--i2", str(h2), "--mask", str(mask), "--o", str(folder),
          "--auto_bfac", "--autob_lowres", "10"], folder / "postprocess.log", folder)
@@ -173,9 +175,9 @@ def judge_maps(h1: Path, h2: Path, truth_map: Path, mask: Path, folder: Path, an
     n = t.shape[0]
     f_truth = fsc((a + b) * msk, t * msk)
     extra = {}
-    if turn is not None:
-        f_al = fsc((a + b) * msk, rotate_map(t, np.asarray(turn).T, order=3) * msk)
-        extra = {"frame_turn_deg": float(np.degrees(np.arccos(np.clip((np.trace(turn) - 1) / 2, -1.0, 1.0)))),
+    if frame is not None:
+        f_al = fsc((a + b) * msk, vr.truth_in_frame(t, frame[0], frame[1] / angpix) * msk)
+        extra = {"frame_turn_deg": vr.turn_angle_deg(frame[0]), "frame_shift_A": float(np.linalg.norm(frame[1])),
                  "fsc_map_vs_truth_frame_aligned": [float(x) for x in f_al]}
     return {**extra, "gold_standard_masked_A": float(gen["rlnFinalResolution"]),
             "bfactor": float(gen.get("rlnBfactorUsedForSharpening", np.nan)),
@@ -220,7 +222,7 @@ def run_side(side: str, a, data: Path, info: dict, truth) -> dict:
     halves = halves_of(data / root, data)
     if halves:
         res["maps"] = judge_maps(*halves, data / "state1.mrc", data / "mask.mrc", folder / "judge", info["angpix"],
-                                 turn=frame_turn(data / root, truth))
+                                 frame=frame_of(data / root, truth))
         res["maps"]["halves"] = [str(h) for h in halves]
     return res
 

@@ -43,6 +43,7 @@ from napari_gpu_relion.compute.fsc import fsc, resolution_A
 from napari_gpu_relion.compute.geometry import angular_distance_deg, euler_to_matrix
 from napari_gpu_relion.compute.ground_truth import frame_aligned_angular_errors
 from napari_gpu_relion.compute.simulate import fit_box
+from napari_gpu_relion.compute.symmetry_alignment import rotate_map
 from napari_gpu_relion.io.mrc import read_mrc, write_mrc
 
 ANG = ("rlnAngleRot", "rlnAngleTilt", "rlnAnglePsi")
@@ -276,15 +277,44 @@ def pose_differences(a: pd.DataFrame, b: pd.DataFrame) -> tuple[np.ndarray, np.n
     return ang, off
 
 
+def frame_fit(A: np.ndarray, B: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The common turn G and 3D shift t (Å) of a refinement's frame against the truth, from refined poses ``A`` and
+    true ones ``B`` ((n, 3, 3) RELION matrices) and the offset differences ``d`` (n, 2) (refined - true, Å).
+
+    A map turned by G (V'(y) = V(G y)) gives every pose A = B G (``frame_aligned_angular_errors``' robust fit); one
+    whose content moved by t gives every offset d = (B t)_xy (the particle's centre sits at the box centre minus its
+    offset: ``compute.simulate``), fitted by least squares on the particles the turn fit kept. Returns (G, t, the
+    angular errors after G (degrees), the offset errors after t (Å))."""
+    ang, G = frame_aligned_angular_errors(A, B)
+    keep = ang <= max(3.0 * float(np.median(ang)), 5.0)
+    M = B[:, :2, :]  # each particle's two image-plane rows of its true pose
+    t = np.linalg.lstsq(M[keep].reshape(-1, 3), d[keep].reshape(-1), rcond=None)[0]
+    off = np.linalg.norm(d - M @ t, axis=1)
+    return G, t, ang, off
+
+
+def turn_angle_deg(G: np.ndarray) -> float:
+    """The angle (degrees) of the rotation G."""
+    return float(np.degrees(np.arccos(np.clip((np.trace(G) - 1) / 2, -1.0, 1.0))))
+
+
+def truth_in_frame(vol: np.ndarray, G: np.ndarray, t_px: np.ndarray) -> np.ndarray:
+    """The true map as a refinement with frame (G, t) (``frame_fit``; t in pixels) holds it: V turned by G (the map
+    at refined poses A = B G projects as V at B; ``rotate_map`` by G^T, cubic splines), then its content moved by
+    G^T t (a Fourier shift; (x, y, z) vector, arrays (z, y, x))."""
+    w = rotate_map(vol, np.asarray(G).T, order=3)
+    s = (np.asarray(G).T @ np.asarray(t_px, np.float64))[::-1]
+    return np.real(np.fft.ifftn(ndimage.fourier_shift(np.fft.fftn(w), s)))
+
+
 def frame_aligned_pose_errors(truth: pd.DataFrame, refined: pd.DataFrame) -> dict:
     """Pose errors of a C1 refinement after the common turn and shift of its frame, fitted in each half set.
 
-    A refinement's map and poses are fixed only up to a turn G and a 3D shift t of the whole (a map turned by G gives
-    every pose A G; one shifted by t moves every offset by the image-plane part of A t): each half set
+    A refinement's map and poses are fixed only up to a turn G and a 3D shift t of the whole: each half set
     (rlnRandomSubset) has its own reference, and its frame can drift from the truth's by a fraction of a degree
-    without any particle being worse aligned to it. The raw errors then count the drift once per particle. Here G is
-    ``frame_aligned_angular_errors``'s robust fit and t the least-squares fit of the offset differences, per half.
-    Returns the aligned per-particle errors (degrees, Å) and each half's turn (degrees) and shift (Å)."""
+    without any particle being worse aligned to it. The raw errors then count the drift once per particle. Here
+    ``frame_fit`` per half (all particles as one set without the column). Returns the aligned per-particle errors
+    (degrees, Å) and each half's turn (degrees) and shift (Å)."""
     A = euler_to_matrix(*(refined[c].to_numpy() for c in ANG))
     B = euler_to_matrix(*(truth[c].to_numpy() for c in ANG))
     d = np.stack([refined[c].to_numpy(float) - truth[c].to_numpy(float)
@@ -296,11 +326,8 @@ def frame_aligned_pose_errors(truth: pd.DataFrame, refined: pd.DataFrame) -> dic
     turns, shifts = {}, {}
     for h in np.unique(halves):
         sel = halves == h
-        ang[sel], G = frame_aligned_angular_errors(A[sel], B[sel])
-        M = B[sel][:, :2, :].reshape(-1, 3)  # each particle's two image-plane rows of its true pose
-        t = np.linalg.lstsq(M, d[sel].reshape(-1), rcond=None)[0]
-        off[sel] = np.linalg.norm(d[sel] - (M @ t).reshape(-1, 2), axis=1)
-        turns[int(h)] = float(np.degrees(np.arccos(np.clip((np.trace(G) - 1) / 2, -1.0, 1.0))))
+        G, t, ang[sel], off[sel] = frame_fit(A[sel], B[sel], d[sel])
+        turns[int(h)] = turn_angle_deg(G)
         shifts[int(h)] = float(np.linalg.norm(t))
     return {"angular_deg": ang, "offset_A": off, "turn_deg": turns, "shift_A": shifts}
 

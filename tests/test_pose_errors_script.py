@@ -44,10 +44,12 @@ def test_frame_drift_of_each_half_is_found_and_removed():
     noise = np.stack([rotation_about_axis(rng.normal(size=3), a) for a in np.abs(rng.normal(0, 0.1, n))])
     A = np.empty_like(B)
     xy = xy_true + rng.normal(0, 0.05, (n, 2))
+    moved = np.zeros((n, 2))  # each particle's offset change from its half's frame shift
     for h, (G, t) in drift.items():
         s = halves == h
         A[s] = noise[s] @ B[s] @ G  # the map turned by G: every pose A = B G, each particle off by its own turn
-        xy[s] += (B[s][:, :2, :] @ t)
+        moved[s] = B[s][:, :2, :] @ t
+    xy += moved
     truth = _table(B, xy_true, halves)
     refined = _table(euler_to_matrix(*matrix_to_euler(A)), xy, halves)
 
@@ -58,36 +60,47 @@ def test_frame_drift_of_each_half_is_found_and_removed():
     assert abs(res["shift_A"][1] - np.linalg.norm(drift[1][1])) < 0.01
     assert abs(res["shift_A"][2] - np.linalg.norm(drift[2][1])) < 0.01
     assert abs(np.median(res["angular_deg"]) - np.median(own)) < 0.005  # the particles' own errors back
+    np.testing.assert_allclose(res["angular_deg"], own, atol=0.02)  # particle by particle
     assert np.median(raw) > np.median(own) + 0.1  # the raw errors count the drift
     assert np.median(res["offset_A"]) < 0.08  # the offsets' own noise (0.05 Å per axis: median 0.059)
+    np.testing.assert_allclose(res["offset_A"], np.linalg.norm(xy - xy_true - moved, axis=1), atol=0.01)
 
 
-def test_truth_turned_into_the_refinement_frame_projects_as_the_refined_poses_see_it():
-    """realistic.py judges a refined map against rotate_map(truth, G^T): the map whose projections at the refined poses
-    A = B G are the truth's projections at the true poses B (projections summed along z after rotate_map by the pose,
-    RELION's image = A . map coordinates)."""
+def test_truth_in_the_refinement_frame_projects_as_the_refined_poses_see_it():
+    """realistic.py judges a refined map against vs_relion.truth_in_frame(truth, G, t): the map whose projections (the
+    package's Fourier projector) at the refined poses A = B G, with the particle moved back by the fitted offset change
+    (B t)_xy (``frame_fit``'s model), are the truth's projections at the true poses B."""
     from scipy import ndimage
 
-    from napari_gpu_relion.compute.symmetry_alignment import rotate_map
+    from napari_gpu_relion.compute.projector import prepare_reference, project
 
     rng = np.random.default_rng(3)
-    n = 32
+    n = 48
     vol = np.zeros((n, n, n))
-    for _ in range(6):  # an asymmetric set of blobs
-        vol[tuple(rng.integers(10, 22, 3))] += rng.uniform(0.5, 1.5)
-    vol = ndimage.gaussian_filter(vol, 1.0)
+    for _ in range(8):  # an asymmetric set of blobs
+        vol[tuple(rng.integers(14, 34, 3))] += rng.uniform(0.5, 1.5)
+    vol = ndimage.gaussian_filter(vol, 1.5)
     G = rotation_about_axis([0.3, -0.5, 1.0], 15.0)
-    turned = rotate_map(vol, G.T, order=3)
-    wrong = rotate_map(vol, G, order=3)  # the other way round
+    t = np.array([1.5, -2.0, 1.0])  # pixels
+    refined_frame = prepare_reference(vs_relion.truth_in_frame(vol, G, t).astype(np.float32))
+    wrong_shift = prepare_reference(vs_relion.truth_in_frame(vol, G, -t).astype(np.float32))
+    wrong_turn = prepare_reference(vs_relion.truth_in_frame(vol, G.T, t).astype(np.float32))
+    true_ref = prepare_reference(vol.astype(np.float32))
 
-    def image(v, A):
-        return rotate_map(v, A, order=3).sum(axis=0)
+    def image(ref, A, offset=(0.0, 0.0)):
+        """The projection with its centre at the box centre minus ``offset`` (x, y pixels)."""
+        F = project(ref, np.asarray(A)[None])[0]
+        im = np.fft.fftshift(np.fft.irfft2(F, s=(n, n)))
+        return ndimage.shift(im, (-offset[1], -offset[0]), order=3)
 
     def cc(a, b):
         a, b = a - a.mean(), b - b.mean()
         return float((a * b).sum() / np.sqrt((a * a).sum() * (b * b).sum()))
 
-    for B in (rotation_about_axis([1.0, 0.2, 0.1], 40.0), rotation_about_axis([0.0, 1.0, -1.0], 110.0)):
-        assert cc(image(turned, B @ G), image(vol, B)) > 0.999
-        assert cc(image(wrong, B @ G), image(vol, B)) < 0.95
-        assert cc(image(turned, B), image(vol, B)) < 0.95  # the turn is seen without it
+    for B in (euler_to_matrix(30.0, 50.0, 70.0), euler_to_matrix(-120.0, 100.0, 10.0)):
+        d = B[:2] @ t  # the refined offsets' change: the particle is found this much further off
+        seen = image(true_ref, B)
+        assert cc(image(refined_frame, B @ G, d), seen) > 0.999
+        assert cc(image(wrong_shift, B @ G, d), seen) < 0.97
+        assert cc(image(wrong_turn, B @ G, d), seen) < 0.9
+        assert cc(image(refined_frame, B, d), seen) < 0.9  # the turn is seen without it
