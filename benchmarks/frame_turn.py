@@ -8,6 +8,8 @@ previous iteration, the iteration's random perturbation of the sampling, and the
 at the end the final map's FSC against the truth, as it is and turned into the fitted frame.
 
   python benchmarks/frame_turn.py --work /tmp/ft --n 600 --snr 0.3 --seed 1 --out benchmarks/results/x.json
+  [--without_direction_prior_at 4]   iteration 4 again from iteration 3's files with a uniform direction prior
+                                     (RELION's pdf_direction left out), beside the run's own iteration 4
 (A run already in --work/sim_n<N>_snr<SNR>_run_s<seed> is judged again without running.)
 """
 
@@ -70,6 +72,8 @@ def main() -> None:
     ap.add_argument("--snr", type=float, default=0.3)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--without_direction_prior_at", type=int, default=0,
+                    help="run this iteration again from the previous one's files without the direction prior")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     sim = simulate(a.work, a.n, a.snr)
@@ -141,8 +145,59 @@ def main() -> None:
                 ("turned_the_other_way", rotate_map(truth_map, G, order=3)),
                 ("turned_and_shifted_the_other_way", vr.truth_in_frame(truth_map, G, -t_px)))}
         print(json.dumps(res["map_vs_truth_mean_fsc_shells_8_25"]))
+    if a.without_direction_prior_at:
+        res["without_direction_prior"] = again_without_direction_prior(folder, a.without_direction_prior_at, truth, B)
+        print(json.dumps(res["without_direction_prior"]))
     if a.out:
         a.out.write_text(json.dumps(res, indent=1))
+
+
+#: Run by again_without_direction_prior in its own process: refine3d --continue with the global searches' direction
+#: prior (RELION's pdf_direction, per HEALPix index, carried from the previous iteration) left out.
+_NO_PRIOR = """
+import sys
+from napari_gpu_relion.jobs import refine3d
+refine3d.Refine3D.expectation_options = lambda self, it, h: {}
+from napari_gpu_relion.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def again_without_direction_prior(folder: Path, it: int, truth, B: np.ndarray) -> dict:
+    """Iteration ``it`` of the run in ``folder`` again from iteration it-1's files with a uniform direction prior
+    (stopped once its data STAR is written); the turn each half's frame made in that iteration and the errors,
+    with the prior (the run's own) and without."""
+    cont = folder.parent / f"{folder.name}_without_direction_prior_it{it:03d}"
+    cont.mkdir(exist_ok=True)
+    for f in folder.glob(f"run_it{it - 1:03d}_*"):
+        if not (cont / f.name).exists():
+            (cont / f.name).write_bytes(f.read_bytes())
+    target = cont / f"run_it{it:03d}_data.star"
+    if not target.exists():
+        with open(cont / "log.txt", "w") as fh:
+            proc = subprocess.Popen([sys.executable, "-c", _NO_PRIOR, "refine3d", "--continue",
+                                     str(cont / f"run_it{it - 1:03d}_optimiser.star"), "--o", str(cont / "run"),
+                                     "--cpu"], stdout=fh, stderr=subprocess.STDOUT)
+            while proc.poll() is None and not (target.exists() and (cont / f"run_it{it:03d}_optimiser.star").exists()):
+                time.sleep(2)
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait()
+    out = {}
+    before = so.keyed(starfile.read(folder / f"run_it{it - 1:03d}_data.star")["particles"]).loc[truth.index]
+    for name, f in (("with_prior", folder / f"run_it{it:03d}_data.star"), ("without_prior", target)):
+        d = so.keyed(starfile.read(f)["particles"]).loc[truth.index]
+        change = {}
+        for h in (1, 2):
+            s0, s1 = (q["rlnRandomSubset"].to_numpy(int) == h for q in (before, d))
+            G0 = frame_aligned_angular_errors(euler_to_matrix(*(before[c].to_numpy()[s0] for c in vr.ANG)), B[s0])[1]
+            G1 = frame_aligned_angular_errors(euler_to_matrix(*(d[c].to_numpy()[s1] for c in vr.ANG)), B[s1])[1]
+            change[h] = rotation_vector_deg(G0.T @ G1)
+        raw, _ = vr.pose_differences(truth, d)
+        fa = vr.frame_aligned_pose_errors(truth, d)
+        out[name] = {"turn_change_deg": change, "median_angular_error_deg": float(np.median(raw)),
+                     "median_angular_error_frame_aligned_deg": float(np.median(fa["angular_deg"]))}
+    return out
 
 
 if __name__ == "__main__":
