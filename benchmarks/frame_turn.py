@@ -47,6 +47,96 @@ def rotation_vector_deg(G: np.ndarray) -> list[float]:
     return [round(float(x), 4) for x in w / (np.linalg.norm(w) + 1e-30) * ang]
 
 
+#: RELION 5's auto-refine of the same particles with the same options (``--relion_env``: a script that sets
+#: RELION_BIN and the ``rl`` wrapper, as benchmarks/build_relion_cpu.sh's env.sh; split halves need MPI: 3 ranks).
+RELION = ("rl mpirun --allow-run-as-root --oversubscribe -n 3 $RELION_BIN/relion_refine_mpi --i particles.star "
+          "--ref reference.mrc --o {out}/run --auto_refine --split_random_halves --ini_high 30 --particle_diameter 150 "
+          "--ctf --flatten_solvent --zero_mask --healpix_order 2 --auto_local_healpix_order 4 --offset_range 5 "
+          "--offset_step 2 --random_seed {seed} --oversampling 1 --low_resol_join_halves 40 --pad 2 --j 1 "
+          "--dont_combine_weights_via_disc --sym C1")
+
+
+def ours_orders_and_perturbations(log: Path, folder: Path) -> dict:
+    """{iteration: (HEALPix order, perturbation)} of our run, from its log and optimiser STARs."""
+    text = log.read_text() if log.exists() else ""
+    orders = {int(m.group(1)): int(m.group(2))
+              for m in re.finditer(r"iteration (\d+): image size .*?HEALPix order (\d+)", text)}
+    out = {}
+    for it, order in orders.items():
+        opt = folder / f"run_it{it:03d}_optimiser.star"
+        p = re.search(r"_rlnGpuRelion_perturb\s+(\S+)", opt.read_text()) if opt.exists() else None
+        out[it] = (order, float(p.group(1)) if p else None)
+    return out
+
+
+def relion_orders_and_perturbations(folder: Path) -> dict:
+    """{iteration: (HEALPix order, perturbation)} of a RELION run, from its sampling STARs."""
+    out = {}
+    for f in folder.glob("run_it*_sampling.star"):
+        it = int(re.search(r"_it(\d+)_", f.name).group(1))
+        text = f.read_text()
+        out[it] = (int(re.search(r"_rlnHealpixOrder\s+(\S+)", text).group(1)),
+                   float(re.search(r"_rlnSamplingPerturbInstance\s+(\S+)", text).group(1)))
+    return out
+
+
+def judge_iterations(folder: Path, truth, B: np.ndarray, sampling: dict) -> list[dict]:
+    """Per iteration (and the final one): each half's frame turn and its change, the sampling's perturbation (as a
+    rotation vector), the raw and frame-aligned median angular errors."""
+    rows, prev = [], None
+    files = [f for f in sorted(folder.glob("run_it*_data.star")) if "_it000_" not in f.name]
+    for f in files + ([folder / "run_data.star"] if (folder / "run_data.star").exists() else []):
+        m = re.search(r"_it(\d+)_", f.name)
+        it = int(m.group(1)) if m else None
+        d = so.keyed(starfile.read(f)["particles"]).loc[truth.index]
+        A = euler_to_matrix(*(d[c].to_numpy() for c in vr.ANG))
+        halves = d["rlnRandomSubset"].to_numpy(int)
+        G = {h: frame_aligned_angular_errors(A[halves == h], B[halves == h])[1] for h in (1, 2)}
+        raw, _ = vr.pose_differences(truth, d)
+        fa = vr.frame_aligned_pose_errors(truth, d)
+        order, pert = sampling.get(it, (None, None))
+        row = {"iteration": it if it is not None else "final", "order": order,
+               "turn_deg": {h: rotation_vector_deg(g) for h, g in G.items()},
+               "median_angular_error_deg": float(np.median(raw)),
+               "median_angular_error_frame_aligned_deg": float(np.median(fa["angular_deg"]))}
+        if prev is not None:
+            row["turn_change_deg"] = {h: rotation_vector_deg(prev[h].T @ G[h]) for h in G}
+        if order is not None and pert is not None:
+            dd = pert * angular_step(order)
+            row["perturbation_deg"] = rotation_vector_deg(euler_to_matrix(dd, dd, dd))
+        rows.append(row)
+        print(folder.name, json.dumps(row), flush=True)
+        prev = G
+    return rows
+
+
+def map_vs_truth(folder: Path, truth, B: np.ndarray, truth_path: Path) -> dict | None:
+    """The final map's mean FSC (shells 8-25, a sphere of radius 28 px) against the truth: as it is, turned into the
+    fitted frame, turned and shifted, and turned or shifted the other way."""
+    final = folder / "run_class001.mrc"
+    if not final.exists():
+        return None
+    d = so.keyed(starfile.read(folder / "run_data.star")["particles"]).loc[truth.index]
+    diff = np.stack([d[c].to_numpy(float) - truth[c].to_numpy(float) for c in ("rlnOriginXAngst", "rlnOriginYAngst")],
+                    axis=1)
+    G, t, _, _ = vr.frame_fit(euler_to_matrix(*(d[c].to_numpy() for c in vr.ANG)), B, diff)
+    truth_map = mrcfile.read(truth_path).astype(np.float64)
+    mp = mrcfile.read(final).astype(np.float64)
+    n = truth_map.shape[0]
+    r = np.sqrt(sum(g ** 2 for g in np.meshgrid(*(np.arange(n) - n // 2,) * 3, indexing="ij")))
+    msk = (r < 28).astype(float)
+    t_px = t / so.ANGPIX
+    out = {name: float(fsc(mp * msk, v * msk)[8:26].mean()) for name, v in (
+        ("as_is", truth_map), ("turned", rotate_map(truth_map, G.T, order=3)),
+        ("turned_and_shifted", vr.truth_in_frame(truth_map, G, t_px)),
+        ("turned_the_other_way", rotate_map(truth_map, G, order=3)),
+        ("turned_and_shifted_the_other_way", vr.truth_in_frame(truth_map, G, -t_px)))}
+    out["frame_turn_deg"] = rotation_vector_deg(G)
+    out["frame_shift_A"] = [float(x) for x in t]
+    print(folder.name, json.dumps(out))
+    return out
+
+
 def simulate(work: Path, n: int, snr: float) -> Path:
     """Our simulator's particles (kept in a folder named by their number and SNR, made once)."""
     sim = work / f"sim_n{n}_snr{snr:g}"
@@ -72,6 +162,7 @@ def main() -> None:
     ap.add_argument("--snr", type=float, default=0.3)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--relion_env", help="RELION's environment script: judge RELION's run of the same particles too")
     ap.add_argument("--without_direction_prior_at", type=int, default=0,
                     help="run this iteration again from the previous one's files without the direction prior")
     a = ap.parse_args()
@@ -93,58 +184,24 @@ def main() -> None:
             raise SystemExit(f"refine3d failed (rc {rc}); see {log}")
     truth = so.keyed(starfile.read(sim / "particles.star")["particles"])
     B = euler_to_matrix(*(truth[c].to_numpy() for c in vr.ANG))
-    orders = {int(m.group(1)): int(m.group(2)) for m in
-              re.finditer(r"iteration (\d+): image size .*?HEALPix order (\d+)",
-                          log.read_text() if log.exists() else "")}
-    rows, prev = [], None
-    files = [f for f in sorted(folder.glob("run_it*_data.star")) if "_it000_" not in f.name]
-    for f in files + ([folder / "run_data.star"] if (folder / "run_data.star").exists() else []):
-        m = re.search(r"_it(\d+)_", f.name)
-        it = int(m.group(1)) if m else None
-        d = so.keyed(starfile.read(f)["particles"]).loc[truth.index]
-        A = euler_to_matrix(*(d[c].to_numpy() for c in vr.ANG))
-        halves = d["rlnRandomSubset"].to_numpy(int)
-        G = {h: frame_aligned_angular_errors(A[halves == h], B[halves == h])[1] for h in (1, 2)}
-        raw, _ = vr.pose_differences(truth, d)
-        fa = vr.frame_aligned_pose_errors(truth, d)
-        row = {"iteration": it if it is not None else "final", "order": orders.get(it),
-               "turn_deg": {h: rotation_vector_deg(g) for h, g in G.items()},
-               "median_angular_error_deg": float(np.median(raw)),
-               "median_angular_error_frame_aligned_deg": float(np.median(fa["angular_deg"]))}
-        if prev is not None:
-            row["turn_change_deg"] = {h: rotation_vector_deg(prev[h].T @ G[h]) for h in G}
-        if it is not None:
-            opt = (folder / f"run_it{it:03d}_optimiser.star").read_text()
-            p = re.search(r"_rlnGpuRelion_perturb\s+(\S+)", opt)
-            if p and it in orders:
-                dd = float(p.group(1)) * angular_step(orders[it])
-                row["perturbation_deg"] = rotation_vector_deg(euler_to_matrix(dd, dd, dd))
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        prev = G
     res = {"gpu": "CPU", "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M"), "n": a.n, "snr": a.snr,
-           "seed": a.seed, "command": "napari-gpu-relion " + " ".join(map(str, args)), "iterations": rows,
+           "seed": a.seed, "command": "napari-gpu-relion " + " ".join(map(str, args)),
+           "iterations": judge_iterations(folder, truth, B, ours_orders_and_perturbations(log, folder)),
+           "map_vs_truth_mean_fsc_shells_8_25": map_vs_truth(folder, truth, B, a.work / "map64.mrc"),
            "judged_s": time.time() - t0}
-    final = folder / "run_class001.mrc"
-    if final.exists():  # the map against the truth: as it is, in the fitted frame, and with the shift reversed
-        d = so.keyed(starfile.read(folder / "run_data.star")["particles"]).loc[truth.index]
-        diff = np.stack([d[c].to_numpy(float) - truth[c].to_numpy(float)
-                         for c in ("rlnOriginXAngst", "rlnOriginYAngst")], axis=1)
-        G, t, _, _ = vr.frame_fit(euler_to_matrix(*(d[c].to_numpy() for c in vr.ANG)), B, diff)
-        truth_map = mrcfile.read(a.work / "map64.mrc").astype(np.float64)
-        mp = mrcfile.read(final).astype(np.float64)
-        n = truth_map.shape[0]
-        r = np.sqrt(sum(g ** 2 for g in np.meshgrid(*(np.arange(n) - n // 2,) * 3, indexing="ij")))
-        msk = (r < 28).astype(float)
-        t_px = t / so.ANGPIX
-        res["frame"] = {"turn_deg": rotation_vector_deg(G), "shift_A": [float(x) for x in t]}
-        res["map_vs_truth_mean_fsc_shells_8_25"] = {
-            name: float(fsc(mp * msk, v * msk)[8:26].mean()) for name, v in (
-                ("as_is", truth_map), ("turned", rotate_map(truth_map, G.T, order=3)),
-                ("turned_and_shifted", vr.truth_in_frame(truth_map, G, t_px)),
-                ("turned_the_other_way", rotate_map(truth_map, G, order=3)),
-                ("turned_and_shifted_the_other_way", vr.truth_in_frame(truth_map, G, -t_px)))}
-        print(json.dumps(res["map_vs_truth_mean_fsc_shells_8_25"]))
+    if a.relion_env:
+        rdir = sim / f"relion_s{a.seed}"
+        rdir.mkdir(exist_ok=True)
+        cmd = RELION.format(seed=a.seed, out=rdir.name)
+        res["relion"] = {"command": cmd}
+        if not (rdir / "run_data.star").exists():
+            with open(rdir / "log.txt", "w") as fh:
+                rc = subprocess.run(["bash", "-c", f". {a.relion_env} && {cmd}"], cwd=sim, stdout=fh,
+                                    stderr=subprocess.STDOUT).returncode
+            if rc:
+                raise SystemExit(f"RELION failed (rc {rc}); see {rdir / 'log.txt'}")
+        res["relion"]["iterations"] = judge_iterations(rdir, truth, B, relion_orders_and_perturbations(rdir))
+        res["relion"]["map_vs_truth_mean_fsc_shells_8_25"] = map_vs_truth(rdir, truth, B, a.work / "map64.mrc")
     if a.without_direction_prior_at:
         res["without_direction_prior"] = again_without_direction_prior(folder, a.without_direction_prior_at, truth, B)
         print(json.dumps(res["without_direction_prior"]))
