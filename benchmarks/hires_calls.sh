@@ -22,7 +22,9 @@
 #       20,000 particles at box 256, class3d K=6, 3 iterations, alternated twice) and runs the GPU tests
 #   bash benchmarks/hires_calls.sh hr256 N SNR LIMIT [UNTIL]   (forty-fourth session, one H200) the GPU tests while
 #       RELION builds, then hr at box 256 and 1.05 Å/px (the same 269 Å box; Nyquist 2.1 Å), files tagged fortyfourth
-#       (b with HR_TAG=realistic_emd11007_box256_h200_fortyfourth)
+#       (b with HR_TAG=realistic_emd11007_box256_h200_fortyfourth). HR_SKIP_TESTS=1 leaves the tests out: e.g.
+#       `HR_SKIP_TESTS=1 hr256 3000 0.1 520 585`, then b, compares both sides' frame-aligned errors through
+#       RELION's iteration ~15 (order 7) within one session's device time (its whole run does not fit)
 #   bash benchmarks/hires_calls.sh beside   what hrconv runs on GPU 1 while RELION refines (when call 1 ran out)
 #   bash benchmarks/hires_calls.sh progress   RELION's finished iterations so far (realistic.py progress)
 #   bash benchmarks/hires_calls.sh b       waits for RELION's run, merges both sides into one JSON, plots the FSCs
@@ -116,7 +118,7 @@ if [ "$1" = hrconv ]; then  # thirty-eighth session, nvidia-h200-x2: the reading
 fi
 if [ "$1" = hr256 ]; then  # forty-fourth session, one H200: the GPU tests while RELION builds, then hr at box 256
   start_relion
-  CUPY_CACHE_DIR=/root/c_tests timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests --ignore=tests/test_io_star.py \
+  [ -n "${HR_SKIP_TESTS:-}" ] || CUPY_CACHE_DIR=/root/c_tests timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests --ignore=tests/test_io_star.py \
       --continue-on-collection-errors -rf > $OUT/gpu_tests.log 2>&1
   echo "pytest rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gpu_tests.log | tail -15 | cut -c1-300
   el "GPU tests (RELION building beside them)"
