@@ -27,7 +27,7 @@ from pathlib import Path
 import mrcfile
 import numpy as np
 import starfile
-from scipy import ndimage
+from scipy.spatial.transform import Rotation
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import subpixel_offsets as so  # noqa: E402
@@ -35,16 +35,13 @@ import vs_relion as vr  # noqa: E402
 
 from napari_gpu_relion.compute.fsc import fsc  # noqa: E402
 from napari_gpu_relion.compute.geometry import euler_to_matrix  # noqa: E402
-from napari_gpu_relion.compute.ground_truth import frame_aligned_angular_errors  # noqa: E402
 from napari_gpu_relion.compute.sampling import angular_step  # noqa: E402
 from napari_gpu_relion.compute.symmetry_alignment import rotate_map  # noqa: E402
 
 
 def rotation_vector_deg(G: np.ndarray) -> list[float]:
     """The turn G as axis x angle (degrees)."""
-    w = np.array([G[2, 1] - G[1, 2], G[0, 2] - G[2, 0], G[1, 0] - G[0, 1]]) / 2
-    ang = np.degrees(np.arccos(np.clip((np.trace(G) - 1) / 2, -1.0, 1.0)))
-    return [round(float(x), 4) for x in w / (np.linalg.norm(w) + 1e-30) * ang]
+    return [round(float(x), 4) for x in np.degrees(Rotation.from_matrix(G).as_rotvec())]
 
 
 #: RELION 5's auto-refine of the same particles with the same options (``--relion_env``: a script that sets
@@ -80,7 +77,7 @@ def relion_orders_and_perturbations(folder: Path) -> dict:
     return out
 
 
-def judge_iterations(folder: Path, truth, B: np.ndarray, sampling: dict) -> list[dict]:
+def judge_iterations(folder: Path, truth, sampling: dict) -> list[dict]:
     """Per iteration (and the final one): each half's frame turn and its change, the sampling's perturbation (as a
     rotation vector), the raw and frame-aligned median angular errors."""
     rows, prev = [], None
@@ -89,11 +86,9 @@ def judge_iterations(folder: Path, truth, B: np.ndarray, sampling: dict) -> list
         m = re.search(r"_it(\d+)_", f.name)
         it = int(m.group(1)) if m else None
         d = so.keyed(starfile.read(f)["particles"]).loc[truth.index]
-        A = euler_to_matrix(*(d[c].to_numpy() for c in vr.ANG))
-        halves = d["rlnRandomSubset"].to_numpy(int)
-        G = {h: frame_aligned_angular_errors(A[halves == h], B[halves == h])[1] for h in (1, 2)}
         raw, _ = vr.pose_differences(truth, d)
         fa = vr.frame_aligned_pose_errors(truth, d)
+        G = fa["turn"]
         order, pert = sampling.get(it, (None, None))
         row = {"iteration": it if it is not None else "final", "order": order,
                "turn_deg": {h: rotation_vector_deg(g) for h, g in G.items()},
@@ -110,16 +105,14 @@ def judge_iterations(folder: Path, truth, B: np.ndarray, sampling: dict) -> list
     return rows
 
 
-def map_vs_truth(folder: Path, truth, B: np.ndarray, truth_path: Path) -> dict | None:
+def map_vs_truth(folder: Path, truth, truth_path: Path) -> dict | None:
     """The final map's mean FSC (shells 8-25, a sphere of radius 28 px) against the truth: as it is, turned into the
     fitted frame, turned and shifted, and turned or shifted the other way."""
     final = folder / "run_class001.mrc"
     if not final.exists():
         return None
-    d = so.keyed(starfile.read(folder / "run_data.star")["particles"]).loc[truth.index]
-    diff = np.stack([d[c].to_numpy(float) - truth[c].to_numpy(float) for c in ("rlnOriginXAngst", "rlnOriginYAngst")],
-                    axis=1)
-    G, t, _, _ = vr.frame_fit(euler_to_matrix(*(d[c].to_numpy() for c in vr.ANG)), B, diff)
+    G, t, _, _ = vr.frame_fit(*vr.pose_arrays(truth, so.keyed(starfile.read(folder / "run_data.star")["particles"])
+                                                .loc[truth.index]))
     truth_map = mrcfile.read(truth_path).astype(np.float64)
     mp = mrcfile.read(final).astype(np.float64)
     n = truth_map.shape[0]
@@ -142,14 +135,7 @@ def simulate(work: Path, n: int, snr: float) -> Path:
     sim = work / f"sim_n{n}_snr{snr:g}"
     if (sim / "particles.star").exists():
         return sim
-    src = next((p for p in so.MAPS if p.exists()), None)
-    if src is None:
-        raise SystemExit("EMD-11007's centred copy is in neither " + " nor ".join(map(str, so.MAPS))
-                         + " (on the GPU machine: . benchmarks/gpu_env.sh unpacks it from .relion_kit)")
-    small = ndimage.zoom(mrcfile.read(src).astype(np.float32), 1 / 3, order=1)
-    with mrcfile.new(work / "map64.mrc", overwrite=True) as m:  # the truth of every simulation here
-        m.set_data((small - np.median(small)).astype(np.float32))
-        m.voxel_size = so.ANGPIX
+    so.write_map64(work)  # the truth of every simulation here
     so.run("simulate", "--o", sim, "--map", work / "map64.mrc", "--box", so.BOX, "--angpix", so.ANGPIX,
            "--n_particles", n, "--snr", snr, "--n_micrographs", 0, "--ini_high", 30, "--seed", 3, "--overwrite")
     return sim
@@ -183,11 +169,10 @@ def main() -> None:
         if rc:
             raise SystemExit(f"refine3d failed (rc {rc}); see {log}")
     truth = so.keyed(starfile.read(sim / "particles.star")["particles"])
-    B = euler_to_matrix(*(truth[c].to_numpy() for c in vr.ANG))
     res = {"gpu": "CPU", "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M"), "n": a.n, "snr": a.snr,
            "seed": a.seed, "command": "napari-gpu-relion " + " ".join(map(str, args)),
-           "iterations": judge_iterations(folder, truth, B, ours_orders_and_perturbations(log, folder)),
-           "map_vs_truth_mean_fsc_shells_8_25": map_vs_truth(folder, truth, B, a.work / "map64.mrc"),
+           "iterations": judge_iterations(folder, truth, ours_orders_and_perturbations(log, folder)),
+           "map_vs_truth_mean_fsc_shells_8_25": map_vs_truth(folder, truth, a.work / "map64.mrc"),
            "judged_s": time.time() - t0}
     if a.relion_env:
         rdir = sim / f"relion_s{a.seed}"
@@ -200,10 +185,10 @@ def main() -> None:
                                     stderr=subprocess.STDOUT).returncode
             if rc:
                 raise SystemExit(f"RELION failed (rc {rc}); see {rdir / 'log.txt'}")
-        res["relion"]["iterations"] = judge_iterations(rdir, truth, B, relion_orders_and_perturbations(rdir))
-        res["relion"]["map_vs_truth_mean_fsc_shells_8_25"] = map_vs_truth(rdir, truth, B, a.work / "map64.mrc")
+        res["relion"]["iterations"] = judge_iterations(rdir, truth, relion_orders_and_perturbations(rdir))
+        res["relion"]["map_vs_truth_mean_fsc_shells_8_25"] = map_vs_truth(rdir, truth, a.work / "map64.mrc")
     if a.without_direction_prior_at:
-        res["without_direction_prior"] = again_without_direction_prior(folder, a.without_direction_prior_at, truth, B)
+        res["without_direction_prior"] = again_without_direction_prior(folder, a.without_direction_prior_at, truth)
         print(json.dumps(res["without_direction_prior"]))
     if a.out:
         a.out.write_text(json.dumps(res, indent=1))
@@ -220,7 +205,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def again_without_direction_prior(folder: Path, it: int, truth, B: np.ndarray) -> dict:
+def again_without_direction_prior(folder: Path, it: int, truth) -> dict:
     """Iteration ``it`` of the run in ``folder`` again from iteration it-1's files with a uniform direction prior
     (stopped once its data STAR is written); the turn each half's frame made in that iteration and the errors,
     with the prior (the run's own) and without."""
@@ -242,17 +227,13 @@ def again_without_direction_prior(folder: Path, it: int, truth, B: np.ndarray) -
                 proc.wait()
     out = {}
     before = so.keyed(starfile.read(folder / f"run_it{it - 1:03d}_data.star")["particles"]).loc[truth.index]
+    G0 = vr.frame_aligned_pose_errors(truth, before)["turn"]
     for name, f in (("with_prior", folder / f"run_it{it:03d}_data.star"), ("without_prior", target)):
         d = so.keyed(starfile.read(f)["particles"]).loc[truth.index]
-        change = {}
-        for h in (1, 2):
-            s0, s1 = (q["rlnRandomSubset"].to_numpy(int) == h for q in (before, d))
-            G0 = frame_aligned_angular_errors(euler_to_matrix(*(before[c].to_numpy()[s0] for c in vr.ANG)), B[s0])[1]
-            G1 = frame_aligned_angular_errors(euler_to_matrix(*(d[c].to_numpy()[s1] for c in vr.ANG)), B[s1])[1]
-            change[h] = rotation_vector_deg(G0.T @ G1)
         raw, _ = vr.pose_differences(truth, d)
         fa = vr.frame_aligned_pose_errors(truth, d)
-        out[name] = {"turn_change_deg": change, "median_angular_error_deg": float(np.median(raw)),
+        out[name] = {"turn_change_deg": {h: rotation_vector_deg(G0[h].T @ G) for h, G in fa["turn"].items()},
+                     "median_angular_error_deg": float(np.median(raw)),
                      "median_angular_error_frame_aligned_deg": float(np.median(fa["angular_deg"]))}
     return out
 

@@ -43,7 +43,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_relion as vr  # noqa: E402
 
 from napari_gpu_relion.compute.fsc import fsc, resolution_A  # noqa: E402
-from napari_gpu_relion.compute.geometry import euler_to_matrix  # noqa: E402
 from napari_gpu_relion.io.mrc import read_mrc  # noqa: E402
 
 
@@ -116,11 +115,7 @@ def frame_of(root: Path, truth) -> tuple[np.ndarray, np.ndarray] | None:
     last = Path(f"{root}_data.star") if Path(f"{root}_data.star").exists() else (files[-1] if files else None)
     if last is None:
         return None
-    d = by_number(vr.particles_of(last)).loc[truth.index]
-    A, B = (euler_to_matrix(*(q[c].to_numpy() for c in vr.ANG)) for q in (d, truth))
-    diff = np.stack([d[c].to_numpy(float) - truth[c].to_numpy(float) for c in ("rlnOriginXAngst", "rlnOriginYAngst")],
-                    axis=1)
-    G, t, _, _ = vr.frame_fit(A, B, diff)
+    G, t, _, _ = vr.frame_fit(*vr.pose_arrays(truth, by_number(vr.particles_of(last)).loc[truth.index]))
     return G, t
 
 

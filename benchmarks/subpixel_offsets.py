@@ -44,13 +44,22 @@ def run(*argv) -> None:
         raise SystemExit(f"failed: {' '.join(map(str, argv))}")
 
 
-def simulate(work: Path, n: int) -> Path:
-    src = next(p for p in MAPS if p.exists())
-    v = mrcfile.read(src).astype(np.float32)
-    small = ndimage.zoom(v, 1 / 3, order=1)
+def write_map64(work: Path) -> Path:
+    """EMD-11007 at a third of its sampling (box 64, 2.5 Å/px), median 0, as ``work``/map64.mrc: the truth of the
+    box-64 simulations (this script's and frame_turn.py's)."""
+    src = next((p for p in MAPS if p.exists()), None)
+    if src is None:
+        raise SystemExit("EMD-11007's centred copy is in neither " + " nor ".join(map(str, MAPS))
+                         + " (on the GPU machine: . benchmarks/gpu_env.sh unpacks it from .relion_kit)")
+    small = ndimage.zoom(mrcfile.read(src).astype(np.float32), 1 / 3, order=1)
     with mrcfile.new(work / "map64.mrc", overwrite=True) as m:
         m.set_data((small - np.median(small)).astype(np.float32))
         m.voxel_size = ANGPIX
+    return work / "map64.mrc"
+
+
+def simulate(work: Path, n: int) -> Path:
+    write_map64(work)
     run("simulate", "--o", work / "sim", "--map", work / "map64.mrc", "--box", BOX, "--angpix", ANGPIX,
         "--n_particles", n, "--snr", 1.0, "--n_micrographs", 0, "--ini_high", 10, "--seed", 3, "--overwrite")
     star = starfile.read(work / "sim" / "particles.star")

@@ -277,6 +277,15 @@ def pose_differences(a: pd.DataFrame, b: pd.DataFrame) -> tuple[np.ndarray, np.n
     return ang, off
 
 
+def pose_arrays(truth: pd.DataFrame, refined: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(refined matrices A, true matrices B, offset differences refined - true (n, 2) Å) of two tables in the same
+    row order: what ``frame_fit`` takes."""
+    A, B = (euler_to_matrix(*(q[c].to_numpy() for c in ANG)) for q in (refined, truth))
+    d = np.stack([refined[c].to_numpy(float) - truth[c].to_numpy(float)
+                  for c in ("rlnOriginXAngst", "rlnOriginYAngst")], axis=1)
+    return A, B, d
+
+
 def frame_fit(A: np.ndarray, B: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The common turn G and 3D shift t (Å) of a refinement's frame against the truth, from refined poses ``A`` and
     true ones ``B`` ((n, 3, 3) RELION matrices) and the offset differences ``d`` (n, 2) (refined - true, Å).
@@ -314,11 +323,8 @@ def frame_aligned_pose_errors(truth: pd.DataFrame, refined: pd.DataFrame) -> dic
     (rlnRandomSubset) has its own reference, and its frame can drift from the truth's by a fraction of a degree
     without any particle being worse aligned to it. The raw errors then count the drift once per particle. Here
     ``frame_fit`` per half (all particles as one set without the column). Returns the aligned per-particle errors
-    (degrees, Å) and each half's turn (degrees) and shift (Å)."""
-    A = euler_to_matrix(*(refined[c].to_numpy() for c in ANG))
-    B = euler_to_matrix(*(truth[c].to_numpy() for c in ANG))
-    d = np.stack([refined[c].to_numpy(float) - truth[c].to_numpy(float)
-                  for c in ("rlnOriginXAngst", "rlnOriginYAngst")], axis=1)
+    (degrees, Å) and each half's turn (the matrix G, and its angle in degrees) and shift (Å)."""
+    A, B, d = pose_arrays(truth, refined)
     halves = (refined["rlnRandomSubset"].to_numpy(int) if "rlnRandomSubset" in refined
               else np.ones(len(refined), int))
     ang = np.empty(len(refined))
@@ -326,10 +332,10 @@ def frame_aligned_pose_errors(truth: pd.DataFrame, refined: pd.DataFrame) -> dic
     turns, shifts = {}, {}
     for h in np.unique(halves):
         sel = halves == h
-        G, t, ang[sel], off[sel] = frame_fit(A[sel], B[sel], d[sel])
-        turns[int(h)] = turn_angle_deg(G)
+        turns[int(h)], t, ang[sel], off[sel] = frame_fit(A[sel], B[sel], d[sel])
         shifts[int(h)] = float(np.linalg.norm(t))
-    return {"angular_deg": ang, "offset_A": off, "turn_deg": turns, "shift_A": shifts}
+    return {"angular_deg": ang, "offset_A": off, "turn": turns,
+            "turn_deg": {h: turn_angle_deg(G) for h, G in turns.items()}, "shift_A": shifts}
 
 
 def evaluate(root: Path, truth: pd.DataFrame, job: str, angpix: float) -> dict:
