@@ -24,7 +24,8 @@
 #       RELION builds, then hr at box 256 and 1.05 Å/px (the same 269 Å box; Nyquist 2.1 Å), files tagged fortyfourth
 #       (b with HR_TAG=realistic_emd11007_box256_h200_fortyfourth). HR_SKIP_TESTS=1 leaves the tests out: e.g.
 #       `HR_SKIP_TESTS=1 hr256 3000 0.1 520 585`, then b, compares both sides' frame-aligned errors through
-#       RELION's iteration ~15 (order 7) within one session's device time (its whole run does not fit)
+#       RELION's iteration ~15 (order 7) within one session's device time (its whole run does not fit); HR_TAG names
+#       the files (default ..._fortyfourth); HR_WARM=1 makes b run our auto-refine once more (the warm run's time)
 #   bash benchmarks/hires_calls.sh beside   what hrconv runs on GPU 1 while RELION refines (when call 1 ran out)
 #   bash benchmarks/hires_calls.sh progress   RELION's finished iterations so far (realistic.py progress)
 #   bash benchmarks/hires_calls.sh b       waits for RELION's run, merges both sides into one JSON, plots the FSCs
@@ -123,7 +124,7 @@ if [ "$1" = hr256 ]; then  # forty-fourth session, one H200: the GPU tests while
   echo "pytest rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gpu_tests.log | tail -15 | cut -c1-300
   el "GPU tests (RELION building beside them)"
   wait_relion
-  export HR_TAG=realistic_emd11007_box256_h200_fortyfourth HR_BOX=256 HR_ANGPIX=1.05; R=$HR_TAG
+  export HR_TAG=${HR_TAG:-realistic_emd11007_box256_h200_fortyfourth} HR_BOX=256 HR_ANGPIX=1.05; R=$HR_TAG
   set -- hr "$2" "$3" "$4" "${5:-585}"
 fi
 if [ "$1" = beside ]; then
@@ -361,4 +362,10 @@ for side in ("true_poses", "ours", "relion"):
 PY
   python3 benchmarks/realistic.py plot $OUT/$R.json $OUT/$R.png
   el "done"
+  if [ -n "${HR_WARM:-}" ]; then  # our auto-refine once more on the same machine: the warm (second) run's time
+    timeout 200 python3 benchmarks/realistic.py science --data /root/hr --sides ours --diameter 180 --tag warm \
+        --no_true_poses --out $OUT/${R}_ours_warm.json 2>&1 | tail -1 | cut -c1-400
+    grep "GPU kernels:" /root/hr/ours_refine3d_warm/log.txt | tail -1 | cut -c1-300
+    el "ours again (warm)"
+  fi
 fi
