@@ -26,6 +26,9 @@
 #       `HR_SKIP_TESTS=1 hr256 3000 0.1 520 585`, then b, compares both sides' frame-aligned errors through
 #       RELION's iteration ~15 (order 7) within one session's device time (its whole run does not fit); HR_TAG names
 #       the files (default ..._fortyfourth); HR_WARM=1 makes b run our auto-refine once more (the warm run's time)
+#   bash benchmarks/hires_calls.sh hrseeds N SNR [UNTIL]   (forty-fifth session, one H200) hr256's data, our
+#       auto-refine with --random_seed 2, 3, 4 (HR_SEEDS) while the call is younger than UNTIL s (470): how far each
+#       seed turns each half's frame (files tagged HR_TAG, default realistic_emd11007_box256_h200_fortyfifth)
 #   bash benchmarks/hires_calls.sh beside   what hrconv runs on GPU 1 while RELION refines (when call 1 ran out)
 #   bash benchmarks/hires_calls.sh progress   RELION's finished iterations so far (realistic.py progress)
 #   bash benchmarks/hires_calls.sh b       waits for RELION's run, merges both sides into one JSON, plots the FSCs
@@ -126,6 +129,18 @@ if [ "$1" = hr256 ]; then  # forty-fourth session, one H200: the GPU tests while
   wait_relion
   export HR_TAG=${HR_TAG:-realistic_emd11007_box256_h200_fortyfourth} HR_BOX=256 HR_ANGPIX=1.05; R=$HR_TAG
   set -- hr "$2" "$3" "$4" "${5:-585}"
+fi
+if [ "$1" = hrseeds ]; then  # forty-fifth session, one H200: hr256's data (N particles, SNR S), our auto-refine with
+  wait_relion               # other random seeds (HR_SEEDS, default 2 3 4) while the call's time allows (UNTIL s)
+  emd_data 1.05 256 "$2" 1 "$3" /root/hr
+  el "data"
+  R=${HR_TAG:-realistic_emd11007_box256_h200_fortyfifth}
+  for s in ${HR_SEEDS:-2 3 4}; do
+    [ $(( $(date +%s) - T0 )) -lt ${4:-470} ] || break
+    timeout 150 python3 benchmarks/realistic.py science --data /root/hr --sides ours --diameter 180 --tag seed$s \
+        --no_true_poses --ours_extra="--random_seed $s" --out $OUT/${R}_ours_seed$s.json 2>&1 | tail -1 | cut -c1-200
+    el "ours, --random_seed $s"
+  done
 fi
 if [ "$1" = beside ]; then
   beside_relion
