@@ -291,28 +291,50 @@ def progress(a) -> None:
 
 
 def plot(a) -> None:
+    """The gold-standard FSCs, the map-vs-truth FSCs (as is, and dashed against the truth turned and shifted into each
+    refinement's frame) and each iteration's median angular error (raw, and dashed after each half's frame turn)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     r = json.loads(Path(a.json).read_text())
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    labels = {"true_poses": "true poses", "ours": "napari-gpu-relion", "relion": "RELION 5"}
     for name, colour in (("true_poses", "k"), ("ours", "tab:blue"), ("relion", "tab:orange")):
         m = r.get(name, {}).get("maps") if name != "true_poses" else r.get("true_poses")
         if not m:
             continue
         res = np.asarray(m["resolution_of_shell_A"], float)
         x = np.where(res > 0, 1.0 / np.maximum(res, 1e-9), 0.0)
-        label = {"true_poses": "true poses", "ours": "napari-gpu-relion", "relion": "RELION 5"}[name]
+        label = labels[name]
         axes[0].plot(x, m["fsc_corrected"], colour, label=f"{label}: {m['gold_standard_masked_A']:.2f} Å")
         axes[1].plot(x[:len(m["fsc_map_vs_truth"])], m["fsc_map_vs_truth"][:len(x)], colour,
                      label=f"{label}: {m['map_vs_truth_fsc05_A']:.2f} Å")
+        if "fsc_map_vs_truth_frame_aligned" in m:
+            f = m["fsc_map_vs_truth_frame_aligned"]
+            axes[1].plot(x[:len(f)], f[:len(x)], colour, ls="--", lw=1,
+                         label=f"{label}, truth in its frame ({m['frame_turn_deg']:.2f}°)")
+    for name, colour in (("ours", "tab:blue"), ("relion", "tab:orange")):
+        its = [i for i in r.get(name, {}).get("iterations", []) if "median_angular_error_frame_aligned_deg" in i]
+        if not its:
+            continue
+        n = [i["iteration"] if i["iteration"] != "final" else its[-2]["iteration"] + 1 for i in its]
+        axes[2].plot(n, [i["median_angular_error_deg"] for i in its], colour, marker=".", label=f"{labels[name]}")
+        axes[2].plot(n, [i["median_angular_error_frame_aligned_deg"] for i in its], colour, ls="--", marker=".",
+                     label=f"{labels[name]}, after each half's frame turn")
     for ax, title, line in ((axes[0], "gold-standard FSC (masked, corrected)", 0.143),
                             (axes[1], "map vs truth FSC (masked)", 0.5)):
         ax.axhline(line, color="grey", lw=0.8, ls="--")
         ax.set_xlabel("resolution (1/Å)")
         ax.set_title(title)
         ax.set_ylim(-0.05, 1.02)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
+    axes[2].set_yscale("log")
+    for axis in (axes[2].yaxis.set_major_formatter, axes[2].yaxis.set_minor_formatter):
+        axis(matplotlib.ticker.FormatStrFormatter("%.2g"))
+    axes[2].set_xlabel("iteration (the last: final)")
+    axes[2].set_ylabel("median angular error (°)")
+    axes[2].set_title("poses against the true poses")
+    axes[2].legend(fontsize=7)
     d = r["data"]
     gpus = r["gpu"].splitlines()  # nvidia-smi names every GPU of the host; each side ran on one
     host = gpus[0] if len(gpus) == 1 else f"one {gpus[0]} of a {len(gpus)}-GPU host"
