@@ -132,7 +132,8 @@ if [ "$1" = hr256 ]; then  # forty-fourth session, one H200: the GPU tests while
 fi
 if [ "$1" = hrseeds ]; then  # forty-fifth session, one H200: hr256's data (N particles, SNR S), our auto-refine with
   wait_relion               # other random seeds (HR_SEEDS, default 2 3 4) while the call's time allows (UNTIL s)
-  emd_data 1.05 256 "$2" 1 "$3" /root/hr
+  { grep -q "\"box\": 256," /root/hr/data.json && grep -q "\"n\": $2," /root/hr/data.json; } 2>/dev/null \
+      || emd_data 1.05 256 "$2" 1 "$3" /root/hr  # hr256's data when this machine made them (a chained call)
   el "data"
   R=${HR_TAG:-realistic_emd11007_box256_h200_fortyfifth}
   for s in ${HR_SEEDS:-2 3 4}; do
