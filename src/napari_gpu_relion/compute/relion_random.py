@@ -3,8 +3,11 @@
 RELION 5 takes its random numbers from the C library and the C++ standard library, seeded in fixed ways:
 
 * the sampling perturbation (HealpixSampling::resetRandomlyPerturbedSampling): one draw when the sampling is set up
-  and one per iteration, each after ``srand(random_seed + iteration)`` (``srand(random_seed)`` at setup), of
-  ``rnd_unif(0.25, 0.5)`` (float arithmetic), added to the previous value and wrapped into [-0.5, 0.5];
+  and one per iteration after ``srand(random_seed + iteration)``, each of ``rnd_unif(0.25, 0.5)`` (float
+  arithmetic), added to the previous value and wrapped into [-0.5, 0.5]. The setup draw comes before RELION seeds
+  the C library (MlOptimiser::initialiseGeneral sets up the sampling; initialiseWorkLoad then calls
+  ``init_random_generator(random_seed)``), so it is glibc's first ``rand()`` in its default state, ``srand(1)``'s,
+  for every seed: RELION 5.0.1's run_it000_sampling.star holds 0.460047 with --random_seed 1, 2 and 3;
 * the class seeds of 3D classification (iteration 1, or 2 after --firstiter_cc): the particles are put in a random
   order by ``std::shuffle`` with ``std::mt19937(random_seed + iteration)`` (Experiment::randomiseParticlesOrder),
   and the particle at position p of that order searches only class ``rand() % K`` after ``srand(random_seed + p)``.
@@ -82,10 +85,14 @@ def wrap_perturbation(x: float, factor: float = PERTURBATION_FACTOR) -> float:
     return float(x - period * (1 + np.floor((x - hi) / period)))
 
 
+#: The C library's seed when RELION draws the setup perturbation: none set yet, which glibc treats as srand(1).
+UNSEEDED = 1
+
+
 def perturbation_step(seed: int, iteration: int, factor: float = PERTURBATION_FACTOR) -> float:
-    """What RELION adds to the perturbation at ``iteration`` (0: the setup draw): rnd_unif(factor/2, factor) after
-    srand(seed + iteration)."""
-    first = glibc_first_rand([int(seed) + int(iteration)])[0]
+    """What RELION adds to the perturbation at ``iteration``: rnd_unif(factor/2, factor) after srand(seed +
+    iteration); at 0 (the setup draw) from the unseeded C library, the same for every seed."""
+    first = glibc_first_rand([UNSEEDED if int(iteration) == 0 else int(seed) + int(iteration)])[0]
     return float(rnd_unif(first, 0.5 * factor, factor))
 
 
