@@ -70,7 +70,7 @@ def test_sampling_perturbations_are_relions():
 
 
 def test_sampling_perturbations_are_relions_for_other_seeds():
-    """RELION's rlnSamplingPerturbInstance of iterations 0-11 of auto-refines with --random_seed 1, 2 and 3: the
+    """RELION's rlnSamplingPerturbInstance of iterations 0-11 of auto-refines with --random_seed 1-4: the
     setup draw (iteration 0) is the same for every seed (RELION sets up its sampling before it seeds the C library),
     the later ones follow the seed."""
     runs = json.loads((Path(__file__).parent / "data" / "relion5_refine3d_perturbations.json").read_text())
