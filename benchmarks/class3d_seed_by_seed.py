@@ -1,4 +1,6 @@
-"""Our class3d runs against RELION's, seed by seed (issue 16): with RELION's own random draws
+"""Our class3d runs against RELION's, seed by seed (issue 16): with RELION's own random draws (the sampling
+perturbation's setup draw only since the forty-fifth session: before it, seeds other than 1 had every perturbation
+off RELION's by a constant, 0.035 of a step per seed after 1; the class seeds were RELION's)
 (compute/relion_random.py) a seed gives both programs the same class seeds and sampling perturbations, so their
 runs can be compared per iteration, not only as means over seeds.
 

@@ -71,7 +71,8 @@ def relion_state(stem: str, box: int, apix: float, seed: int) -> EMState:
     st.incr_size = int(opt["rlnIncrementImageSize"])
     st.has_high_fsc_at_limit = bool(int(opt["rlnHasHighFscAtResolLimit"]))
     st.ave_pmax = float(model["rlnAveragePmax"])
-    # RELION writes no sampling STAR at iteration 0: its perturbation then is the setup draw (unseeded: srand(1)'s)
+    # RELION's sequential runs write no sampling STAR at iteration 0: the perturbation then is the setup draw
+    # (unseeded: srand(1)'s, for every seed)
     st.perturb = float(smp["rlnSamplingPerturbInstance"]) if smp_path.exists() else \
         next_perturbation(0.0, seed, 0)
     st.norm_average = float(model["rlnNormCorrectionAverage"])

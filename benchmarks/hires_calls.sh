@@ -27,7 +27,7 @@
 #       RELION's iteration ~15 (order 7) within one session's device time (its whole run does not fit); HR_TAG names
 #       the files (default ..._fortyfourth); HR_WARM=1 makes b run our auto-refine once more (the warm run's time)
 #   bash benchmarks/hires_calls.sh hrseeds N SNR [UNTIL]   (forty-fifth session, one H200) hr256's data, our
-#       auto-refine with --random_seed 2, 3, 4 (HR_SEEDS) while the call is younger than UNTIL s (470): how far each
+#       auto-refine with --random_seed 2, 3, 4 (HR_SEEDS) while the call is younger than UNTIL s (400; each seed ~120 s with its judging): how far each
 #       seed turns each half's frame (files tagged HR_TAG, default realistic_emd11007_box256_h200_fortyfifth)
 #   bash benchmarks/hires_calls.sh beside   what hrconv runs on GPU 1 while RELION refines (when call 1 ran out)
 #   bash benchmarks/hires_calls.sh progress   RELION's finished iterations so far (realistic.py progress)
@@ -137,7 +137,7 @@ if [ "$1" = hrseeds ]; then  # forty-fifth session, one H200: hr256's data (N pa
   el "data"
   R=${HR_TAG:-realistic_emd11007_box256_h200_fortyfifth}
   for s in ${HR_SEEDS:-2 3 4}; do
-    [ $(( $(date +%s) - T0 )) -lt ${4:-470} ] || break
+    [ $(( $(date +%s) - T0 )) -lt ${4:-400} ] || break
     timeout 150 python3 benchmarks/realistic.py science --data /root/hr --sides ours --diameter 180 --tag seed$s \
         --no_true_poses --ours_extra="--random_seed $s" --out $OUT/${R}_ours_seed$s.json 2>&1 | tail -1 | cut -c1-200
     el "ours, --random_seed $s"

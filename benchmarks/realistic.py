@@ -329,8 +329,9 @@ def plot(a) -> None:
         ax.set_ylim(-0.05, 1.02)
         ax.legend(fontsize=7)
     axes[2].set_yscale("log")
-    for axis in (axes[2].yaxis.set_major_formatter, axes[2].yaxis.set_minor_formatter):
-        axis(matplotlib.ticker.FormatStrFormatter("%.2g"))
+    axes[2].yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axes[2].yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.2g"))
+    axes[2].yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes[2].set_xlabel("iteration (the last: final)")
     axes[2].set_ylabel("median angular error (°)")
     axes[2].set_title("poses against the true poses")

@@ -7,7 +7,7 @@ RELION 5 takes its random numbers from the C library and the C++ standard librar
   arithmetic), added to the previous value and wrapped into [-0.5, 0.5]. The setup draw comes before RELION seeds
   the C library (MlOptimiser::initialiseGeneral sets up the sampling; initialiseWorkLoad then calls
   ``init_random_generator(random_seed)``), so it is glibc's first ``rand()`` in its default state, ``srand(1)``'s,
-  for every seed: RELION 5.0.1's run_it000_sampling.star holds 0.460047 with --random_seed 1, 2 and 3;
+  for every seed: RELION 5.0.1's run_it000_sampling.star holds 0.460047 with --random_seed 1, 2, 3 and 4;
 * the class seeds of 3D classification (iteration 1, or 2 after --firstiter_cc): the particles are put in a random
   order by ``std::shuffle`` with ``std::mt19937(random_seed + iteration)`` (Experiment::randomiseParticlesOrder),
   and the particle at position p of that order searches only class ``rand() % K`` after ``srand(random_seed + p)``.
