@@ -210,7 +210,7 @@ def test_class3d_orientation_distributions_follow_relions_convention(mixture, tm
 def test_a_new_job_starts_from_relions_setup_draw_of_the_perturbation(mixture, tmp_path):
     """A new job's state holds the perturbation RELION draws when it sets up its sampling (iteration 0), so that
     iteration 1's is the second draw; RELION draws it before it seeds the C library, so it is the same for every
-    seed (0.460047 in RELION 5.0.1's run_it000_sampling.star with --random_seed 1, 2 and 3)."""
+    seed (0.460047 in RELION 5.0.1's run_it000_sampling.star with --random_seed 1-4)."""
     for seed in (1, 2):
         p = class3d.Params(i=mixture / "particles.star", ref=mixture / "reference.mrc", o=tmp_path / f"s{seed}" / "run",
                            K=2, iter=1, cpu=True, random_seed=seed)
