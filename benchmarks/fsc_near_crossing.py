@@ -16,40 +16,32 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import starfile
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_iteration_fsc import iterations  # noqa: E402
 
-def gold_standard_fsc(model_star: Path) -> np.ndarray:
-    """rlnGoldStandardFsc per shell of the first class of a model STAR."""
-    return starfile.read(model_star, always_dict=True)["model_class_1"]["rlnGoldStandardFsc"].to_numpy(float)
-
-
-def crossing(fsc: np.ndarray, threshold: float = 0.143) -> int:
-    """The first shell whose FSC is below ``threshold`` (the length when none is)."""
-    below = np.flatnonzero(fsc < threshold)
-    return int(below[0]) if below.size else len(fsc)
+from napari_gpu_relion.compute.schedule import fsc_crossing  # noqa: E402
 
 
 def compare(ours_root: Path, relion_root: Path) -> list[dict]:
+    """Per iteration both runs wrote (``compare_iteration_fsc.iterations``): the crossing shells and the mean FSC
+    difference around RELION's."""
+    ours, relion = iterations(ours_root), iterations(relion_root)
     rows = []
-    it = 1
-    while True:
-        o = Path(f"{ours_root}_it{it:03d}_half1_model.star")
-        r = Path(f"{relion_root}_it{it:03d}_half1_model.star")
-        if not (o.exists() and r.exists()):
-            return rows
-        fo, fr = gold_standard_fsc(o), gold_standard_fsc(r)
+    for it in sorted(set(ours) & set(relion)):
+        fo, fr = ours[it]["fsc"], relion[it]["fsc"]
         n = min(len(fo), len(fr))
         fo, fr = fo[:n], fr[:n]
-        cr = crossing(fr)
+        cr = fsc_crossing(fr, 0.143) % (n + 1)  # -1 (none below) -> n
         band = slice(max(cr - 4, 1), min(cr + 3, n))
-        rows.append({"iteration": it, "crossing_ours": crossing(fo), "crossing_relion": cr,
+        rows.append({"iteration": it, "crossing_ours": fsc_crossing(fo, 0.143) % (n + 1), "crossing_relion": cr,
                      "mean_difference_near_crossing": float((fo - fr)[band].mean())})
-        it += 1
+    return rows
 
 
 def main(argv=None) -> None:
