@@ -81,10 +81,7 @@ def judge_iterations(folder: Path, truth, sampling: dict) -> list[dict]:
     """Per iteration (and the final one): each half's frame turn and its change, the sampling's perturbation (as a
     rotation vector), the raw and frame-aligned median angular errors."""
     rows, prev = [], None
-    files = [f for f in sorted(folder.glob("run_it*_data.star")) if "_it000_" not in f.name]
-    for f in files + ([folder / "run_data.star"] if (folder / "run_data.star").exists() else []):
-        m = re.search(r"_it(\d+)_", f.name)
-        it = int(m.group(1)) if m else None
+    for it, f in vr.iteration_data_stars(folder / "run"):
         d = so.keyed(starfile.read(f)["particles"]).loc[truth.index]
         raw, _ = vr.pose_differences(truth, d)
         fa = vr.frame_aligned_pose_errors(truth, d)

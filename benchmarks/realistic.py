@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import signal
 import subprocess
 import sys
@@ -82,15 +81,8 @@ def per_iteration(root: Path, truth, t0: float, marker: Path | None) -> list[dic
     """Resolution, errors against the truth and wall time of every finished iteration of rootname ``root``."""
     times, _ = vr.iteration_times(root, t0, marker)
     rows = []
-    files = sorted(root.parent.glob(root.name + "_it*_data.star"))
-    if Path(f"{root}_data.star").exists():
-        files.append(Path(f"{root}_data.star"))
     k = 0
-    for f in files:
-        m = re.search(r"_it(\d+)_", f.name)
-        it = int(m.group(1)) if m else None
-        if it == 0:
-            continue
+    for it, f in vr.iteration_data_stars(root):
         d = by_number(vr.particles_of(f)).loc[truth.index]
         ang, off = vr.pose_differences(truth, d)
         fa = vr.frame_aligned_pose_errors(truth, d)
@@ -111,11 +103,10 @@ def per_iteration(root: Path, truth, t0: float, marker: Path | None) -> list[dic
 def frame_of(root: Path, truth) -> tuple[np.ndarray, np.ndarray] | None:
     """The turn G and shift t (Å) of the refinement's frame (``vs_relion.frame_fit``, every particle together: the
     summed half maps are judged), from its last data STAR (the final one when written)."""
-    files = [f for f in sorted(root.parent.glob(root.name + "_it*_data.star")) if "_it000_" not in f.name]
-    last = Path(f"{root}_data.star") if Path(f"{root}_data.star").exists() else (files[-1] if files else None)
-    if last is None:
+    stars = vr.iteration_data_stars(root)
+    if not stars:
         return None
-    G, t, _, _ = vr.frame_fit(*vr.pose_arrays(truth, by_number(vr.particles_of(last)).loc[truth.index]))
+    G, t, _, _ = vr.frame_fit(*vr.pose_arrays(truth, by_number(vr.particles_of(stars[-1][1])).loc[truth.index]))
     return G, t
 
 

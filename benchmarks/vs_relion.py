@@ -210,6 +210,19 @@ def data_star(root: Path, final: bool) -> Path:
     return its[-1]
 
 
+def iteration_data_stars(root: Path) -> list[tuple[int | None, Path]]:
+    """(iteration, path) of each iteration's data STAR of rootname ``root`` from iteration 1 on, then (None, the
+    final data STAR) when it was written."""
+    out = []
+    for f in sorted(root.parent.glob(root.name + "_it*_data.star")):
+        it = int(re.search(r"_it(\d+)_", f.name).group(1))
+        if it > 0:
+            out.append((it, f))
+    if Path(f"{root}_data.star").exists():
+        out.append((None, Path(f"{root}_data.star")))
+    return out
+
+
 def particles_of(path: Path) -> pd.DataFrame:
     d = starfile.read(path)
     return d["particles"] if isinstance(d, dict) else d
