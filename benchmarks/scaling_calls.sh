@@ -49,7 +49,7 @@ case "$1" in
   small)
     GPUS=$(seq -s: 0 $(( $2 - 1 )))
     python3 benchmarks/scaling.py --job class3d --ranks 1,$2 --gpu $GPUS --n_particles 10000 --box 128 --K 4 \
-        --iter 5 --work /root/sc128 --mpiexec "$MPI" --out $OUT/scaling_class3d_box128_n10000_h200x$2.json \
+        --iter 5 --work /root/sc128 --mpiexec "$MPI" --out $OUT/scaling_class3d_box128_n10000_h200x$2${TAG:-}.json \
         | grep '^{"ranks' | cut -c1-600
     el "small" ;;
   data)

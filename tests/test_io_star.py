@@ -687,6 +687,27 @@ def test_a_long_loop_formatted_by_worker_processes_gives_the_same_file_and_error
     star._format_pool = None
 
 
+def test_warm_writer_imports_the_writers_and_starts_every_formatting_process_only_for_long_loops(monkeypatch):
+    """warm_writer (the helper's start, before a job's first iteration): the named modules imported; the
+    FORMAT_WORKERS_ENV processes started, all of them, only when the job's loops will be long enough for them."""
+    import multiprocessing  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from napari_gpu_relion.io import star  # noqa: PLC0415
+
+    monkeypatch.setenv(star.FORMAT_WORKERS_ENV, "2")
+    monkeypatch.setattr(star, "_format_pool", None)
+    monkeypatch.delitem(sys.modules, "napari_gpu_relion.io.model_star", raising=False)
+    star.warm_writer(("napari_gpu_relion.io.model_star",), star._PARALLEL_FROM_ROWS - 1)
+    assert "napari_gpu_relion.io.model_star" in sys.modules
+    assert star._format_pool is None and not multiprocessing.active_children()
+    star.warm_writer((), star._PARALLEL_FROM_ROWS)
+    try:
+        assert star._format_pool[0] == 2 and len(multiprocessing.active_children()) == 2
+    finally:
+        star._format_pool[1].shutdown()
+
+
 @needs_data
 @pytest.mark.parametrize("name", sorted(p.name for p in REAL.glob("*.star")) if REAL.is_dir() else [])
 def test_our_star_reader_gives_starfiles_blocks_on_relion_made_files(name):

@@ -167,8 +167,10 @@ def test_writes_through_the_helper_process_give_the_same_files_and_errors(tmp_pa
     assert "cannot take" in q.helper_note and q._helper is not None
     assert read_optimiser_star(tmp_path / "local.star")["rlnCurrentIteration"] == 7
     assert (tmp_path / "after.star").read_bytes() == (tmp_path / "here.star").read_bytes()
+    proc = q._helper._proc
     q.close()
     assert q._helper is None
+    assert proc.wait(timeout=30) == 0  # the helper ended by itself once its stdin closed (not killed)
 
 
 def test_star_writes_in_the_helper_run_beside_the_other_writes_and_put_after_all_waits_for_both(tmp_path):

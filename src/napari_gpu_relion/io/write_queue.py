@@ -239,12 +239,23 @@ class _Helper:
         return " / ".join(self._err.read().decode(errors="replace").strip().splitlines()[-3:])
 
     def close(self) -> None:
+        """End the helper: its stdin closed, it ends by itself (every write it took was answered: nothing of the
+        job's is left in it). Its end (its formatting processes' shutdown: 0.9 s on the 2-core VM) is waited for
+        on a thread, not by the job: a job finished once its files were whole, not once the helper had gone."""
         try:
             self._proc.stdin.close()
+        except OSError:
+            pass
+        threading.Thread(target=self._reap, daemon=True, name="file-writing helper's end").start()
+
+    def _reap(self) -> None:
+        try:
             self._proc.wait(timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
+        except subprocess.TimeoutExpired:
             self._proc.kill()
-        self._err.close()
+            self._proc.wait()
+        finally:
+            self._err.close()
 
 
 def _send(fh, head: bytes, buffers: list) -> None:

@@ -64,7 +64,7 @@ from ..io.model_star import (
 from ..io.mrc import read_mrc, require_usable_map
 from ..io.particle_images import NORM_CHECK_IMAGES, check_normalisation, norm_check_rows, parse_image_name
 from ..io.paths import is_star_path
-from ..io.star import read_star
+from ..io.star import read_star, warm_writer
 from ..io.write_queue import HELPER_FROM_PARTICLES, WriteQueue
 from ..marks import memory_mark
 from ..runtime.device import Backend, backend_for, compute_threads, host_available_bytes, set_matmul_tf32
@@ -468,6 +468,8 @@ class EMJob:
         # the iterations' files, written while the next computes (a large set's through a helper process, whose
         # STAR formatting does not hold this process's lock while the job launches its kernels)
         self.writer = WriteQueue(f"{self.name} files", helper_process=len(self.ps) >= HELPER_FROM_PARTICLES)
+        if self.comm.is_root and len(self.ps) >= HELPER_FROM_PARTICLES:  # the helper starts now, beside the start-up
+            self.writer.put(warm_writer, (write_data_star.__module__, write_optimiser_star.__module__), len(self.ps))
         self.helper_noted = False
         self.files_from = 0  # the number (WriteQueue.handed) of the latest iteration's first write
 
