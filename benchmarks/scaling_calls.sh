@@ -3,6 +3,8 @@
 #   bash benchmarks/scaling_calls.sh tests            the GPU tests of the images a rank keeps on its GPU
 #   bash benchmarks/scaling_calls.sh small GPUS      10,000 particles of our simulator at box 128, class3d K=4, 5
 #       iterations, on 1 and GPUS ranks (the issue's "never slower on more GPUs")
+#   bash benchmarks/scaling_calls.sh fastexit GPUS   small's class3d on GPUS ranks, the command line's os._exit after
+#       the job against the interpreter's own exit (NAPARI_GPU_RELION_FAST_EXIT=0), alternated twice after a first run
 #   bash benchmarks/scaling_calls.sh data N          RELION built; N EMD-11007 particles of two states at box 256
 #       (1.05 Å/px, SNR 0.05) by relion_project in 32 processes, kept in /root/s256_N; then `warmup`
 #   bash benchmarks/scaling_calls.sh class3d N GPUS [ITER]  class3d K=6, ITER iterations (5; the standard benchmark
@@ -52,6 +54,16 @@ case "$1" in
         --iter 5 --work /root/sc128 --mpiexec "$MPI" --out $OUT/scaling_class3d_box128_n10000_h200x$2${TAG:-}.json \
         | grep '^{"ranks' | cut -c1-600
     el "small" ;;
+  fastexit)  # the command line's exit by os._exit after main against the interpreter's own exit
+    # (NAPARI_GPU_RELION_FAST_EXIT=0): small's class3d on GPUS ranks (1: one rank), a first run that compiles, then
+    # the two alternated twice; the JSONs' wall_s minus job_s and process_before_job_s is the time around the job
+    GPUS=$(seq -s: 0 $(( $2 - 1 )))
+    for run in 1_warm 0_a 1_a 0_b 1_b; do
+      NAPARI_GPU_RELION_FAST_EXIT=${run%_*} python3 benchmarks/scaling.py --job class3d --ranks $2 --gpu $GPUS \
+          --n_particles 10000 --box 128 --K 4 --iter 5 --work /root/sc128 --mpiexec "$MPI" \
+          --out $OUT/fastexit_class3d_box128_n10000_ranks$2${TAG:-}_exit$run.json | grep '^{"ranks' | cut -c1-300
+      el "class3d, NAPARI_GPU_RELION_FAST_EXIT=${run%_*} ($run)"
+    done ;;
   data)
     start_relion; wait_relion; el "RELION built"
     python3 benchmarks/standard_class3d.py make-data --map .relion_kit/emd_11007_centred192.mrc --map_angpix 0.834 \
