@@ -15,3 +15,5 @@ sed -e 's/-DCUDA=ON -DCUDA_ARCH=90/-DCUDA=OFF -DALTCPU=OFF/' \
     -e 's/relion_refine relion_project relion_image_handler relion_reconstruct > ninja.log/relion_refine relion_project > ninja.log/' \
     -e 's/^ninja -j "\$J" relion_refine_mpi 2>&1 | tail -3/true/' "$W/build_relion.sh" > "$W/build_cpu.sh"
 bash "$W/build_cpu.sh" "$W" "$RB" "$J"
+# the MPI program (split random halves need it: frame_turn.py, continue_refine_from_relion.py), with the wheel's Open MPI
+. "$RB/env.sh" && (cd "$RB/build" && rl ninja -j "$J" relion_refine_mpi 2>&1 | tail -2)
