@@ -512,3 +512,32 @@ def test_relions_own_converged_run_is_followed_decision_by_decision():
                                         *first_steps, moved)
     assert st.iteration == 20 and plan.final
     assert orders == [2] * 5 + [3] * 3 + [4] * 2 + [5] * 2 + [6] * 2 + [7] * 2 + [8] * 4
+
+
+def test_relions_resolution_skips_a_dip_of_the_fsc_that_its_first_drop_stops_at():
+    """RELION's current resolution (updateCurrentResolution, what auto-refine prints and the schedule uses) from the
+    SSNR of the half-map FSC: SSNR > 1 where FSC > 1/7. An FSC that dips below 0.143 at shells 20-22 and is above
+    it again up to shell 39: the first drop says shell 19, RELION's rule (a shell more than 3 beyond it still above,
+    scanning down) shell 39; a dip whose recovery stays within 3 shells of the drop is not skipped."""
+    from napari_gpu_relion.compute.fsc import fsc_to_full, resolution_shell  # noqa: PLC0415
+    from napari_gpu_relion.compute.maximization import resolution_shell_from_ssnr  # noqa: PLC0415
+
+    def ssnr_of(f):
+        full = fsc_to_full(f)
+        return full / np.maximum(1.0 - full, 1e-12)
+
+    shells = np.arange(65)
+    f = np.clip(1.0 - shells / 45.0, 0.0, 1.0)  # 0.143 near shell 38.6
+    f[0] = 1.0
+    dip = f.copy()
+    dip[20:23] = 0.10
+    assert resolution_shell(dip, 0.143) == 19
+    assert resolution_shell_from_ssnr(ssnr_of(dip)) == 38 == resolution_shell(f, 0.143)
+    short = f.copy()
+    short[20:23] = 0.10
+    short[26:] = 0.0  # above again at 23-25 only: 25 is beyond R + 3 = 22, so it counts
+    assert resolution_shell_from_ssnr(ssnr_of(short)) == 25
+    shorter = f.copy()
+    shorter[20] = 0.10
+    shorter[23:] = 0.0  # above again at 21-22 only, not beyond R + 3 = 22: the first drop stands
+    assert resolution_shell_from_ssnr(ssnr_of(shorter)) == 19

@@ -329,7 +329,13 @@ class Refine3D(em.EMJob):
         class_change = self.input_class_change if first else 0.0
         st.finish_auto_refine_iteration(res_shell, it.fsc, it.current_size, float(self.ps.pmax[self.halves[0]].mean()),
                                         self.angle_change, self.offset_change, *self.monitor_steps, class_change)
-        self.res_A = shell_to_angstrom(max(resolution_shell(it.fsc, 0.143), 1), self.N, self.apix)
+        # what the log, the viewer and the end report: RELION's current resolution (its "Auto-refine: Resolution="
+        # and "Final resolution (without masking)"; the model STARs' rlnCurrentResolution). Its SSNR > 1 is the
+        # half-map FSC > 0.143, and a shell more than 3 beyond the first drop that is above it again counts: the
+        # FSC's first drop below 0.143 reported 6.72 Å for a refinement whose FSC dipped there and that RELION and
+        # the model STAR put at 3.45 Å (EMD-11007, box 256, 1,000 particles; benchmarks/HISTORY.md)
+        self.res_A = shell_to_angstrom(max(st.res_shell, 1), self.N, self.apix)
+        self.fsc_drop_A = shell_to_angstrom(max(resolution_shell(it.fsc, 0.143), 1), self.N, self.apix)
 
     def check_convergence(self, it: em.Iteration) -> bool:
         # RELION checkConvergence ran in finish_auto_refine_iteration: state.converged makes the next iteration
@@ -364,8 +370,8 @@ class Refine3D(em.EMJob):
         st, N, apix, p = self.state, self.N, self.apix, self.p
         sh = np.arange(N // 2 + 1)
         # rlnCurrentResolution is RELION's current resolution (the shell before the SSNR first drops below 1, which
-        # sets the next image size and the no-gain counter: what RELION reads back), not the FSC-0.143 estimate,
-        # which is the class's rlnEstimatedResolution and the FSC curve's
+        # sets the next image size and the no-gain counter: what RELION reads back; res_A), the class's
+        # rlnEstimatedResolution the FSC's first drop below 0.143
         general = {"rlnReferenceDimensionality": 3, "rlnDataDimensionality": 2, "rlnOriginalImageSize": N,
                    "rlnCurrentResolution": shell_to_angstrom(max(st.res_shell, 1), N, apix),
                    "rlnCurrentImageSize": it.current_size,
@@ -378,7 +384,8 @@ class Refine3D(em.EMJob):
                    "rlnLogLikelihood": float(self.ps.log_likelihood.sum()), "rlnAveragePmax": st.ave_pmax}
         classes = pd.DataFrame({"rlnReferenceImage": [ref_path.name], "rlnClassDistribution": [1.0],
                                 "rlnAccuracyRotations": [st.acc_rot], "rlnAccuracyTranslationsAngst": [st.acc_trans_A],
-                                "rlnEstimatedResolution": [self.res_A], "rlnOverallFourierCompleteness": [1.0]})
+                                "rlnEstimatedResolution": [self.fsc_drop_A],
+                                "rlnOverallFourierCompleteness": [1.0]})
         res_col = np.where(sh > 0, N * apix / np.maximum(sh, 1), 999.0)
         curve = pd.DataFrame({"rlnSpectralIndex": sh, "rlnResolution": sh / (N * apix),
                               "rlnAngstromResolution": res_col, "rlnSsnrMap": it.ssnr[0][: sh.size],
