@@ -335,7 +335,8 @@ class Refine3D(em.EMJob):
         # FSC's first drop below 0.143 reported 6.72 Å for a refinement whose FSC dipped there and that RELION and
         # the model STAR put at 3.45 Å (EMD-11007, box 256, 1,000 particles; benchmarks/HISTORY.md)
         self.res_A = shell_to_angstrom(max(st.res_shell, 1), self.N, self.apix)
-        self.fsc_drop_A = shell_to_angstrom(max(resolution_shell(it.fsc, 0.143), 1), self.N, self.apix)
+        self.fsc_drop_shell = resolution_shell(it.fsc, 0.143)
+        self.fsc_drop_A = shell_to_angstrom(max(self.fsc_drop_shell, 1), self.N, self.apix)
 
     def check_convergence(self, it: em.Iteration) -> bool:
         # RELION checkConvergence ran in finish_auto_refine_iteration: state.converged makes the next iteration
@@ -361,6 +362,9 @@ class Refine3D(em.EMJob):
         self.write_optimiser(it, data, models)
         summary = (f"resolution {self.res_A:.2f} Å (FSC 0.143), image size {it.current_size}, angular change "
                    f"{self.angle_change:.2f}°, offset change {self.offset_change:.2f} Å, <Pmax> {st.ave_pmax:.3f}")
+        if not it.cc and st.res_shell > self.fsc_drop_shell + 3:  # RELION's rule skipped a dip (update_resolution)
+            yield Message(f"  the FSC dipped below 0.143 at {self.fsc_drop_A:.2f} Å and rose above it again: the "
+                          f"resolution is {self.res_A:.2f} Å, as RELION counts it")
         for h, name in enumerate(["class001"] if it.final else ["half1", "half2"]):
             yield MapUpdated(name, vols[h], apix, maps[h])
         yield FscUpdated(np.arange(N // 2 + 1) / (N * apix), {"gold-standard FSC": it.fsc}, self.res_A)
