@@ -116,11 +116,38 @@ def prepare(sim: Path, rdir: Path, it: int, seed: int, extra: list[str], tag: st
 
 
 def used(root: Path, it: int) -> dict:
-    """The image size and HEALPix order iteration ``it`` of a run used (its model and sampling STARs)."""
+    """The image size and HEALPix order iteration ``it`` of a run used (its model STAR; RELION's sampling STAR,
+    ours' optimiser STAR)."""
     model = general(Path(f"{root}_it{it:03d}_half1_model.star"))
-    smp = general(Path(f"{root}_it{it:03d}_sampling.star"))
-    return {"image_size": model.get("rlnCurrentImageSize"), "order": smp.get("rlnHealpixOrder"),
+    order = general(Path(f"{root}_it{it:03d}_sampling.star")).get("rlnHealpixOrder")
+    if order is None:
+        order = general(Path(f"{root}_it{it:03d}_optimiser.star")).get("rlnGpuRelion_order")
+    return {"image_size": model.get("rlnCurrentImageSize"), "order": order,
             "resolution_A": model.get("rlnCurrentResolution"), "ave_pmax": model.get("rlnAveragePmax")}
+
+
+class _Enough(Exception):
+    """Raised at the start of the iteration after the one to compare: its files are whole (the job drains its
+    writes when it stops), and the final iteration that --auto_iter_max would add is not run."""
+
+
+def one_iteration(argv: list[str], sim: Path, relion_root: Path, log: Path, last: int) -> None:
+    """Our refine3d --continue (in this process, RELION's perturbations) stopped before iteration ``last`` + 1."""
+    update = refine3d.Refine3D.update_sampling
+
+    def until_last(self):
+        if self.state.iteration > last:
+            raise _Enough
+        return (yield from update(self))
+
+    refine3d.Refine3D.update_sampling = until_last
+    try:
+        rc = run_with_relion_perturbation(argv, sim, relion_root, log)
+        raise SystemExit(f"ours from iteration {last - 1} ended (rc {rc}) before iteration {last + 1}; see {log}")
+    except _Enough:
+        pass
+    finally:
+        refine3d.Refine3D.update_sampling = update
 
 
 def main(argv=None) -> None:
@@ -156,11 +183,9 @@ def main(argv=None) -> None:
         if not Path(f"{rdir / 'run'}_it{it + 1:03d}_half1_model.star").exists():
             continue
         opt = prepare(sim, rdir, it, a.seed, extra, a.tag)
-        argv_ours = ["refine3d", "--continue", str(opt), "--auto_iter_max", str(it + 1), "--cpu"]
         t1 = time.time()
-        rc = run_with_relion_perturbation(argv_ours, sim, rdir / "run", opt.parent / "log.txt")
-        if rc:
-            raise SystemExit(f"ours from iteration {it} failed (rc {rc}); see {opt.parent / 'log.txt'}")
+        one_iteration(["refine3d", "--continue", str(opt), "--cpu"], sim, rdir / "run", opt.parent / "log.txt",
+                      it + 1)
         ours_root, relion_root = opt.parent / "run", rdir / "run"
         fsc = [r for r in compare(ours_root, relion_root) if r["iteration"] == it + 1]
         fo, fr = iterations(ours_root)[it + 1]["fsc"], iterations(relion_root)[it + 1]["fsc"]

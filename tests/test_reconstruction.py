@@ -154,6 +154,38 @@ def test_fsc_analytic_cases():
     assert fsc_to_full(np.array([0.143]))[0] == pytest.approx(np.sqrt(2 * 0.143 / 1.143))
 
 
+def test_gold_standard_fsc_counts_only_elements_within_r_max_as_relion():
+    """fsc_from_pooled (auto-refine's half-map FSC, RELION's calculateDownSampledFourierShellCorrelation): only
+    half-grid elements with |k| <= r_max count. Against a direct float64 sum over those elements: the shell
+    ROUND(r_max) keeps its correlated inner elements and drops the uncorrelated ones just beyond r_max (the
+    insertion's interpolation leaves a little there), which took ours' edge-shell FSC from RELION's 0.18 to -0.02."""
+    from napari_gpu_relion.compute.maximization import fsc_from_pooled  # noqa: PLC0415
+
+    rng = np.random.default_rng(7)
+    N, r_max = 32, 10.0
+    shape = (N, N, N // 2 + 1)
+    kz = np.fft.fftfreq(N, 1 / N)[:, None, None]
+    ky = np.fft.fftfreq(N, 1 / N)[None, :, None]
+    kx = np.arange(N // 2 + 1)[None, None, :]
+    R = np.sqrt(kz ** 2 + ky ** 2 + kx ** 2) * np.ones(shape)
+    signal = rng.normal(size=shape) + 1j * rng.normal(size=shape)
+    z1 = signal + 0.5 * (rng.normal(size=shape) + 1j * rng.normal(size=shape))
+    z2 = signal + 0.5 * (rng.normal(size=shape) + 1j * rng.normal(size=shape))
+    outer = (R > r_max) & (R < r_max + 0.5)  # shell 10's outer part: independent in each half
+    z1[outer] = 3 * (rng.normal(size=outer.sum()) + 1j * rng.normal(size=outer.sum()))
+    z2[outer] = 3 * (rng.normal(size=outer.sum()) + 1j * rng.normal(size=outer.sum()))
+    z1[R >= r_max + 0.5], z2[R >= r_max + 0.5] = 0, 0
+    got = fsc_from_pooled(z1, z2, r_max)
+    shell = np.floor(R + 0.5).astype(int)
+    for s in range(1, int(r_max) + 1):
+        m = (shell == s) & (R <= r_max)
+        num = np.sum(z1[m].real * z2[m].real + z1[m].imag * z2[m].imag)
+        want = num / np.sqrt(np.sum(np.abs(z1[m]) ** 2) * np.sum(np.abs(z2[m]) ** 2))
+        assert got[s] == pytest.approx(want, abs=1e-12), s
+    assert got[int(r_max)] > 0.6  # the inner half of the edge shell is the signal's (0.8 expected)
+    assert np.all(got[int(r_max) + 1:] == 0) and got[0] == 1.0
+
+
 @pytest.mark.parametrize("ndim", [2, 3])
 def test_stacked_classes_project_and_insert_as_one_class_at_a_time(ndim):
     """All classes in one stack (one projection / one scatter call for rows of any class) give exactly what

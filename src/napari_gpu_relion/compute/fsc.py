@@ -10,15 +10,32 @@ from __future__ import annotations
 import numpy as np
 
 from .backend import get_array_module
-from .fourier import irfft_centered, lowpass_raised_cosine, radius_grid, rfft_centered, shell_grid, shell_sum
+from .fourier import (
+    irfft_centered,
+    lowpass_raised_cosine,
+    radius_grid,
+    rfft_centered,
+    round_half_away,
+    shell_grid,
+    shell_sum,
+)
 
 
-def fsc_from_fts(F1, F2, ndim: int = 3):
+def fsc_from_fts(F1, F2, ndim: int = 3, r_max: float | None = None):
     """FSC per shell 0..N/2 from two half-grid FTs of an N box; FSC(0) = 1 by convention of RELION's
-    half-map comparison when both DC terms are non-zero (computed, not forced)."""
+    half-map comparison when both DC terms are non-zero (computed, not forced). ``r_max`` (Fourier pixels): only
+    the elements with |k| <= r_max count, as in RELION's calculateDownSampledFourierShellCorrelation. Its shell
+    ROUND(r_max) then holds only its inner half: the elements beyond r_max in it got data only by the insertion's
+    interpolation from inside, too little to correlate (an auto-refine's FSC at the edge of its images was
+    -0.02 in ours against RELION's 0.18 from RELION's own state, benchmarks/continue_refine_from_relion.py; the
+    first shell below 0.143 sets the next image-size increment)."""
     xp = get_array_module(F1)
     N = F1.shape[-2]
-    shells = shell_grid(N, ndim, xp)
+    if r_max is None:
+        shells = shell_grid(N, ndim, xp)
+    else:
+        r = radius_grid(N, ndim, xp)
+        shells = xp.where(r <= r_max, round_half_away(r).astype(np.int32), N)  # N: beyond every counted shell
     n = N // 2 + 1
     num = shell_sum((F1 * xp.conj(F2)).real, shells, n)
     d1 = shell_sum((F1 * xp.conj(F1)).real, shells, n)

@@ -140,7 +140,7 @@ def fsc_from_backprojectors(bp1: BackProjector, bp2: BackProjector) -> np.ndarra
 
 def fsc_from_pooled(z1, z2, r_max: float) -> np.ndarray:
     """fsc_from_backprojectors from the two halves' pooled_average (each half can be pooled where it was summed)."""
-    f = np.asarray(to_host(fsc_from_fts(z1, z2, 3)), dtype=np.float64)
+    f = np.asarray(to_host(fsc_from_fts(z1, z2, 3, r_max)), dtype=np.float64)
     f[0] = 1.0
     f[int(r_max) + 1:] = 0.0
     return f
