@@ -515,10 +515,12 @@ def test_relions_own_converged_run_is_followed_decision_by_decision():
 
 
 def test_relions_resolution_skips_a_dip_of_the_fsc_that_its_first_drop_stops_at():
-    """RELION's current resolution (updateCurrentResolution, what auto-refine prints and the schedule uses) from the
-    SSNR of the half-map FSC: SSNR > 1 where FSC > 1/7. An FSC that dips below 0.143 at shells 20-22 and is above
-    it again up to shell 39: the first drop says shell 19, RELION's rule (a shell more than 3 beyond it still above,
-    scanning down) shell 39; a dip whose recovery stays within 3 shells of the drop is not skipped."""
+    """RELION's auto-refine resolution rule (updateCurrentResolution): the last shell before the first drop below
+    the threshold, unless the curve is above it again more than 3 shells beyond (the highest such shell, scanning
+    down). On an FSC that dips below 0.143 at shells 20-22 and is above it again up to shell 38 the first drop says
+    19, the rule 38 (what refine3d reports); a recovery within 3 shells of the drop is not skipped. The same rule on
+    the SSNR (resolution_shell_from_ssnr; SSNR > 1 where the joined FSC' > 0.5, i.e. the FSC > 1/7) gives the same
+    shells, as RELION's final iteration does."""
     from napari_gpu_relion.compute.fsc import fsc_to_full, resolution_shell  # noqa: PLC0415
     from napari_gpu_relion.compute.maximization import resolution_shell_from_ssnr  # noqa: PLC0415
 
@@ -527,17 +529,17 @@ def test_relions_resolution_skips_a_dip_of_the_fsc_that_its_first_drop_stops_at(
         return full / np.maximum(1.0 - full, 1e-12)
 
     shells = np.arange(65)
-    f = np.clip(1.0 - shells / 45.0, 0.0, 1.0)  # 0.143 near shell 38.6
-    f[0] = 1.0
+    f = np.clip(1.0 - shells / 45.0, 0.0, 1.0)  # 0.143 between shells 38 and 39
     dip = f.copy()
     dip[20:23] = 0.10
     assert resolution_shell(dip, 0.143) == 19
-    assert resolution_shell_from_ssnr(ssnr_of(dip)) == 38 == resolution_shell(f, 0.143)
+    assert resolution_shell(dip, 0.143, skip_dips=True) == 38 == resolution_shell(f, 0.143)
+    assert resolution_shell_from_ssnr(ssnr_of(dip)) == 38
     short = f.copy()
     short[20:23] = 0.10
-    short[26:] = 0.0  # above again at 23-25 only: 25 is beyond R + 3 = 22, so it counts
-    assert resolution_shell_from_ssnr(ssnr_of(short)) == 25
+    short[26:] = 0.0  # above again at 23-25 only: 25 is beyond 19 + 3, so it counts
+    assert resolution_shell(short, 0.143, skip_dips=True) == 25 == resolution_shell_from_ssnr(ssnr_of(short))
     shorter = f.copy()
     shorter[20] = 0.10
-    shorter[23:] = 0.0  # above again at 21-22 only, not beyond R + 3 = 22: the first drop stands
-    assert resolution_shell_from_ssnr(ssnr_of(shorter)) == 19
+    shorter[23:] = 0.0  # above again at 21-22 only, not beyond 19 + 3: the first drop stands
+    assert resolution_shell(shorter, 0.143, skip_dips=True) == 19 == resolution_shell_from_ssnr(ssnr_of(shorter))

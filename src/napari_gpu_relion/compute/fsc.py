@@ -52,14 +52,22 @@ def fsc(map1, map2):
                         rfft_centered(map2.astype(np.float64), ndim), ndim)
 
 
-def resolution_shell(curve, threshold: float = 0.143) -> int:
+def resolution_shell(curve, threshold: float = 0.143, skip_dips: bool = False) -> int:
     """RELION's rule: walking up from shell 1, the last shell before the first value below ``threshold``
-    (0 if shell 1 already fails; the last shell if it never drops)."""
+    (0 if shell 1 already fails; the last shell if it never drops). ``skip_dips``: as RELION's auto-refine
+    (updateCurrentResolution, on its SSNR), a curve that rises above ``threshold`` again more than 3 shells beyond
+    that one gives the highest such shell, scanning down from the second-to-last: a dip is not the resolution."""
     c = np.asarray(curve)
+    shell = len(c) - 1
     for i in range(1, len(c)):
         if c[i] < threshold:
-            return i - 1
-    return len(c) - 1
+            shell = i - 1
+            break
+    if skip_dips:
+        for r2 in range(len(c) - 2, shell + 3, -1):
+            if c[r2] > threshold:
+                return r2
+    return shell
 
 
 def shell_to_angstrom(shell: float, box: int, pixel_size: float) -> float:

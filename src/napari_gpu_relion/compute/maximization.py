@@ -22,7 +22,7 @@ from .fourier import (
     shell_grid,
     shell_sum,
 )
-from .fsc import fsc_from_fts
+from .fsc import fsc_from_fts, resolution_shell
 from .masks import soft_mask_outside
 
 
@@ -219,18 +219,11 @@ def initial_data_vs_prior(tau2: np.ndarray, sigma2_groups: np.ndarray, pdf_class
 
 
 def resolution_shell_from_ssnr(ssnr: np.ndarray, minres_map: int = 5, gold_standard: bool = True) -> int:
-    """R: (first shell >= 1 with SSNR < 1) - 1; in gold-standard runs a shell r2 > R + 3 that still has
-    SSNR > 1 (scanning down from N/2 - 1) is used instead; at least ``minres_map``."""
-    s = np.asarray(ssnr, np.float64)
-    n = s.size
-    below = np.flatnonzero(s[1:] < 1.0)
-    R = int(below[0]) if below.size else n - 1  # (first failing shell) - 1
-    if gold_standard:
-        for r2 in range(n - 2, R + 3, -1):
-            if s[r2] > 1.0:
-                R = r2
-                break
-    return max(R, minres_map)
+    """RELION's current resolution shell (updateCurrentResolution): (first shell >= 1 with SSNR < 1) - 1; in
+    gold-standard runs a shell r2 > that + 3 that still has SSNR > 1 (scanning down from N/2 - 1) is used instead
+    (fsc.resolution_shell's skip_dips); at least ``minres_map``. In a refinement's iterations the SSNR is
+    tau2_fudge FSC / (1 - FSC) of the half maps, so this is about where their FSC drops below 0.5, not 0.143."""
+    return max(resolution_shell(np.asarray(ssnr, np.float64), 1.0, skip_dips=gold_standard), minres_map)
 
 
 def coarse_image_size(box: int, pixel_size: float, angular_step_deg: float, diameter_A: float,

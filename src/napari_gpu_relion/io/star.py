@@ -895,17 +895,17 @@ def warm_writer(modules: Sequence[str] = (), rows: int = 0) -> None:
     queued (issue 47: 1.23 s after the last iteration of 10,000 particles on 2 H200s, 0.44 s on one)."""
     import importlib  # noqa: PLC0415
 
+    global _format_pool
     for name in modules:
         importlib.import_module(name)
-    pool = _format_processes() if rows >= _PARALLEL_FROM_ROWS else None
-    if pool is not None:
-        from concurrent.futures.process import BrokenProcessPool  # noqa: PLC0415
-
-        try:
+    if rows < _PARALLEL_FROM_ROWS:
+        return
+    try:  # a start that fails (no processes, no semaphores here) fails no file: formatted here from now on
+        pool = _format_processes()
+        if pool is not None:
             list(pool[1].map(_started, range(pool[0])))
-        except (BrokenProcessPool, OSError):  # as _formatted_columns: formatted here from now on
-            global _format_pool
-            _format_pool = False
+    except Exception:  # noqa: BLE001 - as _formatted_columns after a broken pool
+        _format_pool = False
 
 
 def _loop_rows(cols: list[np.ndarray]) -> str:

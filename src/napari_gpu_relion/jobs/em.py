@@ -468,8 +468,6 @@ class EMJob:
         # the iterations' files, written while the next computes (a large set's through a helper process, whose
         # STAR formatting does not hold this process's lock while the job launches its kernels)
         self.writer = WriteQueue(f"{self.name} files", helper_process=len(self.ps) >= HELPER_FROM_PARTICLES)
-        if self.comm.is_root and len(self.ps) >= HELPER_FROM_PARTICLES:  # the helper starts now, beside the start-up
-            self.writer.put(warm_writer, (write_data_star.__module__, write_optimiser_star.__module__), len(self.ps))
         self.helper_noted = False
         self.files_from = 0  # the number (WriteQueue.handed) of the latest iteration's first write
 
@@ -960,6 +958,9 @@ def _read_ahead(job: EMJob, ahead_bytes: int | None = None) -> None:
 
 def _loop(job: EMJob, tf32_note: str | None) -> Iterator:
     root = job.comm.is_root
+    if root and len(job.ps) >= HELPER_FROM_PARTICLES:  # the writer's helper starts beside the start-up (its close,
+        # in _iterate, ends it however the job ends)
+        job.writer.put(warm_writer, (write_data_star.__module__, write_optimiser_star.__module__), len(job.ps))
     if READ_AHEAD and job.reads_every_image:  # from the disk in the E-step's order while the job starts and computes;
         _read_ahead(job, READ_AHEAD_MIN_BYTES)  # little until the images' store is made: what the initial model
         # takes from the reader goes to the host's store, and from there to the GPU's at ~0.8 GB/s

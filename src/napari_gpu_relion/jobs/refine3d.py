@@ -329,14 +329,15 @@ class Refine3D(em.EMJob):
         class_change = self.input_class_change if first else 0.0
         st.finish_auto_refine_iteration(res_shell, it.fsc, it.current_size, float(self.ps.pmax[self.halves[0]].mean()),
                                         self.angle_change, self.offset_change, *self.monitor_steps, class_change)
-        # what the log, the viewer and the end report: RELION's current resolution (its "Auto-refine: Resolution="
-        # and "Final resolution (without masking)"; the model STARs' rlnCurrentResolution). Its SSNR > 1 is the
-        # half-map FSC > 0.143, and a shell more than 3 beyond the first drop that is above it again counts: the
-        # FSC's first drop below 0.143 reported 6.72 Å for a refinement whose FSC dipped there and that RELION and
-        # the model STAR put at 3.45 Å (EMD-11007, box 256, 1,000 particles; benchmarks/HISTORY.md)
-        self.res_A = shell_to_angstrom(max(st.res_shell, 1), self.N, self.apix)
+        # what the log, the viewer, the model STARs' rlnEstimatedResolution and the end report: where the
+        # gold-standard FSC drops below 0.143, a dip skipped as RELION skips one in its current resolution (which
+        # drives the schedule: its SSNR rule, about the FSC's 0.5 during the run). With the first drop, a run whose
+        # FSC dipped below 0.143 near 6.7 Å and rose again ended "final resolution 6.72 Å", while RELION printed
+        # 3.45 Å for its own run of the same particles (EMD-11007, box 256, 1,000 particles; benchmarks/HISTORY.md)
         self.fsc_drop_shell = resolution_shell(it.fsc, 0.143)
+        self.res_shell_reported = resolution_shell(it.fsc, 0.143, skip_dips=True)
         self.fsc_drop_A = shell_to_angstrom(max(self.fsc_drop_shell, 1), self.N, self.apix)
+        self.res_A = shell_to_angstrom(max(self.res_shell_reported, 1), self.N, self.apix)
 
     def check_convergence(self, it: em.Iteration) -> bool:
         # RELION checkConvergence ran in finish_auto_refine_iteration: state.converged makes the next iteration
@@ -362,9 +363,9 @@ class Refine3D(em.EMJob):
         self.write_optimiser(it, data, models)
         summary = (f"resolution {self.res_A:.2f} Å (FSC 0.143), image size {it.current_size}, angular change "
                    f"{self.angle_change:.2f}°, offset change {self.offset_change:.2f} Å, <Pmax> {st.ave_pmax:.3f}")
-        if not it.cc and st.res_shell > self.fsc_drop_shell + 3:  # RELION's rule skipped a dip (update_resolution)
+        if self.res_shell_reported != self.fsc_drop_shell:  # a dip skipped (update_resolution)
             yield Message(f"  the FSC dipped below 0.143 at {self.fsc_drop_A:.2f} Å and rose above it again: the "
-                          f"resolution is {self.res_A:.2f} Å, as RELION counts it")
+                          f"resolution is {self.res_A:.2f} Å, counted as RELION counts its own")
         for h, name in enumerate(["class001"] if it.final else ["half1", "half2"]):
             yield MapUpdated(name, vols[h], apix, maps[h])
         yield FscUpdated(np.arange(N // 2 + 1) / (N * apix), {"gold-standard FSC": it.fsc}, self.res_A)
@@ -374,8 +375,8 @@ class Refine3D(em.EMJob):
         st, N, apix, p = self.state, self.N, self.apix, self.p
         sh = np.arange(N // 2 + 1)
         # rlnCurrentResolution is RELION's current resolution (the shell before the SSNR first drops below 1, which
-        # sets the next image size and the no-gain counter: what RELION reads back; res_A), the class's
-        # rlnEstimatedResolution the FSC's first drop below 0.143
+        # sets the next image size and the no-gain counter: what RELION reads back), not the FSC-0.143 estimate,
+        # which is the class's rlnEstimatedResolution and the FSC curve's (res_A)
         general = {"rlnReferenceDimensionality": 3, "rlnDataDimensionality": 2, "rlnOriginalImageSize": N,
                    "rlnCurrentResolution": shell_to_angstrom(max(st.res_shell, 1), N, apix),
                    "rlnCurrentImageSize": it.current_size,
@@ -388,8 +389,7 @@ class Refine3D(em.EMJob):
                    "rlnLogLikelihood": float(self.ps.log_likelihood.sum()), "rlnAveragePmax": st.ave_pmax}
         classes = pd.DataFrame({"rlnReferenceImage": [ref_path.name], "rlnClassDistribution": [1.0],
                                 "rlnAccuracyRotations": [st.acc_rot], "rlnAccuracyTranslationsAngst": [st.acc_trans_A],
-                                "rlnEstimatedResolution": [self.fsc_drop_A],
-                                "rlnOverallFourierCompleteness": [1.0]})
+                                "rlnEstimatedResolution": [self.res_A], "rlnOverallFourierCompleteness": [1.0]})
         res_col = np.where(sh > 0, N * apix / np.maximum(sh, 1), 999.0)
         curve = pd.DataFrame({"rlnSpectralIndex": sh, "rlnResolution": sh / (N * apix),
                               "rlnAngstromResolution": res_col, "rlnSsnrMap": it.ssnr[0][: sh.size],

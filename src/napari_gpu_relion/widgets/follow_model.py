@@ -333,9 +333,10 @@ def _gold_standard_fsc(blocks: dict, general: dict) -> FscUpdated | None:
         return None
     freq = pd.to_numeric(curve["rlnResolution"], errors="coerce").to_numpy(np.float64)
     fsc = pd.to_numeric(curve["rlnGoldStandardFsc"], errors="coerce").to_numpy(np.float64)
-    # the FSC-0.143 resolution of the curve itself (RELION's rlnCurrentResolution is the SSNR-based resolution
-    # that drives its image size, several shells below the 0.143 crossing while the refinement runs)
-    shell = resolution_shell(np.nan_to_num(fsc, nan=0.0), 0.143)
+    # the FSC-0.143 resolution of the curve itself, a dip skipped as refine3d reports it (RELION's
+    # rlnCurrentResolution is the SSNR-based resolution that drives its image size, several shells below the 0.143
+    # crossing while the refinement runs)
+    shell = resolution_shell(np.nan_to_num(fsc, nan=0.0), 0.143, skip_dips=True)
     res = 1.0 / freq[shell] if 0 < shell < freq.size and freq[shell] > 0 else float("nan")
     return FscUpdated(freq, {"gold-standard FSC": fsc}, res)
 
