@@ -259,8 +259,8 @@ def console_main() -> None:
     that exits without it fails the whole launch), then os._exit. The teardown frees every CuPy block, NCCL
     communicator and pool of a GPU job one by one, which more GPUs do not shorten (issue 47: a class3d of 10,000
     particles on one H200 ended 0.72-0.79 s after its job with the teardown, 0.48-0.54 s without it,
-    benchmarks/scaling_calls.sh fastexit; 0.13-0.15 s and 0.02 s on the 2-core CPU machine). An exception from main leaves as before, and
-    so does every exit _may_end_at_once declines."""
+    benchmarks/scaling_calls.sh fastexit; 0.13-0.15 s and 0.02 s on the 2-core CPU machine). An exception from
+    main leaves as before, and so does every exit _may_end_at_once declines."""
     code = main()
     if not _may_end_at_once():
         sys.exit(code)
