@@ -55,10 +55,10 @@ def our_params(a, data: Path, folder: Path) -> class3d.Params:
     return class3d.Params(**kw)
 
 
-def relion_state(stem: str, box: int, apix: float, seed: int) -> EMState:
+def relion_state(stem: str, box: int, apix: float, seed: int, model_star: str = "_model.star") -> EMState:
     """Our EMState after RELION's iteration ``stem`` (run_itNNN): what the next iteration's sizes and searches
-    are computed from."""
-    opt, model = general(Path(stem + "_optimiser.star")), general(Path(stem + "_model.star"))
+    are computed from (``model_star``: the model STAR's suffix, an auto-refine's _half1_model.star)."""
+    opt, model = general(Path(stem + "_optimiser.star")), general(Path(stem + model_star))
     smp_path = Path(stem + "_sampling.star")  # RELION writes none for iteration 0: its iteration 1's
     smp = general(smp_path if smp_path.exists() else Path(re.sub(r"_it000$", "_it001", stem) + "_sampling.star"))
     st = EMState()

@@ -24,7 +24,6 @@ import json
 import platform
 import re
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ import starfile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import frame_turn  # noqa: E402
 from compare_iteration_fsc import iterations  # noqa: E402
-from continue_from_relion import general, run_with_relion_perturbation  # noqa: E402
+from continue_from_relion import general, relion_state, run_with_relion_perturbation  # noqa: E402
 from fsc_near_crossing import compare  # noqa: E402
 
 from napari_gpu_relion.compute.schedule import EMState, round_half_away  # noqa: E402
@@ -48,30 +47,17 @@ OPTIONS = ["--ini_high", "30", "--particle_diameter", "150", "--ctf", "--flatten
            "--low_resol_join_halves", "40", "--pad", "2"]
 
 
-def relion_refine_state(stem: str, box: int, apix: float) -> EMState:
-    """Our EMState after RELION's auto-refine iteration ``stem`` (run_itNNN): RELION's values under our names."""
-    opt, smp = general(Path(stem + "_optimiser.star")), general(Path(stem + "_sampling.star"))
-    model = general(Path(stem + "_half1_model.star"))
-    st = EMState()
-    st.iteration = int(opt["rlnCurrentIteration"])
-    st.order = int(smp["rlnHealpixOrder"])
-    st.offset_range = float(smp["rlnOffsetRange"]) / apix
-    st.offset_step = float(smp["rlnOffsetStep"]) / apix
-    st.sigma_offset_A = float(model["rlnSigmaOffsetsAngst"])
+def relion_refine_state(stem: str, box: int, apix: float, seed: int) -> EMState:
+    """Our EMState after RELION's auto-refine iteration ``stem`` (run_itNNN): continue_from_relion.relion_state's
+    values (half 1's model STAR) and the auto-refine's own (local searches, the convergence counters, the changes)."""
+    opt, model = general(Path(stem + "_optimiser.star")), general(Path(stem + "_half1_model.star"))
+    st = relion_state(stem, box, apix, seed, model_star="_half1_model.star")
     sigma_rot = float(model.get("rlnSigmaPriorRotAngle", 0.0))
     st.local, st.sigma_ang = sigma_rot > 0, max(sigma_rot, 0.0)
-    st.res_shell = round_half_away(box * apix / float(model["rlnCurrentResolution"]))
     best = float(opt.get("rlnBestResolutionThusFar", 0.0))  # 1/Å
     st.best_res_shell = round_half_away(box * apix * best) if best > 0 else 0
-    st.incr_size = int(opt["rlnIncrementImageSize"])
-    st.has_high_fsc_at_limit = bool(int(opt["rlnHasHighFscAtResolLimit"]))
     st.nr_iter_wo_resol_gain = int(opt["rlnNumberOfIterWithoutResolutionGain"])
     st.nr_iter_wo_large_changes = int(opt["rlnNumberOfIterWithoutChangingAssignments"])
-    st.acc_rot = float(opt["rlnOverallAccuracyRotations"])
-    st.acc_trans_A = float(opt["rlnOverallAccuracyTranslationsAngst"])
-    st.norm_average = float(model["rlnNormCorrectionAverage"])
-    st.perturb = float(smp["rlnSamplingPerturbInstance"])
-    st.ave_pmax = float(model["rlnAveragePmax"])
     st.smallest_angle_change = float(opt["rlnSmallestChangesOrientations"])
     st.smallest_offset_change = float(opt["rlnSmallestChangesOffsets"])
     st.smallest_class_change = int(opt["rlnSmallestChangesClasses"])
@@ -105,7 +91,7 @@ def prepare(sim: Path, rdir: Path, it: int, seed: int, extra: list[str], tag: st
     shutil.copy(f"{stem}_data.star", folder / f"run_it{it:03d}_data.star")
     box = int(np.asarray(starfile.read(sim / "particles.star", always_dict=True)["optics"]["rlnImageSize"])[0])
     apix = frame_turn.so.ANGPIX
-    st = relion_refine_state(stem, box, apix)
+    st = relion_refine_state(stem, box, apix, seed)
     p = our_params(sim, folder, seed, extra)
     entries = {"rlnOutputRootName": "run", "rlnModelStarFile": f"run_it{it:03d}_half1_model.star",
                "rlnModelStarFile2": f"run_it{it:03d}_half2_model.star",
@@ -164,16 +150,8 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     a.work.mkdir(parents=True, exist_ok=True)
     sim = frame_turn.simulate(a.work, a.n, a.snr).resolve()
-    rdir = sim / f"relion_s{a.seed}"
-    rdir.mkdir(exist_ok=True)
-    cmd = frame_turn.RELION.format(seed=a.seed, out=rdir.name)
     t0 = time.time()
-    if not (rdir / "run_data.star").exists():
-        with open(rdir / "log.txt", "w") as fh:
-            rc = subprocess.run(["bash", "-c", f". {a.relion_env} && {cmd}"], cwd=sim, stdout=fh,
-                                stderr=subprocess.STDOUT).returncode
-        if rc:
-            raise SystemExit(f"RELION failed (rc {rc}); see {rdir / 'log.txt'}")
+    rdir, cmd = frame_turn.relion_run(sim, a.seed, a.relion_env)
     relion_s = time.time() - t0
     its = (list(range(int(a.its.split("-")[0]), int(a.its.split("-")[1]) + 1)) if "-" in a.its
            else [int(x) for x in a.its.split(",")])

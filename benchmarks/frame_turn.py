@@ -127,6 +127,21 @@ def map_vs_truth(folder: Path, truth, truth_path: Path) -> dict | None:
     return out
 
 
+def relion_run(sim: Path, seed: int, relion_env: str) -> tuple[Path, str]:
+    """RELION's auto-refine of ``sim``'s particles (RELION above) in ``sim/relion_s<seed>``, run unless its final
+    data STAR is there; returns that folder and the command."""
+    rdir = sim / f"relion_s{seed}"
+    rdir.mkdir(exist_ok=True)
+    cmd = RELION.format(seed=seed, out=rdir.name)
+    if not (rdir / "run_data.star").exists():
+        with open(rdir / "log.txt", "w") as fh:
+            rc = subprocess.run(["bash", "-c", f". {relion_env} && {cmd}"], cwd=sim, stdout=fh,
+                                stderr=subprocess.STDOUT).returncode
+        if rc:
+            raise SystemExit(f"RELION failed (rc {rc}); see {rdir / 'log.txt'}")
+    return rdir, cmd
+
+
 def simulate(work: Path, n: int, snr: float) -> Path:
     """Our simulator's particles (kept in a folder named by their number and SNR, made once)."""
     sim = work / f"sim_n{n}_snr{snr:g}"
@@ -172,16 +187,8 @@ def main() -> None:
            "map_vs_truth_mean_fsc_shells_8_25": map_vs_truth(folder, truth, a.work / "map64.mrc"),
            "judged_s": time.time() - t0}
     if a.relion_env:
-        rdir = sim / f"relion_s{a.seed}"
-        rdir.mkdir(exist_ok=True)
-        cmd = RELION.format(seed=a.seed, out=rdir.name)
+        rdir, cmd = relion_run(sim, a.seed, a.relion_env)
         res["relion"] = {"command": cmd}
-        if not (rdir / "run_data.star").exists():
-            with open(rdir / "log.txt", "w") as fh:
-                rc = subprocess.run(["bash", "-c", f". {a.relion_env} && {cmd}"], cwd=sim, stdout=fh,
-                                    stderr=subprocess.STDOUT).returncode
-            if rc:
-                raise SystemExit(f"RELION failed (rc {rc}); see {rdir / 'log.txt'}")
         res["relion"]["iterations"] = judge_iterations(rdir, truth, relion_orders_and_perturbations(rdir))
         res["relion"]["map_vs_truth_mean_fsc_shells_8_25"] = map_vs_truth(rdir, truth, a.work / "map64.mrc")
     if a.without_direction_prior_at:
