@@ -60,6 +60,14 @@
 #   bash benchmarks/hires_calls.sh c2dwarm N LIMIT   after lrreal on the same machine: class2d K=200 at box 360 as c2d
 #   bash benchmarks/hires_calls.sh gputests   every test marked gpu (`pytest -m gpu`), the whole output kept in
 #       $OUT/gpu_tests.log (its last lines printed)
+#   bash benchmarks/hires_calls.sh c2dprep N   (forty-seventh session, one H200, a fresh machine) issue 46's cold
+#       pairs first, alone (first_run.sh pairs; PAIRS, default "new1 old1 new2 old2 new3 old3": carry .old_src),
+#       then the GPU tests while RELION builds, then N EMD-11007 particles at box 360 for class2d K=200 as c2d
+#   bash benchmarks/hires_calls.sh c2dwhole N   after c2dprep (chained): `warmup`, our class2d K=200 whole job (25
+#       iterations), then RELION's whole job (25 iterations, mpirun -n 3) started in its own session, on its own on
+#       the GPU; `c2dwait` waits for it
+#   bash benchmarks/hires_calls.sh c2dwait N [UNTIL]   waits for c2dwhole's RELION run (until UNTIL s, 580), then
+#       merges both sides into one JSON with the ratio per iteration
 # Results in $OUT.
 . benchmarks/gpu_env.sh
 T0=$(date +%s)
@@ -201,6 +209,43 @@ elif [ "$1" = c2dwarm ]; then  # after lrreal on the same machine (warmup done, 
   python3 benchmarks/standard_class3d.py run --job class2d --K 200 --tau2_fudge 2 --diameter 220 --data /root/c360 \
       --sides relion --iters 2 --limits "$3" --relion_ranks 3 --out $OUT/${D}_relion.json 2>&1 | tail -1 | cut -c1-600
   el "RELION"
+elif [ "$1" = c2dprep ]; then
+  PAIRS=${PAIRS:-new1 old1 new2 old2 new3 old3} bash benchmarks/first_run.sh pairs 2>&1 | tail -12 | cut -c1-300
+  el "cold pairs"
+  start_relion
+  timeout 400 python3 -m pytest -m gpu -p no:cacheprovider -rf tests/ > $OUT/gpu_tests.log 2>&1
+  echo "pytest rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gpu_tests.log | tail -15 | cut -c1-300
+  el "GPU tests"
+  wait_relion
+  el "RELION built"
+  emd_data 0.75 360 "$2" 1 0.05 /root/c360
+  el "box-360 data"
+elif [ "$1" = c2dwhole ]; then
+  D=standard_class2d_K200_box360_n$2_h200_fortyseventh
+  ngr warmup --gpu 0 2>&1 | tail -2 | cut -c1-300
+  el "warmup"
+  python3 benchmarks/standard_class3d.py run --job class2d --K 200 --tau2_fudge 2 --diameter 220 --data /root/c360 \
+      --sides ours --iters 25 --limits 300 --tag whole --out $OUT/${D}_ours.json 2>&1 | tail -1 | cut -c1-900
+  cp $OUT/${D}_ours.json /root/
+  grep -E "start-up|GPU kernels|done in" /root/c360/ours_class2d_whole/log.txt 2>/dev/null | cut -c1-300
+  el "ours"
+  . /root/rb/env.sh
+  (setsid nohup python3 benchmarks/standard_class3d.py run --job class2d --K 200 --tau2_fudge 2 --diameter 220 \
+      --data /root/c360 --sides relion --iters 25 --limits 1500 --relion_ranks 3 --tag whole \
+      --out /root/${D}_relion.json > /root/c2d_relion.log 2>&1 < /dev/null &)
+  sleep 20; ls /root/c360/relion_class2d_whole/ | tail -3
+elif [ "$1" = c2dwait ]; then
+  D=standard_class2d_K200_box360_n$2_h200_fortyseventh
+  until [ -f /root/${D}_relion.json ] && ! pgrep -f "sides relion" > /dev/null; do
+    [ $(( $(date +%s) - T0 )) -ge ${3:-580} ] && break; sleep 5; done
+  ls /root/c360/relion_class2d_whole/ | grep -c "_model.star"; tail -2 /root/c2d_relion.log | cut -c1-900
+  if [ -f /root/${D}_relion.json ] && ! pgrep -f "sides relion" > /dev/null; then
+    cp /root/${D}_relion.json /root/${D}_ours.json $OUT/
+    python3 benchmarks/standard_class3d.py merge $OUT/${D}_ours.json $OUT/${D}_relion.json --out $OUT/$D.json | cut -c1-900
+    cp /root/c360/ours_class2d_whole/log.txt $OUT/${D}_ours.log
+    tail -40 /root/c360/relion_class2d_whole/log.txt > $OUT/${D}_relion_log_tail.txt
+  fi
+  el "waited"
 elif [ "$1" = gputests ]; then
   timeout 540 python3 -m pytest -m gpu -p no:cacheprovider -rf tests/ > $OUT/gpu_tests.log 2>&1
   echo "pytest rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gpu_tests.log | tail -15 | cut -c1-300

@@ -97,6 +97,7 @@ class CompileAhead:
         self.job, self.device = job, device
         self.stop = threading.Event()
         self.report: dict = {}
+        self.t0 = time.perf_counter()
         self.cache_before = cupy_kernels.cache_files(kernel_cache_dir())
         self.thread = threading.Thread(target=self._run, name=f"kernel compile ahead ({job})", daemon=True)
         # with_context: the events the workers wait for (made: their parent's CUDA context; abort: compile nothing)
@@ -136,6 +137,8 @@ class CompileAhead:
             self.context_made = (ctx.Event(), ctx.Event())
         if with_context:
             threading.Thread(target=_make_context, args=(self,), name="GPU start", daemon=True).start()
+        if self.context_made is not None:
+            threading.Thread(target=_modes_allow, args=(self,), name="GPU compute modes", daemon=True).start()
         self.thread.start()  # (finds nothing to do where the modules are compiled)
         return self
 
@@ -156,6 +159,18 @@ def _workers_allowed(device: int, job: str) -> bool:
     return mode == 0
 
 
+def _modes_allow(ahead: CompileAhead) -> None:
+    """Let the compile workers make their contexts without waiting for the job's where nvidia-smi says every GPU
+    is in the default compute mode (the job's context cannot be refused there). The job's GPU start imports CuPy
+    while the command line imports the job (the two share Python's lock) and makes its context after that, so the
+    workers waited for it: a fresh machine's first class3d at box 128 compiled its first module 2.9 s after the
+    process started (one H200 of an x2 host, forty-second session). In another mode, or where nvidia-smi does not
+    answer, the workers wait for the job's context as before (_make_context)."""
+    if cupy_kernels.default_compute_modes():
+        ahead.report["modes_allowed_s"] = time.perf_counter() - ahead.t0
+        ahead.context_made[0].set()
+
+
 def _make_context(ahead: CompileAhead) -> None:
     """The command line's GPU start: CuPy imported and the device's context made, before the compile workers make
     theirs (they wait for ``ahead.context_made``). Where the context fails or the GPU is in an exclusive compute
@@ -165,6 +180,7 @@ def _make_context(ahead: CompileAhead) -> None:
         import cupy as cp  # noqa: PLC0415
 
         make_context(cp, ahead.device)
+        ahead.report["context_s"] = time.perf_counter() - ahead.t0
         go = ahead.context_made is None or _workers_allowed(ahead.device, ahead.job)
     except Exception as exc:  # noqa: BLE001 - the job's own start meets and reports it
         log.debug("kernel preload, GPU start: %s", exc)
@@ -307,6 +323,7 @@ def _load(job: str, device: int, stop: threading.Event, report: dict, ahead: Com
             ahead._run()  # noqa: SLF001 - in this thread
         if ahead is not None and "compiled_ahead" in ahead.report:
             report["compiled_ahead"] = ahead.report["compiled_ahead"]
+            report.update({k: ahead.report[k] for k in ("context_s", "modes_allowed_s") if k in ahead.report})
     finally:
         for t in beside:
             t.join()
@@ -374,6 +391,9 @@ def warm_scans(cp) -> None:
     cp.cumsum(big.astype(np.int32))
 
 
+#: The compile ahead's moments its summary names (report key, words).
+STARTS = (("modes_allowed_s", "the workers' contexts allowed"), ("context_s", "the job's context made"))
+
 #: A job's log names the modules it compiled when they are this few (after `warmup`, the ones the shipped list
 #: lacks: benchmarks/record_kernels.sh records them).
 NAMED_MODULES = 5
@@ -424,8 +444,10 @@ class Preload:
             return None
         r, parts = self.report, []
         if (ahead := r.get("compiled_ahead")) is not None:
+            starts = [f"{what} {r[k]:.2f} s after it began" for k, what in STARTS if k in r]
             parts.append(f"{ahead['modules']} of {ahead['of']} shipped CuPy modules compiled ahead in "
-                         f"{cupy_kernels.default_workers()} processes ({ahead['seconds']:.2f} s)")
+                         f"{cupy_kernels.default_workers()} processes ({ahead['seconds']:.2f} s"
+                         + "".join(f"; {x}" for x in starts) + ")")
         if (reg := r.get("registry")) is not None:
             parts.append(f"{reg['ops']} fused ops built ({reg['seconds']:.2f} s)")
         if r.get("libraries_s") is not None:
