@@ -210,10 +210,14 @@ elif [ "$1" = c2dwarm ]; then  # after lrreal on the same machine (warmup done, 
       --sides relion --iters 2 --limits "$3" --relion_ranks 3 --out $OUT/${D}_relion.json 2>&1 | tail -1 | cut -c1-600
   el "RELION"
 elif [ "$1" = c2dprep ]; then
-  PAIRS=${PAIRS:-new1 old1 new2 old2 new3 old3} bash benchmarks/first_run.sh pairs 2>&1 | tail -12 | cut -c1-300
-  el "cold pairs"
+  if [ -z "${NO_PAIRS:-}" ]; then
+    PAIRS=${PAIRS:-new1 old1 new2 old2 new3 old3} bash benchmarks/first_run.sh pairs 2>&1 | tail -12 | cut -c1-300
+    el "cold pairs"
+  fi
   start_relion
-  timeout 400 python3 -m pytest -m gpu -p no:cacheprovider -rf tests/ > $OUT/gpu_tests.log 2>&1
+  # (the GPU machine has no dask: test_io_star is not collected there, the other modules run)
+  timeout 400 python3 -m pytest -m gpu -p no:cacheprovider -rf --continue-on-collection-errors tests/ \
+      > $OUT/gpu_tests.log 2>&1
   echo "pytest rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gpu_tests.log | tail -15 | cut -c1-300
   el "GPU tests"
   wait_relion
@@ -234,11 +238,20 @@ elif [ "$1" = c2dwhole ]; then
       --data /root/c360 --sides relion --iters 25 --limits 1500 --relion_ranks 3 --tag whole \
       --out /root/${D}_relion.json > /root/c2d_relion.log 2>&1 < /dev/null &)
   sleep 20; ls /root/c360/relion_class2d_whole/ | tail -3
+elif [ "$1" = c2drelion ]; then  # RELION's half of c2dwhole alone (started in its own session; c2dwait waits)
+  D=standard_class2d_K200_box360_n$2_h200_fortyseventh
+  . /root/rb/env.sh
+  (setsid nohup python3 benchmarks/standard_class3d.py run --job class2d --K 200 --tau2_fudge 2 --diameter 220 \
+      --data /root/c360 --sides relion --iters 25 --limits 1500 --relion_ranks 3 --tag whole \
+      --out /root/${D}_relion.json > /root/c2d_relion.log 2>&1 < /dev/null &)
+  sleep 15; ls /root/c360/relion_class2d_whole/ | tail -3
 elif [ "$1" = c2dwait ]; then
   D=standard_class2d_K200_box360_n$2_h200_fortyseventh
   until [ -f /root/${D}_relion.json ] && ! pgrep -f "sides relion" > /dev/null; do
     [ $(( $(date +%s) - T0 )) -ge ${3:-580} ] && break; sleep 5; done
   ls /root/c360/relion_class2d_whole/ | grep -c "_model.star"; tail -2 /root/c2d_relion.log | cut -c1-900
+  # each finished iteration's file times (the iteration times of a run not finished yet)
+  (cd /root/c360/relion_class2d_whole && stat -c '%Y %n' log.txt run_it*_optimiser.star) > $OUT/${D}_relion_times.txt
   if [ -f /root/${D}_relion.json ] && ! pgrep -f "sides relion" > /dev/null; then
     cp /root/${D}_relion.json /root/${D}_ours.json $OUT/
     python3 benchmarks/standard_class3d.py merge $OUT/${D}_ours.json $OUT/${D}_relion.json --out $OUT/$D.json | cut -c1-900

@@ -300,36 +300,6 @@ def test_in_an_exclusive_compute_mode_the_job_keeps_the_gpu(monkeypatch, tmp_pat
         cupy_kernels._failed_marker("class3d", cache).unlink(missing_ok=True)  # noqa: SLF001
 
 
-def _nvidia_smi(folder, lines: str | None, rc: int = 0):
-    """A stand-in nvidia-smi in ``folder`` that prints ``lines`` and exits with ``rc``; None: no such program."""
-    folder.mkdir(exist_ok=True)
-    if lines is not None:
-        exe = folder / "nvidia-smi"
-        exe.write_text(f"#!/bin/sh\nprintf '{lines}'\nexit {rc}\n")
-        exe.chmod(0o755)
-    return folder
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a shell script stands in for nvidia-smi")
-def test_the_workers_wait_for_the_jobs_context_only_where_a_gpu_may_be_exclusive(monkeypatch, tmp_path):
-    """Where nvidia-smi says every GPU of the host is in the default compute mode, the compile workers are told to
-    go before the job's context is made (no job's context was made here); one exclusive GPU, a failing or missing
-    nvidia-smi: they wait for the job's context, as in the exclusive-mode test above."""
-    import multiprocessing  # noqa: PLC0415
-
-    ctx = multiprocessing.get_context("spawn")
-    cases = (("Default\\nDefault\\n", 0, True), ("Default\\nExclusive_Process\\n", 0, False),
-             ("Prohibited\\n", 0, False), ("Default\\n", 9, None), ("", 0, None), (None, 0, None))
-    for k, (lines, rc, expected) in enumerate(cases):
-        monkeypatch.setenv("PATH", str(_nvidia_smi(tmp_path / f"bin{k}", lines, rc)))
-        assert cupy_kernels.default_compute_modes() is expected, (lines, rc)
-        ahead = kp.CompileAhead("class3d", 0)
-        ahead.context_made = (ctx.Event(), ctx.Event())
-        kp._modes_allow(ahead)  # noqa: SLF001
-        assert ahead.context_made[0].is_set() == bool(expected) and not ahead.context_made[1].is_set()
-        assert ("modes_allowed_s" in ahead.report) == bool(expected)
-
-
 def test_a_hosts_other_ranks_make_their_own_gpus_context_at_once(monkeypatch, tmp_path):
     """Issue 47's start-up: a rank other than the host's first compiles nothing but makes the CUDA context of the
     GPU backend_for will give it (--gpu's entries in turn, or the host's GPUs in turn) in a thread at once; a rank

@@ -28,10 +28,8 @@ import json
 import logging
 import os
 import re
-import shutil
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -211,30 +209,6 @@ def compile_module(source: str, options) -> None:
     cupy.RawModule(code=source, options=tuple(options)).compile()
 
 
-#: How long the compute-mode query may take (seconds): nvidia-smi on a host whose GPUs are not kept initialised
-#: (persistence mode off) initialises them first, about a second per GPU.
-COMPUTE_MODE_TIMEOUT_S = 10.0
-
-
-def default_compute_modes() -> bool | None:
-    """Whether every GPU of the host is in the default compute mode, asked of nvidia-smi, which makes no CUDA
-    context (so the answer may come before the job's own context, unlike CUDA's device properties): True, False
-    (one is exclusive or prohibited), or None where it cannot be told (no nvidia-smi, an error, a timeout). All the
-    host's GPUs, not the job's: nvidia-smi numbers GPUs in PCI order, CUDA by default fastest first."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    try:
-        out = subprocess.run([exe, "--query-gpu=compute_mode", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=COMPUTE_MODE_TIMEOUT_S, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    modes = [line.strip() for line in out.stdout.splitlines() if line.strip()]
-    if out.returncode != 0 or not modes:
-        return None
-    return all(m == "Default" for m in modes)
-
-
 #: In a worker process: True when its parent said not to compile (its context failed, an exclusive compute mode,
 #: the compile stopped) or did not say within CONTEXT_WAIT_S.
 _SKIP = False
@@ -274,8 +248,7 @@ def _worker_start(parent_context=None, starting=None, device: int = 0) -> None:
     (a worker whose parent is gone, by an MPI rank's abort with os._exit or a kill, would otherwise wait on the
     pool's queue for ever holding its CUDA context: it exits with its parent). ``parent_context``: (made, abort),
     events of the parent: the worker waits for ``made`` (set once the parent's own CUDA context is made, or when
-    the parent gives up, or as soon as nvidia-smi says every GPU is in the default mode) before its first compile
-    makes a context (on a GPU in an exclusive compute mode the first
+    the parent gives up) before its first compile makes a context (on a GPU in an exclusive compute mode the first
     context holds the GPU: it must be the job's), and compiles nothing when ``abort`` is set or ``made`` did not
     come within CONTEXT_WAIT_S. ``starting``: a semaphore of the pool (CUDA_STARTS_AT_ONCE) held while the worker
     makes its context on ``device``, after CuPy's import (which needs no context, so it overlaps the wait)."""

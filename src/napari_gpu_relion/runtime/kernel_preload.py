@@ -137,8 +137,6 @@ class CompileAhead:
             self.context_made = (ctx.Event(), ctx.Event())
         if with_context:
             threading.Thread(target=_make_context, args=(self,), name="GPU start", daemon=True).start()
-        if self.context_made is not None:
-            threading.Thread(target=_modes_allow, args=(self,), name="GPU compute modes", daemon=True).start()
         self.thread.start()  # (finds nothing to do where the modules are compiled)
         return self
 
@@ -157,18 +155,6 @@ def _workers_allowed(device: int, job: str) -> bool:
     if mode != 0:
         cupy_kernels.note_failed(job, kernel_cache_dir(), f"GPU {device} in compute mode {mode}: no workers")
     return mode == 0
-
-
-def _modes_allow(ahead: CompileAhead) -> None:
-    """Let the compile workers make their contexts without waiting for the job's where nvidia-smi says every GPU
-    is in the default compute mode (the job's context cannot be refused there). The job's GPU start imports CuPy
-    while the command line imports the job (the two share Python's lock) and makes its context after that, so the
-    workers waited for it: a fresh machine's first class3d at box 128 compiled its first module 2.9 s after the
-    process started (one H200 of an x2 host, forty-second session). In another mode, or where nvidia-smi does not
-    answer, the workers wait for the job's context as before (_make_context)."""
-    if cupy_kernels.default_compute_modes():
-        ahead.report["modes_allowed_s"] = time.perf_counter() - ahead.t0
-        ahead.context_made[0].set()
 
 
 def _make_context(ahead: CompileAhead) -> None:
@@ -323,7 +309,7 @@ def _load(job: str, device: int, stop: threading.Event, report: dict, ahead: Com
             ahead._run()  # noqa: SLF001 - in this thread
         if ahead is not None and "compiled_ahead" in ahead.report:
             report["compiled_ahead"] = ahead.report["compiled_ahead"]
-            report.update({k: ahead.report[k] for k in ("context_s", "modes_allowed_s") if k in ahead.report})
+            report.update({k: ahead.report[k] for k in ("context_s",) if k in ahead.report})
     finally:
         for t in beside:
             t.join()
@@ -392,7 +378,7 @@ def warm_scans(cp) -> None:
 
 
 #: The compile ahead's moments its summary names (report key, words).
-STARTS = (("modes_allowed_s", "the workers' contexts allowed"), ("context_s", "the job's context made"))
+STARTS = (("context_s", "the job's context made"),)
 
 #: A job's log names the modules it compiled when they are this few (after `warmup`, the ones the shipped list
 #: lacks: benchmarks/record_kernels.sh records them).
