@@ -8,20 +8,42 @@
 # tar -x -C .old_src`, carried), for that ("old"), alternated on one machine: PAIRS="new1 old1 new2" by default. The
 # first "new" pair keeps its whole logs.
 M=${1:-}
-case $M in ""|cub|nocub|pairs) ;; *) echo "first_run.sh: unknown mode '$M' (none, cub, nocub or pairs)"; exit 2 ;; esac
+# With `large` (forty-eighth session): after `warmup`, the box-256 class3d and the box-360 auto-refine three times each,
+# whole logs kept (one tar) and the driver's JIT cache measured after each run: what a first job at a large box still
+# pays with no module compiled (1.11x and 1.12x the second run in that session's plain run).
+case $M in ""|cub|nocub|pairs|large) ;; *) echo "first_run.sh: unknown mode '$M' (none, cub, nocub, pairs, large)"; exit 2 ;; esac
 set -u; . benchmarks/gpu_env.sh; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import cupy; print('cupy', cupy.__version__)"; mkdir -p $OUT
 S="--n_micrographs 0 --particle_diameter 250 --snr 0.05"
 [ -f /root/d128/particles.star ] || ngr simulate --o /root/d128 --n_particles 5000 --box 128 --angpix 2.54 --conformations 2 $S > /tmp/s1.log 2>&1 &
-[ -f /root/d256/particles.star ] || [ -n "$M" ] || ngr simulate --o /root/d256 --n_particles 3000 --box 256 --angpix 1.27 --conformations 2 $S > /tmp/s2.log 2>&1 &
-[ -f /root/d360/particles.star ] || [ -n "$M" ] || ngr simulate --o /root/d360 --n_particles 1500 --box 360 --angpix 0.903 $S > /tmp/s3.log 2>&1 &
+BIG=1; case $M in cub|nocub|pairs) BIG="" ;; esac
+[ -f /root/d256/particles.star ] || [ -z "$BIG" ] || ngr simulate --o /root/d256 --n_particles 3000 --box 256 --angpix 1.27 --conformations 2 $S > /tmp/s2.log 2>&1 &
+[ -f /root/d360/particles.star ] || [ -z "$BIG" ] || ngr simulate --o /root/d360 --n_particles 1500 --box 360 --angpix 0.903 $S > /tmp/s3.log 2>&1 &
 wait
 J="--ctf --particle_diameter 250 --gpu 0 --o {out}/run"
 C3="class3d --i /root/d128/particles.star --ref /root/d128/reference.mrc --ini_high 60 --K 4 --iter 5 --random_seed 1 $J"
 R3="refine3d --i /root/d128/particles.star --ref /root/d128/reference.mrc --ini_high 60 $J"
 C2="class2d --i /root/d128/particles.star --K 200 --iter 3 $J"
 C6="class3d --i /root/d256/particles.star --ref /root/d256/reference.mrc --ini_high 60 --K 6 --iter 3 --random_seed 1 $J"
+# class2d K=200 at box 360 with the standard 2D options (the forty-seventh session's whole job compiled 5 modules
+# after `warmup`; shipped since)
+C2B="class2d --i /root/d360/particles.star --K 200 --iter 3 --psi_step 6 --offset_range 5 --offset_step 2 --tau2_fudge 2 $J"
 R6="refine3d --i /root/d360/particles.star --ref /root/d360/reference.mrc --ini_high 60 --healpix_order 1 --auto_local_healpix_order 2 --auto_iter_max 4 $J"
+if [ "$M" = large ]; then
+  NV=$HOME/.nv/ComputeCache; jit() { echo "driver JIT cache after $1: $(du -sk $NV 2>/dev/null | cut -f1) kB"; }
+  jit start
+  CUPY_CACHE_DIR=/root/c_large python3 benchmarks/first_run.py --data x --work /root/wl --logs /root/logs_large \
+    --out $OUT/first_run_large.json --step "warmup=warmup --gpu 0" | cut -c1-200; jit warmup
+  for i in 1 2 3; do
+    for j in class3d_K6_box256 refine3d_box360; do
+      A=$C6; [ $j = refine3d_box360 ] && A=$R6
+      CUPY_CACHE_DIR=/root/c_large python3 benchmarks/first_run.py --data x --work /root/wl --logs /root/logs_large \
+        --out /root/logs_large/first_run_large_${j}_$i.json --step "run${i}_$j=$A" | cut -c1-120; jit run${i}_$j
+    done
+  done
+  tar -czf $OUT/first_run_large_logs.tgz -C /root logs_large
+  exit 0
+fi
 if [ "$M" = pairs ]; then
   for v in ${PAIRS:-new1 old1 new2}; do
     P=$PWD/src; case $v in old*) P=$PWD/.old_src/src ;; esac
@@ -52,7 +74,8 @@ CUPY_CACHE_DIR=/root/c_cold python3 benchmarks/first_run.py --data x --work /roo
 CUPY_CACHE_DIR=/root/c_warm python3 benchmarks/first_run.py --data x --work /root/w2 --out $OUT/first_run_warmup.json --step "warmup=warmup --gpu 0" \
   --step "first_class3d=$C3" --step "second_class3d=$C3" --step "first_refine3d=$R3" --step "second_refine3d=$R3" \
   --step "first_class2d_K200=$C2" --step "second_class2d_K200=$C2" --step "first_class3d_K6_box256=$C6" --step "second_class3d_K6_box256=$C6" \
-  --step "first_refine3d_box360=$R6" --step "second_refine3d_box360=$R6"
+  --step "first_refine3d_box360=$R6" --step "second_refine3d_box360=$R6" \
+  --step "first_class2d_K200_box360=$C2B" --step "second_class2d_K200_box360=$C2B"
 # the code before the public-API preload (carry .old_src: `git archive 67951f0 src | tar -x -C .old_src`), for
 # what the in-process hand-over of CuPy's modules saved: its second class3d against this code's, same cache
 if [ -d .old_src/src ]; then
