@@ -2,7 +2,8 @@
 
 Accumulators (data: complex, weight: real) live on the same padded half grid as the projector's reference
 (FFT layout, P = pf N). Insertion is a trilinear splat of many weighted slices at once (scatter-add:
-``bincount`` on the CPU; on the GPU one fused kernel of float64 atomic adds, gpu_kernels.insert_slices).
+``numpy.add.at`` (float64 grids) or ``bincount`` (float32) on the CPU; on the GPU one fused kernel of float64
+atomic adds, gpu_kernels.insert_slices).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ INSERT_AHEAD = 2
 
 def _scatter_add(target_flat, idx, vals):
     xp = get_array_module(target_flat)
-    if xp is np:
+    if xp is np and target_flat.dtype == np.float64:  # NumPy >= 2's add.at (one dtype: its fast path) is as
+        # fast as bincount for a chunk as large as the grid and makes no grid-sized array per chunk
+        np.add.at(target_flat, idx, vals.astype(np.float64, copy=False))
+    elif xp is np:  # float32 grids: each chunk summed in float64 first, rounded once (accumulator_precision.py)
         target_flat += np.bincount(idx, weights=vals, minlength=target_flat.size)
     else:
         import cupyx  # noqa: PLC0415

@@ -28,8 +28,9 @@ CPU_SHIFT_BLOCK_BYTES = 1 << 20
 def orientations_per_chunk(xp, chunk_points: int, npix: int, target_size: int = 0) -> int:
     """Orientations of ``npix`` pixels per chunk of the projection or back-projection: ``chunk_points`` points on a
     GPU; with NumPy (``xp``) at most CPU_CHUNK_POINTS, but for a back-projection at least an eighth of its
-    ``target_size`` (the elements of the grid or stack it adds into: NumPy's bincount makes an array of that size
-    for every chunk, which then costs no more than the chunk's eight corners per point); at least one."""
+    ``target_size`` (the elements of the grid or stack it adds into: a float32 grid's bincount makes an array of
+    that size for every chunk, which then costs no more than the chunk's eight corners per point; float64 grids add
+    by numpy.add.at, as fast at that size); at least one."""
     points = chunk_points
     if xp.__name__ == "numpy":
         points = min(chunk_points, max(CPU_CHUNK_POINTS, int(target_size) // 8))
