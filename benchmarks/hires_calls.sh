@@ -66,6 +66,8 @@
 #   bash benchmarks/hires_calls.sh c2dwhole N   after c2dprep (chained): `warmup`, our class2d K=200 whole job (25
 #       iterations), then RELION's whole job (25 iterations, mpirun -n 3) started in its own session, on its own on
 #       the GPU; `c2dwait` waits for it
+#   bash benchmarks/hires_calls.sh c2dlayout N   (forty-eighth session, a fresh machine) RELION's class2d K=200 layouts at
+#       box 360 (LAYOUTS="ranks:j ...", 2 iterations each on N EMD-11007 particles), then ours (3 iterations)
 #   bash benchmarks/hires_calls.sh c2dwait N [UNTIL]   waits for c2dwhole's RELION run (until UNTIL s, 580), then
 #       merges both sides into one JSON with the ratio per iteration
 # Results in $OUT.
@@ -197,6 +199,22 @@ if [ "$1" = lrreal ]; then  # thirty-fourth session, one H200: a fresh machine's
   python3 benchmarks/local_resolution.py --make_halves --box 256 --skip_relion --out /root/lr256 \
       --json $OUT/local_resolution_h200_box256_ours_thirtyfourth.json 2>&1 | tail -1 | cut -c1-300
   el "ours at box 256, 0.6255 Å/px (the thirtieth session's maps)"
+elif [ "$1" = c2dlayout ]; then  # (forty-eighth session) RELION's layouts for class2d K=200 at box 360 on one GPU:
+  # LAYOUTS="ranks:j ..." (default 3:4 5:4 7:2), 2 iterations each on N EMD-11007 particles, then ours (3 iterations)
+  D=standard_class2d_K200_box360_n$2_h200_fortyeighth
+  start_relion; wait_relion
+  el "RELION built"
+  emd_data 0.75 360 "$2" 1 0.05 /root/c360
+  el "box-360 data"
+  for L in ${LAYOUTS:-3:4 5:4 7:2}; do
+    python3 benchmarks/standard_class3d.py run --job class2d --K 200 --tau2_fudge 2 --diameter 220 --data /root/c360 \
+        --sides relion --iters 2 --limits 200 --relion_ranks ${L%:*} --relion_j ${L#*:} --tag n${L%:*}j${L#*:} \
+        --out $OUT/${D}_relion_n${L%:*}j${L#*:}.json 2>&1 | tail -1 | cut -c1-400
+    el "RELION $L"
+  done
+  python3 benchmarks/standard_class3d.py run --job class2d --K 200 --tau2_fudge 2 --diameter 220 --data /root/c360 \
+      --sides ours --iters 3 --limits 200 --out $OUT/${D}_ours.json 2>&1 | tail -1 | cut -c1-400
+  el "ours"
 elif [ "$1" = c2dwarm ]; then  # after lrreal on the same machine (warmup done, RELION built)
   D=standard_class2d_K200_box360_n$2_h200_thirtyfourth
   emd_data 0.75 360 "$2" 1 0.05 /root/c360
