@@ -25,11 +25,12 @@ INSERT_AHEAD = 2
 
 def _scatter_add(target_flat, idx, vals):
     xp = get_array_module(target_flat)
-    if xp is np and target_flat.dtype == np.float64:  # NumPy >= 2's add.at (one dtype: its fast path) is as
-        # fast as bincount for a chunk as large as the grid and makes no grid-sized array per chunk
-        np.add.at(target_flat, idx, vals.astype(np.float64, copy=False))
-    elif xp is np:  # float32 grids: each chunk summed in float64 first, rounded once (accumulator_precision.py)
-        target_flat += np.bincount(idx, weights=vals, minlength=target_flat.size)
+    if xp is np:
+        if target_flat.dtype == np.float64:  # NumPy >= 2's add.at (one dtype: its fast path) is as fast as bincount
+            # for a chunk as large as the grid and makes no grid-sized array per chunk
+            np.add.at(target_flat, idx, vals.astype(np.float64, copy=False))
+        else:  # float32 grids: each chunk summed in float64 first, rounded once (accumulator_precision.py)
+            target_flat += np.bincount(idx, weights=vals, minlength=target_flat.size)
     else:
         import cupyx  # noqa: PLC0415
 
