@@ -6,7 +6,9 @@
 # With `pairs` (forty-first session): the cold class3d and its second run, each pair on fresh caches (CuPy's and the
 # driver's: CUDA_CACHE_PATH), for this code ("new") and, where .old_src/src holds an older copy (`git archive REV src |
 # tar -x -C .old_src`, carried), for that ("old"), alternated on one machine: PAIRS="new1 old1 new2" by default. The
-# first "new" pair keeps its whole logs.
+# first "new" pair keeps its whole logs. NEW_ENV="NAME=value ..." is added to the "new" runs' environment (forty-ninth
+# session: CUPY_NVRTC_USE_PCH=1 against the same code without it, .old_src a copy of src). A third copy, "mid*" runs,
+# in .mid_src/src (carried).
 M=${1:-}
 # With `large` (forty-eighth session): after `warmup`, the box-256 class3d and the box-360 auto-refine three times each,
 # whole logs kept (one tar) and the driver's JIT cache measured after each run: what a first job at a large box still
@@ -46,11 +48,12 @@ if [ "$M" = large ]; then
 fi
 if [ "$M" = pairs ]; then
   for v in ${PAIRS:-new1 old1 new2}; do
-    P=$PWD/src; case $v in old*) P=$PWD/.old_src/src ;; esac
+    P=$PWD/src; case $v in old*) P=$PWD/.old_src/src ;; mid*) P=$PWD/.mid_src/src ;; esac
     rm -rf /root/c_$v /root/j_$v /root/w_$v
     # the first pair saves the modules' sources: its JSON lists each module written, by name and time
     SAVE=0; [ $v = new1 ] && SAVE=1
-    CUPY_CACHE_SAVE_CUDA_SOURCE=$SAVE PYTHONPATH=$P:/tmp/site CUPY_CACHE_DIR=/root/c_$v CUDA_CACHE_PATH=/root/j_$v \
+    E=""; case $v in new*) E=${NEW_ENV:-} ;; esac  # NEW_ENV="NAME=value ...": the "new" runs' environment
+    env $E CUPY_CACHE_SAVE_CUDA_SOURCE=$SAVE PYTHONPATH=$P:/tmp/site CUPY_CACHE_DIR=/root/c_$v CUDA_CACHE_PATH=/root/j_$v \
       python3 benchmarks/first_run.py \
       --data x --work /root/w_$v $( [ $v = new1 ] && echo --logs $OUT/logs_$v ) --out $OUT/first_run_cold_$v.json \
       --step "cold_class3d=$C3" --step "second_class3d=$C3" | cut -c1-400

@@ -177,18 +177,20 @@ def test_no_marker_when_nothing_compiled(tmp_path):
     assert not cupy_kernels.failed_recently("class2d", tmp_path)
 
 
-def test_the_package_sets_cupy_without_cub_unless_the_user_chose(tmp_path):
-    """Importing the package (before CuPy) makes CuPy's reductions go without CUB (an empty CUPY_ACCELERATORS); a
-    value the user set is kept."""
+@pytest.mark.parametrize(("name", "default", "chosen"), [("CUPY_ACCELERATORS", "", ("cub", "cub,cutensor")),
+                                                          ("CUPY_NVRTC_USE_PCH", "1", ("0", "1"))])
+def test_the_package_sets_cupys_compile_settings_unless_the_user_chose(name, default, chosen):
+    """Importing the package (before CuPy) makes CuPy's reductions go without CUB (an empty CUPY_ACCELERATORS) and
+    NVRTC use precompiled headers (CUPY_NVRTC_USE_PCH=1); a value the user set is kept."""
     import os  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
-    code = "import os, napari_gpu_relion; print(repr(os.environ.get('CUPY_ACCELERATORS')))"
-    for given, want in ((None, "''"), ("cub", "'cub'"), ("cub,cutensor", "'cub,cutensor'")):
-        env = {k: v for k, v in os.environ.items() if k != "CUPY_ACCELERATORS"}
+    code = f"import os, napari_gpu_relion; print(repr(os.environ.get({name!r})))"
+    for given, want in ((None, repr(default)), *((c, repr(c)) for c in chosen)):
+        env = {k: v for k, v in os.environ.items() if k != name}
         if given is not None:
-            env["CUPY_ACCELERATORS"] = given
+            env[name] = given
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == want, given
 

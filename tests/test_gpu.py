@@ -690,6 +690,47 @@ def test_modules_recorded_and_compiled_ahead_through_public_calls_are_the_ones_c
     assert second["s"] == first["s"] == [[6.0, 8.0, 10.0], [12.0, 14.0, 16.0]]
 
 
+_PCH_SCRIPT = r"""
+import json, os
+from napari_gpu_relion.runtime import cupy_kernels
+import cupy
+cupy.cuda.runtime.memGetInfo()
+cache = os.environ["CUPY_CACHE_DIR"]
+before = set(os.listdir(cache)) if os.path.isdir(cache) else set()
+for e in cupy_kernels.shipped_entries("class3d")[:6]:
+    cupy_kernels.compile_module(e["source"], e["options"])
+from cupy.cuda import nvrtc
+print(json.dumps({"new": sorted(set(os.listdir(cache)) - before), "nvrtc": list(nvrtc.getVersion())}))
+"""
+
+
+def test_modules_compiled_with_precompiled_headers_are_the_files_cupy_finds_without_them(tmp_path):
+    """The package turns on NVRTC's precompiled headers (CUPY_NVRTC_USE_PCH=1): CuPy adds ``--pch`` after it has
+    made a module's cache key, so six shipped modules compiled with it are the same cache files (names) as without
+    it, and a process without it finds them all (writes nothing)."""
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from napari_gpu_relion.runtime import cupy_kernels  # noqa: PLC0415
+
+    if not cupy_kernels.shipped_entries("class3d"):
+        pytest.skip("the shipped list was recorded with another CuPy version")
+
+    def py(cache, pch):
+        e = dict(os.environ, CUPY_CACHE_DIR=str(cache), CUPY_NVRTC_USE_PCH=pch, NAPARI_GPU_RELION_KERNEL_PRELOAD="0")
+        r = subprocess.run([sys.executable, "-c", _PCH_SCRIPT], env=e, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    with_pch = py(tmp_path / "a", "1")
+    without = py(tmp_path / "b", "0")
+    cubins = [n for n in with_pch["new"] if n.endswith(".cubin")]
+    assert len(cubins) == 6 and cubins == [n for n in without["new"] if n.endswith(".cubin")]
+    assert py(tmp_path / "a", "0")["new"] == []
+
+
 def test_tf32_follows_the_cublas_handles_math_mode():
     """backend.matmul_tf32 switches CuPy's float32 products to TF32 through the cuBLAS handle's math mode alone (no
     private CuPy setting): inside the block the product's error against float64 is TF32's (10 mantissa bits, about
