@@ -13,8 +13,9 @@ NVRTC's automatic precompiled headers for CuPy's kernels by default (CuPy's CUPY
 compiler is imported; used from NVRTC 12.8 on; a value the user set is kept). CuPy adds NVRTC's ``--pch`` after it
 has made a module's cache key, so the modules are the same files with it or without. Each process parses CuPy's
 headers once instead of once per module: 0.06-0.07 s per class3d module instead of 0.12-0.16 s, the shipped class3d
-list compiled ahead in 5.6-5.8 s instead of 7.1-7.2 s, and a new machine's first class3d at box 128 8.9-9.3 s
-instead of 9.6-10.3 s (one H200, NVRTC 13.0, benchmarks/nvrtc_pch.py and first_run.sh pairs, forty-ninth session).
+list compiled ahead in 5.6-5.8 s instead of 7.1-7.2 s, and a new machine's first class3d at box 128 8.84 s instead of
+9.57 s, 1.52x its second run instead of 1.70x (the means of nine pairs on three H200 machines, NVRTC 13.0,
+benchmarks/nvrtc_pch.py and first_run.sh pairs, forty-ninth session).
 """
 
 import os as _os
