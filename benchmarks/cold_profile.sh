@@ -10,10 +10,8 @@
 #    time order), cold and warm; benchmarks/speedscope_summary.py reads them.
 set -u; . benchmarks/gpu_env.sh; mkdir -p $OUT /root/cp_out
 [ -x /tmp/pyspy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .pyspy/*.whl
-[ -f /root/d128/particles.star ] || ngr simulate --o /root/d128 --n_particles 5000 --box 128 --angpix 2.54 \
-  --conformations 2 --n_micrographs 0 --particle_diameter 250 --snr 0.05 > /tmp/s1.log 2>&1
-C3="class3d --i /root/d128/particles.star --ref /root/d128/reference.mrc --ini_high 60 --K 4 --iter 5 --random_seed 1"
-C3="$C3 --ctf --particle_diameter 250 --gpu 0"
+sim_box128
+C3=$CLASS3D_BOX128
 job() {  # name cupy_cache driver_cache [py-spy]
   local t0; t0=$(date +%s.%N)
   if [ -n "${4:-}" ]; then

@@ -17,13 +17,13 @@ case $M in ""|cub|nocub|pairs|large) ;; *) echo "first_run.sh: unknown mode '$M'
 set -u; . benchmarks/gpu_env.sh; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import cupy; print('cupy', cupy.__version__)"; mkdir -p $OUT
 S="--n_micrographs 0 --particle_diameter 250 --snr 0.05"
-[ -f /root/d128/particles.star ] || ngr simulate --o /root/d128 --n_particles 5000 --box 128 --angpix 2.54 --conformations 2 $S > /tmp/s1.log 2>&1 &
+sim_box128 &
 BIG=1; case $M in cub|nocub|pairs) BIG="" ;; esac
 [ -f /root/d256/particles.star ] || [ -z "$BIG" ] || ngr simulate --o /root/d256 --n_particles 3000 --box 256 --angpix 1.27 --conformations 2 $S > /tmp/s2.log 2>&1 &
 [ -f /root/d360/particles.star ] || [ -z "$BIG" ] || ngr simulate --o /root/d360 --n_particles 1500 --box 360 --angpix 0.903 $S > /tmp/s3.log 2>&1 &
 wait
 J="--ctf --particle_diameter 250 --gpu 0 --o {out}/run"
-C3="class3d --i /root/d128/particles.star --ref /root/d128/reference.mrc --ini_high 60 --K 4 --iter 5 --random_seed 1 $J"
+C3="$CLASS3D_BOX128 --o {out}/run"
 R3="refine3d --i /root/d128/particles.star --ref /root/d128/reference.mrc --ini_high 60 $J"
 C2="class2d --i /root/d128/particles.star --K 200 --iter 3 $J"
 C6="class3d --i /root/d256/particles.star --ref /root/d256/reference.mrc --ini_high 60 --K 6 --iter 3 --random_seed 1 $J"

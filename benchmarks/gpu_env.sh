@@ -28,3 +28,11 @@ wait_relion() {
   for _ in $(seq 120); do [ -x /root/rb/build/bin/relion_refine_mpi ] && break; sleep 5; done
   tail -2 /root/build.log; . /root/rb/env.sh
 }
+# The box-128 set of the first-run measurements (first_run.sh, cold_profile.sh): 5,000 particles of our simulator,
+# made once per machine, and the class3d both time on it (K=4, 5 iterations; the caller adds --o)
+sim_box128() {
+  [ -f /root/d128/particles.star ] || ngr simulate --o /root/d128 --n_particles 5000 --box 128 --angpix 2.54 \
+    --conformations 2 --n_micrographs 0 --particle_diameter 250 --snr 0.05 > /tmp/s1.log 2>&1
+}
+CLASS3D_BOX128="class3d --i /root/d128/particles.star --ref /root/d128/reference.mrc --ini_high 60 --K 4 --iter 5"
+CLASS3D_BOX128="$CLASS3D_BOX128 --random_seed 1 --ctf --particle_diameter 250 --gpu 0"
