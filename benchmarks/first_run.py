@@ -74,6 +74,9 @@ def run_step(name: str, args: str, data: str, work: Path, logs: Path | None = No
            "modules_compiled": int(m[-1]) if m else None,
            "kernel_line": next((ln.strip() for ln in text.splitlines() if "GPU kernels:" in ln), None)}
     row["log_lines"] = [ln.strip() for ln in text.splitlines() if "compiled" in ln][-6:]
+    # where the start-up went (the process before the job, the initial model, iteration 1's E-step)
+    row["startup_lines"] = [ln.strip() for ln in text.splitlines()
+                            if "the process started" in ln or "start-up:" in ln or "iteration 1 timing" in ln]
     row["cache_modules_per_s"] = cache_timeline(since)
     if os.environ.get("CUPY_CACHE_SAVE_CUDA_SOURCE") == "1":
         row["cache_modules"] = cache_modules(since)
