@@ -9,6 +9,8 @@ caches (all loaded from the caches):
     CUPY_CACHE_DIR=$C CUDA_CACHE_PATH=$(mktemp -d) python benchmarks/driver_jit_probe.py --label fill --out a.json
     CUPY_CACHE_DIR=$C CUDA_CACHE_PATH=$J python benchmarks/driver_jit_probe.py --label driver_fresh --out b.json
     CUPY_CACHE_DIR=$C CUDA_CACHE_PATH=$J python benchmarks/driver_jit_probe.py --label warm --out c.json
+
+The probe's map is float32 (a job's reference is float64: its low-pass uses cuFFT's double-precision transforms).
 """
 
 from __future__ import annotations
